@@ -1,0 +1,163 @@
+"""The connection handshake: a greeting, then mutual HMAC-SHA256 proof of DISTCOMM_AUTH_KEY.
+
+Every store and backend connection starts with it, before any request is served::
+
+    server -> client   HELLO  = b"DCv1" + flag (1 byte: 0 open, 1 key required) + nonce_s (32)
+    client -> server   PROOF  = nonce_c (32) + HMAC(key, b"client" + nonce_s + nonce_c)   [flag 1]
+    server -> client   ACCEPT = b"\\x01" + HMAC(key, b"server" + nonce_c + nonce_s)       [flag 1]
+
+A server that rejects a proof closes the connection without a reply. A key set
+on one side only is an error on the side that notices it, with a message that
+says to set the same key on every process. The functions below are pure so
+that both blocking sockets and the store's event loop use them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+
+from .deadline import Deadline
+from .errors import DistNetworkError
+from .net import recv_exact
+
+__all__ = [
+    "ACCEPT_SIZE",
+    "HELLO_SIZE",
+    "PROOF_SIZE",
+    "accept_message",
+    "client_handshake",
+    "hello_message",
+    "proof_message",
+    "server_handshake",
+    "verify_accept",
+    "verify_proof",
+]
+
+MAGIC = b"DCv1"
+NONCE_SIZE = 32
+DIGEST_SIZE = 32
+HELLO_SIZE = len(MAGIC) + 1 + NONCE_SIZE
+PROOF_SIZE = NONCE_SIZE + DIGEST_SIZE
+ACCEPT_SIZE = 1 + DIGEST_SIZE
+
+
+def _mac(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, label + first + second, hashlib.sha256).digest()
+
+
+def hello_message(key: bytes | None) -> tuple[bytes, bytes]:
+    """The server's greeting and the nonce it must remember."""
+    nonce = os.urandom(NONCE_SIZE)
+    return MAGIC + (b"\x01" if key else b"\x00") + nonce, nonce
+
+
+def proof_message(key: bytes | None, hello: bytes, peer: str) -> tuple[bytes, bytes]:
+    """The client's answer to `hello`, and the server proof it must then expect.
+
+    Returns (b"", b"") when the server needs no key and none is set here.
+
+    Raises:
+        DistNetworkError: `peer` is not a distcomm endpoint, or the two sides disagree
+            on whether a key is in use.
+    """
+    if len(hello) != HELLO_SIZE or not hello.startswith(MAGIC):
+        raise DistNetworkError(
+            f"{peer} did not greet like a distcomm endpoint (wrong address or port?)"
+        )
+    required = hello[len(MAGIC)] == 1
+    if required and not key:
+        raise DistNetworkError(
+            f"{peer} requires authentication: set DISTCOMM_AUTH_KEY to the job's key "
+            "in this process's environment"
+        )
+    if not required and key:
+        raise DistNetworkError(
+            f"{peer} does not authenticate, but DISTCOMM_AUTH_KEY is set in this process: "
+            "set the same DISTCOMM_AUTH_KEY in every process of the job, or in none"
+        )
+    if not required:
+        return b"", b""
+    nonce_s = hello[len(MAGIC) + 1 :]
+    nonce_c = os.urandom(NONCE_SIZE)
+    proof = nonce_c + _mac(key, b"client", nonce_s, nonce_c)
+    return proof, _mac(key, b"server", nonce_c, nonce_s)
+
+
+def verify_proof(key: bytes, nonce_s: bytes, proof: bytes) -> bytes | None:
+    """Check a client's proof; returns the ACCEPT message, or None to reject."""
+    if len(proof) != PROOF_SIZE:
+        return None
+    nonce_c, digest = proof[:NONCE_SIZE], proof[NONCE_SIZE:]
+    if not hmac.compare_digest(digest, _mac(key, b"client", nonce_s, nonce_c)):
+        return None
+    return accept_message(key, nonce_s, nonce_c)
+
+
+def accept_message(key: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    """The server's proof that it also holds the key."""
+    return b"\x01" + _mac(key, b"server", nonce_c, nonce_s)
+
+
+def verify_accept(expected: bytes, accept: bytes, peer: str) -> None:
+    """Check the server's ACCEPT against the proof `proof_message` said to expect.
+
+    Raises:
+        DistNetworkError: the server refused this process's key or could not prove its own.
+    """
+    if len(accept) < ACCEPT_SIZE:
+        raise DistNetworkError(
+            f"{peer} refused this process's DISTCOMM_AUTH_KEY: the key differs between "
+            "processes of the job; set the same key everywhere"
+        )
+    if accept[0] != 1 or not hmac.compare_digest(accept[1:], expected):
+        raise DistNetworkError(
+            f"{peer} could not prove it holds DISTCOMM_AUTH_KEY: refusing to talk to it"
+        )
+
+
+def client_handshake(
+    sock: socket.socket, key: bytes | None, deadline: Deadline, peer: str
+) -> None:
+    """Run the client side of the handshake on a connected blocking socket.
+
+    Raises:
+        DistNetworkError: the handshake failed; the message says why and what to do.
+    """
+    hello = recv_exact(sock, HELLO_SIZE, deadline, peer)
+    proof, expected = proof_message(key, hello, peer)
+    if not proof:
+        return
+    try:
+        sock.sendall(proof)
+    except OSError as exc:
+        raise DistNetworkError(f"handshake with {peer} failed: {exc}") from exc
+    verify_accept(expected, recv_exact(sock, ACCEPT_SIZE, deadline, peer), peer)
+
+
+def server_handshake(
+    sock: socket.socket, key: bytes | None, deadline: Deadline, peer: str
+) -> bool:
+    """Run the server side on an accepted blocking socket; False means reject and close."""
+    hello, nonce_s = hello_message(key)
+    try:
+        sock.settimeout(deadline.remaining())
+        sock.sendall(hello)
+    except OSError:
+        return False
+    if not key:
+        return True
+    try:
+        proof = recv_exact(sock, PROOF_SIZE, deadline, peer)
+    except DistNetworkError:
+        return False
+    accept = verify_proof(key, nonce_s, proof)
+    if accept is None:
+        return False
+    try:
+        sock.sendall(accept)
+    except OSError:
+        return False
+    return True

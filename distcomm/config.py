@@ -1,0 +1,78 @@
+"""The one place where distcomm reads its own DISTCOMM_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_TIMEOUT", "Config", "load"]
+
+#: Default timeout of a process group's blocking operations, in seconds (torch: 30 minutes).
+DEFAULT_TIMEOUT = 1800.0
+#: Default timeout of store operations, in seconds (torch's TCPStore: 300 s).
+DEFAULT_STORE_TIMEOUT = 300.0
+
+_DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A snapshot of the DISTCOMM_* environment.
+
+    Attributes:
+        auth_key: DISTCOMM_AUTH_KEY as bytes, or None: when set, every store and
+            backend connection must prove it holds the same key.
+        socket_ifname: DISTCOMM_SOCKET_IFNAME: the network interface whose IPv4
+            address backend connections bind (default: the route to the store).
+        timeout: DISTCOMM_TIMEOUT: default process-group timeout in seconds.
+        debug: DISTCOMM_DEBUG: OFF, INFO or DETAIL.
+        use_agent_store: DISTCOMM_USE_AGENT_STORE: the store at MASTER_ADDR:MASTER_PORT
+            is already served (by a launcher), so rank 0 connects instead of hosting it.
+    """
+
+    auth_key: bytes | None = None
+    socket_ifname: str | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    debug: str = "OFF"
+    use_agent_store: bool = False
+
+
+def _flag(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
+
+
+def load(environ: dict[str, str] | None = None) -> Config:
+    """Read the DISTCOMM_* variables from `environ` (default: os.environ).
+
+    Raises:
+        ValueError: a variable holds a value it cannot take, named in the message.
+    """
+    env = os.environ if environ is None else environ
+    key = env.get("DISTCOMM_AUTH_KEY")
+    timeout = DEFAULT_TIMEOUT
+    if env.get("DISTCOMM_TIMEOUT"):
+        try:
+            timeout = float(env["DISTCOMM_TIMEOUT"])
+        except ValueError:
+            raise ValueError(
+                f"DISTCOMM_TIMEOUT={env['DISTCOMM_TIMEOUT']!r} is not a number of seconds"
+            ) from None
+        if timeout <= 0:
+            raise ValueError(f"DISTCOMM_TIMEOUT must be > 0 seconds, got {timeout}")
+    debug = env.get("DISTCOMM_DEBUG", "OFF").strip().upper() or "OFF"
+    if debug not in _DEBUG_LEVELS:
+        raise ValueError(f"DISTCOMM_DEBUG={debug!r} is not one of {', '.join(_DEBUG_LEVELS)}")
+    return Config(
+        auth_key=key.encode() if key else None,
+        socket_ifname=env.get("DISTCOMM_SOCKET_IFNAME") or None,
+        timeout=timeout,
+        debug=debug,
+        use_agent_store=_flag(
+            "DISTCOMM_USE_AGENT_STORE", env.get("DISTCOMM_USE_AGENT_STORE", "")
+        ),
+    )

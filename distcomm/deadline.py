@@ -1,0 +1,80 @@
+"""Deadlines on the monotonic clock, created once per blocking call and passed down."""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+
+__all__ = ["Deadline", "to_seconds"]
+
+
+def to_seconds(timeout: float | timedelta | None, *, name: str = "timeout") -> float | None:
+    """Normalise a timeout given as seconds or a `timedelta`; None stays None (no limit).
+
+    Raises:
+        TypeError: the value is neither a number nor a timedelta.
+        ValueError: the value is negative or NaN.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"{name} must be a number of seconds or a datetime.timedelta, "
+            f"got {type(timeout).__name__}"
+        )
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"{name} must be >= 0 seconds, got {seconds}")
+    return seconds
+
+
+class Deadline:
+    """A point in time by which a blocking operation must finish.
+
+    Args:
+        seconds: time allowed from now; None means no limit.
+    """
+
+    __slots__ = ("_end", "seconds")
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self._end = math.inf if seconds is None else time.monotonic() + seconds
+
+    @classmethod
+    def of(cls, timeout: float | timedelta | None) -> Deadline:
+        """A deadline `timeout` (seconds or timedelta, None for none) from now."""
+        return cls(to_seconds(timeout))
+
+    def remaining(self) -> float | None:
+        """Seconds left (0.0 once expired), or None when there is no limit."""
+        if self._end == math.inf:
+            return None
+        return max(0.0, self._end - time.monotonic())
+
+    def expired(self) -> bool:
+        """Whether the deadline has passed."""
+        return time.monotonic() >= self._end
+
+    def elapsed(self) -> float:
+        """Seconds since the deadline was created (0.0 when it has no limit)."""
+        if self.seconds is None:
+            return 0.0
+        return self.seconds - (self._end - time.monotonic())
+
+    def slice(self, most: float) -> float:
+        """Seconds to block next: what is left, but at most `most` (for polling loops)."""
+        left = self.remaining()
+        return most if left is None else min(most, left)
+
+    def earliest(self, other: Deadline) -> Deadline:
+        """The sooner of this deadline and `other`."""
+        return self if self._end <= other._end else other
+
+    def __repr__(self) -> str:
+        left = self.remaining()
+        return "Deadline(none)" if left is None else f"Deadline({left:.3f}s left)"

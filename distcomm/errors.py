@@ -1,0 +1,57 @@
+"""The exception hierarchy of distcomm.
+
+Every error distcomm raises on its own account derives from `DistError`;
+each subclass also inherits the builtin exception a caller would catch anyway::
+
+    RuntimeError
+    └── DistError
+        ├── DistBackendError               a backend op failed: desync, aborted group, MPI/NCCL error
+        │   └── BackendUnavailableError    (also ImportError) the backend's library or device is missing
+        ├── DistNetworkError               (also ConnectionError) a peer or store connection failed
+        ├── DistStoreError                 a store request failed
+        │   └── DistStoreTimeoutError      (also DistTimeoutError) a key did not appear in time
+        └── DistTimeoutError               (also TimeoutError) a blocking wait ran out of time
+
+Bad arguments raise plain `ValueError`/`TypeError`; using the API before
+`init_process_group` raises `RuntimeError`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "DistBackendError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
+    "DistStoreTimeoutError",
+    "DistTimeoutError",
+]
+
+
+class DistError(RuntimeError):
+    """Base class of every distcomm error."""
+
+
+class DistBackendError(DistError):
+    """A backend operation failed: mismatched collectives, an aborted group, a library error."""
+
+
+class BackendUnavailableError(DistBackendError, ImportError):
+    """A backend cannot run here: its library is not installed or its device is absent."""
+
+
+class DistNetworkError(DistError, ConnectionError):
+    """A connection to a peer rank or to the store failed or was refused."""
+
+
+class DistTimeoutError(DistError, TimeoutError):
+    """A blocking operation did not complete within its timeout."""
+
+
+class DistStoreError(DistError):
+    """A store request failed."""
+
+
+class DistStoreTimeoutError(DistStoreError, DistTimeoutError):
+    """A store wait (a `get` of a missing key, `wait`) ran out of time."""

@@ -1,0 +1,1 @@
+"""distcomm-run, the elastic launcher; filled in by its own work."""
