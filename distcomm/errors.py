@@ -5,8 +5,8 @@ each subclass also inherits the builtin exception a caller would catch anyway::
 
     RuntimeError
     └── DistError
-        ├── DistBackendError               a backend op failed: desync, aborted group, MPI/NCCL error
-        │   └── BackendUnavailableError    (also ImportError) the backend's library or device is missing
+        ├── DistBackendError               a backend op failed: desync, aborted group, library error
+        │   └── BackendUnavailableError    (also ImportError) its library or device is missing
         ├── DistNetworkError               (also ConnectionError) a peer or store connection failed
         ├── DistStoreError                 a store request failed
         │   └── DistStoreTimeoutError      (also DistTimeoutError) a key did not appear in time

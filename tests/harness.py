@@ -23,10 +23,11 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["Outcome", "RankFailure", "RankPool", "run_ranks", "LOOPBACK_ENV"]
+__all__ = ["LOOPBACK_ENV", "Outcome", "RankFailure", "RankPool", "run_ranks"]
 
 #: Environment every rank gets: all traffic stays on loopback.
 LOOPBACK_ENV = {
@@ -232,7 +233,9 @@ class RankPool:
         timed_out = False
         while pending:
             now = time.monotonic()
-            limit = deadline if failed_at is None else min(deadline, failed_at + GRACE_AFTER_FAILURE)
+            limit = deadline
+            if failed_at is not None:
+                limit = min(deadline, failed_at + GRACE_AFTER_FAILURE)
             if now >= limit:
                 timed_out = failed_at is None
                 break

@@ -1,0 +1,150 @@
+"""Array adaptation: which arrays collectives accept, their device, dtype codes and flat views."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DTYPES",
+    "adapt",
+    "check_same",
+    "device_of",
+    "dtype_code",
+    "dtype_from_code",
+    "flat",
+    "is_array",
+]
+
+#: The dtypes collectives accept, in wire-code order (the code is the index).
+DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(name)
+    for name in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+)
+_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+
+_DLPACK_CPU = 1
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def _is_cupy(obj: Any) -> bool:
+    return type(obj).__module__.split(".", 1)[0] == "cupy" and hasattr(obj, "data")
+
+
+def is_array(obj: Any) -> bool:
+    """Whether `obj` is an array collectives could take (numpy, CuPy or DLPack-capable)."""
+    return isinstance(obj, np.ndarray) or _is_cupy(obj) or hasattr(obj, "__dlpack__")
+
+
+def device_of(array: Any) -> str:
+    """'cpu' for numpy arrays, 'cuda' for CuPy arrays."""
+    return "cuda" if _is_cupy(array) else "cpu"
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """The one-byte wire code of a supported dtype."""
+    return _CODES[dtype]
+
+
+def dtype_from_code(code: int) -> np.dtype:
+    """The dtype behind a wire code (`dtype_code`'s inverse)."""
+    return DTYPES[code]
+
+
+def _from_dlpack(obj: Any, where: str, name: str) -> Any:
+    try:
+        device_type, _ = obj.__dlpack_device__()
+    except Exception as exc:
+        raise TypeError(
+            f"{where}: {name} has __dlpack__ but its __dlpack_device__() failed ({exc}); "
+            "pass a numpy or CuPy array"
+        ) from exc
+    if device_type == _DLPACK_CPU:
+        return np.from_dlpack(obj)
+    if device_type in _DLPACK_CUDA:
+        import cupy  # only reached for CUDA DLPack producers, which need CuPy anyway
+
+        return cupy.from_dlpack(obj)
+    raise TypeError(
+        f"{where}: {name} lives on DLPack device type {device_type}; distcomm takes CPU "
+        "(numpy) and CUDA (CuPy) arrays"
+    )
+
+
+def adapt(obj: Any, where: str, name: str, *, writable: bool) -> Any:
+    """Check that `obj` is an array a collective can use in place, and return it as one.
+
+    numpy and CuPy arrays are returned as they are; other objects with `__dlpack__`
+    (a CPU torch tensor, say) as a zero-copy numpy (or CuPy) view.
+
+    Args:
+        where: the calling function, for messages ("all_reduce").
+        name: the argument's name, for messages ("tensor").
+        writable: the operation writes into the array.
+
+    Raises:
+        TypeError: not an array, or an unsupported dtype.
+        ValueError: not C-contiguous, read-only where written, or not in native byte order.
+    """
+    if isinstance(obj, np.ndarray) or _is_cupy(obj):
+        array = obj
+    elif hasattr(obj, "__dlpack__"):
+        array = _from_dlpack(obj, where, name)
+    else:
+        raise TypeError(
+            f"{where}: {name} must be a numpy.ndarray or cupy.ndarray (or expose __dlpack__), "
+            f"got {type(obj).__name__}"
+        )
+    dtype = array.dtype
+    if dtype not in _CODES:
+        if dtype.kind in "biufc" and not dtype.isnative:
+            raise ValueError(
+                f"{where}: {name} has non-native byte order ({dtype.str}); pass "
+                f"{name}.astype({name}.dtype.newbyteorder('='))"
+            )
+        raise TypeError(
+            f"{where}: {name} has dtype {dtype}, which collectives do not support; use one of "
+            + ", ".join(str(d) for d in DTYPES)
+        )
+    if not array.flags.c_contiguous:
+        raise ValueError(
+            f"{where}: {name} must be C-contiguous (collectives work in place on its memory); "
+            f"pass a contiguous copy such as numpy.ascontiguousarray({name}) and copy results back"
+        )
+    if writable and not array.flags.writeable:
+        raise ValueError(
+            f"{where}: {name} is read-only but this operation writes its result into it; "
+            f"pass a writable array, e.g. {name}.copy()"
+        )
+    return array
+
+
+def check_same(arrays: list[Any], where: str, name: str) -> tuple[str, np.dtype]:
+    """Check that `arrays` share one device and one dtype; returns them.
+
+    Raises:
+        ValueError: devices differ.
+        TypeError: dtypes differ.
+    """
+    devices = {device_of(a) for a in arrays}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{where}: {name} mixes devices ({', '.join(sorted(devices))}); "
+            "pass arrays that all live on the same device"
+        )
+    dtypes = {a.dtype for a in arrays}
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"{where}: {name} mixes dtypes ({', '.join(sorted(map(str, dtypes)))}); "
+            "pass arrays of one dtype"
+        )
+    return devices.pop(), dtypes.pop()
+
+
+def flat(array: Any) -> Any:
+    """A 1-D view of a C-contiguous array (no copy)."""
+    return array.reshape(-1)

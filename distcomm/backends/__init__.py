@@ -1,0 +1,190 @@
+"""The backend registry: built-ins, `register_backend`, and `distcomm.backends` entry points.
+
+A record holds a backend's name, a lazy factory and the devices it serves. Built-ins
+import their libraries only when used. Third-party packages register through the
+`distcomm.backends` entry-point group: the entry point names a `Backend` subclass
+(registered under its `name` and `devices`) or a callable taking no arguments that
+calls `register_backend` itself. A plug-in that fails to load logs a warning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from ..errors import BackendUnavailableError
+from ..store.base import Store
+from .base import Backend
+
+__all__ = [
+    "Backend",
+    "BackendRecord",
+    "create_backend",
+    "get_backend_record",
+    "register_backend",
+    "registered_backends",
+]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "distcomm.backends"
+_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BackendRecord:
+    """One registered backend.
+
+    Attributes:
+        name: lower-case name ("tcp").
+        factory: "module:Class" for a built-in (imported on first use) or a callable
+            `factory(store, rank, size, timeout[, group_name])` returning a Backend.
+        devices: the devices it serves ("cpu", "cuda").
+        builtin: whether distcomm ships it.
+    """
+
+    name: str
+    factory: str | Callable[..., Backend]
+    devices: tuple[str, ...]
+    builtin: bool = False
+
+    def load(self) -> Callable[..., Backend]:
+        """The factory, importing a built-in's module if needed."""
+        if callable(self.factory):
+            return self.factory
+        module, _, attr = self.factory.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def availability(self) -> str:
+        """'' when the backend can run here, else why not and what to install."""
+        factory = self.load()
+        if inspect.isclass(factory) and issubclass(factory, Backend):
+            return "" if factory.is_available() else factory.unavailable_reason()
+        return ""
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.records: dict[str, BackendRecord] = {}
+        self.plugins_loaded = False
+
+
+_registry = _Registry()
+
+
+def _normalise_devices(devices: str | Sequence[str] | None) -> tuple[str, ...]:
+    if devices is None:
+        return _DEVICES
+    items = (devices,) if isinstance(devices, str) else tuple(devices)
+    for device in items:
+        if device not in _DEVICES:
+            raise ValueError(
+                f"unknown device {device!r} for a backend: use 'cpu' and/or 'cuda'")
+    if not items:
+        raise ValueError("a backend must serve at least one device ('cpu' or 'cuda')")
+    return items
+
+
+def register_backend(name: str, func: Callable[..., Backend], extended_api: bool = False,
+                     devices: str | Sequence[str] | None = None) -> None:
+    """Register a backend under `name` (torch.distributed.Backend.register_backend).
+
+    Args:
+        name: the name `init_process_group(backend=...)` will accept (case-insensitive).
+        func: `func(store, rank, size, timeout)` (optionally also `group_name=`)
+            returning a `distcomm.Backend`.
+        extended_api: accepted for torch compatibility; distcomm always passes the store.
+        devices: "cpu", "cuda" or both (default both).
+
+    Raises:
+        ValueError: the name is empty, malformed or already registered, or a device is unknown.
+        TypeError: `func` is not callable.
+    """
+    del extended_api
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"backend name must be an identifier such as 'mybackend', got {name!r}")
+    if not callable(func):
+        raise TypeError(f"backend factory for {name!r} must be callable, got {func!r}")
+    record = BackendRecord(name.lower(), func, _normalise_devices(devices))
+    with _registry.lock:
+        if record.name in _registry.records:
+            raise ValueError(f"a backend named {record.name!r} is already registered")
+        _registry.records[record.name] = record
+
+
+def _register_builtin(name: str, factory: str, devices: tuple[str, ...]) -> None:
+    _registry.records[name] = BackendRecord(name, factory, devices, builtin=True)
+
+
+def _load_plugins() -> None:
+    with _registry.lock:
+        if _registry.plugins_loaded:
+            return
+        _registry.plugins_loaded = True
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            target = entry.load()
+            if inspect.isclass(target) and issubclass(target, Backend):
+                register_backend(target.name or entry.name, target, devices=target.devices)
+            else:
+                target()
+        except Exception as exc:  # a broken plug-in must not break distcomm
+            log.warning("distcomm: backend plug-in %r (%s) failed to load: %s",
+                        entry.name, entry.value, exc)
+
+
+def registered_backends() -> dict[str, BackendRecord]:
+    """Every registered backend by name, plug-ins included."""
+    _load_plugins()
+    with _registry.lock:
+        return dict(_registry.records)
+
+
+def get_backend_record(name: str) -> BackendRecord:
+    """The record of backend `name`.
+
+    Raises:
+        ValueError: no backend has that name; lists the registered ones.
+    """
+    records = registered_backends()
+    record = records.get(name.lower()) if isinstance(name, str) else None
+    if record is None:
+        raise ValueError(
+            f"unknown backend {name!r}; registered backends: {', '.join(sorted(records))}")
+    return record
+
+
+def create_backend(name: str, store: Store, rank: int, size: int, timeout: float,
+                   group_name: str) -> Backend:
+    """Instantiate backend `name` for one group.
+
+    Raises:
+        BackendUnavailableError: the backend cannot run here; says what to install.
+    """
+    record = get_backend_record(name)
+    reason = record.availability()
+    if reason:
+        raise BackendUnavailableError(f"backend {record.name!r} is not available: {reason}")
+    factory = record.load()
+    kwargs: dict[str, Any] = {}
+    try:
+        if "group_name" in inspect.signature(factory).parameters:
+            kwargs["group_name"] = group_name
+    except (TypeError, ValueError):
+        pass
+    backend = factory(store, rank, size, timeout, **kwargs)
+    if not isinstance(backend, Backend):
+        raise TypeError(
+            f"backend {record.name!r} factory returned {type(backend).__name__}, "
+            "not a distcomm.Backend")
+    return backend
+
+
+_register_builtin("tcp", "distcomm.backends.tcp:TcpBackend", ("cpu",))

@@ -1,0 +1,215 @@
+"""The backend contract: one op set on flat contiguous arrays, each op returning Work."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from ..ops import ReduceOp
+from ..store.base import Store
+from ..work import Work
+
+__all__ = ["Backend", "OpQueue"]
+
+
+class OpQueue:
+    """Runs one group's operations one at a time, in the order they were issued.
+
+    A synchronous call runs in the calling thread once everything issued before it has
+    finished (no thread hand-off on the common path); asynchronous calls are queued for
+    a worker thread started on first use.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any], work: Work, async_op: bool) -> Work:
+        """Run `fn` after the operations issued before it; complete `work` with its outcome.
+
+        `fn` returns the source rank for `work.complete` (or None).
+        """
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{work.description}: the process group was destroyed")
+            if async_op:
+                self._queue.append((fn, work))
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._loop, name=self._name, daemon=True
+                    )
+                    self._thread.start()
+                self._cond.notify_all()
+                return work
+            while self._busy or self._queue:
+                # queued operations carry their own deadlines, so this wait ends
+                self._cond.wait(1.0)
+                if self._closed:
+                    raise RuntimeError(f"{work.description}: the process group was destroyed")
+            self._busy = True
+        try:
+            self._run(fn, work)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+        return work
+
+    @staticmethod
+    def _run(fn: Callable[[], Any], work: Work) -> None:
+        try:
+            source = fn()
+        except BaseException as exc:
+            work.fail(exc)
+        else:
+            work.complete(-1 if source is None else source)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (self._busy or not self._queue):
+                    self._cond.wait()
+                if self._closed and not self._queue:
+                    return
+                fn, work = self._queue.popleft()
+                self._busy = True
+            try:
+                self._run(fn, work)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def close(self, error: BaseException | None = None, timeout: float = 10.0) -> None:
+        """Stop accepting work; fail what is still queued with `error`; join the worker."""
+        with self._cond:
+            self._closed = True
+            pending = list(self._queue) if error is not None else []
+            if error is not None:
+                self._queue.clear()
+            self._cond.notify_all()
+        for _, work in pending:
+            work.fail(error)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+class Backend(ABC):
+    """A communication backend for one process group.
+
+    Every method takes flat (1-D), C-contiguous arrays and group ranks, and returns a
+    `Work`. Collective methods run in issue order; with `async_op=False` the returned
+    Work may already be complete. `send`/`recv` are always posted without blocking.
+
+    Subclasses set `name` and `devices` and are constructed as
+    `factory(store, rank, size, timeout, group_name=...)`: `store` is private to the
+    group, `timeout` (seconds) bounds every blocking wait.
+    """
+
+    TCP: ClassVar[str] = "tcp"
+    GLOO: ClassVar[str] = "gloo"
+    MPI: ClassVar[str] = "mpi"
+    NCCL: ClassVar[str] = "nccl"
+
+    name: ClassVar[str] = ""
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)
+
+    def __init__(self, store: Store, rank: int, size: int, timeout: float,
+                 group_name: str = "") -> None:
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self.group_name = group_name or "default"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether this backend can run here (its library imports, its device exists)."""
+        return True
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Why `is_available()` is False, and what to install or change."""
+        return ""
+
+    @staticmethod
+    def register_backend(name: str, func: Callable[..., Backend], extended_api: bool = False,
+                         devices: str | Sequence[str] | None = None) -> None:
+        """Register a third-party backend (alias of `distcomm.backends.register_backend`)."""
+        from . import register_backend
+
+        register_backend(name, func, extended_api=extended_api, devices=devices)
+
+    def label(self) -> str:
+        """`[rank r/n]`, the prefix of this backend's messages."""
+        return f"[rank {self.rank}/{self.size}]"
+
+    def describe(self, op: str) -> str:
+        """An operation as messages name it: "[rank 1/4] all_reduce on 'tcp' (group 'default')"."""
+        return f"{self.label()} {op} on '{self.name}' (group '{self.group_name}')"
+
+    # -- the op set --------------------------------------------------------------------------
+
+    @abstractmethod
+    def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
+        """Copy `root`'s `array` into every rank's `array`."""
+
+    @abstractmethod
+    def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
+        """Reduce `array` over all ranks; every rank gets the result in place."""
+
+    @abstractmethod
+    def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
+        """Reduce `array` over all ranks into `root`'s `array`; other ranks' stay unchanged."""
+
+    @abstractmethod
+    def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
+        """Concatenate every rank's `input` (in rank order) into every rank's `output`."""
+
+    @abstractmethod
+    def gather(self, output: Any | None, input: Any, root: int, *,
+               async_op: bool = False) -> Work:
+        """Concatenate every rank's `input` into `root`'s `output` (None elsewhere)."""
+
+    @abstractmethod
+    def scatter(self, output: Any, input: Any | None, root: int, *,
+                async_op: bool = False) -> Work:
+        """Give rank i the i-th equal slice of `root`'s `input` (None elsewhere)."""
+
+    @abstractmethod
+    def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
+                       async_op: bool = False) -> Work:
+        """Reduce `input` (size x len(output)) over ranks; rank i gets slice i in `output`."""
+
+    @abstractmethod
+    def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
+                   input_splits: Sequence[int], *, async_op: bool = False) -> Work:
+        """Send slice j of `input` (sizes `input_splits`, in elements) to rank j; receive
+        rank j's slice into slice j of `output` (sizes `output_splits`)."""
+
+    @abstractmethod
+    def send(self, array: Any, dst: int, tag: int) -> Work:
+        """Post a send of `array` to rank `dst`."""
+
+    @abstractmethod
+    def recv(self, array: Any, src: int | None, tag: int) -> Work:
+        """Post a receive into `array` from `src` (None: any rank); `Work.source_rank` tells."""
+
+    @abstractmethod
+    def barrier(self, *, async_op: bool = False) -> Work:
+        """Complete once every rank has entered the barrier."""
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Fail every pending and future operation, and tell the peers, with `reason`."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release every thread, socket and segment; idempotent."""

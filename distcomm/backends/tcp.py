@@ -1,0 +1,222 @@
+"""The `tcp` backend: every op over the TCP transport with the simple algorithms."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..arrays import dtype_code
+from ..deadline import Deadline
+from ..errors import DistBackendError, DistError, DistTimeoutError
+from ..ops import ReduceOp
+from ..store.base import Store
+from ..work import Work
+from . import algorithms as algo
+from .base import Backend, OpQueue
+from .transport.base import (
+    NO_REDOP,
+    OP_CODES,
+    P2P,
+    Exchange,
+    Failure,
+    Mailbox,
+    Signature,
+    as_bytes,
+)
+from .transport.tcp import TcpTransport
+
+__all__ = ["TcpBackend"]
+
+
+class TcpBackend(Backend):
+    """Portable baseline backend: TCP between every pair of ranks, CPU arrays.
+
+    Collectives run in issue order on one queue; sends are posted to a second queue
+    so a blocking `recv` never stops an earlier `isend`; receives are matched as
+    messages arrive.
+    """
+
+    name = "tcp"
+    devices = ("cpu",)
+    tuning = algo.Tuning()
+
+    def __init__(self, store: Store, rank: int, size: int, timeout: float,
+                 group_name: str = "") -> None:
+        super().__init__(store, rank, size, timeout, group_name)
+        label = f"{self.label()} {self.name} backend (group '{self.group_name}')"
+        self._transport = TcpTransport(store, rank, size, Deadline(timeout), label)
+        self._collectives = OpQueue(f"distcomm-{self.name}-ops")
+        self._sends = OpQueue(f"distcomm-{self.name}-send")
+        self._seq = 0
+        self._closed = False
+
+    # -- running collectives ----------------------------------------------------------------
+
+    def _collective(self, op: str, signature: Signature, body: Callable[[Exchange], None],
+                    outputs: list[Any], async_op: bool) -> Work:
+        description = self.describe(op)
+        work = Work(description, outputs, on_timeout=self._abort_on_timeout(description),
+                    timeout=self.timeout)
+
+        def run() -> None:
+            seq = self._seq
+            self._seq += 1
+            describe = f"{description} #{seq}"
+            failure = self._transport.mailbox.failure
+            if failure is not None:
+                raise failure.kind(f"{describe}: the group was aborted earlier: "
+                                   f"{failure.message}")
+            ex = Exchange(self._transport, seq, signature, Deadline(self.timeout), describe)
+            try:
+                body(ex)
+                self._transport.mailbox.finish_collective(seq, signature)
+            except DistError as exc:
+                self._transport.abort(Failure(type(exc), str(exc)))
+                raise
+            except BaseException as exc:
+                self._transport.abort(Failure(DistBackendError, f"{describe} failed: {exc!r}"))
+                raise
+
+        return self._collectives.submit(run, work, async_op)
+
+    def _abort_on_timeout(self, description: str) -> Callable[[float], BaseException]:
+        def on_timeout(seconds: float) -> BaseException:
+            peers = [p for p in self._transport.mailbox.pending_peers() if p >= 0]
+            waiting = f"; waiting for rank(s) {', '.join(map(str, peers))}" if peers else ""
+            failure = Failure(
+                DistTimeoutError,
+                f"{description} did not complete within {seconds:.1f} s (Work.wait timeout)"
+                f"{waiting}; the group is aborted because a collective cannot be abandoned "
+                "half-way")
+            self._transport.abort(failure)
+            return failure.error()
+        return on_timeout
+
+    @staticmethod
+    def _signature(op: str, array: np.ndarray, redop: ReduceOp | None = None,
+                   root: int = -1, count: int | None = None) -> Signature:
+        return Signature(OP_CODES[op], dtype_code(array.dtype),
+                         NO_REDOP if redop is None else int(redop), root,
+                         array.size if count is None else count)
+
+    # -- the op set ------------------------------------------------------------------------
+
+    def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
+        return self._collective(
+            "broadcast", self._signature("broadcast", array, root=root),
+            lambda ex: algo.broadcast_binomial(ex, array, root), [array], async_op)
+
+    def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
+        return self._collective(
+            "all_reduce", self._signature("all_reduce", array, op),
+            lambda ex: algo.all_reduce(ex, array, op, self.tuning), [array], async_op)
+
+    def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
+        def body(ex: Exchange) -> None:
+            algo.reduce_binomial(ex, array, root, op)
+            if op is ReduceOp.AVG and ex.rank == root:
+                np.divide(array, ex.size, out=array)
+
+        return self._collective("reduce", self._signature("reduce", array, op, root), body,
+                                [array], async_op)
+
+    def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
+        return self._collective(
+            "all_gather", self._signature("all_gather", input),
+            lambda ex: algo.all_gather_ring(ex, output, input), [output], async_op)
+
+    def gather(self, output: Any | None, input: Any, root: int, *,
+               async_op: bool = False) -> Work:
+        return self._collective(
+            "gather", self._signature("gather", input, root=root),
+            lambda ex: algo.gather_flat(ex, output, input, root),
+            [output] if output is not None else [], async_op)
+
+    def scatter(self, output: Any, input: Any | None, root: int, *,
+                async_op: bool = False) -> Work:
+        return self._collective(
+            "scatter", self._signature("scatter", output, root=root),
+            lambda ex: algo.scatter_flat(ex, output, input, root), [output], async_op)
+
+    def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
+                       async_op: bool = False) -> Work:
+        return self._collective(
+            "reduce_scatter", self._signature("reduce_scatter", output, op),
+            lambda ex: algo.reduce_scatter_ring(ex, output, input, op), [output], async_op)
+
+    def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
+                   input_splits: Sequence[int], *, async_op: bool = False) -> Work:
+        return self._collective(
+            "all_to_all", self._signature("all_to_all", input, count=-1),
+            lambda ex: algo.all_to_all_pairwise(ex, output, input, output_splits,
+                                                input_splits),
+            [output], async_op)
+
+    def barrier(self, *, async_op: bool = False) -> Work:
+        return self._collective("barrier", Signature(OP_CODES["barrier"]),
+                                algo.barrier_dissemination, [], async_op)
+
+    # -- point to point -------------------------------------------------------------------
+
+    def send(self, array: Any, dst: int, tag: int) -> Work:
+        description = self.describe(f"send to rank {dst} (tag {tag})")
+        payload = as_bytes(array)
+        fields = (P2P, OP_CODES["send"], dtype_code(array.dtype), NO_REDOP, -1, tag, 0,
+                  array.size, len(payload))
+
+        def run() -> None:
+            try:
+                self._transport.send(dst, fields, payload, Deadline(self.timeout))
+            except DistError as exc:
+                self._transport.abort(Failure(type(exc), f"{description}: {exc}"))
+                raise type(exc)(f"{description}: {exc}") from None
+
+        work = Work(description, [array], on_timeout=self._abort_on_timeout(description),
+                    timeout=self.timeout)
+        return self._sends.submit(run, work, async_op=True)
+
+    def recv(self, array: Any, src: int | None, tag: int) -> Work:
+        peer = "any rank" if src is None else f"rank {src}"
+        description = self.describe(f"recv from {peer} (tag {tag})")
+        mailbox = self._transport.mailbox
+        holder: list[Any] = []
+
+        def on_timeout(seconds: float) -> BaseException:
+            error = DistTimeoutError(
+                f"{description}: no message arrived within {seconds:.1f} s "
+                "(did the sender call send with the same tag and this rank as dst?)")
+            if holder and not mailbox.cancel(holder[0]):
+                holder[0].event.wait(self.timeout)  # matched already: its payload is arriving
+            return error
+
+        work = Work(description, [array], on_timeout=on_timeout, timeout=self.timeout)
+
+        def done(recv: Any) -> None:
+            if recv.error is not None:
+                message = str(recv.error)
+                if not message.startswith("[rank"):
+                    message = f"{description}: {message}"
+                work.fail(type(recv.error)(message))
+            else:
+                work.complete(recv.source)
+
+        key = (P2P, src, tag) if src is None else Mailbox.p2p_key(src, tag)
+        holder.append(mailbox.post(src, key, as_bytes(array), dtype_code(array.dtype), None,
+                                   callback=done))
+        return work
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        self._transport.abort(Failure(DistBackendError, reason))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        error = DistBackendError(f"{self.describe('operation')}: the process group was destroyed")
+        self._collectives.close(error)
+        self._sends.close(error)
+        self._transport.close()

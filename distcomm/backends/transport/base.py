@@ -1,0 +1,448 @@
+"""Transport-independent messaging: the wire header, receive matching, per-collective exchange.
+
+Every message carries a `Header`. Collective messages are matched by (peer, seq, step)
+and carry the collective's `Signature`; a receiver that finds a signature unlike its
+own raises `DistBackendError` describing both sides, and a message for a collective
+this rank has already finished is reported the same way. Point-to-point messages are
+matched by (peer, tag) in order, or by tag from any peer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...arrays import dtype_from_code
+from ...deadline import Deadline
+from ...errors import DistBackendError, DistError, DistTimeoutError
+from ...ops import ReduceOp
+
+__all__ = [
+    "COLL",
+    "HEADER",
+    "OP_NAMES",
+    "P2P",
+    "Exchange",
+    "Failure",
+    "Mailbox",
+    "Recv",
+    "Signature",
+    "Transport",
+    "as_bytes",
+]
+
+# message kinds
+COLL, P2P, ABORT, BYE = 1, 2, 3, 4
+#: kind, op, dtype, redop, root, seq (or tag), step, count, payload bytes
+HEADER = struct.Struct("<BBBBiqqqQ")
+
+OP_NAMES = (
+    "none", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
+    "reduce_scatter", "all_to_all", "barrier", "send",
+)
+OP_CODES = {name: code for code, name in enumerate(OP_NAMES)}
+NO_REDOP = 255
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    """A flat contiguous array's memory as a writable-if-possible byte memoryview."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a group stopped: the exception type and message every later operation raises."""
+
+    kind: type[DistError]
+    message: str
+
+    def error(self, prefix: str = "") -> DistError:
+        return self.kind(f"{prefix}{self.message}")
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a collective is, as every rank must agree: op, dtype, reduce op, root, count."""
+
+    op: int
+    dtype: int = 0
+    redop: int = NO_REDOP
+    root: int = -1
+    count: int = 0
+
+    def describe(self) -> str:
+        name = OP_NAMES[self.op]
+        if self.op == OP_CODES["barrier"]:
+            return name
+        text = name
+        if self.redop != NO_REDOP:
+            text += f"({ReduceOp(self.redop).name})"
+        if self.count >= 0:
+            text += f" of {self.count} {dtype_from_code(self.dtype)}"
+        else:
+            text += f" of {dtype_from_code(self.dtype)}"
+        if self.root >= 0:
+            text += f" with root {self.root}"
+        return text
+
+
+class Recv:
+    """A posted receive: where the payload goes and what the sender must match."""
+
+    __slots__ = ("buffer", "callback", "dtype", "error", "event", "key", "order", "peer",
+                 "signature", "source", "tag")
+
+    def __init__(self, peer: int | None, key: tuple, buffer: memoryview, dtype: int,
+                 signature: Signature | None, order: int,
+                 callback: Callable[[Recv], None] | None = None) -> None:
+        self.peer = peer  # None: any source (point-to-point only)
+        self.key = key
+        self.buffer = buffer
+        self.dtype = dtype
+        self.signature = signature
+        self.order = order
+        self.event = threading.Event()
+        self.error: DistError | None = None
+        self.source = -1
+        self.callback = callback
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def _finish(self, source: int, error: DistError | None) -> None:
+        self.source, self.error = source, error
+        self.event.set()
+        if self.callback is not None:
+            self.callback(self)
+
+
+class Mailbox:
+    """Matches incoming messages to posted receives; holds unexpected ones until posted.
+
+    Connection reader threads call `claim` (a posted receive for this header, if any)
+    and `stash` (keep a message nobody posted for yet). Collectives and receives call
+    `post`. One lock guards it all.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.lock = threading.Lock()
+        self._posted: dict[tuple, deque[Recv]] = {}
+        self._any: dict[int, deque[Recv]] = {}  # tag -> any-source receives
+        self._unexpected: dict[tuple, deque[tuple[int, tuple, bytearray]]] = {}
+        self._arrivals = itertools.count()
+        self._orders = itertools.count()
+        self._done_seq = -1
+        self._history: dict[int, Signature] = {}
+        self.failure: Failure | None = None
+        self._gone: dict[int, Failure] = {}
+
+    # -- keys ------------------------------------------------------------------------------
+
+    @staticmethod
+    def coll_key(peer: int, seq: int, step: int) -> tuple:
+        return (COLL, peer, seq, step)
+
+    @staticmethod
+    def p2p_key(peer: int, tag: int) -> tuple:
+        return (P2P, peer, tag)
+
+    @staticmethod
+    def key_of(peer: int, fields: tuple) -> tuple:
+        kind, _op, _dtype, _redop, _root, seq, step, _count, _nbytes = fields
+        return (COLL, peer, seq, step) if kind == COLL else (P2P, peer, seq)
+
+    # -- posting ---------------------------------------------------------------------------
+
+    def post(self, peer: int | None, key: tuple, buffer: memoryview, dtype: int,
+             signature: Signature | None,
+             callback: Callable[[Recv], None] | None = None) -> Recv:
+        """Post a receive; it completes at once if a matching message already arrived.
+
+        `callback(recv)` runs (in whichever thread completes it) once it completes.
+        """
+        found = failure = None
+        with self.lock:
+            recv = Recv(peer, key, buffer, dtype, signature, next(self._orders), callback)
+            failure = self.failure
+            if failure is None:
+                found = self._take_unexpected(recv)
+                if found is None:
+                    failure = self._gone.get(peer) if peer is not None else None
+                    if failure is None:
+                        if peer is None:
+                            self._any.setdefault(key[2], deque()).append(recv)
+                        else:
+                            self._posted.setdefault(key, deque()).append(recv)
+                        return recv
+        if found is not None:
+            self.deliver(recv, *found)
+        else:
+            recv._finish(-1, failure.error())
+        return recv
+
+    def _take_unexpected(self, recv: Recv) -> tuple[int, tuple, bytearray] | None:
+        if recv.peer is not None:
+            queue = self._unexpected.get(recv.key)
+            if not queue:
+                return None
+            _arrival, fields, payload = queue.popleft()
+            if not queue:
+                del self._unexpected[recv.key]
+            return recv.peer, fields, payload
+        tag = recv.key[2]
+        best = None
+        for key, queue in self._unexpected.items():
+            if key[0] == P2P and key[2] == tag and (best is None or queue[0][0] < best[1][0][0]):
+                best = (key, queue)
+        if best is None:
+            return None
+        key, queue = best
+        _arrival, fields, payload = queue.popleft()
+        if not queue:
+            del self._unexpected[key]
+        return key[1], fields, payload
+
+    def cancel(self, recv: Recv) -> bool:
+        """Withdraw a receive nobody has matched yet; False if it is already matched."""
+        with self.lock:
+            queues = [self._any.get(recv.key[2])] if recv.peer is None else [
+                self._posted.get(recv.key)]
+            for queue in queues:
+                if queue and recv in queue:
+                    queue.remove(recv)
+                    return True
+            return False
+
+    # -- delivery (reader threads) ---------------------------------------------------------
+
+    def claim(self, peer: int, fields: tuple) -> Recv | None:
+        """The posted receive an incoming message from `peer` goes to, removed from the queue."""
+        key = self.key_of(peer, fields)
+        with self.lock:
+            self._check_late(peer, fields)
+            return self._pop_posted(key)
+
+    def _pop_posted(self, key: tuple) -> Recv | None:
+        queue = self._posted.get(key)
+        specific = queue[0] if queue else None
+        anyq = self._any.get(key[2]) if key[0] == P2P else None
+        other = anyq[0] if anyq else None
+        if specific is None and other is None:
+            return None
+        if other is None or (specific is not None and specific.order < other.order):
+            queue.popleft()
+            if not queue:
+                del self._posted[key]
+            return specific
+        anyq.popleft()
+        if not anyq:
+            del self._any[key[2]]
+        return other
+
+    def stash(self, peer: int, fields: tuple, payload: bytearray) -> None:
+        """Keep a message nobody had posted for; deliver it if a receive was posted meanwhile."""
+        key = self.key_of(peer, fields)
+        with self.lock:
+            recv = self._pop_posted(key)
+            if recv is None:
+                self._unexpected.setdefault(key, deque()).append(
+                    (next(self._arrivals), fields, payload))
+                return
+        self.deliver(recv, peer, fields, payload)
+
+    def deliver(self, recv: Recv, peer: int, fields: tuple, payload: bytes | bytearray) -> None:
+        """Complete `recv` with an already-read payload."""
+        error = self.check(recv, peer, fields)
+        if error is None:
+            recv.buffer[:] = payload
+        recv._finish(peer, error)
+
+    def check(self, recv: Recv, peer: int, fields: tuple) -> DistError | None:
+        """The error a message from `peer` with header `fields` means for `recv`, if any."""
+        kind, op, dtype, redop, root, seq, _step, count, nbytes = fields
+        if kind == COLL:
+            theirs = Signature(op, dtype, redop, root, count)
+            mine = recv.signature
+            if mine is not None and theirs != mine:
+                return DistBackendError(_mismatch(self.rank, self.size, seq, mine, peer, theirs))
+        if nbytes != len(recv.buffer) or dtype != recv.dtype:
+            mine_n = len(recv.buffer) // max(1, dtype_from_code(recv.dtype).itemsize)
+            theirs_n = nbytes // max(1, dtype_from_code(dtype).itemsize)
+            what = "message" if kind == COLL else f"recv (tag {seq})"
+            return DistBackendError(
+                f"[rank {self.rank}/{self.size}] {what}: this rank expects "
+                f"{mine_n} {dtype_from_code(recv.dtype)} ({len(recv.buffer)} bytes) from rank "
+                f"{peer}, which sent {theirs_n} {dtype_from_code(dtype)} ({nbytes} bytes); "
+                "sender and receiver must use arrays of the same size and dtype"
+            )
+        return None
+
+    def _check_late(self, peer: int, fields: tuple) -> None:
+        kind, op, dtype, redop, root, seq, _step, count, _nbytes = fields
+        if kind == COLL and seq <= self._done_seq:
+            raise DistBackendError(self._late_message(peer, seq, Signature(op, dtype, redop,
+                                                                           root, count)))
+
+    def _late_message(self, peer: int, seq: int, theirs: Signature) -> str:
+        mine = self._history.get(seq)
+        if mine is None:
+            return (f"[rank {self.rank}/{self.size}] collective mismatch: rank {peer} sent "
+                    f"data for collective #{seq} ({theirs.describe()}) after this rank had "
+                    "finished it; every rank of a group must issue the same collectives in "
+                    "the same order")
+        return _mismatch(self.rank, self.size, seq, mine, peer, theirs)
+
+    # -- collective bookkeeping -----------------------------------------------------------
+
+    def finish_collective(self, seq: int, signature: Signature) -> None:
+        """Record that this rank finished collective `seq`; leftovers for it are a mismatch.
+
+        Raises:
+            DistBackendError: a peer sent this rank a message the collective did not use.
+        """
+        with self.lock:
+            self._done_seq = seq
+            self._history[seq] = signature
+            self._history.pop(seq - 64, None)
+            for (kind, peer, msg_seq, *_), queue in self._unexpected.items():
+                if kind == COLL and msg_seq <= seq:
+                    fields = queue[0][1]
+                    theirs = Signature(fields[1], fields[2], fields[3], fields[4], fields[7])
+                    raise DistBackendError(self._late_message(peer, msg_seq, theirs))
+
+    # -- failure ---------------------------------------------------------------------------
+
+    def fail(self, failure: Failure) -> bool:
+        """Fail every posted and future receive; False if the mailbox had already failed."""
+        with self.lock:
+            if self.failure is not None:
+                return False
+            self.failure = failure
+            pending = [r for q in self._posted.values() for r in q]
+            pending += [r for q in self._any.values() for r in q]
+            self._posted.clear()
+            self._any.clear()
+        for recv in pending:
+            recv._finish(-1, failure.error())
+        return True
+
+    def peer_gone(self, peer: int, failure: Failure) -> None:
+        """`peer` left the group cleanly: fail receives that wait for it, now and later."""
+        with self.lock:
+            self._gone[peer] = failure
+            pending = []
+            for key in [k for k in self._posted if k[1] == peer]:
+                pending += self._posted.pop(key)
+        for recv in pending:
+            recv._finish(-1, failure.error())
+
+    def pending_peers(self) -> list[int]:
+        """The peers some posted receive is still waiting for."""
+        with self.lock:
+            peers = {key[1] for key, queue in self._posted.items() if queue}
+            if any(self._any.values()):
+                peers.add(-1)
+        return sorted(peers)
+
+
+def _mismatch(rank: int, size: int, seq: int, mine: Signature, peer: int,
+              theirs: Signature) -> str:
+    return (
+        f"[rank {rank}/{size}] collective mismatch at collective #{seq}: this rank called "
+        f"{mine.describe()}, rank {peer} called {theirs.describe()}; every rank of a group "
+        "must issue the same collectives in the same order with the same size, dtype, op "
+        "and root"
+    )
+
+
+class Transport(ABC):
+    """Moves headed messages between the ranks of one group and feeds a Mailbox."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.mailbox = Mailbox(rank, size)
+
+    @abstractmethod
+    def send(self, peer: int, fields: tuple, payload: memoryview, deadline: Deadline) -> None:
+        """Send one message (header `fields`, then `payload`) to `peer`, blocking until written.
+
+        Raises:
+            DistNetworkError: the connection failed.
+            DistTimeoutError: the deadline passed (the group is aborted: the stream is cut).
+        """
+
+    @abstractmethod
+    def abort(self, failure: Failure) -> None:
+        """Fail everything pending and tell the peers why; idempotent."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Say goodbye to the peers and release every connection and thread; idempotent."""
+
+
+class Exchange:
+    """One collective's view of the transport: its seq, signature, deadline and messages."""
+
+    __slots__ = ("deadline", "describe", "dtype", "rank", "seq", "signature", "size",
+                 "transport")
+
+    def __init__(self, transport: Transport, seq: int, signature: Signature,
+                 deadline: Deadline, describe: str) -> None:
+        self.transport = transport
+        self.rank, self.size = transport.rank, transport.size
+        self.seq = seq
+        self.signature = signature
+        self.dtype = signature.dtype
+        self.deadline = deadline
+        self.describe = describe
+
+    def send(self, peer: int, step: int, array: np.ndarray) -> None:
+        """Send `array`'s bytes to `peer` as message `step` of this collective."""
+        payload = as_bytes(array)
+        s = self.signature
+        fields = (COLL, s.op, s.dtype, s.redop, s.root, self.seq, step, s.count, len(payload))
+        try:
+            self.transport.send(peer, fields, payload, self.deadline)
+        except DistError as exc:
+            raise type(exc)(f"{self.describe}: {exc}") from None
+
+    def post(self, peer: int, step: int, array: np.ndarray) -> Recv:
+        """Post the receive of message `step` from `peer` into `array`."""
+        return self.transport.mailbox.post(
+            peer, Mailbox.coll_key(peer, self.seq, step), as_bytes(array), self.dtype,
+            self.signature)
+
+    def wait(self, recv: Recv) -> None:
+        """Wait for a posted receive until the collective's deadline.
+
+        Raises:
+            DistTimeoutError: the deadline passed; names the ranks not heard from.
+            DistError: the receive failed (mismatch, peer failure, abort).
+            The caller aborts the group on any of these.
+        """
+        if not recv.event.wait(self.deadline.remaining()):
+            peers = [p for p in self.transport.mailbox.pending_peers() if p >= 0]
+            raise DistTimeoutError(
+                f"{self.describe} timed out after {self.deadline.seconds:.1f} s waiting for "
+                f"rank(s) {', '.join(map(str, peers)) or recv.peer}: did they call it, "
+                "and with the same arguments?"
+            )
+        if recv.error is not None:
+            error = recv.error
+            raise type(error)(_prefixed(self.describe, str(error))) from None
+
+    def recv(self, peer: int, step: int, array: np.ndarray) -> None:
+        """Receive message `step` from `peer` into `array` (post, then wait)."""
+        self.wait(self.post(peer, step, array))
+
+
+def _prefixed(describe: str, message: str) -> str:
+    return message if message.startswith("[rank") else f"{describe}: {message}"

@@ -1,0 +1,380 @@
+"""The TCP transport: one persistent connection per pair of ranks, set up through the store.
+
+Each rank listens on an ephemeral port of the address its peers can reach, publishes
+it in the group's store, connects to every lower rank and accepts every higher one;
+the listener is closed once the mesh is complete. Every connection starts with the
+handshake of `distcomm.auth`. One reader thread per peer reads headers and receives
+payloads straight into posted buffers (`recv_into` on memoryviews); senders use
+`sendmsg` on the header and the payload, so no message is copied or pickled.
+
+A connection that breaks aborts the group: every pending and later operation raises
+`DistNetworkError` naming the peer, and the other peers are told why (ABORT), so
+every rank fails within moments instead of waiting out its timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import struct
+import threading
+
+from ... import auth, net
+from ...config import load as load_config
+from ...deadline import Deadline
+from ...errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
+from ...store.base import Store
+from .base import ABORT, BYE, COLL, HEADER, Failure, Transport
+
+__all__ = ["TcpTransport", "local_address"]
+
+_HELLO = struct.Struct("<4siiq")  # magic, rank, size, generation
+_HELLO_MAGIC = b"DCTP"
+_FAILURE_KINDS: tuple[type[DistError], ...] = (DistNetworkError, DistBackendError,
+                                               DistTimeoutError)
+_POLL_SLICE = 0.5
+
+
+def local_address(store: Store) -> str:
+    """The local address peers can reach: DISTCOMM_SOCKET_IFNAME's, else the store route's.
+
+    Falls back to this host name's address, then 127.0.0.1, for stores without a socket.
+    """
+    ifname = load_config().socket_ifname
+    if ifname:
+        return net.interface_address(ifname)
+    inner = store
+    while inner is not None:
+        address = getattr(inner, "local_address", None)
+        if address:
+            return address
+        inner = getattr(inner, "underlying_store", None)
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class _Peer:
+    __slots__ = ("dirty", "gone", "lock", "poller", "rank", "sock", "thread")
+
+    def __init__(self, rank: int, sock: socket.socket) -> None:
+        self.rank = rank
+        self.sock = sock
+        self.lock = threading.Lock()  # one sender at a time: messages never interleave
+        self.poller = select.poll()
+        self.poller.register(sock.fileno(), select.POLLOUT)
+        self.dirty = False  # a send stopped half-way: the stream can carry nothing more
+        self.gone = False  # the peer said goodbye or the connection ended
+        self.thread: threading.Thread | None = None
+
+
+class TcpTransport(Transport):
+    """Full-mesh TCP connections between the `size` ranks of one group.
+
+    Args:
+        store: the group's private store (addresses are published there).
+        rank, size: this rank and the group size.
+        deadline: how long connecting may take.
+        label: prefix of messages, e.g. "[rank 1/4] tcp backend (group 'default')".
+    """
+
+    def __init__(self, store: Store, rank: int, size: int, deadline: Deadline,
+                 label: str) -> None:
+        super().__init__(rank, size)
+        self._label = label
+        self._key = load_config().auth_key
+        self._closing = False
+        self._peers: dict[int, _Peer] = {}
+        if size > 1:
+            # successive groups on the same store keys (re-initialisation) never mix:
+            # every rank joins once per group, so the join count numbers the groups
+            generation = (store.add("tcp/joined", 1) - 1) // size
+            self._connect_mesh(store, generation, deadline)
+        for peer in self._peers.values():
+            peer.thread = threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
+                                           name=f"distcomm-recv-{rank}-{peer.rank}")
+            peer.thread.start()
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _connect_mesh(self, store: Store, generation: int, deadline: Deadline) -> None:
+        host = local_address(store)
+        listener = net.listen(host, 0, backlog=max(16, self.size))
+        port = listener.getsockname()[1]
+        store.set(f"tcp/{generation}/{self.rank}", f"{net.format_address(host, port)}")
+        accepted: dict[int, socket.socket] = {}
+        accept_error: list[BaseException] = []
+        acceptor = threading.Thread(
+            target=self._accept_loop,
+            args=(listener, generation, deadline, accepted, accept_error),
+            name=f"distcomm-accept-{self.rank}", daemon=True)
+        acceptor.start()
+        try:
+            for peer in range(self.rank):
+                sock = self._connect_to(store, peer, generation, deadline)
+                self._peers[peer] = _Peer(peer, sock)
+            acceptor.join(deadline.remaining())
+            if acceptor.is_alive() or accept_error:
+                missing = sorted(set(range(self.rank + 1, self.size)) - set(accepted))
+                reason = f": {accept_error[0]}" if accept_error else ""
+                raise DistTimeoutError(
+                    f"{self._label}: rank(s) {', '.join(map(str, missing))} did not connect "
+                    f"within {deadline.seconds:.1f} s{reason} (did every rank call "
+                    "init_process_group/new_group, and can they reach this host?)")
+            for peer, sock in accepted.items():
+                self._peers[peer] = _Peer(peer, sock)
+        except BaseException:
+            listener.close()
+            acceptor.join(1.0)
+            for sock in [p.sock for p in self._peers.values()] + list(accepted.values()):
+                sock.close()
+            self._peers.clear()
+            raise
+        finally:
+            listener.close()
+
+    def _connect_to(self, store: Store, peer: int, generation: int,
+                    deadline: Deadline) -> socket.socket:
+        key = f"tcp/{generation}/{peer}"
+        try:
+            store.wait([key], deadline.remaining())
+        except DistTimeoutError as exc:
+            raise DistTimeoutError(
+                f"{self._label}: rank {peer} did not publish its address within "
+                f"{deadline.seconds:.1f} s (did it call init_process_group/new_group?)"
+            ) from exc
+        address = store.get(key).decode()
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        sock = net.connect(host, int(port), deadline, what=f"rank {peer} at {address}")
+        try:
+            auth.client_handshake(sock, self._key, deadline, f"rank {peer} at {address}")
+            sock.sendall(_HELLO.pack(_HELLO_MAGIC, self.rank, self.size, generation))
+        except (OSError, DistError) as exc:
+            sock.close()
+            raise DistNetworkError(f"{self._label}: connecting to rank {peer}: {exc}") from exc
+        return sock
+
+    def _accept_loop(self, listener: socket.socket, generation: int, deadline: Deadline,
+                     accepted: dict[int, socket.socket], errors: list[BaseException]) -> None:
+        expected = set(range(self.rank + 1, self.size))
+        try:
+            while expected - set(accepted):
+                left = deadline.remaining()
+                if left is not None and left <= 0:
+                    return
+                listener.settimeout(deadline.slice(_POLL_SLICE))
+                try:
+                    sock, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return  # the listener was closed: setup gave up
+                peer = self._admit(sock, generation, deadline, expected, accepted)
+                if peer is None:
+                    sock.close()
+                else:
+                    accepted[peer] = sock
+        except BaseException as exc:  # reported by the joining thread
+            errors.append(exc)
+
+    def _admit(self, sock: socket.socket, generation: int, deadline: Deadline,
+               expected: set[int], accepted: dict[int, socket.socket]) -> int | None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        net.set_keepalive(sock)
+        step = Deadline(min(10.0, deadline.remaining() or 10.0))
+        if not auth.server_handshake(sock, self._key, step, "a connecting rank"):
+            return None
+        try:
+            data = net.recv_exact(sock, _HELLO.size, step, "a connecting rank")
+        except DistNetworkError:
+            return None
+        if len(data) != _HELLO.size:
+            return None
+        magic, peer, size, gen = _HELLO.unpack(data)
+        if magic != _HELLO_MAGIC or size != self.size or gen != generation:
+            return None
+        if peer not in expected or peer in accepted:
+            return None
+        sock.settimeout(None)
+        return peer
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(self, peer: int, fields: tuple, payload: memoryview, deadline: Deadline) -> None:
+        failure = self.mailbox.failure
+        if failure is not None:
+            raise failure.error()
+        conn = self._peers.get(peer)
+        if conn is None or conn.gone:
+            raise DistNetworkError(f"rank {peer} has left the group; cannot send to it")
+        header = HEADER.pack(*fields)
+        with conn.lock:
+            if conn.dirty:
+                raise DistNetworkError(f"the connection to rank {peer} was cut mid-message")
+            try:
+                self._send_views(conn, [memoryview(header), payload], deadline)
+            except DistError:
+                conn.dirty = True
+                raise
+
+    def _send_views(self, conn: _Peer, views: list[memoryview], deadline: Deadline) -> None:
+        views = [v for v in views if len(v)]
+        while views:
+            try:
+                sent = conn.sock.sendmsg(views, [], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                failure = self._connection_failure(conn.rank, exc)
+                self.abort(failure)
+                raise failure.error() from None
+            while sent and views:
+                if sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+            if not views:
+                return
+            while True:
+                failure = self.mailbox.failure
+                if failure is not None:
+                    raise failure.error()
+                if deadline.expired():
+                    raise DistTimeoutError(
+                        f"sending to rank {conn.rank} made no progress for "
+                        f"{deadline.seconds:.1f} s (is it alive and reading?)")
+                if conn.poller.poll(int(deadline.slice(_POLL_SLICE) * 1000)):
+                    break
+
+    def _send_control(self, conn: _Peer, kind: int, text: str = "", code: int = 0) -> None:
+        """Best-effort ABORT/BYE: never blocks for long, never interleaves a message."""
+        if not conn.lock.acquire(timeout=1.0):
+            return
+        try:
+            if conn.dirty or conn.gone:
+                return
+            payload = text.encode()[:4096]
+            header = HEADER.pack(kind, code, 0, 0, 0, 0, 0, 0, len(payload))
+            try:
+                self._send_views(conn, [memoryview(header), memoryview(payload)],
+                                 Deadline(1.0))
+            except DistError:
+                conn.dirty = True
+        finally:
+            conn.lock.release()
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def _read_loop(self, conn: _Peer) -> None:
+        header = bytearray(HEADER.size)
+        view = memoryview(header)
+        sock = conn.sock
+        mailbox = self.mailbox
+        try:
+            while True:
+                _read_into(sock, view)
+                fields = HEADER.unpack(header)
+                kind, nbytes = fields[0], fields[8]
+                if kind == BYE:
+                    conn.gone = True
+                    mailbox.peer_gone(conn.rank, Failure(
+                        DistNetworkError,
+                        f"rank {conn.rank} has left the group (destroy_process_group or exit)"))
+                    _drain(sock)
+                    return
+                if kind == ABORT:
+                    reason = _read_bytes(sock, nbytes).decode(errors="replace")
+                    code = fields[1] if fields[1] < len(_FAILURE_KINDS) else 1
+                    self.abort(Failure(_FAILURE_KINDS[code],
+                                       f"rank {conn.rank} aborted the group: {reason}"),
+                               tell=conn.rank)
+                    _drain(sock)
+                    return
+                try:
+                    recv = mailbox.claim(conn.rank, fields)
+                except DistError as exc:  # a message for a collective this rank finished
+                    _read_bytes(sock, nbytes)
+                    self.abort(Failure(type(exc), str(exc)))
+                    continue
+                if recv is None:
+                    payload = bytearray(nbytes)
+                    _read_into(sock, memoryview(payload))
+                    mailbox.stash(conn.rank, fields, payload)
+                    continue
+                error = mailbox.check(recv, conn.rank, fields)
+                if error is not None:
+                    _read_bytes(sock, nbytes)
+                    recv._finish(conn.rank, error)
+                    if kind == COLL:
+                        self.abort(Failure(type(error), str(error)))
+                    continue
+                _read_into(sock, recv.buffer)
+                recv._finish(conn.rank, None)
+        except (OSError, EOFError) as exc:
+            conn.gone = True
+            if self._closing:
+                return
+            self.abort(self._connection_failure(conn.rank, exc))
+
+    def _connection_failure(self, peer: int, exc: BaseException) -> Failure:
+        if isinstance(exc, EOFError) or getattr(exc, "errno", None) in (
+                errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED):
+            return Failure(DistNetworkError,
+                           f"rank {peer} closed the connection (exit or crash?)")
+        return Failure(DistNetworkError, f"the connection to rank {peer} failed: {exc}")
+
+    # -- failure and shutdown --------------------------------------------------------------
+
+    def abort(self, failure: Failure, tell: int | None = None) -> None:
+        if not self.mailbox.fail(failure):
+            return
+        code = _FAILURE_KINDS.index(failure.kind) if failure.kind in _FAILURE_KINDS else 1
+        for conn in self._peers.values():
+            if conn.rank != tell and not conn.gone:
+                self._send_control(conn, ABORT, failure.message, code)
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for conn in self._peers.values():
+            if not conn.gone:
+                self._send_control(conn, BYE)
+        for conn in self._peers.values():
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for conn in self._peers.values():
+            if conn.thread is not None and conn.thread is not threading.current_thread():
+                conn.thread.join(5.0)
+            conn.sock.close()
+        self.mailbox.fail(Failure(DistBackendError, "the process group was destroyed"))
+
+
+def _read_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        received = sock.recv_into(view)
+        if not received:
+            raise EOFError
+        view = view[received:]
+
+
+def _read_bytes(sock: socket.socket, nbytes: int) -> bytes:
+    data = bytearray(nbytes)
+    _read_into(sock, memoryview(data))
+    return bytes(data)
+
+
+def _drain(sock: socket.socket) -> None:
+    """Read until the peer closes, so closing here never resets the peer's unread data."""
+    try:
+        while sock.recv(65536):
+            pass
+    except OSError:
+        pass

@@ -1,0 +1,510 @@
+"""Public point-to-point and collective functions: validate, then dispatch to the group's backend.
+
+Signatures, defaults and semantics follow torch.distributed with arrays in place of
+tensors. Roots and peers are global ranks (`src`, `dst`, `peer`) or ranks within the
+group (`group_src`, `group_dst`, `group_peer`). List-shaped variants are built here
+on the backend's single-array primitives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .arrays import adapt, check_same, flat
+from .errors import DistTimeoutError
+from .group import ProcessGroup, resolve
+from .ops import ReduceOp, check_reduce_op
+from .work import Work
+
+__all__ = [
+    "P2POp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "gather",
+    "irecv",
+    "isend",
+    "monitored_barrier",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+]
+
+#: tags reserved for monitored_barrier; user tags are >= 0
+_BARRIER_ARRIVE_TAG = -1
+_BARRIER_RELEASE_TAG = -2
+_MAX_TAG = 2**62
+
+
+# -- argument helpers -------------------------------------------------------------------------
+
+def _rank_arg(group: ProcessGroup, global_rank: int | None, group_rank: int | None,
+              where: str, name: str, default: int | None = None) -> int:
+    """The group rank meant by `name` (a global rank) or `group_name` (a group rank)."""
+    if global_rank is not None and group_rank is not None:
+        raise ValueError(f"{where}: pass {name} (a global rank) or group_{name} (a rank "
+                         "within the group), not both")
+    if global_rank is None and group_rank is None:
+        if default is None:
+            raise ValueError(f"{where}: {name} is required: pass {name} (a global rank) or "
+                             f"group_{name} (a rank within the group)")
+        global_rank = default
+    value = group_rank if group_rank is not None else global_rank
+    label = f"group_{name}" if group_rank is not None else name
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: {label} must be an int, got {value!r}")
+    value = int(value)
+    if group_rank is not None:
+        if not 0 <= value < group.size():
+            raise ValueError(f"{where}: group_{name}={value} is out of range for group "
+                             f"'{group.group_name}' of size {group.size()}")
+        return value
+    ranks = group.ranks
+    if len(ranks) > value >= 0 and ranks[value] == value and ranks[-1] == len(ranks) - 1:
+        return value  # a group of ranks 0..n-1 (the world): global rank == group rank
+    if value not in ranks:
+        raise ValueError(f"{where}: {name}={value} is not a member of group "
+                         f"'{group.group_name}' (members: {ranks})")
+    return ranks.index(value)
+
+
+def _tag(tag: int, where: str) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not (
+            0 <= tag < _MAX_TAG):
+        raise ValueError(f"{where}: tag must be an int from 0 to 2**62 - 1, got {tag!r}")
+    return int(tag)
+
+
+def _list(value: Any, where: str, name: str, length: int) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{where}: {name} must be a list of arrays, got {type(value).__name__}")
+    if len(value) != length:
+        raise ValueError(f"{where}: {name} must hold one array per rank of the group "
+                         f"({length}), got {len(value)}")
+    return list(value)
+
+
+def _same_size(arrays: Sequence[Any], size: int, where: str, name: str) -> None:
+    for i, array in enumerate(arrays):
+        if array.size != size:
+            raise ValueError(f"{where}: {name}[{i}] has {array.size} elements but must have "
+                             f"{size}, like the input array")
+
+
+def _finish(work: Work, async_op: bool, outputs: list[Any] | None = None) -> Work | None:
+    if outputs is not None:
+        work._outputs = outputs  # the caller's arrays, not the flat views the backend saw
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _then(inner: Work, finalize: Callable[[], None], outputs: list[Any]) -> Work:
+    """A Work that completes after `inner` and then `finalize()` (copying results out)."""
+    outer = Work(inner.description, outputs, on_timeout=inner._on_timeout,
+                 timeout=inner._default_timeout)
+
+    def done(future: Any) -> None:
+        if future._error is not None:
+            outer.fail(future._error)
+            return
+        try:
+            finalize()
+        except BaseException as exc:
+            outer.fail(exc)
+            return
+        outer.complete()
+
+    inner.get_future().add_done_callback(done)
+    return outer
+
+
+# -- point to point ---------------------------------------------------------------------------
+
+def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work:
+    """Send `tensor` to `dst` without blocking; returns the Work to wait on."""
+    pg = resolve(group, "isend")
+    array = adapt(tensor, "isend", "tensor", writable=False)
+    peer = _rank_arg(pg, dst, group_dst, "isend", "dst")
+    backend = pg.backend_for(array, "isend")
+    if peer == pg.rank():
+        raise ValueError(f"isend: dst {pg.ranks[peer]} is this process itself; send to "
+                         "another rank")
+    work = backend.send(flat(array), peer, _tag(tag, "isend"))
+    work.global_ranks = pg.ranks
+    work._outputs = [tensor]
+    return work
+
+
+def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_src: int | None = None) -> Work:
+    """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells."""
+    pg = resolve(group, "irecv")
+    array = adapt(tensor, "irecv", "tensor", writable=True)
+    backend = pg.backend_for(array, "irecv")
+    peer = None
+    if src is not None or group_src is not None:
+        peer = _rank_arg(pg, src, group_src, "irecv", "src")
+        if peer == pg.rank():
+            raise ValueError(f"irecv: src {pg.ranks[peer]} is this process itself; receive "
+                             "from another rank")
+    work = backend.recv(flat(array), peer, _tag(tag, "irecv"))
+    work.global_ranks = pg.ranks
+    work._outputs = [tensor]
+    return work
+
+
+def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Send `tensor` to `dst`, blocking until it is handed to the transport."""
+    isend(tensor, dst, group, tag, group_dst).wait()
+
+
+def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Receive into `tensor` from `src` (None: any rank); returns the sender's global rank."""
+    work = irecv(tensor, src, group, tag, group_src)
+    work.wait()
+    return work.source_rank()
+
+
+class P2POp:
+    """One point-to-point operation for `batch_isend_irecv` (torch.distributed.P2POp).
+
+    Args:
+        op: `distcomm.isend` or `distcomm.irecv`.
+        tensor: the array to send or receive into.
+        peer: the other side's global rank (or `group_peer`, its rank within `group`).
+    """
+
+    def __init__(self, op: Callable[..., Work], tensor: Any, peer: int | None = None,
+                 group: ProcessGroup | None = None, tag: int = 0,
+                 group_peer: int | None = None) -> None:
+        if op not in (isend, irecv):
+            raise ValueError("P2POp: op must be distcomm.isend or distcomm.irecv, got "
+                             f"{getattr(op, '__name__', op)!r}")
+        if peer is None and group_peer is None:
+            raise ValueError("P2POp: peer (a global rank) or group_peer is required")
+        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+        self.tag, self.group_peer = tag, group_peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+    """Post every operation of the list in order; returns their Works."""
+    if not isinstance(p2p_op_list, (list, tuple)) or not all(
+            isinstance(p, P2POp) for p in p2p_op_list):
+        raise TypeError("batch_isend_irecv: p2p_op_list must be a list of P2POp")
+    if not p2p_op_list:
+        raise ValueError("batch_isend_irecv: p2p_op_list must not be empty")
+    works = []
+    for p in p2p_op_list:
+        if p.op is isend:
+            works.append(isend(p.tensor, p.peer, p.group, p.tag, p.group_peer))
+        else:
+            works.append(irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer))
+    return works
+
+
+# -- collectives ----------------------------------------------------------------------------
+
+def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = None,
+              async_op: bool = False, group_src: int | None = None) -> Work | None:
+    """Copy `src`'s `tensor` into `tensor` on every rank of the group."""
+    pg = resolve(group, "broadcast")
+    array = adapt(tensor, "broadcast", "tensor", writable=True)
+    backend = pg.backend_for(array, "broadcast")
+    root = _rank_arg(pg, src, group_src, "broadcast", "src")
+    return _finish(backend.broadcast(flat(array), root, async_op=async_op), async_op,
+                   [tensor])
+
+
+def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    """Reduce `tensor` over the group with `op`; every rank gets the result in place."""
+    pg = resolve(group, "all_reduce")
+    array = adapt(tensor, "all_reduce", "tensor", writable=True)
+    backend = pg.backend_for(array, "all_reduce")
+    check_reduce_op(op, array.dtype, "all_reduce")
+    return _finish(backend.all_reduce(flat(array), op, async_op=async_op), async_op,
+                   [tensor])
+
+
+def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
+           group: ProcessGroup | None = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
+    """Reduce `tensor` over the group into `dst`'s `tensor` (default dst: global rank 0)."""
+    pg = resolve(group, "reduce")
+    array = adapt(tensor, "reduce", "tensor", writable=True)
+    backend = pg.backend_for(array, "reduce")
+    root = _rank_arg(pg, dst, group_dst, "reduce", "dst", default=0)
+    check_reduce_op(op, array.dtype, "reduce")
+    return _finish(backend.reduce(flat(array), root, op, async_op=async_op), async_op,
+                   [tensor])
+
+
+def all_gather_into_tensor(output_tensor: Any, input_tensor: Any,
+                           group: ProcessGroup | None = None,
+                           async_op: bool = False) -> Work | None:
+    """Gather every rank's `input_tensor` into `output_tensor` (group size x its elements)."""
+    where = "all_gather_into_tensor"
+    pg = resolve(group, where)
+    output = adapt(output_tensor, where, "output_tensor", writable=True)
+    input = adapt(input_tensor, where, "input_tensor", writable=False)
+    check_same([output, input], where, "output_tensor and input_tensor")
+    backend = pg.backend_for(input, where)
+    if output.size != pg.size() * input.size:
+        raise ValueError(f"{where}: output_tensor must have group size x input elements "
+                         f"({pg.size()} x {input.size} = {pg.size() * input.size}), "
+                         f"got {output.size}")
+    return _finish(backend.all_gather(flat(output), flat(input), async_op=async_op), async_op,
+                   [output_tensor])
+
+
+def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    """Gather every rank's `tensor` into `tensor_list` (one array per rank, in rank order)."""
+    pg = resolve(group, "all_gather")
+    input = adapt(tensor, "all_gather", "tensor", writable=False)
+    outputs = [adapt(t, "all_gather", f"tensor_list[{i}]", writable=True)
+               for i, t in enumerate(_list(tensor_list, "all_gather", "tensor_list",
+                                           pg.size()))]
+    check_same([input, *outputs], "all_gather", "tensor_list and tensor")
+    _same_size(outputs, input.size, "all_gather", "tensor_list")
+    backend = pg.backend_for(input, "all_gather")
+    gathered = np.empty(pg.size() * input.size, dtype=input.dtype)
+    inner = backend.all_gather(gathered, flat(input), async_op=async_op)
+
+    def copy_out() -> None:
+        for i, out in enumerate(outputs):
+            flat(out)[...] = gathered[i * input.size:(i + 1) * input.size]
+
+    return _finish(_then(inner, copy_out, outputs), async_op)
+
+
+def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
+           group: ProcessGroup | None = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
+    """Gather every rank's `tensor` into `dst`'s `gather_list` (default dst: global rank 0)."""
+    pg = resolve(group, "gather")
+    input = adapt(tensor, "gather", "tensor", writable=False)
+    backend = pg.backend_for(input, "gather")
+    root = _rank_arg(pg, dst, group_dst, "gather", "dst", default=0)
+    if pg.rank() != root:
+        if gather_list:
+            raise ValueError("gather: gather_list must be None (or empty) on ranks other "
+                             "than dst")
+        return _finish(backend.gather(None, flat(input), root, async_op=async_op), async_op, [])
+    if gather_list is None:
+        raise ValueError("gather: gather_list is required on dst: one array per rank")
+    outputs = [adapt(t, "gather", f"gather_list[{i}]", writable=True)
+               for i, t in enumerate(_list(gather_list, "gather", "gather_list", pg.size()))]
+    check_same([input, *outputs], "gather", "gather_list and tensor")
+    _same_size(outputs, input.size, "gather", "gather_list")
+    gathered = np.empty(pg.size() * input.size, dtype=input.dtype)
+    inner = backend.gather(gathered, flat(input), root, async_op=async_op)
+
+    def copy_out() -> None:
+        for i, out in enumerate(outputs):
+            flat(out)[...] = gathered[i * input.size:(i + 1) * input.size]
+
+    return _finish(_then(inner, copy_out, outputs), async_op)
+
+
+def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
+            group: ProcessGroup | None = None, async_op: bool = False,
+            group_src: int | None = None) -> Work | None:
+    """Give rank i the i-th array of `src`'s `scatter_list` in `tensor` (default src: 0)."""
+    pg = resolve(group, "scatter")
+    output = adapt(tensor, "scatter", "tensor", writable=True)
+    backend = pg.backend_for(output, "scatter")
+    root = _rank_arg(pg, src, group_src, "scatter", "src", default=0)
+    if pg.rank() != root:
+        if scatter_list:
+            raise ValueError("scatter: scatter_list must be None (or empty) on ranks other "
+                             "than src")
+        return _finish(backend.scatter(flat(output), None, root, async_op=async_op), async_op,
+                       [tensor])
+    if scatter_list is None:
+        raise ValueError("scatter: scatter_list is required on src: one array per rank")
+    inputs = [adapt(t, "scatter", f"scatter_list[{i}]", writable=False)
+              for i, t in enumerate(_list(scatter_list, "scatter", "scatter_list", pg.size()))]
+    check_same([output, *inputs], "scatter", "scatter_list and tensor")
+    _same_size(inputs, output.size, "scatter", "scatter_list")
+    joined = np.concatenate([flat(t) for t in inputs]) if inputs else output[:0]
+    return _finish(backend.scatter(flat(output), joined, root, async_op=async_op), async_op,
+                   [tensor])
+
+
+def reduce_scatter_tensor(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
+                          group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:
+    """Reduce `input` (group size x output elements) over the group; rank i gets slice i."""
+    where = "reduce_scatter_tensor"
+    pg = resolve(group, where)
+    out = adapt(output, where, "output", writable=True)
+    inp = adapt(input, where, "input", writable=False)
+    check_same([out, inp], where, "output and input")
+    backend = pg.backend_for(inp, where)
+    check_reduce_op(op, inp.dtype, where)
+    if inp.size != pg.size() * out.size:
+        raise ValueError(f"{where}: input must have group size x output elements "
+                         f"({pg.size()} x {out.size} = {pg.size() * out.size}), "
+                         f"got {inp.size}")
+    return _finish(backend.reduce_scatter(flat(out), flat(inp), op, async_op=async_op),
+                   async_op, [output])
+
+
+def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.SUM,
+                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Reduce the i-th arrays of every rank's `input_list` into rank i's `output`."""
+    pg = resolve(group, "reduce_scatter")
+    out = adapt(output, "reduce_scatter", "output", writable=True)
+    inputs = [adapt(t, "reduce_scatter", f"input_list[{i}]", writable=False)
+              for i, t in enumerate(_list(input_list, "reduce_scatter", "input_list",
+                                          pg.size()))]
+    check_same([out, *inputs], "reduce_scatter", "input_list and output")
+    _same_size(inputs, out.size, "reduce_scatter", "input_list")
+    backend = pg.backend_for(out, "reduce_scatter")
+    check_reduce_op(op, out.dtype, "reduce_scatter")
+    joined = np.concatenate([flat(t) for t in inputs])
+    return _finish(backend.reduce_scatter(flat(out), joined, op, async_op=async_op), async_op,
+                   [output])
+
+
+def _splits(splits: Sequence[int] | None, array: Any, n: int, where: str,
+            name: str) -> list[int]:
+    """Row split sizes along dim 0 as element counts."""
+    if array.ndim == 0:
+        raise ValueError(f"{where}: {name.split('_')[0]} must have at least one dimension")
+    rows = array.shape[0]
+    per_row = array.size // rows if rows else int(np.prod(array.shape[1:], dtype=np.int64))
+    if splits is None or len(splits) == 0:
+        if rows % n:
+            raise ValueError(f"{where}: dim 0 of {name.split('_')[0]} ({rows}) is not "
+                             f"divisible by the group size {n}; pass {name}")
+        return [rows // n * per_row] * n
+    values = list(splits)
+    if len(values) != n or any(isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                               or v < 0 for v in values):
+        raise ValueError(f"{where}: {name} must hold {n} non-negative ints (one per rank), "
+                         f"got {values}")
+    if sum(values) != rows:
+        raise ValueError(f"{where}: {name} {values} sum to {sum(values)}, but dim 0 of "
+                         f"{name.split('_')[0]} is {rows}")
+    return [int(v) * per_row for v in values]
+
+
+def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None,
+                      group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Split `input` along dim 0, send piece j to rank j, and concatenate what arrives."""
+    where = "all_to_all_single"
+    pg = resolve(group, where)
+    out = adapt(output, where, "output", writable=True)
+    inp = adapt(input, where, "input", writable=False)
+    check_same([out, inp], where, "output and input")
+    backend = pg.backend_for(inp, where)
+    n = pg.size()
+    out_splits = _splits(output_split_sizes, out, n, where, "output_split_sizes")
+    in_splits = _splits(input_split_sizes, inp, n, where, "input_split_sizes")
+    return _finish(backend.all_to_all(flat(out), flat(inp), out_splits, in_splits,
+                                      async_op=async_op), async_op, [output])
+
+
+def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
+               group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Send `input_tensor_list[j]` to rank j; receive rank j's into `output_tensor_list[j]`."""
+    pg = resolve(group, "all_to_all")
+    n = pg.size()
+    outputs = [adapt(t, "all_to_all", f"output_tensor_list[{i}]", writable=True)
+               for i, t in enumerate(_list(output_tensor_list, "all_to_all",
+                                           "output_tensor_list", n))]
+    inputs = [adapt(t, "all_to_all", f"input_tensor_list[{i}]", writable=False)
+              for i, t in enumerate(_list(input_tensor_list, "all_to_all",
+                                          "input_tensor_list", n))]
+    _, dtype = check_same([*outputs, *inputs], "all_to_all",
+                          "output_tensor_list and input_tensor_list")
+    backend = pg.backend_for(inputs[0], "all_to_all")
+    joined = np.concatenate([flat(t) for t in inputs]) if n else np.empty(0, dtype)
+    received = np.empty(sum(t.size for t in outputs), dtype=dtype)
+    inner = backend.all_to_all(received, joined, [t.size for t in outputs],
+                               [t.size for t in inputs], async_op=async_op)
+
+    def copy_out() -> None:
+        at = 0
+        for out in outputs:
+            flat(out)[...] = received[at:at + out.size]
+            at += out.size
+
+    return _finish(_then(inner, copy_out, outputs), async_op)
+
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False,
+            device_ids: list[int] | None = None) -> Work | None:
+    """Block until every rank of the group has entered the barrier."""
+    del device_ids
+    pg = resolve(group, "barrier")
+    backend = pg.default_backend("barrier")
+    return _finish(backend.barrier(async_op=async_op), async_op)
+
+
+def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier that names the ranks that did not arrive within `timeout`.
+
+    Group rank 0 waits for every other rank, then releases them. When ranks are
+    missing it aborts the group, so every rank raises at once.
+
+    Args:
+        timeout: seconds or timedelta (default: the group's timeout).
+        wait_all_ranks: report every missing rank instead of the first one.
+
+    Raises:
+        DistTimeoutError: some rank did not arrive in time; the message names them.
+    """
+    from .deadline import Deadline
+
+    pg = resolve(group, "monitored_barrier")
+    backend = pg.default_backend("monitored_barrier")
+    deadline = Deadline.of(timeout if timeout is not None else pg.timeout)
+    if pg.size() == 1:
+        return
+    token = np.empty(0, dtype=np.uint8)
+    if pg.rank() != 0:
+        backend.send(token, 0, _BARRIER_ARRIVE_TAG).wait(deadline.remaining())
+        backend.recv(token, 0, _BARRIER_RELEASE_TAG).wait(deadline.remaining())
+        return
+    arrivals = {peer: backend.recv(token, peer, _BARRIER_ARRIVE_TAG)
+                for peer in range(1, pg.size())}
+    missing = []
+    for peer, work in arrivals.items():
+        try:
+            work.wait(max(deadline.remaining() or 0.0, 0.001))
+        except DistTimeoutError:
+            missing.append(pg.ranks[peer])
+            if not wait_all_ranks:
+                break
+    if missing:
+        message = (f"monitored_barrier on group '{pg.group_name}': rank(s) "
+                   f"{', '.join(map(str, missing))} did not arrive within "
+                   f"{deadline.seconds:.1f} s")
+        backend.abort(message)
+        raise DistTimeoutError(message)
+    for peer in range(1, pg.size()):
+        backend.send(token, peer, _BARRIER_RELEASE_TAG).wait(deadline.remaining())

@@ -1,0 +1,485 @@
+"""Process groups and the world state: init_process_group, new_group, destroy, rank queries.
+
+The default group and the registry of groups live in one `_World` object: the one
+piece of module state distcomm has, set by `init_process_group` and cleared by
+`destroy_process_group`. `distcomm.group.WORLD` is the default group (torch's
+`dist.group.WORLD`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from . import config
+from .arrays import device_of
+from .backends import create_backend, get_backend_record, registered_backends
+from .backends.base import Backend
+from .deadline import to_seconds
+from .store import PrefixStore, Store
+
+__all__ = [
+    "GroupMember",
+    "ProcessGroup",
+    "destroy_process_group",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_available",
+    "is_backend_available",
+    "is_gloo_available",
+    "is_initialized",
+    "is_mpi_available",
+    "is_nccl_available",
+    "new_group",
+]
+
+
+class ProcessGroup:
+    """A set of ranks that run collectives together (torch.distributed.ProcessGroup).
+
+    Obtained from `init_process_group` (the default group, `group.WORLD`) or
+    `new_group`. On a rank that is not a member, `rank()` is -1 and every
+    collective on the group raises `ValueError`.
+    """
+
+    def __init__(self, name: str, ranks: list[int], group_rank: int,
+                 backends: dict[str, Backend], spec: str, timeout: float,
+                 global_rank: int) -> None:
+        self.group_name = name
+        self.ranks = ranks
+        self._rank = group_rank
+        self._backends = backends
+        self._spec = spec
+        self.timeout = timedelta(seconds=timeout)
+        self._global_rank = global_rank
+
+    def rank(self) -> int:
+        """This process's rank in the group, or -1 when it is not a member."""
+        return self._rank
+
+    def size(self) -> int:
+        """The number of ranks in the group."""
+        return len(self.ranks)
+
+    def name(self) -> str:
+        """The group's backend, as given to init_process_group/new_group ("tcp")."""
+        return self._spec
+
+    @property
+    def is_member(self) -> bool:
+        """Whether this process belongs to the group."""
+        return self._rank >= 0
+
+    def backend_for(self, array: Any, where: str) -> Backend:
+        """The backend that serves `array`'s device.
+
+        Raises:
+            ValueError: this rank is not a member.
+            RuntimeError: the group was destroyed.
+            ValueError: no backend of the group serves the array's device.
+        """
+        if not self.is_member:
+            raise ValueError(
+                f"{where}: this process (global rank {self._global_rank}) is not a member of "
+                f"group '{self.group_name}' (ranks {self.ranks}); only members may use it")
+        if not self._backends:
+            raise RuntimeError(
+                f"{where}: group '{self.group_name}' was destroyed; create a new one")
+        device = device_of(array)
+        backend = self._backends.get(device)
+        if backend is None:
+            served = ", ".join(sorted(self._backends))
+            raise ValueError(
+                f"{where}: group '{self.group_name}' uses backend '{self._spec}', which has no "
+                f"backend for {device} arrays (it serves: {served}); pass a {served} array or "
+                f"create the group with a backend for {device}, e.g. 'cpu:tcp,cuda:nccl'")
+        return backend
+
+    def default_backend(self, where: str) -> Backend:
+        """The group's backend for device-less operations (barrier): CPU first."""
+        if not self.is_member or not self._backends:
+            return self.backend_for(None, where)
+        return self._backends.get("cpu") or next(iter(self._backends.values()))
+
+    def _shutdown(self) -> None:
+        backends, self._backends = self._backends, {}
+        for backend in backends.values():
+            backend.shutdown()
+
+    def __repr__(self) -> str:
+        who = f"rank {self._rank}" if self.is_member else "not a member"
+        return (f"<ProcessGroup '{self.group_name}' backend='{self._spec}' "
+                f"ranks={self.ranks} ({who})>")
+
+
+@dataclass
+class _World:
+    """The default group and every group created since (the documented module state)."""
+
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    default: ProcessGroup | None = None
+    store: Store | None = None
+    owns_store: bool = False
+    groups: dict[str, ProcessGroup] = field(default_factory=dict)
+    next_id: int = 1
+    spec: dict[str, str] = field(default_factory=dict)
+
+
+_world = _World()
+
+
+class _GroupMemberType(type):
+    @property
+    def WORLD(cls) -> ProcessGroup | None:
+        return _world.default
+
+
+class GroupMember(metaclass=_GroupMemberType):
+    """torch's sentinels: `GroupMember.WORLD` is the default group (None before init)."""
+
+    NON_GROUP_MEMBER = -100
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WORLD":
+        return _world.default
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- backend specs -------------------------------------------------------------------------
+
+def _default_spec() -> dict[str, str]:
+    records = registered_backends()
+    spec: dict[str, str] = {}
+    for device, preferred in (("cpu", ("gloo", "tcp")), ("cuda", ("nccl",))):
+        for name in preferred:
+            record = records.get(name)
+            if record is not None and device in record.devices and not record.availability():
+                spec[device] = name
+                break
+    return spec
+
+
+def parse_backend(backend: str | None) -> dict[str, str]:
+    """Map each device to a backend name: "tcp", "cpu:tcp,cuda:nccl", or None (defaults).
+
+    Raises:
+        ValueError: an unknown backend or device, or a backend that does not serve a device.
+    """
+    if backend is None:
+        return _default_spec()
+    if not isinstance(backend, str) or not backend.strip():
+        raise ValueError(f"backend must be a backend name such as 'tcp', got {backend!r}")
+    text = backend.strip().lower()
+    if ":" not in text:
+        return {device: text for device in get_backend_record(text).devices}
+    spec: dict[str, str] = {}
+    for part in text.split(","):
+        device, sep, name = (p.strip() for p in part.partition(":"))
+        if not sep or device not in ("cpu", "cuda") or not name:
+            raise ValueError(
+                f"backend {backend!r}: {part!r} is not 'device:backend' with device cpu or "
+                "cuda (example: 'cpu:tcp,cuda:nccl')")
+        if device in spec:
+            raise ValueError(f"backend {backend!r} names device {device!r} twice")
+        record = get_backend_record(name)
+        if device not in record.devices:
+            raise ValueError(
+                f"backend {backend!r}: backend {name!r} does not serve {device} arrays "
+                f"(it serves: {', '.join(record.devices)})")
+        spec[device] = name
+    return spec
+
+
+def _spec_text(spec: dict[str, str]) -> str:
+    names = set(spec.values())
+    if len(names) == 1:
+        return names.pop()
+    return ",".join(f"{device}:{name}" for device, name in spec.items())
+
+
+def _create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
+                     timeout: float, name: str) -> dict[str, Backend]:
+    backends: dict[str, Backend] = {}
+    shared: dict[str, Backend] = {}
+    try:
+        for device, backend_name in spec.items():
+            if backend_name not in shared:
+                shared[backend_name] = create_backend(
+                    backend_name, PrefixStore(backend_name, store), rank, size, timeout, name)
+            backends[device] = shared[backend_name]
+    except BaseException:
+        for backend in shared.values():
+            backend.shutdown()
+        raise
+    return backends
+
+
+# -- initialisation and teardown --------------------------------------------------------------
+
+def is_available() -> bool:
+    """Whether distcomm can be used here (always True)."""
+    return True
+
+
+def is_initialized() -> bool:
+    """Whether `init_process_group` has been called (and not undone)."""
+    return _world.default is not None
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether backend `backend` is registered and can run here."""
+    try:
+        return not get_backend_record(backend).availability()
+    except ValueError:
+        return False
+
+
+def is_gloo_available() -> bool:
+    """Whether the gloo backend can run here."""
+    return is_backend_available("gloo")
+
+
+def is_mpi_available() -> bool:
+    """Whether the mpi backend can run here."""
+    return is_backend_available("mpi")
+
+
+def is_nccl_available() -> bool:
+    """Whether the nccl backend can run here."""
+    return is_backend_available("nccl")
+
+
+def _resolve_timeout(timeout: float | timedelta | None) -> float:
+    seconds = to_seconds(timeout)
+    if seconds is None:
+        return config.load().timeout
+    if seconds <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {seconds}")
+    return seconds
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       timeout: float | timedelta | None = None, world_size: int = -1,
+                       rank: int = -1, store: Store | None = None,
+                       group_name: str = "") -> None:
+    """Initialise the default process group (torch.distributed.init_process_group).
+
+    Args:
+        backend: "tcp", another registered backend, "cpu:tcp,cuda:nccl" (one backend per
+            device), or None for the default of each device.
+        init_method: "env://" (default), "tcp://host:port" or "file:///path"; not with `store`.
+        timeout: bound of every blocking operation of the group (seconds or timedelta;
+            default DISTCOMM_TIMEOUT or 30 minutes).
+        world_size, rank: required with `store` or when the environment does not give them.
+        store: a Store shared by all ranks, instead of `init_method`.
+        group_name: the default group's name in messages.
+
+    Raises:
+        RuntimeError: the default group already exists.
+        ValueError: bad arguments or environment; the message lists what was looked for.
+        DistError: rendezvous or connection setup failed or timed out.
+    """
+    from .rendezvous import rendezvous
+
+    with _world.lock:
+        if _world.default is not None:
+            raise RuntimeError(
+                "init_process_group was already called in this process; call "
+                "destroy_process_group() before initialising again")
+        seconds = _resolve_timeout(timeout)
+        spec = parse_backend(backend)
+        if not spec:
+            raise ValueError(
+                "no backend is available for any device; registered: "
+                + ", ".join(sorted(registered_backends())))
+        rdzv = rendezvous(init_method, rank=rank, world_size=world_size, store=store,
+                          timeout=seconds)
+        owns = store is None
+        name = group_name or "default"
+        try:
+            backends = _create_backends(spec, PrefixStore("distcomm/0", rdzv.store),
+                                        rdzv.rank, rdzv.world_size, seconds, name)
+        except BaseException:
+            if owns:
+                rdzv.store.close()
+            raise
+        group = ProcessGroup(name, list(range(rdzv.world_size)), rdzv.rank, backends,
+                             _spec_text(spec), seconds, rdzv.rank)
+        _world.default, _world.store, _world.owns_store = group, rdzv.store, owns
+        _world.groups = {name: group}
+        _world.next_id = 1
+        _world.spec = spec
+
+
+def default_group(where: str) -> ProcessGroup:
+    """The default group.
+
+    Raises:
+        RuntimeError: `init_process_group` has not been called.
+    """
+    group = _world.default
+    if group is None:
+        raise RuntimeError(
+            f"{where}: distcomm is not initialised; call distcomm.init_process_group() first")
+    return group
+
+
+def resolve(group: ProcessGroup | None, where: str) -> ProcessGroup:
+    """`group`, or the default group for None."""
+    if group is None:
+        return default_group(where)
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(
+            f"{where}: group must be a ProcessGroup from new_group() or None, got "
+            f"{type(group).__name__}")
+    default_group(where)
+    return group
+
+
+def _check_ranks(ranks: Iterable[int] | None, world_size: int) -> list[int]:
+    if ranks is None:
+        return list(range(world_size))
+    try:
+        values = list(ranks)
+    except TypeError:
+        raise TypeError(f"new_group: ranks must be a list of ints, got {ranks!r}") from None
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"new_group: ranks must be ints, got {value!r}")
+        if not 0 <= value < world_size:
+            raise ValueError(
+                f"new_group: rank {value} is out of range for world size {world_size} "
+                f"(ranks go from 0 to {world_size - 1})")
+    if len(set(values)) != len(values):
+        raise ValueError(f"new_group: ranks {values} name a rank twice")
+    if not values:
+        raise ValueError("new_group: ranks must name at least one rank")
+    return sorted(values)
+
+
+def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | None = None,
+              backend: str | None = None, pg_options: Any = None,
+              use_local_synchronization: bool = False,
+              group_desc: str | None = None) -> ProcessGroup:
+    """Create a group of a subset of ranks (torch.distributed.new_group).
+
+    Every rank of the world must call it, in the same order relative to other
+    `new_group` calls, even ranks that are not members.
+
+    Args:
+        ranks: global ranks of the members (default: all); order does not matter.
+        timeout: the group's timeout (default: the default group's).
+        backend: as in `init_process_group` (default: the default group's).
+        pg_options, use_local_synchronization: accepted for torch compatibility.
+        group_desc: the group's name in messages (default: its number).
+
+    Returns:
+        The group; on a non-member a handle whose `rank()` is -1.
+    """
+    del pg_options, use_local_synchronization
+    with _world.lock:
+        world = default_group("new_group")
+        members = _check_ranks(ranks, world.size())
+        seconds = (world.timeout.total_seconds() if timeout is None
+                   else _resolve_timeout(timeout))
+        spec = _world.spec if backend is None else parse_backend(backend)
+        group_id = _world.next_id
+        _world.next_id += 1
+        name = group_desc or str(group_id)
+        me = world.rank()
+        backends: dict[str, Backend] = {}
+        group_rank = members.index(me) if me in members else -1
+        if group_rank >= 0:
+            backends = _create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
+                                        group_rank, len(members), seconds, name)
+        group = ProcessGroup(name, members, group_rank, backends, _spec_text(spec), seconds, me)
+        _world.groups[f"{group_id}:{name}"] = group
+        return group
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Destroy `group`, or every group and the default one when None.
+
+    Afterwards no thread, socket or listening port of the destroyed groups is left.
+
+    Raises:
+        RuntimeError: distcomm is not initialised.
+    """
+    with _world.lock:
+        default = default_group("destroy_process_group")
+        if group is not None and group is not default:
+            group._shutdown()
+            for key, value in list(_world.groups.items()):
+                if value is group:
+                    del _world.groups[key]
+            return
+        for value in list(_world.groups.values()):
+            if value is not default:
+                value._shutdown()
+        default._shutdown()
+        if _world.owns_store and _world.store is not None:
+            _world.store.close()
+        _world.default, _world.store, _world.owns_store = None, None, False
+        _world.groups = {}
+        _world.spec = {}
+
+
+# -- queries ---------------------------------------------------------------------------------
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in `group` (default: the world); -1 if not a member."""
+    return resolve(group, "get_rank").rank()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """The number of ranks in `group` (default: the world); -1 if this rank is not a member."""
+    resolved = resolve(group, "get_world_size")
+    return resolved.size() if resolved.is_member else -1
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """The backend of `group` (default: the world), e.g. "tcp"."""
+    return resolve(group, "get_backend").name()
+
+
+def get_process_group_ranks(group: ProcessGroup | None = None) -> list[int]:
+    """The global ranks of `group`'s members, in group-rank order."""
+    return list(resolve(group, "get_process_group_ranks").ranks)
+
+
+def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of `group`'s member number `group_rank`.
+
+    Raises:
+        ValueError: `group_rank` is not a rank of the group.
+    """
+    resolved = resolve(group, "get_global_rank")
+    if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not (
+            0 <= group_rank < resolved.size()):
+        raise ValueError(
+            f"get_global_rank: group rank {group_rank!r} is not in group "
+            f"'{resolved.group_name}' of size {resolved.size()}")
+    return resolved.ranks[group_rank]
+
+
+def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
+    """The rank within `group` of the process with global rank `global_rank`.
+
+    Raises:
+        ValueError: that process is not a member of the group.
+    """
+    resolved = resolve(group, "get_group_rank")
+    if global_rank not in resolved.ranks:
+        raise ValueError(
+            f"get_group_rank: global rank {global_rank!r} is not a member of group "
+            f"'{resolved.group_name}' (members: {resolved.ranks})")
+    return resolved.ranks.index(global_rank)

@@ -1,0 +1,185 @@
+"""Object collectives: picklable Python objects moved with the array collectives.
+
+Objects are pickled to uint8 arrays; sizes travel first so every receiver can size
+its buffer. Unpickling runs code chosen by the sender: use these only between
+processes you trust (set DISTCOMM_AUTH_KEY so no outsider can join the group).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from . import collectives as c
+from .group import ProcessGroup, resolve
+
+__all__ = [
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "recv_object_list",
+    "scatter_object_list",
+    "send_object_list",
+]
+
+
+def _dump(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+
+
+def _load(data: np.ndarray) -> Any:
+    return pickle.loads(data.tobytes())
+
+
+def _check_list(value: Any, where: str, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{where}: {name} must be a list, got {type(value).__name__}")
+    return value
+
+
+def broadcast_object_list(object_list: list[Any], src: int | None = None,
+                          group: ProcessGroup | None = None, device: Any = None,
+                          group_src: int | None = None) -> None:
+    """Replace `object_list`'s items on every rank with `src`'s (default src: global rank 0).
+
+    Every rank passes a list of the same length.
+    """
+    del device
+    pg = resolve(group, "broadcast_object_list")
+    _check_list(object_list, "broadcast_object_list", "object_list")
+    root = c._rank_arg(pg, src, group_src, "broadcast_object_list", "src", default=0)
+    sizes = np.zeros(len(object_list), dtype=np.int64)
+    if pg.rank() == root:
+        pieces = [_dump(obj) for obj in object_list]
+        sizes[:] = [p.size for p in pieces]
+    c.broadcast(sizes, group=pg, group_src=root)
+    data = np.concatenate(pieces) if pg.rank() == root and pieces else np.empty(
+        int(sizes.sum()), dtype=np.uint8)
+    c.broadcast(data, group=pg, group_src=root)
+    if pg.rank() != root:
+        at = 0
+        for i, size in enumerate(sizes):
+            object_list[i] = _load(data[at:at + size])
+            at += int(size)
+
+
+def all_gather_object(object_list: list[Any], obj: Any,
+                      group: ProcessGroup | None = None) -> None:
+    """Fill `object_list` (one slot per rank) with every rank's `obj`, in rank order."""
+    pg = resolve(group, "all_gather_object")
+    _check_list(object_list, "all_gather_object", "object_list")
+    n = pg.size()
+    if len(object_list) != n:
+        raise ValueError(f"all_gather_object: object_list must have one slot per rank ({n}), "
+                         f"got {len(object_list)}")
+    mine = _dump(obj)
+    sizes = np.zeros(n, dtype=np.int64)
+    c.all_gather_into_tensor(sizes, np.array([mine.size], dtype=np.int64), group=pg)
+    width = int(sizes.max())
+    padded = np.zeros(width, dtype=np.uint8)
+    padded[:mine.size] = mine
+    gathered = np.empty(n * width, dtype=np.uint8)
+    c.all_gather_into_tensor(gathered, padded, group=pg)
+    for i in range(n):
+        object_list[i] = _load(gathered[i * width:i * width + sizes[i]])
+
+
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None,
+                  dst: int | None = None, group: ProcessGroup | None = None,
+                  group_dst: int | None = None) -> None:
+    """Collect every rank's `obj` into `dst`'s `object_gather_list` (default dst: rank 0)."""
+    pg = resolve(group, "gather_object")
+    root = c._rank_arg(pg, dst, group_dst, "gather_object", "dst", default=0)
+    n = pg.size()
+    if pg.rank() == root:
+        if object_gather_list is None or len(_check_list(
+                object_gather_list, "gather_object", "object_gather_list")) != n:
+            raise ValueError(f"gather_object: object_gather_list must be a list with one slot "
+                             f"per rank ({n}) on dst")
+    elif object_gather_list is not None:
+        raise ValueError("gather_object: object_gather_list must be None on ranks other "
+                         "than dst")
+    mine = _dump(obj)
+    sizes = np.zeros(n, dtype=np.int64)
+    c.all_gather_into_tensor(sizes, np.array([mine.size], dtype=np.int64), group=pg)
+    width = int(sizes.max())
+    padded = np.zeros(width, dtype=np.uint8)
+    padded[:mine.size] = mine
+    slots = [np.empty(width, dtype=np.uint8) for _ in range(n)] if pg.rank() == root else None
+    c.gather(padded, slots, group=pg, group_dst=root)
+    if slots is not None:
+        for i in range(n):
+            object_gather_list[i] = _load(slots[i][:sizes[i]])
+
+
+def scatter_object_list(scatter_object_output_list: list[Any],
+                        scatter_object_input_list: list[Any] | None = None,
+                        src: int | None = None, group: ProcessGroup | None = None,
+                        group_src: int | None = None) -> None:
+    """Give rank i item i of `src`'s input list, in `scatter_object_output_list[0]`."""
+    pg = resolve(group, "scatter_object_list")
+    out = _check_list(scatter_object_output_list, "scatter_object_list",
+                      "scatter_object_output_list")
+    if not out:
+        raise ValueError("scatter_object_list: scatter_object_output_list must have at least "
+                         "one slot (the result goes in slot 0)")
+    root = c._rank_arg(pg, src, group_src, "scatter_object_list", "src", default=0)
+    n = pg.size()
+    sizes = np.zeros(n, dtype=np.int64)
+    pieces: list[np.ndarray] = []
+    if pg.rank() == root:
+        items = _check_list(scatter_object_input_list, "scatter_object_list",
+                            "scatter_object_input_list") if (
+            scatter_object_input_list is not None) else None
+        if items is None or len(items) != n:
+            raise ValueError(f"scatter_object_list: scatter_object_input_list must hold one "
+                             f"object per rank ({n}) on src")
+        pieces = [_dump(obj) for obj in items]
+        sizes[:] = [p.size for p in pieces]
+    c.broadcast(sizes, group=pg, group_src=root)
+    width = int(sizes.max())
+    slots = None
+    if pg.rank() == root:
+        slots = [np.zeros(width, dtype=np.uint8) for _ in range(n)]
+        for slot, piece in zip(slots, pieces, strict=True):
+            slot[:piece.size] = piece
+    mine = np.empty(width, dtype=np.uint8)
+    c.scatter(mine, slots, group=pg, group_src=root)
+    out[0] = _load(mine[:sizes[pg.rank()]])
+
+
+def send_object_list(object_list: list[Any], dst: int | None = None,
+                     group: ProcessGroup | None = None, device: Any = None,
+                     group_dst: int | None = None) -> None:
+    """Send the objects of `object_list` to `dst` (received with `recv_object_list`)."""
+    del device
+    pg = resolve(group, "send_object_list")
+    _check_list(object_list, "send_object_list", "object_list")
+    pieces = [_dump(obj) for obj in object_list]
+    sizes = np.array([p.size for p in pieces], dtype=np.int64)
+    c.send(sizes, dst, group=pg, group_dst=group_dst)
+    data = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.uint8)
+    c.send(data, dst, group=pg, group_dst=group_dst)
+
+
+def recv_object_list(object_list: list[Any], src: int | None = None,
+                     group: ProcessGroup | None = None, device: Any = None,
+                     group_src: int | None = None) -> int:
+    """Receive objects into `object_list` (same length as the sender's); returns the sender.
+
+    With `src` None, the first sender of a matching list is received from.
+    """
+    del device
+    pg = resolve(group, "recv_object_list")
+    _check_list(object_list, "recv_object_list", "object_list")
+    sizes = np.zeros(len(object_list), dtype=np.int64)
+    sender = c.recv(sizes, src, group=pg, group_src=group_src)
+    data = np.empty(int(sizes.sum()), dtype=np.uint8)
+    c.recv(data, sender, group=pg)
+    at = 0
+    for i, size in enumerate(sizes):
+        object_list[i] = _load(data[at:at + size])
+        at += int(size)
+    return sender

@@ -1,0 +1,100 @@
+"""ReduceOp, which dtypes each op accepts, and its numpy, MPI and NCCL counterparts."""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+__all__ = ["MPI_OP_NAMES", "NCCL_OP_NAMES", "ReduceOp", "check_reduce_op", "reduce_into"]
+
+
+class ReduceOp(enum.IntEnum):
+    """How a reduction combines the ranks' arrays (torch.distributed.ReduceOp).
+
+    AVG is SUM divided by the group size and needs a floating or complex dtype.
+    BAND, BOR and BXOR need an integer or bool dtype. MIN and MAX reject complex.
+    """
+
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
+
+#: mpi4py attribute names (MPI.<name>); AVG is SUM followed by a division.
+MPI_OP_NAMES = {
+    ReduceOp.SUM: "SUM",
+    ReduceOp.AVG: "SUM",
+    ReduceOp.PRODUCT: "PROD",
+    ReduceOp.MIN: "MIN",
+    ReduceOp.MAX: "MAX",
+    ReduceOp.BAND: "BAND",
+    ReduceOp.BOR: "BOR",
+    ReduceOp.BXOR: "BXOR",
+}
+
+#: cupy.cuda.nccl attribute names; NCCL has no bitwise reductions.
+NCCL_OP_NAMES = {
+    ReduceOp.SUM: "NCCL_SUM",
+    ReduceOp.AVG: "NCCL_AVG",
+    ReduceOp.PRODUCT: "NCCL_PROD",
+    ReduceOp.MIN: "NCCL_MIN",
+    ReduceOp.MAX: "NCCL_MAX",
+}
+
+
+def check_reduce_op(op: object, dtype: np.dtype, where: str) -> ReduceOp:
+    """Validate `op` for arrays of `dtype`; returns it as a ReduceOp.
+
+    Args:
+        where: the calling function, for messages ("all_reduce").
+
+    Raises:
+        TypeError: `op` is not a ReduceOp, or it is not defined for `dtype`.
+    """
+    if not isinstance(op, ReduceOp):
+        raise TypeError(
+            f"{where}: op must be a distcomm.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX, BAND, "
+            f"BOR, BXOR), got {op!r}"
+        )
+    kind = dtype.kind
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and kind not in "biu":
+        raise TypeError(
+            f"{where}: ReduceOp.{op.name} needs an integer or bool array, got {dtype}; "
+            "bitwise reductions are not defined for floating or complex values"
+        )
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and kind == "c":
+        raise TypeError(
+            f"{where}: ReduceOp.{op.name} is not defined for complex arrays ({dtype}): "
+            "complex numbers have no order; reduce the real and imaginary parts separately"
+        )
+    if op is ReduceOp.AVG and kind not in "fc":
+        raise TypeError(
+            f"{where}: ReduceOp.AVG needs a floating or complex array, got {dtype}; "
+            "use ReduceOp.SUM and divide by the group size yourself"
+        )
+    return op
+
+
+def reduce_into(acc: np.ndarray, incoming: np.ndarray, op: ReduceOp) -> None:
+    """acc <- acc (op) incoming, elementwise and in place (AVG accumulates as SUM)."""
+    _UFUNCS[op](acc, incoming, out=acc)

@@ -1,0 +1,191 @@
+"""Work, the handle of an issued operation, and the Future it completes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from .deadline import to_seconds
+
+__all__ = ["Future", "Work"]
+
+
+class Future:
+    """The eventual result of an operation (the subset of torch.futures.Future it offers).
+
+    `value()` of a collective's future is the list of its output arrays.
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Future], None]] = []
+
+    def done(self) -> bool:
+        """Whether a result or an error has been set."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | timedelta | None = None) -> Any:
+        """Block until done and return the value (raise the error), up to `timeout`.
+
+        Raises:
+            TimeoutError: not done within `timeout`.
+        """
+        if not self._done.wait(to_seconds(timeout)):
+            raise TimeoutError(f"future not completed within {to_seconds(timeout)} s")
+        return self.value()
+
+    def value(self) -> Any:
+        """The result; raises the operation's error if it failed.
+
+        Raises:
+            RuntimeError: called before the future is done.
+        """
+        if not self._done.is_set():
+            raise RuntimeError("Future.value() called before the future completed; call wait()")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def then(self, callback: Callable[[Future], Any]) -> Future:
+        """A new future completed with `callback(self)` once this one is done."""
+        chained = Future()
+
+        def run(fut: Future) -> None:
+            try:
+                chained.set_result(callback(fut))
+            except BaseException as exc:
+                chained.set_exception(exc)
+
+        self.add_done_callback(run)
+        return chained
+
+    def add_done_callback(self, callback: Callable[[Future], None]) -> None:
+        """Call `callback(self)` when done (at once if already done)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def set_result(self, value: Any) -> None:
+        """Complete the future with `value`."""
+        self._finish(value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        """Complete the future with `error`."""
+        self._finish(None, error)
+
+    def _finish(self, value: Any, error: BaseException | None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                raise RuntimeError("this Future is already completed")
+            self._value, self._error = value, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+
+class Work:
+    """The handle of an issued operation, as returned with `async_op=True`.
+
+    Args:
+        description: what the operation is, for messages ("all_reduce on 'tcp' ...").
+        outputs: the arrays the operation writes, returned by `result()`.
+        on_timeout: called with the seconds waited when `wait(timeout)` expires; it
+            cancels or aborts the operation and returns the exception to raise.
+        timeout: what `wait()` without a timeout waits at most (the group's timeout).
+    """
+
+    def __init__(self, description: str, outputs: list[Any] | None = None,
+                 on_timeout: Callable[[float], BaseException] | None = None,
+                 timeout: float | None = None) -> None:
+        self.description = description
+        self._default_timeout = timeout
+        self._outputs = outputs if outputs is not None else []
+        self._on_timeout = on_timeout
+        self._future = Future()
+        self._source_rank = -1
+        #: the group's global ranks, set by the caller so `source_rank` can translate
+        self.global_ranks: list[int] | None = None
+
+    # -- completion, called by backends -----------------------------------------------------
+
+    def complete(self, source_rank: int = -1) -> None:
+        """Mark the operation successful (`source_rank`: sender of an any-source recv)."""
+        self._source_rank = source_rank
+        self._future.set_result(self._outputs)
+
+    def fail(self, error: BaseException) -> None:
+        """Mark the operation failed with `error`."""
+        self._future.set_exception(error)
+
+    # -- the public handle ------------------------------------------------------------------
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Block until the operation completes; True on success.
+
+        Without `timeout` the group's timeout bounds the wait. When `timeout` expires the
+        operation is cancelled (a pending receive) or its group aborted (a collective,
+        which cannot be abandoned half-way), and `DistTimeoutError` is raised.
+
+        Raises:
+            DistError: the operation failed; the error names the op, the group and the peers.
+        """
+        seconds = to_seconds(timeout)
+        if seconds is None:
+            seconds = self._default_timeout
+        if not self._future._done.wait(seconds):
+            if self._on_timeout is None:
+                from .errors import DistTimeoutError
+
+                raise DistTimeoutError(f"{self.description} did not complete within {seconds} s")
+            error = self._on_timeout(seconds)
+            if not self._future._done.wait(0) or self._future._error is not None:
+                raise error
+        self._future.value()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished, successfully or not."""
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        """Whether the operation has finished successfully.
+
+        Raises:
+            RuntimeError: the operation has not finished yet.
+        """
+        if not self._future.done():
+            raise RuntimeError(f"{self.description} has not completed yet; call wait() first")
+        return self._future._error is None
+
+    def exception(self) -> BaseException | None:
+        """The error the operation failed with, or None."""
+        return self._future._error if self._future.done() else None
+
+    def get_future(self) -> Future:
+        """A Future whose value is the list of output arrays."""
+        return self._future
+
+    def result(self) -> list[Any]:
+        """The output arrays (waits for completion)."""
+        self.wait()
+        return list(self._outputs)
+
+    def source_rank(self) -> int:
+        """For a receive: the global rank that sent the message (-1 before completion)."""
+        if self._source_rank < 0 or self.global_ranks is None:
+            return self._source_rank
+        return self.global_ranks[self._source_rank]
+
+    def __repr__(self) -> str:
+        state = "pending"
+        if self._future.done():
+            state = "ok" if self._future._error is None else "failed"
+        return f"<Work {self.description} [{state}]>"

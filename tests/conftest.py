@@ -1,0 +1,78 @@
+"""Shared fixtures: persistent worlds per (backend, world size), an in-process 1-rank group."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import distcomm as dist
+from distcomm.backends import registered_backends
+from tests.harness import LOOPBACK_ENV, RankPool
+
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+def cpu_backends() -> list[str]:
+    """Registered backends that serve CPU arrays and run without a launcher here."""
+    names = []
+    for name, record in sorted(registered_backends().items()):
+        if "cpu" in record.devices and name != "mpi" and not record.availability():
+            names.append(name)
+    return names
+
+
+class World:
+    """A world of ranks for one (backend, size), rebuilt when a failing test broke it."""
+
+    def __init__(self, backend: str, size: int) -> None:
+        self.backend, self.size = backend, size
+        self._pool: RankPool | None = None
+
+    def run(self, fn, *args, timeout: float = 60.0, **kwargs):
+        """Run `fn(*args, **kwargs)` on every rank; the results in rank order."""
+        if self._pool is None or self._pool.broken:
+            self._pool = RankPool(self.size, self.backend, init_timeout=60.0)
+        return self._pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __repr__(self) -> str:
+        return f"World({self.backend!r}, {self.size})"
+
+
+@pytest.fixture(scope="session",
+                params=[(b, n) for b in cpu_backends() for n in WORLD_SIZES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def world(request):
+    """A persistent initialised world; tests run functions on all its ranks."""
+    w = World(*request.param)
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def solo(monkeypatch):
+    """An initialised 1-rank default group in the test process itself (no sockets)."""
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1, timeout=10)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_group():
+    """Every test starts and ends without a default group in the test process."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left an initialised process group behind")
+
+
+def pytest_report_header(config):
+    return f"distcomm CPU backends under test: {', '.join(cpu_backends())}; cores: {os.cpu_count()}"

@@ -1,0 +1,474 @@
+"""Conformance: every op on every dtype, at every world size, on every CPU backend.
+
+Each test body runs on all ranks of a persistent world (see conftest.World) and
+checks its own results against values computed in closed form or with numpy from
+the inputs every rank would have. Inputs are small integers, so sums, products and
+averages are exact in every dtype and the checks use exact equality.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import distcomm as dist
+from distcomm.arrays import DTYPES
+from distcomm.ops import ReduceOp
+
+ALL_DTYPES = [str(d) for d in DTYPES]
+INT_DTYPES = [d for d in ALL_DTYPES if d == "bool" or d.startswith(("int", "uint"))]
+FLOAT_DTYPES = [d for d in ALL_DTYPES if d.startswith(("float", "complex"))]
+REAL_DTYPES = [d for d in ALL_DTYPES if not d.startswith("complex")]
+COUNTS = (0, 1, 13, 40_001)  # 40_001 x 2+ bytes crosses the ring threshold
+
+_UFUNC = {
+    ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor,
+}
+
+
+def valid(op: ReduceOp, dtype: str) -> bool:
+    kind = np.dtype(dtype).kind
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        return kind in "biu"
+    if op in (ReduceOp.MIN, ReduceOp.MAX):
+        return kind != "c"
+    if op is ReduceOp.AVG:
+        return kind in "fc"
+    return True
+
+
+OP_DTYPES = [(op, d) for op in ReduceOp for d in ALL_DTYPES if valid(op, d)]
+
+
+def values(rank: int, count: int, dtype: str, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
+    """Rank `rank`'s input: small integers whose reduction is exact in `dtype`."""
+    i = np.arange(count)
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return ((i + rank) % 3 == 0) if op is not ReduceOp.PRODUCT else ((i + rank) % 5 != 0)
+    if op is ReduceOp.PRODUCT:
+        raw = (i + rank) % 3 + 1
+    elif op in (ReduceOp.MIN, ReduceOp.MAX):
+        raw = (i * 7 + rank * 3) % 11 - (5 if dt.kind in "if" else 0)
+    elif op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        raw = (i * 5 + rank * 3) % 64 + rank
+    else:
+        raw = (rank + 1) * (i % 5 + 1)
+    out = raw.astype(dt)
+    if dt.kind == "c":
+        out = out + 1j * (rank % 2) * (i % 3).astype(dt)
+    return out
+
+
+def expected_reduction(n: int, count: int, dtype: str, op: ReduceOp) -> np.ndarray:
+    inputs = [values(r, count, dtype, op) for r in range(n)]
+    result = functools.reduce(lambda a, b: _UFUNC[op](a, b), inputs)
+    if op is ReduceOp.AVG:
+        result = result / np.array(n, dtype=result.dtype)
+    return result.astype(dtype)
+
+
+def check(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    if not np.array_equal(actual, expected):
+        bad = np.flatnonzero(actual.reshape(-1) != expected.reshape(-1))[:5]
+        raise AssertionError(
+            f"{what}: mismatch at {bad.tolist()}: got {actual.reshape(-1)[bad].tolist()}, "
+            f"expected {expected.reshape(-1)[bad].tolist()} (rank {dist.get_rank()}/"
+            f"{dist.get_world_size()})")
+
+
+# -- bodies (run on every rank) ----------------------------------------------------------------
+
+def _all_reduce(op_value: int, dtype: str) -> None:
+    op = ReduceOp(op_value)
+    r, n = dist.get_rank(), dist.get_world_size()
+    for count in COUNTS:
+        x = values(r, count, dtype, op)
+        dist.all_reduce(x, op=op)
+        check(x, expected_reduction(n, count, dtype, op), f"all_reduce {op.name} x{count}")
+    grid = values(r, 12, dtype, op).reshape(3, 4)
+    dist.all_reduce(grid, op)
+    check(grid, expected_reduction(n, 12, dtype, op).reshape(3, 4), "all_reduce 2-D")
+    scalar = values(r, 1, dtype, op).reshape(())
+    dist.all_reduce(scalar, op)
+    check(scalar, expected_reduction(n, 1, dtype, op).reshape(()), "all_reduce 0-d")
+
+
+@pytest.mark.parametrize("op,dtype", OP_DTYPES, ids=[f"{o.name}-{d}" for o, d in OP_DTYPES])
+def test_all_reduce(world, op, dtype):
+    world.run(_all_reduce, int(op), dtype)
+
+
+def _all_reduce_async() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    arrays = [np.full(1000 * (k + 1), r + k, dtype=np.int64) for k in range(5)]
+    works = [dist.all_reduce(a, async_op=True) for a in arrays]
+    for k, (a, w) in enumerate(zip(arrays, works, strict=True)):
+        assert w.wait() is True
+        assert w.is_completed() and w.is_success() and w.exception() is None
+        result = w.get_future().value()
+        assert isinstance(result, list) and result[0] is a
+        check(a, np.full(a.size, n * k + n * (n - 1) // 2, dtype=np.int64), f"async #{k}")
+    # a synchronous op issued after async ones runs after them
+    a = np.ones(10, dtype=np.float32)
+    w = dist.all_reduce(a, async_op=True)
+    b = np.full(10, 2.0, dtype=np.float32)
+    dist.all_reduce(b)
+    assert w.is_completed()
+    check(a, np.full(10, n, dtype=np.float32), "async before sync")
+    chained = dist.all_reduce(np.ones(3), async_op=True).get_future().then(
+        lambda fut: float(fut.value()[0].sum()))
+    assert chained.wait(30) == 3.0 * n
+
+
+def test_all_reduce_async(world):
+    world.run(_all_reduce_async)
+
+
+def _broadcast(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    for root in range(n):
+        for count in COUNTS:
+            x = values(r, count, dtype)
+            dist.broadcast(x, src=root)
+            check(x, values(root, count, dtype), f"broadcast from {root} x{count}")
+    x = values(r, 6, dtype).reshape(2, 3)
+    work = dist.broadcast(x, group_src=n - 1, async_op=True)
+    work.wait()
+    check(x, values(n - 1, 6, dtype).reshape(2, 3), "async broadcast")
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_broadcast(world, dtype):
+    world.run(_broadcast, dtype)
+
+
+def _reduce(op_value: int, dtype: str) -> None:
+    op = ReduceOp(op_value)
+    r, n = dist.get_rank(), dist.get_world_size()
+    for root in range(n):
+        for count in (0, 5, 40_001):
+            x = values(r, count, dtype, op)
+            dist.reduce(x, dst=root, op=op)
+            want = expected_reduction(n, count, dtype, op) if r == root else values(
+                r, count, dtype, op)
+            check(x, want, f"reduce {op.name} to {root} x{count}")
+    x = values(r, 4, dtype, op)
+    dist.reduce(x, op=op)  # dst defaults to global rank 0
+    if r == 0:
+        check(x, expected_reduction(n, 4, dtype, op), "reduce default dst")
+
+
+REDUCE_CASES = [(op, d) for op, d in OP_DTYPES if op in (ReduceOp.SUM, ReduceOp.AVG,
+                                                         ReduceOp.MAX, ReduceOp.BXOR)]
+
+
+@pytest.mark.parametrize("op,dtype", REDUCE_CASES,
+                         ids=[f"{o.name}-{d}" for o, d in REDUCE_CASES])
+def test_reduce(world, op, dtype):
+    world.run(_reduce, int(op), dtype)
+
+
+def _all_gather(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    for count in (0, 1, 7, 30_000):
+        mine = values(r, count, dtype)
+        out = [np.empty(count, dtype=dtype) for _ in range(n)]
+        dist.all_gather(out, mine)
+        for k in range(n):
+            check(out[k], values(k, count, dtype), f"all_gather[{k}] x{count}")
+        flat = np.empty(n * count, dtype=dtype)
+        dist.all_gather_into_tensor(flat, mine)
+        check(flat, np.concatenate([values(k, count, dtype) for k in range(n)]),
+              "all_gather_into_tensor")
+    mine = values(r, 6, dtype).reshape(2, 3)
+    stacked = np.empty((n, 2, 3), dtype=dtype)
+    dist.all_gather_into_tensor(stacked, mine, async_op=True).wait()
+    check(stacked, np.stack([values(k, 6, dtype).reshape(2, 3) for k in range(n)]), "stacked")
+    out = [np.empty((2, 3), dtype=dtype) for _ in range(n)]
+    dist.all_gather(out, mine, async_op=True).wait()
+    for k in range(n):
+        check(out[k], values(k, 6, dtype).reshape(2, 3), "async all_gather")
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_all_gather(world, dtype):
+    world.run(_all_gather, dtype)
+
+
+def _gather_scatter(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    for root in range(n):
+        for count in (0, 3, 20_000):
+            mine = values(r, count, dtype)
+            slots = [np.empty(count, dtype=dtype) for _ in range(n)] if r == root else None
+            dist.gather(mine, slots, dst=root)
+            if r == root:
+                for k in range(n):
+                    check(slots[k], values(k, count, dtype), f"gather[{k}] to {root}")
+            out = np.empty(count, dtype=dtype)
+            parts = [values(k + 10, count, dtype) for k in range(n)] if r == root else None
+            dist.scatter(out, parts, src=root)
+            check(out, values(r + 10, count, dtype), f"scatter from {root}")
+    slots = [np.empty(2, dtype=dtype) for _ in range(n)] if r == 0 else None
+    work = dist.gather(values(r, 2, dtype), slots, async_op=True)
+    work.wait()
+    if r == 0:
+        for k in range(n):
+            check(slots[k], values(k, 2, dtype), "async gather")
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_gather_scatter(world, dtype):
+    world.run(_gather_scatter, dtype)
+
+
+def _reduce_scatter(op_value: int, dtype: str) -> None:
+    op = ReduceOp(op_value)
+    r, n = dist.get_rank(), dist.get_world_size()
+    for count in (0, 1, 9, 20_000):
+        full = values(r, n * count, dtype, op)
+        before = full.copy()
+        out = np.empty(count, dtype=dtype)
+        dist.reduce_scatter_tensor(out, full, op=op)
+        want = expected_reduction(n, n * count, dtype, op)[r * count:(r + 1) * count]
+        check(out, want, f"reduce_scatter_tensor {op.name} x{count}")
+        check(full, before, "reduce_scatter_tensor input untouched")
+        out2 = np.empty(count, dtype=dtype)
+        dist.reduce_scatter(out2, [full[k * count:(k + 1) * count] for k in range(n)], op=op)
+        check(out2, want, f"reduce_scatter {op.name} x{count}")
+
+
+RS_CASES = [(op, d) for op, d in OP_DTYPES if op in (ReduceOp.SUM, ReduceOp.AVG,
+                                                     ReduceOp.PRODUCT, ReduceOp.MIN,
+                                                     ReduceOp.BOR)]
+
+
+@pytest.mark.parametrize("op,dtype", RS_CASES, ids=[f"{o.name}-{d}" for o, d in RS_CASES])
+def test_reduce_scatter(world, op, dtype):
+    world.run(_reduce_scatter, int(op), dtype)
+
+
+def _all_to_all(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    # equal splits along dim 0 of a 2-D array
+    rows = 2 * n
+    inp = values(r, rows * 3, dtype).reshape(rows, 3)
+    out = np.empty_like(inp)
+    dist.all_to_all_single(out, inp)
+    for k in range(n):
+        theirs = values(k, rows * 3, dtype).reshape(rows, 3)
+        check(out[2 * k:2 * k + 2], theirs[2 * r:2 * r + 2], f"all_to_all_single from {k}")
+    # uneven splits: rank r sends (r + j) % 3 rows to rank j
+    in_splits = [(r + j) % 3 for j in range(n)]
+    out_splits = [(k + r) % 3 for k in range(n)]
+    inp = values(r + 100, sum(in_splits) * 2, dtype).reshape(-1, 2)
+    out = np.empty((sum(out_splits), 2), dtype=dtype)
+    dist.all_to_all_single(out, inp, out_splits, in_splits)
+    at = 0
+    for k in range(n):
+        theirs = values(k + 100, sum((k + j) % 3 for j in range(n)) * 2, dtype).reshape(-1, 2)
+        start = sum((k + j) % 3 for j in range(r))
+        piece = theirs[start:start + out_splits[k]]
+        check(out[at:at + out_splits[k]], piece, f"uneven all_to_all_single from {k}")
+        at += out_splits[k]
+    # list form with differently sized pieces
+    send = [values(r * n + j, j + 1, dtype) for j in range(n)]
+    recv = [np.empty(r + 1, dtype=dtype) for _ in range(n)]
+    dist.all_to_all(recv, send)
+    for k in range(n):
+        check(recv[k], values(k * n + r, r + 1, dtype), f"all_to_all from {k}")
+    work = dist.all_to_all(recv, send, async_op=True)
+    work.wait()
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint64", "float16", "float64",
+                                   "complex128"])
+def test_all_to_all(world, dtype):
+    world.run(_all_to_all, dtype)
+
+
+def _barriers() -> None:
+    n = dist.get_world_size()
+    for _ in range(3):
+        dist.barrier()
+    dist.barrier(async_op=True).wait()
+    dist.monitored_barrier(timeout=30)
+    dist.monitored_barrier(timeout=30, wait_all_ranks=True)
+    return n
+
+
+def test_barriers(world):
+    assert world.run(_barriers) == [world.size] * world.size
+
+
+def _point_to_point(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    if n == 1:
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    for count in (0, 1, 50_000):
+        # both sides post the receive first, then send: must not deadlock
+        buf = np.empty(count, dtype=dtype)
+        work = dist.irecv(buf, src=left, tag=7)
+        dist.send(values(r, count, dtype), dst=right, tag=7)
+        work.wait()
+        check(buf, values(left, count, dtype), f"irecv x{count}")
+        assert work.source_rank() == left
+    # messages with different tags are matched by tag, same tag in order
+    if r == 0:
+        for k in range(3):
+            dist.send(np.full(2, k, dtype=dtype), dst=1, tag=1)
+        dist.send(np.full(2, 9, dtype=dtype), dst=1, tag=2)
+    elif r == 1:
+        late = np.empty(2, dtype=dtype)
+        assert dist.recv(late, src=0, tag=2) == 0
+        check(late, np.full(2, 9, dtype=dtype), "tag 2")
+        for k in range(3):
+            got = np.empty(2, dtype=dtype)
+            dist.recv(got, src=0, tag=1)
+            check(got, np.full(2, k, dtype=dtype), f"tag 1 #{k}")
+    # any-source: rank 0 hears from every other rank, in whatever order they arrive
+    if r == 0:
+        heard = set()
+        for _ in range(n - 1):
+            got = np.empty(3, dtype=dtype)
+            sender = dist.recv(got, tag=5)
+            check(got, values(sender, 3, dtype), f"any-source from {sender}")
+            heard.add(sender)
+        assert heard == set(range(1, n))
+    else:
+        dist.send(values(r, 3, dtype), dst=0, tag=5)
+    # batch_isend_irecv ring exchange
+    out = np.empty(4, dtype=dtype)
+    ops = [dist.P2POp(dist.isend, values(r, 4, dtype), right),
+           dist.P2POp(dist.irecv, out, left)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    check(out, values(left, 4, dtype), "batch_isend_irecv")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int16", "uint32", "float32", "complex64"])
+def test_point_to_point(world, dtype):
+    world.run(_point_to_point, dtype)
+
+
+class _Opaque:
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Opaque) and other.value == self.value
+
+
+def _objects() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    payload = {"rank": r, "blob": "x" * (r * 1000), "obj": _Opaque(r), "arr": np.arange(r)}
+    gathered = [None] * n
+    dist.all_gather_object(gathered, payload)
+    for k, item in enumerate(gathered):
+        assert item["rank"] == k and item["obj"] == _Opaque(k) and len(item["blob"]) == k * 1000
+    objects = [1, "two", {"three": 3}] if r == n - 1 else [None, None, None]
+    dist.broadcast_object_list(objects, src=n - 1)
+    assert objects == [1, "two", {"three": 3}]
+    slots = [None] * n if r == 0 else None
+    dist.gather_object(("from", r), slots, dst=0)
+    if r == 0:
+        assert slots == [("from", k) for k in range(n)]
+    out = [None]
+    dist.scatter_object_list(out, [f"item {k}" * (k + 1) for k in range(n)] if r == 0 else None)
+    assert out == [f"item {r}" * (r + 1)]
+    if n > 1:
+        if r == 0:
+            dist.send_object_list([{"a": 1}, [2, 3]], dst=1)
+        elif r == 1:
+            got = [None, None]
+            assert dist.recv_object_list(got) == 0
+            assert got == [{"a": 1}, [2, 3]]
+    dist.barrier()
+
+
+def test_object_collectives(world):
+    world.run(_objects)
+
+
+def _subgroups() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    evens = [k for k in range(n) if k % 2 == 0]
+    group = dist.new_group(ranks=list(reversed(evens)))
+    try:
+        assert dist.get_process_group_ranks(group) == evens
+        if r in evens:
+            assert dist.get_rank(group) == evens.index(r)
+            assert dist.get_world_size(group) == len(evens)
+            assert dist.get_global_rank(group, dist.get_rank(group)) == r
+            assert dist.get_group_rank(group, r) == evens.index(r)
+            x = np.full(5, r + 1, dtype=np.int32)
+            dist.all_reduce(x, group=group)
+            check(x, np.full(5, sum(k + 1 for k in evens), dtype=np.int32), "subgroup sum")
+            y = np.full(3, r, dtype=np.float64)
+            dist.broadcast(y, src=evens[-1], group=group)  # src is a global rank
+            check(y, np.full(3, evens[-1], dtype=np.float64), "subgroup broadcast")
+            z = np.full(3, r, dtype=np.float64)
+            dist.broadcast(z, group=group, group_src=0)
+            check(z, np.zeros(3), "subgroup group_src")
+            objs = [None] * len(evens)
+            dist.all_gather_object(objs, r, group=group)
+            assert objs == evens
+        else:
+            assert dist.get_rank(group) == -1
+            assert dist.get_world_size(group) == -1
+            try:
+                dist.all_reduce(np.zeros(3), group=group)
+            except ValueError as exc:
+                assert "not a member" in str(exc)
+            else:
+                raise AssertionError("a non-member's all_reduce did not raise")
+        # the world still works while the subgroup exists
+        w = np.ones(2)
+        dist.all_reduce(w)
+        check(w, np.full(2, float(n)), "world after subgroup")
+    finally:
+        if r in evens:
+            dist.destroy_process_group(group)
+    dist.barrier()
+
+
+def test_subgroups(world):
+    world.run(_subgroups)
+
+
+class _DLPackOnly:
+    """Exposes a numpy array through the DLPack protocol only (like a CPU torch tensor)."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def _dlpack() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    base = np.full(4, r + 1, dtype=np.float32)
+    wrapped = _DLPackOnly(base)
+    if np.from_dlpack(wrapped).flags.writeable:
+        dist.all_reduce(wrapped)
+        check(base, np.full(4, n * (n + 1) / 2, dtype=np.float32), "all_reduce via DLPack")
+    out = np.empty(4 * n, dtype=np.float32)
+    dist.all_gather_into_tensor(out, _DLPackOnly(np.full(4, r, dtype=np.float32)))
+    check(out, np.repeat(np.arange(n, dtype=np.float32), 4), "DLPack input")
+
+
+def test_dlpack_arrays(world):
+    world.run(_dlpack)
