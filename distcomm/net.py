@@ -125,7 +125,7 @@ def recv_exact(sock: socket.socket, size: int, deadline: Deadline, what: str) ->
         sock.settimeout(left)
         try:
             chunk = sock.recv(size - len(data))
-        except socket.timeout:
+        except TimeoutError:
             raise DistNetworkError(f"timed out reading from {what}") from None
         except OSError as exc:
             raise DistNetworkError(f"reading from {what} failed: {exc}") from exc

@@ -9,7 +9,7 @@ from datetime import timedelta
 from ..config import DEFAULT_STORE_TIMEOUT
 from ..deadline import to_seconds
 
-__all__ = ["Store", "to_bytes", "check_key"]
+__all__ = ["Store", "check_key", "to_bytes"]
 
 
 def to_bytes(value: str | bytes | bytearray | memoryview, name: str = "value") -> bytes:
@@ -113,7 +113,7 @@ class Store(ABC):
                 f"multi_set needs as many values as keys, got {len(keys)} keys "
                 f"and {len(values)} values"
             )
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             self.set(key, value)
 
     def close(self) -> None:  # noqa: B027 - optional hook, stores without resources keep it

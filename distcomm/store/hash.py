@@ -1,0 +1,234 @@
+"""HashStore: an in-process key-value store, and the value rules every store shares."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+
+from ..deadline import Deadline, to_seconds
+from ..errors import DistStoreError, DistStoreTimeoutError
+from .base import Store, check_key, to_bytes
+
+__all__ = [
+    "HashStore",
+    "add_value",
+    "check_amount",
+    "check_keys",
+    "check_values",
+    "compare_set_value",
+    "timeout_error",
+]
+
+
+def add_value(key: str, current: bytes | None, amount: int) -> bytes:
+    """The decimal counter value `add(key, amount)` stores when `key` holds `current`.
+
+    Raises:
+        DistStoreError: `current` is not a decimal integer.
+    """
+    if current is None:
+        return str(amount).encode()
+    try:
+        number = int(current)
+    except ValueError:
+        shown = current[:40]
+        raise DistStoreError(
+            f"store key {key!r} holds {shown!r}, which is not an integer: add() only works on "
+            "keys created by add() or set to decimal text"
+        ) from None
+    return str(number + amount).encode()
+
+
+def compare_set_value(
+    current: bytes | None, expected: bytes, desired: bytes
+) -> tuple[bytes | None, bytes]:
+    """torch's compare_set rule: (the value to store, or None to store nothing; the result).
+
+    A missing key with an empty `expected` is set to `desired`; a key holding `expected`
+    is set to `desired`; otherwise nothing changes and the result is the current value,
+    or `expected` itself when the key is missing.
+    """
+    if (current is None and not expected) or current == expected:
+        return desired, desired
+    if current is None:
+        return None, expected
+    return None, current
+
+
+def timeout_error(missing: Sequence[str], seconds: float, where: str) -> DistStoreTimeoutError:
+    """The error for keys that did not appear: names them, the time waited and the store."""
+    if len(missing) == 1:
+        what = f"key {missing[0]!r} was not set"
+    else:
+        what = f"keys {list(missing)!r} were not set"
+    return DistStoreTimeoutError(
+        f"{what} within {seconds:.1f} s in {where} (did the process that sets it fail, "
+        "or does it need a longer timeout?)"
+    )
+
+
+def check_keys(keys: Sequence[str]) -> list[str]:
+    """Validate a sequence of keys (a lone str is refused: it is almost always a mistake).
+
+    Raises:
+        TypeError: `keys` is a str, or holds a non-str.
+        ValueError: a key is empty.
+    """
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(
+            f"keys must be a list of str, got the single {type(keys).__name__} {keys!r}"
+        )
+    return [check_key(key) for key in keys]
+
+
+def check_amount(amount: int) -> int:
+    """Validate an add() amount.
+
+    Raises:
+        TypeError: `amount` is not an int.
+    """
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise TypeError(f"add() amount must be an int, got {type(amount).__name__}")
+    return amount
+
+
+def check_values(keys: list[str], values: Sequence[str | bytes]) -> list[bytes]:
+    """The values of a multi_set as bytes, one per key.
+
+    Raises:
+        ValueError: the lengths differ.
+        TypeError: a value is neither str nor bytes.
+    """
+    if isinstance(values, (str, bytes)) or len(keys) != len(values):
+        count = "a single value" if isinstance(values, (str, bytes)) else f"{len(values)} values"
+        raise ValueError(
+            f"multi_set needs a list with one value per key, got {len(keys)} keys and {count}"
+        )
+    return [to_bytes(value) for value in values]
+
+
+class HashStore(Store):
+    """A store held in this process's memory, shared by its threads (torch's HashStore).
+
+    Waiting methods block on a condition variable and honour the store timeout.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+
+    def _wait_for(self, keys: list[str], timeout: float) -> None:
+        """Wait (holding the condition) until every key is set; raise once `timeout` passes."""
+        deadline = Deadline(timeout)
+        while True:
+            missing = [key for key in keys if key not in self._data]
+            if not missing:
+                return
+            left = deadline.remaining()
+            if not left:
+                raise timeout_error(missing, timeout, "the HashStore")
+            self._cond.wait(left)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Store `value` under `key`, replacing any previous value."""
+        check_key(key)
+        data = to_bytes(value)
+        with self._cond:
+            self._data[key] = data
+            self._cond.notify_all()
+
+    def get(self, key: str) -> bytes:
+        """The value of `key`, waiting up to the store timeout for it to be set.
+
+        Raises:
+            DistStoreTimeoutError: the key was not set in time.
+        """
+        check_key(key)
+        with self._cond:
+            self._wait_for([key], self._timeout)
+            return self._data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        """Add `amount` to the counter `key` (created at 0); returns the new value.
+
+        Raises:
+            DistStoreError: the key holds something other than an integer.
+        """
+        check_key(key)
+        amount = check_amount(amount)
+        with self._cond:
+            value = add_value(key, self._data.get(key), amount)
+            self._data[key] = value
+            self._cond.notify_all()
+            return int(value)
+
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        """Atomically set `key` to `desired_value` if it holds `expected_value` (see Store)."""
+        check_key(key)
+        expected = to_bytes(expected_value, "expected_value")
+        desired = to_bytes(desired_value, "desired_value")
+        with self._cond:
+            new, result = compare_set_value(self._data.get(key), expected, desired)
+            if new is not None:
+                self._data[key] = new
+                self._cond.notify_all()
+            return result
+
+    def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
+        """Block until every key in `keys` is set, up to `timeout` (default: the store's).
+
+        Raises:
+            DistStoreTimeoutError: names the keys still missing.
+        """
+        names = check_keys(keys)
+        seconds = self._timeout if timeout is None else to_seconds(timeout)
+        with self._cond:
+            self._wait_for(names, seconds)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key in `keys` is set, without waiting."""
+        names = check_keys(keys)
+        with self._cond:
+            return all(key in self._data for key in names)
+
+    def delete_key(self, key: str) -> bool:
+        """Delete `key`; returns whether it existed."""
+        check_key(key)
+        with self._cond:
+            return self._data.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        """The number of keys in the store."""
+        with self._cond:
+            return len(self._data)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append `value` to the value of `key` (created empty)."""
+        check_key(key)
+        data = to_bytes(value)
+        with self._cond:
+            self._data[key] = self._data.get(key, b"") + data
+            self._cond.notify_all()
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of `keys`, waiting up to the store timeout for all of them.
+
+        Raises:
+            DistStoreTimeoutError: names the keys still missing.
+        """
+        names = check_keys(keys)
+        with self._cond:
+            self._wait_for(names, self._timeout)
+            return [self._data[key] for key in names]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        """Set each key of `keys` to the value at the same position of `values`, atomically."""
+        names = check_keys(keys)
+        datas = check_values(names, values)
+        with self._cond:
+            self._data.update(zip(names, datas, strict=True))
+            self._cond.notify_all()

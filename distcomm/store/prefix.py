@@ -1,0 +1,104 @@
+"""PrefixStore: a namespace inside another store (every key becomes "prefix/key")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+from .base import Store, check_key
+from .hash import check_keys
+
+__all__ = ["PrefixStore"]
+
+
+class PrefixStore(Store):
+    """A view of `store` in which every key is stored as f"{prefix}/{key}" (torch's PrefixStore).
+
+    The timeout is the underlying store's (reading and setting it both go there) and
+    `num_keys` counts every key of the underlying store, as torch does. `close()` leaves
+    the underlying store open: it usually serves other users too.
+
+    Args:
+        prefix: the namespace.
+        store: the store that holds the data.
+
+    Raises:
+        TypeError: `prefix` is not a str or `store` is not a Store.
+    """
+
+    def __init__(self, prefix: str, store: Store) -> None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"PrefixStore prefix must be a str, got {type(prefix).__name__}")
+        if not isinstance(store, Store):
+            raise TypeError(
+                f"PrefixStore needs a distcomm Store to wrap, got {type(store).__name__}"
+            )
+        self.prefix = prefix
+        self.underlying_store = store
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{check_key(key)}"
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:
+        return [f"{self.prefix}/{key}" for key in check_keys(keys)]
+
+    @property
+    def timeout(self) -> timedelta:
+        """The default timeout of waiting operations: the underlying store's."""
+        return self.underlying_store.timeout
+
+    def set_timeout(self, timeout: float | timedelta) -> None:
+        """Set the underlying store's default timeout (seconds or timedelta)."""
+        self.underlying_store.set_timeout(timeout)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Store `value` under `key`, replacing any previous value."""
+        self.underlying_store.set(self._key(key), value)
+
+    def get(self, key: str) -> bytes:
+        """The value of `key`, waiting up to the store timeout for it to be set."""
+        return self.underlying_store.get(self._key(key))
+
+    def add(self, key: str, amount: int) -> int:
+        """Add `amount` to the counter `key` (created at 0); returns the new value."""
+        return self.underlying_store.add(self._key(key), amount)
+
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        """Atomically set `key` to `desired_value` if it holds `expected_value` (see Store)."""
+        return self.underlying_store.compare_set(self._key(key), expected_value, desired_value)
+
+    def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
+        """Block until every key in `keys` is set, up to `timeout` (default: the store's)."""
+        self.underlying_store.wait(self._keys(keys), timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key in `keys` is set, without waiting."""
+        return self.underlying_store.check(self._keys(keys))
+
+    def delete_key(self, key: str) -> bool:
+        """Delete `key`; returns whether it existed."""
+        return self.underlying_store.delete_key(self._key(key))
+
+    def num_keys(self) -> int:
+        """The number of keys in the underlying store (all prefixes), as torch counts."""
+        return self.underlying_store.num_keys()
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append `value` to the value of `key` (created empty)."""
+        self.underlying_store.append(self._key(key), value)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of `keys`, waiting for each as `get` does."""
+        return self.underlying_store.multi_get(self._keys(keys))
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        """Set each key of `keys` to the value at the same position of `values`."""
+        self.underlying_store.multi_set(self._keys(keys), values)
+
+    def close(self) -> None:
+        """Nothing to release: the underlying store stays open for its other users."""
+
+    def __repr__(self) -> str:
+        return f"PrefixStore({self.prefix!r}, {self.underlying_store!r})"
