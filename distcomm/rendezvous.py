@@ -1,0 +1,551 @@
+"""Rendezvous: turn an init_method or a launcher's environment into (store, rank, world size).
+
+`rendezvous()` is what `init_process_group` calls. It understands torch's init methods,
+``env://`` (the default), ``tcp://HOST:PORT`` (``tcp://[V6ADDR]:PORT`` too) and
+``file:///PATH``, each accepting ``?rank=R&world_size=N``, and fills in what the caller
+left out from the variables that launchers export. Each value is looked up on its own;
+the first source that holds it wins:
+
+    rank           rank= argument, ?rank= in the URL, RANK (torch style),
+                   OMPI_COMM_WORLD_RANK (Open MPI), PMIX_RANK (PMIx),
+                   PMI_RANK (MPICH/Hydra, Intel MPI), SLURM_PROCID (Slurm)
+    world size     world_size= argument, ?world_size=, WORLD_SIZE, OMPI_COMM_WORLD_SIZE,
+                   PMI_SIZE, SLURM_STEP_NUM_TASKS, SLURM_NTASKS. PMIx exports no size
+                   variable (its clients ask the PMIx server), so under PMIx the size
+                   comes from the launcher's other variables (Open MPI's, Slurm's).
+    local rank     LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID
+    local size     LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, then
+                   the entry of SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE
+                   (``2(x3),1``) at SLURM_NODEID, then SLURM_NTASKS_PER_NODE
+    store address  the tcp:// host, MASTER_ADDR, then in a Slurm job the first node of
+                   SLURM_STEP_NODELIST when srun started the ranks (the rank came from
+                   SLURM_PROCID), else of SLURM_JOB_NODELIST or SLURM_NODELIST
+    store port     the tcp:// port, MASTER_PORT, then in a Slurm job `slurm_port`:
+                   12000 + 10 * (SLURM_JOB_ID % 2000) + SLURM_STEP_ID % 10, the step term
+                   only when srun started the ranks
+
+Step-level Slurm variables are used only for ranks srun started: ranks that mpirun starts
+inside a batch job see the batch step's variables on the first node and a daemon step's
+elsewhere, while the job-level ones agree everywhere. The derived port lies in
+12000-31999, below Linux's ephemeral range (32768-60999), so no outgoing connection holds
+it; jobs whose ids are equal modulo 2000 and share a first node collide: set MASTER_PORT.
+
+For ``env://`` and ``tcp://``, rank 0 hosts the TCPStore at the address and waits for the
+world to connect; the others connect. With DISTCOMM_USE_AGENT_STORE=1 (a launcher already
+serves the store there) every rank connects, rank 0 included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import urlsplit, urlunsplit
+
+from . import config
+from .deadline import to_seconds
+from .errors import DistError, DistNetworkError, DistStoreError
+from .net import format_address
+from .store import FileStore, Store, TCPStore
+
+__all__ = ["EnvInfo", "InitMethod", "Rendezvous", "detect_environment", "expand_nodelist",
+           "parse_init_method", "rendezvous", "slurm_port"]
+
+# Per value, (variable, launcher) in precedence order.
+_RANK_VARS = (("RANK", "torch style"), ("OMPI_COMM_WORLD_RANK", "Open MPI"),
+              ("PMIX_RANK", "PMIx"), ("PMI_RANK", "MPICH"), ("SLURM_PROCID", "Slurm"))
+_SIZE_VARS = (("WORLD_SIZE", "torch style"), ("OMPI_COMM_WORLD_SIZE", "Open MPI"),
+              ("PMI_SIZE", "MPICH"), ("SLURM_STEP_NUM_TASKS", "Slurm"), ("SLURM_NTASKS", "Slurm"))
+_LOCAL_RANK_VARS = (("LOCAL_RANK", "torch style"), ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"),
+                    ("MPI_LOCALRANKID", "MPICH"), ("SLURM_LOCALID", "Slurm"))
+_LOCAL_SIZE_VARS = (("LOCAL_WORLD_SIZE", "torch style"),
+                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"), ("MPI_LOCALNRANKS", "MPICH"))
+_LAUNCHER_PREFIXES = (("OMPI_", "Open MPI"), ("PMIX_", "PMIx"), ("PMI_", "MPICH"),
+                      ("MPI_LOCAL", "MPICH"), ("SLURM_", "Slurm"))
+_SCHEMES = "env:// (the default: MASTER_ADDR, MASTER_PORT), tcp://HOST:PORT or file:///PATH"
+_MAX_RANGE = 65536        # hosts in one lo-hi range (Slurm's limit)
+_MAX_HOSTS = 1 << 20      # hosts in one node list
+_SLURM_PORT_BASE = 12000
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """What the arguments and the environment say about this process's place in the job.
+
+    Attributes:
+        rank, world_size, local_rank, local_world_size: None where nothing said.
+        master_addr, master_port: where the store is served; None where unknown.
+        sources: (value name, where it came from) pairs: a variable name such as
+            ``OMPI_COMM_WORLD_RANK``, or ``rank= argument``, ``tcp:// URL``, ...
+    """
+
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def source_of(self, name: str) -> str | None:
+        """Where the value `name` (``"rank"``, ``"master_port"``, ...) came from, or None."""
+        return dict(self.sources).get(name)
+
+    @property
+    def launcher(self) -> str | None:
+        """The launcher whose variable gave the rank ("Open MPI", "Slurm", ...), or None."""
+        source = self.source_of("rank")
+        return None if source is None else _launcher_of(source)
+
+
+@dataclass(frozen=True)
+class InitMethod:
+    """A parsed init_method URL; `url` is the URL without its query, for messages."""
+
+    scheme: str
+    url: str
+    host: str | None = None
+    port: int | None = None
+    path: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """The outcome of a rendezvous: a store shared by the job and this process's place.
+
+    Attributes:
+        store: the job's store; the caller owns it and closes it.
+        rank, world_size: this process's rank and the number of processes.
+        local_rank, local_world_size: the same on this host, None when unknown.
+        master_addr, master_port: the TCPStore's address (None for file:// and store=).
+        source: how it was found, for messages: "env://", "tcp://h:p", "file:///p",
+            "store", or the launcher that gave the rank ("Open MPI", "Slurm", ...).
+    """
+
+    store: Store
+    rank: int
+    world_size: int
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    source: str = "env://"
+
+
+def _launcher_of(source: str) -> str | None:
+    for prefix, launcher in _LAUNCHER_PREFIXES:
+        if source.startswith(prefix):
+            return launcher
+    if source in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT"):
+        return "torch style"
+    return None
+
+
+def _describe(source: str) -> str:
+    launcher = _launcher_of(source)
+    return source if launcher is None else f"{source} ({launcher})"
+
+
+def _parse_int(name: str, raw: str) -> int:
+    text = raw.strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise ValueError(f"{name}={raw!r} is not an integer: set {name} to a whole number")
+    return int(text)
+
+
+def _optional_int(name: str, value: object, lowest: int) -> int | None:
+    """An explicit rank/world_size argument: None or -1 mean 'not given'."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value == -1:
+        return None
+    if value < lowest:
+        raise ValueError(f"{name}={value} is invalid: pass a value >= {lowest}, or -1 (the "
+                         f"default) to take it from the environment")
+    return int(value)
+
+
+# -- Slurm node lists -------------------------------------------------------------------------
+
+
+def _bad_nodelist(spec: str, problem: str) -> ValueError:
+    return ValueError(f"malformed Slurm node list {spec!r}: {problem}; expected names such as "
+                      f"node[01-04,07], gpu-a[1-2],gpu-b3 or host1,host2")
+
+
+def _range_values(spec: str, body: str) -> list[str]:
+    values: list[str] = []
+    for item in body.split(","):
+        match = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", item)
+        if match is None:
+            raise _bad_nodelist(spec, f"[{body}] holds {item!r}, not a number or a range lo-hi")
+        lo_text, hi_text = match.groups()
+        lo, hi = int(lo_text), int(hi_text if hi_text is not None else lo_text)
+        if hi < lo:
+            raise _bad_nodelist(spec, f"range {item!r} runs backwards")
+        if hi - lo + 1 > _MAX_RANGE:
+            raise _bad_nodelist(spec, f"range {item!r} holds more than {_MAX_RANGE} hosts")
+        values.extend(f"{n:0{len(lo_text)}d}" for n in range(lo, hi + 1))
+    return values
+
+
+def _expand_token(spec: str, token: str) -> list[str]:
+    pieces = re.split(r"\[([^\[\]]*)\]", token)
+    literals, groups = pieces[0::2], [_range_values(spec, body) for body in pieces[1::2]]
+    if math.prod(len(g) for g in groups) > _MAX_HOSTS:
+        raise _bad_nodelist(spec, f"{token!r} names more than {_MAX_HOSTS} hosts")
+    # Slurm's hostlist expands the last group innermost and the groups before it from right
+    # to left, outermost first: a[1-2]b[3-4]c[5-6] gives a1b3c5 a1b3c6 a2b3c5 a2b3c6 a1b4c5...
+    order = [*range(len(groups) - 2, -1, -1), len(groups) - 1] if groups else []
+    hosts = []
+    for combo in itertools.product(*(groups[i] for i in order)):
+        chosen = dict(zip(order, combo, strict=True))
+        hosts.append("".join(lit + chosen.get(i, "") for i, lit in enumerate(literals)))
+    return hosts
+
+
+def expand_nodelist(spec: str) -> list[str]:
+    """Expand a Slurm node list (``node[01-04,07]``) into host names, as scontrol would.
+
+    Names are separated by commas or whitespace outside brackets; a bracket holds numbers
+    and lo-hi ranges, zero padded to the width of lo; a name may hold several bracket
+    groups (``rack[1-2]-node[01-02]``), expanded in Slurm's order, and a suffix after the
+    last one (``n[001-003]-ib``).
+
+    Raises:
+        TypeError: `spec` is not a str.
+        ValueError: `spec` is malformed (unbalanced or nested brackets, a bad range).
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"a Slurm node list must be a str, got {type(spec).__name__}")
+    if not re.fullmatch(r"[^\[\]]*(?:\[[^\[\]]*\][^\[\]]*)*", spec):
+        raise _bad_nodelist(spec, "its brackets are unbalanced or nested")
+    hosts: list[str] = []
+    for token in filter(None, re.split(r"[,\s]+(?![^\[]*\])", spec)):
+        hosts.extend(_expand_token(spec, token))
+        if len(hosts) > _MAX_HOSTS:
+            raise _bad_nodelist(spec, f"it names more than {_MAX_HOSTS} hosts")
+    return hosts
+
+
+def slurm_port(job_id: int, step_id: int | None = None) -> int:
+    """The store port derived from a Slurm job: 12000 + 10*(job_id % 2000) + step_id % 10."""
+    return _SLURM_PORT_BASE + 10 * (job_id % 2000) + (0 if step_id is None else step_id % 10)
+
+
+def _slurm_local_size(env: Mapping[str, str]) -> tuple[int, str] | None:
+    node_raw = env.get("SLURM_NODEID", "").strip()
+    node = _parse_int("SLURM_NODEID", node_raw) if node_raw else None
+    for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if not (raw := env.get(var, "").strip()):
+            continue
+        counts: list[int] = []
+        for item in raw.split(","):  # "2(x3),1" is 2, 2, 2, 1
+            match = re.fullmatch(r"\s*([0-9]+)(?:\(x([0-9]+)\))?\s*", item)
+            if match is None:
+                raise ValueError(f"{var}={raw!r} is malformed: expected counts such as 2(x3),1")
+            counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+        if node is None:
+            if len(set(counts)) == 1:
+                return counts[0], var
+            continue
+        if not 0 <= node < len(counts):
+            raise ValueError(f"SLURM_NODEID={node} has no entry in {var}={raw!r} (it lists "
+                             f"{len(counts)} nodes): are both from the same job step?")
+        return counts[node], var
+    raw = env.get("SLURM_NTASKS_PER_NODE", "").strip()
+    return (_parse_int("SLURM_NTASKS_PER_NODE", raw), "SLURM_NTASKS_PER_NODE") if raw else None
+
+
+# -- environment detection --------------------------------------------------------------------
+
+
+def _detect(env: Mapping[str, str], given: Mapping[str, tuple[object, str]],
+            with_master: bool) -> EnvInfo:
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    for name, table in (("rank", _RANK_VARS), ("world_size", _SIZE_VARS),
+                        ("local_rank", _LOCAL_RANK_VARS), ("local_world_size", _LOCAL_SIZE_VARS)):
+        if name in given:
+            values[name], sources[name] = given[name]
+        elif found := next((var for var, _ in table if env.get(var, "").strip()), None):
+            values[name], sources[name] = _parse_int(found, env[found]), found
+    if "local_world_size" not in values and (slurm := _slurm_local_size(env)) is not None:
+        values["local_world_size"], sources["local_world_size"] = slurm
+    for name, lowest in (("rank", 0), ("world_size", 1), ("local_rank", 0),
+                         ("local_world_size", 1)):
+        if name in values and values[name] < lowest:  # type: ignore[operator]
+            raise ValueError(f"{name} {values[name]} from {_describe(sources[name])} is "
+                             f"invalid: it must be >= {lowest}")
+    for low, high in (("rank", "world_size"), ("local_rank", "local_world_size")):
+        if low in values and high in values and values[low] >= values[high]:  # type: ignore[operator]
+            raise ValueError(
+                f"{low} {values[low]} (from {_describe(sources[low])}) is out of range for "
+                f"{high} {values[high]} (from {_describe(sources[high])}): it must run from "
+                f"0 to {high} - 1; check that every process was started with the same size")
+    if with_master:
+        _detect_master(env, given, values, sources)
+    return EnvInfo(**values, sources=tuple(sources.items()))  # type: ignore[arg-type]
+
+
+def _detect_master(env: Mapping[str, str], given: Mapping[str, tuple[object, str]],
+                   values: dict[str, object], sources: dict[str, str]) -> None:
+    srun = sources.get("rank") == "SLURM_PROCID"
+    if "master_addr" in given:
+        values["master_addr"], sources["master_addr"] = given["master_addr"]
+    elif env.get("MASTER_ADDR", "").strip():
+        values["master_addr"], sources["master_addr"] = env["MASTER_ADDR"].strip(), "MASTER_ADDR"
+    else:
+        lists = ("SLURM_STEP_NODELIST",) * srun + ("SLURM_JOB_NODELIST", "SLURM_NODELIST")
+        for var in lists:
+            raw = env.get(var, "").strip()
+            if raw:
+                try:
+                    hosts = expand_nodelist(raw)
+                except ValueError as exc:
+                    raise ValueError(f"{var}: {exc}") from None
+                if hosts:
+                    values["master_addr"], sources["master_addr"] = hosts[0], var
+                    break
+    if "master_port" in given:
+        values["master_port"], sources["master_port"] = given["master_port"]
+    elif env.get("MASTER_PORT", "").strip():
+        values["master_port"] = _parse_int("MASTER_PORT", env["MASTER_PORT"])
+        sources["master_port"] = "MASTER_PORT"
+    elif env.get("SLURM_JOB_ID", "").strip():
+        job = _parse_int("SLURM_JOB_ID", env["SLURM_JOB_ID"])
+        step_raw = env.get("SLURM_STEP_ID", "").strip() if srun else ""
+        step = _parse_int("SLURM_STEP_ID", step_raw) if step_raw else None
+        values["master_port"], sources["master_port"] = slurm_port(job, step), "SLURM_JOB_ID"
+    port = values.get("master_port")
+    if port is not None and not 1 <= port <= 65535:  # type: ignore[operator]
+        raise ValueError(f"store port {port} from {_describe(sources['master_port'])} is out "
+                         f"of range: use a TCP port from 1 to 65535")
+
+
+def detect_environment(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
+                       world_size: int | None = None, master_addr: str | None = None,
+                       master_port: int | None = None, with_master: bool = True) -> EnvInfo:
+    """What `environ` (default os.environ) says about this process, per the module's table.
+
+    Values passed explicitly win over the environment, which is then not read for them.
+    Values found nowhere are None; `rendezvous` turns those it needs into errors.
+
+    Args:
+        with_master: also look for the store's address and port.
+
+    Raises:
+        ValueError: a variable holds no integer, or values are out of range (rank not
+            below the world size, a port outside 1..65535), naming the variables.
+    """
+    given: dict[str, tuple[object, str]] = {}
+    for name, value, lowest in (("rank", rank, 0), ("world_size", world_size, 1)):
+        if (checked := _optional_int(name, value, lowest)) is not None:
+            given[name] = (checked, f"{name}= argument")
+    if master_addr is not None:
+        given["master_addr"] = (master_addr, "master_addr= argument")
+    if master_port is not None:
+        given["master_port"] = (master_port, "master_port= argument")
+    return _detect(os.environ if environ is None else environ, given, with_master)
+
+
+def _require(info: EnvInfo, name: str) -> object:
+    value = getattr(info, name)
+    if value is not None:
+        return value
+    if name in ("rank", "world_size"):
+        names = [f"{var} ({launcher})" for var, launcher in
+                 (_RANK_VARS if name == "rank" else _SIZE_VARS)]
+        note = " (PMIx exports no size variable)" if name == "world_size" else ""
+        message = (f"cannot determine the {name.replace('_', ' ')}: pass {name}= to "
+                   f"init_process_group, or set {', '.join(names[:-1])} or {names[-1]}{note}; "
+                   f"a tcp:// or file:// URL may also carry ?{name}=")
+    elif name == "master_addr":
+        message = ("cannot determine the store address: set MASTER_ADDR to the host name or "
+                   "IP address of rank 0's host (looked for MASTER_ADDR, then for "
+                   "SLURM_STEP_NODELIST, SLURM_JOB_NODELIST or SLURM_NODELIST), or use "
+                   "init_method='tcp://HOST:PORT'")
+    else:
+        message = ("cannot determine the store port: set MASTER_PORT to a free TCP port on rank "
+                   "0's host (looked for MASTER_PORT, then for SLURM_JOB_ID to derive one), or "
+                   "use init_method='tcp://HOST:PORT'")
+    raise ValueError(message)
+
+
+# -- init_method URLs ---------------------------------------------------------------------
+
+
+def _parse_query(url: str, query: str) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for item in filter(None, query.split("&")):
+        key, sep, value = item.partition("=")
+        if key == "use_libuv":
+            continue  # torch's TCPStore implementation switch: nothing to choose here
+        if not sep or key not in ("rank", "world_size"):
+            raise ValueError(f"init_method {url!r}: query item {item!r} is not understood; "
+                             f"only rank=R and world_size=N may follow the '?'")
+        if key in found:
+            raise ValueError(f"init_method {url!r} gives {key} twice: give it once")
+        found[key] = _parse_int(f"?{key}", value)
+    return found
+
+
+def parse_init_method(url: str) -> InitMethod:
+    """Parse an init_method URL: env://, tcp://HOST:PORT, file:///PATH, each with an optional
+    ``?rank=R&world_size=N``.
+
+    Raises:
+        TypeError: `url` is not a str.
+        ValueError: the scheme is unknown or the URL lacks what its scheme needs.
+    """
+    if not isinstance(url, str):
+        raise TypeError(f"init_method must be a str URL such as {_SCHEMES}, got "
+                        f"{type(url).__name__}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"init_method {url!r} is not a valid URL ({exc}): use {_SCHEMES}"
+                         ) from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("env", "tcp", "file"):
+        raise ValueError(f"init_method {url!r} has an unsupported scheme {parts.scheme!r}: "
+                         f"use {_SCHEMES}")
+    if parts.fragment:
+        raise ValueError(f"init_method {url!r} has a '#' part, which no init_method takes: "
+                         f"remove it (for file://, pick a path without '#')")
+    query = _parse_query(url, parts.query)
+    bare = urlunsplit(parts._replace(query=""))
+    if scheme == "env":
+        if parts.netloc or parts.path.strip("/"):
+            raise ValueError(f"init_method {url!r}: env:// takes no address, it reads "
+                             f"MASTER_ADDR and MASTER_PORT; write tcp://HOST:PORT to give one")
+        return InitMethod("env", bare, **query)
+    if scheme == "tcp":
+        if not parts.hostname or port is None:
+            raise ValueError(f"init_method {url!r} needs a host and a port: "
+                             f"tcp://HOST:PORT or tcp://[IPV6]:PORT")
+        if not 1 <= port <= 65535:
+            raise ValueError(f"init_method {url!r}: port {port} is out of range: use a TCP "
+                             f"port from 1 to 65535")
+        if parts.path.strip("/"):
+            raise ValueError(f"init_method {url!r}: a tcp:// URL takes no path")
+        return InitMethod("tcp", bare, host=parts.hostname, port=port, **query)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"init_method {url!r} names the host {parts.netloc!r}: a file:// "
+                         f"URL holds a path, absolute after three slashes: file:///shared/path")
+    if not parts.path:
+        raise ValueError(f"init_method {url!r} has no path: use file:///shared/path")
+    return InitMethod("file", bare, path=parts.path, **query)
+
+
+# -- rendezvous -----------------------------------------------------------------------------
+
+
+def _open_store(make: Callable[[], Store], context: str, os_error: type[DistError]) -> Store:
+    """Create a store; its errors gain `context` (who, where, from which variables)."""
+    try:
+        return make()
+    except DistError as exc:
+        try:
+            wrapped = type(exc)(f"{context}: {exc}")
+        except Exception:  # an error type with a constructor of its own: keep it as it is
+            raise exc from None
+        raise wrapped from exc
+    except OSError as exc:
+        raise os_error(f"{context}: {exc}") from exc
+
+
+def rendezvous(init_method: str | None = None, *, rank: int | None = -1,
+               world_size: int | None = -1, store: Store | None = None,
+               timeout: float | timedelta = config.DEFAULT_TIMEOUT,
+               environ: Mapping[str, str] | None = None) -> Rendezvous:
+    """Find this process's store, rank and world size, as `init_process_group` does.
+
+    Args:
+        init_method: env:// (None means env://), tcp://HOST:PORT or file:///PATH.
+        rank, world_size: explicit values; -1 (or None) takes them from the URL's query or
+            the environment (see the module docstring for the precedence).
+        store: a store already shared by the job; then rank and world_size are required
+            and init_method must be None.
+        timeout: the store's timeout (seconds or timedelta), connecting included.
+        environ: the environment to read (default: os.environ).
+
+    Returns:
+        A `Rendezvous`; the caller owns its store.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: a value is missing, malformed or out of range; the message lists
+            where it was looked for.
+        DistNetworkError, DistStoreError, DistTimeoutError: the store could not be
+            hosted, opened or reached in time; the message names the rank and the address.
+    """
+    env = os.environ if environ is None else environ
+    rank_arg, size_arg = _optional_int("rank", rank, 0), _optional_int("world_size", world_size, 1)
+    seconds = to_seconds(timeout)
+    seconds = config.DEFAULT_TIMEOUT if seconds is None else seconds
+    if store is not None:
+        if init_method is not None:
+            raise ValueError(f"cannot specify both init_method ({init_method!r}) and store: "
+                             f"pass one of them")
+        if not isinstance(store, Store):
+            raise TypeError(f"store must be a distcomm Store, got {type(store).__name__}")
+        if rank_arg is None or size_arg is None:
+            raise ValueError(f"a store= needs rank and world_size given explicitly, got "
+                             f"rank={rank}, world_size={world_size}: pass world_size=N (N >= 1) "
+                             f"and rank=R (0 <= R < N)")
+        info = _detect(env, {"rank": (rank_arg, "rank= argument"),
+                             "world_size": (size_arg, "world_size= argument")}, False)
+        return Rendezvous(store, rank_arg, size_arg, info.local_rank, info.local_world_size,
+                          source="store")
+    method = parse_init_method("env://" if init_method is None else init_method)
+    given: dict[str, tuple[object, str]] = {}
+    for name, arg in (("rank", rank_arg), ("world_size", size_arg)):
+        in_url = getattr(method, name)
+        if arg is not None and in_url is not None and arg != in_url:
+            raise ValueError(f"{name} is given twice with different values: {name}={arg} and "
+                             f"?{name}={in_url} in init_method {method.url!r}: give it once")
+        if arg is not None:
+            given[name] = (arg, f"{name}= argument")
+        elif in_url is not None:
+            given[name] = (in_url, f"?{name}= in the URL")
+    if method.scheme == "tcp":
+        given["master_addr"] = (method.host, "tcp:// URL")
+        given["master_port"] = (method.port, "tcp:// URL")
+    info = _detect(env, given, with_master=method.scheme != "file")
+    the_rank, size = int(_require(info, "rank")), int(_require(info, "world_size"))  # type: ignore[call-overload]
+    where = f"[rank {the_rank}/{size}] {method.scheme}:// rendezvous"
+    if method.scheme == "file":
+        path = str(method.path)
+        opened = _open_store(lambda: FileStore(path, size, timeout=seconds),
+                             f"{where}: opening the FileStore {path!r}", DistStoreError)
+        return Rendezvous(opened, the_rank, size, info.local_rank, info.local_world_size,
+                          source=method.url)
+    host, port = str(_require(info, "master_addr")), int(_require(info, "master_port"))  # type: ignore[call-overload]
+    agent = config.load(dict(env)).use_agent_store
+    hosting = the_rank == 0 and not agent
+    context = (f"{where}: {'hosting' if hosting else 'connecting to'} the store at "
+               f"{format_address(host, port)} (address from "
+               f"{_describe(str(info.source_of('master_addr')))}, port from "
+               f"{_describe(str(info.source_of('master_port')))})")
+    opened = _open_store(lambda: TCPStore(host, port, world_size=size, is_master=hosting,
+                                          timeout=seconds, wait_for_workers=not agent),
+                         context, DistNetworkError)
+    launcher = info.launcher
+    if method.scheme == "tcp":
+        source = f"tcp://{format_address(host, port)}"
+    else:
+        source = launcher if launcher not in (None, "torch style") else "env://"
+    return Rendezvous(opened, the_rank, size, info.local_rank, info.local_world_size, host,
+                      port, source)

@@ -1,0 +1,148 @@
+"""init_process_group end to end: every init method and launcher environment, then a collective."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import distcomm as dist
+from tests.harness import run_ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_and_reduce(backend: str | None, init_method: str | None, pass_ranks: bool) -> tuple:
+    kwargs = {}
+    if pass_ranks:
+        kwargs = {"rank": int(os.environ["TEST_RANK"]),
+                  "world_size": int(os.environ["TEST_SIZE"])}
+    dist.init_process_group(backend, init_method=init_method, timeout=60, **kwargs)
+    try:
+        x = np.full(4, dist.get_rank() + 1, dtype=np.int64)
+        dist.all_reduce(x)
+        return dist.get_rank(), dist.get_world_size(), dist.get_backend(), int(x[0])
+    finally:
+        dist.destroy_process_group()
+
+
+def _check(results: list, n: int, backend: str = "tcp") -> None:
+    assert results == [(r, n, backend, n * (n + 1) // 2) for r in range(n)]
+
+
+def _clear_torch_vars(rank: int) -> dict[str, str]:
+    return {"RANK": "", "WORLD_SIZE": "", "LOCAL_RANK": "", "LOCAL_WORLD_SIZE": ""}
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_env_init_rank0_hosts_the_store(n):
+    port = _free_port()
+    _check(run_ranks(_init_and_reduce, n, None, None, False, timeout=60,
+                     env={"MASTER_PORT": str(port)}), n)
+
+
+def test_tcp_url_with_explicit_ranks():
+    port = _free_port()
+    results = run_ranks(_init_and_reduce, 2, "tcp", f"tcp://127.0.0.1:{port}", True, timeout=60,
+                        rank_env=lambda r: {"TEST_RANK": str(r), "TEST_SIZE": "2", "RANK": "",
+                                            "WORLD_SIZE": ""})
+    _check(results, 2)
+
+
+def test_file_url(tmp_path):
+    results = run_ranks(_init_and_reduce, 3, "tcp", f"file://{tmp_path}/rendezvous", True,
+                        timeout=60, rank_env=lambda r: {"TEST_RANK": str(r), "TEST_SIZE": "3"})
+    _check(results, 3)
+
+
+def test_open_mpi_environment():
+    port = _free_port()
+
+    def ompi(rank: int) -> dict[str, str]:
+        env = _clear_torch_vars(rank)
+        env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="3",
+                   OMPI_COMM_WORLD_LOCAL_RANK=str(rank), MASTER_PORT=str(port))
+        return env
+
+    _check(run_ranks(_init_and_reduce, 3, "tcp", None, False, timeout=60, rank_env=ompi), 3)
+
+
+def test_mpich_pmi_environment():
+    port = _free_port()
+
+    def pmi(rank: int) -> dict[str, str]:
+        env = _clear_torch_vars(rank)
+        env.update(PMI_RANK=str(rank), PMI_SIZE="2", MASTER_PORT=str(port))
+        return env
+
+    _check(run_ranks(_init_and_reduce, 2, "tcp", None, False, timeout=60, rank_env=pmi), 2)
+
+
+def test_slurm_environment_takes_master_from_the_nodelist():
+    port = _free_port()
+
+    def slurm(rank: int) -> dict[str, str]:
+        env = _clear_torch_vars(rank)
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                   SLURM_JOB_NODELIST="localhost,other-node[01-03]", MASTER_ADDR="",
+                   MASTER_PORT=str(port), SLURM_JOB_ID="4242")
+        return env
+
+    _check(run_ranks(_init_and_reduce, 2, "tcp", None, False, timeout=60, rank_env=slurm), 2)
+
+
+def _explicit_store(port: int) -> tuple:
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=30)
+    dist.init_process_group("tcp", store=store, rank=rank, world_size=size)
+    try:
+        x = np.ones(2)
+        dist.all_reduce(x)
+        return float(x[0])
+    finally:
+        dist.destroy_process_group()
+        store.close()
+
+
+def test_explicit_store_argument():
+    with dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) as store:
+        assert run_ranks(_explicit_store, 3, store.port, timeout=60) == [3.0, 3.0, 3.0]
+
+
+def _reinit_twice(path: str) -> list:
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = []
+    for round_ in range(2):
+        dist.init_process_group("tcp", init_method=f"file://{path}-{round_}", rank=rank,
+                                world_size=size, timeout=30)
+        x = np.full(1, round_ + 1.0)
+        dist.all_reduce(x)
+        out.append(float(x[0]))
+        dist.destroy_process_group()
+    return out
+
+
+def test_init_destroy_init_again(tmp_path):
+    assert run_ranks(_reinit_twice, 2, str(tmp_path / "rdzv"), timeout=60) == [[2.0, 4.0]] * 2
+
+
+def _missing_rank() -> str:
+    try:
+        dist.init_process_group("tcp", init_method="env://")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_missing_rank_lists_what_was_looked_for():
+    message = run_ranks(_missing_rank, 1, timeout=30,
+                        rank_env=lambda r: {"RANK": "", "WORLD_SIZE": "",
+                                            "MASTER_PORT": "29999"})[0]
+    for word in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        assert word in message, message
