@@ -137,13 +137,14 @@ def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None
           group_dst: int | None = None) -> Work:
     """Send `tensor` to `dst` without blocking; returns the Work to wait on."""
     pg = resolve(group, "isend")
+    tag = _tag(tag, "isend")
     array = adapt(tensor, "isend", "tensor", writable=False)
     peer = _rank_arg(pg, dst, group_dst, "isend", "dst")
     backend = pg.backend_for(array, "isend")
     if peer == pg.rank():
         raise ValueError(f"isend: dst {pg.ranks[peer]} is this process itself; send to "
                          "another rank")
-    work = backend.send(flat(array), peer, _tag(tag, "isend"))
+    work = backend.send(flat(array), peer, tag)
     work.global_ranks = pg.ranks
     work._outputs = [tensor]
     return work
@@ -153,6 +154,7 @@ def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None
           group_src: int | None = None) -> Work:
     """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells."""
     pg = resolve(group, "irecv")
+    tag = _tag(tag, "irecv")
     array = adapt(tensor, "irecv", "tensor", writable=True)
     backend = pg.backend_for(array, "irecv")
     peer = None
@@ -161,7 +163,7 @@ def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None
         if peer == pg.rank():
             raise ValueError(f"irecv: src {pg.ranks[peer]} is this process itself; receive "
                              "from another rank")
-    work = backend.recv(flat(array), peer, _tag(tag, "irecv"))
+    work = backend.recv(flat(array), peer, tag)
     work.global_ranks = pg.ranks
     work._outputs = [tensor]
     return work
@@ -469,7 +471,8 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
     """A barrier that names the ranks that did not arrive within `timeout`.
 
     Group rank 0 waits for every other rank, then releases them. When ranks are
-    missing it aborts the group, so every rank raises at once.
+    missing it aborts the group, so every rank raises at once with its report; the
+    other ranks wait a little past `timeout` (2 s or 10 %) to receive that report.
 
     Args:
         timeout: seconds or timedelta (default: the group's timeout).
@@ -488,7 +491,17 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
     token = np.empty(0, dtype=np.uint8)
     if pg.rank() != 0:
         backend.send(token, 0, _BARRIER_ARRIVE_TAG).wait(deadline.remaining())
-        backend.recv(token, 0, _BARRIER_RELEASE_TAG).wait(deadline.remaining())
+        # wait a little past the timeout, so rank 0's verdict (which names the missing
+        # ranks and aborts the group) arrives here before this rank gives up on its own
+        grace = (deadline.remaining() or 0.0) + max(2.0, 0.1 * (deadline.seconds or 0.0))
+        release = backend.recv(token, 0, _BARRIER_RELEASE_TAG)
+        try:
+            release.wait(grace)
+        except DistTimeoutError:
+            raise DistTimeoutError(
+                f"monitored_barrier on group '{pg.group_name}': group rank 0 (global rank "
+                f"{pg.ranks[0]}) did not release this rank within {grace:.1f} s; is it alive "
+                "and in the barrier?") from None
         return
     arrivals = {peer: backend.recv(token, peer, _BARRIER_ARRIVE_TAG)
                 for peer in range(1, pg.size())}

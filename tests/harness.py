@@ -129,7 +129,8 @@ def _child_main(rank: int, size: int, env: dict[str, str], backend: str | None,
             import distcomm as dist
 
             try:
-                dist.destroy_process_group()
+                if dist.is_initialized():  # a test may have destroyed it itself
+                    dist.destroy_process_group()
             except Exception:
                 traceback.print_exc()
         conn.close()

@@ -69,9 +69,12 @@ class TcpBackend(Backend):
                 raise failure.kind(f"{describe}: the group was aborted earlier: "
                                    f"{failure.message}")
             ex = Exchange(self._transport, seq, signature, Deadline(self.timeout), describe)
+            mailbox = self._transport.mailbox
             try:
+                mailbox.begin_collective(seq, signature)
+                ex.announce()
                 body(ex)
-                self._transport.mailbox.finish_collective(seq, signature)
+                mailbox.finish_collective(seq, signature)
             except DistError as exc:
                 self._transport.abort(Failure(type(exc), str(exc)))
                 raise

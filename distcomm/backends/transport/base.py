@@ -1,9 +1,12 @@
 """Transport-independent messaging: the wire header, receive matching, per-collective exchange.
 
-Every message carries a `Header`. Collective messages are matched by (peer, seq, step)
+Every message carries a header. Collective messages are matched by (peer, seq, step)
 and carry the collective's `Signature`; a receiver that finds a signature unlike its
 own raises `DistBackendError` describing both sides, and a message for a collective
-this rank has already finished is reported the same way. Point-to-point messages are
+this rank has already finished is reported the same way. Because two mismatched
+collectives may both only wait to receive, every rank also sends its signature to
+its right-hand neighbour when a collective starts (a payload-free SIG message): if
+any two ranks disagree, some neighbour pair does, and that rank aborts the group. Point-to-point messages are
 matched by (peer, tag) in order, or by tag from any peer.
 """
 
@@ -38,8 +41,8 @@ __all__ = [
     "as_bytes",
 ]
 
-# message kinds
-COLL, P2P, ABORT, BYE = 1, 2, 3, 4
+# message kinds: collective data, point-to-point data, control, and the signature check
+COLL, P2P, ABORT, BYE, SIG = 1, 2, 3, 4, 5
 #: kind, op, dtype, redop, root, seq (or tag), step, count, payload bytes
 HEADER = struct.Struct("<BBBBiqqqQ")
 
@@ -140,6 +143,8 @@ class Mailbox:
         self._arrivals = itertools.count()
         self._orders = itertools.count()
         self._done_seq = -1
+        self._current: tuple[int, Signature] | None = None
+        self._early_sigs: dict[int, tuple[int, Signature]] = {}
         self._history: dict[int, Signature] = {}
         self.failure: Failure | None = None
         self._gone: dict[int, Failure] = {}
@@ -227,7 +232,7 @@ class Mailbox:
         """The posted receive an incoming message from `peer` goes to, removed from the queue."""
         key = self.key_of(peer, fields)
         with self.lock:
-            self._check_late(peer, fields)
+            self._check_collective(peer, fields)
             return self._pop_posted(key)
 
     def _pop_posted(self, key: tuple) -> Recv | None:
@@ -285,11 +290,17 @@ class Mailbox:
             )
         return None
 
-    def _check_late(self, peer: int, fields: tuple) -> None:
+    def _check_collective(self, peer: int, fields: tuple) -> None:
+        """Raise if a collective message cannot belong to what this rank is doing."""
         kind, op, dtype, redop, root, seq, _step, count, _nbytes = fields
-        if kind == COLL and seq <= self._done_seq:
-            raise DistBackendError(self._late_message(peer, seq, Signature(op, dtype, redop,
-                                                                           root, count)))
+        if kind != COLL:
+            return
+        theirs = Signature(op, dtype, redop, root, count)
+        if seq <= self._done_seq:
+            raise DistBackendError(self._late_message(peer, seq, theirs))
+        current = self._current
+        if current is not None and current[0] == seq and current[1] != theirs:
+            raise DistBackendError(_mismatch(self.rank, self.size, seq, current[1], peer, theirs))
 
     def _late_message(self, peer: int, seq: int, theirs: Signature) -> str:
         mine = self._history.get(seq)
@@ -301,6 +312,41 @@ class Mailbox:
         return _mismatch(self.rank, self.size, seq, mine, peer, theirs)
 
     # -- collective bookkeeping -----------------------------------------------------------
+
+    def check_signature(self, peer: int, fields: tuple) -> None:
+        """Check a neighbour's SIG message now, or when this rank reaches its collective.
+
+        Raises:
+            DistBackendError: the neighbour's collective differs from this rank's.
+        """
+        _kind, op, dtype, redop, root, seq, _step, count, _nbytes = fields
+        theirs = Signature(op, dtype, redop, root, count)
+        with self.lock:
+            current = self._current
+            mine = current[1] if current is not None and current[0] == seq else (
+                self._history.get(seq))
+            if mine is None:
+                if seq > self._done_seq:
+                    self._early_sigs[seq] = (peer, theirs)
+                return
+        if mine != theirs:
+            raise DistBackendError(_mismatch(self.rank, self.size, seq, mine, peer, theirs))
+
+    def begin_collective(self, seq: int, signature: Signature) -> None:
+        """Record that this rank starts collective `seq`; early messages for it must match.
+
+        Raises:
+            DistBackendError: a peer already sent data for `seq` as a different collective.
+        """
+        with self.lock:
+            self._current = (seq, signature)
+            early = self._early_sigs.pop(seq, None)
+            if early is not None and early[1] != signature:
+                raise DistBackendError(
+                    _mismatch(self.rank, self.size, seq, signature, early[0], early[1]))
+            for (kind, peer, msg_seq, *_), queue in self._unexpected.items():
+                if kind == COLL and msg_seq == seq:
+                    self._check_collective(peer, queue[0][1])
 
     def finish_collective(self, seq: int, signature: Signature) -> None:
         """Record that this rank finished collective `seq`; leftovers for it are a mismatch.
@@ -403,6 +449,14 @@ class Exchange:
         self.dtype = signature.dtype
         self.deadline = deadline
         self.describe = describe
+
+    def announce(self) -> None:
+        """Send this collective's signature to the right-hand neighbour (see module doc)."""
+        if self.size > 1:
+            s = self.signature
+            fields = (SIG, s.op, s.dtype, s.redop, s.root, self.seq, 0, s.count, 0)
+            self.transport.send((self.rank + 1) % self.size, fields, memoryview(b""),
+                                self.deadline)
 
     def send(self, peer: int, step: int, array: np.ndarray) -> None:
         """Send `array`'s bytes to `peer` as message `step` of this collective."""

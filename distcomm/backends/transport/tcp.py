@@ -25,7 +25,7 @@ from ...config import load as load_config
 from ...deadline import Deadline
 from ...errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
 from ...store.base import Store
-from .base import ABORT, BYE, COLL, HEADER, Failure, Transport
+from .base import ABORT, BYE, COLL, HEADER, SIG, Failure, Transport
 
 __all__ = ["TcpTransport", "local_address"]
 
@@ -155,6 +155,7 @@ class TcpTransport(Transport):
         except (OSError, DistError) as exc:
             sock.close()
             raise DistNetworkError(f"{self._label}: connecting to rank {peer}: {exc}") from exc
+        sock.settimeout(None)  # the handshake's read timeout must not outlive it
         return sock
 
     def _accept_loop(self, listener: socket.socket, generation: int, deadline: Deadline,
@@ -295,6 +296,12 @@ class TcpTransport(Transport):
                                tell=conn.rank)
                     _drain(sock)
                     return
+                if kind == SIG:
+                    try:
+                        mailbox.check_signature(conn.rank, fields)
+                    except DistError as exc:
+                        self.abort(Failure(type(exc), str(exc)))
+                    continue
                 try:
                     recv = mailbox.claim(conn.rank, fields)
                 except DistError as exc:  # a message for a collective this rank finished

@@ -1,0 +1,269 @@
+"""The public surface: exports, argument errors, the backend registry, multi-device specs.
+
+These run in the test process itself (a 1-rank group on a HashStore needs no sockets).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import distcomm as dist
+from distcomm import backends
+from distcomm.backends.tcp import TcpBackend
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_api() -> set[str]:
+    text = README.read_text()
+    match = re.search(r"<!-- api-list -->(.*?)<!-- /api-list -->", text, re.S)
+    assert match, "README.md lacks the <!-- api-list --> section"
+    return set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)", match.group(1)))
+
+
+def test_exports_match_the_readme_api_list():
+    assert set(dist.__all__) == readme_api()
+    for name in dist.__all__:
+        assert hasattr(dist, name), name
+    assert len(dist.__all__) == len(set(dist.__all__))
+
+
+def test_error_hierarchy():
+    assert issubclass(dist.DistError, RuntimeError)
+    assert issubclass(dist.DistTimeoutError, TimeoutError)
+    assert issubclass(dist.DistNetworkError, ConnectionError)
+    assert issubclass(dist.DistStoreTimeoutError, dist.DistStoreError)
+    assert issubclass(dist.DistStoreTimeoutError, dist.DistTimeoutError)
+    assert issubclass(dist.BackendUnavailableError, ImportError)
+    for cls in (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError,
+                dist.DistTimeoutError):
+        assert issubclass(cls, dist.DistError)
+
+
+# -- before initialisation ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("call", [
+    lambda: dist.get_rank(),
+    lambda: dist.get_world_size(),
+    lambda: dist.get_backend(),
+    lambda: dist.all_reduce(np.zeros(3)),
+    lambda: dist.barrier(),
+    lambda: dist.new_group([0]),
+    lambda: dist.destroy_process_group(),
+    lambda: dist.send(np.zeros(2), dst=1),
+])
+def test_use_before_init_raises(call):
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        call()
+
+
+def test_init_arguments_are_checked():
+    with pytest.raises(ValueError, match="unknown backend 'nosuch'; registered backends: .*tcp"):
+        dist.init_process_group("nosuch", store=dist.HashStore(), rank=0, world_size=1)
+    with pytest.raises(ValueError, match="does not serve cuda"):
+        dist.init_process_group("cpu:tcp,cuda:tcp", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    with pytest.raises(ValueError, match="device:backend"):
+        dist.init_process_group("gpu:tcp", store=dist.HashStore(), rank=0, world_size=1)
+    with pytest.raises(ValueError, match="timeout"):
+        dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=-1)
+    with pytest.raises(ValueError, match="rank"):
+        dist.init_process_group("tcp", store=dist.HashStore(), world_size=1)
+    assert not dist.is_initialized()
+
+
+def test_availability_queries():
+    assert dist.is_available()
+    assert dist.is_backend_available("tcp")
+    assert not dist.is_backend_available("nosuch")
+    assert isinstance(dist.is_gloo_available(), bool)
+    assert isinstance(dist.is_mpi_available(), bool)
+    assert isinstance(dist.is_nccl_available(), bool)
+
+
+# -- with a 1-rank group -------------------------------------------------------------------------
+
+def test_solo_group_basics(solo):
+    assert dist.is_initialized()
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "tcp")
+    assert dist.group.WORLD is dist.GroupMember.WORLD
+    assert dist.group.WORLD.rank() == 0 and dist.group.WORLD.size() == 1
+    x = np.arange(5.0)
+    dist.all_reduce(x, op=dist.ReduceOp.AVG)
+    assert x.tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="already called"):
+        dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda: dist.all_reduce(np.zeros((4, 4))[:, ::2]), ValueError, "C-contiguous"),
+    (lambda: _all_reduce_read_only(), ValueError, "read-only"),
+    (lambda: dist.all_reduce(np.array([object()])), TypeError, "dtype object"),
+    (lambda: dist.all_reduce(np.zeros(3, dtype=">f8")), ValueError, "byte order"),
+    (lambda: dist.all_reduce([1.0, 2.0]), TypeError, "numpy.ndarray"),
+    (lambda: dist.all_reduce(np.zeros(3), op="sum"), TypeError, "ReduceOp"),
+    (lambda: dist.all_reduce(np.zeros(3), op=dist.ReduceOp.BAND), TypeError, "integer or bool"),
+    (lambda: dist.all_reduce(np.zeros(3, np.complex64), op=dist.ReduceOp.MAX), TypeError,
+     "complex"),
+    (lambda: dist.all_reduce(np.zeros(3, np.int32), op=dist.ReduceOp.AVG), TypeError,
+     "floating"),
+    (lambda: dist.broadcast(np.zeros(3)), ValueError, "src is required"),
+    (lambda: dist.broadcast(np.zeros(3), src=5), ValueError, "not a member"),
+    (lambda: dist.broadcast(np.zeros(3), src=0, group_src=0), ValueError, "not both"),
+    (lambda: dist.broadcast(np.zeros(3), group_src=3), ValueError, "out of range"),
+    (lambda: dist.reduce(np.zeros(3), dst="0"), TypeError, "must be an int"),
+    (lambda: dist.send(np.zeros(3), dst=0), ValueError, "this process itself"),
+    (lambda: dist.isend(np.zeros(3), dst=0, tag=-1), ValueError, "tag"),
+    (lambda: dist.all_gather([np.zeros(3), np.zeros(3)], np.zeros(3)), ValueError,
+     "one array per rank"),
+    (lambda: dist.all_gather([np.zeros(4)], np.zeros(3)), ValueError, "elements"),
+    (lambda: dist.all_gather([np.zeros(3, np.float32)], np.zeros(3)), TypeError,
+     "mixes dtypes"),
+    (lambda: dist.all_gather(np.zeros(3), np.zeros(3)), TypeError, "list of arrays"),
+    (lambda: dist.all_gather_into_tensor(np.zeros(5), np.zeros(3)), ValueError,
+     "group size x input"),
+    (lambda: dist.reduce_scatter_tensor(np.zeros(2), np.zeros(3)), ValueError,
+     "group size x output"),
+    (lambda: dist.gather(np.zeros(3)), ValueError, "gather_list is required"),
+    (lambda: dist.scatter(np.zeros(3), [np.zeros(3), np.zeros(3)]), ValueError,
+     "one array per rank"),
+    (lambda: dist.all_to_all_single(np.zeros(3), np.zeros(3), [1, 1], [3]), ValueError,
+     "one per rank"),
+    (lambda: dist.all_to_all_single(np.zeros(3), np.zeros(3), [2], [3]), ValueError, "sum to"),
+    (lambda: dist.all_to_all_single(np.zeros(()), np.zeros(())), ValueError, "dimension"),
+    (lambda: dist.new_group([0, 0]), ValueError, "twice"),
+    (lambda: dist.new_group([1]), ValueError, "out of range"),
+    (lambda: dist.new_group(["0"]), TypeError, "ints"),
+    (lambda: dist.get_global_rank(None, 4), ValueError, "not in group"),
+    (lambda: dist.get_group_rank(None, 4), ValueError, "not a member"),
+    (lambda: dist.all_reduce(np.zeros(3), group="world"), TypeError, "ProcessGroup"),
+    (lambda: dist.P2POp(dist.send, np.zeros(3), 0), ValueError, "isend or distcomm.irecv"),
+    (lambda: dist.batch_isend_irecv([]), ValueError, "empty"),
+    (lambda: dist.all_gather_object([None, None], 1), ValueError, "one slot per rank"),
+    (lambda: dist.monitored_barrier(timeout="soon"), TypeError, "timedelta"),
+])
+def test_bad_arguments_say_what_to_do(solo, call, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        call()
+
+
+def _all_reduce_read_only() -> None:
+    array = np.zeros(3)
+    array.setflags(write=False)
+    dist.all_reduce(array)
+
+
+def test_read_only_input_is_fine_where_nothing_is_written(solo):
+    frozen = np.arange(3.0)
+    frozen.setflags(write=False)
+    out = np.empty(3)
+    dist.all_gather_into_tensor(out, frozen)
+    assert out.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_work_api(solo):
+    x = np.ones(4)
+    work = dist.all_reduce(x, async_op=True)
+    assert work.wait(timedelta(seconds=5)) is True
+    assert work.is_completed() and work.is_success() and work.exception() is None
+    assert work.result() == [x]
+    assert work.get_future().done()
+    assert "all_reduce" in repr(work)
+
+
+def test_subgroup_of_one_and_destroy(solo):
+    group = dist.new_group([0], timeout=5, group_desc="solo")
+    assert group.rank() == 0 and group.size() == 1 and group.group_name == "solo"
+    y = np.full(2, 3.0)
+    dist.broadcast(y, src=0, group=group)
+    dist.destroy_process_group(group)
+    with pytest.raises(RuntimeError, match="destroyed"):
+        dist.all_reduce(y, group=group)
+    dist.all_reduce(y)  # the world is untouched
+
+
+def test_multi_device_spec(monkeypatch):
+    dist.init_process_group("cpu:tcp", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.get_backend() == "tcp"
+        x = np.ones(3)
+        dist.all_reduce(x)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the registry ----------------------------------------------------------------------------------
+
+class EchoBackend(TcpBackend):
+    """A third-party backend: the tcp backend under another name, counting its all_reduces."""
+
+    name = "echo"
+    calls = 0
+
+    def all_reduce(self, array, op, *, async_op=False):
+        EchoBackend.calls += 1
+        return super().all_reduce(array, op, async_op=async_op)
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    registry = backends._Registry()
+    registry.records = dict(backends._registry.records)
+    monkeypatch.setattr(backends, "_registry", registry)
+    return registry
+
+
+def test_register_backend_and_use_it(fresh_registry):
+    dist.Backend.register_backend("echo", EchoBackend, devices=["cpu"])
+    with pytest.raises(ValueError, match="already registered"):
+        backends.register_backend("echo", EchoBackend)
+    with pytest.raises(ValueError, match="identifier"):
+        backends.register_backend("bad name", EchoBackend)
+    with pytest.raises(TypeError, match="callable"):
+        backends.register_backend("notcallable", 42)
+    with pytest.raises(ValueError, match="unknown device"):
+        backends.register_backend("gpuonly", EchoBackend, devices="tpu")
+    dist.init_process_group("echo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.all_reduce(np.ones(2))
+        assert EchoBackend.calls == 1 and dist.get_backend() == "echo"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_factory_must_return_a_backend(fresh_registry):
+    backends.register_backend("liar", lambda store, rank, size, timeout: object())
+    with pytest.raises(TypeError, match="not a distcomm.Backend"):
+        dist.init_process_group("liar", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _write_plugin(root: Path, name: str, target: str) -> None:
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[distcomm.backends]\n{name} = {target}\n")
+
+
+def test_entry_point_plugins(tmp_path, monkeypatch, fresh_registry, caplog):
+    package = tmp_path / "plugin_pkg.py"
+    package.write_text(
+        "from tests.test_api import EchoBackend\n"
+        "class Shout(EchoBackend):\n    name = 'shout'\n"
+        "def broken():\n    raise RuntimeError('plug-in exploded')\n")
+    _write_plugin(tmp_path, "shout", "plugin_pkg:Shout")
+    _write_plugin(tmp_path, "broken", "plugin_pkg:broken")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="distcomm.backends"):
+        names = backends.registered_backends()
+    assert "shout" in names and names["shout"].devices == ("cpu",)
+    assert "plug-in exploded" in caplog.text and "broken" in caplog.text
+    sys.modules.pop("plugin_pkg", None)

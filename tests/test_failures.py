@@ -1,0 +1,250 @@
+"""Failure behaviour: mismatched collectives, dead peers, timeouts, aborts, clean teardown.
+
+Each test starts a fresh world (the failures break their group). Rank bodies catch
+the error they expect and return its type and message, and the test asserts on them.
+Group timeouts are long (60 s) where a test checks that a failure is reported without
+waiting for them; the harness's own deadline is shorter, so a failure that was only
+noticed at the group timeout fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import distcomm as dist
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _outcome(fn, *args) -> tuple[str, str]:
+    try:
+        fn(*args)
+    except dist.DistError as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+# -- mismatched collectives ------------------------------------------------------------------
+
+def _mismatch(case: str) -> tuple[str, str]:
+    r = dist.get_rank()
+    x = np.arange(1024, dtype=np.float32)
+    if case == "op":
+        call = (lambda: dist.all_reduce(x)) if r == 0 else (lambda: dist.broadcast(x, src=0))
+    elif case == "size":
+        call = lambda: dist.all_reduce(x if r == 0 else x[:512])  # noqa: E731
+    elif case == "dtype":
+        y = x if r == 0 else x.astype(np.float64)
+        call = lambda: dist.all_reduce(y)  # noqa: E731
+    elif case == "root":
+        call = lambda: dist.broadcast(x, src=r)  # noqa: E731
+    elif case == "redop":
+        op = dist.ReduceOp.SUM if r == 0 else dist.ReduceOp.MAX
+        call = lambda: dist.all_reduce(x, op=op)  # noqa: E731
+    else:
+        raise ValueError(case)
+
+    def twice() -> None:
+        call()
+        dist.barrier()  # a mismatch that moved no data surfaces at the next collective
+
+    return _outcome(twice)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("op", ("all_reduce", "broadcast")),
+    ("size", ("1024 float32", "512 float32")),
+    ("dtype", ("float32", "float64")),
+    ("root", ("root 0", "root 1")),
+    ("redop", ("SUM", "MAX")),
+])
+def test_mismatched_collectives_raise_on_every_rank(case, words):
+    results = run_ranks(_mismatch, 2, case, backend="tcp", timeout=40, init_timeout=60)
+    for kind, message in results:
+        assert kind == "DistBackendError", results
+        assert "mismatch" in message, results
+    text = " ".join(message for _, message in results)
+    for word in words:
+        assert word in text, results
+
+
+# -- dead peers ------------------------------------------------------------------------------
+
+def _peer_dies(victim: int, how: str) -> tuple[str, str]:
+    r = dist.get_rank()
+    x = np.ones(100_000, dtype=np.float32)
+    dist.all_reduce(x)
+    if r == victim:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+
+    def keep_going() -> None:
+        for _ in range(5):
+            dist.all_reduce(x)
+
+    return _outcome(keep_going)
+
+
+@pytest.mark.parametrize("how", ["kill", "exit"])
+def test_dead_peer_fails_every_survivor_promptly(how):
+    outcomes = run_ranks(_peer_dies, 4, 2, how, backend="tcp", timeout=30, init_timeout=60,
+                         may_die={2})
+    for rank, result in enumerate(outcomes):
+        if rank == 2:
+            continue
+        kind, message = result
+        assert kind == "DistNetworkError", outcomes
+        assert "rank 2" in message and "closed the connection" in message, outcomes
+
+
+# -- timeouts --------------------------------------------------------------------------------
+
+def _straggler(late: int) -> tuple[str, str]:
+    if dist.get_rank() == late:
+        time.sleep(4)
+    return _outcome(dist.all_reduce, np.ones(8))
+
+
+def test_collective_timeout_names_the_missing_rank():
+    results = run_ranks(_straggler, 3, 2, backend="tcp", timeout=40, init_timeout=2)
+    for rank in (0, 1):
+        kind, message = results[rank]
+        assert kind == "DistTimeoutError", results
+        assert "rank(s) 2" in message and "all_reduce" in message, results
+    # the late rank finds the group aborted
+    assert results[2][0] == "DistTimeoutError" and "aborted" in results[2][1], results
+
+
+def _work_wait_timeout() -> tuple[str, str]:
+    if dist.get_rank() == 1:
+        time.sleep(3)
+        return _outcome(dist.barrier)
+    work = dist.all_reduce(np.ones(4), async_op=True)
+    return _outcome(work.wait, 0.5)
+
+
+def test_work_wait_timeout_raises_and_aborts():
+    results = run_ranks(_work_wait_timeout, 2, backend="tcp", timeout=40, init_timeout=60)
+    kind, message = results[0]
+    assert kind == "DistTimeoutError" and "Work.wait timeout" in message, results
+    assert "waiting for rank(s) 1" in message, results
+    assert results[1][0] != "ok" and "aborted" in results[1][1], results
+
+
+def _recv_timeout_then_recover() -> list:
+    r = dist.get_rank()
+    events = []
+    if r == 0:
+        buf = np.zeros(3)
+        events.append(_outcome(dist.irecv(buf, src=1, tag=3).wait, 0.3))
+    x = np.ones(2)
+    dist.all_reduce(x)  # the group survives a cancelled receive
+    events.append(float(x[0]))
+    if r == 1:
+        dist.send(np.arange(3.0), dst=0, tag=3)
+    else:
+        buf = np.zeros(3)
+        dist.recv(buf, src=1, tag=3)
+        events.append(buf.tolist())
+    return events
+
+
+def test_recv_timeout_cancels_and_group_recovers():
+    results = run_ranks(_recv_timeout_then_recover, 2, backend="tcp", timeout=40)
+    timeout_kind, message = results[0][0]
+    assert timeout_kind == "DistTimeoutError" and "tag 3" in message, results
+    assert results[0][1:] == [2.0, [0.0, 1.0, 2.0]], results
+    assert results[1] == [2.0], results
+
+
+def _monitored(missing: tuple[int, ...], wait_all: bool) -> tuple[str, str]:
+    if dist.get_rank() in missing:
+        time.sleep(4)
+        return "skipped", ""
+    return _outcome(dist.monitored_barrier, None, 1.5, wait_all)
+
+
+@pytest.mark.parametrize("nprocs,missing,wait_all,named", [
+    (3, (2,), False, "2"),
+    (4, (1, 3), True, "1, 3"),
+])
+def test_monitored_barrier_names_missing_ranks(nprocs, missing, wait_all, named):
+    results = run_ranks(_monitored, nprocs, missing, wait_all, backend="tcp", timeout=40,
+                        init_timeout=60)
+    kind, message = results[0]
+    assert kind == "DistTimeoutError", results
+    assert f"rank(s) {named} did not arrive" in message, results
+    for rank in range(1, nprocs):
+        if rank not in missing:
+            assert results[rank][0] != "ok" and f"rank(s) {named}" in results[rank][1], results
+
+
+# -- teardown --------------------------------------------------------------------------------
+
+def _sockets() -> list:
+    return [c for c in psutil.Process().net_connections(kind="inet")]
+
+
+def _destroy_leaves_nothing(path: str, abort_first: bool) -> dict:
+    threads_before = threading.active_count()
+    dist.init_process_group("tcp", init_method=f"file://{path}", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=60)
+    sub = dist.new_group([0, 1])
+    x = np.ones(50_000)
+    dist.all_reduce(x)
+    dist.all_reduce(x, async_op=True).wait()
+    if dist.get_rank() < 2:
+        dist.all_reduce(x, group=sub)
+    during = len(_sockets())
+    if abort_first:
+        dist.group.WORLD._backends["cpu"].abort("test abort")
+    dist.destroy_process_group()
+    time.sleep(0.2)
+    return {"during": during, "after": [str(c) for c in _sockets()],
+            "threads": threading.active_count() - threads_before,
+            "names": [t.name for t in threading.enumerate()]}
+
+
+@pytest.mark.parametrize("abort_first", [False, True])
+def test_destroy_leaves_no_thread_socket_or_port(tmp_path, abort_first):
+    results = run_ranks(_destroy_leaves_nothing, 3, str(tmp_path / "rdzv"), abort_first,
+                        timeout=60)
+    for result in results:
+        assert result["during"] > 0, results
+        assert result["after"] == [], results
+        assert result["threads"] == 0, results
+
+
+# -- authentication of backend connections -----------------------------------------------------
+
+def _auth(path: str) -> tuple[str, str]:
+    return _outcome(lambda: (
+        dist.init_process_group("tcp", init_method=f"file://{path}",
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=4),
+        dist.all_reduce(np.ones(3)),
+        dist.destroy_process_group()))
+
+
+def test_backend_connections_authenticate(tmp_path):
+    same = run_ranks(_auth, 3, str(tmp_path / "a"), timeout=40,
+                     env={"DISTCOMM_AUTH_KEY": "secret"})
+    assert same == [("ok", "")] * 3
+    keys = {0: "secret", 1: "other", 2: "secret"}
+    results = run_ranks(_auth, 3, str(tmp_path / "b"), timeout=40,
+                        rank_env=lambda r: {"DISTCOMM_AUTH_KEY": keys[r]})
+    assert all(kind != "ok" for kind, _ in results), results
+    assert "DISTCOMM_AUTH_KEY" in results[1][1], results
+    missing = run_ranks(_auth, 2, str(tmp_path / "c"), timeout=40,
+                        rank_env=lambda r: {"DISTCOMM_AUTH_KEY": "secret"} if r == 0 else {})
+    assert all(kind != "ok" for kind, _ in missing), missing
+    assert "DISTCOMM_AUTH_KEY" in missing[1][1], missing
