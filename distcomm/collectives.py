@@ -102,6 +102,27 @@ def _same_size(arrays: Sequence[Any], size: int, where: str, name: str) -> None:
                              f"{size}, like the input array")
 
 
+def _output_list(arrays: Any, input: Any, n: int, where: str, name: str) -> list[Any]:
+    """Validate a list of `n` writable output arrays shaped like `input` (same dtype, size)."""
+    outputs = [adapt(t, where, f"{name}[{i}]", writable=True)
+               for i, t in enumerate(_list(arrays, where, name, n))]
+    check_same([input, *outputs], where, f"{name} and the input array")
+    _same_size(outputs, input.size, where, name)
+    return outputs
+
+
+def _split_into(outputs: list[Any], joined: np.ndarray) -> Callable[[], None]:
+    """A finalizer copying consecutive pieces of `joined` into each of `outputs`."""
+
+    def copy_out() -> None:
+        at = 0
+        for out in outputs:
+            flat(out)[...] = joined[at:at + out.size]
+            at += out.size
+
+    return copy_out
+
+
 def _finish(work: Work, async_op: bool, outputs: list[Any] | None = None) -> Work | None:
     if outputs is not None:
         work._outputs = outputs  # the caller's arrays, not the flat views the backend saw
@@ -283,20 +304,11 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
     """Gather every rank's `tensor` into `tensor_list` (one array per rank, in rank order)."""
     pg = resolve(group, "all_gather")
     input = adapt(tensor, "all_gather", "tensor", writable=False)
-    outputs = [adapt(t, "all_gather", f"tensor_list[{i}]", writable=True)
-               for i, t in enumerate(_list(tensor_list, "all_gather", "tensor_list",
-                                           pg.size()))]
-    check_same([input, *outputs], "all_gather", "tensor_list and tensor")
-    _same_size(outputs, input.size, "all_gather", "tensor_list")
+    outputs = _output_list(tensor_list, input, pg.size(), "all_gather", "tensor_list")
     backend = pg.backend_for(input, "all_gather")
     gathered = np.empty(pg.size() * input.size, dtype=input.dtype)
     inner = backend.all_gather(gathered, flat(input), async_op=async_op)
-
-    def copy_out() -> None:
-        for i, out in enumerate(outputs):
-            flat(out)[...] = gathered[i * input.size:(i + 1) * input.size]
-
-    return _finish(_then(inner, copy_out, outputs), async_op)
+    return _finish(_then(inner, _split_into(outputs, gathered), outputs), async_op)
 
 
 def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
@@ -314,18 +326,10 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
         return _finish(backend.gather(None, flat(input), root, async_op=async_op), async_op, [])
     if gather_list is None:
         raise ValueError("gather: gather_list is required on dst: one array per rank")
-    outputs = [adapt(t, "gather", f"gather_list[{i}]", writable=True)
-               for i, t in enumerate(_list(gather_list, "gather", "gather_list", pg.size()))]
-    check_same([input, *outputs], "gather", "gather_list and tensor")
-    _same_size(outputs, input.size, "gather", "gather_list")
+    outputs = _output_list(gather_list, input, pg.size(), "gather", "gather_list")
     gathered = np.empty(pg.size() * input.size, dtype=input.dtype)
     inner = backend.gather(gathered, flat(input), root, async_op=async_op)
-
-    def copy_out() -> None:
-        for i, out in enumerate(outputs):
-            flat(out)[...] = gathered[i * input.size:(i + 1) * input.size]
-
-    return _finish(_then(inner, copy_out, outputs), async_op)
+    return _finish(_then(inner, _split_into(outputs, gathered), outputs), async_op)
 
 
 def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
@@ -447,14 +451,7 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
     received = np.empty(sum(t.size for t in outputs), dtype=dtype)
     inner = backend.all_to_all(received, joined, [t.size for t in outputs],
                                [t.size for t in inputs], async_op=async_op)
-
-    def copy_out() -> None:
-        at = 0
-        for out in outputs:
-            flat(out)[...] = received[at:at + out.size]
-            at += out.size
-
-    return _finish(_then(inner, copy_out, outputs), async_op)
+    return _finish(_then(inner, _split_into(outputs, received), outputs), async_op)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,

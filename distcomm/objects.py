@@ -33,6 +33,16 @@ def _load(data: np.ndarray) -> Any:
     return pickle.loads(data.tobytes())
 
 
+def _padded(obj: Any, pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's pickled size, and this rank's pickle zero-padded to the largest."""
+    mine = _dump(obj)
+    sizes = np.zeros(pg.size(), dtype=np.int64)
+    c.all_gather_into_tensor(sizes, np.array([mine.size], dtype=np.int64), group=pg)
+    padded = np.zeros(int(sizes.max()), dtype=np.uint8)
+    padded[:mine.size] = mine
+    return sizes, padded
+
+
 def _check_list(value: Any, where: str, name: str) -> list[Any]:
     if not isinstance(value, list):
         raise TypeError(f"{where}: {name} must be a list, got {type(value).__name__}")
@@ -74,12 +84,8 @@ def all_gather_object(object_list: list[Any], obj: Any,
     if len(object_list) != n:
         raise ValueError(f"all_gather_object: object_list must have one slot per rank ({n}), "
                          f"got {len(object_list)}")
-    mine = _dump(obj)
-    sizes = np.zeros(n, dtype=np.int64)
-    c.all_gather_into_tensor(sizes, np.array([mine.size], dtype=np.int64), group=pg)
-    width = int(sizes.max())
-    padded = np.zeros(width, dtype=np.uint8)
-    padded[:mine.size] = mine
+    sizes, padded = _padded(obj, pg)
+    width = padded.size
     gathered = np.empty(n * width, dtype=np.uint8)
     c.all_gather_into_tensor(gathered, padded, group=pg)
     for i in range(n):
@@ -101,13 +107,9 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None,
     elif object_gather_list is not None:
         raise ValueError("gather_object: object_gather_list must be None on ranks other "
                          "than dst")
-    mine = _dump(obj)
-    sizes = np.zeros(n, dtype=np.int64)
-    c.all_gather_into_tensor(sizes, np.array([mine.size], dtype=np.int64), group=pg)
-    width = int(sizes.max())
-    padded = np.zeros(width, dtype=np.uint8)
-    padded[:mine.size] = mine
-    slots = [np.empty(width, dtype=np.uint8) for _ in range(n)] if pg.rank() == root else None
+    sizes, padded = _padded(obj, pg)
+    slots = [np.empty(padded.size, dtype=np.uint8) for _ in range(n)] if (
+        pg.rank() == root) else None
     c.gather(padded, slots, group=pg, group_dst=root)
     if slots is not None:
         for i in range(n):

@@ -6,8 +6,8 @@ own raises `DistBackendError` describing both sides, and a message for a collect
 this rank has already finished is reported the same way. Because two mismatched
 collectives may both only wait to receive, every rank also sends its signature to
 its right-hand neighbour when a collective starts (a payload-free SIG message): if
-any two ranks disagree, some neighbour pair does, and that rank aborts the group. Point-to-point messages are
-matched by (peer, tag) in order, or by tag from any peer.
+any two ranks disagree, some neighbour pair does, and that rank aborts the group.
+Point-to-point messages are matched by (peer, tag) in order, or by tag from any peer.
 """
 
 from __future__ import annotations
