@@ -8,6 +8,7 @@ on the backend's single-array primitives.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "P2POp",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_reduce",
     "all_to_all",
     "all_to_all_single",
@@ -36,6 +38,7 @@ __all__ = [
     "recv",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
     "send",
@@ -281,11 +284,14 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
                    [tensor])
 
 
-def all_gather_into_tensor(output_tensor: Any, input_tensor: Any,
-                           group: ProcessGroup | None = None,
-                           async_op: bool = False) -> Work | None:
-    """Gather every rank's `input_tensor` into `output_tensor` (group size x its elements)."""
-    where = "all_gather_into_tensor"
+def all_gather_single(output_tensor: Any, input_tensor: Any,
+                      group: ProcessGroup | None = None,
+                      async_op: bool = False) -> Work | None:
+    """Gather every rank's `input_tensor` into `output_tensor` (group size x its elements).
+
+    `output_tensor` is the concatenation (n*k, ...) or the stack (n, k, ...) of the inputs.
+    """
+    where = "all_gather_single"
     pg = resolve(group, where)
     output = adapt(output_tensor, where, "output_tensor", writable=True)
     input = adapt(input_tensor, where, "input_tensor", writable=False)
@@ -357,11 +363,11 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
                    [tensor])
 
 
-def reduce_scatter_tensor(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
+def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
                           group: ProcessGroup | None = None,
                           async_op: bool = False) -> Work | None:
     """Reduce `input` (group size x output elements) over the group; rank i gets slice i."""
-    where = "reduce_scatter_tensor"
+    where = "reduce_scatter_single"
     pg = resolve(group, where)
     out = adapt(output, where, "output", writable=True)
     inp = adapt(input, where, "input", writable=False)
@@ -391,6 +397,24 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     joined = np.concatenate([flat(t) for t in inputs])
     return _finish(backend.reduce_scatter(flat(out), joined, op, async_op=async_op), async_op,
                    [output])
+
+
+def all_gather_into_tensor(output_tensor: Any, input_tensor: Any,
+                           group: ProcessGroup | None = None,
+                           async_op: bool = False) -> Work | None:
+    """Deprecated (as in torch 2.13): use `all_gather_single`, which it calls."""
+    warnings.warn("distcomm.all_gather_into_tensor is deprecated; use "
+                  "distcomm.all_gather_single instead", FutureWarning, stacklevel=2)
+    return all_gather_single(output_tensor, input_tensor, group, async_op)
+
+
+def reduce_scatter_tensor(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
+                          group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:
+    """Deprecated (as in torch 2.13): use `reduce_scatter_single`, which it calls."""
+    warnings.warn("distcomm.reduce_scatter_tensor is deprecated; use "
+                  "distcomm.reduce_scatter_single instead", FutureWarning, stacklevel=2)
+    return reduce_scatter_single(output, input, op, group, async_op)
 
 
 def _splits(splits: Sequence[int] | None, array: Any, n: int, where: str,

@@ -37,7 +37,7 @@ def _padded(obj: Any, pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray]:
     """Every rank's pickled size, and this rank's pickle zero-padded to the largest."""
     mine = _dump(obj)
     sizes = np.zeros(pg.size(), dtype=np.int64)
-    c.all_gather_into_tensor(sizes, np.array([mine.size], dtype=np.int64), group=pg)
+    c.all_gather_single(sizes, np.array([mine.size], dtype=np.int64), group=pg)
     padded = np.zeros(int(sizes.max()), dtype=np.uint8)
     padded[:mine.size] = mine
     return sizes, padded
@@ -87,7 +87,7 @@ def all_gather_object(object_list: list[Any], obj: Any,
     sizes, padded = _padded(obj, pg)
     width = padded.size
     gathered = np.empty(n * width, dtype=np.uint8)
-    c.all_gather_into_tensor(gathered, padded, group=pg)
+    c.all_gather_single(gathered, padded, group=pg)
     for i in range(n):
         object_list[i] = _load(gathered[i * width:i * width + sizes[i]])
 

@@ -66,7 +66,7 @@ def test_use_before_init_raises(call):
 
 
 def test_init_arguments_are_checked():
-    with pytest.raises(ValueError, match="unknown backend 'nosuch'; registered backends: .*tcp"):
+    with pytest.raises(ValueError, match=r"unknown backend 'nosuch'; registered backends: .*tcp"):
         dist.init_process_group("nosuch", store=dist.HashStore(), rank=0, world_size=1)
     with pytest.raises(ValueError, match="does not serve cuda"):
         dist.init_process_group("cpu:tcp,cuda:tcp", store=dist.HashStore(), rank=0,
@@ -129,9 +129,9 @@ def test_solo_group_basics(solo):
     (lambda: dist.all_gather([np.zeros(3, np.float32)], np.zeros(3)), TypeError,
      "mixes dtypes"),
     (lambda: dist.all_gather(np.zeros(3), np.zeros(3)), TypeError, "list of arrays"),
-    (lambda: dist.all_gather_into_tensor(np.zeros(5), np.zeros(3)), ValueError,
+    (lambda: dist.all_gather_single(np.zeros(5), np.zeros(3)), ValueError,
      "group size x input"),
-    (lambda: dist.reduce_scatter_tensor(np.zeros(2), np.zeros(3)), ValueError,
+    (lambda: dist.reduce_scatter_single(np.zeros(2), np.zeros(3)), ValueError,
      "group size x output"),
     (lambda: dist.gather(np.zeros(3)), ValueError, "gather_list is required"),
     (lambda: dist.scatter(np.zeros(3), [np.zeros(3), np.zeros(3)]), ValueError,
@@ -166,7 +166,7 @@ def test_read_only_input_is_fine_where_nothing_is_written(solo):
     frozen = np.arange(3.0)
     frozen.setflags(write=False)
     out = np.empty(3)
-    dist.all_gather_into_tensor(out, frozen)
+    dist.all_gather_single(out, frozen)
     assert out.tolist() == [0.0, 1.0, 2.0]
 
 
@@ -242,7 +242,7 @@ def test_register_backend_and_use_it(fresh_registry):
 
 def test_factory_must_return_a_backend(fresh_registry):
     backends.register_backend("liar", lambda store, rank, size, timeout: object())
-    with pytest.raises(TypeError, match="not a distcomm.Backend"):
+    with pytest.raises(TypeError, match=r"not a distcomm\.Backend"):
         dist.init_process_group("liar", store=dist.HashStore(), rank=0, world_size=1)
 
 
@@ -267,3 +267,13 @@ def test_entry_point_plugins(tmp_path, monkeypatch, fresh_registry, caplog):
     assert "shout" in names and names["shout"].devices == ("cpu",)
     assert "plug-in exploded" in caplog.text and "broken" in caplog.text
     sys.modules.pop("plugin_pkg", None)
+
+
+def test_deprecated_names_warn_and_work(solo):
+    out = np.empty(3)
+    with pytest.warns(FutureWarning, match="all_gather_single"):
+        dist.all_gather_into_tensor(out, np.arange(3.0))
+    assert out.tolist() == [0.0, 1.0, 2.0]
+    with pytest.warns(FutureWarning, match="reduce_scatter_single"):
+        dist.reduce_scatter_tensor(out, np.full(3, 2.0))
+    assert out.tolist() == [2.0, 2.0, 2.0]

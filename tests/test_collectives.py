@@ -21,7 +21,7 @@ ALL_DTYPES = [str(d) for d in DTYPES]
 INT_DTYPES = [d for d in ALL_DTYPES if d == "bool" or d.startswith(("int", "uint"))]
 FLOAT_DTYPES = [d for d in ALL_DTYPES if d.startswith(("float", "complex"))]
 REAL_DTYPES = [d for d in ALL_DTYPES if not d.startswith("complex")]
-COUNTS = (0, 1, 13, 40_001)  # 40_001 x 2+ bytes crosses the ring threshold
+COUNTS = (0, 1, 13, 600_001)  # 600_001 x 1+ bytes crosses the ring threshold (512 KiB)
 
 _UFUNC = {
     ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
@@ -184,12 +184,12 @@ def _all_gather(dtype: str) -> None:
         for k in range(n):
             check(out[k], values(k, count, dtype), f"all_gather[{k}] x{count}")
         flat = np.empty(n * count, dtype=dtype)
-        dist.all_gather_into_tensor(flat, mine)
+        dist.all_gather_single(flat, mine)
         check(flat, np.concatenate([values(k, count, dtype) for k in range(n)]),
-              "all_gather_into_tensor")
+              "all_gather_single")
     mine = values(r, 6, dtype).reshape(2, 3)
     stacked = np.empty((n, 2, 3), dtype=dtype)
-    dist.all_gather_into_tensor(stacked, mine, async_op=True).wait()
+    dist.all_gather_single(stacked, mine, async_op=True).wait()
     check(stacked, np.stack([values(k, 6, dtype).reshape(2, 3) for k in range(n)]), "stacked")
     out = [np.empty((2, 3), dtype=dtype) for _ in range(n)]
     dist.all_gather(out, mine, async_op=True).wait()
@@ -236,10 +236,10 @@ def _reduce_scatter(op_value: int, dtype: str) -> None:
         full = values(r, n * count, dtype, op)
         before = full.copy()
         out = np.empty(count, dtype=dtype)
-        dist.reduce_scatter_tensor(out, full, op=op)
+        dist.reduce_scatter_single(out, full, op=op)
         want = expected_reduction(n, n * count, dtype, op)[r * count:(r + 1) * count]
-        check(out, want, f"reduce_scatter_tensor {op.name} x{count}")
-        check(full, before, "reduce_scatter_tensor input untouched")
+        check(out, want, f"reduce_scatter_single {op.name} x{count}")
+        check(full, before, "reduce_scatter_single input untouched")
         out2 = np.empty(count, dtype=dtype)
         dist.reduce_scatter(out2, [full[k * count:(k + 1) * count] for k in range(n)], op=op)
         check(out2, want, f"reduce_scatter {op.name} x{count}")
@@ -466,7 +466,7 @@ def _dlpack() -> None:
         dist.all_reduce(wrapped)
         check(base, np.full(4, n * (n + 1) / 2, dtype=np.float32), "all_reduce via DLPack")
     out = np.empty(4 * n, dtype=np.float32)
-    dist.all_gather_into_tensor(out, _DLPackOnly(np.full(4, r, dtype=np.float32)))
+    dist.all_gather_single(out, _DLPackOnly(np.full(4, r, dtype=np.float32)))
     check(out, np.repeat(np.arange(n, dtype=np.float32), 4), "DLPack input")
 
 

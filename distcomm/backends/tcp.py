@@ -22,6 +22,7 @@ from .transport.base import (
     Exchange,
     Failure,
     Mailbox,
+    ScratchPool,
     Signature,
     as_bytes,
 )
@@ -50,6 +51,7 @@ class TcpBackend(Backend):
         self._collectives = OpQueue(f"distcomm-{self.name}-ops")
         self._sends = OpQueue(f"distcomm-{self.name}-send")
         self._seq = 0
+        self._scratch = ScratchPool()
         self._closed = False
 
     # -- running collectives ----------------------------------------------------------------
@@ -68,7 +70,8 @@ class TcpBackend(Backend):
             if failure is not None:
                 raise failure.kind(f"{describe}: the group was aborted earlier: "
                                    f"{failure.message}")
-            ex = Exchange(self._transport, seq, signature, Deadline(self.timeout), describe)
+            ex = Exchange(self._transport, seq, signature, Deadline(self.timeout), describe,
+                          self._scratch)
             mailbox = self._transport.mailbox
             try:
                 mailbox.begin_collective(seq, signature)
@@ -223,3 +226,4 @@ class TcpBackend(Backend):
         self._collectives.close(error)
         self._sends.close(error)
         self._transport.close()
+        self._scratch.clear()

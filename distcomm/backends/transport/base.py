@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import struct
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +37,7 @@ __all__ = [
     "Failure",
     "Mailbox",
     "Recv",
+    "ScratchPool",
     "Signature",
     "Transport",
     "as_bytes",
@@ -137,6 +139,8 @@ class Mailbox:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self.lock = threading.Lock()
+        self._posted_cond = threading.Condition(self.lock)
+        self._waiting_readers = 0
         self._posted: dict[tuple, deque[Recv]] = {}
         self._any: dict[int, deque[Recv]] = {}  # tag -> any-source receives
         self._unexpected: dict[tuple, deque[tuple[int, tuple, bytearray]]] = {}
@@ -186,6 +190,8 @@ class Mailbox:
                             self._any.setdefault(key[2], deque()).append(recv)
                         else:
                             self._posted.setdefault(key, deque()).append(recv)
+                        if self._waiting_readers:
+                            self._posted_cond.notify_all()
                         return recv
         if found is not None:
             self.deliver(recv, *found)
@@ -228,12 +234,38 @@ class Mailbox:
 
     # -- delivery (reader threads) ---------------------------------------------------------
 
-    def claim(self, peer: int, fields: tuple) -> Recv | None:
-        """The posted receive an incoming message from `peer` goes to, removed from the queue."""
+    def claim(self, peer: int, fields: tuple, wait: float = 0.0) -> Recv | None:
+        """The posted receive an incoming message from `peer` goes to, removed from the queue.
+
+        With `wait` > 0, a collective message of the collective this rank is running (or
+        will run next) waits up to `wait` seconds for its receive to be posted, so a large
+        payload lands in place instead of being buffered and copied. The bound keeps a
+        message that is not needed soon from holding up the connection behind it.
+        """
         key = self.key_of(peer, fields)
         with self.lock:
             self._check_collective(peer, fields)
-            return self._pop_posted(key)
+            recv = self._pop_posted(key)
+            if recv is not None or wait <= 0 or not self._expected_soon(fields):
+                return recv
+            end = time.monotonic() + wait
+            self._waiting_readers += 1
+            try:
+                while recv is None and self.failure is None:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._posted_cond.wait(left)
+                    recv = self._pop_posted(key)
+            finally:
+                self._waiting_readers -= 1
+            return recv
+
+    def _expected_soon(self, fields: tuple) -> bool:
+        if fields[0] != COLL:
+            return False
+        current = self._current[0] if self._current is not None else -1
+        return fields[5] == current or (fields[5] == current + 1 and self._done_seq == current)
 
     def _pop_posted(self, key: tuple) -> Recv | None:
         queue = self._posted.get(key)
@@ -372,6 +404,7 @@ class Mailbox:
             if self.failure is not None:
                 return False
             self.failure = failure
+            self._posted_cond.notify_all()
             pending = [r for q in self._posted.values() for r in q]
             pending += [r for q in self._any.values() for r in q]
             self._posted.clear()
@@ -434,14 +467,42 @@ class Transport(ABC):
         """Say goodbye to the peers and release every connection and thread; idempotent."""
 
 
+class ScratchPool:
+    """Work buffers reused across one backend's collectives (which run one at a time).
+
+    Reuse matters: a freshly allocated large buffer is returned to the OS when freed and
+    page-faulted in again on the next call, which costs more than moving the data.
+    """
+
+    #: buffers above this many bytes are not kept between collectives
+    KEEP_MAX = 256 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, np.ndarray] = {}
+
+    def get(self, slot: int, count: int, dtype: np.dtype) -> np.ndarray:
+        """A writable 1-D array of `count` `dtype` elements; one buffer per `slot`."""
+        nbytes = count * np.dtype(dtype).itemsize
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+            if nbytes <= self.KEEP_MAX:
+                self._buffers[slot] = buffer
+        return buffer[:nbytes].view(dtype)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
 class Exchange:
     """One collective's view of the transport: its seq, signature, deadline and messages."""
 
-    __slots__ = ("deadline", "describe", "dtype", "rank", "seq", "signature", "size",
-                 "transport")
+    __slots__ = ("deadline", "describe", "dtype", "rank", "scratch", "seq", "signature",
+                 "size", "transport")
 
     def __init__(self, transport: Transport, seq: int, signature: Signature,
-                 deadline: Deadline, describe: str) -> None:
+                 deadline: Deadline, describe: str, scratch: ScratchPool | None = None) -> None:
+        self.scratch = scratch if scratch is not None else ScratchPool()
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
         self.seq = seq

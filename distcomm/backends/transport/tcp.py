@@ -15,7 +15,6 @@ every rank fails within moments instead of waiting out its timeout.
 from __future__ import annotations
 
 import errno
-import select
 import socket
 import struct
 import threading
@@ -34,6 +33,10 @@ _HELLO_MAGIC = b"DCTP"
 _FAILURE_KINDS: tuple[type[DistError], ...] = (DistNetworkError, DistBackendError,
                                                DistTimeoutError)
 _POLL_SLICE = 0.5
+_SEND_SLICE = 0.5
+#: collective payloads at least this large wait briefly for their receive (Mailbox.claim)
+_WAIT_FOR_POST_MIN = 64 * 1024
+_WAIT_FOR_POST = 0.25
 
 
 def local_address(store: Store) -> str:
@@ -57,14 +60,16 @@ def local_address(store: Store) -> str:
 
 
 class _Peer:
-    __slots__ = ("dirty", "gone", "lock", "poller", "rank", "sock", "thread")
+    __slots__ = ("dirty", "gone", "lock", "rank", "sock", "thread")
 
     def __init__(self, rank: int, sock: socket.socket) -> None:
         self.rank = rank
         self.sock = sock
+        # sends block in the kernel (faster than polling from Python), but never for
+        # longer than this at a time, so the sender notices deadlines and aborts
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", 0, int(_SEND_SLICE * 1e6)))
         self.lock = threading.Lock()  # one sender at a time: messages never interleave
-        self.poller = select.poll()
-        self.poller.register(sock.fileno(), select.POLLOUT)
         self.dirty = False  # a send stopped half-way: the stream can carry nothing more
         self.gone = False  # the peer said goodbye or the connection ended
         self.thread: threading.Thread | None = None
@@ -225,8 +230,8 @@ class TcpTransport(Transport):
         views = [v for v in views if len(v)]
         while views:
             try:
-                sent = conn.sock.sendmsg(views, [], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-            except (BlockingIOError, InterruptedError):
+                sent = conn.sock.sendmsg(views, [], socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):  # SO_SNDTIMEO passed: check, retry
                 sent = 0
             except OSError as exc:
                 failure = self._connection_failure(conn.rank, exc)
@@ -239,9 +244,7 @@ class TcpTransport(Transport):
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
-            if not views:
-                return
-            while True:
+            if views:
                 failure = self.mailbox.failure
                 if failure is not None:
                     raise failure.error()
@@ -249,8 +252,6 @@ class TcpTransport(Transport):
                     raise DistTimeoutError(
                         f"sending to rank {conn.rank} made no progress for "
                         f"{deadline.seconds:.1f} s (is it alive and reading?)")
-                if conn.poller.poll(int(deadline.slice(_POLL_SLICE) * 1000)):
-                    break
 
     def _send_control(self, conn: _Peer, kind: int, text: str = "", code: int = 0) -> None:
         """Best-effort ABORT/BYE: never blocks for long, never interleaves a message."""
@@ -303,7 +304,9 @@ class TcpTransport(Transport):
                         self.abort(Failure(type(exc), str(exc)))
                     continue
                 try:
-                    recv = mailbox.claim(conn.rank, fields)
+                    recv = mailbox.claim(
+                        conn.rank, fields,
+                        _WAIT_FOR_POST if nbytes >= _WAIT_FOR_POST_MIN else 0.0)
                 except DistError as exc:  # a message for a collective this rank finished
                     _read_bytes(sock, nbytes)
                     self.abort(Failure(type(exc), str(exc)))

@@ -1,0 +1,661 @@
+"""nccl-tests-style benchmark of distcomm's collectives, optionally beside torch.distributed's gloo.
+
+The script spawns `--nprocs` ranks on this host, times each collective over a range of
+sizes and prints one table per op: size, count, time, algorithm and bus bandwidth, and
+the number of wrong elements in the checked result. With `--compare torch` the same
+ranks also run torch.distributed's gloo backend on the same numpy buffers (through
+`torch.from_numpy`), right after ours at each size, and the table gains torch's time,
+bus bandwidth and the ratio torch_time / our_time (> 1: distcomm is faster).
+
+Examples::
+
+    python benchmarks/collectives.py --op all_reduce -b 8 -e 64M --nprocs 4
+    python benchmarks/collectives.py --op all_reduce,broadcast,all_gather --compare torch
+    python benchmarks/collectives.py --op all --csv results.csv
+
+All traffic stays on 127.0.0.1: the parent hosts the stores on port 0 (the system picks
+a free port) and passes the real ports to the ranks. The ranks die with the parent
+(PR_SET_PDEATHSIG), every wait has a timeout, and on any failure every rank is killed
+and its error printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import platform
+import re
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
+       "barrier")
+DTYPES = ("float32", "float64", "float16", "int8", "uint8", "int32", "int64")
+#: Ops whose buffers are split in one piece per rank: sizes round down to a multiple of n.
+SPLIT_OPS = ("all_gather", "reduce_scatter", "all_to_all")
+#: Fewest timed iterations of a size whose iterations are scaled down.
+MIN_SCALED_ITERS = 5
+#: How long the other ranks may take to report their own error after a first failure.
+GRACE_AFTER_FAILURE = 3.0
+#: Extra seconds the parent waits beyond --timeout, so a rank's own timeout error arrives first.
+PARENT_MARGIN = 30.0
+LOOPBACK = "127.0.0.1"
+
+FIELDS = ("op", "nprocs", "dtype", "backend", "size", "count", "iters", "time_us",
+          "algbw", "busbw", "wrong", "torch_time_us", "torch_algbw", "torch_busbw",
+          "torch_wrong", "ratio")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    return 0.0
+
+
+# -- command line ------------------------------------------------------------------------------
+
+def parse_bytes(text: str) -> int:
+    """'8', '64K', '64M', '1G' (also '64MB', '64MiB'; powers of 1024) -> bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: not a size.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(I?B)?\s*", text.upper())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: write a number of bytes with an optional K, M or G "
+            "suffix (powers of 1024), e.g. 8, 64K, 64M, 1G")
+    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2) or " ")
+
+
+def parse_ops(text: str) -> tuple[str, ...]:
+    """'all', one op, or a comma-separated list -> the ops in the order given."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if names == ["all"]:
+        return OPS
+    unknown = [name for name in names if name not in OPS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown op {', '.join(unknown) or text!r}: choose from {', '.join(OPS)} or 'all' "
+            "(several ops: a comma-separated list)")
+    return tuple(dict.fromkeys(names))
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""\
+timing: at each size every rank fills its buffers, runs the op once and checks the
+  result (#wrong counts the wrong elements: 0 is a pass), runs the rest of the warm-up,
+  enters a barrier, then times -n iterations with time.perf_counter. The time shown is
+  the largest over the ranks of the mean time per iteration.
+iterations: above --scale_above bytes (default 1M) the iterations shrink in proportion
+  to the size (-n * scale_above / size, at least 5) and so does the warm-up (at least
+  1), to keep big sizes quick; the iters column shows what ran. --scale_above 0 turns
+  this off.
+sizes: from -b to -e, multiplied by -f. size and count describe the whole buffer
+  (all_gather's output, reduce_scatter's input, all_to_all's input); for those ops the
+  size rounds down to a multiple of nprocs elements and sizes too small to give each
+  rank one element are skipped. barrier runs once, at size 0.
+bandwidth: algbw = size / time and busbw = algbw * factor, in GB/s (1e9 bytes/s), with
+  nccl-tests' factors: all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all
+  (n-1)/n; broadcast, reduce 1.
+compare: with --compare torch each size runs ours, then torch.distributed's gloo in the
+  same ranks on the same buffers (torch.from_numpy); torch/ours is the ratio of the two
+  times: above 1, distcomm is faster.
+exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 for a
+  usage error (including --compare torch without torch installed).""")
+    parser.add_argument("-b", "--minbytes", type=parse_bytes, default=8,
+                        help="smallest size in bytes (default 8)")
+    parser.add_argument("-e", "--maxbytes", type=parse_bytes, default=64 * 1024 ** 2,
+                        help="largest size in bytes, suffixes K/M/G (default 64M)")
+    parser.add_argument("-f", "--stepfactor", type=int, default=2,
+                        help="multiply the size by this between rows (default 2)")
+    parser.add_argument("-n", "--iters", type=int, default=20,
+                        help="timed iterations per size (default 20)")
+    parser.add_argument("-w", "--warmup_iters", type=int, default=5,
+                        help="warm-up iterations per size, the checked one included "
+                             "(default 5)")
+    parser.add_argument("--scale_above", type=parse_bytes, default=1024 ** 2,
+                        help="shrink the iterations of sizes above this (default 1M; "
+                             "0: never)")
+    parser.add_argument("--op", type=parse_ops, default=("all_reduce",),
+                        help=f"{', '.join(OPS)}, a comma-separated list of them, or 'all' "
+                             "(default all_reduce)")
+    parser.add_argument("--backend", default="tcp", help="distcomm backend (default tcp)")
+    parser.add_argument("--nprocs", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="element type (default float32)")
+    parser.add_argument("--compare", choices=("torch",),
+                        help="also run torch.distributed's gloo backend on the same buffers")
+    parser.add_argument("--csv", metavar="PATH", help="also write every row to this CSV file")
+    parser.add_argument("--timeout", type=positive_float, default=300.0,
+                        help="seconds any one collective or the start of the ranks may "
+                             "take; the parent gives up when no row arrives for this plus "
+                             f"{PARENT_MARGIN:.0f} s (default 300)")
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.nprocs < 1:
+        parser.error(f"--nprocs must be >= 1, got {args.nprocs}")
+    if args.minbytes < 1 or args.maxbytes < args.minbytes:
+        parser.error(f"need 1 <= --minbytes <= --maxbytes, got {args.minbytes} and "
+                     f"{args.maxbytes}")
+    if args.stepfactor < 2:
+        parser.error(f"--stepfactor must be >= 2, got {args.stepfactor}")
+    if args.iters < 1 or args.warmup_iters < 0:
+        parser.error(f"need --iters >= 1 and --warmup_iters >= 0, got {args.iters} and "
+                     f"{args.warmup_iters}")
+    import distcomm
+
+    if not distcomm.is_backend_available(args.backend):
+        parser.error(f"--backend {args.backend!r} is not available here (is it registered, "
+                     "and its library installed?); the default is 'tcp'")
+    if args.compare == "torch":
+        try:
+            import torch.distributed as tdist
+        except ImportError as exc:
+            parser.error(f"--compare torch needs PyTorch, which is not importable in this "
+                         f"Python ({sys.executable}: {exc}); install it (pip install torch) "
+                         "or run without --compare")
+        if not (tdist.is_available() and tdist.is_gloo_available()):
+            parser.error("--compare torch: this PyTorch build has no torch.distributed gloo "
+                         "backend")
+
+
+def sizes(args: argparse.Namespace) -> list[int]:
+    """-b, -b*f, -b*f^2, ... up to -e."""
+    out, size = [], args.minbytes
+    while size <= args.maxbytes:
+        out.append(size)
+        size *= args.stepfactor
+    return out
+
+
+def iterations(nbytes: int, iters: int, warmup: int, scale_above: int) -> tuple[int, int]:
+    """(timed, warm-up) iterations for `nbytes`; warm-up is at least 1 (the checked run)."""
+    if scale_above <= 0 or nbytes <= scale_above:
+        return iters, max(1, warmup)
+    factor = scale_above / nbytes
+    return (min(iters, max(MIN_SCALED_ITERS, math.ceil(iters * factor))),
+            max(1, math.ceil(warmup * factor)))
+
+
+# -- one op at one size, on one rank -----------------------------------------------------------
+
+@dataclass
+class Case:
+    """One op at one size on one rank: how to run it, refill its buffers and check them.
+
+    Attributes:
+        size, count: the row's bytes and elements (see the --help epilog).
+        fill: set the inputs (and clear the outputs) to the checked pattern.
+        wrong: the number of wrong elements after one run from `fill`.
+        ours, theirs: one call of distcomm's op, and of torch's on the same buffers.
+        settle: after the check, give the buffers values that repeated runs keep finite
+            (reductions in place would otherwise overflow to inf).
+    """
+
+    size: int
+    count: int
+    fill: Callable[[], None]
+    wrong: Callable[[], int]
+    ours: Callable[[], Any]
+    theirs: Callable[[], Any] | None
+    settle: Callable[[], None] = lambda: None
+
+
+def _const(value: int, dtype: np.dtype) -> np.ndarray:
+    """`value` in `dtype`, wrapping as integer arithmetic in that dtype does."""
+    return np.array(value, dtype=np.int64).astype(dtype)
+
+
+def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: Any,
+              tdist: Any) -> Case | None:
+    """The Case of `op` at `nbytes`, or None when the size holds too few elements."""
+    count = nbytes // dtype.itemsize
+    if op in SPLIT_OPS:
+        count -= count % n
+    if op != "barrier" and count == 0:
+        return None
+    per = count // n
+    torch = None
+    if tdist is not None:
+        import torch
+
+    def view(array: np.ndarray) -> Any:
+        return torch.from_numpy(array) if torch is not None else None
+
+    if op == "barrier":
+        return Case(0, 0, lambda: None, lambda: 0, dist.barrier,
+                    tdist.barrier if tdist else None)
+    if op in ("all_reduce", "reduce"):
+        buf = np.empty(count, dtype)
+        total = _const(n * (n + 1) // 2, dtype)
+        checked = op == "all_reduce" or rank == 0
+        if op == "all_reduce":
+            ours, t = (lambda: dist.all_reduce(buf)), view(buf)
+            theirs = (lambda: tdist.all_reduce(t)) if tdist else None
+        else:
+            ours, t = (lambda: dist.reduce(buf, dst=0)), view(buf)
+            theirs = (lambda: tdist.reduce(t, dst=0)) if tdist else None
+        return Case(count * dtype.itemsize, count,
+                    lambda: buf.fill(rank + 1),
+                    lambda: int(np.count_nonzero(buf != total)) if checked else 0,
+                    ours, theirs, settle=lambda: buf.fill(0))
+    if op == "broadcast":
+        buf = np.empty(count, dtype)
+        pattern = (np.arange(count) % 97 + 1).astype(dtype)
+        t = view(buf)
+
+        def fill() -> None:
+            buf[...] = pattern if rank == 0 else 0
+
+        return Case(count * dtype.itemsize, count, fill,
+                    lambda: int(np.count_nonzero(buf != pattern)),
+                    lambda: dist.broadcast(buf, src=0),
+                    (lambda: tdist.broadcast(t, src=0)) if tdist else None)
+    if op == "all_gather":
+        inp, out = np.empty(per, dtype), np.empty(count, dtype)
+        expected = np.repeat(np.arange(1, n + 1), per).astype(dtype)
+        ti, to = view(inp), view(out)
+
+        def fill() -> None:
+            inp.fill(rank + 1)
+            out.fill(0)
+
+        # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated)
+        gather = getattr(tdist, "all_gather_single", None) or getattr(
+            tdist, "all_gather_into_tensor", None)
+        return Case(count * dtype.itemsize, count, fill,
+                    lambda: int(np.count_nonzero(out != expected)),
+                    lambda: dist.all_gather_single(out, inp),
+                    (lambda: gather(to, ti)) if tdist else None)
+    if op == "reduce_scatter":
+        # rank q's piece j holds (q+1)(j+1); rank r gets sum over q: (r+1) n(n+1)/2
+        inp, out = np.empty(count, dtype), np.empty(per, dtype)
+        total = _const((rank + 1) * n * (n + 1) // 2, dtype)
+        ti, to = view(inp), view(out)
+
+        def fill() -> None:
+            inp.reshape(n, per)[...] = ((rank + 1) * np.arange(1, n + 1)).astype(dtype)[:, None]
+            out.fill(0)
+
+        # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated)
+        scatter = getattr(tdist, "reduce_scatter_single", None) or getattr(
+            tdist, "reduce_scatter_tensor", None)
+        return Case(count * dtype.itemsize, count, fill,
+                    lambda: int(np.count_nonzero(out != total)),
+                    lambda: dist.reduce_scatter_single(out, inp),
+                    (lambda: scatter(to, ti)) if tdist else None)
+    if op == "all_to_all":
+        # rank q's piece j holds q*n + j + 1; rank r's piece j arrives from rank j
+        inp, out = np.empty(count, dtype), np.empty(count, dtype)
+        sent = (rank * n + np.arange(n) + 1).astype(dtype)[:, None]
+        expected = np.repeat(np.arange(n) * n + rank + 1, per).astype(dtype)
+        ti, to = view(inp), view(out)
+
+        def fill() -> None:
+            inp.reshape(n, per)[...] = sent
+            out.fill(0)
+
+        return Case(count * dtype.itemsize, count, fill,
+                    lambda: int(np.count_nonzero(out != expected)),
+                    lambda: dist.all_to_all_single(out, inp),
+                    (lambda: tdist.all_to_all_single(to, ti)) if tdist else None)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def measure(run: Callable[[], Any], barrier: Callable[[], Any], case: Case, iters: int,
+            warmup: int) -> tuple[float, int]:
+    """(mean seconds per iteration on this rank, wrong elements of the checked run)."""
+    case.fill()
+    run()
+    wrong = case.wrong()
+    case.settle()
+    for _ in range(warmup - 1):
+        run()
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    return (time.perf_counter() - start) / iters, wrong
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """What every rank runs (sent to the spawned ranks)."""
+
+    ops: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dtype: str
+    backend: str
+    nprocs: int
+    iters: int
+    warmup: int
+    scale_above: int
+    timeout: float
+    torch_port: int | None
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank_main(rank: int, plan: Plan, env: dict[str, str],
+               conn: multiprocessing.connection.Connection) -> None:
+    """A spawned rank: initialise both libraries, run the plan; rank 0 reports each row."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
+    os.environ.update(env)
+    try:
+        import distcomm as dist
+
+        dist.init_process_group(plan.backend, init_method="env://", timeout=plan.timeout)
+        tdist = None
+        if plan.torch_port is not None:
+            import torch.distributed as tdist
+
+            limit = timedelta(seconds=plan.timeout)
+            store = tdist.TCPStore(LOOPBACK, plan.torch_port, plan.nprocs, is_master=False,
+                                   timeout=limit)
+            tdist.init_process_group("gloo", store=store, rank=rank, world_size=plan.nprocs,
+                                     timeout=limit)
+        conn.send(("ready", None))
+        dtype = np.dtype(plan.dtype)
+        for op in plan.ops:
+            for nbytes in plan.sizes if op != "barrier" else (0,):
+                case = make_case(op, nbytes, dtype, rank, plan.nprocs, dist, tdist)
+                if case is None:
+                    if rank == 0:
+                        conn.send(("skip", (op, nbytes)))
+                    continue
+                row = _run_case(op, case, plan, dist, tdist)
+                if rank == 0:
+                    conn.send(("row", row))
+        if tdist is not None:
+            tdist.destroy_process_group()
+        dist.destroy_process_group()
+        conn.send(("done", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _run_case(op: str, case: Case, plan: Plan, dist: Any, tdist: Any) -> dict[str, Any]:
+    """Time ours, then torch's, and combine every rank's numbers (valid on rank 0)."""
+    n = plan.nprocs
+    iters, warmup = iterations(case.size, plan.iters, plan.warmup, plan.scale_above)
+    ours, wrong = measure(case.ours, dist.barrier, case, iters, warmup)
+    theirs, their_wrong = math.nan, 0
+    if case.theirs is not None:
+        theirs, their_wrong = measure(case.theirs, tdist.barrier, case, iters, warmup)
+    mine = np.array([ours, wrong, theirs, their_wrong], dtype=np.float64)
+    every = np.empty(n * mine.size, dtype=np.float64)
+    dist.all_gather_single(every, mine)
+    every = every.reshape(n, mine.size)
+    time_us = float(every[:, 0].max()) * 1e6
+    algbw = case.size / time_us / 1e3 if time_us > 0 else 0.0
+    row: dict[str, Any] = dict(
+        op=op, nprocs=n, dtype=plan.dtype, backend=plan.backend, size=case.size,
+        count=case.count, iters=iters, time_us=time_us, algbw=algbw,
+        busbw=algbw * bus_factor(op, n), wrong=int(every[:, 1].sum()),
+        torch_time_us="", torch_algbw="", torch_busbw="", torch_wrong="", ratio="")
+    if case.theirs is not None:
+        torch_us = float(every[:, 2].max()) * 1e6
+        torch_algbw = case.size / torch_us / 1e3 if torch_us > 0 else 0.0
+        row.update(torch_time_us=torch_us, torch_algbw=torch_algbw,
+                   torch_busbw=torch_algbw * bus_factor(op, n),
+                   torch_wrong=int(every[:, 3].sum()), ratio=torch_us / time_us)
+    return row
+
+
+# -- the parent: spawn, supervise, print --------------------------------------------------------
+
+class Report:
+    """Prints the tables as rows arrive and keeps the rows for the CSV file."""
+
+    def __init__(self, args: argparse.Namespace, torch_version: str | None) -> None:
+        self.args = args
+        self.torch_version = torch_version
+        self.rows: list[dict[str, Any]] = []
+        self.op: str | None = None
+
+    def host(self) -> None:
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
+        import distcomm
+
+        load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+        print(f"# host: {platform.node()} {platform.system()} {platform.machine()}, "
+              f"{os.cpu_count()} cores ({usable} usable), {load} at start, python "
+              f"{platform.python_version()}, numpy {np.__version__}, distcomm "
+              f"{distcomm.__version__}"
+              + (f", torch {self.torch_version}" if self.torch_version else ""))
+        a = self.args
+        print(f"# iterations: -n {a.iters} -w {a.warmup_iters}"
+              + (f", scaled down above {a.scale_above} bytes" if a.scale_above else "")
+              + "; time = max over ranks of the mean time per iteration", flush=True)
+
+    def _start_op(self, op: str) -> None:
+        if op == self.op:
+            return
+        self._finish_op()
+        self.op = op
+        a = self.args
+        peer = f", compared with torch {self.torch_version} gloo" if a.compare else ""
+        print(f"#\n# op {op}, nprocs {a.nprocs}, dtype {a.dtype}, backend {a.backend}{peer}")
+        head = (f"#{'size(B)':>11} {'count':>10} {'iters':>5} {'time(us)':>11} "
+                f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}")
+        if a.compare:
+            head += (f"  | {'torch(us)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} "
+                     f"{'torch/ours':>10}")
+        print(head)
+
+    def skip(self, op: str, nbytes: int) -> None:
+        self._start_op(op)
+        per = "rank" if op in SPLIT_OPS else "buffer"
+        print(f"#{nbytes:>11} skipped: less than one {self.args.dtype} element per {per}",
+              flush=True)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self._start_op(row["op"])
+        self.rows.append(row)
+        line = (f"{row['size']:>12} {row['count']:>10} {row['iters']:>5} "
+                f"{row['time_us']:>11.1f} {row['algbw']:>11.3f} {row['busbw']:>11.3f} "
+                f"{row['wrong']:>6}")
+        if self.args.compare:
+            line += (f"  | {row['torch_time_us']:>11.1f} {row['torch_busbw']:>11.3f} "
+                     f"{row['torch_wrong']:>6} {row['ratio']:>10.2f}")
+        print(line, flush=True)
+
+    def _finish_op(self) -> None:
+        rows = [r for r in self.rows if r["op"] == self.op]
+        if not rows:
+            return
+        line = f"# avg bus bandwidth: {np.mean([r['busbw'] for r in rows]):.3f} GB/s"
+        if self.args.compare:
+            ratios = [r["ratio"] for r in rows if r["ratio"] != "" and r["ratio"] > 0]
+            line += (f"; torch gloo {np.mean([r['torch_busbw'] for r in rows]):.3f} GB/s; "
+                     f"geometric mean of torch/ours {math.exp(np.mean(np.log(ratios))):.2f}")
+        print(line, flush=True)
+
+    def close(self, finished: bool) -> int:
+        """Finish the last table, write the CSV; the number of rows with wrong results."""
+        self._finish_op()
+        bad = sum(1 for r in self.rows if r["wrong"] or r["torch_wrong"] not in ("", 0))
+        verdict = ("the run did not finish (see the error)" if not finished
+                   else "all checks passed" if not bad else "SOME CHECKS FAILED")
+        print(f"# {len(self.rows)} rows, {bad} with wrong results: {verdict}", flush=True)
+        if self.args.csv:
+            with open(self.args.csv, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=FIELDS)
+                writer.writeheader()
+                writer.writerows(self.rows)
+            print(f"# wrote {len(self.rows)} rows to {self.args.csv}", flush=True)
+        return bad
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def supervise(procs: list[Any], conns: list[Any], report: Report, timeout: float) -> bool:
+    """Relay rank 0's rows until every rank is done; False (errors printed) on any failure.
+
+    The deadline restarts with every message: it bounds the wait for progress, not the run.
+    """
+    n = len(procs)
+    pending = set(range(n))
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout + PARENT_MARGIN
+    while pending:
+        now = time.monotonic()
+        if now >= deadline:
+            if not errors:
+                errors[-1] = (f"no rank reported anything for {timeout + PARENT_MARGIN:.0f} s "
+                              f"(--timeout {timeout:g} + {PARENT_MARGIN:.0f}); rank(s) "
+                              f"{', '.join(map(str, sorted(pending)))} still running")
+            break
+        waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
+        ready = multiprocessing.connection.wait(waitables, timeout=deadline - now)
+        for r in sorted(pending):
+            if conns[r] in ready:
+                try:
+                    kind, payload = conns[r].recv()
+                except (EOFError, OSError):
+                    kind, payload = "died", None
+                if kind == "row":
+                    report.add(payload)
+                elif kind == "skip":
+                    report.skip(*payload)
+                elif kind == "error":
+                    errors[r] = payload.rstrip()
+                if kind in ("done", "error", "died"):
+                    pending.discard(r)
+                if kind == "died":
+                    procs[r].join(1.0)
+                    errors[r] = f"exited without reporting: {_exit_text(procs[r].exitcode)}"
+                if not errors:
+                    deadline = time.monotonic() + timeout + PARENT_MARGIN
+            elif not procs[r].is_alive() and not conns[r].poll():
+                pending.discard(r)
+                errors[r] = f"exited without reporting: {_exit_text(procs[r].exitcode)}"
+        if errors:
+            deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE)
+    if not errors:
+        return True
+    # a rank that died without a word is the likely cause; the others' errors follow from it
+    silent = [r for r in errors if r >= 0 and errors[r].startswith("exited without")]
+    first = silent[0] if silent else next(iter(errors))
+    print(f"\nerror: the benchmark failed (first failure: "
+          f"{'the parent' if first < 0 else f'rank {first}'}); every rank is stopped. "
+          "Report of each rank:", file=sys.stderr)
+    for r in ([-1] if -1 in errors else []) + list(range(n)):
+        text = errors.get(r, "still running when stopped (hung, or waiting on a failed rank?)"
+                          if r in pending else "finished")
+        print(f"### {'parent' if r < 0 else f'rank {r}/{n}'}\n{text}", file=sys.stderr)
+    return False
+
+
+def stop(procs: list[Any]) -> None:
+    """Kill every rank still alive and reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    from distcomm import TCPStore
+
+    torch_store, torch_version = None, None
+    store = TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False, timeout=args.timeout)
+    procs: list[Any] = []
+    conns: list[Any] = []
+    try:
+        if args.compare == "torch":
+            import torch
+            import torch.distributed as tdist
+
+            torch_version = torch.__version__
+            torch_store = tdist.TCPStore(LOOPBACK, 0, args.nprocs, is_master=True,
+                                         wait_for_workers=False,
+                                         timeout=timedelta(seconds=args.timeout))
+        plan = Plan(args.op, tuple(sizes(args)), args.dtype, args.backend, args.nprocs,
+                    args.iters, args.warmup_iters, args.scale_above, args.timeout,
+                    torch_store.port if torch_store is not None else None)
+        base = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(store.port),
+                "WORLD_SIZE": str(args.nprocs), "LOCAL_WORLD_SIZE": str(args.nprocs),
+                "DISTCOMM_USE_AGENT_STORE": "1", "DISTCOMM_SOCKET_IFNAME": "lo",
+                "GLOO_SOCKET_IFNAME": "lo",
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        report = Report(args, torch_version)
+        report.host()
+        ctx = multiprocessing.get_context("spawn")
+        for rank in range(args.nprocs):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            proc = ctx.Process(target=_rank_main, args=(rank, plan, env, child_end),
+                               name=f"bench-rank-{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns.append(parent_end)
+        ok = supervise(procs, conns, report, args.timeout)
+        bad = report.close(ok)
+        return 0 if ok and not bad else 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every rank", file=sys.stderr)
+        return 130
+    finally:
+        stop(procs)
+        store.close()
+        del torch_store
+
+
+if __name__ == "__main__":
+    sys.exit(main())

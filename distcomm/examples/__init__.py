@@ -1,0 +1,1 @@
+"""Runnable example programs; `quickstart` is the README's main job."""
