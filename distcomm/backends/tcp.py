@@ -25,6 +25,7 @@ from .transport.base import (
     ScratchPool,
     Signature,
     as_bytes,
+    diagnose,
 )
 from .transport.tcp import TcpTransport
 
@@ -59,11 +60,18 @@ class TcpBackend(Backend):
     def _collective(self, op: str, signature: Signature, body: Callable[[Exchange], None],
                     outputs: list[Any], async_op: bool) -> Work:
         description = self.describe(op)
-        work = Work(description, outputs, on_timeout=self._abort_on_timeout(description),
+        running: list[int] = []  # the seq, once the collective starts
+        def why() -> str:
+            if running:
+                return diagnose(self._transport, running[0])
+            return "it had not started: operations issued before it are still running"
+
+        work = Work(description, outputs, on_timeout=self._abort_on_timeout(description, why),
                     timeout=self.timeout)
 
         def run() -> None:
             seq = self._seq
+            running.append(seq)
             self._seq += 1
             describe = f"{description} #{seq}"
             failure = self._transport.mailbox.failure
@@ -87,14 +95,15 @@ class TcpBackend(Backend):
 
         return self._collectives.submit(run, work, async_op)
 
-    def _abort_on_timeout(self, description: str) -> Callable[[float], BaseException]:
+    def _abort_on_timeout(self, description: str,
+                          why: Callable[[], str]) -> Callable[[float], BaseException]:
+        """The Work.wait timeout handler of an operation that cannot be withdrawn."""
+
         def on_timeout(seconds: float) -> BaseException:
-            peers = [p for p in self._transport.mailbox.pending_peers() if p >= 0]
-            waiting = f"; waiting for rank(s) {', '.join(map(str, peers))}" if peers else ""
             failure = Failure(
                 DistTimeoutError,
-                f"{description} did not complete within {seconds:.1f} s (Work.wait timeout)"
-                f"{waiting}; the group is aborted because a collective cannot be abandoned "
+                f"{description} did not complete within {seconds:.1f} s (Work.wait timeout): "
+                f"{why()}; the group is aborted because the operation cannot be abandoned "
                 "half-way")
             self._transport.abort(failure)
             return failure.error()
@@ -179,7 +188,11 @@ class TcpBackend(Backend):
                 self._transport.abort(Failure(type(exc), f"{description}: {exc}"))
                 raise type(exc)(f"{description}: {exc}") from None
 
-        work = Work(description, [array], on_timeout=self._abort_on_timeout(description),
+        def why() -> str:
+            return (f"rank {dst} is not reading its connection (hung or stopped?), or "
+                    "sends issued before this one are still being written")
+
+        work = Work(description, [array], on_timeout=self._abort_on_timeout(description, why),
                     timeout=self.timeout)
         return self._sends.submit(run, work, async_op=True)
 

@@ -43,8 +43,11 @@ __all__ = [
     "as_bytes",
 ]
 
-# message kinds: collective data, point-to-point data, control, and the signature check
-COLL, P2P, ABORT, BYE, SIG = 1, 2, 3, 4, 5
+# message kinds: collective data, point-to-point data, control, the signature check, and
+# the progress query a timing-out rank sends (answered by the peers' reader threads)
+COLL, P2P, ABORT, BYE, SIG, QUERY, STATUS = 1, 2, 3, 4, 5, 6, 7
+#: a STATUS payload: the peer's current (last begun) and last finished collective
+PROGRESS = struct.Struct("<qq")
 #: kind, op, dtype, redop, root, seq (or tag), step, count, payload bytes
 HEADER = struct.Struct("<BBBBiqqqQ")
 
@@ -152,6 +155,7 @@ class Mailbox:
         self._history: dict[int, Signature] = {}
         self.failure: Failure | None = None
         self._gone: dict[int, Failure] = {}
+        self._statuses: dict[int, tuple[int, int]] = {}
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -396,6 +400,38 @@ class Mailbox:
                     theirs = Signature(fields[1], fields[2], fields[3], fields[4], fields[7])
                     raise DistBackendError(self._late_message(peer, msg_seq, theirs))
 
+    # -- progress (timeout diagnosis) -----------------------------------------------------
+
+    def progress(self) -> tuple[int, int]:
+        """(the collective this rank last began, the last one it finished); -1 for none."""
+        with self.lock:
+            return (self._current[0] if self._current is not None else -1), self._done_seq
+
+    def clear_statuses(self) -> None:
+        with self.lock:
+            self._statuses.clear()
+
+    def record_status(self, peer: int, payload: bytes) -> None:
+        """A peer's answer to a progress query."""
+        with self.lock:
+            self._statuses[peer] = PROGRESS.unpack(payload)
+            self._posted_cond.notify_all()
+
+    def wait_statuses(self, peers: list[int], timeout: float) -> dict[int, tuple[int, int]]:
+        """The answers of `peers` that arrive within `timeout` seconds."""
+        end = time.monotonic() + timeout
+        with self.lock:
+            self._waiting_readers += 1
+            try:
+                while not all(p in self._statuses for p in peers):
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._posted_cond.wait(left)
+            finally:
+                self._waiting_readers -= 1
+            return {p: self._statuses[p] for p in peers if p in self._statuses}
+
     # -- failure ---------------------------------------------------------------------------
 
     def fail(self, failure: Failure) -> bool:
@@ -457,6 +493,10 @@ class Transport(ABC):
             DistNetworkError: the connection failed.
             DistTimeoutError: the deadline passed (the group is aborted: the stream is cut).
         """
+
+    def probe(self, timeout: float) -> dict[int, tuple[int, int] | None]:
+        """Ask every peer how far it got: {peer: (began, finished) or None if silent}."""
+        return {}
 
     @abstractmethod
     def abort(self, failure: Failure) -> None:
@@ -544,12 +584,9 @@ class Exchange:
             The caller aborts the group on any of these.
         """
         if not recv.event.wait(self.deadline.remaining()):
-            peers = [p for p in self.transport.mailbox.pending_peers() if p >= 0]
             raise DistTimeoutError(
-                f"{self.describe} timed out after {self.deadline.seconds:.1f} s waiting for "
-                f"rank(s) {', '.join(map(str, peers)) or recv.peer}: did they call it, "
-                "and with the same arguments?"
-            )
+                f"{self.describe} timed out after {self.deadline.seconds:.1f} s: "
+                + diagnose(self.transport, self.seq))
         if recv.error is not None:
             error = recv.error
             raise type(error)(_prefixed(self.describe, str(error))) from None
@@ -557,6 +594,36 @@ class Exchange:
     def recv(self, peer: int, step: int, array: np.ndarray) -> None:
         """Receive message `step` from `peer` into `array` (post, then wait)."""
         self.wait(self.post(peer, step, array))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def diagnose(transport: Transport, seq: int, probe_timeout: float = 1.0) -> str:
+    """Why collective `seq` is stuck, from the peers' answers to a progress query.
+
+    Names the ranks that have not begun it (and where they are), those that did not
+    answer, and the ranks this rank is waiting for.
+    """
+    waiting = [p for p in transport.mailbox.pending_peers() if p >= 0]
+    statuses = transport.probe(probe_timeout)
+    behind = sorted(p for p, st in statuses.items() if st is not None and st[0] < seq)
+    silent = sorted(p for p, st in statuses.items() if st is None)
+    parts = []
+    if behind:
+        where = "; ".join(
+            f"rank {p} is at collective #{statuses[p][0]}" if statuses[p][0] >= 0
+            else f"rank {p} has run no collective yet" for p in behind)
+        parts.append(f"rank(s) {_ranks(behind)} have not called collective #{seq} ({where})")
+    if silent:
+        parts.append(f"rank(s) {_ranks(silent)} did not answer (hung, stopped or dead?)")
+    if waiting:
+        parts.append(f"this rank was waiting for rank(s) {_ranks(waiting)}")
+    if not behind and not silent:
+        parts.append("every rank has reached this collective: did they all call it with "
+                     "the same arguments?")
+    return "; ".join(parts)
 
 
 def _prefixed(describe: str, message: str) -> str:

@@ -24,7 +24,18 @@ from ...config import load as load_config
 from ...deadline import Deadline
 from ...errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
 from ...store.base import Store
-from .base import ABORT, BYE, COLL, HEADER, SIG, Failure, Transport
+from .base import (
+    ABORT,
+    BYE,
+    COLL,
+    HEADER,
+    PROGRESS,
+    QUERY,
+    SIG,
+    STATUS,
+    Failure,
+    Transport,
+)
 
 __all__ = ["TcpTransport", "local_address"]
 
@@ -253,14 +264,14 @@ class TcpTransport(Transport):
                         f"sending to rank {conn.rank} made no progress for "
                         f"{deadline.seconds:.1f} s (is it alive and reading?)")
 
-    def _send_control(self, conn: _Peer, kind: int, text: str = "", code: int = 0) -> None:
-        """Best-effort ABORT/BYE: never blocks for long, never interleaves a message."""
+    def _send_control(self, conn: _Peer, kind: int, payload: bytes = b"", code: int = 0) -> None:
+        """Best-effort ABORT/BYE/QUERY/STATUS: never blocks long, never interleaves a message."""
         if not conn.lock.acquire(timeout=1.0):
             return
         try:
             if conn.dirty or conn.gone:
                 return
-            payload = text.encode()[:4096]
+            payload = payload[:4096]
             header = HEADER.pack(kind, code, 0, 0, 0, 0, 0, 0, len(payload))
             try:
                 self._send_views(conn, [memoryview(header), memoryview(payload)],
@@ -297,6 +308,12 @@ class TcpTransport(Transport):
                                tell=conn.rank)
                     _drain(sock)
                     return
+                if kind == QUERY:
+                    self._send_control(conn, STATUS, PROGRESS.pack(*mailbox.progress()))
+                    continue
+                if kind == STATUS:
+                    mailbox.record_status(conn.rank, _read_bytes(sock, nbytes))
+                    continue
                 if kind == SIG:
                     try:
                         mailbox.check_signature(conn.rank, fields)
@@ -338,6 +355,14 @@ class TcpTransport(Transport):
                            f"rank {peer} closed the connection (exit or crash?)")
         return Failure(DistNetworkError, f"the connection to rank {peer} failed: {exc}")
 
+    def probe(self, timeout: float) -> dict[int, tuple[int, int] | None]:
+        peers = [c.rank for c in self._peers.values() if not c.gone and not c.dirty]
+        self.mailbox.clear_statuses()
+        for rank in peers:
+            self._send_control(self._peers[rank], QUERY)
+        answers = self.mailbox.wait_statuses(peers, timeout)
+        return {rank: answers.get(rank) for rank in peers}
+
     # -- failure and shutdown --------------------------------------------------------------
 
     def abort(self, failure: Failure, tell: int | None = None) -> None:
@@ -346,7 +371,7 @@ class TcpTransport(Transport):
         code = _FAILURE_KINDS.index(failure.kind) if failure.kind in _FAILURE_KINDS else 1
         for conn in self._peers.values():
             if conn.rank != tell and not conn.gone:
-                self._send_control(conn, ABORT, failure.message, code)
+                self._send_control(conn, ABORT, failure.message.encode(), code)
 
     def close(self) -> None:
         if self._closing:
