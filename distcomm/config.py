@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_TIMEOUT", "Config", "load"]
+__all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_TIMEOUT", "Config", "configure_logging", "load"]
 
 #: Default timeout of a process group's blocking operations, in seconds (torch: 30 minutes).
 DEFAULT_TIMEOUT = 1800.0
@@ -25,7 +26,8 @@ class Config:
         socket_ifname: DISTCOMM_SOCKET_IFNAME: the network interface whose IPv4
             address backend connections bind (default: the route to the store).
         timeout: DISTCOMM_TIMEOUT: default process-group timeout in seconds.
-        debug: DISTCOMM_DEBUG: OFF, INFO or DETAIL.
+        debug: DISTCOMM_DEBUG: OFF, INFO (log group setup, teardown and aborts to stderr)
+            or DETAIL (also every collective, with its sequence number and signature).
         use_agent_store: DISTCOMM_USE_AGENT_STORE: the store at MASTER_ADDR:MASTER_PORT
             is already served (by a launcher), so rank 0 connects instead of hosting it.
     """
@@ -76,3 +78,23 @@ def load(environ: dict[str, str] | None = None) -> Config:
             "DISTCOMM_USE_AGENT_STORE", env.get("DISTCOMM_USE_AGENT_STORE", "")
         ),
     )
+
+
+_handler: logging.Handler | None = None
+
+
+def configure_logging(cfg: Config, rank: int) -> None:
+    """Send the `distcomm` logger to stderr at the level DISTCOMM_DEBUG asks for.
+
+    With OFF nothing is configured: warnings (aborted groups) still reach stderr through
+    logging's last-resort handler, and applications may configure the logger themselves.
+    """
+    global _handler
+    logger = logging.getLogger("distcomm")
+    if cfg.debug == "OFF":
+        return
+    if _handler is None:
+        _handler = logging.StreamHandler()
+        logger.addHandler(_handler)
+    _handler.setFormatter(logging.Formatter(f"[rank {rank}] %(name)s %(levelname)s: %(message)s"))
+    logger.setLevel(logging.DEBUG if cfg.debug == "DETAIL" else logging.INFO)

@@ -8,6 +8,7 @@ piece of module state distcomm has, set by `init_process_group` and cleared by
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class _World:
 
 
 _world = _World()
+log = logging.getLogger(__name__)
 
 
 class _GroupMemberType(type):
@@ -295,6 +297,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             raise RuntimeError(
                 "init_process_group was already called in this process; call "
                 "destroy_process_group() before initialising again")
+        cfg = config.load()
         seconds = _resolve_timeout(timeout)
         spec = parse_backend(backend)
         if not spec:
@@ -303,6 +306,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                 + ", ".join(sorted(registered_backends())))
         rdzv = rendezvous(init_method, rank=rank, world_size=world_size, store=store,
                           timeout=seconds)
+        config.configure_logging(cfg, rdzv.rank)
         owns = store is None
         name = group_name or "default"
         try:
@@ -314,6 +318,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             raise
         group = ProcessGroup(name, list(range(rdzv.world_size)), rdzv.rank, backends,
                              _spec_text(spec), seconds, rdzv.rank)
+        log.info("initialised: rank %d of %d, backend %s, rendezvous %s, timeout %.0f s",
+                 rdzv.rank, rdzv.world_size, _spec_text(spec), rdzv.source, seconds)
         _world.default, _world.store, _world.owns_store = group, rdzv.store, owns
         _world.groups = {name: group}
         _world.next_id = 1
@@ -402,6 +408,8 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
             backends = _create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
                                         group_rank, len(members), seconds, name)
         group = ProcessGroup(name, members, group_rank, backends, _spec_text(spec), seconds, me)
+        log.info("new_group %r: ranks %s, this rank %s", name, members,
+                 group_rank if group_rank >= 0 else "not a member")
         _world.groups[f"{group_id}:{name}"] = group
         return group
 
@@ -417,11 +425,13 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     with _world.lock:
         default = default_group("destroy_process_group")
         if group is not None and group is not default:
+            log.info("destroying group %r", group.group_name)
             group._shutdown()
             for key, value in list(_world.groups.items()):
                 if value is group:
                     del _world.groups[key]
             return
+        log.info("destroying every group")
         for value in list(_world.groups.values()):
             if value is not default:
                 value._shutdown()

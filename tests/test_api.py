@@ -277,3 +277,29 @@ def test_deprecated_names_warn_and_work(solo):
     with pytest.warns(FutureWarning, match="reduce_scatter_single"):
         dist.reduce_scatter_tensor(out, np.full(3, 2.0))
     assert out.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_debug_detail_logs_collectives(monkeypatch, caplog):
+    from distcomm import config
+
+    monkeypatch.setenv("DISTCOMM_DEBUG", "DETAIL")
+    logger = logging.getLogger("distcomm")
+    try:
+        with caplog.at_level(logging.DEBUG, logger="distcomm"):
+            dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1)
+            dist.all_reduce(np.ones(3, dtype=np.float32), op=dist.ReduceOp.MAX)
+            dist.destroy_process_group()
+        assert "initialised: rank 0 of 1, backend tcp" in caplog.text
+        assert "all_reduce(MAX) of 3 float32" in caplog.text
+        assert "destroying every group" in caplog.text
+    finally:
+        if config._handler is not None:
+            logger.removeHandler(config._handler)
+            config._handler = None
+        logger.setLevel(logging.NOTSET)
+
+
+def test_debug_level_is_validated(monkeypatch):
+    monkeypatch.setenv("DISTCOMM_DEBUG", "LOUD")
+    with pytest.raises(ValueError, match="DISTCOMM_DEBUG"):
+        dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1)

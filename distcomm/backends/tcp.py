@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ from .transport.base import (
 from .transport.tcp import TcpTransport
 
 __all__ = ["TcpBackend"]
+
+log = logging.getLogger(__name__)
 
 
 class TcpBackend(Backend):
@@ -81,6 +84,8 @@ class TcpBackend(Backend):
             ex = Exchange(self._transport, seq, signature, Deadline(self.timeout), describe,
                           self._scratch)
             mailbox = self._transport.mailbox
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s: %s", describe, signature.describe())
             try:
                 mailbox.begin_collective(seq, signature)
                 ex.announce()

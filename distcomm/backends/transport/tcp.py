@@ -15,6 +15,7 @@ every rank fails within moments instead of waiting out its timeout.
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import struct
 import threading
@@ -38,6 +39,8 @@ from .base import (
 )
 
 __all__ = ["TcpTransport", "local_address"]
+
+log = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("<4siiq")  # magic, rank, size, generation
 _HELLO_MAGIC = b"DCTP"
@@ -368,6 +371,7 @@ class TcpTransport(Transport):
     def abort(self, failure: Failure, tell: int | None = None) -> None:
         if not self.mailbox.fail(failure):
             return
+        log.warning("%s: group aborted: %s", self._label, failure.message)
         code = _FAILURE_KINDS.index(failure.kind) if failure.kind in _FAILURE_KINDS else 1
         for conn in self._peers.values():
             if conn.rank != tell and not conn.gone:
