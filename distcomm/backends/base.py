@@ -54,22 +54,21 @@ class OpQueue:
                 if self._closed:
                     raise RuntimeError(f"{work.description}: the process group was destroyed")
             self._busy = True
-        try:
-            self._run(fn, work)
-        finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+        self._run(fn, work)
         return work
 
-    @staticmethod
-    def _run(fn: Callable[[], Any], work: Work) -> None:
+    def _run(self, fn: Callable[[], Any], work: Work) -> None:
+        """Run one operation (the queue is marked busy) and complete its Work."""
         try:
             source = fn()
         except BaseException as exc:
             work.fail(exc)
         else:
             work.complete(-1 if source is None else source)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -80,12 +79,7 @@ class OpQueue:
                     return
                 fn, work = self._queue.popleft()
                 self._busy = True
-            try:
-                self._run(fn, work)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+            self._run(fn, work)
 
     def close(self, error: BaseException | None = None, timeout: float = 10.0) -> None:
         """Stop accepting work; fail what is still queued with `error`; join the worker."""
