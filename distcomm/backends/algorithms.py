@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ops import ReduceOp, reduce_into
-from .transport.base import Exchange
+from .transport.exchange import Exchange
 
 __all__ = [
     "Tuning",

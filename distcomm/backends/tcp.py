@@ -16,18 +16,9 @@ from ..store.base import Store
 from ..work import Work
 from . import algorithms as algo
 from .base import Backend, OpQueue
-from .transport.base import (
-    NO_REDOP,
-    OP_CODES,
-    P2P,
-    Exchange,
-    Failure,
-    Mailbox,
-    ScratchPool,
-    Signature,
-    as_bytes,
-    diagnose,
-)
+from .transport.base import NO_REDOP, OP_CODES, P2P, Failure, Signature, as_bytes
+from .transport.exchange import Exchange, ScratchPool, diagnose
+from .transport.mailbox import Mailbox
 from .transport.tcp import TcpTransport
 
 __all__ = ["TcpBackend"]

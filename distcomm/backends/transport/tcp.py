@@ -37,6 +37,7 @@ from .base import (
     Failure,
     Transport,
 )
+from .mailbox import Mailbox
 
 __all__ = ["TcpTransport", "local_address"]
 
@@ -102,6 +103,7 @@ class TcpTransport(Transport):
     def __init__(self, store: Store, rank: int, size: int, deadline: Deadline,
                  label: str) -> None:
         super().__init__(rank, size)
+        self.mailbox = Mailbox(rank, size)
         self._label = label
         self._key = load_config().auth_key
         self._closing = False

@@ -1,0 +1,135 @@
+"""A collective's view of its transport (Exchange), reusable work buffers, timeout diagnosis."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...deadline import Deadline
+from ...errors import DistError, DistTimeoutError
+from .base import COLL, SIG, Signature, Transport, as_bytes
+from .mailbox import Mailbox, Recv
+
+__all__ = ["Exchange", "ScratchPool", "diagnose"]
+
+
+class ScratchPool:
+    """Work buffers reused across one backend's collectives (which run one at a time).
+
+    Reuse matters: a freshly allocated large buffer is returned to the OS when freed and
+    page-faulted in again on the next call, which costs more than moving the data.
+    """
+
+    #: buffers above this many bytes are not kept between collectives
+    KEEP_MAX = 256 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, np.ndarray] = {}
+
+    def get(self, slot: int, count: int, dtype: np.dtype) -> np.ndarray:
+        """A writable 1-D array of `count` `dtype` elements; one buffer per `slot`."""
+        nbytes = count * np.dtype(dtype).itemsize
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+            if nbytes <= self.KEEP_MAX:
+                self._buffers[slot] = buffer
+        return buffer[:nbytes].view(dtype)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+class Exchange:
+    """One collective's view of the transport: its seq, signature, deadline and messages."""
+
+    __slots__ = ("deadline", "describe", "dtype", "rank", "scratch", "seq", "signature",
+                 "size", "transport")
+
+    def __init__(self, transport: Transport, seq: int, signature: Signature,
+                 deadline: Deadline, describe: str, scratch: ScratchPool | None = None) -> None:
+        self.scratch = scratch if scratch is not None else ScratchPool()
+        self.transport = transport
+        self.rank, self.size = transport.rank, transport.size
+        self.seq = seq
+        self.signature = signature
+        self.dtype = signature.dtype
+        self.deadline = deadline
+        self.describe = describe
+
+    def announce(self) -> None:
+        """Send this collective's signature to the right-hand neighbour (see module doc)."""
+        if self.size > 1:
+            s = self.signature
+            fields = (SIG, s.op, s.dtype, s.redop, s.root, self.seq, 0, s.count, 0)
+            self.transport.send((self.rank + 1) % self.size, fields, memoryview(b""),
+                                self.deadline)
+
+    def send(self, peer: int, step: int, array: np.ndarray) -> None:
+        """Send `array`'s bytes to `peer` as message `step` of this collective."""
+        payload = as_bytes(array)
+        s = self.signature
+        fields = (COLL, s.op, s.dtype, s.redop, s.root, self.seq, step, s.count, len(payload))
+        try:
+            self.transport.send(peer, fields, payload, self.deadline)
+        except DistError as exc:
+            raise type(exc)(f"{self.describe}: {exc}") from None
+
+    def post(self, peer: int, step: int, array: np.ndarray) -> Recv:
+        """Post the receive of message `step` from `peer` into `array`."""
+        return self.transport.mailbox.post(
+            peer, Mailbox.coll_key(peer, self.seq, step), as_bytes(array), self.dtype,
+            self.signature)
+
+    def wait(self, recv: Recv) -> None:
+        """Wait for a posted receive until the collective's deadline.
+
+        Raises:
+            DistTimeoutError: the deadline passed; names the ranks not heard from.
+            DistError: the receive failed (mismatch, peer failure, abort).
+            The caller aborts the group on any of these.
+        """
+        if not recv.event.wait(self.deadline.remaining()):
+            raise DistTimeoutError(
+                f"{self.describe} timed out after {self.deadline.seconds:.1f} s: "
+                + diagnose(self.transport, self.seq))
+        if recv.error is not None:
+            error = recv.error
+            raise type(error)(_prefixed(self.describe, str(error))) from None
+
+    def recv(self, peer: int, step: int, array: np.ndarray) -> None:
+        """Receive message `step` from `peer` into `array` (post, then wait)."""
+        self.wait(self.post(peer, step, array))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def diagnose(transport: Transport, seq: int, probe_timeout: float = 1.0) -> str:
+    """Why collective `seq` is stuck, from the peers' answers to a progress query.
+
+    Names the ranks that have not begun it (and where they are), those that did not
+    answer, and the ranks this rank is waiting for.
+    """
+    waiting = [p for p in transport.mailbox.pending_peers() if p >= 0]
+    statuses = transport.probe(probe_timeout)
+    behind = sorted(p for p, st in statuses.items() if st is not None and st[0] < seq)
+    silent = sorted(p for p, st in statuses.items() if st is None)
+    parts = []
+    if behind:
+        where = "; ".join(
+            f"rank {p} is at collective #{statuses[p][0]}" if statuses[p][0] >= 0
+            else f"rank {p} has run no collective yet" for p in behind)
+        parts.append(f"rank(s) {_ranks(behind)} have not called collective #{seq} ({where})")
+    if silent:
+        parts.append(f"rank(s) {_ranks(silent)} did not answer (hung, stopped or dead?)")
+    if waiting:
+        parts.append(f"this rank was waiting for rank(s) {_ranks(waiting)}")
+    if not behind and not silent:
+        parts.append("every rank has reached this collective: did they all call it with "
+                     "the same arguments?")
+    return "; ".join(parts)
+
+
+def _prefixed(describe: str, message: str) -> str:
+    return message if message.startswith("[rank") else f"{describe}: {message}"

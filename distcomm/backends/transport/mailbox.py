@@ -1,0 +1,386 @@
+"""Receive matching: posted receives, messages that arrived first, and collective checks."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from ...arrays import dtype_from_code
+from ...errors import DistBackendError, DistError
+from .base import COLL, P2P, PROGRESS, Failure, Signature, mismatch_message
+
+__all__ = ["Mailbox", "Recv"]
+
+
+class Recv:
+    """A posted receive: where the payload goes and what the sender must match."""
+
+    __slots__ = ("buffer", "callback", "dtype", "error", "event", "key", "order", "peer",
+                 "signature", "source", "tag")
+
+    def __init__(self, peer: int | None, key: tuple, buffer: memoryview, dtype: int,
+                 signature: Signature | None, order: int,
+                 callback: Callable[[Recv], None] | None = None) -> None:
+        self.peer = peer  # None: any source (point-to-point only)
+        self.key = key
+        self.buffer = buffer
+        self.dtype = dtype
+        self.signature = signature
+        self.order = order
+        self.event = threading.Event()
+        self.error: DistError | None = None
+        self.source = -1
+        self.callback = callback
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def _finish(self, source: int, error: DistError | None) -> None:
+        self.source, self.error = source, error
+        self.event.set()
+        if self.callback is not None:
+            self.callback(self)
+
+
+class Mailbox:
+    """Matches incoming messages to posted receives; holds unexpected ones until posted.
+
+    Connection reader threads call `claim` (a posted receive for this header, if any)
+    and `stash` (keep a message nobody posted for yet). Collectives and receives call
+    `post`. One lock guards it all.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.lock = threading.Lock()
+        self._posted_cond = threading.Condition(self.lock)
+        self._waiting_readers = 0
+        self._posted: dict[tuple, deque[Recv]] = {}
+        self._any: dict[int, deque[Recv]] = {}  # tag -> any-source receives
+        self._unexpected: dict[tuple, deque[tuple[int, tuple, bytearray]]] = {}
+        self._arrivals = itertools.count()
+        self._orders = itertools.count()
+        self._done_seq = -1
+        self._current: tuple[int, Signature] | None = None
+        self._early_sigs: dict[int, tuple[int, Signature]] = {}
+        self._history: dict[int, Signature] = {}
+        self.failure: Failure | None = None
+        self._gone: dict[int, Failure] = {}
+        self._statuses: dict[int, tuple[int, int]] = {}
+
+    # -- keys ------------------------------------------------------------------------------
+
+    @staticmethod
+    def coll_key(peer: int, seq: int, step: int) -> tuple:
+        return (COLL, peer, seq, step)
+
+    @staticmethod
+    def p2p_key(peer: int, tag: int) -> tuple:
+        return (P2P, peer, tag)
+
+    @staticmethod
+    def key_of(peer: int, fields: tuple) -> tuple:
+        kind, _op, _dtype, _redop, _root, seq, step, _count, _nbytes = fields
+        return (COLL, peer, seq, step) if kind == COLL else (P2P, peer, seq)
+
+    # -- posting ---------------------------------------------------------------------------
+
+    def post(self, peer: int | None, key: tuple, buffer: memoryview, dtype: int,
+             signature: Signature | None,
+             callback: Callable[[Recv], None] | None = None) -> Recv:
+        """Post a receive; it completes at once if a matching message already arrived.
+
+        `callback(recv)` runs (in whichever thread completes it) once it completes.
+        """
+        found = failure = None
+        with self.lock:
+            recv = Recv(peer, key, buffer, dtype, signature, next(self._orders), callback)
+            failure = self.failure
+            if failure is None:
+                found = self._take_unexpected(recv)
+                if found is None:
+                    failure = self._gone.get(peer) if peer is not None else None
+                    if failure is None:
+                        if peer is None:
+                            self._any.setdefault(key[2], deque()).append(recv)
+                        else:
+                            self._posted.setdefault(key, deque()).append(recv)
+                        if self._waiting_readers:
+                            self._posted_cond.notify_all()
+                        return recv
+        if found is not None:
+            self.deliver(recv, *found)
+        else:
+            recv._finish(-1, failure.error())
+        return recv
+
+    def _take_unexpected(self, recv: Recv) -> tuple[int, tuple, bytearray] | None:
+        if recv.peer is not None:
+            queue = self._unexpected.get(recv.key)
+            if not queue:
+                return None
+            _arrival, fields, payload = queue.popleft()
+            if not queue:
+                del self._unexpected[recv.key]
+            return recv.peer, fields, payload
+        tag = recv.key[2]
+        best = None
+        for key, queue in self._unexpected.items():
+            if key[0] == P2P and key[2] == tag and (best is None or queue[0][0] < best[1][0][0]):
+                best = (key, queue)
+        if best is None:
+            return None
+        key, queue = best
+        _arrival, fields, payload = queue.popleft()
+        if not queue:
+            del self._unexpected[key]
+        return key[1], fields, payload
+
+    def cancel(self, recv: Recv) -> bool:
+        """Withdraw a receive nobody has matched yet; False if it is already matched."""
+        with self.lock:
+            queues = [self._any.get(recv.key[2])] if recv.peer is None else [
+                self._posted.get(recv.key)]
+            for queue in queues:
+                if queue and recv in queue:
+                    queue.remove(recv)
+                    return True
+            return False
+
+    # -- delivery (reader threads) ---------------------------------------------------------
+
+    def claim(self, peer: int, fields: tuple, wait: float = 0.0) -> Recv | None:
+        """The posted receive an incoming message from `peer` goes to, removed from the queue.
+
+        With `wait` > 0, a collective message of the collective this rank is running (or
+        will run next) waits up to `wait` seconds for its receive to be posted, so a large
+        payload lands in place instead of being buffered and copied. The bound keeps a
+        message that is not needed soon from holding up the connection behind it.
+        """
+        key = self.key_of(peer, fields)
+        with self.lock:
+            self._check_collective(peer, fields)
+            recv = self._pop_posted(key)
+            if recv is not None or wait <= 0 or not self._expected_soon(fields):
+                return recv
+            end = time.monotonic() + wait
+            self._waiting_readers += 1
+            try:
+                while recv is None and self.failure is None:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._posted_cond.wait(left)
+                    recv = self._pop_posted(key)
+            finally:
+                self._waiting_readers -= 1
+            return recv
+
+    def _expected_soon(self, fields: tuple) -> bool:
+        if fields[0] != COLL:
+            return False
+        current = self._current[0] if self._current is not None else -1
+        return fields[5] == current or (fields[5] == current + 1 and self._done_seq == current)
+
+    def _pop_posted(self, key: tuple) -> Recv | None:
+        queue = self._posted.get(key)
+        specific = queue[0] if queue else None
+        anyq = self._any.get(key[2]) if key[0] == P2P else None
+        other = anyq[0] if anyq else None
+        if specific is None and other is None:
+            return None
+        if other is None or (specific is not None and specific.order < other.order):
+            queue.popleft()
+            if not queue:
+                del self._posted[key]
+            return specific
+        anyq.popleft()
+        if not anyq:
+            del self._any[key[2]]
+        return other
+
+    def stash(self, peer: int, fields: tuple, payload: bytearray) -> None:
+        """Keep a message nobody had posted for; deliver it if a receive was posted meanwhile."""
+        key = self.key_of(peer, fields)
+        with self.lock:
+            recv = self._pop_posted(key)
+            if recv is None:
+                self._unexpected.setdefault(key, deque()).append(
+                    (next(self._arrivals), fields, payload))
+                return
+        self.deliver(recv, peer, fields, payload)
+
+    def deliver(self, recv: Recv, peer: int, fields: tuple, payload: bytes | bytearray) -> None:
+        """Complete `recv` with an already-read payload."""
+        error = self.check(recv, peer, fields)
+        if error is None:
+            recv.buffer[:] = payload
+        recv._finish(peer, error)
+
+    def check(self, recv: Recv, peer: int, fields: tuple) -> DistError | None:
+        """The error a message from `peer` with header `fields` means for `recv`, if any."""
+        kind, op, dtype, redop, root, seq, _step, count, nbytes = fields
+        if kind == COLL:
+            theirs = Signature(op, dtype, redop, root, count)
+            mine = recv.signature
+            if mine is not None and theirs != mine:
+                return DistBackendError(
+                    mismatch_message(self.rank, self.size, seq, mine, peer, theirs))
+        if nbytes != len(recv.buffer) or dtype != recv.dtype:
+            mine_n = len(recv.buffer) // max(1, dtype_from_code(recv.dtype).itemsize)
+            theirs_n = nbytes // max(1, dtype_from_code(dtype).itemsize)
+            what = "message" if kind == COLL else f"recv (tag {seq})"
+            return DistBackendError(
+                f"[rank {self.rank}/{self.size}] {what}: this rank expects "
+                f"{mine_n} {dtype_from_code(recv.dtype)} ({len(recv.buffer)} bytes) from rank "
+                f"{peer}, which sent {theirs_n} {dtype_from_code(dtype)} ({nbytes} bytes); "
+                "sender and receiver must use arrays of the same size and dtype"
+            )
+        return None
+
+    def _check_collective(self, peer: int, fields: tuple) -> None:
+        """Raise if a collective message cannot belong to what this rank is doing."""
+        kind, op, dtype, redop, root, seq, _step, count, _nbytes = fields
+        if kind != COLL:
+            return
+        theirs = Signature(op, dtype, redop, root, count)
+        if seq <= self._done_seq:
+            raise DistBackendError(self._late_message(peer, seq, theirs))
+        current = self._current
+        if current is not None and current[0] == seq and current[1] != theirs:
+            raise DistBackendError(
+                mismatch_message(self.rank, self.size, seq, current[1], peer, theirs))
+
+    def _late_message(self, peer: int, seq: int, theirs: Signature) -> str:
+        mine = self._history.get(seq)
+        if mine is None:
+            return (f"[rank {self.rank}/{self.size}] collective mismatch: rank {peer} sent "
+                    f"data for collective #{seq} ({theirs.describe()}) after this rank had "
+                    "finished it; every rank of a group must issue the same collectives in "
+                    "the same order")
+        return mismatch_message(self.rank, self.size, seq, mine, peer, theirs)
+
+    # -- collective bookkeeping -----------------------------------------------------------
+
+    def check_signature(self, peer: int, fields: tuple) -> None:
+        """Check a neighbour's SIG message now, or when this rank reaches its collective.
+
+        Raises:
+            DistBackendError: the neighbour's collective differs from this rank's.
+        """
+        _kind, op, dtype, redop, root, seq, _step, count, _nbytes = fields
+        theirs = Signature(op, dtype, redop, root, count)
+        with self.lock:
+            current = self._current
+            mine = current[1] if current is not None and current[0] == seq else (
+                self._history.get(seq))
+            if mine is None:
+                if seq > self._done_seq:
+                    self._early_sigs[seq] = (peer, theirs)
+                return
+        if mine != theirs:
+            raise DistBackendError(mismatch_message(self.rank, self.size, seq, mine, peer, theirs))
+
+    def begin_collective(self, seq: int, signature: Signature) -> None:
+        """Record that this rank starts collective `seq`; early messages for it must match.
+
+        Raises:
+            DistBackendError: a peer already sent data for `seq` as a different collective.
+        """
+        with self.lock:
+            self._current = (seq, signature)
+            early = self._early_sigs.pop(seq, None)
+            if early is not None and early[1] != signature:
+                raise DistBackendError(
+                    mismatch_message(self.rank, self.size, seq, signature, early[0], early[1]))
+            for (kind, peer, msg_seq, *_), queue in self._unexpected.items():
+                if kind == COLL and msg_seq == seq:
+                    self._check_collective(peer, queue[0][1])
+
+    def finish_collective(self, seq: int, signature: Signature) -> None:
+        """Record that this rank finished collective `seq`; leftovers for it are a mismatch.
+
+        Raises:
+            DistBackendError: a peer sent this rank a message the collective did not use.
+        """
+        with self.lock:
+            self._done_seq = seq
+            self._history[seq] = signature
+            self._history.pop(seq - 64, None)
+            for (kind, peer, msg_seq, *_), queue in self._unexpected.items():
+                if kind == COLL and msg_seq <= seq:
+                    fields = queue[0][1]
+                    theirs = Signature(fields[1], fields[2], fields[3], fields[4], fields[7])
+                    raise DistBackendError(self._late_message(peer, msg_seq, theirs))
+
+    # -- progress (timeout diagnosis) -----------------------------------------------------
+
+    def progress(self) -> tuple[int, int]:
+        """(the collective this rank last began, the last one it finished); -1 for none."""
+        with self.lock:
+            return (self._current[0] if self._current is not None else -1), self._done_seq
+
+    def clear_statuses(self) -> None:
+        with self.lock:
+            self._statuses.clear()
+
+    def record_status(self, peer: int, payload: bytes) -> None:
+        """A peer's answer to a progress query."""
+        with self.lock:
+            self._statuses[peer] = PROGRESS.unpack(payload)
+            self._posted_cond.notify_all()
+
+    def wait_statuses(self, peers: list[int], timeout: float) -> dict[int, tuple[int, int]]:
+        """The answers of `peers` that arrive within `timeout` seconds."""
+        end = time.monotonic() + timeout
+        with self.lock:
+            self._waiting_readers += 1
+            try:
+                while not all(p in self._statuses for p in peers):
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._posted_cond.wait(left)
+            finally:
+                self._waiting_readers -= 1
+            return {p: self._statuses[p] for p in peers if p in self._statuses}
+
+    # -- failure ---------------------------------------------------------------------------
+
+    def fail(self, failure: Failure) -> bool:
+        """Fail every posted and future receive; False if the mailbox had already failed."""
+        with self.lock:
+            if self.failure is not None:
+                return False
+            self.failure = failure
+            self._posted_cond.notify_all()
+            pending = [r for q in self._posted.values() for r in q]
+            pending += [r for q in self._any.values() for r in q]
+            self._posted.clear()
+            self._any.clear()
+        for recv in pending:
+            recv._finish(-1, failure.error())
+        return True
+
+    def peer_gone(self, peer: int, failure: Failure) -> None:
+        """`peer` left the group cleanly: fail receives that wait for it, now and later."""
+        with self.lock:
+            self._gone[peer] = failure
+            pending = []
+            for key in [k for k in self._posted if k[1] == peer]:
+                pending += self._posted.pop(key)
+        for recv in pending:
+            recv._finish(-1, failure.error())
+
+    def pending_peers(self) -> list[int]:
+        """The peers some posted receive is still waiting for."""
+        with self.lock:
+            peers = {key[1] for key, queue in self._posted.items() if queue}
+            if any(self._any.values()):
+                peers.add(-1)
+        return sorted(peers)
+
+
