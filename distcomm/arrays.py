@@ -14,7 +14,6 @@ __all__ = [
     "dtype_code",
     "dtype_from_code",
     "flat",
-    "is_array",
 ]
 
 #: The dtypes collectives accept, in wire-code order (the code is the index).
@@ -33,11 +32,6 @@ _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 def _is_cupy(obj: Any) -> bool:
     return type(obj).__module__.split(".", 1)[0] == "cupy" and hasattr(obj, "data")
-
-
-def is_array(obj: Any) -> bool:
-    """Whether `obj` is an array collectives could take (numpy, CuPy or DLPack-capable)."""
-    return isinstance(obj, np.ndarray) or _is_cupy(obj) or hasattr(obj, "__dlpack__")
 
 
 def device_of(array: Any) -> str:

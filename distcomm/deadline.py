@@ -60,20 +60,10 @@ class Deadline:
         """Whether the deadline has passed."""
         return time.monotonic() >= self._end
 
-    def elapsed(self) -> float:
-        """Seconds since the deadline was created (0.0 when it has no limit)."""
-        if self.seconds is None:
-            return 0.0
-        return self.seconds - (self._end - time.monotonic())
-
     def slice(self, most: float) -> float:
         """Seconds to block next: what is left, but at most `most` (for polling loops)."""
         left = self.remaining()
         return most if left is None else min(most, left)
-
-    def earliest(self, other: Deadline) -> Deadline:
-        """The sooner of this deadline and `other`."""
-        return self if self._end <= other._end else other
 
     def __repr__(self) -> str:
         left = self.remaining()

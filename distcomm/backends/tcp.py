@@ -217,9 +217,8 @@ class TcpBackend(Backend):
             else:
                 work.complete(recv.source)
 
-        key = (P2P, src, tag) if src is None else Mailbox.p2p_key(src, tag)
-        holder.append(mailbox.post(src, key, as_bytes(array), dtype_code(array.dtype), None,
-                                   callback=done))
+        holder.append(mailbox.post(src, Mailbox.p2p_key(src, tag), as_bytes(array),
+                                   dtype_code(array.dtype), None, callback=done))
         return work
 
     # -- lifecycle -------------------------------------------------------------------------

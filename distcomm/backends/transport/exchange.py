@@ -42,7 +42,7 @@ class ScratchPool:
 class Exchange:
     """One collective's view of the transport: its seq, signature, deadline and messages."""
 
-    __slots__ = ("deadline", "describe", "dtype", "rank", "scratch", "seq", "signature",
+    __slots__ = ("deadline", "describe", "rank", "scratch", "seq", "signature",
                  "size", "transport")
 
     def __init__(self, transport: Transport, seq: int, signature: Signature,
@@ -52,7 +52,6 @@ class Exchange:
         self.rank, self.size = transport.rank, transport.size
         self.seq = seq
         self.signature = signature
-        self.dtype = signature.dtype
         self.deadline = deadline
         self.describe = describe
 
@@ -77,7 +76,7 @@ class Exchange:
     def post(self, peer: int, step: int, array: np.ndarray) -> Recv:
         """Post the receive of message `step` from `peer` into `array`."""
         return self.transport.mailbox.post(
-            peer, Mailbox.coll_key(peer, self.seq, step), as_bytes(array), self.dtype,
+            peer, Mailbox.coll_key(peer, self.seq, step), as_bytes(array), self.signature.dtype,
             self.signature)
 
     def wait(self, recv: Recv) -> None:

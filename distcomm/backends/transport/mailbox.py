@@ -78,7 +78,7 @@ class Mailbox:
         return (COLL, peer, seq, step)
 
     @staticmethod
-    def p2p_key(peer: int, tag: int) -> tuple:
+    def p2p_key(peer: int | None, tag: int) -> tuple:
         return (P2P, peer, tag)
 
     @staticmethod
