@@ -445,6 +445,18 @@ def _run_case(op: str, case: Case, plan: Plan, dist: Any, tdist: Any) -> dict[st
 
 # -- the parent: spawn, supervise, print --------------------------------------------------------
 
+def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """This machine's memory-copy bandwidth in bytes/s: the yardstick for large messages."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
 class Report:
     """Prints the tables as rows arrive and keeps the rows for the CSV file."""
 
@@ -464,6 +476,8 @@ class Report:
               f"{platform.python_version()}, numpy {np.__version__}, distcomm "
               f"{distcomm.__version__}"
               + (f", torch {self.torch_version}" if self.torch_version else ""))
+        print(f"# memory copy bandwidth (numpy copy of 64 MiB, one core, best of 5): "
+              f"{copy_bandwidth() / 1e9:.2f} GB/s", flush=True)
         a = self.args
         print(f"# iterations: -n {a.iters} -w {a.warmup_iters}"
               + (f", scaled down above {a.scale_above} bytes" if a.scale_above else "")

@@ -161,7 +161,7 @@ def __getattr__(name: str) -> Any:
 def _default_spec() -> dict[str, str]:
     records = registered_backends()
     spec: dict[str, str] = {}
-    for device, preferred in (("cpu", ("gloo", "tcp")), ("cuda", ("nccl",))):
+    for device, preferred in (("cpu", ("gloo", "tcp")), ("cuda", ("nccl", "gloo"))):
         for name in preferred:
             record = records.get(name)
             if record is not None and device in record.devices and not record.availability():

@@ -13,6 +13,15 @@ from tests.harness import LOOPBACK_ENV, RankPool
 WORLD_SIZES = (1, 2, 3, 4)
 
 
+def cpu_variants() -> list[tuple[str, dict[str, str]]]:
+    """(backend, extra environment) pairs the conformance suite runs: every CPU backend,
+    and gloo once more with its shared-memory path switched off."""
+    variants = [(name, {}) for name in cpu_backends()]
+    if "gloo" in cpu_backends():
+        variants.append(("gloo", {"DISTCOMM_GLOO_TRANSPORT": "tcp"}))
+    return variants
+
+
 def cpu_backends() -> list[str]:
     """Registered backends that serve CPU arrays and run without a launcher here."""
     names = []
@@ -25,14 +34,14 @@ def cpu_backends() -> list[str]:
 class World:
     """A world of ranks for one (backend, size), rebuilt when a failing test broke it."""
 
-    def __init__(self, backend: str, size: int) -> None:
-        self.backend, self.size = backend, size
+    def __init__(self, backend: str, size: int, env: dict[str, str] | None = None) -> None:
+        self.backend, self.size, self.env = backend, size, dict(env or {})
         self._pool: RankPool | None = None
 
     def run(self, fn, *args, timeout: float = 60.0, **kwargs):
         """Run `fn(*args, **kwargs)` on every rank; the results in rank order."""
         if self._pool is None or self._pool.broken:
-            self._pool = RankPool(self.size, self.backend, init_timeout=60.0)
+            self._pool = RankPool(self.size, self.backend, env=self.env, init_timeout=60.0)
         return self._pool.run(fn, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:
@@ -41,12 +50,18 @@ class World:
             self._pool = None
 
     def __repr__(self) -> str:
-        return f"World({self.backend!r}, {self.size})"
+        return f"World({self.backend!r}, {self.size}, env={self.env!r})"
+
+
+def _variant_id(param: tuple) -> str:
+    backend, size, env = param
+    forced = env.get("DISTCOMM_GLOO_TRANSPORT")
+    return f"{backend}{'+' + forced if forced else ''}-{size}"
 
 
 @pytest.fixture(scope="session",
-                params=[(b, n) for b in cpu_backends() for n in WORLD_SIZES],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+                params=[(b, n, env) for b, env in cpu_variants() for n in WORLD_SIZES],
+                ids=_variant_id)
 def world(request):
     """A persistent initialised world; tests run functions on all its ranks."""
     w = World(*request.param)

@@ -23,6 +23,9 @@ from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
+#: the CPU backends whose failure behaviour is checked (gloo: its shared-memory path)
+BACKENDS = ["tcp", "gloo"]
+
 
 def _outcome(fn, *args) -> tuple[str, str]:
     try:
@@ -66,8 +69,9 @@ def _mismatch(case: str) -> tuple[str, str]:
     ("root", ("root 0", "root 1")),
     ("redop", ("SUM", "MAX")),
 ])
-def test_mismatched_collectives_raise_on_every_rank(case, words):
-    results = run_ranks(_mismatch, 2, case, backend="tcp", timeout=40, init_timeout=60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_collectives_raise_on_every_rank(case, words, backend):
+    results = run_ranks(_mismatch, 2, case, backend=backend, timeout=40, init_timeout=60)
     for kind, message in results:
         assert kind == "DistBackendError", results
         assert "mismatch" in message, results
@@ -94,9 +98,10 @@ def _peer_dies(victim: int, how: str) -> tuple[str, str]:
     return _outcome(keep_going)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("how", ["kill", "exit"])
-def test_dead_peer_fails_every_survivor_promptly(how):
-    outcomes = run_ranks(_peer_dies, 4, 2, how, backend="tcp", timeout=30, init_timeout=60,
+def test_dead_peer_fails_every_survivor_promptly(how, backend):
+    outcomes = run_ranks(_peer_dies, 4, 2, how, backend=backend, timeout=30, init_timeout=60,
                          may_die={2})
     for rank, result in enumerate(outcomes):
         if rank == 2:
@@ -114,8 +119,9 @@ def _straggler(late: int) -> tuple[str, str]:
     return _outcome(dist.all_reduce, np.ones(8))
 
 
-def test_collective_timeout_names_the_missing_rank():
-    results = run_ranks(_straggler, 3, 2, backend="tcp", timeout=40, init_timeout=2)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_collective_timeout_names_the_missing_rank(backend):
+    results = run_ranks(_straggler, 3, 2, backend=backend, timeout=40, init_timeout=2)
     for rank in (0, 1):
         kind, message = results[rank]
         assert kind == "DistTimeoutError", results
@@ -133,8 +139,9 @@ def _work_wait_timeout() -> tuple[str, str]:
     return _outcome(work.wait, 0.5)
 
 
-def test_work_wait_timeout_raises_and_aborts():
-    results = run_ranks(_work_wait_timeout, 2, backend="tcp", timeout=40, init_timeout=60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_work_wait_timeout_raises_and_aborts(backend):
+    results = run_ranks(_work_wait_timeout, 2, backend=backend, timeout=40, init_timeout=60)
     kind, message = results[0]
     assert kind == "DistTimeoutError" and "Work.wait timeout" in message, results
     assert "rank(s) 1 have not called collective #0" in message, results
@@ -195,9 +202,10 @@ def _sockets() -> list:
     return [c for c in psutil.Process().net_connections(kind="inet")]
 
 
-def _destroy_leaves_nothing(path: str, abort_first: bool) -> dict:
+def _destroy_leaves_nothing(path: str, abort_first: bool, backend: str) -> dict:
     threads_before = threading.active_count()
-    dist.init_process_group("tcp", init_method=f"file://{path}", rank=int(os.environ["RANK"]),
+    fds_before = psutil.Process().num_fds()
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=60)
     sub = dist.new_group([0, 1])
     x = np.ones(50_000)
@@ -212,17 +220,20 @@ def _destroy_leaves_nothing(path: str, abort_first: bool) -> dict:
     time.sleep(0.2)
     return {"during": during, "after": [str(c) for c in _sockets()],
             "threads": threading.active_count() - threads_before,
+            "fds": psutil.Process().num_fds() - fds_before,
             "names": [t.name for t in threading.enumerate()]}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("abort_first", [False, True])
-def test_destroy_leaves_no_thread_socket_or_port(tmp_path, abort_first):
+def test_destroy_leaves_no_thread_socket_port_or_descriptor(tmp_path, abort_first, backend):
     results = run_ranks(_destroy_leaves_nothing, 3, str(tmp_path / "rdzv"), abort_first,
-                        timeout=60)
+                        backend, timeout=60)
     for result in results:
         assert result["during"] > 0, results
         assert result["after"] == [], results
         assert result["threads"] == 0, results
+        assert result["fds"] == 0, results
 
 
 # -- authentication of backend connections -----------------------------------------------------

@@ -69,6 +69,7 @@ class Mailbox:
         self._history: dict[int, Signature] = {}
         self.failure: Failure | None = None
         self._gone: dict[int, Failure] = {}
+        self._listeners: list[Callable[[], None]] = []
         self._statuses: dict[int, tuple[int, int]] = {}
 
     # -- keys ------------------------------------------------------------------------------
@@ -350,6 +351,19 @@ class Mailbox:
 
     # -- failure ---------------------------------------------------------------------------
 
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` (from any thread) whenever the group fails or a peer leaves."""
+        self._listeners.append(fn)
+
+    def gone(self, peer: int) -> Failure | None:
+        """Why `peer` left the group, or None while it is still there."""
+        with self.lock:
+            return self._gone.get(peer)
+
+    def _notify(self) -> None:
+        for fn in list(self._listeners):
+            fn()
+
     def fail(self, failure: Failure) -> bool:
         """Fail every posted and future receive; False if the mailbox had already failed."""
         with self.lock:
@@ -363,6 +377,7 @@ class Mailbox:
             self._any.clear()
         for recv in pending:
             recv._finish(-1, failure.error())
+        self._notify()
         return True
 
     def peer_gone(self, peer: int, failure: Failure) -> None:
@@ -374,6 +389,7 @@ class Mailbox:
                 pending += self._posted.pop(key)
         for recv in pending:
             recv._finish(-1, failure.error())
+        self._notify()
 
     def pending_peers(self) -> list[int]:
         """The peers some posted receive is still waiting for."""

@@ -1,0 +1,496 @@
+"""Collectives among the ranks of one host: single-copy algorithms over shared memory.
+
+Every collective starts with one synchronisation: each rank writes its signature and
+the addresses of its arrays (or, for small payloads, the payload itself) into its slot
+of the shared segment, raises its arrival counter, and waits for every peer's. Then every
+rank checks every peer's signature, so a mismatch is reported by all ranks at once.
+
+Small payloads (up to `inline_max` bytes) are read from the peers' slots; every rank
+reduces them itself, in rank order, so all ranks end bit-identical. Larger ones move by
+cross-memory copies between the ranks' own arrays: for the reductions each rank owns a
+contiguous slice, reads that slice of every peer, reduces it chunk by chunk (chunks stay
+in cache) and writes the result straight into the peers' arrays. The ranks whose memory
+others touch then wait at a completion barrier before returning.
+
+Slots come in two generations (by sequence parity). A rank reuses a slot two collectives
+later, after every peer has arrived at the collective in between, that is after every
+peer has finished reading it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..deadline import Deadline
+from ..errors import DistBackendError, DistTimeoutError
+from ..ops import ReduceOp, reduce_into
+from ..parallel import parallel_for
+from ..store.base import Store
+from .transport.base import Signature, mismatch_message
+from .transport.mailbox import Mailbox
+from .transport.shm import (
+    Segment,
+    allow_peer_access,
+    cma_read,
+    cma_write,
+    futex_wait,
+    futex_wake,
+    host_identity,
+)
+
+__all__ = ["IntraNode", "same_host_setup"]
+
+log = logging.getLogger(__name__)
+
+_MOD, _HALF = 1 << 31, 1 << 30  # counters are 31-bit and compared modulo
+_CTRL = 64  # header bytes before the per-rank counters
+_STRIDE = 128  # bytes per rank of counters: arrival and completion on separate lines
+_META = 64  # per-slot header: op, dtype, redop, root, count, in, out, flags (int64)
+_IN, _OUT, _FLAGS = 5, 6, 7
+_INLINE = 1
+_SPINS = 40  # sched_yield rounds before sleeping on the futex
+_SLICE = 0.25  # longest single futex sleep (failures wake sooner)
+#: reads and writes of at least this many bytes are split over the intra-op threads
+_THREADED_MIN = 4 * 1024 * 1024
+_PROBE = np.frombuffer(b"distcomm", dtype=np.uint8).copy()
+
+
+def _u8(array: np.ndarray) -> np.ndarray:
+    return array.reshape(-1).view(np.uint8)
+
+
+def _bounds(count: int, parts: int) -> list[int]:
+    return [count * i // parts for i in range(parts + 1)]
+
+
+def _reached(value: int, target: int) -> bool:
+    return (value - target) % _MOD < _HALF
+
+
+def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
+                    mode: str) -> tuple[Segment, list[int]] | str:
+    """Agree with the peers whether the whole group can share memory, and map the segment.
+
+    Returns (segment, pids) or the reason the group cannot (every rank gets the same
+    answer). `mode` is "auto", or "tcp" to decline.
+    """
+    generation = (store.add("gloo/joined", 1) - 1) // size
+    key = f"gloo/{generation}"
+    allow_peer_access()
+    me = f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}"
+    store.set(f"{key}/who/{rank}", me)
+    who = [store.get(f"{key}/who/{r}").decode().split("|") for r in range(size)]
+    if any(w[0] != "auto" for w in who):
+        return "DISTCOMM_GLOO_TRANSPORT=tcp"
+    if len({w[1] for w in who}) > 1:
+        return "the ranks are on more than one host"
+    pids = [int(w[2]) for w in who]
+    segment: Segment | None = None
+    reason = ""
+    nbytes = IntraNode.segment_bytes(size)
+    try:
+        if rank == 0:
+            segment = Segment(nbytes)
+            store.set(f"{key}/segment", f"{os.getpid()} {segment.fd}")
+        else:
+            pid, fd = map(int, store.get(f"{key}/segment").split())
+            segment = Segment(nbytes, owner=(pid, fd))
+        right = (rank + 1) % size
+        probe = np.zeros_like(_PROBE)
+        cma_read(pids[right], probe.ctypes.data, int(who[right][3]), probe.nbytes)
+        if not np.array_equal(probe, _PROBE):
+            reason = f"rank {rank} read unexpected bytes from rank {right}"
+    except (OSError, DistBackendError) as exc:
+        reason = f"rank {rank}: {exc}"
+    store.set(f"{key}/ok/{rank}", reason)
+    reasons = [store.get(f"{key}/ok/{r}").decode() for r in range(size)]
+    if segment is not None:
+        segment.release_fd()  # every rank has attached (or failed to) by now
+    failed = [r for r in reasons if r]
+    if failed:
+        if segment is not None:
+            segment.close()
+        return failed[0]
+    assert segment is not None
+    return segment, pids
+
+
+class IntraNode:
+    """Collectives among all ranks of a group that share one host.
+
+    Args:
+        segment, pids: from `same_host_setup`.
+        rank, size: this rank and the group size.
+        mailbox: the group's TCP mailbox; its failures interrupt waits here.
+        inline_max: payloads up to this many bytes travel inline in the segment.
+        chunk: bytes reduced per step of a large reduction.
+    """
+
+    def __init__(self, segment: Segment, pids: list[int], rank: int, size: int,
+                 mailbox: Mailbox, inline_max: int, chunk: int) -> None:
+        self.rank, self.size = rank, size
+        self.inline_max, self.chunk = min(inline_max, self.INLINE_MAX), chunk
+        self._segment, self._pids, self._mailbox = segment, pids, mailbox
+        self._words = segment.bytes[:self.slots_offset(size)].view(np.int32)
+        self._waiting = 0
+        self._local = threading.local()
+        self._describe = ""
+        self._deadline = Deadline(None)
+        mailbox.add_listener(self._interrupt)
+
+    # -- layout ----------------------------------------------------------------------------
+
+    #: the most `inline_max` may be (every slot has room for it)
+    INLINE_MAX = 64 * 1024
+
+    @staticmethod
+    def _header_bytes(size: int) -> int:
+        return -(-(_META + 8 * (size + 1)) // 64) * 64
+
+    @staticmethod
+    def slots_offset(size: int) -> int:
+        return -(-(_CTRL + size * _STRIDE) // 4096) * 4096
+
+    @classmethod
+    def segment_bytes(cls, size: int) -> int:
+        return cls.slots_offset(size) + 2 * size * (cls._header_bytes(size) + cls.INLINE_MAX)
+
+    def _slot(self, seq: int, rank: int) -> int:
+        stride = self._header_bytes(self.size) + self.INLINE_MAX
+        return self.slots_offset(self.size) + ((seq % 2) * self.size + rank) * stride
+
+    def _meta(self, seq: int, rank: int) -> np.ndarray:
+        at = self._slot(seq, rank)
+        return self._segment.bytes[at:at + _META].view(np.int64)
+
+    def _offsets(self, seq: int, rank: int) -> np.ndarray:
+        at = self._slot(seq, rank) + _META
+        return self._segment.bytes[at:at + 8 * (self.size + 1)].view(np.int64)
+
+    def _payload(self, seq: int, rank: int, nbytes: int) -> np.ndarray:
+        at = self._slot(seq, rank) + self._header_bytes(self.size)
+        return self._segment.bytes[at:at + nbytes]
+
+    # -- synchronisation -------------------------------------------------------------------
+
+    def _interrupt(self) -> None:
+        address = self._waiting
+        if address:
+            futex_wake(address)
+
+    def _set(self, index: int, value: int) -> None:
+        self._words[index] = value % _MOD
+        futex_wake(self._segment.address + 4 * index)
+
+    def _wait(self, index: int, target: int, peer: int, what: str) -> None:
+        words, address = self._words, self._segment.address + 4 * index
+        spins = 0
+        while True:
+            value = int(words[index])
+            if _reached(value, target % _MOD):
+                return
+            if spins < _SPINS:
+                spins += 1
+                os.sched_yield()
+                continue
+            failure = self._mailbox.failure or self._mailbox.gone(peer)
+            if failure is not None:
+                raise failure.kind(f"{self._describe}: {failure.message}")
+            left = self._deadline.remaining()
+            if left is not None and left <= 0:
+                raise DistTimeoutError(
+                    f"{self._describe} timed out after {self._deadline.seconds:.1f} s: "
+                    f"{self._lagging(target, what) or 'the peers did not wake this rank'}")
+            self._waiting = address
+            try:
+                futex_wait(address, value, _SLICE if left is None else min(left, _SLICE))
+            finally:
+                self._waiting = 0
+
+    def _lagging(self, target: int, what: str) -> str:
+        """The peers that have not reached counter value `target` (as the TCP diagnosis says)."""
+        late = [p for p in self._others()
+                if not _reached(int(self._words[self._word(p, what)]), target % _MOD)]
+        if not late:
+            return ""
+        ranks = ", ".join(map(str, late))
+        if what == "finish":
+            return f"rank(s) {ranks} have not finished their part of collective #{target - 1}"
+        where = "; ".join(
+            f"rank {p} is at collective #{self._words[self._word(p, what)] - 1}"
+            if self._words[self._word(p, what)] else f"rank {p} has run no collective yet"
+            for p in late)
+        return f"rank(s) {ranks} have not called collective #{target - 1} ({where})"
+
+    @staticmethod
+    def _word(rank: int, what: str) -> int:
+        """Index of `rank`'s arrival or completion counter among the int32 words."""
+        return (_CTRL + rank * _STRIDE) // 4 + (16 if what == "finish" else 0)
+
+    def diagnose(self, seq: int) -> str:
+        """Why collective `seq` has not completed: the peers that have not reached it."""
+        for what in ("arrive", "finish"):
+            late = self._lagging(seq + 1, what)
+            if late:
+                return late
+        return "every rank has finished it"
+
+    def _arrive(self, seq: int, signature: Signature, in_addr: int = 0, out_addr: int = 0,
+                inline: np.ndarray | None = None,
+                offsets: Sequence[int] | None = None) -> None:
+        """Publish this rank's part of collective `seq`, wait for every peer's, compare."""
+        meta = self._meta(seq, self.rank)
+        meta[:] = (signature.op, signature.dtype, signature.redop, signature.root,
+                   signature.count, in_addr, out_addr, _INLINE if inline is not None else 0)
+        if inline is not None and inline.size:
+            self._payload(seq, self.rank, inline.nbytes)[:] = inline
+        if offsets is not None:
+            self._offsets(seq, self.rank)[:] = offsets
+        self._set(self._word(self.rank, "arrive"), seq + 1)
+        for peer in self._others():
+            self._wait(self._word(peer, "arrive"), seq + 1, peer, "arrive")
+        for peer in range(self.size):
+            if peer != self.rank:
+                theirs = Signature(*(int(v) for v in self._meta(seq, peer)[:5]))
+                if theirs != signature:
+                    raise DistBackendError(mismatch_message(self.rank, self.size, seq,
+                                                            signature, peer, theirs))
+
+    def _finish(self, seq: int, wait_for: Sequence[int]) -> None:
+        """Mark this rank done with `seq`'s arrays; wait until `wait_for` are done too."""
+        self._set(self._word(self.rank, "finish"), seq + 1)
+        for peer in wait_for:
+            if peer != self.rank:
+                self._wait(self._word(peer, "finish"), seq + 1, peer, "finish")
+
+    def _others(self) -> list[int]:
+        return [p for p in range(self.size) if p != self.rank]
+
+    def begin(self, describe: str, deadline: Deadline) -> None:
+        """Name and time the collective about to run (for errors)."""
+        self._describe, self._deadline = describe, deadline
+
+    # -- data movement ---------------------------------------------------------------------
+
+    def _is_inline(self, seq: int, peer: int) -> bool:
+        return bool(self._meta(seq, peer)[_FLAGS] & _INLINE)
+
+    def _fetch(self, seq: int, peer: int, dst: np.ndarray, offset: int) -> None:
+        """Copy `dst.nbytes` bytes of `peer`'s published input, from byte `offset`, to `dst`."""
+        nbytes = dst.nbytes
+        if not nbytes:
+            return
+        if self._is_inline(seq, peer):
+            _u8(dst)[:] = self._payload(seq, peer, offset + nbytes)[offset:]
+            return
+        pid, src, base = self._pids[peer], int(self._meta(seq, peer)[_IN]) + offset, _u8(dst)
+        if nbytes < _THREADED_MIN:
+            cma_read(pid, base.ctypes.data, src, nbytes)
+        else:
+            parallel_for(nbytes, lambda a, b: cma_read(pid, base.ctypes.data + a, src + a,
+                                                       b - a), min_chunk=_THREADED_MIN // 2)
+
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = self._local.buffer = np.empty(nbytes, np.uint8)
+        return buffer[:nbytes]
+
+    def _owner_reduce(self, seq: int, acc: np.ndarray, own: np.ndarray, base: int,
+                      op: ReduceOp, write_to: Sequence[int], divide: bool) -> None:
+        """acc <- own (op) every peer's input at byte `base` on; then write it to `write_to`.
+
+        `acc` and `own` have the same length; peers' data come from their published
+        input, results go to their published output at the same byte offset.
+        """
+        isz = acc.itemsize
+        step = max(1, self.chunk // isz)
+        peers = self._others()
+        pids = self._pids
+        sources = {p: int(self._meta(seq, p)[_IN]) + base for p in peers}
+        targets = {p: int(self._meta(seq, p)[_OUT]) + base for p in write_to}
+
+        def run(start: int, stop: int) -> None:
+            scratch = self._scratch(min(step, stop - start) * isz).view(acc.dtype)
+            for lo in range(start, stop, step):
+                hi = min(lo + step, stop)
+                part = acc[lo:hi]
+                if part.ctypes.data != own.ctypes.data + lo * isz:
+                    part[...] = own[lo:hi]
+                incoming = scratch[:hi - lo]
+                for p in peers:
+                    cma_read(pids[p], incoming.ctypes.data, sources[p] + lo * isz, incoming.nbytes)
+                    reduce_into(part, incoming, op)
+                if divide:
+                    np.divide(part, self.size, out=part)
+                for p, address in targets.items():
+                    cma_write(pids[p], part.ctypes.data, address + lo * isz, part.nbytes)
+
+        if acc.nbytes < _THREADED_MIN:
+            if acc.size:
+                run(0, acc.size)
+        else:
+            parallel_for(acc.size, run, min_chunk=max(step, _THREADED_MIN // 2 // isz))
+
+    def _reduce_inline(self, seq: int, out: np.ndarray, offset: int, op: ReduceOp) -> None:
+        """out <- every rank's inline payload from byte `offset`, reduced in rank order."""
+        nbytes = out.nbytes
+        if not nbytes:
+            return
+        view = _u8(out)
+        view[:] = self._payload(seq, 0, offset + nbytes)[offset:]
+        for peer in range(1, self.size):
+            reduce_into(out, self._payload(seq, peer, offset + nbytes)[offset:]
+                        .view(out.dtype), op)
+
+    # -- the collectives -------------------------------------------------------------------
+
+    def all_reduce(self, seq: int, sig: Signature, buf: np.ndarray, op: ReduceOp) -> None:
+        avg = op is ReduceOp.AVG
+        if buf.nbytes <= self.inline_max:
+            self._arrive(seq, sig, inline=_u8(buf))
+            self._reduce_inline(seq, buf, 0, op)
+            if avg:
+                np.divide(buf, self.size, out=buf)
+            return
+        address = buf.ctypes.data
+        self._arrive(seq, sig, address, address)
+        bounds = _bounds(buf.size, self.size)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        self._owner_reduce(seq, buf[lo:hi], buf[lo:hi], lo * buf.itemsize, op, self._others(),
+                           avg)
+        self._finish(seq, range(self.size))
+
+    def reduce(self, seq: int, sig: Signature, buf: np.ndarray, root: int,
+               op: ReduceOp) -> None:
+        avg = op is ReduceOp.AVG
+        if buf.nbytes <= self.inline_max:
+            self._arrive(seq, sig, inline=_u8(buf))
+            if self.rank == root:
+                self._reduce_inline(seq, buf, 0, op)
+                if avg:
+                    np.divide(buf, self.size, out=buf)
+            return
+        address = buf.ctypes.data
+        self._arrive(seq, sig, address, address)
+        bounds = _bounds(buf.size, self.size)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        acc = buf[lo:hi] if self.rank == root else self._scratch_big(hi - lo, buf.dtype)
+        self._owner_reduce(seq, acc, buf[lo:hi], lo * buf.itemsize, op,
+                           [root] if self.rank != root else [], avg)
+        self._finish(seq, range(self.size))
+
+    def _scratch_big(self, count: int, dtype: np.dtype) -> np.ndarray:
+        nbytes = count * np.dtype(dtype).itemsize
+        buffer = getattr(self, "_big", None)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = self._big = np.empty(nbytes, np.uint8)
+        return buffer[:nbytes].view(dtype)
+
+    def broadcast(self, seq: int, sig: Signature, buf: np.ndarray, root: int) -> None:
+        is_root = self.rank == root
+        if buf.nbytes <= self.inline_max:
+            self._arrive(seq, sig, inline=_u8(buf) if is_root else None)
+            if not is_root:
+                self._fetch(seq, root, buf, 0)
+            return
+        self._arrive(seq, sig, buf.ctypes.data if is_root else 0)
+        if not is_root:
+            self._fetch(seq, root, buf, 0)
+        self._finish(seq, self._others() if is_root else ())
+
+    def all_gather(self, seq: int, sig: Signature, output: np.ndarray,
+                   input: np.ndarray) -> None:
+        m = input.size
+        inline = input.nbytes <= self.inline_max
+        self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None)
+        mine = output[self.rank * m:(self.rank + 1) * m]
+        if mine.ctypes.data != input.ctypes.data:
+            mine[...] = input
+        for peer in self._others():
+            self._fetch(seq, peer, output[peer * m:(peer + 1) * m], 0)
+        if not inline:
+            self._finish(seq, range(self.size))
+
+    def gather(self, seq: int, sig: Signature, output: np.ndarray | None, input: np.ndarray,
+               root: int) -> None:
+        m = input.size
+        inline = input.nbytes <= self.inline_max
+        self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None)
+        if self.rank == root:
+            assert output is not None
+            output[root * m:(root + 1) * m] = input
+            for peer in self._others():
+                self._fetch(seq, peer, output[peer * m:(peer + 1) * m], 0)
+        if not inline:
+            self._finish(seq, [root] if self.rank != root else ())
+
+    def scatter(self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray | None,
+                root: int) -> None:
+        m = output.size
+        inline = m * self.size * output.itemsize <= self.inline_max
+        if self.rank == root:
+            assert input is not None
+            self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None)
+            output[...] = input[root * m:(root + 1) * m]
+        else:
+            self._arrive(seq, sig)
+            self._fetch(seq, root, output, self.rank * m * output.itemsize)
+        if not inline:
+            self._finish(seq, self._others() if self.rank == root else ())
+
+    def reduce_scatter(self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray,
+                       op: ReduceOp) -> None:
+        m, r = output.size, self.rank
+        avg = op is ReduceOp.AVG
+        if input.nbytes <= self.inline_max:
+            self._arrive(seq, sig, inline=_u8(input))
+            self._reduce_inline(seq, output, r * m * output.itemsize, op)
+            if avg:
+                np.divide(output, self.size, out=output)
+            return
+        self._arrive(seq, sig, input.ctypes.data)
+        self._owner_reduce(seq, output, input[r * m:(r + 1) * m], r * m * output.itemsize, op,
+                           (), avg)
+        self._finish(seq, range(self.size))
+
+    def all_to_all(self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray,
+                   output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
+        offsets = np.concatenate(([0], np.cumsum(input_splits, dtype=np.int64)))
+        inline = input.nbytes <= self.inline_max
+        self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None,
+                     offsets=offsets)
+        out_at = np.concatenate(([0], np.cumsum(output_splits, dtype=np.int64)))
+        isz = output.itemsize
+        for peer in range(self.size):
+            theirs = self._offsets(seq, peer)
+            start, count = int(theirs[self.rank]), int(theirs[self.rank + 1] - theirs[self.rank])
+            expected = int(out_at[peer + 1] - out_at[peer])
+            if count != expected:
+                raise DistBackendError(
+                    f"[rank {self.rank}/{self.size}] all_to_all #{seq}: rank {peer} sends "
+                    f"{count} elements to this rank, but output_split_sizes[{peer}] here is "
+                    f"{expected}; every rank's input split for rank j must equal rank j's "
+                    "output split for it")
+            target = output[out_at[peer]:out_at[peer + 1]]
+            if peer == self.rank:
+                target[...] = input[start:start + count]
+            else:
+                self._fetch(seq, peer, target, start * isz)
+        if not all(self._is_inline(seq, peer) for peer in range(self.size)):
+            self._finish(seq, range(self.size))
+
+    def barrier(self, seq: int, sig: Signature) -> None:
+        self._arrive(seq, sig)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._words = np.empty(0, np.int32)
+        self._segment.close()
+

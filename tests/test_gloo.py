@@ -1,0 +1,188 @@
+"""The gloo backend's own behaviour: which transport it picks, its shared-memory path under
+threads and failures, and that nothing is left in /dev/shm or mapped afterwards.
+
+The conformance suite (test_collectives.py) already runs every op on gloo twice: on its
+shared-memory path and with DISTCOMM_GLOO_TRANSPORT=tcp.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import distcomm as dist
+from distcomm import parallel
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _backend():
+    return dist.group.WORLD._backends["cpu"]
+
+
+def _segments_mapped() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("distcomm-gloo" in line for line in maps)
+
+
+def _dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _check_ops() -> str:
+    """A few ops of every shape; returns the group's transport."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    for count in (3, 300_000):
+        x = np.full(count, r + 1.0)
+        dist.all_reduce(x)
+        assert (x == n * (n + 1) / 2).all()
+        out = np.empty(count * n, np.int32)
+        dist.all_gather_single(out, np.full(count, r, np.int32))
+        assert (out.reshape(n, count) == np.arange(n)[:, None]).all()
+        y = np.arange(count * n, dtype=np.float32)
+        z = np.empty(count, np.float32)
+        dist.reduce_scatter_single(z, y)
+        assert (z == n * np.arange(r * count, (r + 1) * count, dtype=np.float32)).all()
+    return _backend().transport
+
+
+def test_one_host_uses_shared_memory():
+    assert run_ranks(_check_ops, 3, backend="gloo", timeout=60) == ["shm"] * 3
+
+
+def test_transport_tcp_forced_by_environment():
+    results = run_ranks(_check_ops, 2, backend="gloo", timeout=60,
+                        env={"DISTCOMM_GLOO_TRANSPORT": "tcp"})
+    assert results == ["tcp"] * 2
+
+
+def test_ranks_on_two_hosts_use_tcp():
+    hosts = {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}
+    results = run_ranks(_check_ops, 4, backend="gloo", timeout=90,
+                        rank_env=lambda r: {"DISTCOMM_HOST_ID": hosts[r]})
+    assert results == ["tcp"] * 4
+
+
+def test_one_rank_declining_shared_memory_makes_all_use_tcp():
+    results = run_ranks(_check_ops, 3, backend="gloo", timeout=60,
+                        rank_env=lambda r: {"DISTCOMM_GLOO_TRANSPORT": "tcp" if r == 1 else ""})
+    assert results == ["tcp"] * 3
+
+
+def _bad_mode() -> str:
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=10)
+    except ValueError as exc:
+        return str(exc)
+    dist.destroy_process_group()
+    return "no error"
+
+
+def test_invalid_transport_setting_is_a_clear_error():
+    results = run_ranks(_bad_mode, 1, backend=None, timeout=30,
+                        env={"DISTCOMM_GLOO_TRANSPORT": "shmem"})
+    assert "DISTCOMM_GLOO_TRANSPORT='shmem'" in results[0] and "'tcp'" in results[0]
+
+
+def _threaded(threads: int) -> list[bool]:
+    r, n = dist.get_rank(), dist.get_world_size()
+    checks = []
+    with parallel.threads(threads):
+        count = 3_000_001  # 24 MB of float64: split over the threads
+        x = np.arange(count, dtype=np.float64) * (r + 1)
+        dist.all_reduce(x)
+        checks.append(bool((x == np.arange(count) * (n * (n + 1) / 2)).all()))
+        y = np.arange(count, dtype=np.float64) if r == 0 else np.zeros(count)
+        dist.broadcast(y, src=0)
+        checks.append(bool((y == np.arange(count)).all()))
+        m = np.full(count, r, np.int64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        checks.append(bool((m == n - 1).all()))
+        w = [dist.all_reduce(np.full(count // 3, float(r)), async_op=True) for _ in range(3)]
+        for work in w:
+            work.wait()
+            checks.append(bool((work.result()[0] == n * (n - 1) / 2).all()))
+    return checks
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_collectives_split_over_threads(threads):
+    for checks in run_ranks(_threaded, 2, threads, backend="gloo", timeout=120):
+        assert all(checks), checks
+
+
+def _bad_splits() -> tuple[str, str]:
+    r = dist.get_rank()
+    inp = np.arange(40_000, dtype=np.float64)
+    out = np.zeros(40_000)
+    splits = [20_000, 20_000] if r == 0 else [10_000, 30_000]
+    try:
+        dist.all_to_all_single(out, inp, output_split_sizes=[20_000, 20_000],
+                               input_split_sizes=splits)
+        dist.barrier()
+    except dist.DistError as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def test_inconsistent_all_to_all_splits_are_reported():
+    results = run_ranks(_bad_splits, 2, backend="gloo", timeout=60)
+    assert all(kind == "DistBackendError" for kind, _ in results), results
+    assert any("output_split_sizes" in message for _, message in results), results
+
+
+def _mapped_then_destroyed(path: str) -> tuple[int, int]:
+    dist.init_process_group("gloo", init_method=f"file://{path}",
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=60)
+    sub = dist.new_group([0, 1])
+    x = np.ones(200_000)
+    dist.all_reduce(x)
+    if dist.get_rank() < 2:
+        dist.all_reduce(x, group=sub)
+    during = _segments_mapped()
+    dist.destroy_process_group()
+    return during, _segments_mapped()
+
+
+def test_destroy_unmaps_every_segment(tmp_path):
+    before = _dev_shm()
+    results = run_ranks(_mapped_then_destroyed, 3, str(tmp_path / "rdzv"), timeout=60)
+    assert [during for during, _ in results] == [2, 2, 1], results
+    assert [after for _, after in results] == [0, 0, 0], results
+    assert _dev_shm() <= before
+
+
+def _raise_or_die(how: str) -> None:
+    x = np.ones(500_000)
+    dist.all_reduce(x)
+    if how == "raise":  # a mismatch: every rank raises out of the collective, mid-job
+        if dist.get_rank() == 1:
+            dist.broadcast(x, src=0)
+        else:
+            dist.all_reduce(x)
+        return
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        dist.all_reduce(x)
+    except dist.DistNetworkError:
+        pass
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_nothing_left_in_dev_shm_after_exception_or_kill(how):
+    before = _dev_shm()
+    outcomes = run_ranks(_raise_or_die, 3, how, backend="gloo", timeout=60, check=False,
+                         may_die={1})
+    if how == "raise":
+        assert all("DistBackendError" in o.error for o in outcomes), outcomes
+    else:
+        assert outcomes[0].ok and outcomes[2].ok, [o.describe() for o in outcomes]
+        assert outcomes[1].exitcode == -signal.SIGKILL, outcomes[1]
+    assert _dev_shm() <= before, sorted(_dev_shm() - before)
