@@ -1,15 +1,29 @@
-"""Collective algorithms over an `Exchange`: written once, chosen per backend by `Tuning`.
+"""Collective algorithms over an `Exchange`: written once, chosen per op by a `Tuning`.
 
 Every function takes flat contiguous numpy arrays and group ranks, posts its receives
-before its sends (so payloads land in place), and numbers its messages with distinct
-`step`s per collective. Algorithms that need an order of reduction keep it the same
-on every rank, so all ranks end with bit-identical results.
+before its sends where it can (so payloads land in place), and numbers its messages with
+distinct `step`s per collective: `_PHASE` apart for the phases of a composed algorithm,
+`_ROUND` apart for the rounds of a phase, one apart for the pieces of a split message.
+
+Algorithms keep the order of reduction of every element fixed and the same on every
+rank, so all ranks end with bit-identical results: either one rank computes an element
+and the others receive copies (trees, ring, halving-doubling), or partners compute the
+same expression with the lower half's operand first (recursive doubling).
+
+Backends call only the dispatch functions (`all_reduce`, `broadcast`, `reduce`,
+`all_gather`, `gather`, `scatter`, `reduce_scatter`, `all_to_all`, `barrier`), which pick
+an algorithm from a `Tuning`: `Tuning.simple()` for `tcp`, `Tuning.tuned()` for `gloo`,
+either one adjusted through DISTCOMM_TUNING (`Tuning.from_env`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from functools import partial
 
 import numpy as np
 
@@ -17,39 +31,179 @@ from ..ops import ReduceOp, reduce_into
 from .transport.exchange import Exchange
 
 __all__ = [
-    "Tuning",
-    "all_gather_ring",
-    "all_reduce",
-    "all_reduce_ring",
-    "all_reduce_tree",
-    "all_to_all_pairwise",
-    "barrier_dissemination",
-    "broadcast_binomial",
-    "gather_flat",
-    "reduce_binomial",
-    "reduce_scatter_ring",
-    "scatter_flat",
+    "ENV_VAR", "NEVER", "Tuning", "all_gather", "all_gather_ring", "all_reduce",
+    "all_reduce_halving_doubling", "all_reduce_recursive_doubling", "all_reduce_ring",
+    "all_reduce_tree", "all_to_all", "all_to_all_pairwise", "barrier", "barrier_dissemination",
+    "broadcast", "broadcast_binomial", "choose_all_reduce", "choose_gather", "choose_scatter",
+    "gather", "gather_binomial", "gather_flat", "reduce", "reduce_binomial", "reduce_scatter",
+    "reduce_scatter_ring", "scatter", "scatter_binomial", "scatter_flat",
 ]
 
-# step bases that keep the phases of a composed algorithm apart
-_PHASE = 1 << 32
+# step bases that keep the phases of a composed algorithm, and the rounds of a phase, apart
+_PHASE = 1 << 48
+_ROUND = 1 << 24  # also the most pieces one message is split into
+
+#: The environment variable `Tuning.from_env` reads.
+ENV_VAR = "DISTCOMM_TUNING"
+#: A threshold no array reaches: the algorithm it enables is never chosen.
+NEVER = sys.maxsize
+
+_SIZE = re.compile(r"(\d+)([KMG]?)", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 @dataclass(frozen=True)
 class Tuning:
-    """When to switch algorithms (bytes).
+    """Which algorithm each collective uses: thresholds in bytes, one per algorithm boundary.
+
+    A `*_min` field is the smallest array (in bytes) that the algorithm it names takes;
+    all_reduce tries ring, then halving-doubling, then recursive doubling, and otherwise
+    reduces to rank 0 and broadcasts (binomial trees). Ops without a field use one
+    algorithm everywhere: binomial-tree broadcast and reduce, ring all_gather and
+    reduce_scatter, pairwise all_to_all, dissemination barrier. Every rank of a group must
+    use the same tuning (the backend's preset, adjusted by the same DISTCOMM_TUNING).
+
+    DISTCOMM_TUNING overrides fields of the backend's preset: comma-separated
+    `field=value` entries, each value a number of bytes with an optional K, M or G suffix
+    (powers of 1024) or `never` (`NEVER`), e.g. `all_reduce_ring_min=4M,ring_chunk=256K`.
 
     Attributes:
-        ring_all_reduce_min: all_reduce of at least this many bytes uses the ring
-            (reduce-scatter + all-gather); smaller ones reduce to rank 0 and broadcast.
+        all_reduce_doubling_min: all_reduce of at least this many bytes uses recursive
+            doubling: log2(n) rounds in which partners swap whole arrays (latency-bound
+            sizes; a non-power-of-two n costs two extra whole-array messages).
+        all_reduce_halving_doubling_min: all_reduce of at least this many bytes, with at
+            least one element per rank of the largest power of two <= n, uses recursive
+            halving-doubling (Rabenseifner): reduce-scatter by recursive halving, then
+            all-gather by recursive doubling; 2 log2(n) rounds moving 2(n-1)/n of the data.
+        all_reduce_ring_min: all_reduce of at least this many bytes, with at least one
+            element per rank, uses the ring: ring reduce-scatter, then ring all-gather;
+            2(n-1) steps moving 2(n-1)/n of the data (bandwidth-bound sizes).
+        ring_chunk: each step of a ring reduce-scatter (all_reduce's and reduce_scatter's)
+            is split into pieces of this many bytes, all received into place while the
+            previous piece is reduced, so reduction overlaps transfer; 0: one message per
+            step.
+        gather_flat_min: gather and scatter of at least this many bytes per rank move each
+            rank's block directly between it and the root; smaller blocks travel through a
+            binomial tree (log2(n) rounds, inner ranks forwarding their subtree's blocks)
+            in groups of at least `gather_tree_min_ranks`.
+        gather_tree_min_ranks: a number of ranks, not bytes: the smallest group whose
+            gather and scatter use the binomial tree (the root's n - 1 messages against
+            log2(n) rounds: the tree pays off only in large groups).
+        shm_inline_max: (gloo's shared-memory path, ranks on one host) payloads up to this
+            many bytes travel inline in the shared segment (capped at its slot size);
+            larger ones are copied directly between the ranks' arrays.
+        shm_chunk: (gloo's shared-memory path) bytes reduced per step of a large
+            reduction, so the pieces stay in cache.
     """
 
-    ring_all_reduce_min: int = 512 * 1024  # measured crossover at 2-4 ranks: 256 KiB-1 MiB
+    all_reduce_doubling_min: int = NEVER
+    all_reduce_halving_doubling_min: int = NEVER
+    all_reduce_ring_min: int = 512 * 1024  # measured crossover at 2-4 ranks: 256 KiB-1 MiB
+    ring_chunk: int = 0
+    gather_flat_min: int = 0
+    gather_tree_min_ranks: int = NEVER
+    shm_inline_max: int = 32 * 1024
+    shm_chunk: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Tuning.{f.name} must be an integer >= 0, got {value!r}")
+
+    @classmethod
+    def simple(cls) -> Tuning:
+        """The `tcp` backend's algorithms: tree or ring all_reduce, flat gather and scatter."""
+        return cls()
+
+    @classmethod
+    def tuned(cls) -> Tuning:
+        """The `gloo` backend's algorithms.
+
+        The all_reduce crossovers and `ring_chunk` were measured over loopback TCP at 2, 3
+        and 4 ranks (benchmarks/collectives.py, float32): recursive doubling beat the tree
+        at every size up to 512 KiB, halving-doubling took over near 1 MiB and the
+        pipelined ring near 2 MiB; ring pieces below 1 MiB cost more than they overlapped.
+        The gather/scatter tree boundary is not measured: at 4 and 8 ranks on one host the
+        flat algorithms were as fast or faster at every size.
+        """
+        return cls(
+            all_reduce_doubling_min=0,
+            all_reduce_halving_doubling_min=1 << 20,
+            all_reduce_ring_min=2 << 20,
+            ring_chunk=2 << 20,
+            gather_flat_min=4 << 10,
+            gather_tree_min_ranks=16,
+        )
+
+    @classmethod
+    def from_env(cls, preset: Tuning, environ: Mapping[str, str] = os.environ) -> Tuning:
+        """`preset` with the overrides of DISTCOMM_TUNING in `environ` applied.
+
+        Raises:
+            ValueError: an entry is not `field=value`, names no field of Tuning, or holds a
+                value that is not a size; the message names the variable, the entry and the
+                valid fields.
+        """
+        text = environ.get(ENV_VAR, "")
+        names = [f.name for f in fields(cls)]
+        changes: dict[str, int] = {}
+        for raw in text.split(","):
+            entry = raw.strip()
+            if not entry:
+                continue
+            name, equals, value = (part.strip() for part in entry.partition("="))
+            valid = f"valid fields: {', '.join(names)}"
+            if not equals:
+                raise ValueError(f"{ENV_VAR}: {entry!r} is not a 'field=value' entry; {valid}")
+            if name not in names:
+                raise ValueError(f"{ENV_VAR}: {entry!r}: {name!r} is not a field of the "
+                                 f"tuning; {valid}")
+            match = _SIZE.fullmatch(value)
+            if value.lower() == "never":
+                changes[name] = NEVER
+            elif match:
+                changes[name] = int(match[1]) * _UNITS[match[2].upper()]
+            else:
+                raise ValueError(f"{ENV_VAR}: {entry!r}: {value!r} is not a size in bytes "
+                                 "(an integer with an optional K, M or G suffix, e.g. 256K, "
+                                 f"or 'never'); {valid}")
+        return replace(preset, **changes) if changes else preset
 
 
 def _bounds(count: int, parts: int) -> list[int]:
     return [count * i // parts for i in range(parts + 1)]
 
+
+def _pieces(size: int, itemsize: int, piece_bytes: int) -> list[int]:
+    """Bounds of the pieces a message of `size` elements is split into (same on both ends)."""
+    per = max(1, piece_bytes // itemsize, -(-size // _ROUND)) if piece_bytes else max(size, 1)
+    return [*range(0, size, per), size] if size else [0, 0]
+
+
+def _exchange_reduce(ex: Exchange, dst: int, src: int, step: int, outgoing: np.ndarray,
+                     incoming: np.ndarray, acc: np.ndarray, other: np.ndarray, op: ReduceOp,
+                     piece_bytes: int = 0) -> None:
+    """Send `outgoing` to `dst` and receive `incoming` from `src`, then acc <- acc (op) other.
+
+    `acc` and `other` are the size of `incoming` (one of them is it). With `piece_bytes`
+    the messages go in pieces: every piece's receive is posted first, then piece by piece
+    send, wait and reduce, so reducing one piece overlaps the transfer of the next.
+    """
+    sends = _pieces(outgoing.size, outgoing.itemsize, piece_bytes)
+    recvs = _pieces(incoming.size, incoming.itemsize, piece_bytes)
+    pending = [ex.post(src, step + j, incoming[recvs[j]:recvs[j + 1]])
+               for j in range(len(recvs) - 1)]
+    for j in range(max(len(sends), len(recvs)) - 1):
+        if j < len(sends) - 1:
+            ex.send(dst, step + j, outgoing[sends[j]:sends[j + 1]])
+        if j < len(pending):
+            ex.wait(pending[j])
+            lo, hi = recvs[j], recvs[j + 1]
+            reduce_into(acc[lo:hi], other[lo:hi], op)
+
+
+# -- trees --------------------------------------------------------------------------------------
 
 def broadcast_binomial(ex: Exchange, buf: np.ndarray, root: int, base: int = 0) -> None:
     """Binomial-tree broadcast of `root`'s `buf`: log2(n) rounds."""
@@ -96,57 +250,245 @@ def reduce_binomial(ex: Exchange, buf: np.ndarray, root: int, op: ReduceOp,
         mask <<= 1
 
 
+def _subtree(vrank: int, n: int) -> int:
+    """How many ranks the binomial subtree rooted at virtual rank `vrank` spans."""
+    return min(vrank & -vrank if vrank else n, n - vrank)
+
+
+def gather_binomial(ex: Exchange, output: np.ndarray | None, input: np.ndarray,
+                    root: int) -> None:
+    """Binomial-tree gather: inner ranks forward their subtree's blocks in one message."""
+    n, rank, m = ex.size, ex.rank, input.size
+    vrank = (rank - root) % n
+    span = _subtree(vrank, n)
+    if span == 1 and vrank:
+        ex.send((rank - (vrank & -vrank)) % n, vrank & -vrank, input)
+        return
+    # blocks in virtual-rank order: this rank's, then each child's subtree
+    staging = output if vrank == 0 and root == 0 else ex.scratch.get(0, span * m, input.dtype)
+    pending = []
+    mask = 1
+    while mask < span:
+        count = min(mask, span - mask)
+        pending.append(ex.post((rank + mask) % n, mask,
+                               staging[mask * m:(mask + count) * m]))
+        mask <<= 1
+    staging[:m] = input
+    for recv in pending:
+        ex.wait(recv)
+    if vrank:
+        ex.send((rank - (vrank & -vrank)) % n, vrank & -vrank, staging[:span * m])
+    elif root:  # virtual rank v holds real rank (v + root) % n
+        output[root * m:] = staging[:(n - root) * m]
+        output[:root * m] = staging[(n - root) * m:]
+
+
+def scatter_binomial(ex: Exchange, output: np.ndarray, input: np.ndarray | None,
+                     root: int) -> None:
+    """Binomial-tree scatter: each rank receives its subtree's blocks and passes them down."""
+    n, rank, m = ex.size, ex.rank, output.size
+    vrank = (rank - root) % n
+    span = _subtree(vrank, n)
+    if span == 1 and vrank:
+        ex.recv((rank - (vrank & -vrank)) % n, vrank & -vrank, output)
+        return
+    if vrank:
+        staging = ex.scratch.get(0, span * m, output.dtype)
+        ex.recv((rank - (vrank & -vrank)) % n, vrank & -vrank, staging)
+    elif root:  # blocks in virtual-rank order
+        staging = ex.scratch.get(0, n * m, output.dtype)
+        staging[:(n - root) * m] = input[root * m:]
+        staging[(n - root) * m:] = input[:root * m]
+    else:
+        staging = input
+    mask = 1 << max(0, (span - 1).bit_length() - 1)
+    while mask:
+        if mask < span:
+            count = min(mask, span - mask)
+            ex.send((rank + mask) % n, mask, staging[mask * m:(mask + count) * m])
+        mask >>= 1
+    output[...] = staging[:m]
+
+
 def all_reduce_tree(ex: Exchange, buf: np.ndarray, op: ReduceOp) -> None:
-    """Reduce to rank 0, then broadcast: the latency-bound choice for small arrays."""
+    """Reduce to rank 0, then broadcast: binomial trees, 2 log2(n) rounds of whole arrays."""
     reduce_binomial(ex, buf, 0, op, keep_input=False)
     broadcast_binomial(ex, buf, 0, base=_PHASE)
 
 
-def all_reduce_ring(ex: Exchange, buf: np.ndarray, op: ReduceOp) -> None:
-    """Ring reduce-scatter, then ring all-gather: bandwidth-optimal, 2(n-1)/n of the data."""
+# -- recursive doubling and halving ---------------------------------------------------------
+
+def _fold(ex: Exchange, buf: np.ndarray, op: ReduceOp) -> tuple[int, int, int]:
+    """Reduce a non-power-of-two group to the largest power of two p2 <= n.
+
+    The first 2(n - p2) ranks pair up: each odd one sends its array to the even one below,
+    which reduces it (even first) and stands for both. Returns (virtual rank among the p2
+    that go on, or -1 for a rank that sits out; p2; n - p2). `_unfold` ends it.
+    """
     n, rank = ex.size, ex.rank
-    bounds = _bounds(buf.size, n)
-    chunk = [buf[bounds[i]:bounds[i + 1]] for i in range(n)]
-    right, left = (rank + 1) % n, (rank - 1) % n
-    scratch = ex.scratch.get(0, max(bounds[i + 1] - bounds[i] for i in range(n)), buf.dtype)
-    for k in range(n - 1):
-        send_i, recv_i = (rank - k) % n, (rank - k - 1) % n
-        target = scratch[:chunk[recv_i].size]
-        pending = ex.post(left, k, target)
-        ex.send(right, k, chunk[send_i])
-        ex.wait(pending)
-        reduce_into(chunk[recv_i], target, op)
-    for k in range(n - 1):
-        send_i, recv_i = (rank + 1 - k) % n, (rank - k) % n
-        pending = ex.post(left, _PHASE + k, chunk[recv_i])
-        ex.send(right, _PHASE + k, chunk[send_i])
-        ex.wait(pending)
+    p2 = 1 << (n.bit_length() - 1)
+    extra = n - p2
+    if rank >= 2 * extra:
+        return rank - extra, p2, extra
+    if rank % 2:
+        ex.send(rank - 1, 0, buf)
+        return -1, p2, extra
+    incoming = ex.scratch.get(0, buf.size, buf.dtype)
+    ex.recv(rank + 1, 0, incoming)
+    reduce_into(buf, incoming, op)
+    return rank // 2, p2, extra
 
 
-def all_reduce(ex: Exchange, buf: np.ndarray, op: ReduceOp, tuning: Tuning) -> None:
-    """all_reduce in place, choosing tree or ring by size; AVG divides by the group size."""
-    if ex.size > 1:
-        if buf.nbytes >= tuning.ring_all_reduce_min and buf.size >= ex.size:
-            all_reduce_ring(ex, buf, op)
+def _unfold(ex: Exchange, buf: np.ndarray, extra: int) -> None:
+    """The end of `_fold`: each even rank of a pair hands the result to its odd partner."""
+    rank = ex.rank
+    if rank < 2 * extra:
+        if rank % 2:
+            ex.recv(rank - 1, 3 * _PHASE, buf)
         else:
-            all_reduce_tree(ex, buf, op)
-    if op is ReduceOp.AVG:
-        np.divide(buf, ex.size, out=buf)
+            ex.send(rank + 1, 3 * _PHASE, buf)
+
+
+def _real(vrank: int, extra: int) -> int:
+    return 2 * vrank if vrank < extra else vrank + extra
+
+
+def all_reduce_recursive_doubling(ex: Exchange, buf: np.ndarray, op: ReduceOp) -> None:
+    """Recursive doubling: in round k partners 2^k apart swap whole arrays and reduce.
+
+    Both partners compute (lower half's) op (upper half's), so every rank's result is the
+    same expression, bit for bit.
+    """
+    vrank, p2, extra = _fold(ex, buf, op)
+    if vrank >= 0:
+        current, spare = buf, ex.scratch.get(1, buf.size, buf.dtype)
+        mask = 1
+        while mask < p2:
+            peer = _real(vrank ^ mask, extra)
+            if vrank & mask:  # the partner holds the lower half: theirs (op) mine
+                _exchange_reduce(ex, peer, peer, _PHASE + mask, current, spare, spare,
+                                 current, op)
+                current, spare = spare, current
+            else:
+                _exchange_reduce(ex, peer, peer, _PHASE + mask, current, spare, current,
+                                 spare, op)
+            mask <<= 1
+        if current is not buf:
+            buf[...] = current
+    _unfold(ex, buf, extra)
+
+
+def all_reduce_halving_doubling(ex: Exchange, buf: np.ndarray, op: ReduceOp) -> None:
+    """Rabenseifner: reduce-scatter by recursive halving, all-gather by recursive doubling.
+
+    The array is cut into p2 blocks; in each halving round partners swap halves of the
+    blocks they still hold and keep reducing one half, until virtual rank v holds block v
+    fully reduced; doubling rounds then swap ever larger runs of finished blocks.
+    """
+    vrank, p2, extra = _fold(ex, buf, op)
+    if vrank >= 0 and p2 > 1:
+        bounds = _bounds(buf.size, p2)
+        half = p2 // 2
+        incoming = ex.scratch.get(1, max(bounds[half], buf.size - bounds[half]), buf.dtype)
+        lo, hi = 0, p2
+        mask = half
+        while mask:  # halving: keep the half of [lo, hi) on this rank's side
+            peer = _real(vrank ^ mask, extra)
+            mid = (lo + hi) // 2
+            keep, give = ((mid, hi), (lo, mid)) if vrank & mask else ((lo, mid), (mid, hi))
+            kept = buf[bounds[keep[0]]:bounds[keep[1]]]
+            target = incoming[:kept.size]
+            _exchange_reduce(ex, peer, peer, _PHASE + mask, buf[bounds[give[0]]:bounds[give[1]]],
+                             target, kept, target, op)
+            lo, hi = keep
+            mask >>= 1
+        mask = 1
+        while mask < p2:  # doubling: the partner holds the run of blocks next to ours
+            peer = _real(vrank ^ mask, extra)
+            theirs = (lo - mask, lo) if vrank & mask else (hi, hi + mask)
+            pending = ex.post(peer, 2 * _PHASE + mask, buf[bounds[theirs[0]]:bounds[theirs[1]]])
+            ex.send(peer, 2 * _PHASE + mask, buf[bounds[lo]:bounds[hi]])
+            ex.wait(pending)
+            lo, hi = min(lo, theirs[0]), max(hi, theirs[1])
+            mask <<= 1
+    _unfold(ex, buf, extra)
+
+
+# -- rings --------------------------------------------------------------------------------------
+
+def _ring_reduce_scatter(ex: Exchange, chunks: Sequence[np.ndarray], out: np.ndarray | None,
+                         op: ReduceOp, piece_bytes: int) -> None:
+    """Ring reduce-scatter: rank r ends with the reduction of every rank's `chunks[r]`.
+
+    The result goes to `out`, leaving `chunks` unchanged, or (`out` None) into chunks[r].
+    Partial reductions travel right; each rank reduces its own chunk into what arrives.
+    """
+    n, rank = ex.size, ex.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+    largest = max(c.size for c in chunks)
+    partials = (ex.scratch.get(0, largest, chunks[0].dtype),
+                ex.scratch.get(1, largest, chunks[0].dtype))
+    outgoing = chunks[left]
+    for k in range(n - 1):
+        i = (rank - k - 2) % n
+        if k == n - 2 and out is not None:
+            incoming, acc, other = out, out, chunks[i]
+        elif k == n - 2:
+            incoming = partials[k % 2][:chunks[i].size]
+            acc, other = chunks[i], incoming
+        else:
+            incoming = acc = partials[k % 2][:chunks[i].size]
+            other = chunks[i]
+        _exchange_reduce(ex, right, left, k * _ROUND, outgoing, incoming, acc, other, op,
+                         piece_bytes)
+        outgoing = incoming
+
+
+def _ring_all_gather(ex: Exchange, chunks: Sequence[np.ndarray], base: int) -> None:
+    """Ring all-gather: rank r holds `chunks[r]`; after n-1 steps every rank holds all."""
+    n, rank = ex.size, ex.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for k in range(n - 1):
+        pending = ex.post(left, base + k, chunks[(rank - k - 1) % n])
+        ex.send(right, base + k, chunks[(rank - k) % n])
+        ex.wait(pending)
+
+
+def all_reduce_ring(ex: Exchange, buf: np.ndarray, op: ReduceOp, piece_bytes: int = 0) -> None:
+    """Ring reduce-scatter, then ring all-gather: bandwidth-optimal, 2(n-1)/n of the data.
+
+    Needs at least one element per rank; `piece_bytes` pipelines the reduce-scatter.
+    """
+    bounds = _bounds(buf.size, ex.size)
+    chunks = [buf[bounds[i]:bounds[i + 1]] for i in range(ex.size)]
+    _ring_reduce_scatter(ex, chunks, None, op, piece_bytes)
+    _ring_all_gather(ex, chunks, _PHASE)
 
 
 def all_gather_ring(ex: Exchange, output: np.ndarray, input: np.ndarray) -> None:
     """Ring all-gather: rank i's `input` lands in slice i of every rank's `output`."""
     n, rank, m = ex.size, ex.rank, input.size
-    chunk = [output[i * m:(i + 1) * m] for i in range(n)]
-    if chunk[rank].ctypes.data != input.ctypes.data:
-        chunk[rank][...] = input
-    right, left = (rank + 1) % n, (rank - 1) % n
-    for k in range(n - 1):
-        send_i, recv_i = (rank - k) % n, (rank - k - 1) % n
-        pending = ex.post(left, k, chunk[recv_i])
-        ex.send(right, k, chunk[send_i])
-        ex.wait(pending)
+    chunks = [output[i * m:(i + 1) * m] for i in range(n)]
+    if chunks[rank].ctypes.data != input.ctypes.data:
+        chunks[rank][...] = input
+    _ring_all_gather(ex, chunks, 0)
 
+
+def reduce_scatter_ring(ex: Exchange, output: np.ndarray, input: np.ndarray, op: ReduceOp,
+                        piece_bytes: int = 0) -> None:
+    """Ring reduce-scatter: rank i ends with the reduction of every rank's slice i.
+
+    `input` is not modified; `piece_bytes` pipelines each step.
+    """
+    n, m = ex.size, output.size
+    chunks = [input[i * m:(i + 1) * m] for i in range(n)]
+    if n == 1:
+        output[...] = chunks[0]
+    else:
+        _ring_reduce_scatter(ex, chunks, output, op, piece_bytes)
+
+
+# -- flat and pairwise --------------------------------------------------------------------------
 
 def gather_flat(ex: Exchange, output: np.ndarray | None, input: np.ndarray, root: int) -> None:
     """Every rank sends to `root`, which receives each into its slice of `output`."""
@@ -171,33 +513,6 @@ def scatter_flat(ex: Exchange, output: np.ndarray, input: np.ndarray | None, roo
         if peer != root:
             ex.send(peer, 0, input[peer * m:(peer + 1) * m])
     output[...] = input[root * m:(root + 1) * m]
-
-
-def reduce_scatter_ring(ex: Exchange, output: np.ndarray, input: np.ndarray,
-                        op: ReduceOp) -> None:
-    """Ring reduce-scatter: rank i ends with the reduction of every rank's slice i.
-
-    `input` is not modified. AVG divides by the group size.
-    """
-    n, rank, m = ex.size, ex.rank, output.size
-    chunk = [input[i * m:(i + 1) * m] for i in range(n)]
-    if n == 1:
-        output[...] = chunk[0]
-    else:
-        right, left = (rank + 1) % n, (rank - 1) % n
-        buffers = (ex.scratch.get(0, output.size, output.dtype),
-                   ex.scratch.get(1, output.size, output.dtype))
-        outgoing = chunk[(rank - 1) % n]
-        for k in range(n - 1):
-            recv_i = (rank - k - 2) % n
-            incoming = output if k == n - 2 else buffers[k % 2]
-            pending = ex.post(left, k, incoming)
-            ex.send(right, k, outgoing)
-            ex.wait(pending)
-            reduce_into(incoming, chunk[recv_i], op)
-            outgoing = incoming
-    if op is ReduceOp.AVG:
-        np.divide(output, n, out=output)
 
 
 def all_to_all_pairwise(ex: Exchange, output: np.ndarray, input: np.ndarray,
@@ -227,3 +542,93 @@ def barrier_dissemination(ex: Exchange) -> None:
         ex.send((rank + distance) % n, distance, empty)
         ex.wait(pending)
         distance <<= 1
+
+
+# -- dispatch: what the backends call -----------------------------------------------------------
+
+def choose_all_reduce(tuning: Tuning, array: np.ndarray,
+                      size: int) -> Callable[[Exchange, np.ndarray, ReduceOp], None]:
+    """The all_reduce algorithm `tuning` picks for `array` in a group of `size` ranks."""
+    nbytes, count = array.nbytes, array.size
+    if size > 1 and nbytes >= tuning.all_reduce_ring_min and count >= size:
+        return partial(all_reduce_ring, piece_bytes=tuning.ring_chunk)
+    if (size > 1 and nbytes >= tuning.all_reduce_halving_doubling_min
+            and count >= 1 << (size.bit_length() - 1)):
+        return all_reduce_halving_doubling
+    if nbytes >= tuning.all_reduce_doubling_min:
+        return all_reduce_recursive_doubling
+    return all_reduce_tree
+
+
+def _tree_gather(tuning: Tuning, block: np.ndarray, size: int) -> bool:
+    return size >= tuning.gather_tree_min_ranks and block.nbytes < tuning.gather_flat_min
+
+
+def choose_gather(tuning: Tuning, block: np.ndarray, size: int) -> Callable[..., None]:
+    """The gather algorithm for blocks like `block` (every rank's input) among `size` ranks."""
+    return gather_binomial if _tree_gather(tuning, block, size) else gather_flat
+
+
+def choose_scatter(tuning: Tuning, block: np.ndarray, size: int) -> Callable[..., None]:
+    """The scatter algorithm for blocks like `block` (every rank's output) among `size`."""
+    return scatter_binomial if _tree_gather(tuning, block, size) else scatter_flat
+
+
+def all_reduce(ex: Exchange, buf: np.ndarray, op: ReduceOp, tuning: Tuning) -> None:
+    """all_reduce in place; AVG divides by the group size."""
+    if ex.size > 1:
+        choose_all_reduce(tuning, buf, ex.size)(ex, buf, op)
+    if op is ReduceOp.AVG:
+        np.divide(buf, ex.size, out=buf)
+
+
+def broadcast(ex: Exchange, buf: np.ndarray, root: int, tuning: Tuning) -> None:
+    """Broadcast `root`'s `buf` (binomial tree)."""
+    broadcast_binomial(ex, buf, root)
+
+
+def reduce(ex: Exchange, buf: np.ndarray, root: int, op: ReduceOp, tuning: Tuning) -> None:
+    """Reduce into `root`'s `buf` (binomial tree); other ranks' `buf` is left unchanged."""
+    reduce_binomial(ex, buf, root, op)
+    if op is ReduceOp.AVG and ex.rank == root:
+        np.divide(buf, ex.size, out=buf)
+
+
+def all_gather(ex: Exchange, output: np.ndarray, input: np.ndarray, tuning: Tuning) -> None:
+    """Rank i's `input` into slice i of every rank's `output` (ring)."""
+    all_gather_ring(ex, output, input)
+
+
+def gather(ex: Exchange, output: np.ndarray | None, input: np.ndarray, root: int,
+           tuning: Tuning) -> None:
+    """Rank i's `input` into slice i of `root`'s `output` (None elsewhere)."""
+    choose_gather(tuning, input, ex.size)(ex, output, input, root)
+
+
+def scatter(ex: Exchange, output: np.ndarray, input: np.ndarray | None, root: int,
+            tuning: Tuning) -> None:
+    """Slice i of `root`'s `input` (None elsewhere) into rank i's `output`."""
+    choose_scatter(tuning, output, ex.size)(ex, output, input, root)
+
+
+def reduce_scatter(ex: Exchange, output: np.ndarray, input: np.ndarray, op: ReduceOp,
+                   tuning: Tuning) -> None:
+    """Rank i's `output` <- the reduction of slice i of every rank's `input` (ring).
+
+    `input` is not modified; AVG divides by the group size.
+    """
+    reduce_scatter_ring(ex, output, input, op, tuning.ring_chunk)
+    if op is ReduceOp.AVG:
+        np.divide(output, ex.size, out=output)
+
+
+def all_to_all(ex: Exchange, output: np.ndarray, input: np.ndarray,
+               output_splits: Sequence[int], input_splits: Sequence[int],
+               tuning: Tuning) -> None:
+    """Slice j of `input` to rank j, slice i of `output` from rank i (pairwise)."""
+    all_to_all_pairwise(ex, output, input, output_splits, input_splits)
+
+
+def barrier(ex: Exchange, tuning: Tuning) -> None:
+    """Return once every rank has entered (dissemination)."""
+    barrier_dissemination(ex)

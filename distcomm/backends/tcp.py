@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -31,16 +31,19 @@ class TcpBackend(Backend):
 
     Collectives run in issue order on one queue; sends are posted to a second queue
     so a blocking `recv` never stops an earlier `isend`; receives are matched as
-    messages arrive.
+    messages arrive. Each collective runs the algorithm `self.tuning` picks: the class's
+    `tuning_preset` with DISTCOMM_TUNING applied (a subclass sets its own preset).
     """
 
     name = "tcp"
     devices = ("cpu",)
-    tuning = algo.Tuning()
+    #: the algorithm thresholds of this backend, before DISTCOMM_TUNING
+    tuning_preset: ClassVar[algo.Tuning] = algo.Tuning.simple()
 
     def __init__(self, store: Store, rank: int, size: int, timeout: float,
                  group_name: str = "") -> None:
         super().__init__(store, rank, size, timeout, group_name)
+        self.tuning = algo.Tuning.from_env(self.tuning_preset)
         label = f"{self.label()} {self.name} backend (group '{self.group_name}')"
         self._transport = TcpTransport(store, rank, size, Deadline(timeout), label)
         self._collectives = OpQueue(f"distcomm-{self.name}-ops")
@@ -117,7 +120,7 @@ class TcpBackend(Backend):
     def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
         return self._collective(
             "broadcast", self._signature("broadcast", array, root=root),
-            lambda ex: algo.broadcast_binomial(ex, array, root), [array], async_op)
+            lambda ex: algo.broadcast(ex, array, root, self.tuning), [array], async_op)
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
         return self._collective(
@@ -125,49 +128,47 @@ class TcpBackend(Backend):
             lambda ex: algo.all_reduce(ex, array, op, self.tuning), [array], async_op)
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
-        def body(ex: Exchange) -> None:
-            algo.reduce_binomial(ex, array, root, op)
-            if op is ReduceOp.AVG and ex.rank == root:
-                np.divide(array, ex.size, out=array)
-
-        return self._collective("reduce", self._signature("reduce", array, op, root), body,
-                                [array], async_op)
+        return self._collective(
+            "reduce", self._signature("reduce", array, op, root),
+            lambda ex: algo.reduce(ex, array, root, op, self.tuning), [array], async_op)
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         return self._collective(
             "all_gather", self._signature("all_gather", input),
-            lambda ex: algo.all_gather_ring(ex, output, input), [output], async_op)
+            lambda ex: algo.all_gather(ex, output, input, self.tuning), [output], async_op)
 
     def gather(self, output: Any | None, input: Any, root: int, *,
                async_op: bool = False) -> Work:
         return self._collective(
             "gather", self._signature("gather", input, root=root),
-            lambda ex: algo.gather_flat(ex, output, input, root),
+            lambda ex: algo.gather(ex, output, input, root, self.tuning),
             [output] if output is not None else [], async_op)
 
     def scatter(self, output: Any, input: Any | None, root: int, *,
                 async_op: bool = False) -> Work:
         return self._collective(
             "scatter", self._signature("scatter", output, root=root),
-            lambda ex: algo.scatter_flat(ex, output, input, root), [output], async_op)
+            lambda ex: algo.scatter(ex, output, input, root, self.tuning), [output],
+            async_op)
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
                        async_op: bool = False) -> Work:
         return self._collective(
             "reduce_scatter", self._signature("reduce_scatter", output, op),
-            lambda ex: algo.reduce_scatter_ring(ex, output, input, op), [output], async_op)
+            lambda ex: algo.reduce_scatter(ex, output, input, op, self.tuning), [output],
+            async_op)
 
     def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
                    input_splits: Sequence[int], *, async_op: bool = False) -> Work:
         return self._collective(
             "all_to_all", self._signature("all_to_all", input, count=-1),
-            lambda ex: algo.all_to_all_pairwise(ex, output, input, output_splits,
-                                                input_splits),
+            lambda ex: algo.all_to_all(ex, output, input, output_splits, input_splits,
+                                       self.tuning),
             [output], async_op)
 
     def barrier(self, *, async_op: bool = False) -> Work:
         return self._collective("barrier", Signature(OP_CODES["barrier"]),
-                                algo.barrier_dissemination, [], async_op)
+                                lambda ex: algo.barrier(ex, self.tuning), [], async_op)
 
     # -- point to point -------------------------------------------------------------------
 
