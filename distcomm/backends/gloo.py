@@ -54,7 +54,7 @@ class GlooBackend(TcpBackend):
 
     name = "gloo"
     devices = ("cpu", "cuda")
-    tuning_preset = algo.Tuning.tuned() if hasattr(algo.Tuning, 'tuned') else algo.Tuning()
+    tuning_preset = algo.Tuning.tuned()
 
     def __init__(self, store: Store, rank: int, size: int, timeout: float,
                  group_name: str = "") -> None:
@@ -77,8 +77,7 @@ class GlooBackend(TcpBackend):
         segment, pids = outcome
         log.info("%s: collectives over shared memory", self.describe("setup"))
         return IntraNode(segment, pids, self.rank, self.size, self._transport.mailbox,
-                         inline_max=getattr(self.tuning, 'shm_inline_max', 32768),
-                         chunk=getattr(self.tuning, 'shm_chunk', 256 * 1024))
+                         inline_max=self.tuning.shm_inline_max, chunk=self.tuning.shm_chunk)
 
     @property
     def transport(self) -> str:
@@ -232,6 +231,20 @@ class GlooBackend(TcpBackend):
             return super().barrier(async_op=async_op)
         return self._local("barrier", Signature(OP_CODES["barrier"]),
                            lambda e, s, g: e.barrier(s, g), [], async_op)
+
+    def send(self, array: Any, dst: int, tag: int) -> Work:
+        self._host_only(array, "send")
+        return super().send(array, dst, tag)
+
+    def recv(self, array: Any, src: int | None, tag: int) -> Work:
+        self._host_only(array, "recv")
+        return super().recv(array, src, tag)
+
+    def _host_only(self, array: Any, op: str) -> None:
+        if is_cupy_array(array):
+            raise TypeError(
+                f"{self.describe(op)}: the gloo backend does not {op} CuPy arrays; copy the "
+                "array to the host (array.get()) or use a group with the nccl backend")
 
     # -- lifecycle -------------------------------------------------------------------------
 
