@@ -84,7 +84,15 @@ def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
     allow_peer_access()
     me = f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}"
     store.set(f"{key}/who/{rank}", me)
-    who = [store.get(f"{key}/who/{r}").decode().split("|") for r in range(size)]
+    def gather(name: str) -> list[str]:
+        keys = [f"{key}/{name}/{r}" for r in range(size)]
+        store.wait(keys, deadline.remaining())
+        return [value.decode() for value in store.multi_get(keys)]
+
+    who = []
+    for text in gather("who"):
+        peer_mode, rest = text.split("|", 1)
+        who.append([peer_mode, *rest.rsplit("|", 2)])  # the host id may hold "|"
     if any(w[0] != "auto" for w in who):
         return "DISTCOMM_GLOO_TRANSPORT=tcp"
     if len({w[1] for w in who}) > 1:
@@ -98,6 +106,7 @@ def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
             segment = Segment(nbytes)
             store.set(f"{key}/segment", f"{os.getpid()} {segment.fd}")
         else:
+            store.wait([f"{key}/segment"], deadline.remaining())
             pid, fd = map(int, store.get(f"{key}/segment").split())
             segment = Segment(nbytes, owner=(pid, fd))
         right = (rank + 1) % size
@@ -108,7 +117,7 @@ def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
     except (OSError, DistBackendError) as exc:
         reason = f"rank {rank}: {exc}"
     store.set(f"{key}/ok/{rank}", reason)
-    reasons = [store.get(f"{key}/ok/{r}").decode() for r in range(size)]
+    reasons = gather("ok")
     if segment is not None:
         segment.release_fd()  # every rank has attached (or failed to) by now
     failed = [r for r in reasons if r]
