@@ -148,7 +148,7 @@ exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 f
     parser.add_argument("--op", type=parse_ops, default=("all_reduce",),
                         help=f"{', '.join(OPS)}, a comma-separated list of them, or 'all' "
                              "(default all_reduce)")
-    parser.add_argument("--backend", default="tcp", help="distcomm backend (default tcp)")
+    parser.add_argument("--backend", default="gloo", help="distcomm backend (default gloo)")
     parser.add_argument("--nprocs", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="element type (default float32)")

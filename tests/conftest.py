@@ -13,13 +13,25 @@ from tests.harness import LOOPBACK_ENV, RankPool
 WORLD_SIZES = (1, 2, 3, 4)
 
 
+#: DISTCOMM_HOST_ID values that place ranks 0, 2 on one pretend host and 1, 3 on another
+TWO_HOSTS = "two-hosts"
+
+
 def cpu_variants() -> list[tuple[str, dict[str, str]]]:
     """(backend, extra environment) pairs the conformance suite runs: every CPU backend,
-    and gloo once more with its shared-memory path switched off."""
+    gloo once more with its shared-memory path switched off, and gloo on two pretend
+    hosts (shared memory within each, TCP between them)."""
     variants = [(name, {}) for name in cpu_backends()]
     if "gloo" in cpu_backends():
         variants.append(("gloo", {"DISTCOMM_GLOO_TRANSPORT": "tcp"}))
+        variants.append(("gloo", {"DISTCOMM_HOST_ID": TWO_HOSTS}))
     return variants
+
+
+def _rank_env(env: dict[str, str]):
+    if env.get("DISTCOMM_HOST_ID") == TWO_HOSTS:
+        return lambda rank: {"DISTCOMM_HOST_ID": f"host-{rank % 2}"}
+    return None
 
 
 def cpu_backends() -> list[str]:
@@ -41,7 +53,9 @@ class World:
     def run(self, fn, *args, timeout: float = 60.0, **kwargs):
         """Run `fn(*args, **kwargs)` on every rank; the results in rank order."""
         if self._pool is None or self._pool.broken:
-            self._pool = RankPool(self.size, self.backend, env=self.env, init_timeout=60.0)
+            env = {k: v for k, v in self.env.items() if v != TWO_HOSTS}
+            self._pool = RankPool(self.size, self.backend, env=env,
+                                  rank_env=_rank_env(self.env), init_timeout=60.0)
         return self._pool.run(fn, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:
@@ -55,6 +69,8 @@ class World:
 
 def _variant_id(param: tuple) -> str:
     backend, size, env = param
+    if env.get("DISTCOMM_HOST_ID") == TWO_HOSTS:
+        return f"{backend}+2hosts-{size}"
     forced = env.get("DISTCOMM_GLOO_TRANSPORT")
     return f"{backend}{'+' + forced if forced else ''}-{size}"
 

@@ -60,11 +60,17 @@ def test_transport_tcp_forced_by_environment():
     assert results == ["tcp"] * 2
 
 
-def test_ranks_on_two_hosts_use_tcp():
-    hosts = {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}
+def test_ranks_on_two_hosts_share_memory_within_each():
+    hosts = {0: "host-a", 1: "host-b", 2: "host-a", 3: "host-b"}
     results = run_ranks(_check_ops, 4, backend="gloo", timeout=90,
                         rank_env=lambda r: {"DISTCOMM_HOST_ID": hosts[r]})
-    assert results == ["tcp"] * 4
+    assert results == ["shm+tcp"] * 4
+
+
+def test_one_rank_per_host_uses_tcp():
+    results = run_ranks(_check_ops, 2, backend="gloo", timeout=90,
+                        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"host-{r}"})
+    assert results == ["tcp"] * 2
 
 
 def test_one_rank_declining_shared_memory_makes_all_use_tcp():
@@ -186,3 +192,40 @@ def test_nothing_left_in_dev_shm_after_exception_or_kill(how):
         assert outcomes[0].ok and outcomes[2].ok, [o.describe() for o in outcomes]
         assert outcomes[1].exitcode == -signal.SIGKILL, outcomes[1]
     assert _dev_shm() <= before, sorted(_dev_shm() - before)
+
+
+# -- groups across (pretend) hosts: the hierarchical path fails as loudly as the others --------
+
+def _two_host_failure(case: str) -> tuple[str, str]:
+    r = dist.get_rank()
+    x = np.ones(300_000)
+    dist.all_reduce(x)
+    try:
+        if case == "mismatch":
+            if r == 3:
+                dist.broadcast(x, src=0)
+            else:
+                dist.all_reduce(x)
+            dist.barrier()
+        else:
+            if r == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            for _ in range(3):
+                dist.all_reduce(x)
+    except dist.DistError as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+@pytest.mark.parametrize("case,kind,words", [
+    ("mismatch", "DistBackendError", "mismatch"),
+    ("kill", "DistNetworkError", "rank 3"),
+])
+def test_failures_across_hosts_reach_every_rank(case, kind, words):
+    outcomes = run_ranks(_two_host_failure, 4, case, backend="gloo", timeout=60,
+                         may_die={3}, rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"})
+    for rank, result in enumerate(outcomes):
+        if case == "kill" and rank == 3:
+            continue
+        assert result[0] == kind, outcomes
+    assert any(words in message for _, message in outcomes if message), outcomes

@@ -3,8 +3,11 @@
 The same engine as `tcp` (TCP mesh, mailbox, algorithms) with the tuned algorithm
 table. When every rank of the group shares this host, collectives run over shared
 memory instead (`intranode.py`: one synchronisation per collective and single-copy
-transfers between the ranks' arrays); point-to-point messages and the failure signals
-still use the TCP connections. `DISTCOMM_GLOO_TRANSPORT=tcp` forces TCP for everything.
+transfers between the ranks' arrays). When the group spans hosts, all_reduce, reduce,
+broadcast and barrier are hierarchical: shared memory within each host, TCP between one
+rank per host; the other collectives use TCP between all ranks. Point-to-point messages
+and the failure signals always use the TCP connections. `DISTCOMM_GLOO_TRANSPORT=tcp`
+forces TCP for everything.
 
 CuPy arrays are staged through pinned host memory (copied in, reduced on the CPU,
 copied back), as the original gloo did for CUDA tensors.
@@ -17,6 +20,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistError
 from ..gpu.staging import is_cupy_array
@@ -24,9 +29,10 @@ from ..ops import ReduceOp
 from ..store.base import Store
 from ..work import Work
 from . import algorithms as algo
-from .intranode import IntraNode, same_host_setup
+from .intranode import HostLayout, IntraNode, same_host_setup
 from .tcp import TcpBackend
 from .transport.base import OP_CODES, Failure, Signature
+from .transport.exchange import SubExchange, diagnose
 
 __all__ = ["GlooBackend", "transport_mode"]
 
@@ -60,44 +66,61 @@ class GlooBackend(TcpBackend):
                  group_name: str = "") -> None:
         mode = transport_mode()
         super().__init__(store, rank, size, timeout, group_name)
-        self._engine: IntraNode | None = None
+        self._layout: HostLayout | None = None
+        self._engine: IntraNode | None = None  # this host's, when it has other ranks
+        self._local_seq = 0  # the engine's own count (across hosts not every op uses it)
+        self._rep_buffer = np.empty(0, np.uint8)
         self._staging: Any = None
         if size > 1:
             try:
-                self._engine = self._setup_engine(store, mode)
+                self._setup_engine(store, mode)
             except BaseException:
                 super().shutdown()
                 raise
 
-    def _setup_engine(self, store: Store, mode: str) -> IntraNode | None:
+    def _setup_engine(self, store: Store, mode: str) -> None:
         outcome = same_host_setup(store, self.rank, self.size, Deadline(self.timeout), mode)
         if isinstance(outcome, str):
             log.info("%s: collectives over TCP: %s", self.describe("setup"), outcome)
-            return None
-        segment, pids = outcome
-        log.info("%s: collectives over shared memory", self.describe("setup"))
-        return IntraNode(segment, pids, self.rank, self.size, self._transport.mailbox,
-                         inline_max=self.tuning.shm_inline_max, chunk=self.tuning.shm_chunk)
+            return
+        self._layout = layout = outcome
+        if layout.segment is not None:
+            self._engine = IntraNode(
+                layout.segment, layout.pids, layout.local.index(self.rank), len(layout.local),
+                layout.local, self.size, self._transport.mailbox,
+                inline_max=self.tuning.shm_inline_max, chunk=self.tuning.shm_chunk)
+        log.info("%s: collectives over %s (hosts: %s)", self.describe("setup"),
+                 self.transport, layout.hosts)
 
     @property
     def transport(self) -> str:
-        """"shm" when this group's collectives use shared memory, else "tcp"."""
-        return "shm" if self._engine is not None else "tcp"
+        """How this group's collectives travel: "shm" (one host), "shm+tcp" (shared memory
+        within each host, TCP between them) or "tcp"."""
+        if self._layout is None:
+            return "tcp"
+        return "shm" if len(self._layout.hosts) == 1 else "shm+tcp"
+
+    def _on_one_host(self) -> bool:
+        return self._layout is not None and len(self._layout.hosts) == 1
+
+    def _across_hosts(self) -> bool:
+        return self._layout is not None and len(self._layout.hosts) > 1
 
     # -- running collectives in shared memory ------------------------------------------------
 
-    def _local(self, op: str, signature: Signature,
-               body: Callable[[IntraNode, int, Signature], None], outputs: list[Any],
-               async_op: bool) -> Work:
-        engine = self._engine
-        assert engine is not None
+    def _shm(self, op: str, signature: Signature, body: Callable[[int, str, Deadline], None],
+             outputs: list[Any], async_op: bool) -> Work:
+        """Run `body(seq, describe, deadline)` as collective `seq` of the group."""
         description = self.describe(op)
         running: list[int] = []
 
         def why() -> str:
-            if running:
-                return engine.diagnose(running[0])
-            return "it had not started: operations issued before it are still running"
+            if not running:
+                return "it had not started: operations issued before it are still running"
+            if self._on_one_host():
+                assert self._engine is not None
+                return self._engine.diagnose(running[0])
+            return diagnose(self._transport, running[0])
 
         work = Work(description, outputs, on_timeout=self._abort_on_timeout(description, why),
                     timeout=self.timeout)
@@ -112,10 +135,12 @@ class GlooBackend(TcpBackend):
                 raise failure.kind(f"{describe}: the group was aborted earlier: "
                                    f"{failure.message}")
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s: %s (shared memory)", describe, signature.describe())
-            engine.begin(describe, Deadline(self.timeout))
+                log.debug("%s: %s (%s)", describe, signature.describe(), self.transport)
+            deadline = Deadline(self.timeout)
+            if self._engine is not None:
+                self._engine.begin(describe, deadline)
             try:
-                body(engine, seq, signature)
+                body(seq, describe, deadline)
             except DistError as exc:
                 self._transport.abort(Failure(type(exc), str(exc)))
                 raise
@@ -124,6 +149,111 @@ class GlooBackend(TcpBackend):
                 raise
 
         return self._collectives.submit(run, work, async_op)
+
+    def _local(self, op: str, signature: Signature,
+               body: Callable[[IntraNode, int, Signature], None], outputs: list[Any],
+               async_op: bool) -> Work:
+        """A collective of a group on one host: entirely in shared memory."""
+        engine = self._engine
+        assert engine is not None
+        return self._shm(op, signature, lambda seq, d, dl: body(engine, seq, signature),
+                         outputs, async_op)
+
+    # -- groups across hosts: shared memory within each, TCP between one rank of each ----
+
+    def _host_step(self, step: Callable[[IntraNode, int], None]) -> None:
+        """Run `step(engine, local_seq)` among this host's ranks (nothing if alone)."""
+        if self._engine is not None:
+            seq = self._local_seq
+            self._local_seq += 1
+            step(self._engine, seq)
+
+    def _reps(self, root: int | None = None) -> list[int]:
+        """One rank per host: `root` on its host, the lowest rank on the others."""
+        assert self._layout is not None
+        return [root if root in members else members[0] for members in self._layout.hosts]
+
+    def _my_rep(self, reps: list[int]) -> int:
+        assert self._layout is not None
+        return next(r for r in reps if r in self._layout.local)
+
+    def _between_hosts(self, seq: int, signature: Signature, describe: str,
+                       deadline: Deadline, reps: list[int],
+                       step: Callable[[SubExchange], None]) -> None:
+        """Run `step` over TCP among `reps` (this rank takes part only if it is one)."""
+        if self.rank not in reps:
+            return
+        mailbox = self._transport.mailbox
+        ex = SubExchange(self._transport, seq, signature, deadline, describe, self._scratch,
+                         reps)
+        mailbox.begin_collective(seq, signature)
+        ex.announce()
+        step(ex)
+        mailbox.finish_collective(seq, signature)
+
+    def _hier_all_reduce(self, array: Any, op: ReduceOp, signature: Signature,
+                         async_op: bool) -> Work:
+        plain = ReduceOp.SUM if op is ReduceOp.AVG else op
+        reps = self._reps()
+
+        def body(seq: int, describe: str, deadline: Deadline) -> None:
+            self._host_step(lambda e, s: e.reduce(s, signature, array, 0, plain))
+            self._between_hosts(seq, signature, describe, deadline, reps,
+                                lambda ex: algo.all_reduce(ex, array, plain, self.tuning))
+            self._host_step(lambda e, s: e.broadcast(s, signature, array, 0))
+            if op is ReduceOp.AVG:
+                np.divide(array, self.size, out=array)
+
+        return self._shm("all_reduce", signature, body, [array], async_op)
+
+    def _hier_broadcast(self, array: Any, root: int, signature: Signature,
+                        async_op: bool) -> Work:
+        reps = self._reps(root)
+        assert self._layout is not None
+        mine = self._layout.local.index(self._my_rep(reps))
+
+        def body(seq: int, describe: str, deadline: Deadline) -> None:
+            self._between_hosts(seq, signature, describe, deadline, reps,
+                                lambda ex: algo.broadcast(ex, array, reps.index(root),
+                                                          self.tuning))
+            self._host_step(lambda e, s: e.broadcast(s, signature, array, mine))
+
+        return self._shm("broadcast", signature, body, [array], async_op)
+
+    def _hier_reduce(self, array: Any, root: int, op: ReduceOp, signature: Signature,
+                     async_op: bool) -> Work:
+        plain = ReduceOp.SUM if op is ReduceOp.AVG else op
+        reps = self._reps(root)
+        assert self._layout is not None
+        rep = self._my_rep(reps)
+        mine = self._layout.local.index(rep)
+
+        def body(seq: int, describe: str, deadline: Deadline) -> None:
+            target = array
+            if self.rank == rep and rep != root:  # a non-root input must stay unchanged
+                if self._rep_buffer.nbytes < array.nbytes:
+                    self._rep_buffer = np.empty(array.nbytes, np.uint8)
+                target = self._rep_buffer[:array.nbytes].view(array.dtype)
+                target[...] = array
+            self._host_step(lambda e, s: e.reduce(s, signature, target, mine, plain))
+            self._between_hosts(seq, signature, describe, deadline, reps,
+                                lambda ex: algo.reduce(ex, target, reps.index(root), plain,
+                                                       self.tuning))
+            if op is ReduceOp.AVG and self.rank == root:
+                np.divide(array, self.size, out=array)
+
+        return self._shm("reduce", signature, body, [array], async_op)
+
+    def _hier_barrier(self, signature: Signature, async_op: bool) -> Work:
+        reps = self._reps()
+
+        def body(seq: int, describe: str, deadline: Deadline) -> None:
+            self._host_step(lambda e, s: e.barrier(s, signature))
+            self._between_hosts(seq, signature, describe, deadline, reps,
+                                lambda ex: algo.barrier(ex, self.tuning))
+            self._host_step(lambda e, s: e.barrier(s, signature))
+
+        return self._shm("barrier", signature, body, [], async_op)
 
     def _staged(self, call: Callable[..., Work], outputs: Sequence[Any],
                 inputs: Sequence[Any]) -> Work | None:
@@ -146,34 +276,43 @@ class GlooBackend(TcpBackend):
         staged = self._staged(lambda a, _: self.broadcast(a, root), [array], [array])
         if staged is not None:
             return staged
-        if self._engine is None:
+        signature = self._signature("broadcast", array, root=root)
+        if self._across_hosts():
+            return self._hier_broadcast(array, root, signature, async_op)
+        if not self._on_one_host():
             return super().broadcast(array, root, async_op=async_op)
-        return self._local("broadcast", self._signature("broadcast", array, root=root),
+        return self._local("broadcast", signature,
                            lambda e, s, g: e.broadcast(s, g, array, root), [array], async_op)
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
         staged = self._staged(lambda a, _: self.all_reduce(a, op), [array], [array])
         if staged is not None:
             return staged
-        if self._engine is None:
+        signature = self._signature("all_reduce", array, op)
+        if self._across_hosts():
+            return self._hier_all_reduce(array, op, signature, async_op)
+        if not self._on_one_host():
             return super().all_reduce(array, op, async_op=async_op)
-        return self._local("all_reduce", self._signature("all_reduce", array, op),
+        return self._local("all_reduce", signature,
                            lambda e, s, g: e.all_reduce(s, g, array, op), [array], async_op)
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
         staged = self._staged(lambda a, _: self.reduce(a, root, op), [array], [array])
         if staged is not None:
             return staged
-        if self._engine is None:
+        signature = self._signature("reduce", array, op, root)
+        if self._across_hosts():
+            return self._hier_reduce(array, root, op, signature, async_op)
+        if not self._on_one_host():
             return super().reduce(array, root, op, async_op=async_op)
-        return self._local("reduce", self._signature("reduce", array, op, root),
+        return self._local("reduce", signature,
                            lambda e, s, g: e.reduce(s, g, array, root, op), [array], async_op)
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         staged = self._staged(lambda o, i: self.all_gather(o, i), [output], [input])
         if staged is not None:
             return staged
-        if self._engine is None:
+        if not self._on_one_host():
             return super().all_gather(output, input, async_op=async_op)
         return self._local("all_gather", self._signature("all_gather", input),
                            lambda e, s, g: e.all_gather(s, g, output, input), [output],
@@ -184,7 +323,7 @@ class GlooBackend(TcpBackend):
         staged = self._staged(lambda o, i: self.gather(o, i, root), [output], [input])
         if staged is not None:
             return staged
-        if self._engine is None:
+        if not self._on_one_host():
             return super().gather(output, input, root, async_op=async_op)
         return self._local("gather", self._signature("gather", input, root=root),
                            lambda e, s, g: e.gather(s, g, output, input, root),
@@ -195,7 +334,7 @@ class GlooBackend(TcpBackend):
         staged = self._staged(lambda o, i: self.scatter(o, i, root), [output], [input])
         if staged is not None:
             return staged
-        if self._engine is None:
+        if not self._on_one_host():
             return super().scatter(output, input, root, async_op=async_op)
         return self._local("scatter", self._signature("scatter", output, root=root),
                            lambda e, s, g: e.scatter(s, g, output, input, root), [output],
@@ -206,7 +345,7 @@ class GlooBackend(TcpBackend):
         staged = self._staged(lambda o, i: self.reduce_scatter(o, i, op), [output], [input])
         if staged is not None:
             return staged
-        if self._engine is None:
+        if not self._on_one_host():
             return super().reduce_scatter(output, input, op, async_op=async_op)
         return self._local("reduce_scatter", self._signature("reduce_scatter", output, op),
                            lambda e, s, g: e.reduce_scatter(s, g, output, input, op), [output],
@@ -218,7 +357,7 @@ class GlooBackend(TcpBackend):
             lambda o, i: self.all_to_all(o, i, output_splits, input_splits), [output], [input])
         if staged is not None:
             return staged
-        if self._engine is None:
+        if not self._on_one_host():
             return super().all_to_all(output, input, output_splits, input_splits,
                                       async_op=async_op)
         return self._local(
@@ -227,10 +366,13 @@ class GlooBackend(TcpBackend):
             [output], async_op)
 
     def barrier(self, *, async_op: bool = False) -> Work:
-        if self._engine is None:
+        signature = Signature(OP_CODES["barrier"])
+        if self._across_hosts():
+            return self._hier_barrier(signature, async_op)
+        if not self._on_one_host():
             return super().barrier(async_op=async_op)
-        return self._local("barrier", Signature(OP_CODES["barrier"]),
-                           lambda e, s, g: e.barrier(s, g), [], async_op)
+        return self._local("barrier", signature, lambda e, s, g: e.barrier(s, g), [],
+                           async_op)
 
     def send(self, array: Any, dst: int, tag: int) -> Work:
         self._host_only(array, "send")

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,7 +44,7 @@ from .transport.shm import (
     host_identity,
 )
 
-__all__ = ["IntraNode", "same_host_setup"]
+__all__ = ["HostLayout", "IntraNode", "same_host_setup"]
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +73,36 @@ def _reached(value: int, target: int) -> bool:
     return (value - target) % _MOD < _HALF
 
 
-def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
-                    mode: str) -> tuple[Segment, list[int]] | str:
-    """Agree with the peers whether the whole group can share memory, and map the segment.
+@dataclass
+class HostLayout:
+    """Which ranks of a group share a host, and this rank's shared segment.
 
-    Returns (segment, pids) or the reason the group cannot (every rank gets the same
-    answer). `mode` is "auto", or "tcp" to decline.
+    Attributes:
+        hosts: the group ranks on each host (hosts in order of their lowest rank).
+        local: the ranks on this rank's host (one of `hosts`).
+        segment: this host's shared segment; None when this rank is alone on its host.
+        pids: the process ids of `local`.
+    """
+
+    hosts: list[list[int]]
+    local: list[int]
+    segment: Segment | None
+    pids: list[int]
+
+
+def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
+                    mode: str) -> HostLayout | str:
+    """Agree with the peers which ranks share a host, and map each host's segment.
+
+    Returns the layout, or the reason shared memory is not used at all (every rank gets
+    the same answer). `mode` is "auto", or "tcp" to decline.
     """
     generation = (store.add("gloo/joined", 1) - 1) // size
     key = f"gloo/{generation}"
     allow_peer_access()
-    me = f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}"
-    store.set(f"{key}/who/{rank}", me)
+    store.set(f"{key}/who/{rank}", f"{mode}|{host_identity()}|{os.getpid()}|"
+                                    f"{_PROBE.ctypes.data}")
+
     def gather(name: str) -> list[str]:
         keys = [f"{key}/{name}/{r}" for r in range(size)]
         store.wait(keys, deadline.remaining())
@@ -95,25 +114,32 @@ def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
         who.append([peer_mode, *rest.rsplit("|", 2)])  # the host id may hold "|"
     if any(w[0] != "auto" for w in who):
         return "DISTCOMM_GLOO_TRANSPORT=tcp"
-    if len({w[1] for w in who}) > 1:
-        return "the ranks are on more than one host"
-    pids = [int(w[2]) for w in who]
+    by_host: dict[str, list[int]] = {}
+    for r, w in enumerate(who):
+        by_host.setdefault(w[1], []).append(r)
+    hosts = list(by_host.values())
+    if all(len(members) == 1 for members in hosts):
+        return "every rank is alone on its host"
+    local = by_host[who[rank][1]]
+    pids = [int(who[r][2]) for r in local]
     segment: Segment | None = None
     reason = ""
-    nbytes = IntraNode.segment_bytes(size)
     try:
-        if rank == 0:
-            segment = Segment(nbytes)
-            store.set(f"{key}/segment", f"{os.getpid()} {segment.fd}")
-        else:
-            store.wait([f"{key}/segment"], deadline.remaining())
-            pid, fd = map(int, store.get(f"{key}/segment").split())
-            segment = Segment(nbytes, owner=(pid, fd))
-        right = (rank + 1) % size
-        probe = np.zeros_like(_PROBE)
-        cma_read(pids[right], probe.ctypes.data, int(who[right][3]), probe.nbytes)
-        if not np.array_equal(probe, _PROBE):
-            reason = f"rank {rank} read unexpected bytes from rank {right}"
+        if len(local) > 1:
+            nbytes = IntraNode.segment_bytes(len(local))
+            name = f"{key}/segment/{local[0]}"
+            if rank == local[0]:
+                segment = Segment(nbytes)
+                store.set(name, f"{os.getpid()} {segment.fd}")
+            else:
+                store.wait([name], deadline.remaining())
+                pid, fd = map(int, store.get(name).split())
+                segment = Segment(nbytes, owner=(pid, fd))
+            right = local[(local.index(rank) + 1) % len(local)]
+            probe = np.zeros_like(_PROBE)
+            cma_read(int(who[right][2]), probe.ctypes.data, int(who[right][3]), probe.nbytes)
+            if not np.array_equal(probe, _PROBE):
+                reason = f"rank {rank} read unexpected bytes from rank {right}"
     except (OSError, DistBackendError) as exc:
         reason = f"rank {rank}: {exc}"
     store.set(f"{key}/ok/{rank}", reason)
@@ -125,8 +151,7 @@ def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
         if segment is not None:
             segment.close()
         return failed[0]
-    assert segment is not None
-    return segment, pids
+    return HostLayout(hosts, local, segment, pids)
 
 
 class IntraNode:
@@ -134,15 +159,18 @@ class IntraNode:
 
     Args:
         segment, pids: from `same_host_setup`.
-        rank, size: this rank and the group size.
+        rank, size: this rank's index among the host's ranks, and their number.
+        names: the group ranks of the host's ranks (for messages); group_size: the group's.
         mailbox: the group's TCP mailbox; its failures interrupt waits here.
         inline_max: payloads up to this many bytes travel inline in the segment.
         chunk: bytes reduced per step of a large reduction.
     """
 
     def __init__(self, segment: Segment, pids: list[int], rank: int, size: int,
-                 mailbox: Mailbox, inline_max: int, chunk: int) -> None:
+                 names: list[int], group_size: int, mailbox: Mailbox, inline_max: int,
+                 chunk: int) -> None:
         self.rank, self.size = rank, size
+        self.names, self.group_size = names, group_size
         self.inline_max, self.chunk = min(inline_max, self.INLINE_MAX), chunk
         self._segment, self._pids, self._mailbox = segment, pids, mailbox
         self._words = segment.bytes[:self.slots_offset(size)].view(np.int32)
@@ -227,12 +255,13 @@ class IntraNode:
                 if not _reached(int(self._words[self._word(p, what)]), target % _MOD)]
         if not late:
             return ""
-        ranks = ", ".join(map(str, late))
+        ranks = ", ".join(str(self.names[p]) for p in late)
         if what == "finish":
             return f"rank(s) {ranks} have not finished their part of collective #{target - 1}"
         where = "; ".join(
-            f"rank {p} is at collective #{self._words[self._word(p, what)] - 1}"
-            if self._words[self._word(p, what)] else f"rank {p} has run no collective yet"
+            f"rank {self.names[p]} is at collective #{self._words[self._word(p, what)] - 1}"
+            if self._words[self._word(p, what)]
+            else f"rank {self.names[p]} has run no collective yet"
             for p in late)
         return f"rank(s) {ranks} have not called collective #{target - 1} ({where})"
 
@@ -267,8 +296,9 @@ class IntraNode:
             if peer != self.rank:
                 theirs = Signature(*(int(v) for v in self._meta(seq, peer)[:5]))
                 if theirs != signature:
-                    raise DistBackendError(mismatch_message(self.rank, self.size, seq,
-                                                            signature, peer, theirs))
+                    raise DistBackendError(mismatch_message(
+                        self.names[self.rank], self.group_size, seq, signature,
+                        self.names[peer], theirs))
 
     def _finish(self, seq: int, wait_for: Sequence[int]) -> None:
         """Mark this rank done with `seq`'s arrays; wait until `wait_for` are done too."""
@@ -482,7 +512,8 @@ class IntraNode:
             expected = int(out_at[peer + 1] - out_at[peer])
             if count != expected:
                 raise DistBackendError(
-                    f"[rank {self.rank}/{self.size}] all_to_all #{seq}: rank {peer} sends "
+                    f"[rank {self.names[self.rank]}/{self.group_size}] all_to_all #{seq}: rank "
+                    f"{self.names[peer]} sends "
                     f"{count} elements to this rank, but output_split_sizes[{peer}] here is "
                     f"{expected}; every rank's input split for rank j must equal rank j's "
                     "output split for it")

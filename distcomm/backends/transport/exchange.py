@@ -9,7 +9,7 @@ from ...errors import DistError, DistTimeoutError
 from .base import COLL, SIG, Signature, Transport, as_bytes
 from .mailbox import Mailbox, Recv
 
-__all__ = ["Exchange", "ScratchPool", "diagnose"]
+__all__ = ["Exchange", "ScratchPool", "SubExchange", "diagnose"]
 
 
 class ScratchPool:
@@ -55,13 +55,17 @@ class Exchange:
         self.deadline = deadline
         self.describe = describe
 
+    def _global(self, peer: int) -> int:
+        """The transport rank of algorithm rank `peer`."""
+        return peer
+
     def announce(self) -> None:
         """Send this collective's signature to the right-hand neighbour (see module doc)."""
         if self.size > 1:
             s = self.signature
             fields = (SIG, s.op, s.dtype, s.redop, s.root, self.seq, 0, s.count, 0)
-            self.transport.send((self.rank + 1) % self.size, fields, memoryview(b""),
-                                self.deadline)
+            self.transport.send(self._global((self.rank + 1) % self.size), fields,
+                                memoryview(b""), self.deadline)
 
     def send(self, peer: int, step: int, array: np.ndarray) -> None:
         """Send `array`'s bytes to `peer` as message `step` of this collective."""
@@ -69,12 +73,13 @@ class Exchange:
         s = self.signature
         fields = (COLL, s.op, s.dtype, s.redop, s.root, self.seq, step, s.count, len(payload))
         try:
-            self.transport.send(peer, fields, payload, self.deadline)
+            self.transport.send(self._global(peer), fields, payload, self.deadline)
         except DistError as exc:
             raise type(exc)(f"{self.describe}: {exc}") from None
 
     def post(self, peer: int, step: int, array: np.ndarray) -> Recv:
         """Post the receive of message `step` from `peer` into `array`."""
+        peer = self._global(peer)
         return self.transport.mailbox.post(
             peer, Mailbox.coll_key(peer, self.seq, step), as_bytes(array), self.signature.dtype,
             self.signature)
@@ -98,6 +103,22 @@ class Exchange:
     def recv(self, peer: int, step: int, array: np.ndarray) -> None:
         """Receive message `step` from `peer` into `array` (post, then wait)."""
         self.wait(self.post(peer, step, array))
+
+
+class SubExchange(Exchange):
+    """An Exchange among some of the transport's ranks: algorithm rank i is `ranks[i]`."""
+
+    __slots__ = ("ranks",)
+
+    def __init__(self, transport: Transport, seq: int, signature: Signature,
+                 deadline: Deadline, describe: str, scratch: ScratchPool | None,
+                 ranks: list[int]) -> None:
+        super().__init__(transport, seq, signature, deadline, describe, scratch)
+        self.ranks = ranks
+        self.rank, self.size = ranks.index(transport.rank), len(ranks)
+
+    def _global(self, peer: int) -> int:
+        return self.ranks[peer]
 
 
 def _ranks(ranks: list[int]) -> str:
