@@ -19,29 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import statistics
 import sys
 import time
 from typing import Any
 
 import numpy as np
+from collectives import parse_bytes  # this folder's benchmark: one size syntax
 
 DTYPES = ("float32", "float64", "float16", "int8", "uint8", "int32", "int64")
-
-
-def parse_bytes(text: str) -> int:
-    """'8', '64K', '64M', '1G' (also '64MB', '64MiB'; powers of 1024) -> bytes.
-
-    Raises:
-        argparse.ArgumentTypeError: not a size.
-    """
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(I?B)?\s*", text.upper())
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: write a number of bytes with an optional K, M or G "
-            "suffix (powers of 1024), e.g. 8, 64K, 64M, 1G")
-    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2) or " ")
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:

@@ -43,8 +43,9 @@ def _clear_torch_vars(rank: int) -> dict[str, str]:
 @pytest.mark.parametrize("n", [1, 3])
 def test_env_init_rank0_hosts_the_store(n):
     port = _free_port()
+    # backend=None: the default for CPU arrays, gloo
     _check(run_ranks(_init_and_reduce, n, None, None, False, timeout=60,
-                     env={"MASTER_PORT": str(port)}), n)
+                     env={"MASTER_PORT": str(port)}), n, backend="gloo")
 
 
 def test_tcp_url_with_explicit_ranks():

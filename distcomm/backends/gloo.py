@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from ..deadline import Deadline
-from ..errors import DistBackendError, DistError
 from ..gpu.staging import is_cupy_array
 from ..ops import ReduceOp
 from ..store.base import Store
@@ -31,8 +30,8 @@ from ..work import Work
 from . import algorithms as algo
 from .intranode import HostLayout, IntraNode, same_host_setup
 from .tcp import TcpBackend
-from .transport.base import OP_CODES, Failure, Signature
-from .transport.exchange import SubExchange, diagnose
+from .transport.base import OP_CODES, Signature
+from .transport.exchange import Exchange, diagnose
 
 __all__ = ["GlooBackend", "transport_mode"]
 
@@ -111,44 +110,19 @@ class GlooBackend(TcpBackend):
     def _shm(self, op: str, signature: Signature, body: Callable[[int, str, Deadline], None],
              outputs: list[Any], async_op: bool) -> Work:
         """Run `body(seq, describe, deadline)` as collective `seq` of the group."""
-        description = self.describe(op)
-        running: list[int] = []
 
-        def why() -> str:
-            if not running:
-                return "it had not started: operations issued before it are still running"
-            if self._on_one_host():
-                assert self._engine is not None
-                return self._engine.diagnose(running[0])
-            return diagnose(self._transport, running[0])
-
-        work = Work(description, outputs, on_timeout=self._abort_on_timeout(description, why),
-                    timeout=self.timeout)
-
-        def run() -> None:
-            seq = self._seq
-            running.append(seq)
-            self._seq += 1
-            describe = f"{description} #{seq}"
-            failure = self._transport.mailbox.failure
-            if failure is not None:
-                raise failure.kind(f"{describe}: the group was aborted earlier: "
-                                   f"{failure.message}")
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s: %s (%s)", describe, signature.describe(), self.transport)
-            deadline = Deadline(self.timeout)
+        def run(seq: int, describe: str, deadline: Deadline) -> None:
             if self._engine is not None:
                 self._engine.begin(describe, deadline)
-            try:
-                body(seq, describe, deadline)
-            except DistError as exc:
-                self._transport.abort(Failure(type(exc), str(exc)))
-                raise
-            except BaseException as exc:
-                self._transport.abort(Failure(DistBackendError, f"{describe} failed: {exc!r}"))
-                raise
+            body(seq, describe, deadline)
 
-        return self._collectives.submit(run, work, async_op)
+        def why(seq: int) -> str:
+            if self._on_one_host():
+                assert self._engine is not None
+                return self._engine.diagnose(seq)
+            return diagnose(self._transport, seq)
+
+        return self._run_collective(op, signature, run, outputs, async_op, why)
 
     def _local(self, op: str, signature: Signature,
                body: Callable[[IntraNode, int, Signature], None], outputs: list[Any],
@@ -179,17 +153,10 @@ class GlooBackend(TcpBackend):
 
     def _between_hosts(self, seq: int, signature: Signature, describe: str,
                        deadline: Deadline, reps: list[int],
-                       step: Callable[[SubExchange], None]) -> None:
+                       step: Callable[[Exchange], None]) -> None:
         """Run `step` over TCP among `reps` (this rank takes part only if it is one)."""
-        if self.rank not in reps:
-            return
-        mailbox = self._transport.mailbox
-        ex = SubExchange(self._transport, seq, signature, deadline, describe, self._scratch,
-                         reps)
-        mailbox.begin_collective(seq, signature)
-        ex.announce()
-        step(ex)
-        mailbox.finish_collective(seq, signature)
+        if self.rank in reps:
+            self._exchange(seq, signature, describe, deadline, step, reps)
 
     def _hier_all_reduce(self, array: Any, op: ReduceOp, signature: Signature,
                          async_op: bool) -> Work:

@@ -390,27 +390,20 @@ class IntraNode:
     # -- the collectives -------------------------------------------------------------------
 
     def all_reduce(self, seq: int, sig: Signature, buf: np.ndarray, op: ReduceOp) -> None:
-        avg = op is ReduceOp.AVG
-        if buf.nbytes <= self.inline_max:
-            self._arrive(seq, sig, inline=_u8(buf))
-            self._reduce_inline(seq, buf, 0, op)
-            if avg:
-                np.divide(buf, self.size, out=buf)
-            return
-        address = buf.ctypes.data
-        self._arrive(seq, sig, address, address)
-        bounds = _bounds(buf.size, self.size)
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        self._owner_reduce(seq, buf[lo:hi], buf[lo:hi], lo * buf.itemsize, op, self._others(),
-                           avg)
-        self._finish(seq, range(self.size))
+        self._reduction(seq, sig, buf, op, None)
 
     def reduce(self, seq: int, sig: Signature, buf: np.ndarray, root: int,
                op: ReduceOp) -> None:
+        self._reduction(seq, sig, buf, op, root)
+
+    def _reduction(self, seq: int, sig: Signature, buf: np.ndarray, op: ReduceOp,
+                   root: int | None) -> None:
+        """Reduce every rank's `buf` into `root`'s (None: into every rank's)."""
         avg = op is ReduceOp.AVG
+        gets_result = root is None or self.rank == root
         if buf.nbytes <= self.inline_max:
             self._arrive(seq, sig, inline=_u8(buf))
-            if self.rank == root:
+            if gets_result:
                 self._reduce_inline(seq, buf, 0, op)
                 if avg:
                     np.divide(buf, self.size, out=buf)
@@ -419,9 +412,9 @@ class IntraNode:
         self._arrive(seq, sig, address, address)
         bounds = _bounds(buf.size, self.size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        acc = buf[lo:hi] if self.rank == root else self._scratch_big(hi - lo, buf.dtype)
-        self._owner_reduce(seq, acc, buf[lo:hi], lo * buf.itemsize, op,
-                           [root] if self.rank != root else [], avg)
+        acc = buf[lo:hi] if gets_result else self._scratch_big(hi - lo, buf.dtype)
+        targets = self._others() if root is None else [root] if root != self.rank else []
+        self._owner_reduce(seq, acc, buf[lo:hi], lo * buf.itemsize, op, targets, avg)
         self._finish(seq, range(self.size))
 
     def _scratch_big(self, count: int, dtype: np.dtype) -> np.ndarray:

@@ -17,7 +17,7 @@ from ..work import Work
 from . import algorithms as algo
 from .base import Backend, OpQueue
 from .transport.base import NO_REDOP, OP_CODES, P2P, Failure, Signature, as_bytes
-from .transport.exchange import Exchange, ScratchPool, diagnose
+from .transport.exchange import Exchange, ScratchPool, SubExchange, diagnose
 from .transport.mailbox import Mailbox
 from .transport.tcp import TcpTransport
 
@@ -54,16 +54,23 @@ class TcpBackend(Backend):
 
     # -- running collectives ----------------------------------------------------------------
 
-    def _collective(self, op: str, signature: Signature, body: Callable[[Exchange], None],
-                    outputs: list[Any], async_op: bool) -> Work:
+    def _run_collective(self, op: str, signature: Signature,
+                        body: Callable[[int, str, Deadline], None], outputs: list[Any],
+                        async_op: bool, why: Callable[[int], str]) -> Work:
+        """Run `body(seq, describe, deadline)` as the group's next collective, in issue order.
+
+        `why(seq)` explains a Work.wait timeout. Any error aborts the group.
+        """
         description = self.describe(op)
         running: list[int] = []  # the seq, once the collective starts
-        def why() -> str:
+
+        def explain() -> str:
             if running:
-                return diagnose(self._transport, running[0])
+                return why(running[0])
             return "it had not started: operations issued before it are still running"
 
-        work = Work(description, outputs, on_timeout=self._abort_on_timeout(description, why),
+        work = Work(description, outputs,
+                    on_timeout=self._abort_on_timeout(description, explain),
                     timeout=self.timeout)
 
         def run() -> None:
@@ -75,16 +82,10 @@ class TcpBackend(Backend):
             if failure is not None:
                 raise failure.kind(f"{describe}: the group was aborted earlier: "
                                    f"{failure.message}")
-            ex = Exchange(self._transport, seq, signature, Deadline(self.timeout), describe,
-                          self._scratch)
-            mailbox = self._transport.mailbox
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s: %s", describe, signature.describe())
             try:
-                mailbox.begin_collective(seq, signature)
-                ex.announce()
-                body(ex)
-                mailbox.finish_collective(seq, signature)
+                body(seq, describe, Deadline(self.timeout))
             except DistError as exc:
                 self._transport.abort(Failure(type(exc), str(exc)))
                 raise
@@ -93,6 +94,27 @@ class TcpBackend(Backend):
                 raise
 
         return self._collectives.submit(run, work, async_op)
+
+    def _exchange(self, seq: int, signature: Signature, describe: str, deadline: Deadline,
+                  body: Callable[[Exchange], None], ranks: list[int] | None = None) -> None:
+        """Run `body(ex)` over TCP among `ranks` (default: every rank of the group)."""
+        if ranks is None:
+            ex = Exchange(self._transport, seq, signature, deadline, describe, self._scratch)
+        else:
+            ex = SubExchange(self._transport, seq, signature, deadline, describe,
+                             self._scratch, ranks)
+        mailbox = self._transport.mailbox
+        mailbox.begin_collective(seq, signature)
+        ex.announce()
+        body(ex)
+        mailbox.finish_collective(seq, signature)
+
+    def _collective(self, op: str, signature: Signature, body: Callable[[Exchange], None],
+                    outputs: list[Any], async_op: bool) -> Work:
+        return self._run_collective(
+            op, signature, lambda seq, describe, deadline: self._exchange(
+                seq, signature, describe, deadline, body),
+            outputs, async_op, lambda seq: diagnose(self._transport, seq))
 
     def _abort_on_timeout(self, description: str,
                           why: Callable[[], str]) -> Callable[[float], BaseException]:
