@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ _SPINS = 40  # sched_yield rounds before sleeping on the futex
 _SLICE = 0.25  # longest single futex sleep (failures wake sooner)
 #: reads and writes of at least this many bytes are split over the intra-op threads
 _THREADED_MIN = 4 * 1024 * 1024
+#: its counters are published with plain stores, which these CPUs never reorder (TSO);
+#: weakly ordered CPUs (aarch64, ppc64) would need fences Python cannot issue
+_ORDERED_CPUS = ("x86_64", "amd64", "i386", "i686")
 _PROBE = np.frombuffer(b"distcomm", dtype=np.uint8).copy()
 
 
@@ -114,6 +118,9 @@ def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
         who.append([peer_mode, *rest.rsplit("|", 2)])  # the host id may hold "|"
     if any(w[0] != "auto" for w in who):
         return "DISTCOMM_GLOO_TRANSPORT=tcp"
+    if platform.machine().lower() not in _ORDERED_CPUS:
+        return (f"the shared-memory path needs a CPU that keeps stores in order (x86-64); "
+                f"this is {platform.machine()}")
     by_host: dict[str, list[int]] = {}
     for r, w in enumerate(who):
         by_host.setdefault(w[1], []).append(r)

@@ -15,7 +15,8 @@ does), and where that is not enough `probe` reports why and the backend uses TCP
 
 Waits block in the kernel on futex words (after a short `sched_yield` loop): four ranks
 on two cores never spin. Counters have a single writer each (their rank), which stores
-and then wakes, so no atomic read-modify-write is needed and no wake-up is lost.
+and then wakes, so no atomic read-modify-write is needed and no wake-up is lost. That
+relies on the CPU keeping plain stores in order (x86-64); the backend uses TCP elsewhere.
 """
 
 from __future__ import annotations
