@@ -20,7 +20,7 @@ from .arrays import device_of
 from .backends import create_backend, get_backend_record, registered_backends
 from .backends.base import Backend
 from .deadline import to_seconds
-from .store import PrefixStore, Store
+from .store import HashStore, PrefixStore, Store
 
 __all__ = [
     "GroupMember",
@@ -209,14 +209,15 @@ def _spec_text(spec: dict[str, str]) -> str:
 
 
 def _create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
-                     timeout: float, name: str) -> dict[str, Backend]:
+                     timeout: float, name: str, members: list[int]) -> dict[str, Backend]:
     backends: dict[str, Backend] = {}
     shared: dict[str, Backend] = {}
     try:
         for device, backend_name in spec.items():
             if backend_name not in shared:
                 shared[backend_name] = create_backend(
-                    backend_name, PrefixStore(backend_name, store), rank, size, timeout, name)
+                    backend_name, PrefixStore(backend_name, store), rank, size, timeout, name,
+                    members)
             backends[device] = shared[backend_name]
     except BaseException:
         for backend in shared.values():
@@ -304,14 +305,18 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             raise ValueError(
                 "no backend is available for any device; registered: "
                 + ", ".join(sorted(registered_backends())))
-        rdzv = rendezvous(init_method, rank=rank, world_size=world_size, store=store,
-                          timeout=seconds)
+        if set(spec.values()) == {"mpi"} and store is None and init_method is None:
+            rdzv = _mpi_world(rank, world_size)
+        else:
+            rdzv = rendezvous(init_method, rank=rank, world_size=world_size, store=store,
+                              timeout=seconds)
         config.configure_logging(cfg, rdzv.rank)
         owns = store is None
         name = group_name or "default"
         try:
             backends = _create_backends(spec, PrefixStore("distcomm/0", rdzv.store),
-                                        rdzv.rank, rdzv.world_size, seconds, name)
+                                        rdzv.rank, rdzv.world_size, seconds, name,
+                                        list(range(rdzv.world_size)))
         except BaseException:
             if owns:
                 rdzv.store.close()
@@ -324,6 +329,26 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         _world.groups = {name: group}
         _world.next_id = 1
         _world.spec = spec
+
+
+def _mpi_world(rank: int, world_size: int) -> Any:
+    """Rank and world size from MPI.COMM_WORLD (the mpi backend needs no store).
+
+    Raises:
+        ValueError: `rank` or `world_size` was given and disagrees with MPI's.
+    """
+    from .backends.mpi import mpi
+    from .rendezvous import Rendezvous
+
+    world = mpi().COMM_WORLD
+    for name, given, actual in (("world_size", world_size, world.size),
+                                ("rank", rank, world.rank)):
+        if given not in (-1, None) and given != actual:
+            raise ValueError(
+                f"init_process_group('mpi'): {name}={given} but MPI.COMM_WORLD says "
+                f"{actual}; leave {name} out under mpiexec/srun (MPI gives it), or start the "
+                "job with the matching number of processes")
+    return Rendezvous(HashStore(), world.rank, world.size, source="MPI.COMM_WORLD")
 
 
 def default_group(where: str) -> ProcessGroup:
@@ -406,7 +431,7 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
         group_rank = members.index(me) if me in members else -1
         if group_rank >= 0:
             backends = _create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
-                                        group_rank, len(members), seconds, name)
+                                        group_rank, len(members), seconds, name, members)
         group = ProcessGroup(name, members, group_rank, backends, _spec_text(spec), seconds, me)
         log.info("new_group %r: ranks %s, this rank %s", name, members,
                  group_rank if group_rank >= 0 else "not a member")

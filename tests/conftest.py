@@ -75,12 +75,26 @@ def _variant_id(param: tuple) -> str:
     return f"{backend}{'+' + forced if forced else ''}-{size}"
 
 
-@pytest.fixture(scope="session",
-                params=[(b, n, env) for b, env in cpu_variants() for n in WORLD_SIZES],
-                ids=_variant_id)
+#: set by tests/mpi_world.py: this process is one rank of an mpiexec job
+UNDER_MPIEXEC = os.environ.get("DISTCOMM_TEST_MPIEXEC") == "1"
+
+
+def _world_params() -> list[tuple]:
+    if UNDER_MPIEXEC:
+        return [("mpi", 0, {})]
+    return [(b, n, env) for b, env in cpu_variants() for n in WORLD_SIZES]
+
+
+@pytest.fixture(scope="session", params=_world_params(),
+                ids=lambda p: "mpi" if p[0] == "mpi" else _variant_id(p))
 def world(request):
     """A persistent initialised world; tests run functions on all its ranks."""
-    w = World(*request.param)
+    if UNDER_MPIEXEC:
+        from tests.mpi_world import MpiWorld
+
+        w = MpiWorld()
+    else:
+        w = World(*request.param)
     yield w
     w.close()
 
@@ -100,7 +114,7 @@ def solo(monkeypatch):
 def _no_leftover_group():
     """Every test starts and ends without a default group in the test process."""
     yield
-    if dist.is_initialized():
+    if dist.is_initialized() and not UNDER_MPIEXEC:  # there, the world group persists
         dist.destroy_process_group()
         pytest.fail("the test left an initialised process group behind")
 

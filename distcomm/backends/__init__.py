@@ -162,8 +162,11 @@ def get_backend_record(name: str) -> BackendRecord:
 
 
 def create_backend(name: str, store: Store, rank: int, size: int, timeout: float,
-                   group_name: str) -> Backend:
+                   group_name: str, global_ranks: Sequence[int] | None = None) -> Backend:
     """Instantiate backend `name` for one group.
+
+    `group_name` and `global_ranks` (the group's ranks in the world, in group-rank order)
+    are passed to factories whose signature takes them.
 
     Raises:
         BackendUnavailableError: the backend cannot run here; says what to install.
@@ -175,8 +178,11 @@ def create_backend(name: str, store: Store, rank: int, size: int, timeout: float
     factory = record.load()
     kwargs: dict[str, Any] = {}
     try:
-        if "group_name" in inspect.signature(factory).parameters:
+        parameters = inspect.signature(factory).parameters
+        if "group_name" in parameters:
             kwargs["group_name"] = group_name
+        if "global_ranks" in parameters and global_ranks is not None:
+            kwargs["global_ranks"] = list(global_ranks)
     except (TypeError, ValueError):
         pass
     backend = factory(store, rank, size, timeout, **kwargs)
@@ -189,3 +195,4 @@ def create_backend(name: str, store: Store, rank: int, size: int, timeout: float
 
 _register_builtin("tcp", "distcomm.backends.tcp:TcpBackend", ("cpu",))
 _register_builtin("gloo", "distcomm.backends.gloo:GlooBackend", ("cpu", "cuda"))
+_register_builtin("mpi", "distcomm.backends.mpi:MpiBackend", ("cpu", "cuda"))

@@ -1,0 +1,139 @@
+"""The mpi backend under a real mpiexec (the pip-installed MPICH): the conformance suite at
+2, 3 and 4 processes, initialisation from MPI.COMM_WORLD, and what happens when a rank
+does not arrive. Every job runs with a hard timeout, on loopback only."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(400)
+
+
+def _mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+MPIEXEC = _mpiexec()
+if importlib.util.find_spec("mpi4py") is None or MPIEXEC is None:
+    pytest.skip("the mpi backend tests need mpi4py and mpiexec: pip install 'distcomm[mpi]'",
+                allow_module_level=True)
+
+
+def mpiexec(n: int, *argv: str, timeout: float = 300,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `mpiexec -n n argv...` on loopback with no torch-style rendezvous variables."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                          "LOCAL_WORLD_SIZE", "PYTEST_CURRENT_TEST")}
+    clean.update({"HYDRA_IFACE": "lo", "UCX_NET_DEVICES": "lo", "DISTCOMM_SOCKET_IFNAME": "lo",
+                  "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    clean.update(env or {})
+    return subprocess.run([MPIEXEC, "-n", str(n), *argv], cwd=ROOT, env=clean,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _script(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_conformance_suite_under_mpiexec(n):
+    done = mpiexec(n, sys.executable, "-m", "tests.mpi_world", "tests/test_collectives.py",
+                   "-q", "-x", "-p", "no:cacheprovider")
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
+
+
+def test_init_takes_rank_and_size_from_mpi(tmp_path):
+    script = _script(tmp_path, """
+        import numpy as np
+        from mpi4py import MPI
+        import distcomm as dist
+        dist.init_process_group("mpi")
+        x = np.ones(3)
+        dist.all_reduce(x)
+        row = (dist.get_rank(), dist.get_world_size(), MPI.COMM_WORLD.rank,
+               MPI.COMM_WORLD.size, dist.get_backend(), float(x[0]))
+        with open(f"{__file__}.{MPI.COMM_WORLD.rank}", "w") as out:
+            out.write(repr(row))
+        dist.destroy_process_group()
+    """)
+    done = mpiexec(3, sys.executable, script, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [eval(Path(f"{script}.{r}").read_text()) for r in range(3)]
+    assert rows == [(r, 3, r, 3, "mpi", 3.0) for r in range(3)], done.stdout
+
+
+def test_world_size_disagreeing_with_mpi_is_an_error(tmp_path):
+    script = _script(tmp_path, """
+        import os
+        import distcomm as dist
+        try:
+            dist.init_process_group("mpi", world_size=5)
+        except ValueError as exc:
+            with open(f"{__file__}.{os.environ['PMI_RANK']}", "w") as out:
+                out.write(str(exc))
+    """)
+    done = mpiexec(2, sys.executable, script, timeout=120)
+    assert done.returncode == 0, done.stderr
+    errors = [Path(f"{script}.{r}").read_text() for r in range(2)]
+    assert all("world_size=5" in e and "says 2" in e for e in errors), errors
+
+
+def test_a_rank_that_never_arrives_aborts_the_job(tmp_path):
+    script = _script(tmp_path, """
+        import time
+        import numpy as np
+        import distcomm as dist
+        dist.init_process_group("mpi", timeout=2)
+        if dist.get_rank() == 1:
+            time.sleep(60)
+        dist.all_reduce(np.ones(4))
+    """)
+    done = mpiexec(2, sys.executable, script, timeout=60,
+                   env={"DISTCOMM_MPI_ABORT_ON_EXCEPTION": "0"})
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "all_reduce on 'mpi'" in output and "did not complete within 2.0 s" in output, output
+
+
+def test_async_wait_timeout_then_completion(tmp_path):
+    script = _script(tmp_path, """
+        import time
+        import numpy as np
+        import distcomm as dist
+        dist.init_process_group("mpi")
+        x = np.ones(4)
+        if dist.get_rank() == 1:
+            time.sleep(2)
+            dist.all_reduce(x)
+        else:
+            work = dist.all_reduce(x, async_op=True)
+            try:
+                work.wait(timeout=0.3)
+            except dist.DistTimeoutError as exc:
+                print("TIMEOUT", exc, flush=True)
+            try:
+                dist.barrier()
+            except dist.DistBackendError as exc:
+                print("UNUSABLE", exc, flush=True)
+            work.get_future().wait(30)
+            print("LATE", x[0], flush=True)
+    """)
+    done = mpiexec(2, sys.executable, script, timeout=120,
+                   env={"DISTCOMM_MPI_ABORT_ON_EXCEPTION": "0"})
+    assert done.returncode == 0, done.stderr
+    assert "TIMEOUT" in done.stdout and "cannot be cancelled" in done.stdout, done.stdout
+    assert "UNUSABLE" in done.stdout and "LATE 2.0" in done.stdout, done.stdout
