@@ -55,8 +55,8 @@ PARENT_MARGIN = 30.0
 LOOPBACK = "127.0.0.1"
 
 FIELDS = ("op", "nprocs", "dtype", "backend", "size", "count", "iters", "time_us",
-          "algbw", "busbw", "wrong", "torch_time_us", "torch_algbw", "torch_busbw",
-          "torch_wrong", "ratio")
+          "algbw", "busbw", "wrong", "peer_time_us", "peer_algbw", "peer_busbw",
+          "peer_wrong", "ratio")
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -152,8 +152,9 @@ exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 f
     parser.add_argument("--nprocs", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="element type (default float32)")
-    parser.add_argument("--compare", choices=("torch",),
-                        help="also run torch.distributed's gloo backend on the same buffers")
+    parser.add_argument("--compare", choices=("torch", "mpi4py"),
+                        help="also run torch.distributed's gloo backend (torch), or raw mpi4py "
+                             "calls (mpi4py, under mpiexec), on the same buffers")
     parser.add_argument("--csv", metavar="PATH", help="also write every row to this CSV file")
     parser.add_argument("--timeout", type=positive_float, default=300.0,
                         help="seconds any one collective or the start of the ranks may "
@@ -237,9 +238,61 @@ def _const(value: int, dtype: np.dtype) -> np.ndarray:
     return np.array(value, dtype=np.int64).astype(dtype)
 
 
+class Mpi4pyPeer:
+    """The torch.distributed calls this benchmark makes, done with raw mpi4py buffer calls
+    on the same numpy arrays (the `--compare mpi4py` peer)."""
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD.Dup()
+
+    @staticmethod
+    def view(array: np.ndarray) -> np.ndarray:
+        return array
+
+    def all_reduce(self, buf: np.ndarray) -> None:
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, self.MPI.SUM)
+
+    def reduce(self, buf: np.ndarray, dst: int) -> None:
+        if self.comm.rank == dst:
+            self.comm.Reduce(self.MPI.IN_PLACE, buf, self.MPI.SUM, dst)
+        else:
+            self.comm.Reduce(buf, None, self.MPI.SUM, dst)
+
+    def broadcast(self, buf: np.ndarray, src: int) -> None:
+        self.comm.Bcast(buf, src)
+
+    def all_gather_single(self, out: np.ndarray, inp: np.ndarray) -> None:
+        self.comm.Allgather(inp, out)
+
+    def reduce_scatter_single(self, out: np.ndarray, inp: np.ndarray) -> None:
+        self.comm.Reduce_scatter_block(inp, out, self.MPI.SUM)
+
+    def all_to_all_single(self, out: np.ndarray, inp: np.ndarray) -> None:
+        self.comm.Alltoall(inp, out)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def destroy_process_group(self) -> None:
+        self.comm.Free()
+
+
+def _mpi4py_version() -> str:
+    try:
+        import mpi4py
+    except ImportError:
+        return "(not installed)"
+    return mpi4py.__version__
+
+
 def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: Any,
               tdist: Any) -> Case | None:
-    """The Case of `op` at `nbytes`, or None when the size holds too few elements."""
+    """The Case of `op` at `nbytes`, or None when the size holds too few elements.
+
+    `tdist` is torch.distributed, a `Mpi4pyPeer`, or None.
+    """
     count = nbytes // dtype.itemsize
     if op in SPLIT_OPS:
         count -= count % n
@@ -247,10 +300,12 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
         return None
     per = count // n
     torch = None
-    if tdist is not None:
+    if tdist is not None and not isinstance(tdist, Mpi4pyPeer):
         import torch
 
     def view(array: np.ndarray) -> Any:
+        if isinstance(tdist, Mpi4pyPeer):
+            return array
         return torch.from_numpy(array) if torch is not None else None
 
     if op == "barrier":
@@ -433,13 +488,13 @@ def _run_case(op: str, case: Case, plan: Plan, dist: Any, tdist: Any) -> dict[st
         op=op, nprocs=n, dtype=plan.dtype, backend=plan.backend, size=case.size,
         count=case.count, iters=iters, time_us=time_us, algbw=algbw,
         busbw=algbw * bus_factor(op, n), wrong=int(every[:, 1].sum()),
-        torch_time_us="", torch_algbw="", torch_busbw="", torch_wrong="", ratio="")
+        peer_time_us="", peer_algbw="", peer_busbw="", peer_wrong="", ratio="")
     if case.theirs is not None:
         torch_us = float(every[:, 2].max()) * 1e6
-        torch_algbw = case.size / torch_us / 1e3 if torch_us > 0 else 0.0
-        row.update(torch_time_us=torch_us, torch_algbw=torch_algbw,
-                   torch_busbw=torch_algbw * bus_factor(op, n),
-                   torch_wrong=int(every[:, 3].sum()), ratio=torch_us / time_us)
+        peer_algbw = case.size / torch_us / 1e3 if torch_us > 0 else 0.0
+        row.update(peer_time_us=torch_us, peer_algbw=peer_algbw,
+                   peer_busbw=peer_algbw * bus_factor(op, n),
+                   peer_wrong=int(every[:, 3].sum()), ratio=torch_us / time_us)
     return row
 
 
@@ -460,9 +515,15 @@ def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 class Report:
     """Prints the tables as rows arrive and keeps the rows for the CSV file."""
 
-    def __init__(self, args: argparse.Namespace, torch_version: str | None) -> None:
+    def __init__(self, args: argparse.Namespace, torch_version: str | None,
+                 nprocs: int | None = None) -> None:
         self.args = args
         self.torch_version = torch_version
+        self.nprocs = nprocs or args.nprocs
+        #: the peer's name in headers, and its full description
+        self.peer = args.compare or ""
+        self.peer_label = (f"torch {torch_version} gloo" if args.compare == "torch"
+                           else f"raw mpi4py {_mpi4py_version()}" if args.compare else "")
         self.rows: list[dict[str, Any]] = []
         self.op: str | None = None
 
@@ -489,13 +550,13 @@ class Report:
         self._finish_op()
         self.op = op
         a = self.args
-        peer = f", compared with torch {self.torch_version} gloo" if a.compare else ""
-        print(f"#\n# op {op}, nprocs {a.nprocs}, dtype {a.dtype}, backend {a.backend}{peer}")
+        peer = f", compared with {self.peer_label}" if a.compare else ""
+        print(f"#\n# op {op}, nprocs {self.nprocs}, dtype {a.dtype}, backend {a.backend}{peer}")
         head = (f"#{'size(B)':>11} {'count':>10} {'iters':>5} {'time(us)':>11} "
                 f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}")
         if a.compare:
-            head += (f"  | {'torch(us)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} "
-                     f"{'torch/ours':>10}")
+            head += (f"  | {self.peer + '(us)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} "
+                     f"{self.peer + '/ours':>11}")
         print(head)
 
     def skip(self, op: str, nbytes: int) -> None:
@@ -511,8 +572,8 @@ class Report:
                 f"{row['time_us']:>11.1f} {row['algbw']:>11.3f} {row['busbw']:>11.3f} "
                 f"{row['wrong']:>6}")
         if self.args.compare:
-            line += (f"  | {row['torch_time_us']:>11.1f} {row['torch_busbw']:>11.3f} "
-                     f"{row['torch_wrong']:>6} {row['ratio']:>10.2f}")
+            line += (f"  | {row['peer_time_us']:>11.1f} {row['peer_busbw']:>11.3f} "
+                     f"{row['peer_wrong']:>6} {row['ratio']:>11.2f}")
         print(line, flush=True)
 
     def _finish_op(self) -> None:
@@ -522,14 +583,15 @@ class Report:
         line = f"# avg bus bandwidth: {np.mean([r['busbw'] for r in rows]):.3f} GB/s"
         if self.args.compare:
             ratios = [r["ratio"] for r in rows if r["ratio"] != "" and r["ratio"] > 0]
-            line += (f"; torch gloo {np.mean([r['torch_busbw'] for r in rows]):.3f} GB/s; "
-                     f"geometric mean of torch/ours {math.exp(np.mean(np.log(ratios))):.2f}")
+            line += (f"; {self.peer_label} {np.mean([r['peer_busbw'] for r in rows]):.3f} "
+                     f"GB/s; geometric mean of {self.peer}/ours "
+                     f"{math.exp(np.mean(np.log(ratios))):.2f}")
         print(line, flush=True)
 
     def close(self, finished: bool) -> int:
         """Finish the last table, write the CSV; the number of rows with wrong results."""
         self._finish_op()
-        bad = sum(1 for r in self.rows if r["wrong"] or r["torch_wrong"] not in ("", 0))
+        bad = sum(1 for r in self.rows if r["wrong"] or r["peer_wrong"] not in ("", 0))
         verdict = ("the run did not finish (see the error)" if not finished
                    else "all checks passed" if not bad else "SOME CHECKS FAILED")
         print(f"# {len(self.rows)} rows, {bad} with wrong results: {verdict}", flush=True)
@@ -620,10 +682,54 @@ def stop(procs: list[Any]) -> None:
         p.join(5.0)
 
 
+def _mpi_rank() -> int | None:
+    """This process's rank when an MPI launcher started it, else None."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
+def mpi_main(args: argparse.Namespace) -> int:
+    """Every process of an mpiexec job is one rank; rank 0 prints."""
+    import distcomm as dist
+
+    dist.init_process_group(args.backend, timeout=args.timeout)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    peer = Mpi4pyPeer() if args.compare == "mpi4py" else None
+    plan = Plan(args.op, tuple(sizes(args)), args.dtype, args.backend, n, args.iters,
+                args.warmup_iters, args.scale_above, args.timeout, None)
+    report = Report(args, None, nprocs=n) if rank == 0 else None
+    if report is not None:
+        report.host()
+    dtype = np.dtype(args.dtype)
+    for op in plan.ops:
+        for nbytes in plan.sizes if op != "barrier" else (0,):
+            case = make_case(op, nbytes, dtype, rank, n, dist, peer)
+            if case is None:
+                if report is not None:
+                    report.skip(op, nbytes)
+                continue
+            row = _run_case(op, case, plan, dist, peer)
+            if report is not None:
+                report.add(row)
+    bad = report.close(True) if report is not None else 0
+    if peer is not None:
+        peer.destroy_process_group()
+    dist.destroy_process_group()
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    if _mpi_rank() is not None:
+        return mpi_main(args)
+    if args.backend == "mpi" or args.compare == "mpi4py":
+        parser.error("--backend mpi and --compare mpi4py run under an MPI launcher: "
+                     "mpiexec -n 2 python benchmarks/collectives.py --backend mpi "
+                     "--compare mpi4py")
     from distcomm import TCPStore
 
     torch_store, torch_version = None, None
