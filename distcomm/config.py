@@ -30,6 +30,8 @@ class Config:
             or DETAIL (also every collective, with its sequence number and signature).
         use_agent_store: DISTCOMM_USE_AGENT_STORE: the store at MASTER_ADDR:MASTER_PORT
             is already served (by a launcher), so rank 0 connects instead of hosting it.
+        mpi_abort_on_exception: DISTCOMM_MPI_ABORT_ON_EXCEPTION (default on): an uncaught
+            exception calls MPI.COMM_WORLD.Abort(1) once `mpiutil.install_abort_hook` ran.
     """
 
     auth_key: bytes | None = None
@@ -37,6 +39,7 @@ class Config:
     timeout: float = DEFAULT_TIMEOUT
     debug: str = "OFF"
     use_agent_store: bool = False
+    mpi_abort_on_exception: bool = True
 
 
 def _flag(name: str, value: str) -> bool:
@@ -76,6 +79,9 @@ def load(environ: dict[str, str] | None = None) -> Config:
         debug=debug,
         use_agent_store=_flag(
             "DISTCOMM_USE_AGENT_STORE", env.get("DISTCOMM_USE_AGENT_STORE", "")
+        ),
+        mpi_abort_on_exception=_flag(
+            "DISTCOMM_MPI_ABORT_ON_EXCEPTION", env.get("DISTCOMM_MPI_ABORT_ON_EXCEPTION") or "1"
         ),
     )
 

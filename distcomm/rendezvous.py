@@ -17,10 +17,13 @@ the first source that holds it wins:
     local size     LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, then
                    the entry of SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE
                    (``2(x3),1``) at SLURM_NODEID, then SLURM_NTASKS_PER_NODE
-    store address  the tcp:// host, MASTER_ADDR, then in a Slurm job the first node of
-                   SLURM_STEP_NODELIST when srun started the ranks (the rank came from
-                   SLURM_PROCID), else of SLURM_JOB_NODELIST or SLURM_NODELIST
-    store port     the tcp:// port, MASTER_PORT, then in a Slurm job `slurm_port`:
+    store address  the tcp:// host, MASTER_ADDR, then (env:// only) under an MPI launcher
+                   an address of rank 0's host shared over MPI (below), then in a Slurm
+                   job the first node of SLURM_STEP_NODELIST when srun started the ranks
+                   (the rank came from SLURM_PROCID), else of SLURM_JOB_NODELIST or
+                   SLURM_NODELIST
+    store port     the tcp:// port, MASTER_PORT, then (env:// only) under an MPI launcher a
+                   free port of rank 0's shared over MPI, then in a Slurm job `slurm_port`:
                    12000 + 10 * (SLURM_JOB_ID % 2000) + SLURM_STEP_ID % 10, the step term
                    only when srun started the ranks
 
@@ -33,24 +36,43 @@ it; jobs whose ids are equal modulo 2000 and share a first node collide: set MAS
 For ``env://`` and ``tcp://``, rank 0 hosts the TCPStore at the address and waits for the
 world to connect; the others connect. With DISTCOMM_USE_AGENT_STORE=1 (a launcher already
 serves the store there) every rank connects, rank 0 included.
+
+Bootstrap over MPI: with ``env://``, no agent store, MASTER_ADDR or MASTER_PORT unset, and
+an MPI launcher (the first rank variable set is OMPI_COMM_WORLD_RANK, PMIX_RANK or
+PMI_RANK), the rendezvous imports mpi4py (which initialises MPI; nowhere else does it).
+If MPI.COMM_WORLD holds the world size's processes, rank 0 hosts the TCPStore at
+MASTER_ADDR, else at DISTCOMM_SOCKET_IFNAME's address, else at 127.0.0.1 when every rank
+runs on its host, else at its host name's address (or its first non-loopback IPv4
+address), on MASTER_PORT or a free port, and broadcasts "host:port" with
+``MPI.COMM_WORLD.bcast``; the others connect. Every process must reach the rendezvous
+within the timeout (a non-blocking barrier is polled), and an error of rank 0's is
+broadcast, so no rank waits forever. If mpi4py is missing, or its MPI library is not the
+launcher's (its COMM_WORLD has another size), the Slurm values apply where complete, else
+the error says to install mpi4py or set MASTER_ADDR and MASTER_PORT.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
+import logging
 import math
 import numbers
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from . import config
-from .deadline import to_seconds
+import psutil
+
+from . import config, mpiutil
+from .deadline import Deadline, to_seconds
 from .errors import DistError, DistNetworkError, DistStoreError
-from .net import format_address
+from .net import format_address, interface_address
 from .store import FileStore, Store, TCPStore
 
 __all__ = ["EnvInfo", "InitMethod", "Rendezvous", "detect_environment", "expand_nodelist",
@@ -65,12 +87,15 @@ _LOCAL_RANK_VARS = (("LOCAL_RANK", "torch style"), ("OMPI_COMM_WORLD_LOCAL_RANK"
                     ("MPI_LOCALRANKID", "MPICH"), ("SLURM_LOCALID", "Slurm"))
 _LOCAL_SIZE_VARS = (("LOCAL_WORLD_SIZE", "torch style"),
                     ("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"), ("MPI_LOCALNRANKS", "MPICH"))
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 _LAUNCHER_PREFIXES = (("OMPI_", "Open MPI"), ("PMIX_", "PMIx"), ("PMI_", "MPICH"),
                       ("MPI_LOCAL", "MPICH"), ("SLURM_", "Slurm"))
 _SCHEMES = "env:// (the default: MASTER_ADDR, MASTER_PORT), tcp://HOST:PORT or file:///PATH"
 _MAX_RANGE = 65536        # hosts in one lo-hi range (Slurm's limit)
 _MAX_HOSTS = 1 << 20      # hosts in one node list
 _SLURM_PORT_BASE = 12000
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -126,7 +151,8 @@ class Rendezvous:
         local_rank, local_world_size: the same on this host, None when unknown.
         master_addr, master_port: the TCPStore's address (None for file:// and store=).
         source: how it was found, for messages: "env://", "tcp://h:p", "file:///p",
-            "store", or the launcher that gave the rank ("Open MPI", "Slurm", ...).
+            "store", the launcher that gave the rank ("Open MPI", "Slurm", ...), or that
+            launcher and "(store address bootstrapped over MPI)".
     """
 
     store: Store
@@ -359,7 +385,7 @@ def detect_environment(environ: Mapping[str, str] | None = None, *, rank: int | 
     return _detect(os.environ if environ is None else environ, given, with_master)
 
 
-def _require(info: EnvInfo, name: str) -> object:
+def _require(info: EnvInfo, name: str, hint: str = "") -> object:
     value = getattr(info, name)
     if value is not None:
         return value
@@ -379,7 +405,7 @@ def _require(info: EnvInfo, name: str) -> object:
         message = ("cannot determine the store port: set MASTER_PORT to a free TCP port on rank "
                    "0's host (looked for MASTER_PORT, then for SLURM_JOB_ID to derive one), or "
                    "use init_method='tcp://HOST:PORT'")
-    raise ValueError(message)
+    raise ValueError(message + hint)
 
 
 # -- init_method URLs ---------------------------------------------------------------------
@@ -466,6 +492,107 @@ def _open_store(make: Callable[[], Store], context: str, os_error: type[DistErro
         raise os_error(f"{context}: {exc}") from exc
 
 
+def _mpi_launcher(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """(variable, launcher) when the first rank variable set in `env` is an MPI one."""
+    for var, launcher in _RANK_VARS:
+        if env.get(var, "").strip():
+            return (var, launcher) if var in _MPI_RANK_VARS else None
+    return None
+
+
+def _host_address(one_host: bool, ifname: str | None) -> str:
+    """The address rank 0 serves the store at when it picks one (see the module docstring).
+
+    Raises:
+        ValueError: DISTCOMM_SOCKET_IFNAME names no usable interface, or no address of this
+            host is usable from other hosts.
+    """
+    if ifname:
+        return interface_address(ifname)
+    if one_host:
+        return "127.0.0.1"
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        address = ""
+    if address and not ipaddress.ip_address(address).is_loopback:
+        return address
+    stats = psutil.net_if_stats()
+    for name, addresses in psutil.net_if_addrs().items():
+        if name in stats and stats[name].isup:
+            for addr in addresses:
+                if (addr.family == socket.AF_INET
+                        and not ipaddress.ip_address(addr.address).is_loopback):
+                    return addr.address
+    raise ValueError("this host's name resolves to a loopback address and no interface has "
+                     "another IPv4 address: set DISTCOMM_SOCKET_IFNAME to the interface the "
+                     "other hosts reach (e.g. eth0), or MASTER_ADDR")
+
+
+def _bootstrap_over_mpi(mpi: Any, info: EnvInfo, rank: int, size: int, seconds: float,
+                        launcher: str, where: str, ifname: str | None) -> Rendezvous:
+    """Rank 0 hosts the TCPStore and broadcasts its address over MPI.COMM_WORLD.
+
+    Raises:
+        ValueError: the ranks do not map one to one onto MPI.COMM_WORLD's processes.
+        DistTimeoutError: not every process reached the rendezvous in time.
+        DistNetworkError, DistStoreError: the store could not be hosted or reached.
+    """
+    comm = mpi.COMM_WORLD
+    where = f"{where} (store address bootstrapped over MPI)"
+    mpiutil.wait_all(comm, Deadline(seconds), where)
+    shared = comm.Split_type(mpi.COMM_TYPE_SHARED)
+    try:
+        one_host = shared.Get_size() == size
+    finally:
+        shared.Free()
+    ranks = comm.allgather(rank)
+    if sorted(ranks) != list(range(size)):
+        raise ValueError(f"{where}: the processes of MPI.COMM_WORLD have ranks {ranks} (in MPI "
+                         f"rank order), not each of 0..{size - 1} once: pass rank= so that "
+                         f"every process gets its own, or leave it out under mpiexec")
+    root = ranks.index(0)
+    fixed_addr = info.source_of("master_addr") == "MASTER_ADDR"
+    fixed_port = info.source_of("master_port") == "MASTER_PORT"
+    origin = (f"address from {'MASTER_ADDR' if fixed_addr else 'rank 0'}, port from "
+              f"{'MASTER_PORT' if fixed_port else 'rank 0'}, shared over MPI")
+    if rank == 0:
+        try:
+            host = str(info.master_addr) if fixed_addr else _host_address(one_host, ifname)
+            port = int(info.master_port) if fixed_port else 0  # type: ignore[arg-type]
+            context = f"{where}: hosting the store at {format_address(host, port)} ({origin})"
+            store = _open_store(lambda: TCPStore(host, port, world_size=size, is_master=True,
+                                                 timeout=seconds, wait_for_workers=False),
+                                context, DistNetworkError)
+        except BaseException as exc:
+            comm.bcast(("error", f"{type(exc).__name__}: {exc}"), root=root)
+            raise
+        port = store.port
+        comm.bcast(("ok", host, port), root=root)
+
+        def wait_for_workers() -> Store:  # TCPStore(wait_for_workers=True)'s wait, run
+            store._wait_for_workers(size, Deadline(seconds))  # once the address is out
+            return store
+
+        try:
+            _open_store(wait_for_workers, f"{where}: hosting the store at "
+                        f"{format_address(host, port)} ({origin})", DistNetworkError)
+        except BaseException:
+            store.close()
+            raise
+    else:
+        reply = comm.bcast(None, root=root)
+        if reply[0] != "ok":
+            raise DistNetworkError(f"{where}: rank 0 could not host the store: {reply[1]}")
+        host, port = reply[1], reply[2]
+        store = _open_store(lambda: TCPStore(host, port, world_size=size, is_master=False,
+                                             timeout=seconds),
+                            f"{where}: connecting to the store at {format_address(host, port)} "
+                            f"({origin})", DistNetworkError)
+    return Rendezvous(store, rank, size, info.local_rank, info.local_world_size, host, port,
+                      f"{launcher} (store address bootstrapped over MPI)")
+
+
 def rendezvous(init_method: str | None = None, *, rank: int | None = -1,
                world_size: int | None = -1, store: Store | None = None,
                timeout: float | timedelta = config.DEFAULT_TIMEOUT,
@@ -532,8 +659,38 @@ def rendezvous(init_method: str | None = None, *, rank: int | None = -1,
                              f"{where}: opening the FileStore {path!r}", DistStoreError)
         return Rendezvous(opened, the_rank, size, info.local_rank, info.local_world_size,
                           source=method.url)
-    host, port = str(_require(info, "master_addr")), int(_require(info, "master_port"))  # type: ignore[call-overload]
-    agent = config.load(dict(env)).use_agent_store
+    cfg = config.load(dict(env))
+    agent = cfg.use_agent_store
+    hint = ""
+    mpi_launch = _mpi_launcher(env)
+    if (method.scheme == "env" and not agent and mpi_launch is not None
+            and (info.source_of("master_addr") != "MASTER_ADDR"
+                 or info.source_of("master_port") != "MASTER_PORT")):
+        var, launcher = mpi_launch
+        if not mpiutil.is_mpi4py_available():
+            why, remedy = "mpi4py is not installed", f"install it ({mpiutil.INSTALL_HINT})"
+        else:
+            try:
+                mpi = mpiutil.load_mpi()
+            except ImportError as exc:
+                why, remedy = str(exc), "repair mpi4py"
+            else:
+                if mpi.COMM_WORLD.Get_size() == size:
+                    return _bootstrap_over_mpi(mpi, info, the_rank, size, seconds, launcher,
+                                               where, cfg.socket_ifname)
+                library = (mpi.Get_library_version().strip().splitlines() or ["?"])[0]
+                why = (f"MPI.COMM_WORLD has {mpi.COMM_WORLD.Get_size()} process(es), not the "
+                       f"world size {size} (from {_describe(str(info.source_of('world_size')))})"
+                       f": mpi4py's MPI library ({library.strip()}) did not start this job")
+                remedy = "start the job with that library's mpiexec"
+                if info.master_addr is not None and info.master_port is not None:
+                    log.warning("%s: not bootstrapping the store over MPI: %s; using %s and %s",
+                                where, why, info.source_of("master_addr"),
+                                info.source_of("master_port"))
+        hint = (f"; under {launcher} ({var}) rank 0 shares the store address over MPI "
+                f"instead, but {why}: {remedy} or set MASTER_ADDR and MASTER_PORT")
+    host = str(_require(info, "master_addr", hint))
+    port = int(_require(info, "master_port", hint))  # type: ignore[call-overload]
     hosting = the_rank == 0 and not agent
     context = (f"{where}: {'hosting' if hosting else 'connecting to'} the store at "
                f"{format_address(host, port)} (address from "

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import DistBackendError, DistTimeoutError
 from ..gpu.staging import is_cupy_array
+from ..mpiutil import install_abort_hook
 from ..ops import MPI_OP_NAMES, ReduceOp, reduce_into
 from ..store.base import Store
 from ..work import Future, Work
@@ -163,6 +164,7 @@ class MpiBackend(Backend):
                  group_name: str = "", global_ranks: Sequence[int] | None = None) -> None:
         super().__init__(store, rank, size, timeout, group_name)
         MPI = self._MPI = mpi()
+        install_abort_hook()  # an uncaught exception ends the job instead of hanging it
         world = MPI.COMM_WORLD
         ranks = list(global_ranks) if global_ranks is not None else list(range(size))
         if world.size < len(ranks) or max(ranks, default=0) >= world.size:

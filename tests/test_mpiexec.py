@@ -1,0 +1,541 @@
+"""MPI launch: the store bootstrap over MPI, environment detection and abort on error under a
+real mpiexec, plus the same logic in process with a stand-in for mpi4py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from distcomm import mpiutil
+from distcomm.errors import DistNetworkError
+from distcomm.rendezvous import rendezvous
+from distcomm.store import TCPStore
+
+REPO = Path(__file__).resolve().parent.parent
+#: hard limit of one mpiexec run, in seconds
+RUN_TIMEOUT = 120
+#: launcher and rank variables of any job this test runs inside: the jobs start clean
+_DROPPED_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "MPI_LOCAL", "SLURM_")
+_DROPPED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "DISTCOMM_USE_AGENT_STORE", "DISTCOMM_MPI_ABORT_ON_EXCEPTION")
+
+
+def _find_mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec")
+
+
+MPIEXEC = _find_mpiexec()
+needs_mpiexec = pytest.mark.skipif(
+    MPIEXEC is None or not mpiutil.is_mpi4py_available(),
+    reason="needs mpi4py and an mpiexec (beside the interpreter or on PATH): "
+           "pip install distcomm[mpi]")
+
+
+def _job_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if key not in _DROPPED and not key.startswith(_DROPPED_PREFIXES)}
+    env.update(HYDRA_IFACE="lo", UCX_NET_DEVICES="lo", HYDRA_LAUNCHER="fork",
+               DISTCOMM_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _mpiexec(n: int, script: Path, *args: str, env: dict[str, str] | None = None,
+             timeout: float = RUN_TIMEOUT) -> tuple[int, str, float]:
+    """Run `script` on `n` ranks: (exit status, stdout + stderr, seconds taken)."""
+    command = [str(MPIEXEC), "-n", str(n), sys.executable, str(script), *args]
+    start = time.monotonic()
+    proc = subprocess.Popen(command, env=_job_env() if env is None else env,
+                            cwd=script.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: mpiexec then ends its ranks (its proxies run in sessions of
+        # their own, out of reach of a signal to this one); SIGKILL if it does not exit
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        pytest.fail(f"mpiexec -n {n} {script.name} still ran after {timeout} s (hung?); "
+                    f"output:\n{output}")
+    return proc.returncode, output, time.monotonic() - start
+
+
+def _results(folder: Path) -> dict[int, dict]:
+    """What the ranks reported (each writes result-RANK.json into its working folder)."""
+    found = {}
+    for path in folder.glob("result-*.json"):
+        result = json.loads(path.read_text())
+        found[result["rank"]] = result
+    return found
+
+
+#: the scripts' report(): one file per rank, since ranks' output lines may interleave
+REPORT = """
+    import json as _json
+
+    def report(result):
+        with open(f"result-{result['rank']}.json", "w") as out:
+            _json.dump(result, out)
+"""
+
+
+def _script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(REPORT) + textwrap.dedent(body))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- init_process_group("gloo"/"tcp") under mpiexec, no MASTER_ADDR ---------------------------
+
+INIT_SCRIPT = """
+    import sys
+    import numpy as np
+    import distcomm as dist
+
+    dist.init_process_group(sys.argv[1], timeout=60)
+    x = np.full(8, dist.get_rank() + 1, dtype=np.int64)
+    dist.all_reduce(x)
+    dist.barrier()
+    report({"rank": dist.get_rank(), "size": dist.get_world_size(),
+            "backend": dist.get_backend(), "sum": x.tolist()})
+    dist.destroy_process_group()
+"""
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("backend", ["gloo", "tcp"])
+def test_init_without_master_addr(tmp_path: Path, backend: str, n: int) -> None:
+    status, output, _ = _mpiexec(n, _script(tmp_path, "init.py", INIT_SCRIPT), backend)
+    assert status == 0, output
+    results = _results(tmp_path)
+    assert sorted(results) == list(range(n)), output
+    for result in results.values():
+        assert result["size"] == n
+        assert result["backend"] == backend
+        assert result["sum"] == [n * (n + 1) // 2] * 8
+
+
+# -- what the ranks detect, and the rendezvous itself --------------------------------------
+
+DETECT_SCRIPT = """
+    from distcomm.rendezvous import detect_environment, rendezvous
+
+    info = detect_environment()
+    result = rendezvous(timeout=60)   # imports mpi4py: MPI is initialised from here on
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    store = result.store
+    store.set(f"hello/{result.rank}", str(comm.Get_rank()))
+    seen = [store.get(f"hello/{r}").decode() for r in range(result.world_size)]
+    comm.Barrier()                    # everyone has read before rank 0 stops serving
+    store.close()
+    report({
+        "rank": comm.Get_rank(), "size": comm.Get_size(), "local_rank": local.Get_rank(),
+        "local_size": local.Get_size(),
+        "detected": [info.rank, info.world_size, info.local_rank, info.local_world_size],
+        "launcher": info.launcher,
+        "rendezvous": [result.rank, result.world_size, result.local_rank,
+                       result.local_world_size],
+        "source": result.source, "master": [result.master_addr, result.master_port],
+        "seen": seen})
+"""
+
+
+@needs_mpiexec
+def test_detection_and_rendezvous_match_mpi(tmp_path: Path) -> None:
+    n = 3
+    status, output, _ = _mpiexec(n, _script(tmp_path, "detect.py", DETECT_SCRIPT))
+    assert status == 0, output
+    results = _results(tmp_path)
+    assert sorted(results) == list(range(n)), output
+    ports = set()
+    for rank, result in results.items():
+        mpi_view = [rank, result["size"], result["local_rank"], result["local_size"]]
+        assert result["size"] == n
+        assert result["detected"] == mpi_view
+        assert result["rendezvous"] == mpi_view
+        assert result["launcher"] in ("MPICH", "Open MPI", "PMIx")
+        assert result["source"] == f"{result['launcher']} (store address bootstrapped over MPI)"
+        assert result["master"][0] == "127.0.0.1"   # DISTCOMM_SOCKET_IFNAME=lo
+        ports.add(result["master"][1])
+        assert result["seen"] == [str(r) for r in range(n)]
+    assert len(ports) == 1 and ports.pop() > 0
+
+
+HOST_FAILS_SCRIPT = """
+    from mpi4py import MPI
+    from distcomm.rendezvous import rendezvous
+
+    try:
+        rendezvous(timeout=30).store.close()
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    report({"rank": MPI.COMM_WORLD.Get_rank(), "outcome": outcome})
+"""
+
+
+@needs_mpiexec
+def test_every_rank_raises_when_rank0_cannot_host(tmp_path: Path) -> None:
+    with socket.socket() as taken:  # MASTER_PORT is in use: rank 0 cannot listen there
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = _job_env(MASTER_PORT=str(taken.getsockname()[1]))
+        status, output, _ = _mpiexec(2, _script(tmp_path, "fails.py", HOST_FAILS_SCRIPT),
+                                     env=env)
+    assert status == 0, output
+    results = _results(tmp_path)
+    assert sorted(results) == [0, 1], output
+    assert results[0]["outcome"].startswith("DistNetworkError: [rank 0/2]")
+    assert "hosting the store at 127.0.0.1:" in results[0]["outcome"]
+    assert results[1]["outcome"].startswith("DistNetworkError: [rank 1/2]")
+    assert "rank 0 could not host the store" in results[1]["outcome"]
+
+
+TIMEOUT_SCRIPT = """
+    import os, time
+    from mpi4py import MPI
+    from distcomm.rendezvous import rendezvous
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        start = time.monotonic()
+        try:
+            rendezvous(timeout=2).store.close()
+            outcome = "no error"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        report({"rank": 0, "outcome": outcome, "seconds": time.monotonic() - start})
+    else:  # never joins the rendezvous; leaves once rank 0 has reported
+        for _ in range(600):
+            if os.path.exists("result-0.json"):
+                break
+            time.sleep(0.1)
+"""
+
+
+@needs_mpiexec
+def test_bootstrap_times_out_when_a_rank_never_comes(tmp_path: Path) -> None:
+    status, output, _ = _mpiexec(2, _script(tmp_path, "late.py", TIMEOUT_SCRIPT))
+    assert status == 0, output
+    result = _results(tmp_path)[0]
+    assert result["outcome"].startswith("DistTimeoutError: [rank 0/2] env:// rendezvous"), output
+    assert "not every one of the 2 processes" in result["outcome"]
+    assert 1.5 < result["seconds"] < 60
+
+
+# -- abort on an uncaught exception -------------------------------------------------------
+
+ABORT_SCRIPT = """
+    import sys
+    from distcomm import mpiutil
+
+    installed = mpiutil.install_abort_hook()
+    assert installed and mpiutil.install_abort_hook()  # idempotent
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    print(f"rank {comm.Get_rank()} ready", flush=True)
+    if comm.Get_rank() == 1:
+        raise RuntimeError("rank one failed on purpose")
+    comm.Barrier()  # ranks 0 and 2 would wait here forever
+    print("barrier passed: unexpected", flush=True)
+"""
+
+
+@needs_mpiexec
+def test_uncaught_exception_aborts_the_job(tmp_path: Path) -> None:
+    status, output, seconds = _mpiexec(3, _script(tmp_path, "abort.py", ABORT_SCRIPT))
+    assert status != 0, output
+    assert seconds < RUN_TIMEOUT / 2, output
+    assert "[rank 1] Traceback (most recent call last):" in output
+    assert "[rank 1] RuntimeError: rank one failed on purpose" in output
+    assert "MPI.COMM_WORLD.Abort(1)" in output
+    assert "barrier passed" not in output
+
+
+# -- the abort hook in process (mpi4py stands in or stays unloaded) --------------------------
+
+
+class _Aborted(Exception):
+    pass
+
+
+def _fake_mpi(rank: int, calls: list) -> SimpleNamespace:
+    def abort(code: int) -> None:
+        calls.append(("abort", code))
+        raise _Aborted
+
+    world = SimpleNamespace(Get_rank=lambda: rank, Abort=abort)
+    return SimpleNamespace(COMM_WORLD=world, Is_initialized=lambda: True,
+                           Is_finalized=lambda: False)
+
+
+@pytest.fixture
+def hook_env(monkeypatch):
+    """A clean slate: mpi4py counts as installed, the variable unset, no hook afterwards."""
+    monkeypatch.setattr(mpiutil, "is_mpi4py_available", lambda: True)
+    monkeypatch.delenv("DISTCOMM_MPI_ABORT_ON_EXCEPTION", raising=False)
+    calls: list = []
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: calls.append(("previous", exc[0])))
+    yield calls
+    mpiutil.remove_abort_hook()
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off"])
+def test_abort_hook_switched_off(hook_env, monkeypatch, value: str) -> None:
+    monkeypatch.setenv("DISTCOMM_MPI_ABORT_ON_EXCEPTION", value)
+    before = sys.excepthook
+    assert mpiutil.install_abort_hook() is False
+    assert sys.excepthook is before
+    assert mpiutil.remove_abort_hook() is False
+
+
+def test_abort_hook_rejects_a_bad_value(hook_env, monkeypatch) -> None:
+    monkeypatch.setenv("DISTCOMM_MPI_ABORT_ON_EXCEPTION", "maybe")
+    with pytest.raises(ValueError, match="DISTCOMM_MPI_ABORT_ON_EXCEPTION='maybe'"):
+        mpiutil.install_abort_hook()
+
+
+def test_abort_hook_needs_mpi4py(hook_env, monkeypatch) -> None:
+    monkeypatch.setattr(mpiutil, "is_mpi4py_available", lambda: False)
+    assert mpiutil.install_abort_hook() is False
+
+
+def test_abort_hook_install_is_idempotent_and_removable(hook_env) -> None:
+    previous = sys.excepthook
+    assert mpiutil.install_abort_hook() is True
+    hook = sys.excepthook
+    assert hook is not previous
+    assert mpiutil.install_abort_hook() is True
+    assert sys.excepthook is hook
+    assert mpiutil.remove_abort_hook() is True
+    assert sys.excepthook is previous
+    assert mpiutil.remove_abort_hook() is False
+
+
+def test_abort_hook_without_mpi_only_chains(hook_env, monkeypatch) -> None:
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    mpiutil.install_abort_hook()
+    sys.excepthook(ValueError, ValueError("boom"), None)
+    assert hook_env == [("previous", ValueError)]
+
+
+def test_abort_hook_reports_chains_and_aborts(hook_env, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(2, hook_env))
+    mpiutil.install_abort_hook()
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        error = exc
+    with pytest.raises(_Aborted):
+        sys.excepthook(ValueError, error, error.__traceback__)
+    assert hook_env == [("previous", ValueError), ("abort", 1)]
+    err = capsys.readouterr().err
+    assert "[rank 2] Traceback (most recent call last):" in err
+    assert "[rank 2] ValueError: boom" in err
+    assert all(line.startswith("[rank 2] ") for line in err.splitlines())
+
+
+def test_abort_hook_passes_keyboard_interrupt_on(hook_env, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(0, hook_env))
+    mpiutil.install_abort_hook()
+    sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert hook_env == [("previous", KeyboardInterrupt)]
+
+
+def test_removed_abort_hook_under_another_only_chains(hook_env, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(0, hook_env))
+    mpiutil.install_abort_hook()
+    ours = sys.excepthook
+    sys.excepthook = lambda *exc: ours(*exc)  # someone wraps it
+    assert mpiutil.remove_abort_hook() is True
+    sys.excepthook(ValueError, ValueError("x"), None)
+    assert hook_env == [("previous", ValueError)]
+
+
+# -- the bootstrap's decisions in process (a one-process stand-in for MPI.COMM_WORLD) -------
+
+
+class _FakeComm:
+    """MPI.COMM_WORLD of a job of one process, with what the bootstrap calls."""
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
+
+    def Get_size(self) -> int:
+        return self.size
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Ibarrier(self):
+        return SimpleNamespace(Test=lambda: True)
+
+    def Split_type(self, kind):
+        return SimpleNamespace(Get_size=lambda: self.size, Free=lambda: None)
+
+    def allgather(self, value):
+        return [value]
+
+    def bcast(self, value, root=0):
+        return value
+
+
+def _use_fake_mpi(monkeypatch, size: int = 1) -> None:
+    fake = SimpleNamespace(COMM_WORLD=_FakeComm(size), COMM_TYPE_SHARED=1,
+                           Get_library_version=lambda: "Fake MPI 1.0\nmore")
+    monkeypatch.setattr(mpiutil, "is_mpi4py_available", lambda: True)
+    monkeypatch.setattr(mpiutil, "load_mpi", lambda: fake)
+
+
+def _no_mpi_import(monkeypatch) -> None:
+    def refuse():
+        raise AssertionError("the rendezvous imported mpi4py where it must not")
+
+    monkeypatch.setattr(mpiutil, "is_mpi4py_available", lambda: True)
+    monkeypatch.setattr(mpiutil, "load_mpi", refuse)
+
+
+MPICH_ONE = {"PMI_RANK": "0", "PMI_SIZE": "1", "DISTCOMM_SOCKET_IFNAME": "lo"}
+
+
+def test_bootstrap_one_process(monkeypatch) -> None:
+    _use_fake_mpi(monkeypatch)
+    result = rendezvous(environ=MPICH_ONE, timeout=10)
+    try:
+        assert isinstance(result.store, TCPStore)
+        assert result.source == "MPICH (store address bootstrapped over MPI)"
+        assert (result.rank, result.world_size, result.master_addr) == (0, 1, "127.0.0.1")
+        assert result.master_port == result.store.port > 0
+        assert result.store.add("n", 1) == 1
+    finally:
+        result.store.close()
+
+
+def test_bootstrap_keeps_master_port(monkeypatch) -> None:
+    _use_fake_mpi(monkeypatch)
+    port = _free_port()
+    result = rendezvous("env://", environ={**MPICH_ONE, "MASTER_PORT": str(port)}, timeout=10)
+    try:
+        assert (result.master_addr, result.master_port) == ("127.0.0.1", port)
+        assert result.source.endswith("(store address bootstrapped over MPI)")
+    finally:
+        result.store.close()
+
+
+@pytest.mark.parametrize(
+    ("init_method", "extra", "source"),
+    [
+        (None, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}, "MPICH"),
+        ("tcp://127.0.0.1:{port}", {}, "tcp://127.0.0.1:{port}"),
+    ],
+)
+def test_no_bootstrap_when_the_address_is_given(monkeypatch, init_method, extra,
+                                                source) -> None:
+    _no_mpi_import(monkeypatch)
+    port = str(_free_port())
+    env = {**MPICH_ONE, **{key: value.format(port=port) for key, value in extra.items()}}
+    url = None if init_method is None else init_method.format(port=port)
+    result = rendezvous(url, environ=env, timeout=10)
+    try:
+        assert result.source == source.format(port=port)
+        assert result.master_port == int(port)
+    finally:
+        result.store.close()
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"RANK": "0", "WORLD_SIZE": "1", "PMI_RANK": "0", "PMI_SIZE": "1"},  # torch style wins
+        {"PMI_RANK": "0", "PMI_SIZE": "1", "DISTCOMM_USE_AGENT_STORE": "1"},
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
+    ],
+)
+def test_no_bootstrap_without_an_mpi_launcher(monkeypatch, env) -> None:
+    _no_mpi_import(monkeypatch)
+    with pytest.raises(ValueError, match="cannot determine the store address") as info:
+        rendezvous(environ=env, timeout=1)
+    assert "mpi4py" not in str(info.value)
+
+
+def test_missing_mpi4py_says_what_to_do(monkeypatch) -> None:
+    monkeypatch.setattr(mpiutil, "is_mpi4py_available", lambda: False)
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2"}
+    with pytest.raises(ValueError) as info:
+        rendezvous(environ=env)
+    message = str(info.value)
+    for words in ("cannot determine the store address", "SLURM_JOB_NODELIST",
+                  "under MPICH (PMI_RANK)", "mpi4py is not installed",
+                  "pip install distcomm[mpi]", "set MASTER_ADDR and MASTER_PORT"):
+        assert words in message
+    with pytest.raises(ValueError) as info:
+        rendezvous(environ={**env, "MASTER_ADDR": "127.0.0.1"})
+    assert str(info.value).startswith("cannot determine the store port")
+    assert "pip install distcomm[mpi]" in str(info.value)
+
+
+def test_foreign_mpi_library_is_named(monkeypatch) -> None:
+    _use_fake_mpi(monkeypatch, size=1)
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
+    with pytest.raises(ValueError) as info:
+        rendezvous(environ=env)
+    message = str(info.value)
+    for words in ("under Open MPI (OMPI_COMM_WORLD_RANK)", "MPI.COMM_WORLD has 1 process(es)",
+                  "world size 2 (from OMPI_COMM_WORLD_SIZE (Open MPI))", "Fake MPI 1.0",
+                  "set MASTER_ADDR and MASTER_PORT"):
+        assert words in message
+
+
+def test_foreign_mpi_library_falls_back_to_slurm(monkeypatch, caplog) -> None:
+    _use_fake_mpi(monkeypatch, size=1)
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=10)
+    try:
+        env = {"PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_JOB_NODELIST": "127.0.0.1",
+               "MASTER_PORT": str(server.port)}
+        with caplog.at_level("WARNING", logger="distcomm.rendezvous"):
+            result = rendezvous(environ=env, timeout=10)
+        result.store.close()
+        assert result.source == "MPICH"
+        assert (result.master_addr, result.master_port) == ("127.0.0.1", server.port)
+        assert "not bootstrapping the store over MPI" in caplog.text
+    finally:
+        server.close()
+
+
+def test_rank0_failure_reaches_the_other_ranks(monkeypatch) -> None:
+    _use_fake_mpi(monkeypatch)
+    comm = mpiutil.load_mpi().COMM_WORLD
+    comm.bcast = lambda value, root=0: ("error", "DistNetworkError: cannot listen")
+    comm.Get_rank = lambda: 1
+    comm.allgather = lambda value: [0, value]
+    comm.size = 2
+    with pytest.raises(DistNetworkError, match="rank 0 could not host the store: "
+                                               "DistNetworkError: cannot listen"):
+        rendezvous(environ={"PMI_RANK": "1", "PMI_SIZE": "2"}, timeout=5)
