@@ -166,7 +166,10 @@ def test_destroy_unmaps_every_segment(tmp_path):
 
 def _raise_or_die(how: str) -> None:
     x = np.ones(500_000)
-    dist.all_reduce(x)
+    try:  # a survivor may still be finishing this one when the killed rank dies
+        dist.all_reduce(x)
+    except dist.DistNetworkError:
+        return
     if how == "raise":  # a mismatch: every rank raises out of the collective, mid-job
         if dist.get_rank() == 1:
             dist.broadcast(x, src=0)
@@ -199,8 +202,9 @@ def test_nothing_left_in_dev_shm_after_exception_or_kill(how):
 def _two_host_failure(case: str) -> tuple[str, str]:
     r = dist.get_rank()
     x = np.ones(300_000)
-    dist.all_reduce(x)
     try:
+        # inside the try: a survivor may still be finishing this one when rank 3 dies
+        dist.all_reduce(x)
         if case == "mismatch":
             if r == 3:
                 dist.broadcast(x, src=0)

@@ -193,6 +193,8 @@ class MpiBackend(Backend):
         self._comm = comm
         self._tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
         self._user_ops: dict[ReduceOp, Any] = {}
+        self._ops: dict[tuple[ReduceOp, Any], Any] = {}  # (op, dtype) -> MPI.Op
+        self._datatypes: dict[Any, Any] = {}  # numpy dtype -> MPI.Datatype
         self._staging: Any = None
         self._cuda_aware = _cuda_aware(MPI)
         self._queue = OpQueue(f"distcomm-mpi-ops-{self.group_name}")
@@ -209,10 +211,20 @@ class MpiBackend(Backend):
     def _buf(self, array: Any) -> list[Any]:
         if array is None:
             return None  # type: ignore[return-value]
-        dtype = np.dtype(array.dtype)
-        return [array, getattr(self._MPI, _DTYPES[dtype.name])]
+        datatype = self._datatypes.get(array.dtype)
+        if datatype is None:
+            name = _DTYPES[np.dtype(array.dtype).name]
+            datatype = self._datatypes[array.dtype] = getattr(self._MPI, name)
+        return [array, datatype]
 
     def _op(self, op: ReduceOp, dtype: np.dtype) -> Any:
+        key = (op, dtype)
+        found = self._ops.get(key)
+        if found is None:
+            found = self._ops[key] = self._lookup_op(op, np.dtype(dtype))
+        return found
+
+    def _lookup_op(self, op: ReduceOp, dtype: np.dtype) -> Any:
         MPI = self._MPI
         if dtype.name == "float16":
             user = self._user_ops.get(op)
@@ -486,6 +498,7 @@ class MpiBackend(Backend):
         for op in self._user_ops.values():
             op.Free()
         self._user_ops.clear()
+        self._ops.clear()
         if self._staging is not None:
             self._staging.clear()
         try:
