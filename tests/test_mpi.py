@@ -137,3 +137,11 @@ def test_async_wait_timeout_then_completion(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "TIMEOUT" in done.stdout and "cannot be cancelled" in done.stdout, done.stdout
     assert "UNUSABLE" in done.stdout and "LATE 2.0" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_quickstart_runs_under_mpiexec_without_arguments(backend):
+    done = mpiexec(4, sys.executable, "-m", "distcomm.examples.quickstart", "--backend",
+                   backend, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"4 rank(s), backend {backend}" in done.stdout and "OK" in done.stdout, done.stdout

@@ -41,6 +41,8 @@ FEATURES = 16
 NOISE = 0.01
 TOLERANCE = 0.01  # the largest accepted |recovered - true| weight
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: set in every process by an MPI launcher (Open MPI, PMIx, MPICH/Hydra)
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
 def make_shard(rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -168,7 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.print_every < 1 or args.timeout <= 0:
         parser.error("--steps, --print_every and --timeout must be positive")
+    mpi_rank = next((os.environ[v] for v in MPI_RANK_VARS if v in os.environ), None)
     present = [name for name in LAUNCH_VARS if name in os.environ]
+    if mpi_rank is not None and "RANK" not in os.environ:
+        # under mpiexec/srun: this process is one rank; init_process_group finds the rest
+        if args.nprocs is not None:
+            parser.error(f"--nprocs starts ranks itself, but this process already is rank "
+                         f"{mpi_rank} of an MPI job: drop --nprocs")
+        return 0 if train(args) else 1
     if present and len(present) < len(LAUNCH_VARS):
         missing = ", ".join(name for name in LAUNCH_VARS if name not in os.environ)
         parser.error(f"the environment sets {', '.join(present)} but not {missing}: set all "
