@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from ..gpu.staging import is_cupy_array
 from ..ops import ReduceOp
 from ..store.base import Store
 from ..work import Work
@@ -140,6 +141,22 @@ class Backend(ABC):
         from . import register_backend
 
         register_backend(name, func, extended_api=extended_api, devices=devices)
+
+    def _staged(self, call: Callable[..., Work], outputs: Sequence[Any],
+                inputs: Sequence[Any]) -> Work | None:
+        """Run `call(*host_outputs, *host_inputs)` on pinned host copies when an array is a
+        CuPy array (in-place arrays are listed as both); None for host arrays."""
+        if not any(is_cupy_array(a) for a in (*outputs, *inputs)):
+            return None
+        from ..gpu.staging import HostStaging, run_staged
+
+        staging = getattr(self, "_staging", None)
+        if staging is None:
+            staging = self._staging = HostStaging()
+        run_staged(call, outputs, inputs, staging)
+        work = Work(self.describe("staged operation"), list(outputs), timeout=self.timeout)
+        work.complete()
+        return work
 
     def label(self) -> str:
         """`[rank r/n]`, the prefix of this backend's messages."""

@@ -222,21 +222,6 @@ class GlooBackend(TcpBackend):
 
         return self._shm("barrier", signature, body, [], async_op)
 
-    def _staged(self, call: Callable[..., Work], outputs: Sequence[Any],
-                inputs: Sequence[Any]) -> Work | None:
-        """Run `call(*host_outputs, *host_inputs)` on pinned host copies when an array is a
-        CuPy array (in-place arrays are listed as both); None for host arrays."""
-        if not any(is_cupy_array(a) for a in (*outputs, *inputs)):
-            return None
-        from ..gpu.staging import HostStaging, run_staged
-
-        if self._staging is None:
-            self._staging = HostStaging()
-        run_staged(call, outputs, inputs, self._staging)
-        work = Work(self.describe("staged operation"), list(outputs), timeout=self.timeout)
-        work.complete(None)
-        return work
-
     # -- the op set ------------------------------------------------------------------------
 
     def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:

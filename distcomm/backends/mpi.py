@@ -315,23 +315,13 @@ class MpiBackend(Backend):
 
     def _staged(self, call: Callable[..., Work], outputs: Sequence[Any],
                 inputs: Sequence[Any]) -> Work | None:
-        """Run `call` on host copies of CuPy arrays (None when no array is a CuPy array, or
-        the MPI library takes device memory itself)."""
-        if not any(is_cupy_array(a) for a in (*outputs, *inputs)):
-            return None
-        if self._cuda_aware:
+        """Host staging of CuPy arrays, unless the MPI library takes device memory itself."""
+        if self._cuda_aware and any(is_cupy_array(a) for a in (*outputs, *inputs)):
             import cupy
 
             cupy.cuda.get_current_stream().synchronize()
             return None
-        from ..gpu.staging import HostStaging, run_staged
-
-        if self._staging is None:
-            self._staging = HostStaging()
-        run_staged(call, outputs, inputs, self._staging)
-        work = Work(self.describe("staged operation"), list(outputs), timeout=self.timeout)
-        work.complete()
-        return work
+        return super()._staged(call, outputs, inputs)
 
     # -- the op set ------------------------------------------------------------------------
 
