@@ -32,8 +32,16 @@ from . import config
 from .deadline import Deadline
 from .errors import DistTimeoutError
 
-__all__ = ["INSTALL_HINT", "install_abort_hook", "is_mpi4py_available", "load_mpi",
-           "remove_abort_hook", "wait_all"]
+__all__ = [
+    "INSTALL_HINT",
+    "abort",
+    "install_abort_hook",
+    "is_mpi4py_available",
+    "load_mpi",
+    "remove_abort_hook",
+    "unlink_mpi_segments",
+    "wait_all",
+]
 
 #: What to install for MPI support.
 INSTALL_HINT = "pip install distcomm[mpi]"
@@ -125,7 +133,42 @@ class _AbortHook:
             pass
         finally:
             _flush_and_drain()
-            mpi.COMM_WORLD.Abort(1)
+            abort(mpi)
+
+
+#: shared-memory files MPI libraries keep linked until MPI_Finalize (MPICH, Open MPI)
+_MPI_SEGMENT_PREFIXES = ("mpich_shm_", "vader_segment.", "sm_segment.")
+
+
+def unlink_mpi_segments() -> list[str]:
+    """Unlink the MPI library's /dev/shm files that this process maps; returns their paths.
+
+    MPI_Abort skips MPI_Finalize, which would remove them; mappings stay valid, so the
+    other ranks are unaffected until they exit too.
+    """
+    removed = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[5].strip() for line in maps
+                     if line.count(" ") >= 5 and "/dev/shm/" in line}
+    except (OSError, IndexError):
+        return removed
+    for path in sorted(paths):
+        name = path.rsplit("/", 1)[-1]
+        if path.endswith("(deleted)") or not name.startswith(_MPI_SEGMENT_PREFIXES):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def abort(mpi: Any, code: int = 1) -> None:
+    """MPI.COMM_WORLD.Abort(code), after removing the shared-memory files it would leak."""
+    unlink_mpi_segments()
+    mpi.COMM_WORLD.Abort(code)
 
 
 def _flush_and_drain() -> None:

@@ -18,6 +18,19 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(400)
 
 
+def _mpi_segments() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("mpich_shm_*")} if shm.is_dir() else set()
+
+
+@pytest.fixture(autouse=True)
+def _no_mpi_segment_left():
+    """Every job, aborted ones included, leaves no MPI shared-memory file behind."""
+    before = _mpi_segments()
+    yield
+    assert _mpi_segments() <= before, sorted(_mpi_segments() - before)
+
+
 def _mpiexec() -> str | None:
     beside = Path(sys.executable).parent / "mpiexec"
     return str(beside) if beside.exists() else shutil.which("mpiexec")

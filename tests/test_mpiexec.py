@@ -31,6 +31,19 @@ _DROPPED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
             "LOCAL_WORLD_SIZE", "DISTCOMM_USE_AGENT_STORE", "DISTCOMM_MPI_ABORT_ON_EXCEPTION")
 
 
+def _mpi_segments() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("mpich_shm_*")} if shm.is_dir() else set()
+
+
+@pytest.fixture(autouse=True)
+def _no_mpi_segment_left():
+    """Every job, aborted ones included, leaves no MPI shared-memory file behind."""
+    before = _mpi_segments()
+    yield
+    assert _mpi_segments() <= before, sorted(_mpi_segments() - before)
+
+
 def _find_mpiexec() -> str | None:
     beside = Path(sys.executable).parent / "mpiexec"
     if beside.is_file() and os.access(beside, os.X_OK):

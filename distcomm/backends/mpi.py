@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import DistBackendError, DistTimeoutError
 from ..gpu.staging import is_cupy_array
-from ..mpiutil import install_abort_hook
+from ..mpiutil import abort, install_abort_hook
 from ..ops import MPI_OP_NAMES, ReduceOp, reduce_into
 from ..store.base import Store
 from ..work import Future, Work
@@ -309,7 +309,7 @@ class MpiBackend(Backend):
                   "timeout): a rank has not called it, or called a different operation. An "
                   "MPI operation cannot be cancelled, so the MPI job is aborted.",
                   file=sys.stderr, flush=True)
-            self._MPI.COMM_WORLD.Abort(1)
+            abort(self._MPI)
 
     # -- GPU arrays -------------------------------------------------------------------------
 
