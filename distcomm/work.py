@@ -11,6 +11,12 @@ from .deadline import to_seconds
 
 __all__ = ["Future", "Work"]
 
+# what a future completed at creation shares instead of making its own (set once, never
+# cleared; such a future is never completed again)
+_SET = threading.Event()
+_SET.set()
+_SHARED_LOCK = threading.Lock()
+
 
 class Future:
     """The eventual result of an operation (the subset of torch.futures.Future it offers).
@@ -24,6 +30,14 @@ class Future:
         self._value: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Future], None]] = []
+
+    @classmethod
+    def completed(cls, value: Any) -> Future:
+        """A future already completed with `value` (cheap: shares its event and lock)."""
+        future = cls.__new__(cls)
+        future._done, future._lock = _SET, _SHARED_LOCK
+        future._value, future._error, future._callbacks = value, None, []
+        return future
 
     def done(self) -> bool:
         """Whether a result or an error has been set."""
@@ -113,6 +127,19 @@ class Work:
         self._source_rank = -1
         #: the group's global ranks, set by the caller so `source_rank` can translate
         self.global_ranks: list[int] | None = None
+
+    @classmethod
+    def completed(cls, description: str, outputs: list[Any] | None = None) -> Work:
+        """The Work of an operation that already finished successfully (a synchronous call)."""
+        work = cls.__new__(cls)
+        work.description = description
+        work._default_timeout = None
+        work._outputs = outputs if outputs is not None else []
+        work._on_timeout = None
+        work._future = Future.completed(work._outputs)
+        work._source_rank = -1
+        work.global_ranks = None
+        return work
 
     # -- completion, called by backends -----------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
@@ -57,6 +58,10 @@ class OpQueue:
             self._busy = True
         self._run(fn, work)
         return work
+
+    def idle(self) -> bool:
+        """Whether nothing is running or queued (a synchronous call may then run at once)."""
+        return not (self._busy or self._queue or self._closed)
 
     def _run(self, fn: Callable[[], Any], work: Work) -> None:
         """Run one operation (the queue is marked busy) and complete its Work."""
@@ -146,7 +151,8 @@ class Backend(ABC):
                 inputs: Sequence[Any]) -> Work | None:
         """Run `call(*host_outputs, *host_inputs)` on pinned host copies when an array is a
         CuPy array (in-place arrays are listed as both); None for host arrays."""
-        if not any(is_cupy_array(a) for a in (*outputs, *inputs)):
+        if "cupy" not in sys.modules or not any(is_cupy_array(a)
+                                                 for a in (*outputs, *inputs)):
             return None
         from ..gpu.staging import HostStaging, run_staged
 

@@ -257,6 +257,18 @@ class MpiBackend(Backend):
              async_op: bool, finish: Callable[[], None] | None = None) -> Work:
         """Run the blocking MPI call `blocking()` in issue order (on the worker thread when
         `async_op`), then `finish()`."""
+        if not async_op and not self._broken and self._queue.idle():
+            # the common synchronous call: nothing queued before it, so run it right here
+            self._watch(what)
+            try:
+                blocking()
+            except self._MPI.Exception as exc:
+                raise DistBackendError(f"{self.describe(what)}: {_mpi_error(exc)}") from None
+            finally:
+                self._inflight = None
+            if finish is not None:
+                finish()
+            return Work.completed(what, outputs)
         description = self._check(what)
 
         def on_timeout(seconds: float) -> BaseException:
@@ -266,7 +278,7 @@ class MpiBackend(Backend):
                 "an MPI operation cannot be cancelled, so this group can no longer be used")
 
         def run() -> None:
-            self._watch(description)
+            self._watch(what)
             try:
                 blocking()
             except self._MPI.Exception as exc:
@@ -305,8 +317,9 @@ class MpiBackend(Backend):
             inflight = self._inflight
             if inflight is None or time.monotonic() - inflight[0] < self.timeout:
                 continue
-            print(f"{inflight[1]} did not complete within {self.timeout:.1f} s (the group "
-                  "timeout): a rank has not called it, or called a different operation. An "
+            print(f"{self.describe(inflight[1])} did not complete within {self.timeout:.1f} s "
+                  "(the group timeout): a rank has not called it, or called a different "
+                  "operation. An "
                   "MPI operation cannot be cancelled, so the MPI job is aborted.",
                   file=sys.stderr, flush=True)
             abort(self._MPI)
