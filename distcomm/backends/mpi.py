@@ -259,15 +259,7 @@ class MpiBackend(Backend):
         `async_op`), then `finish()`."""
         if not async_op and not self._broken and self._queue.idle():
             # the common synchronous call: nothing queued before it, so run it right here
-            self._watch(what)
-            try:
-                blocking()
-            except self._MPI.Exception as exc:
-                raise DistBackendError(f"{self.describe(what)}: {_mpi_error(exc)}") from None
-            finally:
-                self._inflight = None
-            if finish is not None:
-                finish()
+            self._call(what, blocking, finish)
             return Work.completed(what, outputs)
         description = self._check(what)
 
@@ -278,18 +270,23 @@ class MpiBackend(Backend):
                 "an MPI operation cannot be cancelled, so this group can no longer be used")
 
         def run() -> None:
-            self._watch(what)
-            try:
-                blocking()
-            except self._MPI.Exception as exc:
-                raise DistBackendError(f"{description}: {_mpi_error(exc)}") from None
-            finally:
-                self._inflight = None
-            if finish is not None:
-                finish()
+            self._call(what, blocking, finish)
 
         work = Work(description, outputs, on_timeout=on_timeout, timeout=self.timeout)
         return self._queue.submit(run, work, async_op and self._threaded)
+
+    def _call(self, what: str, blocking: Callable[[], None],
+              finish: Callable[[], None] | None) -> None:
+        """Make the blocking MPI call under the watchdog's eye, then `finish()`."""
+        self._watch(what)
+        try:
+            blocking()
+        except self._MPI.Exception as exc:
+            raise DistBackendError(f"{self.describe(what)}: {_mpi_error(exc)}") from None
+        finally:
+            self._inflight = None
+        if finish is not None:
+            finish()
 
     def _request(self, what: str, start: Callable[[], Any], outputs: list[Any],
                  finish: Callable[[], None] | None = None, status: Any = None) -> Work:
