@@ -114,16 +114,17 @@ class Work:
         on_timeout: called with the seconds waited when `wait(timeout)` expires; it
             cancels or aborts the operation and returns the exception to raise.
         timeout: what `wait()` without a timeout waits at most (the group's timeout).
+        done: the operation already succeeded (`Work.completed`).
     """
 
     def __init__(self, description: str, outputs: list[Any] | None = None,
                  on_timeout: Callable[[float], BaseException] | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, *, done: bool = False) -> None:
         self.description = description
         self._default_timeout = timeout
         self._outputs = outputs if outputs is not None else []
         self._on_timeout = on_timeout
-        self._future = Future()
+        self._future = Future.completed(self._outputs) if done else Future()
         self._source_rank = -1
         #: the group's global ranks, set by the caller so `source_rank` can translate
         self.global_ranks: list[int] | None = None
@@ -131,15 +132,7 @@ class Work:
     @classmethod
     def completed(cls, description: str, outputs: list[Any] | None = None) -> Work:
         """The Work of an operation that already finished successfully (a synchronous call)."""
-        work = cls.__new__(cls)
-        work.description = description
-        work._default_timeout = None
-        work._outputs = outputs if outputs is not None else []
-        work._on_timeout = None
-        work._future = Future.completed(work._outputs)
-        work._source_rank = -1
-        work.global_ranks = None
-        return work
+        return cls(description, outputs, done=True)
 
     # -- completion, called by backends -----------------------------------------------------
 

@@ -5,8 +5,6 @@ does not arrive. Every job runs with a hard timeout, on loopback only."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,29 +12,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.mpijobs import MPIEXEC, REPO, job_env, no_mpi_segment_left  # noqa: F401
+
 pytestmark = pytest.mark.timeout(400)
 
-
-def _mpi_segments() -> set[str]:
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("mpich_shm_*")} if shm.is_dir() else set()
-
-
-@pytest.fixture(autouse=True)
-def _no_mpi_segment_left():
-    """Every job, aborted ones included, leaves no MPI shared-memory file behind."""
-    before = _mpi_segments()
-    yield
-    assert _mpi_segments() <= before, sorted(_mpi_segments() - before)
-
-
-def _mpiexec() -> str | None:
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
-MPIEXEC = _mpiexec()
 if importlib.util.find_spec("mpi4py") is None or MPIEXEC is None:
     pytest.skip("the mpi backend tests need mpi4py and mpiexec: pip install 'distcomm[mpi]'",
                 allow_module_level=True)
@@ -45,13 +24,7 @@ if importlib.util.find_spec("mpi4py") is None or MPIEXEC is None:
 def mpiexec(n: int, *argv: str, timeout: float = 300,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `mpiexec -n n argv...` on loopback with no torch-style rendezvous variables."""
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                          "LOCAL_WORLD_SIZE", "PYTEST_CURRENT_TEST")}
-    clean.update({"HYDRA_IFACE": "lo", "UCX_NET_DEVICES": "lo", "DISTCOMM_SOCKET_IFNAME": "lo",
-                  "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    clean.update(env or {})
-    return subprocess.run([MPIEXEC, "-n", str(n), *argv], cwd=ROOT, env=clean,
+    return subprocess.run([MPIEXEC, "-n", str(n), *argv], cwd=REPO, env=job_env(**(env or {})),
                           capture_output=True, text=True, timeout=timeout)
 
 

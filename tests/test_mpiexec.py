@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,51 +20,15 @@ from distcomm import mpiutil
 from distcomm.errors import DistNetworkError
 from distcomm.rendezvous import rendezvous
 from distcomm.store import TCPStore
+from tests.mpijobs import MPIEXEC, REPO, job_env, no_mpi_segment_left  # noqa: F401
 
-REPO = Path(__file__).resolve().parent.parent
 #: hard limit of one mpiexec run, in seconds
 RUN_TIMEOUT = 120
-#: launcher and rank variables of any job this test runs inside: the jobs start clean
-_DROPPED_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "MPI_LOCAL", "SLURM_")
-_DROPPED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE", "DISTCOMM_USE_AGENT_STORE", "DISTCOMM_MPI_ABORT_ON_EXCEPTION")
 
-
-def _mpi_segments() -> set[str]:
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("mpich_shm_*")} if shm.is_dir() else set()
-
-
-@pytest.fixture(autouse=True)
-def _no_mpi_segment_left():
-    """Every job, aborted ones included, leaves no MPI shared-memory file behind."""
-    before = _mpi_segments()
-    yield
-    assert _mpi_segments() <= before, sorted(_mpi_segments() - before)
-
-
-def _find_mpiexec() -> str | None:
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("mpiexec")
-
-
-MPIEXEC = _find_mpiexec()
 needs_mpiexec = pytest.mark.skipif(
     MPIEXEC is None or not mpiutil.is_mpi4py_available(),
     reason="needs mpi4py and an mpiexec (beside the interpreter or on PATH): "
            "pip install distcomm[mpi]")
-
-
-def _job_env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items()
-           if key not in _DROPPED and not key.startswith(_DROPPED_PREFIXES)}
-    env.update(HYDRA_IFACE="lo", UCX_NET_DEVICES="lo", HYDRA_LAUNCHER="fork",
-               DISTCOMM_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
 
 
 def _mpiexec(n: int, script: Path, *args: str, env: dict[str, str] | None = None,
@@ -73,7 +36,7 @@ def _mpiexec(n: int, script: Path, *args: str, env: dict[str, str] | None = None
     """Run `script` on `n` ranks: (exit status, stdout + stderr, seconds taken)."""
     command = [str(MPIEXEC), "-n", str(n), sys.executable, str(script), *args]
     start = time.monotonic()
-    proc = subprocess.Popen(command, env=_job_env() if env is None else env,
+    proc = subprocess.Popen(command, env=job_env() if env is None else env,
                             cwd=script.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -220,7 +183,7 @@ def test_every_rank_raises_when_rank0_cannot_host(tmp_path: Path) -> None:
     with socket.socket() as taken:  # MASTER_PORT is in use: rank 0 cannot listen there
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        env = _job_env(MASTER_PORT=str(taken.getsockname()[1]))
+        env = job_env(MASTER_PORT=str(taken.getsockname()[1]))
         status, output, _ = _mpiexec(2, _script(tmp_path, "fails.py", HOST_FAILS_SCRIPT),
                                      env=env)
     assert status == 0, output

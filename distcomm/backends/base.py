@@ -128,6 +128,7 @@ class Backend(ABC):
         self.size = size
         self.timeout = timeout
         self.group_name = group_name or "default"
+        self._staging: Any = None  # pinned host buffers for CuPy arrays, made on first use
 
     @classmethod
     def is_available(cls) -> bool:
@@ -156,13 +157,10 @@ class Backend(ABC):
             return None
         from ..gpu.staging import HostStaging, run_staged
 
-        staging = getattr(self, "_staging", None)
-        if staging is None:
-            staging = self._staging = HostStaging()
-        run_staged(call, outputs, inputs, staging)
-        work = Work(self.describe("staged operation"), list(outputs), timeout=self.timeout)
-        work.complete()
-        return work
+        if self._staging is None:
+            self._staging = HostStaging()
+        run_staged(call, outputs, inputs, self._staging)
+        return Work.completed(self.describe("staged operation"), list(outputs))
 
     def label(self) -> str:
         """`[rank r/n]`, the prefix of this backend's messages."""

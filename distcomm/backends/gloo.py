@@ -69,7 +69,6 @@ class GlooBackend(TcpBackend):
         self._engine: IntraNode | None = None  # this host's, when it has other ranks
         self._local_seq = 0  # the engine's own count (across hosts not every op uses it)
         self._rep_buffer = np.empty(0, np.uint8)
-        self._staging: Any = None
         if size > 1:
             try:
                 self._setup_engine(store, mode)

@@ -181,6 +181,10 @@ class IntraNode:
         self.inline_max, self.chunk = min(inline_max, self.INLINE_MAX), chunk
         self._segment, self._pids, self._mailbox = segment, pids, mailbox
         self._words = segment.bytes[:self.slots_offset(size)].view(np.int32)
+        # the slot layout, fixed by the group size
+        self._slots_at = self.slots_offset(size)
+        self._header = self._header_bytes(size)
+        self._stride = self._header + self.INLINE_MAX
         self._waiting = 0
         self._local = threading.local()
         self._describe = ""
@@ -205,8 +209,7 @@ class IntraNode:
         return cls.slots_offset(size) + 2 * size * (cls._header_bytes(size) + cls.INLINE_MAX)
 
     def _slot(self, seq: int, rank: int) -> int:
-        stride = self._header_bytes(self.size) + self.INLINE_MAX
-        return self.slots_offset(self.size) + ((seq % 2) * self.size + rank) * stride
+        return self._slots_at + ((seq % 2) * self.size + rank) * self._stride
 
     def _meta(self, seq: int, rank: int) -> np.ndarray:
         at = self._slot(seq, rank)
@@ -217,7 +220,7 @@ class IntraNode:
         return self._segment.bytes[at:at + 8 * (self.size + 1)].view(np.int64)
 
     def _payload(self, seq: int, rank: int, nbytes: int) -> np.ndarray:
-        at = self._slot(seq, rank) + self._header_bytes(self.size)
+        at = self._slot(seq, rank) + self._header
         return self._segment.bytes[at:at + nbytes]
 
     # -- synchronisation -------------------------------------------------------------------

@@ -195,7 +195,6 @@ class MpiBackend(Backend):
         self._user_ops: dict[ReduceOp, Any] = {}
         self._ops: dict[tuple[ReduceOp, Any], Any] = {}  # (op, dtype) -> MPI.Op
         self._datatypes: dict[Any, Any] = {}  # numpy dtype -> MPI.Datatype
-        self._staging: Any = None
         self._cuda_aware = _cuda_aware(MPI)
         self._queue = OpQueue(f"distcomm-mpi-ops-{self.group_name}")
         # async collectives need MPI calls from the worker thread: MPI_THREAD_MULTIPLE
@@ -376,7 +375,6 @@ class MpiBackend(Backend):
             return self._buf(input)
         m = input.size
         if output[index * m:(index + 1) * m].ctypes.data == input.ctypes.data:
-            output[index * m:(index + 1) * m] = input  # a no-op: the same memory
             return self._MPI.IN_PLACE
         return self._buf(input.copy())
 
