@@ -38,6 +38,8 @@ __all__ = ["GlooBackend", "transport_mode"]
 log = logging.getLogger(__name__)
 
 _MODES = ("auto", "tcp")
+#: the scratch slot of a reduce's host representative (the algorithms use slots 0 and 1)
+_HOST_COPY_SLOT = 8
 
 
 def transport_mode(environ: Any = os.environ) -> str:
@@ -68,7 +70,6 @@ class GlooBackend(TcpBackend):
         self._layout: HostLayout | None = None
         self._engine: IntraNode | None = None  # this host's, when it has other ranks
         self._local_seq = 0  # the engine's own count (across hosts not every op uses it)
-        self._rep_buffer = np.empty(0, np.uint8)
         if size > 1:
             try:
                 self._setup_engine(store, mode)
@@ -197,9 +198,7 @@ class GlooBackend(TcpBackend):
         def body(seq: int, describe: str, deadline: Deadline) -> None:
             target = array
             if self.rank == rep and rep != root:  # a non-root input must stay unchanged
-                if self._rep_buffer.nbytes < array.nbytes:
-                    self._rep_buffer = np.empty(array.nbytes, np.uint8)
-                target = self._rep_buffer[:array.nbytes].view(array.dtype)
+                target = self._scratch.get(_HOST_COPY_SLOT, array.size, array.dtype)
                 target[...] = array
             self._host_step(lambda e, s: e.reduce(s, signature, target, mine, plain))
             self._between_hosts(seq, signature, describe, deadline, reps,

@@ -34,6 +34,7 @@ from ..ops import ReduceOp, reduce_into
 from ..parallel import parallel_for
 from ..store.base import Store
 from .transport.base import Signature, mismatch_message
+from .transport.exchange import ScratchPool
 from .transport.mailbox import Mailbox
 from .transport.shm import (
     Segment,
@@ -187,6 +188,7 @@ class IntraNode:
         self._stride = self._header + self.INLINE_MAX
         self._waiting = 0
         self._local = threading.local()
+        self._pool = ScratchPool()  # a non-root owner's partial result in `reduce`
         self._describe = ""
         self._deadline = Deadline(None)
         mailbox.add_listener(self._interrupt)
@@ -345,10 +347,11 @@ class IntraNode:
                                                        b - a), min_chunk=_THREADED_MIN // 2)
 
     def _scratch(self, nbytes: int) -> np.ndarray:
-        buffer = getattr(self._local, "buffer", None)
-        if buffer is None or buffer.nbytes < nbytes:
-            buffer = self._local.buffer = np.empty(nbytes, np.uint8)
-        return buffer[:nbytes]
+        """This thread's chunk buffer (the intra-op threads reduce side by side)."""
+        pool = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = self._local.pool = ScratchPool()
+        return pool.get(0, nbytes, np.uint8)
 
     def _owner_reduce(self, seq: int, acc: np.ndarray, own: np.ndarray, base: int,
                       op: ReduceOp, write_to: Sequence[int], divide: bool) -> None:
@@ -422,17 +425,10 @@ class IntraNode:
         self._arrive(seq, sig, address, address)
         bounds = _bounds(buf.size, self.size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        acc = buf[lo:hi] if gets_result else self._scratch_big(hi - lo, buf.dtype)
+        acc = buf[lo:hi] if gets_result else self._pool.get(0, hi - lo, buf.dtype)
         targets = self._others() if root is None else [root] if root != self.rank else []
         self._owner_reduce(seq, acc, buf[lo:hi], lo * buf.itemsize, op, targets, avg)
         self._finish(seq, range(self.size))
-
-    def _scratch_big(self, count: int, dtype: np.dtype) -> np.ndarray:
-        nbytes = count * np.dtype(dtype).itemsize
-        buffer = getattr(self, "_big", None)
-        if buffer is None or buffer.nbytes < nbytes:
-            buffer = self._big = np.empty(nbytes, np.uint8)
-        return buffer[:nbytes].view(dtype)
 
     def broadcast(self, seq: int, sig: Signature, buf: np.ndarray, root: int) -> None:
         is_root = self.rank == root

@@ -78,7 +78,7 @@ class _MpiWork(Work):
         super().__init__(description, outputs, timeout=timeout)
         self._request, self._finish, self._status = request, finish, status
         self._lock = threading.Lock()
-        self._broken = on_timeout
+        self._on_expiry = on_timeout
 
     def _test(self) -> bool:
         with self._lock:
@@ -123,8 +123,8 @@ class _MpiWork(Work):
         if seconds is None:
             seconds = self._default_timeout
         if not self._drive(seconds):
-            if self._broken is not None:
-                self._broken()
+            if self._on_expiry is not None:
+                self._on_expiry()
             raise DistTimeoutError(
                 f"{self.description} did not complete within {seconds:.1f} s; an MPI "
                 "operation cannot be cancelled, so this group can no longer be used")
@@ -247,10 +247,9 @@ class MpiBackend(Backend):
             raise DistBackendError(f"{description}: the group is unusable: {self._broken}")
         return description
 
-    def _mark_broken(self, description: str) -> Callable[[], None]:
-        def broken() -> None:
-            self._broken = f"{description} timed out and could not be cancelled"
-        return broken
+    def _break(self, description: str) -> None:
+        """Refuse every later operation: `description` timed out and is still in MPI."""
+        self._broken = f"{description} timed out and could not be cancelled"
 
     def _run(self, what: str, blocking: Callable[[], None], outputs: list[Any],
              async_op: bool, finish: Callable[[], None] | None = None) -> Work:
@@ -263,7 +262,7 @@ class MpiBackend(Backend):
         description = self._check(what)
 
         def on_timeout(seconds: float) -> BaseException:
-            self._mark_broken(description)()
+            self._break(description)
             return DistTimeoutError(
                 f"{description} did not complete within {seconds:.1f} s (Work.wait timeout); "
                 "an MPI operation cannot be cancelled, so this group can no longer be used")
@@ -296,7 +295,7 @@ class MpiBackend(Backend):
         except self._MPI.Exception as exc:
             raise DistBackendError(f"{description}: {_mpi_error(exc)}") from None
         return _MpiWork(description, outputs, request, finish, self.timeout, status,
-                        self._mark_broken(description))
+                        lambda: self._break(description))
 
     # -- the watchdog of blocking calls ---------------------------------------------------------
 
