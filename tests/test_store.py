@@ -874,6 +874,7 @@ def test_store_package_exports():
     import distcomm.store
 
     assert sorted(distcomm.store.__all__) == [
+        "EtcdStore",
         "FileStore",
         "HashStore",
         "PrefixStore",

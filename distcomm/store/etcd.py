@@ -1,0 +1,703 @@
+"""EtcdStore: a key-value store kept in an etcd server, spoken to over its v3 JSON API.
+
+etcd (>= 3.4) serves its gRPC API as JSON over HTTP at ``/v3/...`` (the gRPC gateway):
+keys and values travel base64-encoded, 64-bit integers as decimal strings, and fields
+holding their default value (false, 0, empty) are left out. Only the standard library's
+`http.client` is used, over plain HTTP: TLS and authentication are not supported, so
+run the store's etcd on a trusted network. DISTCOMM_AUTH_KEY does not apply here (etcd
+cannot take part in its handshake); the store never unpickles what it reads.
+
+Every key is stored as `prefix` + key. Requests go over a small pool of keep-alive
+connections, each used by one request at a time. The methods map onto etcd as follows::
+
+    set, multi_set        put; one txn of puts (in chunks of 128, etcd's --max-txn-ops)
+    add, append           a compare-and-swap loop of txns: put if the key's mod_revision
+                          (or create_revision 0: missing) is still the one read
+    compare_set           txn: put if the value (or create_revision 0) matches
+    check                 txn of one range per key (keys only)
+    get, multi_get, wait  that txn; then, for missing keys, a watch from the txn's revision
+                          + 1 on a dedicated streaming connection, so a key set at any
+                          moment after the read is seen and nothing polls
+    delete_key            deleterange
+    num_keys              count-only range over the prefix
+
+A stopped or unreachable server makes requests fail at once with `DistNetworkError`;
+a watch notices a vanished server host through TCP keep-alive.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from ..config import DEFAULT_STORE_TIMEOUT
+from ..deadline import Deadline, to_seconds
+from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
+from ..net import format_address, set_keepalive
+from .base import Store, check_key, to_bytes
+from .hash import (
+    add_value,
+    check_amount,
+    check_keys,
+    check_values,
+    compare_set_value,
+    timeout_error,
+)
+
+__all__ = ["EtcdStore", "parse_endpoint"]
+
+#: etcd's client port, used when an endpoint gives none.
+DEFAULT_PORT = 2379
+#: Extra seconds a request may take beyond the store timeout before it counts as unanswered.
+SAFETY_MARGIN = 1.0
+#: Operations per txn: etcd's default --max-txn-ops; longer key lists go in several txns.
+MAX_TXN_OPS = 128
+#: Idle keep-alive connections kept per store; more are closed after use.
+_POOL_SIZE = 8
+_RESPONSE_MOST = 500  # characters of a non-JSON or error body quoted in messages
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """(host, port) of an etcd endpoint: "host:port", "[v6]:port" or "http://host:port".
+
+    The port defaults to 2379, etcd's client port.
+
+    Raises:
+        TypeError: `endpoint` is not a str.
+        ValueError: it is malformed, lists several endpoints, or asks for https (TLS is
+            not supported).
+    """
+    if not isinstance(endpoint, str):
+        raise TypeError(f"EtcdStore endpoint must be a str, got {type(endpoint).__name__}")
+    forms = "give host:port, [ipv6]:port or http://host:port"
+    text = endpoint.strip()
+    scheme, sep, rest = text.partition("://")
+    if sep:
+        if scheme.lower() == "https":
+            raise ValueError(
+                f"EtcdStore endpoint {endpoint!r} uses https, but TLS is not supported: "
+                "use an etcd client URL with http:// on a trusted network"
+            )
+        if scheme.lower() != "http":
+            raise ValueError(f"EtcdStore endpoint {endpoint!r} has scheme {scheme!r}; {forms}")
+        text = rest[:-1] if rest.endswith("/") else rest
+    if "," in text:
+        raise ValueError(f"EtcdStore takes one endpoint, got the list {endpoint!r}; {forms}")
+    if "/" in text or "@" in text or not text:
+        raise ValueError(f"EtcdStore endpoint {endpoint!r} is not an address; {forms}")
+    if text.startswith("["):
+        host, bracket, tail = text[1:].partition("]")
+        if not bracket or (tail and not tail.startswith(":")):
+            raise ValueError(f"EtcdStore endpoint {endpoint!r} is not an address; {forms}")
+        port_text = tail[1:] if tail else ""
+    elif text.count(":") > 1:
+        raise ValueError(
+            f"EtcdStore endpoint {endpoint!r}: an IPv6 address needs brackets, as in [::1]:2379"
+        )
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise ValueError(f"EtcdStore endpoint {endpoint!r} names no host; {forms}")
+    if not port_text:
+        return host, DEFAULT_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) <= 65535:
+        raise ValueError(
+            f"EtcdStore endpoint {endpoint!r} has port {port_text!r}; a port is 1..65535"
+        )
+    return host, int(port_text)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key above every key that starts with `prefix` (etcd's range end)."""
+    for index in range(len(prefix) - 1, -1, -1):
+        if prefix[index] < 0xFF:
+            return prefix[:index] + bytes([prefix[index] + 1])
+    return b"\0"  # a prefix of only 0xff bytes: every key from it on
+
+
+def _kv_value(kv: dict[str, Any]) -> bytes:
+    return _unb64(kv.get("value", ""))
+
+
+def _range_kv(response: dict[str, Any]) -> dict[str, Any] | None:
+    """The key-value of a txn whose only (failure) operation was a range of one key."""
+    kvs = response.get("responses", [{}])[0].get("response_range", {}).get("kvs")
+    return kvs[0] if kvs else None
+
+
+def _compare_missing(key: bytes) -> dict[str, Any]:
+    return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+
+
+def _compare_unchanged(key: bytes, kv: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "key": _b64(key),
+        "target": "MOD",
+        "result": "EQUAL",
+        "mod_revision": int(kv["mod_revision"]),
+    }
+
+
+def _put(key: bytes, value: bytes) -> dict[str, Any]:
+    return {"request_put": {"key": _b64(key), "value": _b64(value)}}
+
+
+def _range(key: bytes) -> dict[str, Any]:
+    return {"request_range": {"key": _b64(key)}}
+
+
+class EtcdStore(Store):
+    """A store kept in an etcd server under a key prefix (torch's EtcdStore, on etcd's JSON API).
+
+    Many stores (one per job or rendezvous round) can share one etcd by using distinct
+    prefixes. etcd limits a request to about 1.5 MiB (its --max-request-bytes), so
+    larger values are refused with `DistStoreError`.
+
+    Args:
+        endpoint: etcd's client address: "host:port", "[ipv6]:port" or
+            "http://host:port" (port 2379 when left out).
+        prefix: prepended to every key (non-empty); `num_keys` counts the keys under it.
+        timeout: default timeout of `get`/`wait` (seconds or timedelta; default 300 s);
+            a single request that gets no answer within it (+1 s) fails too.
+
+    Raises:
+        ValueError: the endpoint is malformed or uses https, or the prefix is empty.
+        DistNetworkError: etcd cannot be reached at the endpoint (the message names it).
+        DistStoreError: the server there does not speak etcd's v3 JSON API.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        prefix: str = "/distcomm/",
+        timeout: float | timedelta = DEFAULT_STORE_TIMEOUT,
+    ) -> None:
+        self._closed = True
+        super().__init__(timeout)
+        self._host, self._port = parse_endpoint(endpoint)
+        if not isinstance(prefix, str):
+            raise TypeError(f"EtcdStore prefix must be a str, got {type(prefix).__name__}")
+        if not prefix:
+            raise ValueError(
+                "EtcdStore prefix must be non-empty: it keeps this store's keys apart from "
+                "the rest of etcd (num_keys counts everything under it)"
+            )
+        self._prefix = prefix
+        self._raw_prefix = prefix.encode()
+        self._endpoint = format_address(self._host, self._port)
+        self._lock = threading.Lock()  # guards the pool and the set of open watches
+        self._idle: list[http.client.HTTPConnection] = []
+        self._watches: set[http.client.HTTPConnection] = set()
+        self._pid = os.getpid()
+        self._closed = False
+        try:
+            self._count("connect")  # fail now if etcd is not there or is not etcd
+        except BaseException:
+            self.close()
+            raise
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """etcd's address as "host:port" (IPv6 hosts bracketed)."""
+        return self._endpoint
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of every key this store writes."""
+        return self._prefix
+
+    @property
+    def _where(self) -> str:
+        return f"the EtcdStore at {self._endpoint} (prefix {self._prefix!r})"
+
+    def _full(self, key: str) -> bytes:
+        return self._raw_prefix + check_key(key).encode()
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    def _request_timeout(self) -> float:
+        return self._timeout + SAFETY_MARGIN
+
+    def _check_open(self, what: str) -> None:
+        """Raise if closed; forget a parent's connections after a fork. The lock is held."""
+        if self._closed:
+            raise DistStoreError(f"{self._where} is closed; {what} is not possible")
+        if os.getpid() != self._pid:  # forked: the pooled sockets are the parent's
+            self._idle.clear()
+            self._watches.clear()
+            self._pid = os.getpid()
+
+    def _checkout(self, what: str) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection for one request, and whether it was used before (it may be stale)."""
+        with self._lock:
+            self._check_open(what)
+            if self._idle:
+                conn = self._idle.pop()
+                conn.timeout = self._request_timeout()
+                if conn.sock is not None:
+                    conn.sock.settimeout(conn.timeout)
+                return conn, True
+        return http.client.HTTPConnection(self._host, self._port, self._request_timeout()), False
+
+    def _checkin(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < _POOL_SIZE and os.getpid() == self._pid:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _unreachable(self, what: str, exc: BaseException) -> DistError:
+        """The error for a failed connection: DistNetworkError, or DistStoreError once closed."""
+        if self._closed:
+            return DistStoreError(f"{self._where} was closed during {what}")
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        return DistNetworkError(
+            f"cannot reach etcd at {self._endpoint} for {what}: {reason} (is etcd running "
+            "and serving clients there? check the endpoint, e.g. --rdzv_endpoint)"
+        )
+
+    def _refused(self, what: str, status: int, body: bytes) -> DistStoreError:
+        try:
+            answer = json.loads(body)
+            message = answer.get("message") or answer.get("error") or str(answer)
+        except (ValueError, AttributeError):
+            message = body.decode(errors="replace").strip()[:_RESPONSE_MOST]
+        if "too large" in message or "larger than max" in message:
+            message += " (etcd takes requests up to about 1.5 MiB: its --max-request-bytes)"
+        elif status == 404:
+            message += (
+                f" (is {self._endpoint} an etcd >= 3.4 client port? older etcd and other "
+                "servers do not serve the v3 JSON API at /v3/)"
+            )
+        return DistStoreError(f"etcd at {self._endpoint} refused {what}: {message} (HTTP {status})")
+
+    def _decode(self, what: str, body: bytes) -> dict[str, Any]:
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            shown = body[:_RESPONSE_MOST].decode(errors="replace")
+            raise DistStoreError(
+                f"{self._endpoint} answered {what} with {shown!r}, which is not etcd's JSON "
+                "(is the endpoint an etcd client port?)"
+            )
+        return answer
+
+    def _post(self, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
+        """POST one JSON request to `/v3/<path>` and return the decoded answer.
+
+        A request on a pooled connection that fails before any answer arrives (reset,
+        broken pipe, closed without a response) is sent again on a fresh connection: the
+        usual cause is a connection the server, or a server since restarted, dropped while
+        it was idle, which never saw the request.
+
+        Raises:
+            DistNetworkError: etcd cannot be reached.
+            DistStoreTimeoutError: no answer within the store timeout (+1 s).
+            DistStoreError: etcd refused the request, or this store is closed.
+        """
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        while True:
+            conn, reused = self._checkout(what)
+            try:
+                conn.request("POST", f"/v3/{path}", data, headers)
+                response = conn.getresponse()
+                answer = response.read()
+            except TimeoutError as exc:
+                connected = conn.sock is not None
+                conn.close()
+                if not connected or self._closed:
+                    raise self._unreachable(what, exc) from None
+                raise DistStoreTimeoutError(
+                    f"etcd at {self._endpoint} did not answer {what} within "
+                    f"{self._request_timeout():.1f} s (is the server overloaded or stopped?)"
+                ) from None
+            except (http.client.HTTPException, OSError) as exc:
+                conn.close()
+                if reused and isinstance(
+                    exc, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+                ):
+                    continue  # the server dropped the idle connection: try a fresh one
+                raise self._unreachable(what, exc) from None
+            if response.will_close:
+                conn.close()
+            else:
+                self._checkin(conn)
+            if response.status != 200:
+                raise self._refused(what, response.status, answer)
+            return self._decode(what, answer)
+
+    def _txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]],
+        what: str,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"compare": compare, "success": success}
+        if failure:
+            body["failure"] = failure
+        return self._post("kv/txn", body, what)
+
+    def _count(self, what: str) -> int:
+        body = {
+            "key": _b64(self._raw_prefix),
+            "range_end": _b64(_prefix_end(self._raw_prefix)),
+            "count_only": True,
+        }
+        return int(self._post("kv/range", body, what).get("count", 0))
+
+    # -- reading and waiting --------------------------------------------------------------
+
+    def _snapshot(self, names: list[str], values: bool, what: str) -> tuple[dict[str, bytes], int]:
+        """The keys of `names` that exist (with their values if asked) and etcd's revision.
+
+        Every chunk of the key list reads at the revision the first one read at, so the
+        result is one consistent snapshot.
+        """
+        found: dict[str, bytes] = {}
+        revision = 0
+        for start in range(0, len(names), MAX_TXN_OPS):
+            chunk = names[start : start + MAX_TXN_OPS]
+            ops = []
+            for name in chunk:
+                read: dict[str, Any] = {"key": _b64(self._full(name))}
+                if not values:
+                    read["keys_only"] = True
+                if revision:
+                    read["revision"] = revision
+                ops.append({"request_range": read})
+            answer = self._txn([], ops, [], what)
+            if not revision:
+                revision = int(answer["header"]["revision"])
+            for name, result in zip(chunk, answer.get("responses", []), strict=True):
+                kvs = result.get("response_range", {}).get("kvs")
+                if kvs:
+                    found[name] = _kv_value(kvs[0]) if values else b""
+        return found, revision
+
+    def _wait_for(
+        self, names: list[str], timeout: float, values: bool, what: str
+    ) -> dict[str, bytes]:
+        """The keys of `names` once all exist at one revision; raise once `timeout` passes."""
+        unique = list(dict.fromkeys(names))
+        deadline = Deadline(timeout)
+        while True:
+            found, revision = self._snapshot(unique, values, what)
+            missing = [name for name in unique if name not in found]
+            if not missing:
+                return found
+            if deadline.expired():
+                raise timeout_error(missing, timeout, self._where)
+            if self._watch(unique, found, revision + 1, deadline, what):
+                return found
+            # the deadline passed (the snapshot above names what is still missing), or
+            # the revision was compacted away under the watch: read again
+
+    def _watch(
+        self,
+        names: list[str],
+        state: dict[str, bytes],
+        start: int,
+        deadline: Deadline,
+        what: str,
+    ) -> bool:
+        """Follow changes to `names` from revision `start`, updating `state`, until all exist.
+
+        One watcher covers the key range from the smallest to the largest key; events for
+        other keys in between are skipped. The watch has its own connection, which the
+        server keeps streaming on (one JSON message per line); it is closed afterwards.
+
+        Returns:
+            True once every key exists; False when the deadline passed or etcd compacted
+            revision `start` away (the caller reads a fresh snapshot).
+        """
+        wanted = {self._full(name): name for name in names}
+        low, high = min(wanted), max(wanted)
+        create: dict[str, Any] = {"key": _b64(low), "start_revision": start}
+        if high != low:
+            create["range_end"] = _b64(high + b"\0")
+        body = json.dumps({"create_request": create}).encode()
+        # not a pooled connection: the stream holds it until the watch ends
+        conn = http.client.HTTPConnection(self._host, self._port, self._request_timeout())
+        with self._lock:
+            self._check_open(what)
+            self._watches.add(conn)
+        sock: socket.socket | None = None  # set once the stream is open
+        try:
+            conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                raise self._refused(what, response.status, response.read())
+            sock = conn.sock
+            if sock is None or self._closed:  # closed before close() could see the socket
+                raise self._unreachable(what, ConnectionResetError("connection closed"))
+            set_keepalive(sock)  # a vanished server host breaks the stream in ~25 s
+            while True:
+                left = deadline.remaining()
+                if left is not None and left <= 0:
+                    return False
+                sock.settimeout(None if left is None else max(left, 0.001))
+                line = response.readline()
+                if not line.endswith(b"\n"):  # every message ends with one; none: cut off
+                    raise self._unreachable(
+                        what, ConnectionResetError("etcd closed the watch stream")
+                    )
+                if not line.strip():
+                    continue
+                result = self._decode(what, line)
+                if "error" in result:
+                    error = result["error"]
+                    message = error.get("message", error) if isinstance(error, dict) else error
+                    raise DistStoreError(
+                        f"etcd at {self._endpoint} ended the watch for {what}: {message}"
+                    )
+                result = result.get("result", {})
+                if result.get("canceled"):
+                    if int(result.get("compact_revision", 0)):
+                        return False
+                    reason = result.get("cancel_reason") or "no reason given"
+                    raise DistStoreError(
+                        f"etcd at {self._endpoint} canceled the watch for {what}: {reason}"
+                    )
+                for event in result.get("events", ()):
+                    kv = event.get("kv", {})
+                    name = wanted.get(_unb64(kv.get("key", "")))
+                    if name is None:
+                        continue
+                    if event.get("type") == "DELETE":
+                        state.pop(name, None)
+                    else:
+                        state[name] = _kv_value(kv)
+                if all(name in state for name in names):
+                    return True
+        except TimeoutError as exc:
+            if sock is not None:
+                return False  # the stream's read waited out the deadline
+            if conn.sock is None or self._closed:
+                raise self._unreachable(what, exc) from None
+            raise DistStoreTimeoutError(
+                f"etcd at {self._endpoint} did not open the watch for {what} within "
+                f"{self._request_timeout():.1f} s (is the server overloaded or stopped?)"
+            ) from None
+        except (http.client.HTTPException, OSError, binascii.Error) as exc:
+            raise self._unreachable(what, exc) from None
+        finally:
+            with self._lock:
+                self._watches.discard(conn)
+            conn.close()
+
+    # -- read-modify-write ----------------------------------------------------------------
+
+    def _update(self, key: str, change: Callable[[bytes | None], bytes], what: str) -> bytes:
+        """Store `change(current value or None)` under `key` atomically; returns what was stored.
+
+        A compare-and-swap loop: each txn puts the new value only if the key is unchanged
+        since it was read (its mod_revision, or create_revision 0 while missing) and
+        otherwise reads it again in the same txn. Each failed round means another writer
+        succeeded, so the loop always makes progress; it gives up at the store timeout.
+
+        Raises:
+            DistStoreTimeoutError: other writers kept changing the key until the timeout.
+        """
+        full = self._full(key)
+        deadline = Deadline(self._timeout)
+        compare = _compare_missing(full)  # the first guess: the key does not exist yet
+        new = change(None)
+        while True:
+            answer = self._txn([compare], [_put(full, new)], [_range(full)], what)
+            if answer.get("succeeded"):
+                return new
+            if deadline.expired():
+                raise DistStoreTimeoutError(
+                    f"{what} on {self._where} lost every compare-and-swap round for "
+                    f"{self._timeout:.1f} s: other processes keep changing the key"
+                )
+            kv = _range_kv(answer)
+            if kv is None:
+                compare, new = _compare_missing(full), change(None)
+            else:
+                compare, new = _compare_unchanged(full, kv), change(_kv_value(kv))
+
+    # -- the Store methods ----------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Store `value` under `key`, replacing any previous value."""
+        body = {"key": _b64(self._full(key)), "value": _b64(to_bytes(value))}
+        self._post("kv/put", body, f"set({key!r})")
+
+    def get(self, key: str) -> bytes:
+        """The value of `key`, waiting up to the store timeout for it to be set.
+
+        Raises:
+            DistStoreTimeoutError: the key was not set in time (the message names it).
+        """
+        check_key(key)
+        return self._wait_for([key], self._timeout, True, f"get({key!r})")[key]
+
+    def add(self, key: str, amount: int) -> int:
+        """Add `amount` to the counter `key` (created at 0); returns the new value.
+
+        Raises:
+            DistStoreError: the key holds something other than an integer.
+        """
+        check_key(key)
+        check_amount(amount)
+        stored = self._update(key, lambda current: add_value(key, current, amount), f"add({key!r})")
+        return int(stored)
+
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        """Atomically set `key` to `desired_value` if it holds `expected_value` (see Store).
+
+        One txn decides, except when `expected_value` is empty and the key exists with an
+        empty value, which takes a second txn (etcd cannot compare a missing key's value).
+        """
+        full = self._full(key)
+        expected = to_bytes(expected_value, "expected_value")
+        desired = to_bytes(desired_value, "desired_value")
+        what = f"compare_set({key!r})"
+        deadline = Deadline(self._timeout)
+        if expected:
+            compare = {
+                "key": _b64(full),
+                "target": "VALUE",
+                "result": "EQUAL",
+                "value": _b64(expected),
+            }
+        else:
+            compare = _compare_missing(full)
+        while True:
+            answer = self._txn([compare], [_put(full, desired)], [_range(full)], what)
+            if answer.get("succeeded"):
+                return desired
+            kv = _range_kv(answer)
+            current = None if kv is None else _kv_value(kv)
+            new, result = compare_set_value(current, expected, desired)
+            if new is None:
+                return result
+            # the swap should happen after all: expected is empty and the key is missing
+            # (deleted since) or holds the empty value; try again unless it changed since
+            if deadline.expired():
+                raise DistStoreTimeoutError(
+                    f"{what} on {self._where} lost every compare-and-swap round for "
+                    f"{self._timeout:.1f} s: other processes keep changing the key"
+                )
+            compare = _compare_missing(full) if kv is None else _compare_unchanged(full, kv)
+
+    def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
+        """Block until every key in `keys` is set, up to `timeout` (default: the store's).
+
+        Raises:
+            DistStoreTimeoutError: names the keys still missing.
+        """
+        names = check_keys(keys)
+        seconds = self._timeout if timeout is None else to_seconds(timeout)
+        if names:
+            self._wait_for(names, seconds, False, f"wait({names!r})")
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key in `keys` is set, without waiting."""
+        names = list(dict.fromkeys(check_keys(keys)))
+        if not names:
+            return True
+        found, _ = self._snapshot(names, False, "check")
+        return len(found) == len(names)
+
+    def delete_key(self, key: str) -> bool:
+        """Delete `key`; returns whether it existed."""
+        answer = self._post(
+            "kv/deleterange", {"key": _b64(self._full(key))}, f"delete_key({key!r})"
+        )
+        return int(answer.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        """The number of keys under this store's prefix."""
+        return self._count("num_keys")
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append `value` to the value of `key` (created empty)."""
+        check_key(key)
+        data = to_bytes(value)
+        self._update(key, lambda current: (current or b"") + data, f"append({key!r})")
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of `keys`, waiting up to the store timeout for all of them.
+
+        Raises:
+            DistStoreTimeoutError: names the keys still missing.
+        """
+        names = check_keys(keys)
+        if not names:
+            return []
+        what = f"get({names[0]!r})" if len(names) == 1 else f"multi_get({names!r})"
+        found = self._wait_for(names, self._timeout, True, what)
+        return [found[name] for name in names]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        """Set each key of `keys` to the value at the same position of `values`.
+
+        Atomic (one txn) for up to 128 distinct keys, etcd's default --max-txn-ops; longer
+        lists are written in several txns. A key given twice gets its last value.
+        """
+        names = check_keys(keys)
+        latest = dict(zip(names, check_values(names, values), strict=True))
+        puts = [_put(self._full(name), data) for name, data in latest.items()]
+        for start in range(0, len(puts), MAX_TXN_OPS):
+            self._txn([], puts[start : start + MAX_TXN_OPS], [], "multi_set")
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close this store's connections (idempotent); etcd and its data stay.
+
+        Waits blocked in other threads fail with `DistStoreError`.
+        """
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return
+        with lock:
+            if self._closed:
+                return
+            self._closed = True
+            idle, self._idle = self._idle, []
+            watches = list(self._watches) if os.getpid() == self._pid else []
+        for conn in idle:
+            conn.close()
+        for conn in watches:  # wake the threads reading them
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"EtcdStore({self._endpoint!r}, prefix={self._prefix!r})"
