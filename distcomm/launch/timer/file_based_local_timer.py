@@ -1,0 +1,491 @@
+"""Expiration timers over a named pipe (FIFO), for any process on the host that knows its path.
+
+Protocol: each request is one line of JSON,
+``{"version": 1, "pid": ..., "scope_id": ..., "expiration_time": ..., "signal": ...}``,
+written with a single ``write`` of at most PIPE_BUF bytes, so concurrent writers never
+interleave. A release has ``expiration_time`` <= 0 and ``signal`` 0.
+
+The pipe exists from the server's construction until `FileTimerServer.stop()`. A path
+that already exists is reused only when it is a named pipe owned by this user that no
+process is reading (a server that died left it behind); anything else is an error, so
+two servers can never share a pipe and a regular file is never overwritten.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import select
+import signal as _signal
+import stat
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._workers import WorkerTimers, kill_process_tree
+from .api import (
+    RequestQueue,
+    TimerClient,
+    TimerRequest,
+    TimerServer,
+    TimerServerUnavailableError,
+    _positive_seconds,
+)
+
+__all__ = ["FileTimerClient", "FileTimerRequest", "FileTimerServer"]
+
+log = logging.getLogger(__name__)
+
+#: Version of the line protocol; the server drops requests of any other version.
+PROTOCOL_VERSION = 1
+#: Largest request a client sends: what one pipe write delivers atomically.
+MAX_REQUEST_BYTES = select.PIPE_BUF
+# a partial line longer than this is garbage from a foreign writer, not a request
+_MAX_PARTIAL_LINE = 1 << 16
+
+
+@dataclass(frozen=True)
+class FileTimerRequest(TimerRequest):
+    """A timer request on the named pipe; `worker_id` is the worker's pid.
+
+    Attributes:
+        signal: the signal that reaps the worker (0 in a release).
+        version: the protocol version.
+    """
+
+    signal: int = int(_signal.SIGKILL)
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def worker_pid(self) -> int:
+        """The worker's pid (torch's name for `worker_id` here)."""
+        return self.worker_id
+
+    def to_json(self) -> bytes:
+        """The request as one newline-terminated line of UTF-8 JSON."""
+        fields = {
+            "version": self.version,
+            "pid": self.worker_id,
+            "scope_id": self.scope_id,
+            "expiration_time": self.expiration_time,
+            "signal": self.signal,
+        }
+        return (json.dumps(fields, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, line: bytes) -> FileTimerRequest:
+        """Parse one line written by `to_json`.
+
+        Raises:
+            ValueError: the line is not a valid request; the message says what is wrong.
+        """
+        try:
+            fields = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not JSON ({exc})") from None
+        if not isinstance(fields, dict):
+            raise ValueError("not a JSON object")
+        version = fields.get("version")
+        if version != PROTOCOL_VERSION:
+            raise ValueError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+        pid = fields.get("pid")
+        if type(pid) is not int or pid <= 0:
+            raise ValueError(f"pid must be a positive int, got {pid!r}")
+        scope_id = fields.get("scope_id")
+        if not isinstance(scope_id, str):
+            raise ValueError(f"scope_id must be a string, got {scope_id!r}")
+        expiration_time = fields.get("expiration_time")
+        if (
+            isinstance(expiration_time, bool)
+            or not isinstance(expiration_time, (int, float))
+            or not math.isfinite(expiration_time)
+        ):
+            raise ValueError(f"expiration_time must be a finite number, got {expiration_time!r}")
+        sig = fields.get("signal", 0)
+        if type(sig) is not int or (expiration_time > 0 and sig not in _signal.valid_signals()):
+            raise ValueError(f"signal {sig!r} is not a signal number")
+        return cls(pid, scope_id, float(expiration_time), sig)
+
+
+class FileTimerClient(TimerClient):
+    """Sends this process's timer requests (worker id: its pid) to a `FileTimerServer`.
+
+    Each request opens the pipe without blocking, writes one line and closes it, so the
+    client holds no descriptor and survives fork. While no server has the pipe open (or
+    the pipe is full) it retries until `timeout`, then raises.
+
+    Args:
+        file_path: the server's named pipe (distcomm-run exports it as DISTCOMM_TIMER_FILE).
+        signal: the signal the server sends the worker's process tree when a timer
+            expires; anything but SIGKILL is followed by SIGKILL after a grace period.
+        timeout: seconds to keep trying to deliver one request.
+
+    Raises:
+        ValueError: `signal` is not a signal number, or `timeout` is not > 0.
+    """
+
+    def __init__(
+        self,
+        file_path: str | os.PathLike[str],
+        signal: int = _signal.SIGKILL,
+        *,
+        timeout: float = 5.0,
+    ) -> None:
+        self._path = os.fspath(file_path)
+        try:
+            self._signal = _signal.Signals(signal)
+        except ValueError:
+            raise ValueError(f"signal={signal!r} is not a signal number on this platform") from None
+        self._timeout = _positive_seconds(timeout, "timeout")
+
+    @property
+    def file_path(self) -> str:
+        return self._path
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        """Ask the server to reap this process at `expiration_time` unless released.
+
+        Raises:
+            ValueError: the request would not fit one atomic pipe write (scope id too long).
+            TimerServerUnavailableError: no server took the request within `timeout`.
+        """
+        self._send(FileTimerRequest(os.getpid(), scope_id, expiration_time, int(self._signal)))
+
+    def release(self, scope_id: str) -> None:
+        """Release this process's timer `scope_id`.
+
+        Raises:
+            TimerServerUnavailableError: no server took the request within `timeout`.
+        """
+        self._send(FileTimerRequest(os.getpid(), scope_id, -1, 0))
+
+    def _send(self, request: FileTimerRequest) -> None:
+        if not isinstance(request.scope_id, str):
+            raise TypeError(f"scope_id must be a str, got {type(request.scope_id).__name__}")
+        data = request.to_json()
+        if len(data) > MAX_REQUEST_BYTES:
+            raise ValueError(
+                f"timer scope id of {len(request.scope_id)} characters is too long: the request "
+                f"would be {len(data)} bytes, over the {MAX_REQUEST_BYTES} bytes (PIPE_BUF) one "
+                f"pipe write delivers atomically; use a shorter scope"
+            )
+        deadline = time.monotonic() + self._timeout
+        pause = 0.01
+        while True:
+            problem = self._try_write(data)
+            if problem is None:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimerServerUnavailableError(
+                    f"timer request for scope {request.scope_id!r} not delivered to "
+                    f"{self._path} within {self._timeout} s: {problem}; is the timer server "
+                    f"(distcomm-run's agent or a FileTimerServer) running?"
+                )
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.2)
+
+    def _try_write(self, data: bytes) -> str | None:
+        """Write `data` in one go; None on success, else why it could not (worth retrying)."""
+        try:
+            fd = os.open(self._path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return "the pipe does not exist"
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return "no server has the pipe open"
+            raise TimerServerUnavailableError(
+                f"cannot open the timer pipe {self._path}: {exc.strerror}"
+            ) from exc
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                raise TimerServerUnavailableError(
+                    f"{self._path} is not a named pipe, so no timer server listens there"
+                )
+            written = os.write(fd, data)
+        except BlockingIOError:
+            return "the pipe is full (the server is not keeping up)"
+        except BrokenPipeError:
+            return "the server closed the pipe"
+        finally:
+            os.close(fd)
+        if written != len(data):  # cannot happen for <= PIPE_BUF bytes (POSIX)
+            raise TimerServerUnavailableError(
+                f"short write to the timer pipe {self._path}: {written} of {len(data)} bytes"
+            )
+        return None
+
+
+class _FifoRequestQueue(RequestQueue):
+    """Reads requests from the named pipe: a non-blocking read end plus a write end of our
+    own, so the pipe never reports end-of-file between clients and `wake` can interrupt a
+    wait (with an empty line, which parsing skips)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._read_fd = -1
+        self._keep_fd = -1
+        self._identity: tuple[int, int] | None = None
+        self._poller = select.poll()
+        self._buffer = bytearray()
+        self._pending: deque[FileTimerRequest] = deque()
+        self._woken = False
+
+    def open(self) -> None:
+        """Create the pipe (or adopt a stale one) and open both ends.
+
+        Raises:
+            FileExistsError: the path is something else, or another server reads the pipe.
+        """
+        created = False
+        try:
+            os.mkfifo(self._path, 0o600)
+            created = True
+        except FileExistsError:
+            self._check_stale()
+        try:
+            self._read_fd = os.open(self._path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            self._keep_fd = os.open(self._path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            info = os.fstat(self._read_fd)
+            if not stat.S_ISFIFO(info.st_mode):
+                raise FileExistsError(f"{self._path} was replaced while the server opened it")
+            self._poller.register(self._read_fd, select.POLLIN)
+        except BaseException:
+            self.close()
+            if created:
+                os.unlink(self._path)
+            raise
+        self._identity = (info.st_dev, info.st_ino)
+
+    def _check_stale(self) -> None:
+        info = os.lstat(self._path)
+        if not stat.S_ISFIFO(info.st_mode):
+            raise FileExistsError(
+                f"timer pipe path {self._path} exists and is not a named pipe; remove it or "
+                f"choose another path"
+            )
+        if info.st_uid != os.getuid():
+            raise FileExistsError(
+                f"timer pipe {self._path} belongs to uid {info.st_uid}, not to this user"
+            )
+        try:
+            probe = os.open(self._path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # nobody reads it: left behind, reuse it
+                log.info("reusing the stale timer pipe %s", self._path)
+                return
+            raise
+        os.close(probe)
+        raise FileExistsError(
+            f"timer pipe {self._path} is in use by another timer server; choose another path"
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._read_fd < 0
+
+    def close(self) -> None:
+        """Close both ends and remove the pipe, unless the path now names something else."""
+        if self._identity is not None:
+            self._poller.unregister(self._read_fd)
+        for fd in (self._read_fd, self._keep_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._read_fd = self._keep_fd = -1
+        if self._identity is not None:
+            try:
+                info = os.lstat(self._path)
+                if (info.st_dev, info.st_ino) == self._identity:
+                    os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+            self._identity = None
+
+    def wake(self) -> None:
+        # the flag covers a wake that comes before `get` polls (a drain may already have
+        # eaten the newline); the newline covers one that comes while it polls
+        self._woken = True
+        if self._keep_fd >= 0:
+            try:
+                os.write(self._keep_fd, b"\n")
+            except OSError:  # pipe full: the reader is awake anyway
+                pass
+
+    def size(self) -> int:
+        self._drain()
+        return len(self._pending)
+
+    def get(self, size: int, timeout: float) -> list[FileTimerRequest]:
+        self._drain()
+        if self._woken:
+            self._woken = False
+        elif (
+            len(self._pending) < size
+            and timeout > 0
+            and self._poller.poll(math.ceil(timeout * 1000))
+        ):
+            self._drain()
+        return [self._pending.popleft() for _ in range(min(size, len(self._pending)))]
+
+    def _drain(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the timer pipe {self._path} is closed (the server was stopped)")
+        while True:
+            try:
+                chunk = os.read(self._read_fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self._buffer += chunk
+        if b"\n" not in self._buffer:
+            if len(self._buffer) > _MAX_PARTIAL_LINE:
+                log.warning(
+                    "timer pipe %s: discarding %d bytes with no newline",
+                    self._path,
+                    len(self._buffer),
+                )
+                self._buffer.clear()
+            return
+        *lines, rest = bytes(self._buffer).split(b"\n")
+        self._buffer[:] = rest
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                self._pending.append(FileTimerRequest.from_json(line))
+            except ValueError as exc:
+                log.warning("timer pipe %s: ignoring request %r: %s", self._path, line[:200], exc)
+
+
+class FileTimerServer(TimerServer):
+    """Reaps workers whose timers, sent through a named pipe by `FileTimerClient`s, expired.
+
+    The server creates the pipe (mode 0600) when constructed and removes it in `stop()`.
+    When a worker's timers expire, `on_expired(pid, scope_id, expiration_time)` and
+    `log_event("timer expired", request)` are called (from the watchdog thread) for each
+    of them, once, just before the worker is reaped, so that whoever sees the worker die
+    already knows why. Reaping sends the timer's signal to the worker's descendants and
+    then the worker; unless that was SIGKILL, survivors get SIGKILL `reap_grace_period`
+    seconds later.
+    Requests from pids that no longer exist are dropped, and timers of workers that exit
+    without releasing them are forgotten.
+
+    Args:
+        file_path: where to create the named pipe.
+        run_id: the run this server belongs to (for logs).
+        max_interval: longest wait for requests in one watchdog step, in seconds.
+        daemon: whether the watchdog thread is a daemon thread.
+        log_event: called as ``log_event(name, request)`` on "timer expired" and
+            "reap failed".
+        on_expired: called as ``on_expired(pid, scope_id, expiration_time)`` for each
+            expired timer, just before its worker is reaped.
+
+    Raises:
+        FileExistsError: `file_path` exists and is not a stale named pipe of this user.
+        ValueError: `max_interval` is not a finite number > 0.
+    """
+
+    #: Seconds between the timer's signal (if not SIGKILL) and SIGKILL of what survived it.
+    reap_grace_period: float = 5.0
+
+    _stop_poll_interval = None
+
+    def __init__(
+        self,
+        file_path: str | os.PathLike[str],
+        run_id: str,
+        max_interval: float = 10,
+        daemon: bool = True,
+        log_event: Callable[[str, FileTimerRequest | None], None] | None = None,
+        on_expired: Callable[[int, str, float], None] | None = None,
+    ) -> None:
+        self._path = os.fspath(file_path)
+        self._run_id = run_id
+        self._log_event = log_event
+        self._on_expired = on_expired
+        self._timers: WorkerTimers[FileTimerRequest] = WorkerTimers()
+        self._notified: set[TimerRequest] = set()  # expired timers already reported
+        self._pipe = _FifoRequestQueue(self._path)
+        super().__init__(self._pipe, max_interval, daemon)
+        self._pipe.open()
+        log.info("timer server of run %r listening on %s", run_id, self._path)
+
+    @property
+    def file_path(self) -> str:
+        """The named pipe's path, for clients (distcomm-run exports it as DISTCOMM_TIMER_FILE)."""
+        return self._path
+
+    def register_timers(self, timer_requests: list[TimerRequest]) -> None:
+        """Apply the requests in order, then forget timers of workers that have exited."""
+        for request in timer_requests:
+            self._timers.apply(request)
+        self._timers.forget_exited()
+        if self._notified:  # forget reports of timers since released or moved
+            self._notified = {r for r in self._notified if r in self._timers.timers_of(r.worker_id)}
+
+    def clear_timers(self, worker_ids: set[Any]) -> None:
+        self._timers.clear(worker_ids)
+        self._notified = {r for r in self._notified if r.worker_id not in worker_ids}
+
+    def get_expired_timers(self, deadline: float) -> dict[Any, list[TimerRequest]]:
+        return dict(self._timers.expired(deadline))
+
+    def _next_expiration(self) -> float | None:
+        return self._timers.next_expiration()
+
+    def _reap_worker(self, worker_id: Any) -> bool:
+        proc = self._timers.process(worker_id)
+        timers = self._timers.timers_of(worker_id)
+        if proc is None or not timers:
+            return True
+        first = min(timers, key=lambda t: t.expiration_time)
+        if kill_process_tree(proc, first.signal, grace=self.reap_grace_period):
+            return True
+        self._emit("reap failed", first)
+        return False
+
+    def _notify_expired(self, worker_id: Any, expired: list[TimerRequest]) -> None:
+        for request in expired:
+            if request in self._notified:
+                continue
+            self._notified.add(request)
+            if self._on_expired is not None:
+                try:
+                    self._on_expired(worker_id, request.scope_id, request.expiration_time)
+                except Exception:
+                    log.exception("timer server: on_expired callback failed")
+            self._emit("timer expired", request)
+
+    def _emit(self, name: str, request: FileTimerRequest | None) -> None:
+        if self._log_event is None:
+            return
+        try:
+            self._log_event(name, request)
+        except Exception:
+            log.exception("timer server: log_event callback failed")
+
+    def _wake(self) -> None:
+        self._pipe.wake()
+
+    def start(self) -> None:
+        """Run the watchdog loop in a background thread; returns at once.
+
+        Raises:
+            RuntimeError: the server is running already, or was stopped (its pipe is gone).
+        """
+        if self._pipe.closed:
+            raise RuntimeError(f"timer server on {self._path} was stopped; create a new one")
+        super().start()
+
+    def stop(self) -> None:
+        """Stop the watchdog thread, close the pipe and remove it; safe to call twice."""
+        super().stop()
+        if self._thread is None and not self._pipe.closed:
+            self._pipe.close()
+            log.info("timer server of run %r stopped; removed %s", self._run_id, self._path)
