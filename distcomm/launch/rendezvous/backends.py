@@ -1,0 +1,240 @@
+"""The stores under the dynamic rendezvous: c10d (a TCPStore an agent hosts), etcd and file.
+
+c10d follows torch: the endpoint is "host[:port]" (port 29400 when left out, "localhost"
+when empty). The agent hosts the TCPStore when ``--rdzv_conf is_host=true``, or, when
+is_host is not given, when the endpoint's host is this machine; several agents on one
+machine then race to bind the port and those that find it taken connect as clients (the
+first agent to arrive hosts). The store dies with the hosting agent, so its `shutdown`
+waits (up to close_timeout) until the other nodes have left. A store for a loopback
+endpoint listens on that address only, any other on every interface. Port 0 hosts on a
+free port (``--standalone`` uses "localhost:0").
+
+etcd keeps the state in an etcd server (`distcomm.store.etcd.EtcdStore`, imported only
+when used), under the prefix ``/distcomm/rdzv/<run_id>/``. file keeps it in a FileStore at
+the endpoint's path, on a filesystem every node shares; the rendezvous never deletes that
+file. Both keep a closed run's state: give each run a new --rdzv_id (or a new file).
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import re
+import socket
+
+import psutil
+
+from ...errors import DistError, DistNetworkError
+from ...net import format_address
+from ...store import FileStore, Store, TCPStore
+from .api import RendezvousConnectionError, RendezvousError, RendezvousParameters
+from .dynamic import DynamicRendezvousHandler, create_handler
+from .settings import RendezvousSettings, settings_from_params
+
+__all__ = [
+    "DEFAULT_C10D_PORT",
+    "bind_address",
+    "create_c10d_handler",
+    "create_c10d_store",
+    "create_etcd_handler",
+    "create_etcd_store",
+    "create_file_handler",
+    "create_file_store",
+    "host_tcp_store",
+    "is_local_host",
+    "parse_endpoint",
+]
+
+log = logging.getLogger("distcomm.launch.rendezvous")
+
+#: torch's port for a c10d endpoint given without one
+DEFAULT_C10D_PORT = 29400
+
+_HOST_PATTERN = re.compile(r"^[\w.:%-]+$")
+
+
+def parse_endpoint(endpoint: str | None, default_port: int) -> tuple[str, int]:
+    """(host, port) of --rdzv_endpoint: "host", "host:port", "[v6]:port"; "" is localhost.
+
+    Raises:
+        ValueError: the endpoint is malformed; the message names --rdzv_endpoint.
+    """
+    text = (endpoint or "").strip()
+    if not text:
+        return "localhost", default_port
+    port_text = ""
+    if text.startswith("["):
+        host, bracket, tail = text[1:].partition("]")
+        if not bracket or (tail and not tail.startswith(":")):
+            raise ValueError(f"--rdzv_endpoint={endpoint!r} is not HOST[:PORT] or [IPV6]:PORT")
+        port_text = tail[1:]
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host = text  # a name, an IPv4 address or a bare IPv6 address: no port
+    if not host or not _HOST_PATTERN.match(host):
+        raise ValueError(f"--rdzv_endpoint={endpoint!r}: {host!r} is not a host name or address")
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(
+            f"--rdzv_endpoint={endpoint!r}: the port must be an integer in 0..65535"
+        )
+    return host, int(port_text)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local_host(host: str) -> bool:
+    """Whether `host` names this machine: localhost, its host name or one of its addresses."""
+    if _is_loopback(host) or host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):
+        return False
+    local = {addr.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
+             for addr in addrs}
+    return any(_is_loopback(address) or address in local for address in resolved)
+
+
+def bind_address(host: str) -> str:
+    """Where a store hosted for clients reaching `host` listens: a loopback address as is,
+    anything else on every interface (the host name may resolve differently here)."""
+    if _is_loopback(host):
+        return host
+    return "::" if ":" in host else "0.0.0.0"
+
+
+def host_tcp_store(host: str, port: int, timeout: float) -> TCPStore:
+    """A TCPStore served by this process for clients that reach it at `host:port`.
+
+    Raises:
+        DistNetworkError: the port cannot be bound (in use, not local).
+    """
+    return TCPStore(bind_address(host), port, is_master=True, timeout=timeout,
+                    wait_for_workers=False)
+
+
+def _address_in_use(exc: DistNetworkError) -> bool:
+    cause = exc.__cause__
+    return isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE
+
+
+def create_c10d_store(params: RendezvousParameters,
+                      settings: RendezvousSettings) -> tuple[TCPStore, tuple[str, int], bool]:
+    """The c10d rendezvous's TCPStore, its (host, port) and whether this process hosts it.
+
+    Raises:
+        ValueError: a malformed endpoint, or port 0 on an agent that does not host.
+        RendezvousConnectionError: the store can be neither hosted nor reached.
+    """
+    host, port = parse_endpoint(params.endpoint, DEFAULT_C10D_PORT)
+    address = format_address(host, port)
+    is_host = settings.is_host if settings.is_host is not None else is_local_host(host)
+    if port == 0 and not is_host:
+        raise ValueError(
+            f"--rdzv_endpoint={params.endpoint!r}: port 0 (any free port) only works on the "
+            "agent that hosts the store (a local endpoint, or --rdzv_conf is_host=true); "
+            "give the other nodes the port the host picked"
+        )
+    if is_host:
+        try:
+            store = host_tcp_store(host, port, settings.read_timeout)
+        except DistNetworkError as exc:
+            if settings.is_host is not None or not _address_in_use(exc):
+                raise RendezvousConnectionError(
+                    f"--rdzv_backend=c10d: this agent cannot host the store at {address}: {exc}"
+                ) from exc
+            log.info("c10d rendezvous: %s is taken (another agent hosts the store): "
+                     "connecting to it", address)
+        else:
+            log.info("c10d rendezvous: this agent hosts the store at %s",
+                     format_address(host, store.port))
+            return store, (host, store.port), True
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=settings.read_timeout)
+    except DistError as exc:
+        raise RendezvousConnectionError(
+            f"--rdzv_backend=c10d: cannot reach the store at {address} within "
+            f"read_timeout={settings.read_timeout:g} s: {exc}"
+        ) from exc
+    return store, (host, port), False
+
+
+def create_etcd_store(params: RendezvousParameters, settings: RendezvousSettings) -> Store:
+    """An EtcdStore at --rdzv_endpoint with the prefix /distcomm/rdzv/<run_id>/.
+
+    Raises:
+        ValueError: a missing or malformed endpoint.
+        RendezvousError: the etcd store is not available in this installation.
+        RendezvousConnectionError: the etcd server cannot be used.
+    """
+    if not params.endpoint.strip():
+        raise ValueError("--rdzv_backend=etcd needs --rdzv_endpoint=HOST[:PORT] of an etcd "
+                         "server (port 2379 when left out)")
+    try:
+        from ...store.etcd import EtcdStore
+    except ImportError as exc:
+        raise RendezvousError(f"--rdzv_backend=etcd is not available: {exc}") from exc
+    try:
+        return EtcdStore(params.endpoint, prefix=f"/distcomm/rdzv/{params.run_id}/",
+                         timeout=settings.read_timeout)
+    except ValueError as exc:
+        raise ValueError(f"--rdzv_endpoint={params.endpoint!r}: {exc}") from exc
+    except DistError as exc:
+        raise RendezvousConnectionError(
+            f"--rdzv_backend=etcd: cannot use the etcd server at {params.endpoint}: {exc}"
+        ) from exc
+
+
+def create_file_store(params: RendezvousParameters, settings: RendezvousSettings) -> FileStore:
+    """A FileStore at the path --rdzv_endpoint, never deleted by the rendezvous.
+
+    Raises:
+        ValueError: no path given.
+        RendezvousConnectionError: the file cannot be opened or is not a FileStore file.
+    """
+    path = params.endpoint.strip()
+    if not path:
+        raise ValueError("--rdzv_backend=file needs --rdzv_endpoint=PATH: a file on a "
+                         "filesystem every node shares (created if missing)")
+    try:
+        return FileStore(path, world_size=-1, timeout=settings.read_timeout)
+    except DistError as exc:
+        raise RendezvousConnectionError(f"--rdzv_backend=file: {exc}") from exc
+
+
+def _handler_over(store: Store, params: RendezvousParameters,
+                  bootstrap_address: tuple[str, int] | None = None,
+                  hosts_store: bool = False) -> DynamicRendezvousHandler:
+    try:
+        return create_handler(store, params, bootstrap_address, owned_store=store,
+                              hosts_store=hosts_store)
+    except BaseException:
+        store.close()
+        raise
+
+
+def create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """The c10d backend: a dynamic rendezvous in a TCPStore one agent hosts."""
+    store, address, hosted = create_c10d_store(params, settings_from_params(params))
+    return _handler_over(store, params, address, hosted)
+
+
+def create_etcd_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """The etcd backend: a dynamic rendezvous in an etcd server."""
+    return _handler_over(create_etcd_store(params, settings_from_params(params)), params)
+
+
+def create_file_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """The file backend: a dynamic rendezvous in a FileStore on a shared filesystem."""
+    return _handler_over(create_file_store(params, settings_from_params(params)), params)

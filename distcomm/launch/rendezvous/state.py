@@ -1,0 +1,236 @@
+"""The dynamic rendezvous's shared state and its steps, as pure functions of the state.
+
+`RendezvousState` is what every node of a run reads and writes (one JSON blob in the
+store). `decide` says what a joining node does next; `apply`, `leave_round`, `withdraw`
+and `drop_dead` change a state in place and say whether they did. Nothing here touches
+a store, a clock or a thread: the handler (`dynamic.py`) passes the time in.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+
+__all__ = [
+    "Action",
+    "Limits",
+    "RendezvousState",
+    "apply",
+    "decide",
+    "drop_dead",
+    "leave_round",
+    "num_waiting",
+    "withdraw",
+]
+
+@dataclass
+class RendezvousState:
+    """The shared state of a run's rendezvous (stored as one JSON blob).
+
+    Attributes:
+        round: the current round's number.
+        complete: whether the current round has completed (its ranks are given).
+        closed: whether the rendezvous is closed for good.
+        participants: node id -> rank (-1 while the round is gathering).
+        wait_list: nodes that arrived while the round was complete (or full), in order.
+        deadline: wall-clock time at which the last call of a gathering round ends, or None.
+        last_heartbeats: node id -> wall-clock time of its last heartbeat.
+    """
+
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    participants: dict[str, int] = field(default_factory=dict)
+    wait_list: list[str] = field(default_factory=list)
+    deadline: float | None = None
+    last_heartbeats: dict[str, float] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        """The state as the canonical JSON bytes kept in the store."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> RendezvousState:
+        """The state from its stored bytes (empty bytes: a fresh state).
+
+        Raises:
+            ValueError: the bytes are not a rendezvous state.
+        """
+        if not raw:
+            return cls()
+        data = json.loads(raw)
+        return cls(
+            round=int(data["round"]),
+            complete=bool(data["complete"]),
+            closed=bool(data["closed"]),
+            participants={str(k): int(v) for k, v in data["participants"].items()},
+            wait_list=[str(node) for node in data["wait_list"]],
+            deadline=None if data["deadline"] is None else float(data["deadline"]),
+            last_heartbeats={str(k): float(v) for k, v in data["last_heartbeats"].items()},
+        )
+
+    def membership(self) -> tuple[object, ...]:
+        """Everything but the heartbeats: what a waiting node watches for changes."""
+        return (self.round, self.complete, self.closed, sorted(self.participants.items()),
+                tuple(self.wait_list), self.deadline)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The settings the steps need.
+
+    Attributes:
+        min_nodes, max_nodes: the size range of a round.
+        last_call_timeout: seconds a round with min_nodes keeps gathering.
+        dead_after: seconds without a heartbeat after which a node is dropped.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float
+    dead_after: float
+
+
+class Action(enum.Enum):
+    """What a joining node does next (`decide`'s answer).
+
+    FINISH: the round is complete with this node in it. WAIT: nothing to write; read the
+    state again later. JOIN: become a participant of the gathering round. ENTER_WAIT_LIST:
+    wait for the complete (or full) round to end. COMPLETE: end the last call, give the
+    ranks. TIMEOUT: leave the lists and raise RendezvousTimeoutError. CLOSED: raise
+    RendezvousClosedError.
+    """
+
+    FINISH = "finish"
+    WAIT = "wait"
+    JOIN = "join"
+    ENTER_WAIT_LIST = "enter_wait_list"
+    COMPLETE = "complete"
+    TIMEOUT = "timeout"
+    CLOSED = "closed"
+
+
+def _open_next_round(state: RendezvousState) -> None:
+    state.round += 1
+    state.complete = False
+    state.participants = {}
+    state.deadline = None
+
+
+def _refresh_deadline(state: RendezvousState, limits: Limits, now: float) -> None:
+    """A gathering round's last call runs while it has min_nodes, and only then."""
+    if state.complete:
+        return
+    if len(state.participants) < limits.min_nodes:
+        state.deadline = None
+    elif state.deadline is None:
+        state.deadline = now + limits.last_call_timeout
+
+
+def _complete_round(state: RendezvousState) -> None:
+    state.participants = {node: rank for rank, node in enumerate(sorted(state.participants))}
+    state.complete = True
+    state.deadline = None
+
+
+def leave_round(state: RendezvousState, node: str) -> bool:
+    """A participant of a complete round asks for the next one: the round is over.
+
+    Returns whether the state changed (a new, empty round opened).
+    """
+    if state.complete and node in state.participants:
+        _open_next_round(state)
+        return True
+    return False
+
+
+def withdraw(state: RendezvousState, node: str, limits: Limits, now: float) -> bool:
+    """Take `node` out of the participants and the wait list (its heartbeat stays).
+
+    A complete round left without participants opens the next one, so waiting nodes can
+    form it; a gathering round that drops below min_nodes ends its last call.
+    Returns whether the state changed.
+    """
+    changed = False
+    if node in state.wait_list:
+        state.wait_list.remove(node)
+        changed = True
+    if node in state.participants:
+        del state.participants[node]
+        changed = True
+        if state.complete and not state.participants:
+            _open_next_round(state)
+        _refresh_deadline(state, limits, now)
+    return changed
+
+
+def drop_dead(state: RendezvousState, node: str, limits: Limits, now: float) -> list[str]:
+    """Remove every node but `node` whose last heartbeat is older than `limits.dead_after`.
+
+    Returns the nodes removed (empty: the state did not change).
+    """
+    known = set(state.participants) | set(state.wait_list) | set(state.last_heartbeats)
+    dead = [other for other in sorted(known - {node})
+            if now - state.last_heartbeats.get(other, float("-inf")) > limits.dead_after]
+    for other in dead:
+        withdraw(state, other, limits, now)
+        state.last_heartbeats.pop(other, None)
+    return dead
+
+
+def decide(state: RendezvousState, node: str, limits: Limits, now: float,
+           expired: bool) -> Action:
+    """The next action of `node`, which wants to be in a complete round.
+
+    Args:
+        expired: whether the node's join timeout has passed.
+    """
+    if state.closed:
+        return Action.CLOSED
+    member = node in state.participants
+    if state.complete and member:
+        return Action.FINISH
+    if expired:
+        return Action.TIMEOUT
+    if state.complete or len(state.participants) >= limits.max_nodes:
+        return Action.WAIT if node in state.wait_list else Action.ENTER_WAIT_LIST
+    if not member:
+        return Action.JOIN
+    if (len(state.participants) >= limits.min_nodes and state.deadline is not None
+            and now >= state.deadline):
+        return Action.COMPLETE
+    return Action.WAIT
+
+
+def apply(state: RendezvousState, action: Action, node: str, limits: Limits,
+          now: float) -> bool:
+    """Carry out `action` for `node` on `state`; returns whether the state changed."""
+    if action is Action.JOIN:
+        if node in state.wait_list:
+            state.wait_list.remove(node)
+        state.participants[node] = -1
+        state.last_heartbeats[node] = now
+        if len(state.participants) >= limits.max_nodes:
+            _complete_round(state)
+        elif len(state.participants) >= limits.min_nodes:
+            state.deadline = now + limits.last_call_timeout  # each arrival restarts it
+        return True
+    if action is Action.ENTER_WAIT_LIST:
+        state.wait_list.append(node)
+        state.last_heartbeats[node] = now
+        return True
+    if action is Action.COMPLETE:
+        _complete_round(state)
+        return True
+    if action is Action.TIMEOUT:
+        return withdraw(state, node, limits, now)
+    return False
+
+
+def num_waiting(state: RendezvousState, limits: Limits) -> int:
+    """Nodes waiting for a round to form: the wait list (when a new round could take
+    one of them), plus the participants of a gathering round."""
+    if state.complete:
+        return len(state.wait_list) if len(state.participants) < limits.max_nodes else 0
+    return len(state.participants) + len(state.wait_list)

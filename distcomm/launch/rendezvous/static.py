@@ -1,0 +1,238 @@
+"""The static rendezvous: a fixed number of nodes with given ranks meeting at node 0's TCPStore.
+
+Node 0 hosts a TCPStore at --master_addr:--master_port; the others connect to it (retrying
+until join_timeout, so nodes may start in any order). Every `next_rendezvous` is one round
+(a restart): all nodes call it in step and meet at a barrier kept under
+``/rdzv/<run_id>/barrier_<round>``. Nobody waits to join a static run, so
+`num_nodes_waiting` is always 0.
+"""
+
+from __future__ import annotations
+
+from ...deadline import Deadline
+from ...errors import DistError, DistStoreTimeoutError
+from ...net import format_address
+from ...store import PrefixStore, TCPStore
+from .api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+from .backends import host_tcp_store
+from .settings import settings_from_params
+
+__all__ = ["DEFAULT_MASTER_ADDR", "StaticRendezvous", "create_static_handler"]
+
+#: --master_addr when not given (torchrun's default)
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+#: seconds between looks at the closed flag while waiting at the barrier
+_BARRIER_SLICE = 1.0
+
+
+class StaticRendezvous(RendezvousHandler):
+    """A rendezvous of exactly `nnodes` nodes, node `node_rank` being this one.
+
+    Args:
+        run_id: --rdzv_id.
+        nnodes: --nnodes (a single number).
+        node_rank: --node_rank; may be left at -1 only when nnodes is 1.
+        master_addr: --master_addr: where node 0's store is reached (default 127.0.0.1).
+        master_port: --master_port; 0 picks a free port, allowed only when nnodes is 1.
+        join_timeout: seconds a round (connecting to node 0 included) may take.
+        close_timeout: seconds `set_closed` may take to reach the store.
+
+    Raises:
+        ValueError: a bad parameter; the message names the flag.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        nnodes: int,
+        node_rank: int = -1,
+        master_addr: str | None = None,
+        master_port: int = 0,
+        join_timeout: float = 600.0,
+        close_timeout: float = 30.0,
+    ) -> None:
+        if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+            raise ValueError(f"--nnodes must be an integer >= 1, got {nnodes!r}")
+        if nnodes > 1 and node_rank < 0:
+            raise ValueError(f"--rdzv_backend=static with --nnodes={nnodes} needs --node_rank "
+                             f"(0..{nnodes - 1}) on every node")
+        node_rank = 0 if node_rank < 0 else node_rank
+        if node_rank >= nnodes:
+            raise ValueError(f"--node_rank={node_rank} is out of range for --nnodes={nnodes}: "
+                             f"use 0..{nnodes - 1}")
+        if (isinstance(master_port, bool) or not isinstance(master_port, int)
+                or not 0 <= master_port <= 65535):
+            raise ValueError(f"--master_port={master_port!r} must be an integer in 0..65535")
+        if master_port == 0 and nnodes > 1:
+            raise ValueError(f"--rdzv_backend=static with --nnodes={nnodes} needs --master_port: "
+                             "every node must know the port of node 0's store")
+        self._run_id = run_id
+        self._nnodes = nnodes
+        self._node_rank = node_rank
+        self._master_addr = master_addr or DEFAULT_MASTER_ADDR
+        self._master_port = master_port
+        self._join_timeout = join_timeout
+        self._close_timeout = close_timeout
+        self._store: TCPStore | None = None
+        self._round = 0
+        self._closed_key = f"/rdzv/{run_id}/closed"
+
+    @property
+    def _address(self) -> str:
+        return format_address(self._master_addr, self._master_port)
+
+    def _where(self) -> str:
+        return f"the static rendezvous of run {self._run_id!r}"
+
+    def _connect(self, deadline: Deadline) -> TCPStore:
+        """Host (node 0) or reach node 0's store, once."""
+        if self._store is not None:
+            return self._store
+        left = deadline.remaining() or 0.0
+        try:
+            if self._node_rank == 0:
+                store = host_tcp_store(self._master_addr, self._master_port, self._join_timeout)
+            else:
+                store = TCPStore(self._master_addr, self._master_port, timeout=left)
+                store.set_timeout(self._join_timeout)
+        except DistError as exc:
+            if self._node_rank == 0:
+                raise RendezvousConnectionError(
+                    f"{self._where()}: node 0 cannot host the store at {self._address} "
+                    f"(--master_addr/--master_port): {exc}"
+                ) from exc
+            error = RendezvousTimeoutError if deadline.expired() else RendezvousConnectionError
+            raise error(
+                f"{self._where()}: node {self._node_rank} cannot reach node 0's store at "
+                f"{self._address} (--master_addr/--master_port) within {left:.1f} s: {exc}"
+            ) from exc
+        self._store = store
+        return store
+
+    def _check_closed(self, store: TCPStore) -> None:
+        if store.check([self._closed_key]):
+            raise RendezvousClosedError(f"{self._where()} is closed: the run is over or was "
+                                        "stopped, and no new round will form")
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Meet the other nodes for the next round (every call is one round).
+
+        Raises:
+            RendezvousClosedError: the rendezvous was closed.
+            RendezvousTimeoutError: not every node arrived within join_timeout.
+            RendezvousConnectionError: node 0's store cannot be hosted or reached.
+        """
+        deadline = Deadline(self._join_timeout)
+        store = self._connect(deadline)
+        round_ = self._round
+        self._round += 1
+        base = f"/rdzv/{self._run_id}/barrier_{round_}"
+        try:
+            self._check_closed(store)
+            if store.add(f"{base}/arrived", 1) >= self._nnodes:
+                store.set(f"{base}/done", b"1")
+            while True:
+                try:
+                    store.wait([f"{base}/done"], timeout=deadline.slice(_BARRIER_SLICE))
+                    break
+                except DistStoreTimeoutError:
+                    self._check_closed(store)
+                    if deadline.expired():
+                        arrived = store.add(f"{base}/arrived", 0)
+                        raise RendezvousTimeoutError(
+                            f"{self._where()}: only {arrived} of {self._nnodes} nodes arrived "
+                            f"for round {round_} within join_timeout={self._join_timeout:g} s; "
+                            "start every node with the same --nnodes, --master_addr and "
+                            "--master_port, or raise join_timeout in --rdzv_conf"
+                        ) from None
+        except RendezvousError:
+            raise
+        except DistError as exc:
+            raise RendezvousConnectionError(
+                f"{self._where()}: node 0's store at {self._address} failed: {exc}"
+            ) from exc
+        root = f"/rdzv/{self._run_id}"
+        return RendezvousInfo(
+            store=PrefixStore(f"{root}/round_{round_}", store),
+            run_store=PrefixStore(f"{root}/run", store),
+            rank=self._node_rank,
+            world_size=self._nnodes,
+            round=round_,
+            bootstrap_address=(self._master_addr, store.port),
+        )
+
+    def get_backend(self) -> str:
+        """'static'."""
+        return "static"
+
+    def get_run_id(self) -> str:
+        """The run id (--rdzv_id)."""
+        return self._run_id
+
+    def is_closed(self) -> bool:
+        """Whether a node closed the rendezvous (False before this node reached the store)."""
+        if self._store is None:
+            return False
+        try:
+            return self._store.check([self._closed_key])
+        except DistError as exc:
+            raise RendezvousConnectionError(f"{self._where()}: is_closed failed: {exc}") from exc
+
+    def set_closed(self) -> None:
+        """Close the rendezvous for every node.
+
+        Raises:
+            RendezvousConnectionError: node 0's store cannot be reached.
+        """
+        store = self._connect(Deadline(self._close_timeout))
+        try:
+            store.set(self._closed_key, b"1")
+        except DistError as exc:
+            raise RendezvousConnectionError(f"{self._where()}: set_closed failed: {exc}") from exc
+
+    def num_nodes_waiting(self) -> int:
+        """Always 0: a static run takes no new nodes."""
+        return 0
+
+    def shutdown(self) -> bool:
+        """Close this node's store (node 0 stops serving it); returns True."""
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+        return True
+
+    def __repr__(self) -> str:
+        return (f"StaticRendezvous(run_id={self._run_id!r}, node {self._node_rank} of "
+                f"{self._nnodes}, master={self._address})")
+
+
+def create_static_handler(params: RendezvousParameters) -> StaticRendezvous:
+    """The static backend for `params`.
+
+    Raises:
+        ValueError: an elastic --nnodes range or another bad parameter (named).
+    """
+    settings = settings_from_params(params)
+    if params.min_nodes != params.max_nodes:
+        raise ValueError(
+            f"--rdzv_backend=static needs a fixed number of nodes, got --nnodes="
+            f"{params.min_nodes}:{params.max_nodes}; use --rdzv_backend=c10d, etcd or file "
+            "for an elastic range"
+        )
+    return StaticRendezvous(
+        run_id=params.run_id,
+        nnodes=params.min_nodes,
+        node_rank=params.node_rank,
+        master_addr=params.master_addr,
+        master_port=params.master_port,
+        join_timeout=settings.join_timeout,
+        close_timeout=settings.close_timeout,
+    )
