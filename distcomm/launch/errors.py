@@ -1,0 +1,340 @@
+"""Worker failures: `@record` writes a worker's exception down; `ChildFailedError` reports.
+
+`record` writes the exception of a worker's entrypoint to the worker's error file;
+`ProcessFailure` is one failed worker as the agent saw it (reading that file), and
+`ChildFailedError` the agent's report with one block per failed rank and the root cause.
+
+The error file is the one torchelastic uses, so a script decorated with torch's
+`@record` works under distcomm-run and ours under torchrun::
+
+    {"message": {"message": "ValueError: bad input",
+                 "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1718000000",
+                               "timestamp_ns": "1718000000123456789"}}}
+
+``timestamp_ns`` is our addition (torch reads and ignores extra keys): two ranks that fail
+within the same second are still told apart when the agent picks the root cause. A file
+whose ``message`` is a plain string (torch's C++ error layout, with a top-level
+``timestamp``) is read too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import functools
+import json
+import logging
+import os
+import signal
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
+
+from ..errors import DistError
+
+__all__ = ["ERROR_FILE_ENV", "TORCH_ERROR_FILE_ENV", "ChildFailedError", "ProcessFailure",
+           "exit_description", "record"]
+
+log = logging.getLogger(__name__)
+
+#: where `@record` writes a worker's exception; the launcher sets it for every worker
+ERROR_FILE_ENV = "DISTCOMM_ERROR_FILE"
+#: torchelastic's name for the same file, read when ours is unset (and set by the launcher)
+TORCH_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+NO_TRACEBACK = ("(no traceback: decorate the entrypoint with @record to capture it, "
+                "or pass --log_dir/--redirects to keep its output)")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def exit_description(code: int | None) -> str:
+    """Describe a process's exit status the way Popen reports it.
+
+    Args:
+        code: the exit code; negative for "killed by signal -code"; None while running.
+
+    Returns:
+        "exit code 1", "signal SIGKILL (-9)" or "still running". A code above 128 that is
+        128 plus a signal number (what a shell reports for a child killed by that signal)
+        names the signal too: "exit code 137 (128+SIGKILL)".
+    """
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"signal {_signal_name(-code) or -code} ({code})"
+    name = _signal_name(code - 128) if 128 < code < 256 else ""
+    return f"exit code {code} (128+{name})" if name else f"exit code {code}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return ""
+
+
+def _error_file_path() -> str:
+    return os.environ.get(ERROR_FILE_ENV) or os.environ.get(TORCH_ERROR_FILE_ENV) or ""
+
+
+def _write_error_file(path: str, data: dict[str, Any]) -> None:
+    """Write `data` as JSON to `path` atomically (a reader never sees half a file)."""
+    if os.path.exists(path):
+        log.warning("error file %s already exists; overwriting it with this process's error",
+                    path)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fp:
+            json.dump(data, fp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _exception_record(exc: BaseException, skip_frames: int = 0) -> dict[str, Any]:
+    """The error file's content for `exc`, leaving out its first `skip_frames` frames."""
+    now_ns = time.time_ns()
+    tb = exc.__traceback__
+    for _ in range(skip_frames):
+        tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+    return {"message": {
+        "message": f"{type(exc).__name__}: {exc}",
+        "extraInfo": {
+            "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
+            "timestamp": str(now_ns // 1_000_000_000),
+            "timestamp_ns": str(now_ns),
+        },
+    }}
+
+
+def record(fn: _F) -> _F:
+    """Decorate a worker's entrypoint so that an exception it raises reaches the agent's report.
+
+    On an exception the wrapper writes the exception's message, traceback and time to the
+    file named by ``DISTCOMM_ERROR_FILE`` (or ``TORCHELASTIC_ERROR_FILE``), which the
+    launcher sets for each worker, then re-raises it unchanged. With neither variable set
+    it only re-raises. `SystemExit` and `KeyboardInterrupt` pass through unrecorded. A
+    `ChildFailedError` (a nested launcher's agent failing) records its root cause's error
+    file, so an outer launcher reports the real first failure. It also enables
+    `faulthandler`, so a crash in native code leaves a Python stack on stderr.
+
+    Args:
+        fn: the function to wrap (usually ``main``).
+
+    Returns:
+        The wrapped function, with `fn`'s name and docstring.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not faulthandler.is_enabled():
+            faulthandler.enable(all_threads=True)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            path = _error_file_path()
+            if path:
+                try:
+                    data = None
+                    if isinstance(exc, ChildFailedError):
+                        data = exc.get_first_failure()[1].error_data
+                    _write_error_file(path, data or _exception_record(exc, skip_frames=1))
+                except Exception as write_exc:
+                    log.warning("could not write the error file %s (%s); the exception "
+                                "follows unrecorded", path, write_exc)
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass
+class ProcessFailure:
+    """One worker that failed (or that the agent had to end), as the agent observed it.
+
+    The recorded error (message, traceback, time) is read from `error_file` once, when the
+    object is made, so the report survives the file's removal.
+
+    Attributes:
+        local_rank: the worker's rank on this node.
+        rank: its global rank.
+        pid: its process id.
+        exitcode: its exit status as Popen reports it (negative: killed by that signal;
+            None: still running when observed, e.g. ended by the agent afterwards).
+        error_file: the file its `@record` writes to, or "".
+        host: the node's host name.
+        role: the worker group's role.
+        log_files: its kept output, by stream name ("stdout", "stderr") -> path.
+        reason: why the agent counts it as failed, beyond the exit status (e.g.
+            "expiration timer 'stuck' expired").
+        timestamp: seconds since the epoch: the recorded failure time if the error file
+            has one, else the given time of observation, else the time this was made.
+    """
+
+    local_rank: int
+    rank: int
+    pid: int
+    exitcode: int | None
+    error_file: str = ""
+    host: str = ""
+    role: str = "default"
+    log_files: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+    timestamp: float | None = None
+    error_data: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    _error_problem: str = field(default="", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        recorded = self._read_error_file()
+        if recorded is not None:
+            self.timestamp = recorded
+        elif self.timestamp is None:
+            self.timestamp = time.time()
+
+    def _read_error_file(self) -> float | None:
+        """Load `error_file`; return the failure time it records, if any."""
+        if not self.error_file or not os.path.isfile(self.error_file):
+            return None
+        try:
+            with open(self.error_file, encoding="utf-8") as fp:
+                data = json.load(fp)
+            message = data["message"]
+            info = message.get("extraInfo", {}) if isinstance(message, dict) else data
+            if isinstance(message, dict) and "message" not in message:
+                raise KeyError("message.message")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._error_problem = f"error file {self.error_file} is unreadable ({exc!r})"
+            return None
+        self.error_data = data
+        try:
+            if "timestamp_ns" in info:
+                return int(info["timestamp_ns"]) / 1e9
+            if "timestamp" in info:
+                return float(int(info["timestamp"]))
+        except (TypeError, ValueError):
+            pass
+        return None
+
+    def signal_name(self) -> str:
+        """The name of the signal that ended the worker ("SIGKILL"), or "<N/A>" (torch's)."""
+        if self.exitcode is not None and self.exitcode < 0:
+            return _signal_name(-self.exitcode) or str(-self.exitcode)
+        return "<N/A>"
+
+    @property
+    def message(self) -> str:
+        """The recorded exception ("ValueError: bad input"), or a description of the exit."""
+        if self.error_data is not None:
+            message = self.error_data["message"]
+            return str(message["message"] if isinstance(message, dict) else message)
+        text = f"process {self.pid} ended with {exit_description(self.exitcode)}"
+        if self.exitcode is None:
+            text = f"process {self.pid} was still running"
+        return f"{text}; {self._error_problem}" if self._error_problem else text
+
+    def traceback_text(self, tail: int = 20) -> str:
+        """The traceback the worker recorded; else the last `tail` lines of its stderr log.
+
+        Args:
+            tail: how many lines of the stderr log to show when nothing was recorded.
+
+        Returns:
+            The text, or a line saying how to get a traceback next time.
+        """
+        if self.error_data is not None:
+            message = self.error_data["message"]
+            if isinstance(message, dict):
+                stack = message.get("extraInfo", {}).get("py_callstack")
+                if stack:
+                    return str(stack).rstrip("\n")
+        stderr = self.log_files.get("stderr", "")
+        if stderr and os.path.isfile(stderr):
+            try:
+                with open(stderr, encoding="utf-8", errors="replace") as fp:
+                    lines = deque(fp, maxlen=max(tail, 1))
+            except OSError as exc:
+                return f"(could not read {stderr}: {exc})"
+            if lines:
+                return (f"(no recorded traceback; last {len(lines)} lines of {stderr})\n"
+                        + "".join(lines).rstrip("\n"))
+        return NO_TRACEBACK
+
+    def timestamp_isoformat(self) -> str:
+        """The failure time as local "YYYY-MM-DD_HH:MM:SS" (torch's format)."""
+        return datetime.fromtimestamp(self.timestamp or 0).isoformat(sep="_",
+                                                                    timespec="seconds")
+
+
+class ChildFailedError(DistError):
+    """One or more workers failed; the message has one block per failed rank.
+
+    Raised by the agent when its workers fail and no restart is left. The first failure
+    (smallest timestamp; ties go to the smallest rank) is the root cause.
+
+    Attributes:
+        name: what failed (the entrypoint's name).
+        failures: rank -> its ProcessFailure.
+    """
+
+    def __init__(self, name: str, failures: dict[int, ProcessFailure]) -> None:
+        if not failures:
+            raise ValueError(f"ChildFailedError({name!r}) needs at least one failure")
+        self.name = name
+        self.failures = dict(failures)
+        super().__init__(self.format_msg())
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable, e.g. across multiprocessing
+        return type(self), (self.name, self.failures)
+
+    def get_first_failure(self) -> tuple[int, ProcessFailure]:
+        """The root cause: (rank, failure) with the smallest timestamp, then smallest rank."""
+        rank = min(self.failures, key=lambda r: (self.failures[r].timestamp or 0.0, r))
+        return rank, self.failures[rank]
+
+    def format_msg(self, border: str = "=", section: str = "-") -> str:
+        """The failure report: a header, every other failed rank, then the root cause."""
+        root_rank, root = self.get_first_failure()
+        others = [_format_failure(rank, self.failures[rank])
+                  for rank in sorted(self.failures) if rank != root_rank]
+        rule, sep = border * _REPORT_WIDTH, section * _REPORT_WIDTH
+        return "\n".join([rule, f"{self.name} FAILED", sep, "Failures:",
+                          *(others or ["  <NO_OTHER_FAILURES>"]), sep,
+                          "Root Cause (first observed failure):",
+                          _format_failure(root_rank, root), rule])
+
+
+_REPORT_WIDTH = 72
+_LABEL_WIDTH = 10
+
+
+def _format_failure(rank: int, failure: ProcessFailure) -> str:
+    """One rank's block of the failure report: fixed-width labels, continuation lines indented."""
+    code = failure.exitcode
+    if code is None or code >= 0:
+        status = exit_description(code).removeprefix("exit code ")
+    else:
+        status = f"{code} ({failure.signal_name()})"
+    rows = [("time", failure.timestamp_isoformat()),
+            ("host", failure.host or "<unknown>"),
+            ("rank", f"{rank} (local_rank: {failure.local_rank})")]
+    if failure.role != "default":
+        rows.append(("role", failure.role))
+    rows += [("pid", str(failure.pid)), ("exitcode", status)]
+    if failure.reason:
+        rows.append(("reason", failure.reason))
+    rows += [("message", failure.message), ("error_file", failure.error_file or "<N/A>")]
+    rows += sorted(failure.log_files.items())
+    lines = [f"[{rank}]:"]
+    for name, value in rows:
+        first, *rest = value.splitlines() or [""]
+        lines.append(f"  {name:<{_LABEL_WIDTH}}: {first}")
+        lines.extend(f"    {line}" for line in rest)
+    lines.append(f"  {'traceback':<{_LABEL_WIDTH}}:")
+    lines.extend(f"    {line}" for line in failure.traceback_text().splitlines())
+    return "\n".join(lines)

@@ -1,0 +1,602 @@
+"""Start a node's worker processes, route their output, and tear down their process trees.
+
+Output follows torchrun's flags. For each worker and stream (stdout, stderr):
+
+- ``--redirects``: the stream goes to ``<log_dir>/<local_rank>/stdout.log`` (or
+  ``stderr.log``) only; the worker writes the file itself (no copying by the agent).
+- ``--tee``: the stream goes to that file and to the agent's console, each console line
+  starting with the worker's prefix (e.g. ``[default0]:``).
+- neither: the stream reaches the console. Without a prefix the worker inherits the agent's
+  stdout/stderr (no copying); with one, the agent copies it line by line, prefixed.
+- ``--local_ranks_filter``: ranks left out never reach the console (their streams go to
+  /dev/null unless redirected or teed, which still write the files).
+
+Prefixed lines are written whole under one lock, so lines of different workers never mix
+within a line. A partial last line is written once the worker ends, or after
+`PARTIAL_LINE_FLUSH_S` without more output, or once it reaches `MAX_LINE_BYTES`. Output
+is handled as bytes, so any encoding passes through unchanged.
+
+Every worker gets an error file ``<log_dir>/<local_rank>/error.json`` for `@record`
+(``DISTCOMM_ERROR_FILE`` and ``TORCHELASTIC_ERROR_FILE`` in its environment). With no
+`log_dir`, as torchrun does without ``--log_dir``, the files go to a new temporary
+directory (``distcomm_*`` in the system's temp dir); `close()` removes it again when no
+worker wrote anything there, and otherwise logs where it is.
+
+Each worker leads its own session and process group, so a terminal's Ctrl-C reaches only
+the agent, which ends the workers through `stop()`. On Linux each worker also gets
+PR_SET_PDEATHSIG=SIGKILL: if the agent dies, even by SIGKILL, its workers die with it.
+The kernel sends that signal when the *thread* that started the worker ends, so call
+`start()` from a thread that lives as long as the workers (the agent's main thread).
+Grandchildren do not get it: `stop()` reaches them through the process group and psutil.
+A grandchild that both made its own session and outlived its worker is out of reach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import logging
+import os
+import re
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import IO
+
+import psutil
+
+from .errors import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV
+
+__all__ = ["MAX_LINE_BYTES", "PARTIAL_LINE_FLUSH_S", "Std", "WorkerProcesses",
+           "parse_local_ranks_filter", "parse_std"]
+
+log = logging.getLogger(__name__)
+
+#: seconds a partial (unterminated) output line waits for its end before it is shown anyway
+PARTIAL_LINE_FLUSH_S = 1.0
+#: a prefixed line longer than this is shown in pieces
+MAX_LINE_BYTES = 64 * 1024
+#: seconds close() waits for the output pumps to reach end-of-file before ending them
+PUMP_JOIN_S = 5.0
+#: seconds stop() waits for SIGKILLed processes to disappear
+KILL_WAIT_S = 10.0
+
+_PR_SET_PDEATHSIG = 1
+_READ_SIZE = 64 * 1024
+
+#: serializes whole-line writes to the agent's console across all workers and instances
+_CONSOLE_LOCK = threading.Lock()
+
+_STD_FORMS = ("one value for every local rank (e.g. 3) or local_rank:value pairs "
+              "(e.g. 0:3,1:1), where 0 = none, 1 = stdout, 2 = stderr, 3 = both")
+
+
+class Std(enum.IntEnum):
+    """Which of a worker's streams a flag applies to (a bit set: OUT | ERR == ALL)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+def parse_std(spec: str, local_world_size: int, flag: str = "--redirects/--tee",
+              ) -> dict[int, Std]:
+    """Parse a ``--redirects`` or ``--tee`` value into local rank -> Std.
+
+    Args:
+        spec: "3" (every local rank), "0:3,1:1" (those ranks; the others NONE) or ""
+            (NONE everywhere).
+        local_world_size: the number of workers on this node.
+        flag: the flag's name, for the error message.
+
+    Returns:
+        A Std for every local rank 0..local_world_size-1.
+
+    Raises:
+        ValueError: `spec` has another form, a value outside 0..3, a local rank outside
+            0..local_world_size-1, or a rank twice.
+    """
+    text = spec.strip()
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"{flag}={spec!r}: {problem}; expected {_STD_FORMS}")
+
+    def value(token: str) -> Std:
+        if int(token) > Std.ALL:
+            raise bad(f"{token} is not a stream selection 0..3")
+        return Std(int(token))
+
+    result = dict.fromkeys(range(local_world_size), Std.NONE)
+    if not text:
+        return result
+    if re.fullmatch(r"\d+", text):
+        return dict.fromkeys(range(local_world_size), value(text))
+    seen: set[int] = set()
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", item)
+        if match is None:
+            raise bad(f"cannot read {item.strip()!r}")
+        local_rank = int(match[1])
+        if local_rank >= local_world_size:
+            raise bad(f"local rank {local_rank} is outside 0..{local_world_size - 1} "
+                      f"({local_world_size} workers per node)")
+        if local_rank in seen:
+            raise bad(f"local rank {local_rank} appears twice")
+        seen.add(local_rank)
+        result[local_rank] = value(match[2])
+    return result
+
+
+def parse_local_ranks_filter(spec: str, local_world_size: int) -> set[int] | None:
+    """Parse ``--local_ranks_filter``: the local ranks whose output reaches the console.
+
+    Args:
+        spec: comma-separated local ranks ("0,2"), or "" for all.
+        local_world_size: the number of workers on this node.
+
+    Returns:
+        The set of local ranks, or None for all of them.
+
+    Raises:
+        ValueError: an entry is not a local rank in 0..local_world_size-1.
+    """
+    text = spec.strip()
+    if not text:
+        return None
+    ranks = set()
+    for item in text.split(","):
+        token = item.strip()
+        if not token.isdigit() or int(token) >= local_world_size:
+            raise ValueError(
+                f"--local_ranks_filter={spec!r}: {token!r} is not a local rank in "
+                f"0..{local_world_size - 1}; expected comma-separated local ranks "
+                f"(e.g. 0,2), or nothing for all ranks")
+        ranks.add(int(token))
+    return ranks
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's prctl on Linux, ready to call after fork; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def _child_setup(agent_pid: int) -> Callable[[], None] | None:
+    """The function run in each worker between fork and exec: die with the agent."""
+    prctl = _load_prctl()
+    if prctl is None:
+        return None
+    kill = signal.SIGKILL
+
+    def setup() -> None:
+        prctl(_PR_SET_PDEATHSIG, kill, 0, 0, 0)
+        if os.getppid() != agent_pid:  # the agent died before prctl took effect
+            os.kill(os.getpid(), kill)
+
+    return setup
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """Whether a (non-child) process has ended; a zombie counts as ended."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
+
+
+class _Pump:
+    """Copies one worker stream from its pipe to a log file and/or the agent's console."""
+
+    def __init__(self, source: IO[bytes], file: IO[bytes] | None, console: str | None,
+                 prefix: str, wake_fd: int, name: str) -> None:
+        self.source, self.file, self.console = source, file, console
+        self.prefix = prefix.encode("utf-8", "surrogateescape")
+        self.wake_fd, self.name = wake_fd, name
+        self.thread = threading.Thread(target=self._run, name=f"distcomm-{name}", daemon=True)
+
+    def _run(self) -> None:
+        fd = self.source.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self.wake_fd, select.POLLIN)
+        pending, pending_since = b"", 0.0
+        try:
+            while True:
+                timeout_ms = None
+                if pending:
+                    left = pending_since + PARTIAL_LINE_FLUSH_S - time.monotonic()
+                    timeout_ms = max(0, int(left * 1000) + 1)
+                ready = {ready_fd for ready_fd, _ in poller.poll(timeout_ms)}
+                if not ready:  # the partial line waited long enough
+                    self._show(pending + b"\n")
+                    pending = b""
+                    continue
+                if fd in ready:
+                    chunk = os.read(fd, _READ_SIZE)
+                    if not chunk:
+                        break
+                    self._save(chunk)
+                    if self.console is not None:
+                        now = time.monotonic()
+                        if not pending:
+                            pending_since = now
+                        pending += chunk
+                        cut = pending.rfind(b"\n") + 1
+                        if cut:
+                            self._show(pending[:cut])
+                            pending, pending_since = pending[cut:], now
+                        if len(pending) >= MAX_LINE_BYTES:
+                            self._show(pending + b"\n")
+                            pending = b""
+                if self.wake_fd in ready:  # close() gave up waiting for end-of-file
+                    break
+        except OSError as exc:
+            log.warning("%s: reading the worker's output failed: %s", self.name, exc)
+        finally:
+            if pending:
+                self._show(pending + b"\n")
+            self.source.close()
+            if self.file is not None:
+                self.file.close()
+
+    def _save(self, chunk: bytes) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(chunk)
+            self.file.flush()
+        except (OSError, ValueError) as exc:
+            log.warning("%s: writing %s failed (%s); its output reaches the file no more",
+                        self.name, getattr(self.file, "name", "the log file"), exc)
+            with contextlib.suppress(OSError, ValueError):
+                self.file.close()
+            self.file = None
+
+    def _show(self, lines: bytes) -> None:
+        """Write complete lines (each ending in newline) to the console, prefixed, at once."""
+        if self.console is None or not lines:
+            return
+        if self.prefix:
+            lines = b"".join(self.prefix + line + b"\n" for line in lines.split(b"\n")[:-1])
+        try:
+            with _CONSOLE_LOCK:
+                stream = sys.stdout if self.console == "stdout" else sys.stderr
+                buffer = getattr(stream, "buffer", None)
+                stream.flush()
+                if buffer is not None:
+                    buffer.write(lines)
+                    buffer.flush()
+                else:
+                    stream.write(lines.decode("utf-8", "replace"))
+                    stream.flush()
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("%s: the agent's %s is unusable (%s); this worker's output reaches "
+                        "the console no more", self.name, self.console, exc)
+            self.console = None
+
+
+class WorkerProcesses:
+    """One node's workers for one attempt: started together, watched, stopped together.
+
+    Keys of every mapping are local ranks. Use it as a context manager, or call `close()`
+    (which also stops workers still running) when done::
+
+        workers = WorkerProcesses(commands, envs, log_dir=".../attempt_0", redirects=...,
+                                  tee=..., console_ranks=None, prefixes=...)
+        workers.start()
+        while None in workers.poll().values(): ...
+        workers.close()
+
+    Args:
+        commands: local rank -> argv of its worker.
+        envs: local rank -> its complete environment. ``DISTCOMM_ERROR_FILE`` and
+            ``TORCHELASTIC_ERROR_FILE`` are set (over any given) to `error_file()`.
+        log_dir: this attempt's directory for log and error files (created if needed), or
+            None for a new temporary directory.
+        redirects: local rank -> streams sent only to its log files (missing ranks: NONE).
+        tee: local rank -> streams sent to its log files and the console (missing: NONE).
+        console_ranks: the local ranks whose output may reach the console; None for all.
+        prefixes: local rank -> the text starting each of its console lines ("" or missing:
+            the worker writes to the console directly, unprefixed; teed streams are always
+            copied, and prefixed when a prefix is given).
+
+    Raises:
+        ValueError: `commands` is empty, has an empty argv, or its ranks differ from `envs`'.
+    """
+
+    def __init__(self, commands: dict[int, list[str]], envs: dict[int, dict[str, str]], *,
+                 log_dir: str | None, redirects: dict[int, Std], tee: dict[int, Std],
+                 console_ranks: set[int] | None, prefixes: dict[int, str]) -> None:
+        if not commands:
+            raise ValueError("WorkerProcesses needs at least one worker command")
+        if set(commands) != set(envs):
+            raise ValueError(f"local ranks of commands {sorted(commands)} and of envs "
+                             f"{sorted(envs)} differ; give every worker both")
+        for local_rank, argv in commands.items():
+            if not argv:
+                raise ValueError(f"local rank {local_rank}: the worker command is empty")
+        self._commands = {lr: [str(arg) for arg in commands[lr]] for lr in sorted(commands)}
+        self._envs = {lr: dict(env) for lr, env in envs.items()}
+        self._redirects = {lr: Std(redirects.get(lr, Std.NONE)) for lr in self._commands}
+        self._tee = {lr: Std(tee.get(lr, Std.NONE)) for lr in self._commands}
+        self._console_ranks = None if console_ranks is None else set(console_ranks)
+        self._prefixes = {lr: prefixes.get(lr, "") for lr in self._commands}
+        self._requested_log_dir = log_dir
+        self._log_dir: str | None = None
+        self._temp_dir: str | None = None
+        self._log_files: dict[int, dict[str, str]] = {}
+        self._error_files: dict[int, str] = {}
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._pumps: list[_Pump] = []
+        self._wake: tuple[int, int] | None = None
+        self._lock = threading.RLock()
+        self._started = self._stopped = self._closed = False
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every worker, in local-rank order, each in its own session.
+
+        Call it from a thread that outlives the workers (see the module's docstring).
+
+        Raises:
+            RuntimeError: it was called before.
+            OSError: a worker could not be started (the ones already started are ended).
+        """
+        with self._lock:
+            if self._started:
+                raise RuntimeError("WorkerProcesses.start() was already called; make a new "
+                                   "WorkerProcesses for another attempt")
+            self._started = True
+            self._log_dir = self._make_log_dir()
+            self._wake = os.pipe()
+            setup = _child_setup(os.getpid())
+            try:
+                for local_rank in self._commands:
+                    self._start_one(local_rank, setup)
+            except BaseException:
+                self.close(grace=0.0)
+                raise
+
+    def _make_log_dir(self) -> str:
+        if self._requested_log_dir is not None:
+            os.makedirs(self._requested_log_dir, exist_ok=True)
+            return self._requested_log_dir
+        self._temp_dir = tempfile.mkdtemp(prefix="distcomm_")
+        if any(self._redirects.values()) or any(self._tee.values()):
+            log.warning("no --log_dir given: worker logs go to %s", self._temp_dir)
+        return self._temp_dir
+
+    def _start_one(self, local_rank: int, setup: Callable[[], None] | None) -> None:
+        assert self._log_dir is not None and self._wake is not None
+        rank_dir = os.path.join(self._log_dir, str(local_rank))
+        os.makedirs(rank_dir, exist_ok=True)
+        error_file = os.path.join(rank_dir, "error.json")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(error_file)  # a stale one would be read as this attempt's error
+        self._error_files[local_rank] = error_file
+        env = dict(self._envs[local_rank])
+        env[ERROR_FILE_ENV] = env[TORCH_ERROR_FILE_ENV] = error_file
+
+        shown = self._console_ranks is None or local_rank in self._console_ranks
+        prefix = self._prefixes[local_rank]
+        self._log_files[local_rank] = {}
+        targets: dict[str, object] = {}
+        pumps: dict[str, tuple[IO[bytes] | None, bool]] = {}  # stream -> (file, to console)
+        opened: list[IO[bytes]] = []
+        try:
+            for name, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+                teed = bool(self._tee[local_rank] & bit)
+                redirected = bool(self._redirects[local_rank] & bit)
+                file = None
+                if teed or redirected:
+                    path = os.path.join(rank_dir, f"{name}.log")
+                    file = open(path, "wb")  # noqa: SIM115 (owned by the worker or a pump)
+                    opened.append(file)
+                    self._log_files[local_rank][name] = path
+                to_console = shown and (teed or not redirected)
+                if to_console and (file is not None or prefix):
+                    targets[name] = subprocess.PIPE
+                    pumps[name] = (file, True)
+                elif file is not None:
+                    targets[name] = file
+                elif to_console:
+                    targets[name] = None  # inherited: the worker writes to our console
+                else:
+                    targets[name] = subprocess.DEVNULL
+            argv = self._commands[local_rank]
+            try:
+                proc = subprocess.Popen(argv, env=env, stdout=targets["stdout"],
+                                        stderr=targets["stderr"], start_new_session=True,
+                                        preexec_fn=setup, close_fds=True)
+            except OSError as exc:
+                raise OSError(exc.errno, f"local rank {local_rank}: cannot start "
+                                         f"{shlex.join(argv)}: {exc.strerror}") from exc
+        except BaseException:
+            for file in opened:
+                file.close()
+            raise
+        self._procs[local_rank] = proc
+        for file in opened:  # the worker holds its own copy; pumps keep theirs
+            if all(file is not pump_file for pump_file, _ in pumps.values()):
+                file.close()
+        for name, (file, _) in pumps.items():
+            source = proc.stdout if name == "stdout" else proc.stderr
+            assert source is not None
+            pump = _Pump(source, file, name, prefix, self._wake[0],
+                         f"local rank {local_rank} {name}")
+            self._pumps.append(pump)
+            pump.thread.start()
+
+    def stop(self, grace: float = 30.0, sig: int = signal.SIGTERM) -> None:
+        """End every worker's process tree: `sig`, up to `grace` seconds, then SIGKILL.
+
+        The signal goes to each worker's process group and to every descendant psutil finds
+        under a running worker (which catches those that made their own session). A
+        descendant that left the group and whose worker already ended cannot be found.
+        Every worker is reaped. Calling it again, or after the workers ended, is harmless.
+
+        Args:
+            grace: seconds to wait after `sig` before SIGKILL.
+            sig: the first signal (SIGKILL skips the wait).
+        """
+        with self._lock:
+            if not self._procs or self._stopped:
+                return
+            deadline = time.monotonic() + max(grace, 0.0)
+            targets = self._tree()
+            self._signal(sig, targets)
+            if sig != signal.SIGKILL:
+                targets = self._wait(targets, deadline)
+                if targets or self._running():
+                    log.info("%d processes of the workers' trees still running %.1f s "
+                             "after %s; sending SIGKILL", len(targets) + len(self._running()),
+                             grace, signal.Signals(sig).name)
+                    targets = self._tree(targets)
+                    self._signal(signal.SIGKILL, targets)
+            left = self._wait(targets, time.monotonic() + KILL_WAIT_S)
+            for proc in self._procs.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0 if left else KILL_WAIT_S)
+            if left or self._running():
+                log.warning("processes %s did not end after SIGKILL (uninterruptible?)",
+                            sorted({p.pid for p in left} | {p.pid for p in self._running()}))
+            else:
+                self._stopped = True
+
+    def close(self, grace: float = 30.0) -> None:
+        """Stop workers still running (see `stop`), end the output pumps, close every file.
+
+        Args:
+            grace: passed to `stop()` for workers still running.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.stop(grace)
+            deadline = time.monotonic() + PUMP_JOIN_S
+            for pump in self._pumps:
+                pump.thread.join(max(0.0, deadline - time.monotonic()))
+            stuck = [pump for pump in self._pumps if pump.thread.is_alive()]
+            if stuck and self._wake is not None:
+                log.warning("output of %s still open after its worker ended (a process "
+                            "outside the worker's tree holds it); no longer copying it",
+                            ", ".join(pump.name for pump in stuck))
+                os.write(self._wake[1], b"x")
+                for pump in stuck:
+                    pump.thread.join(PUMP_JOIN_S)
+            if any(pump.thread.is_alive() for pump in self._pumps):
+                # blocked writing to our own console; it still polls the wake pipe: keep it
+                log.warning("an output pump is blocked writing to the console; leaving it")
+            elif self._wake is not None:
+                for fd in self._wake:
+                    os.close(fd)
+                self._wake = None
+            if self._temp_dir is not None:
+                self._remove_temp_dir_if_unused()
+
+    def _remove_temp_dir_if_unused(self) -> None:
+        assert self._temp_dir is not None
+        for _, _, files in os.walk(self._temp_dir):
+            if files:
+                log.warning("worker logs and error files kept in %s", self._temp_dir)
+                return
+        shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> WorkerProcesses:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- observation ---------------------------------------------------------------------
+
+    def pids(self) -> dict[int, int]:
+        """local rank -> process id of each started worker."""
+        return {lr: proc.pid for lr, proc in self._procs.items()}
+
+    def poll(self) -> dict[int, int | None]:
+        """local rank -> exit code (None while running; negative: ended by that signal)."""
+        if not self._started:
+            raise RuntimeError("WorkerProcesses.poll() before start()")
+        return {lr: proc.poll() for lr, proc in self._procs.items()}
+
+    @property
+    def log_dir(self) -> str | None:
+        """The directory holding the log and error files (None before `start()`)."""
+        return self._log_dir
+
+    def error_file(self, local_rank: int) -> str:
+        """The error file `@record` writes for this worker ("" before `start()`)."""
+        return self._error_files.get(local_rank, "")
+
+    def log_files(self, local_rank: int) -> dict[str, str]:
+        """This worker's log files by stream ("stdout", "stderr"); only streams with one."""
+        return dict(self._log_files.get(local_rank, {}))
+
+    # -- process trees -------------------------------------------------------------------
+
+    def _running(self) -> list[subprocess.Popen[bytes]]:
+        return [proc for proc in self._procs.values() if proc.poll() is None]
+
+    def _tree(self, known: Iterable[psutil.Process] = ()) -> list[psutil.Process]:
+        """Every live process of the workers' trees except the workers themselves: the
+        descendants of running workers and every member of the workers' process groups."""
+        own = os.getpid()
+        worker_pids = {proc.pid for proc in self._procs.values()}
+        found = {proc.pid: proc for proc in known if not _gone(proc)}
+        for proc in self._running():
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    found.setdefault(child.pid, child)
+            except psutil.Error:
+                pass
+        for proc in psutil.process_iter():
+            if proc.pid in found or proc.pid in worker_pids or proc.pid == own:
+                continue
+            try:
+                if os.getpgid(proc.pid) in worker_pids:
+                    found[proc.pid] = proc
+            except OSError:
+                pass
+        return [proc for proc in found.values() if proc.pid not in worker_pids]
+
+    def _signal(self, sig: int, targets: list[psutil.Process]) -> None:
+        for proc in self._procs.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)  # each worker leads its group: pgid == pid
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)  # no-op once reaped
+        for target in targets:
+            with contextlib.suppress(psutil.Error):
+                target.send_signal(sig)  # psutil checks the pid was not reused
+
+    def _wait(self, targets: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+        """Wait until the workers and `targets` ended or `deadline`; those still alive."""
+        pause = 0.001
+        while True:
+            targets = [proc for proc in targets if not _gone(proc)]
+            if (not targets and not self._running()) or time.monotonic() >= deadline:
+                return targets
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.05)
