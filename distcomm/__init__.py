@@ -62,7 +62,7 @@ from .objects import (
     send_object_list,
 )
 from .ops import ReduceOp
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from .store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
 from .work import Work
 
 __version__ = "0.1.0"
@@ -76,6 +76,7 @@ __all__ = [
     "DistStoreError",
     "DistStoreTimeoutError",
     "DistTimeoutError",
+    "EtcdStore",
     "FileStore",
     "GroupMember",
     "HashStore",

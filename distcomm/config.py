@@ -30,6 +30,8 @@ class Config:
             or DETAIL (also every collective, with its sequence number and signature).
         use_agent_store: DISTCOMM_USE_AGENT_STORE: the store at MASTER_ADDR:MASTER_PORT
             is already served (by a launcher), so rank 0 connects instead of hosting it.
+        store_prefix: DISTCOMM_STORE_PREFIX: with use_agent_store, the key prefix this
+            run of the workers uses in the agent's store (the launcher sets one per round).
         mpi_abort_on_exception: DISTCOMM_MPI_ABORT_ON_EXCEPTION (default on): an uncaught
             exception calls MPI.COMM_WORLD.Abort(1) once `mpiutil.install_abort_hook` ran.
     """
@@ -39,6 +41,7 @@ class Config:
     timeout: float = DEFAULT_TIMEOUT
     debug: str = "OFF"
     use_agent_store: bool = False
+    store_prefix: str = ""
     mpi_abort_on_exception: bool = True
 
 
@@ -80,6 +83,7 @@ def load(environ: dict[str, str] | None = None) -> Config:
         use_agent_store=_flag(
             "DISTCOMM_USE_AGENT_STORE", env.get("DISTCOMM_USE_AGENT_STORE", "")
         ),
+        store_prefix=env.get("DISTCOMM_STORE_PREFIX", ""),
         mpi_abort_on_exception=_flag(
             "DISTCOMM_MPI_ABORT_ON_EXCEPTION", env.get("DISTCOMM_MPI_ABORT_ON_EXCEPTION") or "1"
         ),

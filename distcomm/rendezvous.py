@@ -35,7 +35,9 @@ it; jobs whose ids are equal modulo 2000 and share a first node collide: set MAS
 
 For ``env://`` and ``tcp://``, rank 0 hosts the TCPStore at the address and waits for the
 world to connect; the others connect. With DISTCOMM_USE_AGENT_STORE=1 (a launcher already
-serves the store there) every rank connects, rank 0 included.
+serves the store there) every rank connects, rank 0 included, and keeps its keys under
+DISTCOMM_STORE_PREFIX when that is set (the launcher sets one per round, so restarted
+workers never see the keys of an earlier round).
 
 Bootstrap over MPI: with ``env://``, no agent store, MASTER_ADDR or MASTER_PORT unset, and
 an MPI launcher (the first rank variable set is OMPI_COMM_WORLD_RANK, PMIX_RANK or
@@ -73,7 +75,7 @@ from . import config, mpiutil
 from .deadline import Deadline, to_seconds
 from .errors import DistError, DistNetworkError, DistStoreError
 from .net import format_address, interface_address
-from .store import FileStore, Store, TCPStore
+from .store import FileStore, PrefixStore, Store, TCPStore
 
 __all__ = ["EnvInfo", "InitMethod", "Rendezvous", "detect_environment", "expand_nodelist",
            "parse_init_method", "rendezvous", "slurm_port"]
@@ -163,6 +165,13 @@ class Rendezvous:
     master_addr: str | None = None
     master_port: int | None = None
     source: str = "env://"
+
+
+class _RoundStore(PrefixStore):
+    """The workers' namespace in a launcher's store; closing it closes the connection."""
+
+    def close(self) -> None:
+        self.underlying_store.close()
 
 
 def _launcher_of(source: str) -> str | None:
@@ -699,6 +708,8 @@ def rendezvous(init_method: str | None = None, *, rank: int | None = -1,
     opened = _open_store(lambda: TCPStore(host, port, world_size=size, is_master=hosting,
                                           timeout=seconds, wait_for_workers=not agent),
                          context, DistNetworkError)
+    if agent and cfg.store_prefix:
+        opened = _RoundStore(cfg.store_prefix, opened)
     launcher = info.launcher
     if method.scheme == "tcp":
         source = f"tcp://{format_address(host, port)}"

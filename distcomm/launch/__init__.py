@@ -1,1 +1,4 @@
-"""distcomm-run, the elastic launcher; filled in by its own work."""
+"""distcomm-run, the elastic launcher: CLI (`run`), agent, rendezvous, workers, errors, timer.
+
+`distcomm.launch.errors.record` and `distcomm.launch.timer` are the parts a worker uses.
+"""
