@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from distcomm.launch.errors import exit_description
+
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
        "barrier")
 DTYPES = ("float32", "float64", "float16", "int8", "uint8", "int32", "int64")
@@ -604,15 +606,6 @@ class Report:
         return bad
 
 
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 def supervise(procs: list[Any], conns: list[Any], report: Report, timeout: float) -> bool:
@@ -650,12 +643,12 @@ def supervise(procs: list[Any], conns: list[Any], report: Report, timeout: float
                     pending.discard(r)
                 if kind == "died":
                     procs[r].join(1.0)
-                    errors[r] = f"exited without reporting: {_exit_text(procs[r].exitcode)}"
+                    errors[r] = f"exited without reporting: {exit_description(procs[r].exitcode)}"
                 if not errors:
                     deadline = time.monotonic() + timeout + PARENT_MARGIN
             elif not procs[r].is_alive() and not conns[r].poll():
                 pending.discard(r)
-                errors[r] = f"exited without reporting: {_exit_text(procs[r].exitcode)}"
+                errors[r] = f"exited without reporting: {exit_description(procs[r].exitcode)}"
         if errors:
             deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE)
     if not errors:

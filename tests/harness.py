@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from distcomm.launch.errors import exit_description
+
 __all__ = ["LOOPBACK_ENV", "Outcome", "RankFailure", "RankPool", "run_ranks"]
 
 #: Environment every rank gets: all traffic stays on loopback.
@@ -64,7 +66,7 @@ class Outcome:
         if self.error:
             parts.append(self.error.rstrip())
         elif self.exitcode is not None:
-            parts.append(f"exited without reporting: {_exit_text(self.exitcode)}")
+            parts.append(f"exited without reporting: {exit_description(self.exitcode)}")
         else:
             parts.append("did not finish (still running when the run was stopped)")
         if self.stacks:
@@ -72,13 +74,6 @@ class Outcome:
         return "\n".join(parts)
 
 
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 def _die_with_parent() -> None:
