@@ -59,6 +59,8 @@ log = logging.getLogger("distcomm.launch")
 
 #: seconds an agent whose workers succeeded waits for the other nodes' workers (torch: 300)
 EXIT_BARRIER_TIMEOUT = 300.0
+#: seconds the nodes of a finished run wait for each other to stop using the stores
+DEPARTURE_TIMEOUT = 10.0
 #: seconds between checks of the rendezvous while workers run
 RDZV_CHECK_INTERVAL = 0.5
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -222,6 +224,7 @@ class ElasticAgent:
                 self._stop_workers()
                 info.run_store.set("outcome", "succeeded")
                 self._close_rendezvous()
+                self._depart(info)
                 return 0
             if result is RunResult.CLOSED:
                 self._stop_workers()
@@ -240,6 +243,7 @@ class ElasticAgent:
                 info.run_store.set("outcome", "failed")
                 self._close_rendezvous()
                 print(error.format_msg(), file=sys.stderr, flush=True)
+                self._depart(info)
                 return 1
             first = error.get_first_failure()[1]
             log.warning("distcomm-run: worker group failed (rank %d: %s); restart %d of %d",
@@ -252,6 +256,7 @@ class ElasticAgent:
             with contextlib.suppress(DistError, OSError):
                 if info.run_store.check(["outcome"]):
                     outcome = info.run_store.get("outcome")
+            self._depart(info)
         if outcome == b"succeeded":
             return 0
         print(f"distcomm-run: the rendezvous of run {self.config.run_id!r} was closed "
@@ -403,6 +408,20 @@ class ElasticAgent:
                 return
         log.warning("distcomm-run: not every node finished within %.0f s of this one; "
                     "leaving", self.config.exit_barrier_timeout)
+
+    def _depart(self, info: RendezvousInfo) -> None:
+        """Leave together: a node that serves the store must not go while others use it.
+
+        Every node of the last round counts itself out, then waits (up to
+        DEPARTURE_TIMEOUT: a node that died never counts) until all have.
+        """
+        with contextlib.suppress(DistError, OSError):
+            store = info.store
+            if int(store.add("departed", 1)) >= info.world_size:
+                store.set("all_departed", "1")
+                return
+            with contextlib.suppress(DistError):
+                store.wait(["all_departed"], timeout=DEPARTURE_TIMEOUT)
 
     def _on_timer_expired(self, pid: int, scope: str, expiration_time: float) -> None:
         with self._expired_lock:
