@@ -12,6 +12,12 @@ each subclass also inherits the builtin exception a caller would catch anyway::
         │   └── DistStoreTimeoutError      (also DistTimeoutError) a key did not appear in time
         └── DistTimeoutError               (also TimeoutError) a blocking wait ran out of time
 
+The launcher and the multiprocessing module add their own branches under `DistError`:
+`launch.rendezvous.RendezvousError` (closed, timeout, connection),
+`launch.errors.ChildFailedError` (the failure report of a run), `launch.timer`'s
+`TimerServerUnavailableError`, `multiprocessing.ProcessException` (raised, exited) and
+`multiprocessing.shm_manager.ShmManagerError`.
+
 Bad arguments raise plain `ValueError`/`TypeError`; using the API before
 `init_process_group` raises `RuntimeError`.
 """
