@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import multiprocessing
 import os
@@ -465,7 +466,8 @@ def test_the_death_signal_follows_the_thread_that_started_the_children(tmp_path)
 def test_a_child_whose_parent_is_already_gone_ends_at_once(tmp_path):
     """The check after prctl: a child reparented before the death signal was set kills
     itself (simulated by telling it another parent pid)."""
-    from distcomm.multiprocessing import spawn as spawn_module
+    # the package re-exports the function `spawn` under the module's name, as torch does
+    spawn_module = importlib.import_module("distcomm.multiprocessing.spawn")
 
     process = multiprocessing.get_context("spawn").Process(
         target=spawn_module._wrap,
