@@ -43,14 +43,8 @@ def run_launcher(args: list[str], cwd: Path, env: dict[str, str] | None = None,
                  timeout: float = 120.0) -> subprocess.CompletedProcess:
     """Run one agent to the end; its exit status and output (the agent is killed on timeout)."""
     proc = agent(args, cwd, env)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        raise AssertionError(f"distcomm-run {args} did not finish in {timeout} s:\n"
-                             f"stdout:\n{out}\nstderr:\n{err}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    code, out, err = finish(proc, timeout)
+    return subprocess.CompletedProcess(proc.args, code, out, err)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str, str]:

@@ -23,7 +23,6 @@ within 0.01 of the true ones.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -34,6 +33,7 @@ import time
 import numpy as np
 
 import distcomm as dist
+from distcomm.procutil import set_pdeathsig
 
 SEED = 0
 SAMPLES = 4096  # the whole dataset; rank r holds rows r, r + world_size, r + 2 world_size...
@@ -100,10 +100,7 @@ def train(args: argparse.Namespace) -> bool:
 
 def _spawned_rank(rank: int, env: dict[str, str], args: argparse.Namespace) -> None:
     """A rank started by `spawn`: dies with the parent and leaves Ctrl-C to it."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except (OSError, AttributeError):
-        pass
+    set_pdeathsig(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     sys.exit(0 if train(args) else 1)

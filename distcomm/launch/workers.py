@@ -34,7 +34,6 @@ A grandchild that both made its own session and outlived its worker is out of re
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import logging
 import os
@@ -53,6 +52,7 @@ from typing import IO
 
 import psutil
 
+from ..procutil import PR_SET_PDEATHSIG, load_prctl
 from .errors import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV
 
 __all__ = ["MAX_LINE_BYTES", "PARTIAL_LINE_FLUSH_S", "Std", "WorkerProcesses",
@@ -69,7 +69,6 @@ PUMP_JOIN_S = 5.0
 #: seconds stop() waits for SIGKILLed processes to disappear
 KILL_WAIT_S = 10.0
 
-_PR_SET_PDEATHSIG = 1
 _READ_SIZE = 64 * 1024
 
 #: serializes whole-line writes to the agent's console across all workers and instances
@@ -164,29 +163,15 @@ def parse_local_ranks_filter(spec: str, local_world_size: int) -> set[int] | Non
     return ranks
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    """libc's prctl on Linux, ready to call after fork; None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                      ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
 def _child_setup(agent_pid: int) -> Callable[[], None] | None:
     """The function run in each worker between fork and exec: die with the agent."""
-    prctl = _load_prctl()
+    prctl = load_prctl()
     if prctl is None:
         return None
     kill = signal.SIGKILL
 
     def setup() -> None:
-        prctl(_PR_SET_PDEATHSIG, kill, 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)
         if os.getppid() != agent_pid:  # the agent died before prctl took effect
             os.kill(os.getpid(), kill)
 

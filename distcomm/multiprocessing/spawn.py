@@ -39,7 +39,6 @@ than Linux, "spawn" and "fork" children of a killed parent run on.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -62,6 +61,7 @@ from typing import Any
 
 from ..deadline import Deadline, to_seconds
 from ..errors import DistError
+from ..procutil import set_pdeathsig
 
 __all__ = [
     "ProcessContext",
@@ -79,7 +79,6 @@ DEFAULT_TERMINATE_GRACE_S = 30.0
 #: seconds join() waits for a SIGKILLed process to be reaped before it gives up on it
 KILL_WAIT_S = 30.0
 
-_PR_SET_PDEATHSIG = 1
 _ERROR_DIR_PREFIX = "distcomm-spawn-"
 
 
@@ -139,20 +138,6 @@ class ProcessExitedException(ProcessException):
 # ---------------------------------------------------------------------------- the child
 
 
-def _set_pdeathsig(signum: int) -> bool:
-    """Ask the kernel to send `signum` when our parent thread ends; False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return False
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                      ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
-
-
 def _watch_parent(sentinel: int) -> None:
     """Block until the parent's end of `sentinel` closes, then SIGKILL this process."""
     multiprocessing.connection.wait([sentinel])
@@ -169,7 +154,7 @@ def _die_with_parent(parent_pid: int, via_fork_server: bool) -> None:
             threading.Thread(target=_watch_parent, args=(parent.sentinel,),
                              name="distcomm-spawn-parent-watch", daemon=True).start()
         return
-    if _set_pdeathsig(signal.SIGKILL) and os.getppid() != parent_pid:
+    if set_pdeathsig(signal.SIGKILL) and os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGKILL)  # the parent died before prctl took effect
 
 
