@@ -33,9 +33,15 @@ def launcher_env(**extra: str) -> dict[str, str]:
 
 def agent(args: list[str], cwd: Path, env: dict[str, str] | None = None,
           **popen: object) -> subprocess.Popen:
-    """Start `python -m distcomm.run ARGS` (an agent) without waiting for it."""
+    """Start `python -m distcomm.run ARGS` (an agent) without waiting for it.
+
+    Its temporary files go under `cwd` (TMPDIR), so an agent a test kills with SIGKILL
+    leaves nothing in the system's /tmp.
+    """
+    env = dict(env or launcher_env())
+    env.setdefault("TMPDIR", str(cwd))
     return subprocess.Popen([sys.executable, "-m", "distcomm.run", *args], cwd=cwd,
-                            env=env or launcher_env(), stdout=subprocess.PIPE,
+                            env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)  # type: ignore[call-overload]
 
 
