@@ -218,6 +218,17 @@ def test_bad_flags_are_named(tmp_path, args, message):
     assert message in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("name, value, message", [
+    ("DISTCOMM_START_METHOD", "bogus", "--start_method"),
+    ("DISTCOMM_NPROC_PER_NODE", "-2", "--nproc_per_node"),
+    ("DISTCOMM_STANDALONE", "maybe", "DISTCOMM_STANDALONE"),
+])
+def test_bad_flags_from_environment_are_named(tmp_path, name, value, message):
+    res = run_launcher(["x.py"], tmp_path, env=launcher_env(**{name: value}), timeout=60)
+    assert res.returncode == 2
+    assert message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
 def test_help_states_environment_precedence(tmp_path):
     res = run_launcher(["--help"], tmp_path, timeout=60)
     assert res.returncode == 0

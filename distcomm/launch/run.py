@@ -253,6 +253,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
     if backend not in RDZV_BACKENDS:
         raise ValueError(f"--rdzv_backend={backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
+    if args.start_method not in START_METHODS:  # a DISTCOMM_START_METHOD default skips choices
+        raise ValueError(f"--start_method={args.start_method!r} is not one of "
+                         f"{', '.join(START_METHODS)}")
     max_restarts = int(args.max_restarts)
     if max_restarts < 0:
         raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
@@ -304,7 +307,11 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run distcomm-run with `argv` (default sys.argv[1:]); returns the exit status."""
-    parser = get_args_parser()
+    try:
+        parser = get_args_parser()
+    except ValueError as exc:  # a DISTCOMM_<FLAG> variable holds a bad value
+        print(f"distcomm-run: error: {exc}", file=sys.stderr)
+        return 2
     try:
         args = parser.parse_args(argv)
         config = config_from_args(args)
