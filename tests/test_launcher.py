@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -227,6 +229,19 @@ def test_bad_flags_from_environment_are_named(tmp_path, name, value, message):
     res = run_launcher(["x.py"], tmp_path, env=launcher_env(**{name: value}), timeout=60)
     assert res.returncode == 2
     assert message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_stale_temp_dirs_of_dead_agents_are_removed(tmp_path):
+    """An agent killed with SIGKILL cannot clean up; the next agent removes what it left."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"distcomm-run-{dead.pid}-x1y2"
+    (stale / "logs").mkdir(parents=True)
+    live = tmp_path / f"distcomm-run-{os.getpid()}-keep"
+    live.mkdir()
+    res = run_launcher(["--standalone", "--no_python", "true"], tmp_path, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert not stale.exists() and live.exists()
 
 
 def test_help_states_environment_precedence(tmp_path):

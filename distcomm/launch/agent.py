@@ -111,6 +111,30 @@ class _Signal(Exception):
         self.signum = signum
 
 
+#: the agent's temporary directory (timer pipe, logs without --log_dir): PREFIX<pid>-xxxx
+TEMP_PREFIX = "distcomm-run-"
+
+
+def _remove_stale_temp_dirs() -> None:
+    """Remove the temporary directories of agents that died without cleaning up (SIGKILL)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid_text, sep, _ = name[len(TEMP_PREFIX):].partition("-")
+        if not (name.startswith(TEMP_PREFIX) and sep and pid_text.isdigit()):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or psutil.pid_exists(int(pid_text)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _physical_cores() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
@@ -157,7 +181,8 @@ class ElasticAgent:
         """Run the job on this node until it succeeds, fails for good or is signalled."""
         config = self.config
         previous = {sig: signal.signal(sig, self._on_signal) for sig in HANDLED_SIGNALS}
-        self._tmp = tempfile.mkdtemp(prefix="distcomm-run-")
+        _remove_stale_temp_dirs()
+        self._tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
         try:
             if config.log_dir:
                 os.makedirs(config.log_dir, exist_ok=True)
