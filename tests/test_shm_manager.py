@@ -1,4 +1,4 @@
-"""Tests of distcomm.multiprocessing.shm_manager: real daemons, clients and /dev/shm files."""
+"""Tests of shm_manager, shm_client and shm_protocol: real daemons, clients and /dev/shm files."""
 
 from __future__ import annotations
 
@@ -17,17 +17,16 @@ import time
 import psutil
 import pytest
 
-from distcomm.multiprocessing import shm_manager as shm
-from distcomm.multiprocessing.shm_manager import (
-    ADDRESS_ENV,
+from distcomm.multiprocessing import shm_client, shm_manager, shm_protocol
+from distcomm.multiprocessing.shm_client import (
     ManagerClient,
-    SegmentTable,
     ShmManagerConnectionError,
     ShmManagerError,
     ShmManagerTimeoutError,
     start_manager,
-    validate_name,
 )
+from distcomm.multiprocessing.shm_manager import SegmentTable
+from distcomm.multiprocessing.shm_protocol import ADDRESS_ENV, validate_name
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the shm manager needs Linux"
@@ -42,7 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # imported by every child script; the test passes names and commands on stdin
 PRELUDE = """\
 import os, sys
-from distcomm.multiprocessing.shm_manager import ManagerClient, ShmManagerError
+from distcomm.multiprocessing.shm_client import ManagerClient, ShmManagerError
 
 def create(name, size=4096):
     fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -675,7 +674,7 @@ def test_children_find_the_manager_through_the_environment(children):
         import subprocess
         client = ManagerClient.instance()
         say(client.address, client.manager_pid, os.environ["DISTCOMM_SHM_MANAGER"])
-        code = ("from distcomm.multiprocessing.shm_manager import ManagerClient as C; "
+        code = ("from distcomm.multiprocessing.shm_client import ManagerClient as C; "
                 "c = C.instance(); print(c.address, c.manager_pid)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=60, check=True)
@@ -710,7 +709,7 @@ def test_forked_child_gets_its_own_connection(manager, children, client, tag):
     name = f"{tag}forked"
     parent = children.python(
         """
-        from distcomm.multiprocessing.shm_manager import ShmManagerConnectionError
+        from distcomm.multiprocessing.shm_client import ShmManagerConnectionError
         inherited = ManagerClient.instance()
         name = hear()
         create(name)
@@ -784,7 +783,7 @@ def test_command_line_errors(manager):
 
 
 def test_a_manager_that_cannot_start_is_reported(monkeypatch):
-    monkeypatch.setattr(shm, "_MODULE", "distcomm.multiprocessing.no_such_module")
+    monkeypatch.setattr(shm_client, "_MANAGER_MODULE", "distcomm.multiprocessing.no_such_module")
     with pytest.raises(ShmManagerError, match=r"exited before listening.*no_such_module"):
         start_manager()
 
@@ -795,5 +794,6 @@ def test_invalid_address_in_the_environment(monkeypatch):
         ManagerClient.instance()
 
 
-def test_module_exports():
-    assert set(shm.__all__) <= set(dir(shm))
+@pytest.mark.parametrize("module", [shm_client, shm_manager, shm_protocol])
+def test_module_exports(module):
+    assert set(module.__all__) <= set(dir(module))

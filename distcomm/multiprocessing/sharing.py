@@ -16,7 +16,7 @@ Strategies (torch.multiprocessing's names and API):
 - ``file_system``: a named file ``/dev/shm/distcomm_<pid>_<counter>_<random>``
   (O_CREAT|O_EXCL, mode 0600) whose descriptor is closed once mapped, so thousands of
   segments cost no descriptors. Names are reference-counted by the shm manager daemon
-  (`shm_manager.ManagerClient`): the creator registers the name before creating the
+  (`shm_client.ManagerClient`): the creator registers the name before creating the
   file, each message in flight holds a reference, each process's mapping holds one until
   it is finalized; the manager unlinks a name at count 0, drops the references of a
   process whose connection closed (exit, kill -9), and unlinks every name it still
@@ -196,7 +196,7 @@ def _finalize(address: int, size: int, fd: int | None) -> None:
 def _release(name: str, pid: int) -> None:
     if os.getpid() != pid:  # a forked child holds no reference of its own
         return
-    from .shm_manager import ManagerClient
+    from .shm_client import ManagerClient
 
     client = ManagerClient.current()  # never start a manager from a finalizer
     if client is not None:
@@ -255,7 +255,8 @@ def manager_client(address: str | None = None) -> Any:
     Raises:
         ShmManagerError: this process is connected to another manager than `address`.
     """
-    from .shm_manager import ADDRESS_ENV, ManagerClient, ShmManagerError
+    from .shm_client import ManagerClient, ShmManagerError
+    from .shm_protocol import ADDRESS_ENV
 
     current = ManagerClient.current()
     if current is None:
