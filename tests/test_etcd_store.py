@@ -1,7 +1,9 @@
 """Tests of EtcdStore against a real etcd on 127.0.0.1 (started by tests/etcd_server.py).
 
-One etcd serves the module; every test gets stores under its own key prefix. Tests that
-kill a server start their own. Multi-process tests run their ranks through the harness.
+The Store contract every store shares runs on EtcdStore in tests/test_store.py (its
+`etcd` kind); this module covers what is etcd's own: watches, transactions, revisions,
+endpoints and a server that fails. One etcd serves the module; every test gets stores
+under its own key prefix. Tests that kill a server start their own.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import socket
 import threading
 import time
 import uuid
-from datetime import timedelta
 
 import pytest
 
@@ -24,7 +25,6 @@ from distcomm.errors import (
     DistNetworkError,
     DistStoreError,
     DistStoreTimeoutError,
-    DistTimeoutError,
 )
 from distcomm.store import EtcdStore, Store
 from distcomm.store.etcd import parse_endpoint
@@ -116,19 +116,6 @@ def test_is_a_store_with_its_endpoint_and_prefix(store, etcd_endpoint, prefix): 
     assert repr(store) == f"EtcdStore({etcd_endpoint!r}, prefix={prefix!r})"
 
 
-def test_set_get_roundtrip(store):
-    store.set("text", "héllo")
-    store.set("raw", b"\x00\xffbytes")
-    store.set("empty", b"")
-    assert store.get("text") == "héllo".encode()
-    assert store.get("raw") == b"\x00\xffbytes"
-    assert store.get("empty") == b""
-    store.set("text", "again")
-    assert store.get("text") == b"again"
-    store.set("ключ/with spaces", bytearray(b"v"))
-    assert store.get("ключ/with spaces") == b"v"
-
-
 def test_keys_live_under_the_prefix(store, etcd_endpoint, prefix):  # noqa: F811
     store.set("k", "v")
     answer = _etcd_post(etcd_endpoint, "kv/range", {"key": _b64(prefix.encode() + b"k")})
@@ -161,25 +148,6 @@ def test_wait_and_get_are_satisfied_by_another_process(etcd_endpoint, prefix):  
     assert results == [b"rank 1 was here", None]
 
 
-def test_get_of_a_missing_key_times_out_naming_it(store):
-    store.set_timeout(0.5)
-    with pytest.raises(DistStoreTimeoutError, match=r"key 'missing' was not set within 0\.5 s"):
-        store.get("missing")
-    store.set_timeout(timedelta(seconds=0.2))
-    with pytest.raises(DistTimeoutError):
-        store.get("missing")
-    with pytest.raises(TimeoutError, match="EtcdStore at"):
-        store.multi_get(["missing"])
-
-
-def test_timeout_property(store):
-    assert store.timeout == timedelta(seconds=10)
-    store.set_timeout(timedelta(seconds=3))
-    assert store.timeout == timedelta(seconds=3)
-    store.set_timeout(1.5)
-    assert store.timeout == timedelta(seconds=1.5)
-
-
 def test_waiting_watches_instead_of_polling(store, monkeypatch):
     calls: list[str] = []
     post = store._post
@@ -195,78 +163,6 @@ def test_waiting_watches_instead_of_polling(store, monkeypatch):
     assert calls == ["kv/txn", "kv/txn"]
 
 
-def test_add_counts_and_stores_decimal(store_pair):
-    writer, reader = store_pair
-    assert writer.add("counter", 5) == 5
-    assert reader.add("counter", -2) == 3
-    assert writer.add("counter", 0) == 3
-    assert reader.get("counter") == b"3"
-    writer.set("preset", "40")
-    assert reader.add("preset", 2) == 42
-    assert writer.add("big", 2**70) == 2**70
-    assert reader.add("big", 1) == 2**70 + 1
-
-
-def test_add_rejects_non_integers(store):
-    store.set("word", "abc")
-    with pytest.raises(DistStoreError, match=r"'word' holds b'abc', which is not an integer"):
-        store.add("word", 1)
-    with pytest.raises(TypeError, match="int"):
-        store.add("counter", 1.5)
-    with pytest.raises(TypeError, match="int"):
-        store.add("counter", True)
-    assert store.get("word") == b"abc"
-    assert not store.check(["counter"])
-
-
-def test_compare_set_follows_torch(store):
-    # missing key, empty expected: set, returns desired
-    assert store.compare_set("a", "", "first") == b"first"
-    assert store.get("a") == b"first"
-    # missing key, non-empty expected: returns expected, sets nothing
-    assert store.compare_set("b", "guess", "x") == b"guess"
-    assert not store.check(["b"])
-    # existing and equal: set, returns desired
-    assert store.compare_set("a", "first", b"second") == b"second"
-    assert store.get("a") == b"second"
-    # existing and different: returns current, sets nothing
-    assert store.compare_set("a", "wrong", "third") == b"second"
-    assert store.get("a") == b"second"
-    # existing and empty expected: returns current, sets nothing
-    assert store.compare_set("a", "", "fourth") == b"second"
-    assert store.get("a") == b"second"
-    # an existing empty value counts as equal to an empty expected value
-    store.set("e", b"")
-    assert store.compare_set("e", "", "filled") == b"filled"
-    assert store.get("e") == b"filled"
-    # an empty desired value is stored as such
-    assert store.compare_set("e", "filled", "") == b""
-    assert store.get("e") == b""
-    with pytest.raises(TypeError, match="expected_value"):
-        store.compare_set("e", 1, "x")
-
-
-def test_wait_and_check(store_pair):
-    writer, reader = store_pair
-    assert reader.check([])
-    reader.wait([])
-    assert not reader.check(["x"])
-    writer.set("x", "1")
-    assert reader.check(["x"])
-    assert not reader.check(["x", "y"])
-    reader.wait(["x"])
-    reader.wait(["x"], timeout=0.1)
-    thread, box = _in_thread(reader.wait, ["x", "y", "z"])
-    time.sleep(0.1)
-    writer.set("z", "1")
-    writer.set("y0", "a key between the waited ones")
-    time.sleep(0.1)
-    writer.set("y", "1")
-    thread.join(10)
-    assert box == {"value": None}
-    assert reader.check(["x", "y", "z", "x"])
-
-
 def test_wait_needs_every_key_at_once(store_pair):
     writer, reader = store_pair
     writer.set("a", "1")
@@ -279,40 +175,6 @@ def test_wait_needs_every_key_at_once(store_pair):
     writer.set("a", "3")
     thread.join(10)
     assert box == {"value": [b"3", b"2"]}
-
-
-def test_wait_timeout_names_only_missing_keys(store):
-    store.set("here", "1")
-    with pytest.raises(
-        DistStoreTimeoutError, match=r"keys \['gone', 'lost'\] were not set"
-    ) as info:
-        store.wait(["here", "gone", "lost"], timedelta(seconds=0.3))
-    assert "'here'" not in str(info.value)
-    with pytest.raises(DistStoreTimeoutError, match=r"key 'gone' was not set within 0\.2 s"):
-        store.wait(["gone"], 0.2)
-    with pytest.raises(DistStoreTimeoutError, match="'gone'"):
-        store.wait(["gone"], 0)
-
-
-def test_delete_key(store):
-    store.set("k", "v")
-    assert store.delete_key("k") is True
-    assert store.delete_key("k") is False
-    assert not store.check(["k"])
-    store.set_timeout(0.2)
-    with pytest.raises(DistStoreTimeoutError):
-        store.get("k")
-
-
-def test_num_keys(store):
-    assert store.num_keys() == 0
-    store.set("a", "1")
-    store.add("b", 1)
-    store.append("c", "x")
-    store.set("a", "2")
-    assert store.num_keys() == 3
-    store.delete_key("a")
-    assert store.num_keys() == 2
 
 
 def test_prefixes_keep_stores_apart(etcd_endpoint):  # noqa: F811
@@ -335,36 +197,6 @@ def test_prefixes_keep_stores_apart(etcd_endpoint):  # noqa: F811
         assert one.delete_key("only-two") is False
         assert one.add("k", 1) == 2
         assert two.get("k") == b"2"
-
-
-def test_append(store_pair):
-    writer, reader = store_pair
-    writer.append("log", "a")
-    reader.append("log", b"b")
-    writer.append("log", "c")
-    assert reader.get("log") == b"abc"
-    writer.set("log", "")
-    reader.append("log", "d")
-    assert writer.get("log") == b"d"
-
-
-def test_multi_set_and_multi_get(store_pair):
-    writer, reader = store_pair
-    writer.multi_set(["a", "b", "c"], ["1", b"2", ""])
-    assert reader.multi_get(["c", "a", "b"]) == [b"", b"1", b"2"]
-    assert reader.multi_get(["a", "a"]) == [b"1", b"1"]
-    assert reader.multi_get([]) == []
-    writer.multi_set(["d", "d"], ["first", "last"])  # a key given twice: the last value
-    assert reader.get("d") == b"last"
-    writer.multi_set([], [])
-    with pytest.raises(ValueError, match="one value per key"):
-        writer.multi_set(["a", "b"], ["1"])
-    thread, box = _in_thread(reader.multi_get, ["later1", "later2"])
-    time.sleep(0.1)
-    writer.set("later2", "2")
-    writer.set("later1", "1")
-    thread.join(10)
-    assert box == {"value": [b"1", b"2"]}
 
 
 def test_multi_set_is_one_revision(store, etcd_endpoint, prefix):  # noqa: F811
@@ -394,50 +226,11 @@ def test_more_keys_than_one_txn_takes(store_pair):
     assert not reader.check(names)
 
 
-def test_multi_get_timeout_names_missing_keys(store):
-    store.set("have", "1")
-    store.set_timeout(0.3)
-    with pytest.raises(DistStoreTimeoutError, match=r"\['no1', 'no2'\]"):
-        store.multi_get(["have", "no1", "no2"])
-
-
-def test_keys_and_values_are_validated(store):
-    with pytest.raises(ValueError, match="non-empty"):
-        store.set("", "v")
-    with pytest.raises(TypeError, match="str"):
-        store.set(3, "v")
-    with pytest.raises(TypeError, match="str or bytes"):
-        store.set("k", 3)
-    with pytest.raises(TypeError, match="list of str"):
-        store.wait("k")
-    with pytest.raises(TypeError, match="list of str"):
-        store.check("k")
-    with pytest.raises(TypeError, match="list of str"):
-        store.multi_get("k")
-    with pytest.raises(ValueError, match="non-empty"):
-        store.get("")
-
-
 def test_values_over_etcds_request_limit_are_refused(store):
     with pytest.raises(DistStoreError, match=r"refused set\('big'\).*--max-request-bytes"):
         store.set("big", b"x" * (3 << 20))
     store.set("fits", b"y" * (1 << 20))
     assert store.get("fits") == b"y" * (1 << 20)
-
-
-def test_threads_share_one_store(store):
-    def work(index):
-        for step in range(50):
-            store.add("total", 1)
-            store.set(f"t{index}", str(step))
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert store.get("total") == b"200"
-    assert store.multi_get([f"t{i}" for i in range(4)]) == [b"49"] * 4
 
 
 def test_a_compacted_start_revision_is_read_again(store, etcd_endpoint):  # noqa: F811
