@@ -37,6 +37,7 @@ from distcomm.launch.workers import (
     parse_local_ranks_filter,
     parse_std,
 )
+from tests import processes
 
 PY = sys.executable
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -54,29 +55,11 @@ def _alive(pid: int, create_time: float | None = None) -> bool:
         return False
 
 
-def _descendants() -> dict[int, float]:
-    found = {}
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                found[proc.pid] = proc.create_time()
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
 @pytest.fixture(autouse=True)
 def no_process_left():
-    """Fail a test that leaves a process it started running."""
-    before = _descendants()
-    yield
-    left = {pid: t for pid, t in _descendants().items() if before.get(pid) != t}
-    for pid in left:  # clean up before failing, so one test's leak does not break others
-        try:
-            psutil.Process(pid).kill()
-        except psutil.Error:
-            pass
-    assert not left, f"processes left behind: {sorted(left)}"
+    """Fail a test that leaves a process it started running (and kill it)."""
+    with processes.no_process_left():
+        yield
 
 
 def _workers(commands: dict[int, str], log_dir, **kwargs) -> WorkerProcesses:

@@ -27,6 +27,7 @@ from distcomm.multiprocessing.spawn import (
     spawn,
     start_processes,
 )
+from tests import processes
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = [m for m in ("spawn", "forkserver", "fork")
@@ -100,32 +101,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _descendants() -> dict[int, float]:
-    found = {}
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if any(mark in " ".join(proc.cmdline()) for mark in _SESSION_HELPERS):
-                continue
-            found[proc.pid] = proc.create_time()
-        except psutil.Error:
-            pass
-    return found
-
-
 @pytest.fixture(autouse=True)
 def no_process_left():
     """Fail a test that leaves a process it started running (and kill it)."""
-    before = _descendants()
-    yield
-    left = {pid: t for pid, t in _descendants().items() if before.get(pid) != t}
-    for pid in left:
-        try:
-            psutil.Process(pid).kill()
-        except psutil.Error:
-            pass
-    assert not left, f"processes left behind: {sorted(left)}"
+    with processes.no_process_left(_SESSION_HELPERS):
+        yield
 
 
 @pytest.fixture

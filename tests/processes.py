@@ -1,0 +1,41 @@
+"""Process bookkeeping for tests: which descendants run, and a check that none is left."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import psutil
+
+__all__ = ["descendants", "no_process_left"]
+
+
+def descendants(ignore: tuple[str, ...] = ()) -> dict[int, float]:
+    """This process's live descendants as {pid: create_time}, zombies and processes whose
+    command line contains one of `ignore` left out."""
+    found = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if ignore and any(mark in " ".join(proc.cmdline()) for mark in ignore):
+                continue
+            found[proc.pid] = proc.create_time()
+        except psutil.Error:
+            pass
+    return found
+
+
+@contextlib.contextmanager
+def no_process_left(ignore: tuple[str, ...] = ()) -> Iterator[None]:
+    """Fail (AssertionError) if the block leaves a descendant it started running; the
+    leftovers are killed first, so one test's leak does not break the next."""
+    before = descendants(ignore)
+    yield
+    left = {pid: t for pid, t in descendants(ignore).items() if before.get(pid) != t}
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert not left, f"processes left behind: {sorted(left)}"
