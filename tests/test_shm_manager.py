@@ -718,6 +718,7 @@ def test_forked_child_gets_its_own_connection(manager, children, client, tag):
         pid = os.fork()
         if pid == 0:
             code = 1
+            os.close(to_child_w)  # so the read below ends if the parent dies
             try:
                 assert inherited._sock.fileno() == -1  # closed in the child at fork
                 assert ManagerClient.current() is None
