@@ -30,13 +30,14 @@ import textwrap
 import time
 from pathlib import Path
 
-OURS = """
+#: one worker for both launchers ({module} and {init} differ; both set TORCHELASTIC_*)
+WORKER = """
     import os, sys, time
     from pathlib import Path
-    import distcomm as dist
-    dist.init_process_group()
+    import {module} as dist
+    dist.init_process_group({init})
     dist.barrier()
-    out, restart = Path(sys.argv[1]), os.environ["DISTCOMM_RESTART_COUNT"]
+    out, restart = Path(sys.argv[1]), os.environ["TORCHELASTIC_RESTART_COUNT"]
     if sys.argv[2] == "fail":
         if restart == "0" and dist.get_rank() == 1:
             (out / "failed_at").write_text(repr(time.time()))
@@ -47,24 +48,8 @@ OURS = """
             time.sleep(60)  # held until the agent stops the group
     dist.destroy_process_group()
 """
-
-TORCH = """
-    import os, sys, time
-    from pathlib import Path
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    dist.barrier()
-    out, restart = Path(sys.argv[1]), os.environ["TORCHELASTIC_RESTART_COUNT"]
-    if sys.argv[2] == "fail":
-        if restart == "0" and dist.get_rank() == 1:
-            (out / "failed_at").write_text(repr(time.time()))
-            os._exit(1)
-        if restart == "1" and dist.get_rank() == 0:
-            (out / "recovered_at").write_text(repr(time.time()))
-        if restart == "0":
-            time.sleep(60)
-    dist.destroy_process_group()
-"""
+WORKERS = {"distcomm": WORKER.format(module="distcomm", init=""),
+           "torch": WORKER.format(module="torch.distributed", init='"gloo"')}
 
 
 def _env() -> dict[str, str]:
@@ -126,8 +111,8 @@ def main() -> int:
             peers.append("torch")
     with tempfile.TemporaryDirectory(prefix="dc-bench-workers-") as tmp:
         workers = {"distcomm": Path(tmp, "ours.py"), "torch": Path(tmp, "theirs.py")}
-        workers["distcomm"].write_text(textwrap.dedent(OURS))
-        workers["torch"].write_text(textwrap.dedent(TORCH))
+        for peer, path in workers.items():
+            path.write_text(textwrap.dedent(WORKERS[peer]))
         times: dict[tuple[str, str], list[float | None]] = {}
         for mode in ("launch", "fail"):
             for _ in range(args.repeat):

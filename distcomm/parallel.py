@@ -77,7 +77,8 @@ def _env_count(name: str) -> int | None:
     return value
 
 
-def _cores() -> int:
+def physical_cores() -> int:
+    """This machine's physical CPU cores (logical ones where that is unknown)."""
     return psutil.cpu_count(logical=False) or psutil.cpu_count(logical=True) or 1
 
 
@@ -85,7 +86,7 @@ def _default_num_threads() -> int:
     counts = [c for c in map(_env_count, _THREAD_VARS) if c is not None]
     if counts:
         return counts[-1]
-    return max(1, _cores() // (_env_count("LOCAL_WORLD_SIZE") or 1))
+    return max(1, physical_cores() // (_env_count("LOCAL_WORLD_SIZE") or 1))
 
 
 def _check_count(n: object, name: str, where: str) -> int:
@@ -173,7 +174,7 @@ def get_num_interop_threads() -> int:
 
     The default, as in torch, is the number of physical cores (logical where unknown).
     """
-    return _interop_threads if _interop_threads is not None else _cores()
+    return _interop_threads if _interop_threads is not None else physical_cores()
 
 
 def set_num_interop_threads(n: int) -> None:

@@ -40,6 +40,7 @@ from types import FrameType
 import psutil
 
 from ..errors import DistError
+from ..parallel import physical_cores
 from ..store import Store, TCPStore
 from .errors import ChildFailedError, ProcessFailure
 from .rendezvous import (
@@ -75,6 +76,7 @@ class LaunchConfig:
     max_nodes: int
     nproc_per_node: int
     command: list[str]
+    name: str = "worker"
     run_id: str = "none"
     role: str = "default"
     rdzv_backend: str = "static"
@@ -135,10 +137,6 @@ def _remove_stale_temp_dirs() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _physical_cores() -> int:
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
 def _resolve_ipv4(host: str) -> str:
     try:
         return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
@@ -161,20 +159,6 @@ class ElasticAgent:
         self._attempt = 0
         self._tmp = ""
         self._log_root = ""
-        self._name = os.path.basename(self._script())
-
-    def _script(self) -> str:
-        command = self.config.command
-        for i, part in enumerate(command):
-            if part == "-m" and i + 1 < len(command):
-                return command[i + 1]
-        if command and command[0] == sys.executable:
-            rest = [part for part in command[1:] if part not in ("-u",)]
-            if rest and rest[0] == "-c" and len(rest) > 2:
-                return rest[2]
-            return rest[0] if rest else command[0]
-        return command[0] if command else "worker"
-
     # -- the run ------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -263,7 +247,7 @@ class ElasticAgent:
             failures = self._failures(info)
             self._stop_workers()
             count = self._count_restart(info)
-            error = ChildFailedError(self._name, failures)
+            error = ChildFailedError(c.name, failures)
             if count > c.max_restarts:
                 info.run_store.set("outcome", "failed")
                 self._close_rendezvous()
@@ -331,13 +315,11 @@ class ElasticAgent:
         attempt_dir = os.path.join(self._log_root, f"attempt_{self._attempt}")
         self._attempt += 1
         base = dict(os.environ)
-        base.setdefault("OMP_NUM_THREADS", str(max(1, _physical_cores() // nproc)))
+        base.setdefault("OMP_NUM_THREADS", str(max(1, physical_cores() // nproc)))
         commands, envs, prefixes = {}, {}, {}
         for local_rank in range(nproc):
             rank = info.rank * nproc + local_rank
-            error_file = os.path.join(attempt_dir, str(local_rank), "error.json")
-            os.makedirs(os.path.dirname(error_file), exist_ok=True)
-            env = dict(base)
+            env = dict(base)  # WorkerProcesses adds the error-file variables
             env.update({
                 "LOCAL_RANK": str(local_rank), "RANK": str(rank), "GROUP_RANK": str(info.rank),
                 "ROLE_RANK": str(rank), "ROLE_NAME": c.role, "LOCAL_WORLD_SIZE": str(nproc),
@@ -345,12 +327,10 @@ class ElasticAgent:
                 "MASTER_ADDR": host, "MASTER_PORT": str(port),
                 "DISTCOMM_USE_AGENT_STORE": "1",
                 "DISTCOMM_STORE_PREFIX": f"/worker/round_{info.round}",
-                "DISTCOMM_ERROR_FILE": error_file, "TORCHELASTIC_ERROR_FILE": error_file,
                 "DISTCOMM_TIMER_FILE": self._timer.file_path if self._timer else "",
             })
-            for name in ("RESTART_COUNT", "MAX_RESTARTS", "RUN_ID"):
-                value = {"RESTART_COUNT": str(restarts), "MAX_RESTARTS": str(c.max_restarts),
-                         "RUN_ID": c.run_id}[name]
+            for name, value in (("RESTART_COUNT", str(restarts)),
+                                ("MAX_RESTARTS", str(c.max_restarts)), ("RUN_ID", c.run_id)):
                 env[f"DISTCOMM_{name}"] = env[f"TORCHELASTIC_{name}"] = value
             commands[local_rank] = list(c.command)
             envs[local_rank] = env

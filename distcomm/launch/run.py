@@ -295,7 +295,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     console = parse_local_ranks_filter(str(args.local_ranks_filter or ""), nproc)
     return LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
-        command=_command(args), run_id=run_id, role=args.role, rdzv_backend=backend,
+        command=_command(args), name=os.path.basename(args.training_script), run_id=run_id,
+        role=args.role, rdzv_backend=backend,
         rdzv_endpoint=endpoint, rdzv_configs=_parse_rdzv_conf(args.rdzv_conf),
         max_restarts=max_restarts, monitor_interval=monitor, start_method=args.start_method,
         log_dir=args.log_dir, redirects=redirects, tee=tee, console_ranks=console,
