@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import signal
 import sys
 from collections.abc import Callable
 
-__all__ = ["PR_SET_PDEATHSIG", "load_prctl", "set_pdeathsig"]
+__all__ = ["PR_SET_PDEATHSIG", "load_prctl", "set_pdeathsig", "signal_name"]
 
 PR_SET_PDEATHSIG = 1
 
@@ -30,3 +31,11 @@ def set_pdeathsig(signum: int) -> bool:
     """Ask the kernel to send `signum` when the parent THREAD ends; False where unsupported."""
     prctl = load_prctl()
     return prctl is not None and prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
+
+
+def signal_name(signum: int, default: str = "") -> str:
+    """The name of signal `signum` ("SIGKILL"), or `default` for a number that names none."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return default

@@ -177,7 +177,7 @@ class ElasticAgent:
                 # one node: the agent's store and the workers share a fresh secret
                 os.environ["DISTCOMM_AUTH_KEY"] = secrets.token_hex(16)
             self._timer = FileTimerServer(os.path.join(self._tmp, "timer.fifo"), config.run_id,
-                                          max_interval=max(0.1, min(1.0, config.monitor_interval)),
+                                          max_interval=1.0,
                                           on_expired=self._on_timer_expired)
             self._timer.start()
             self._handler = get_rendezvous_handler(self._rdzv_parameters())
@@ -439,10 +439,7 @@ class ElasticAgent:
     def _stop_workers(self) -> None:
         workers, self._workers = self._workers, None
         if workers is not None:
-            try:
-                workers.stop(grace=self.config.shutdown_timeout)
-            finally:
-                workers.close()
+            workers.close(grace=self.config.shutdown_timeout)  # stops what still runs
         store, self._worker_store = self._worker_store, None
         if store is not None:
             store.close()

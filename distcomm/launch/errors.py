@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import os
-import signal
 import time
 import traceback
 from collections import deque
@@ -35,6 +34,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from ..errors import DistError
+from ..procutil import signal_name
 
 __all__ = ["ERROR_FILE_ENV", "TORCH_ERROR_FILE_ENV", "ChildFailedError", "ProcessFailure",
            "exit_description", "record"]
@@ -66,16 +66,9 @@ def exit_description(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
-        return f"signal {_signal_name(-code) or -code} ({code})"
-    name = _signal_name(code - 128) if 128 < code < 256 else ""
+        return f"signal {signal_name(-code) or -code} ({code})"
+    name = signal_name(code - 128) if 128 < code < 256 else ""
     return f"exit code {code} (128+{name})" if name else f"exit code {code}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return ""
 
 
 def _error_file_path() -> str:
@@ -224,7 +217,7 @@ class ProcessFailure:
     def signal_name(self) -> str:
         """The name of the signal that ended the worker ("SIGKILL"), or "<N/A>" (torch's)."""
         if self.exitcode is not None and self.exitcode < 0:
-            return _signal_name(-self.exitcode) or str(-self.exitcode)
+            return signal_name(-self.exitcode) or str(-self.exitcode)
         return "<N/A>"
 
     @property

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from ..gpu.staging import is_cupy_array
+from .shm_protocol import NAME_PREFIX
 
 __all__ = [
     "SharedSegment",
@@ -84,8 +85,7 @@ FILE_DESCRIPTOR = "file_descriptor"
 FILE_SYSTEM = "file_system"
 SHM_DIR = "/dev/shm"
 #: Prefix of every file_system segment's name in /dev/shm.
-NAME_PREFIX = "distcomm_"
-_NAME_RE = re.compile(r"distcomm_[0-9]+_[0-9]+_[0-9a-f]+\Z")
+_NAME_RE = re.compile(re.escape(NAME_PREFIX) + r"[0-9]+_[0-9]+_[0-9a-f]+\Z")
 
 _ALL_STRATEGIES = frozenset(
     ({FILE_DESCRIPTOR} if hasattr(os, "memfd_create") else set())
@@ -345,13 +345,14 @@ def open_fd_segment(fd: int, size: int) -> SharedSegment:
         ValueError: the descriptor's file is smaller than `size` (not what was sent).
     """
     try:
-        key = _fd_key(fd)
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
         segment = _mapped.get(key)
         if segment is not None:
             if segment.fd != fd:  # spawn hands one fd number to two handles of a segment
                 os.close(fd)
             return segment
-        actual = os.fstat(fd).st_size
+        actual = st.st_size
         if actual < size:
             raise ValueError(f"received a shared segment of {actual} bytes, expected {size}")
         address = _map(fd, size)

@@ -61,7 +61,7 @@ from typing import Any
 
 from ..deadline import Deadline, to_seconds
 from ..errors import DistError
-from ..procutil import set_pdeathsig
+from ..procutil import set_pdeathsig, signal_name
 
 __all__ = [
     "ProcessContext",
@@ -196,13 +196,6 @@ def _wrap(fn: Callable[..., Any], i: int, args: tuple[Any, ...], error_file: str
 # --------------------------------------------------------------------------- the parent
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"<Unknown signal {signum}>"
-
-
 def _remove_dir(path: str, owner_pid: int) -> None:
     """Remove the error directory, but only from the process that made it (not a fork)."""
     if os.getpid() == owner_pid:
@@ -301,7 +294,7 @@ class ProcessContext:
             msg = f"\n\n-- Process {index} terminated with the following error (pid {pid}):\n"
             return ProcessRaisedException(msg + trace, index, pid)
         if code is not None and code < 0:
-            name = _signal_name(-code)
+            name = signal_name(-code, f"<Unknown signal {-code}>")
             return ProcessExitedException(
                 f"process {index} terminated with signal {name} (pid {pid})",
                 index, pid, code, signal_name=name)

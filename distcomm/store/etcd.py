@@ -457,7 +457,7 @@ class EtcdStore(Store):
                 left = deadline.remaining()
                 if left is not None and left <= 0:
                     return False
-                sock.settimeout(None if left is None else max(left, 0.001))
+                sock.settimeout(left)  # None (no deadline) or > 0
                 line = response.readline()
                 if not line.endswith(b"\n"):  # every message ends with one; none: cut off
                     raise self._unreachable(

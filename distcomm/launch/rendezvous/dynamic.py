@@ -51,7 +51,7 @@ from typing import TypeVar
 
 from ...deadline import Deadline
 from ...errors import DistError
-from ...store import PrefixStore, Store
+from ...store import Store
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -204,13 +204,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             ) from exc
 
     def _read(self, what: str) -> RendezvousState:
-        with self._lock:
-            try:
-                return self._decode(self._load())
-            except RendezvousError:
-                raise
-            except (DistError, OSError) as exc:
-                raise self._store_error(what, exc) from exc
+        """The current state (a transaction whose step changes nothing)."""
+        return self._transact(lambda state: (None, False), Deadline(None), what)[0]
 
     def _transact(self, step: Callable[[RendezvousState], tuple[_T, bool]], deadline: Deadline,
                   what: str) -> tuple[RendezvousState, _T]:
@@ -317,15 +312,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
     def _info(self, state: RendezvousState) -> RendezvousInfo:
-        base = f"/rdzv/{self._run_id}"
-        return RendezvousInfo(
-            store=PrefixStore(f"{base}/round_{state.round}", self._store),
-            run_store=PrefixStore(f"{base}/run", self._store),
-            rank=state.participants[self.node_id],
-            world_size=len(state.participants),
-            round=state.round,
-            bootstrap_address=self._bootstrap_address,
-        )
+        return RendezvousInfo.for_round(self._store, self._run_id, state.round,
+                                        state.participants[self.node_id],
+                                        len(state.participants), self._bootstrap_address)
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and wait until it is complete.
@@ -368,8 +357,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if action is Action.TIMEOUT:
                 self._round = None
                 raise self._timeout_error(before or state)
-            if state.membership() != seen:
-                seen, delay = state.membership(), _POLL_FIRST
+            membership = state.membership()
+            if membership != seen:
+                seen, delay = membership, _POLL_FIRST
             pause = delay
             if state.deadline is not None and self.node_id in state.participants:
                 pause = min(pause, max(0.0, state.deadline - time.time()) + 0.01)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ...deadline import Deadline
 from ...errors import DistError, DistStoreTimeoutError
 from ...net import format_address
-from ...store import PrefixStore, TCPStore
+from ...store import TCPStore
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -159,15 +159,8 @@ class StaticRendezvous(RendezvousHandler):
             raise RendezvousConnectionError(
                 f"{self._where()}: node 0's store at {self._address} failed: {exc}"
             ) from exc
-        root = f"/rdzv/{self._run_id}"
-        return RendezvousInfo(
-            store=PrefixStore(f"{root}/round_{round_}", store),
-            run_store=PrefixStore(f"{root}/run", store),
-            rank=self._node_rank,
-            world_size=self._nnodes,
-            round=round_,
-            bootstrap_address=(self._master_addr, store.port),
-        )
+        return RendezvousInfo.for_round(store, self._run_id, round_, self._node_rank,
+                                        self._nnodes, (self._master_addr, store.port))
 
     def get_backend(self) -> str:
         """'static'."""
