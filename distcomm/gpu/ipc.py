@@ -44,7 +44,8 @@ import threading
 import weakref
 from typing import Any
 
-from ..errors import BackendUnavailableError, DistBackendError
+from ..errors import DistBackendError
+from .runtime import import_cupy
 
 __all__ = ["check_fork_safe", "rebuild_cupy_array", "reduce_cupy_array"]
 
@@ -111,14 +112,8 @@ _get_address_range: Any = None
 
 
 def _import_cupy(action: str) -> Any:
-    try:
-        import cupy
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"cannot {action} a CuPy array in process {os.getpid()}: CuPy failed to import "
-            f"({exc}); install the wheel matching your CUDA version, e.g. "
-            "pip install cupy-cuda12x") from exc
-    return cupy
+    return import_cupy(f"cannot {action} a CuPy array in process {os.getpid()}: this",
+                       need_device=False)
 
 
 def _allocation_range(ptr: int) -> tuple[int, int]:

@@ -27,46 +27,21 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import BackendUnavailableError
+from .runtime import import_cupy as _import_cupy
+from .runtime import is_cupy_array
 
 __all__ = ["HostStaging", "current_stream", "import_cupy", "is_cupy_array", "run_staged"]
 
 T = TypeVar("T")
 
 
-def is_cupy_array(obj: Any) -> bool:
-    """Whether `obj` is a `cupy.ndarray`; never imports CuPy (False if it is not imported)."""
-    cupy = sys.modules.get("cupy")
-    ndarray = getattr(cupy, "ndarray", None)
-    return isinstance(ndarray, type) and isinstance(obj, ndarray)
-
-
 def import_cupy() -> Any:
-    """Import CuPy and check that it sees a CUDA device.
-
-    Returns:
-        The `cupy` module.
+    """CuPy, checked to see a CUDA device (`distcomm.gpu.import_cupy` for staging).
 
     Raises:
         BackendUnavailableError: CuPy is not installed, or CUDA reports no usable device.
     """
-    try:
-        import cupy
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"staging GPU arrays needs CuPy, which failed to import ({exc}); install the "
-            "wheel matching your CUDA version, e.g. pip install cupy-cuda12x") from exc
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDARuntimeError: no device, no driver, driver too old
-        raise BackendUnavailableError(
-            f"CuPy is installed but CUDA reports no usable device ({exc}); check the driver "
-            "(nvidia-smi) and CUDA_VISIBLE_DEVICES") from exc
-    if count < 1:
-        raise BackendUnavailableError(
-            "CuPy is installed but CUDA reports no device (cudaGetDeviceCount() = 0); check "
-            "the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
-    return cupy
+    return _import_cupy("staging GPU arrays")
 
 
 def _check(array: Any, name: str, contiguous: bool = True) -> None:

@@ -1,0 +1,224 @@
+"""NCCL through CuPy: the guarded import, versions, unique ids, and dtype/op mapping.
+
+Unique ids: `cupy.cuda.nccl.get_unique_id()` returns 128 `bytes` from CuPy 14 on and a
+tuple of 128 signed ints before; `NcclCommunicator` takes the same form back. Ids travel
+as bytes (`unique_id_bytes`) and are turned into the installed CuPy's form by
+`create_communicator`.
+
+Types: NCCL moves int8/uint8/int32/uint32/int64/uint64/float16/float32/float64 natively.
+Data movement (broadcast, gathers, all_to_all, send/recv) of any other dtype goes as
+bytes. Reductions: bool as uint8 (SUM and MAX are OR, PRODUCT and MIN are AND, BXOR is a
+SUM whose parity is kept), complex SUM/AVG as (real, imaginary) float pairs, AVG as SUM
+then a division where NCCL predates ncclAvg (2.10). NCCL has no bitwise reductions and
+no 16-bit integers; those raise `TypeError` saying what to do instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import BackendUnavailableError
+from ..ops import NCCL_OP_NAMES, ReduceOp
+from .runtime import INSTALL_HINT, import_cupy
+
+__all__ = [
+    "UNIQUE_ID_BYTES",
+    "Movement",
+    "Reduction",
+    "comm_id",
+    "create_communicator",
+    "import_nccl",
+    "movement",
+    "parse_version",
+    "reduction",
+    "unique_id_bytes",
+]
+
+UNIQUE_ID_BYTES = 128
+#: the oldest NCCL with ncclSend/ncclRecv (point-to-point, grouped gathers, all_to_all)
+MIN_VERSION = (2, 7, 0)
+#: the first NCCL with ncclAvg
+AVG_VERSION = (2, 10, 0)
+
+_NATIVE = {
+    "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
+    "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
+    "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+}
+_BOOL_OPS = {
+    ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX",
+    ReduceOp.PRODUCT: "NCCL_MIN", ReduceOp.MIN: "NCCL_MIN", ReduceOp.BAND: "NCCL_MIN",
+    ReduceOp.BXOR: "NCCL_SUM",
+}
+
+
+def parse_version(code: int) -> tuple[int, int, int]:
+    """(major, minor, patch) of an NCCL version code (2.32.3 is 23203; 2.7.8 is 2708)."""
+    if code >= 10000:  # from 2.9 on: major * 10000 + minor * 100 + patch
+        return code // 10000, code % 10000 // 100, code % 100
+    return code // 1000, code % 1000 // 100, code % 100
+
+
+def _text(version: tuple[int, int, int]) -> str:
+    return ".".join(map(str, version))
+
+
+def import_nccl() -> tuple[Any, tuple[int, int, int]]:
+    """`cupy.cuda.nccl` and the NCCL runtime version, checked usable.
+
+    Raises:
+        BackendUnavailableError: CuPy, a device or the NCCL library is missing, or NCCL is
+            older than 2.7; the message says what to install.
+    """
+    import_cupy("the nccl backend")
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the nccl backend: CuPy's NCCL bindings failed to import ({exc}); "
+            f"{INSTALL_HINT}") from exc
+    if not getattr(nccl, "available", False):
+        raise BackendUnavailableError(
+            "the nccl backend: CuPy is installed but found no NCCL library; install the "
+            "NCCL wheel for your CUDA version: pip install nvidia-nccl-cu12 (CUDA 12) or "
+            "pip install nvidia-nccl-cu13 (CUDA 13)")
+    try:
+        version = parse_version(int(nccl.get_version()))
+    except Exception as exc:  # NcclError from a broken library
+        raise BackendUnavailableError(
+            f"the nccl backend: the NCCL library does not answer ncclGetVersion ({exc}); "
+            f"reinstall it: {INSTALL_HINT}") from exc
+    if version < MIN_VERSION:
+        raise BackendUnavailableError(
+            f"the nccl backend needs NCCL >= {_text(MIN_VERSION)} (for send/recv), found "
+            f"{_text(version)}; upgrade: pip install -U nvidia-nccl-cu12")
+    return nccl, version
+
+
+# -- unique ids -------------------------------------------------------------------------------
+
+def unique_id_bytes(uid: Any) -> bytes:
+    """An NCCL unique id as 128 bytes, from CuPy 14's bytes or CuPy 13's tuple of ints.
+
+    Raises:
+        TypeError: not bytes or a sequence of ints.
+        ValueError: not 128 long, or an int outside -128..255.
+    """
+    if isinstance(uid, (bytes, bytearray, memoryview)):
+        data = bytes(uid)
+    elif isinstance(uid, (tuple, list)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in uid):
+            raise TypeError("an NCCL unique id tuple must hold ints (CuPy 13's form)")
+        if any(not -128 <= v <= 255 for v in uid):
+            raise ValueError("an NCCL unique id tuple holds bytes: every int must be in "
+                             "-128..255")
+        data = bytes(v & 0xFF for v in uid)
+    else:
+        raise TypeError(f"an NCCL unique id is bytes (CuPy >= 14) or a tuple of ints "
+                        f"(CuPy 13), got {type(uid).__name__}")
+    if len(data) != UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(data)}")
+    return data
+
+
+def comm_id(data: bytes, form: type) -> bytes | tuple[int, ...]:
+    """`data` (128 bytes) in the form a CuPy's `NcclCommunicator` takes: `bytes` (CuPy >= 14)
+    or `tuple` of signed chars (CuPy 13)."""
+    if form is bytes:
+        return bytes(data)
+    if form is tuple:
+        return tuple(b - 256 if b > 127 else b for b in data)
+    raise ValueError(f"comm_id: form must be bytes or tuple, got {form!r}")
+
+
+def _cupy_form() -> type:
+    import cupy
+
+    try:
+        major = int(cupy.__version__.split(".", 1)[0])
+    except ValueError:
+        major = 14
+    return bytes if major >= 14 else tuple
+
+
+def create_communicator(nccl: Any, size: int, data: bytes, rank: int) -> Any:
+    """`nccl.NcclCommunicator(size, id, rank)` with the id in the installed CuPy's form
+    (decided by CuPy's version; the other form is tried if CuPy refuses the type)."""
+    form = _cupy_form()
+    try:
+        return nccl.NcclCommunicator(size, comm_id(data, form), rank)
+    except TypeError:  # raised converting the argument, before NCCL is called
+        other = tuple if form is bytes else bytes
+        return nccl.NcclCommunicator(size, comm_id(data, other), rank)
+
+
+# -- dtypes and reductions --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Movement:
+    """How arrays of a dtype travel: NCCL type name and NCCL elements per array element."""
+
+    dtype: str
+    factor: int
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How a reduction runs: NCCL type and op names, elements per array element, and what
+    to do to the result afterwards ("" nothing, "divide" by the group size, "parity" keep
+    the lowest bit)."""
+
+    dtype: str
+    factor: int
+    op: str
+    post: str = ""
+
+
+def movement(dtype: np.dtype) -> Movement:
+    """The NCCL type that moves arrays of `dtype` unchanged (bytes for the others)."""
+    name = _NATIVE.get(np.dtype(dtype).name)
+    if name is not None:
+        return Movement(name, 1)
+    return Movement("NCCL_UINT8", np.dtype(dtype).itemsize)
+
+
+def reduction(dtype: np.dtype, op: ReduceOp, version: tuple[int, int, int],
+              where: str) -> Reduction:
+    """How NCCL reduces arrays of `dtype` with `op` (already validated by check_reduce_op).
+
+    Raises:
+        TypeError: NCCL cannot do it (bitwise ops on integers, 16-bit integers, complex
+            PRODUCT); the message says what to use instead.
+    """
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return Reduction("NCCL_UINT8", 1, _BOOL_OPS[op],
+                         "parity" if op is ReduceOp.BXOR else "")
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        raise TypeError(
+            f"{where}: NCCL has no bitwise reductions (ReduceOp.{op.name} on {dt}); reduce "
+            "on a CPU backend (a group created with backend='cpu:gloo,cuda:nccl' and "
+            "numpy arrays), or use bool arrays, for which BAND/BOR/BXOR work on NCCL")
+    if dt.kind == "c":
+        if op not in (ReduceOp.SUM, ReduceOp.AVG):
+            raise TypeError(
+                f"{where}: ReduceOp.{op.name} of complex arrays cannot run on NCCL, which "
+                "has no complex type (SUM and AVG work, as sums of the real and imaginary "
+                "parts); multiply on a CPU backend instead")
+        part = _NATIVE["float32" if dt.itemsize == 8 else "float64"]
+        return _with_avg(Reduction(part, 2, NCCL_OP_NAMES[op]), version)
+    name = _NATIVE.get(dt.name)
+    if name is None:
+        raise TypeError(
+            f"{where}: NCCL cannot reduce {dt} arrays (it has no 16-bit integer type); "
+            "cast to int32 (array.astype(cupy.int32)) and back")
+    return _with_avg(Reduction(name, 1, NCCL_OP_NAMES[op]), version)
+
+
+def _with_avg(plan: Reduction, version: tuple[int, int, int]) -> Reduction:
+    if plan.op == "NCCL_AVG" and version < AVG_VERSION:
+        return Reduction(plan.dtype, plan.factor, "NCCL_SUM", "divide")
+    return plan
