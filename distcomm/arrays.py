@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -10,9 +11,11 @@ __all__ = [
     "DTYPES",
     "adapt",
     "check_same",
+    "concatenate",
     "device_of",
     "dtype_code",
     "dtype_from_code",
+    "empty",
     "flat",
 ]
 
@@ -109,7 +112,7 @@ def adapt(obj: Any, where: str, name: str, *, writable: bool) -> Any:
             f"{where}: {name} must be C-contiguous (collectives work in place on its memory); "
             f"pass a contiguous copy such as numpy.ascontiguousarray({name}) and copy results back"
         )
-    if writable and not array.flags.writeable:
+    if writable and not getattr(array.flags, "writeable", True):  # CuPy has no such flag
         raise ValueError(
             f"{where}: {name} is read-only but this operation writes its result into it; "
             f"pass a writable array, e.g. {name}.copy()"
@@ -142,3 +145,23 @@ def check_same(arrays: list[Any], where: str, name: str) -> tuple[str, np.dtype]
 def flat(array: Any) -> Any:
     """A 1-D view of a C-contiguous array (no copy)."""
     return array.reshape(-1)
+
+
+def empty(size: int, like: Any) -> Any:
+    """A new flat array of `size` elements of `like`'s dtype, on `like`'s device."""
+    if device_of(like) == "cuda":
+        cupy = sys.modules["cupy"]  # `like` is a CuPy array: CuPy is imported
+        with like.device:
+            return cupy.empty(size, like.dtype)
+    return np.empty(size, like.dtype)
+
+
+def concatenate(arrays: list[Any], like: Any) -> Any:
+    """The flat concatenation of `arrays`, on `like`'s device (an empty array if none)."""
+    if not arrays:
+        return empty(0, like)
+    if device_of(like) == "cuda":
+        cupy = sys.modules["cupy"]
+        with like.device:
+            return cupy.concatenate([flat(a) for a in arrays])
+    return np.concatenate([flat(a) for a in arrays])

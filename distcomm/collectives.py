@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
-from .arrays import adapt, check_same, flat
+from .arrays import adapt, check_same, concatenate, empty, flat
 from .errors import DistTimeoutError
 from .group import ProcessGroup, resolve
 from .ops import ReduceOp, check_reduce_op
@@ -136,7 +137,13 @@ def _finish(work: Work, async_op: bool, outputs: list[Any] | None = None) -> Wor
 
 
 def _then(inner: Work, finalize: Callable[[], None], outputs: list[Any]) -> Work:
-    """A Work that completes after `inner` and then `finalize()` (copying results out)."""
+    """A Work that completes after `inner` and then `finalize()` (copying results out).
+
+    A device Work (nccl) queues `finalize` on its stream at once, after the operation.
+    """
+    chain = getattr(inner, "chain", None)
+    if chain is not None:
+        return chain(finalize, outputs)
     outer = Work(inner.description, outputs, on_timeout=inner._on_timeout,
                  timeout=inner._default_timeout)
 
@@ -232,18 +239,29 @@ class P2POp:
 
 
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
-    """Post every operation of the list in order; returns their Works."""
+    """Post every operation of the list in order; returns their Works.
+
+    On a backend that groups operations (nccl), the list is issued as one group, so
+    sends and receives between the same ranks cannot block one another.
+    """
     if not isinstance(p2p_op_list, (list, tuple)) or not all(
             isinstance(p, P2POp) for p in p2p_op_list):
         raise TypeError("batch_isend_irecv: p2p_op_list must be a list of P2POp")
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv: p2p_op_list must not be empty")
-    works = []
-    for p in p2p_op_list:
-        if p.op is isend:
-            works.append(isend(p.tensor, p.peer, p.group, p.tag, p.group_peer))
-        else:
-            works.append(irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer))
+    where = "batch_isend_irecv"
+    arrays = [adapt(p.tensor, where, f"p2p_op_list[{i}].tensor", writable=p.op is irecv)
+              for i, p in enumerate(p2p_op_list)]
+    backends = {id(b): b for b in (resolve(p.group, where).backend_for(a, where)
+                                   for p, a in zip(p2p_op_list, arrays, strict=True))}
+    coalesce = getattr(next(iter(backends.values())), "coalesce", None)
+    with coalesce(arrays[0]) if coalesce is not None and len(backends) == 1 else nullcontext():
+        works = []
+        for p in p2p_op_list:
+            if p.op is isend:
+                works.append(isend(p.tensor, p.peer, p.group, p.tag, p.group_peer))
+            else:
+                works.append(irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer))
     return works
 
 
@@ -312,7 +330,7 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
     input = adapt(tensor, "all_gather", "tensor", writable=False)
     outputs = _output_list(tensor_list, input, pg.size(), "all_gather", "tensor_list")
     backend = pg.backend_for(input, "all_gather")
-    gathered = np.empty(pg.size() * input.size, dtype=input.dtype)
+    gathered = empty(pg.size() * input.size, input)
     inner = backend.all_gather(gathered, flat(input), async_op=async_op)
     return _finish(_then(inner, _split_into(outputs, gathered), outputs), async_op)
 
@@ -333,7 +351,7 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     if gather_list is None:
         raise ValueError("gather: gather_list is required on dst: one array per rank")
     outputs = _output_list(gather_list, input, pg.size(), "gather", "gather_list")
-    gathered = np.empty(pg.size() * input.size, dtype=input.dtype)
+    gathered = empty(pg.size() * input.size, input)
     inner = backend.gather(gathered, flat(input), root, async_op=async_op)
     return _finish(_then(inner, _split_into(outputs, gathered), outputs), async_op)
 
@@ -358,7 +376,7 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
               for i, t in enumerate(_list(scatter_list, "scatter", "scatter_list", pg.size()))]
     check_same([output, *inputs], "scatter", "scatter_list and tensor")
     _same_size(inputs, output.size, "scatter", "scatter_list")
-    joined = np.concatenate([flat(t) for t in inputs]) if inputs else output[:0]
+    joined = concatenate(inputs, output)
     return _finish(backend.scatter(flat(output), joined, root, async_op=async_op), async_op,
                    [tensor])
 
@@ -394,7 +412,7 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     _same_size(inputs, out.size, "reduce_scatter", "input_list")
     backend = pg.backend_for(out, "reduce_scatter")
     check_reduce_op(op, out.dtype, "reduce_scatter")
-    joined = np.concatenate([flat(t) for t in inputs])
+    joined = concatenate(inputs, out)
     return _finish(backend.reduce_scatter(flat(out), joined, op, async_op=async_op), async_op,
                    [output])
 
@@ -468,11 +486,10 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
     inputs = [adapt(t, "all_to_all", f"input_tensor_list[{i}]", writable=False)
               for i, t in enumerate(_list(input_tensor_list, "all_to_all",
                                           "input_tensor_list", n))]
-    _, dtype = check_same([*outputs, *inputs], "all_to_all",
-                          "output_tensor_list and input_tensor_list")
+    check_same([*outputs, *inputs], "all_to_all", "output_tensor_list and input_tensor_list")
     backend = pg.backend_for(inputs[0], "all_to_all")
-    joined = np.concatenate([flat(t) for t in inputs]) if n else np.empty(0, dtype)
-    received = np.empty(sum(t.size for t in outputs), dtype=dtype)
+    joined = concatenate(inputs, inputs[0])
+    received = empty(sum(t.size for t in outputs), inputs[0])
     inner = backend.all_to_all(received, joined, [t.size for t in outputs],
                                [t.size for t in inputs], async_op=async_op)
     return _finish(_then(inner, _split_into(outputs, received), outputs), async_op)

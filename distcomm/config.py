@@ -34,6 +34,9 @@ class Config:
             run of the workers uses in the agent's store (the launcher sets one per round).
         mpi_abort_on_exception: DISTCOMM_MPI_ABORT_ON_EXCEPTION (default on): an uncaught
             exception calls MPI.COMM_WORLD.Abort(1) once `mpiutil.install_abort_hook` ran.
+        nccl_blocking_wait: DISTCOMM_NCCL_BLOCKING_WAIT (default off): `Work.wait()` of an
+            nccl operation blocks the host until it finished (bounded by the group
+            timeout) instead of only ordering the caller's CUDA stream after it.
     """
 
     auth_key: bytes | None = None
@@ -43,6 +46,7 @@ class Config:
     use_agent_store: bool = False
     store_prefix: str = ""
     mpi_abort_on_exception: bool = True
+    nccl_blocking_wait: bool = False
 
 
 def _flag(name: str, value: str) -> bool:
@@ -86,6 +90,9 @@ def load(environ: dict[str, str] | None = None) -> Config:
         store_prefix=env.get("DISTCOMM_STORE_PREFIX", ""),
         mpi_abort_on_exception=_flag(
             "DISTCOMM_MPI_ABORT_ON_EXCEPTION", env.get("DISTCOMM_MPI_ABORT_ON_EXCEPTION") or "1"
+        ),
+        nccl_blocking_wait=_flag(
+            "DISTCOMM_NCCL_BLOCKING_WAIT", env.get("DISTCOMM_NCCL_BLOCKING_WAIT", "")
         ),
     )
 

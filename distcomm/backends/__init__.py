@@ -196,3 +196,4 @@ def create_backend(name: str, store: Store, rank: int, size: int, timeout: float
 _register_builtin("tcp", "distcomm.backends.tcp:TcpBackend", ("cpu",))
 _register_builtin("gloo", "distcomm.backends.gloo:GlooBackend", ("cpu", "cuda"))
 _register_builtin("mpi", "distcomm.backends.mpi:MpiBackend", ("cpu", "cuda"))
+_register_builtin("nccl", "distcomm.backends.nccl:NcclBackend", ("cuda",))

@@ -1,0 +1,710 @@
+"""The `nccl` backend: CuPy arrays through NCCL (CuPy's `cupy.cuda.nccl` bindings).
+
+Communicator: created on a group's first operation (every rank of the group issues it),
+on the device of that operation's array. Rank 0 makes the unique id and puts it in the
+group's store; the others read it; then every rank registers itself in the store and
+waits (with the group timeout) until all have, so a missing rank is reported instead of
+hanging in ncclCommInitRank. Each group, subgroups included, has its own unique id and
+communicator (CuPy's `commSplit` would need every rank of the parent, members or not).
+
+Streams and completion (torch's semantics): each group runs its operations on its own
+non-blocking CUDA stream, which first waits for the caller's current stream, so kernels
+queued before the call (producers) are ordered before the collective. The returned
+`Work` completes on a CUDA event recorded after the operation. `wait()` makes the
+caller's current stream wait for that event and returns at once; `wait(timeout)` (and
+every wait when DISTCOMM_NCCL_BLOCKING_WAIT=1) blocks the host until the event, and when
+the timeout expires aborts the communicator (ncclCommAbort) and raises
+`DistTimeoutError` naming the op and its sequence number. `barrier()` blocks the host.
+Arrays an operation uses are kept alive by its Work until the event has passed.
+
+Watchdog: while operations are pending, a thread polls their events (completing their
+futures), `check_async_error()` (a failed peer or network error becomes
+`DistBackendError` and aborts the communicator instead of a hang), the group timeout,
+and an abort notice other ranks leave in the store. After an abort every operation of
+the group raises; destroy the group and create a new one.
+
+Ops: all_reduce, broadcast, reduce, all_gather and reduce_scatter are NCCL collectives;
+gather, scatter and all_to_all are grouped sends and receives (ncclGroupStart/End);
+barrier is a one-element all_reduce. Point-to-point messages between two ranks are
+matched in the order they were posted; tags are accepted and ignored (as with torch's
+NCCL), and a receive must name its source. `batch_isend_irecv` runs as one NCCL group.
+Dtypes and reductions NCCL lacks are mapped as `distcomm.gpu.nccl` describes.
+
+With DISTCOMM_DEBUG=DETAIL every collective first compares its signature (op, dtype,
+count, reduce op, root) with every rank's through the store, so a mismatch raises
+`DistBackendError` naming both sides instead of hanging in NCCL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from .. import config
+from ..arrays import dtype_code
+from ..deadline import Deadline, to_seconds
+from ..errors import BackendUnavailableError, DistBackendError, DistError, DistTimeoutError
+from ..gpu import nccl as nccl_types
+from ..gpu import runtime
+from ..ops import ReduceOp
+from ..store.base import Store
+from ..work import Work
+from .base import Backend
+from .transport.base import NO_REDOP, OP_CODES, Signature, mismatch_message
+
+__all__ = ["NcclBackend", "NcclWork"]
+
+log = logging.getLogger(__name__)
+
+#: how often the watchdog looks at pending operations: from the first to the last, doubling
+_WATCH_FIRST, _WATCH_MOST = 0.0005, 0.02
+#: a host wait polls the event this often at most
+_POLL_MOST = 0.001
+#: pending work older than this makes the watchdog look for other ranks' abort notices
+_NOTICE_AFTER = 1.0
+_ABORT_KEY = "abort"
+
+
+class NcclWork(Work):
+    """The Work of an NCCL operation: completes on a CUDA event recorded after it."""
+
+    def __init__(self, backend: NcclBackend, description: str, outputs: list[Any],
+                 keep: list[Any], *, host_wait: bool = False) -> None:
+        super().__init__(description, outputs, timeout=backend.timeout)
+        self._backend = backend
+        self._event: Any = None
+        self._keep: list[Any] | None = keep  # the arrays the GPU may still touch
+        self._host_wait = host_wait
+        self._issued = time.monotonic()
+
+    def _record(self, stream: Any) -> None:
+        event = self._backend._cupy.cuda.Event(disable_timing=True)
+        event.record(stream)
+        self._event = event
+
+    def _poll(self) -> bool:
+        """Whether the operation has finished (completing the future when it has)."""
+        if self._future.done():
+            return True
+        if self._event is None or not self._event.done:
+            return False
+        self._keep = None
+        try:
+            self.complete()
+        except RuntimeError:  # completed (or failed) by another thread meanwhile
+            pass
+        return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Order the caller's current stream after the operation; True on success.
+
+        With `timeout` (or DISTCOMM_NCCL_BLOCKING_WAIT=1, or for a barrier) block the host
+        until the operation finished, up to `timeout` (default: the group's).
+
+        Raises:
+            DistTimeoutError: `timeout` expired; the group's communicator was aborted.
+            DistError: the operation failed, or the group was aborted.
+        """
+        seconds = to_seconds(timeout)
+        backend = self._backend
+        if self._future.done():
+            self._future.value()
+            return True
+        backend._raise_if_failed(self.description)
+        if seconds is None and not (self._host_wait or backend._blocking_wait):
+            with backend._device:
+                backend._cupy.cuda.get_current_stream().wait_event(self._event)
+            return True
+        deadline = Deadline(self._default_timeout if seconds is None else seconds)
+        delay = _WATCH_FIRST
+        while not self._poll():
+            backend._raise_if_failed(self.description)
+            if deadline.expired():
+                raise backend._timed_out(self, deadline.seconds or 0.0)
+            time.sleep(deadline.slice(delay))
+            delay = min(delay * 2, _POLL_MOST)
+        self._future.value()
+        return True
+
+    def synchronize(self) -> None:
+        """Block the host until the operation finished (torch's Work.synchronize)."""
+        self.wait(self._default_timeout)
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished on the GPU, successfully or not."""
+        return self._poll()
+
+    def chain(self, finalize: Callable[[], None], outputs: list[Any]) -> Work:
+        """A Work that completes after this one and `finalize()`, which queues GPU work
+        (copies out of a joined buffer) on the group's stream, after this operation."""
+        return self._backend._then(self, finalize, outputs)
+
+
+class NcclBackend(Backend):
+    """Collectives on CuPy arrays through NCCL, one communicator and CUDA stream per group."""
+
+    name = "nccl"
+    devices = ("cuda",)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return not cls.unavailable_reason()
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        try:
+            nccl_types.import_nccl()
+        except BackendUnavailableError as exc:
+            return str(exc)
+        return ""
+
+    def __init__(self, store: Store, rank: int, size: int, timeout: float,
+                 group_name: str = "") -> None:
+        super().__init__(store, rank, size, timeout, group_name)
+        self._nccl, self._version = nccl_types.import_nccl()
+        self._cupy = sys.modules["cupy"]
+        cfg = config.load()
+        self._blocking_wait = cfg.nccl_blocking_wait
+        self._detail = cfg.debug == "DETAIL"
+        if runtime.chosen_device() is None and os.environ.get("LOCAL_RANK", "").strip():
+            runtime.set_device(runtime.current_device())  # one GPU per launcher worker
+        self._issue = threading.RLock()  # operations are issued one at a time, in order
+        self._cond = threading.Condition()  # guards the state below; wakes the watchdog
+        self._comm: Any = None
+        self._device: Any = None
+        self._stream: Any = None
+        self._pending: list[NcclWork] = []
+        self._failure: DistError | None = None
+        self._closed = False
+        self._watchdog: threading.Thread | None = None
+        self._seq = 0  # operations issued, for messages
+        self._coll_seq = 0  # collectives issued, for the DETAIL signature check
+        self._grouped: list[NcclWork] | None = None  # Works of an open coalesced batch
+        self._barrier_buffer: Any = None
+
+    # -- the communicator ---------------------------------------------------------------------
+
+    def _ensure(self, device_id: int, what: str) -> Any:
+        """The communicator (created on `device_id` on first use); checks the device."""
+        if self._comm is not None:
+            if device_id != self._device.id:
+                raise ValueError(
+                    f"{self.describe(what)}: the array is on GPU {device_id}, but this "
+                    f"group's NCCL communicator was created on GPU {self._device.id} (its "
+                    "first operation's device); use arrays on one GPU per process "
+                    "(distcomm.gpu.set_device)")
+            return self._comm
+        cupy = self._cupy
+        device = cupy.cuda.Device(device_id)
+        deadline = Deadline(self.timeout)
+        uid = self._unique_id(deadline)
+        bus = self._register(device_id, deadline)
+        with device:
+            try:
+                comm = nccl_types.create_communicator(self._nccl, self.size, uid, self.rank)
+            except Exception as exc:  # NcclError
+                raise DistBackendError(self._init_failure(exc, bus)) from exc
+            stream = cupy.cuda.Stream(non_blocking=True)
+        self._comm, self._device, self._stream = comm, device, stream
+        self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                          name=f"distcomm-nccl-watchdog-{self.group_name}")
+        self._watchdog.start()
+        log.info("%s: NCCL %s communicator of %d ranks on GPU %d (%s)",
+                 self.describe("init"), ".".join(map(str, self._version)), self.size,
+                 device_id, bus)
+        return comm
+
+    def _unique_id(self, deadline: Deadline) -> bytes:
+        if self.rank == 0:
+            data = nccl_types.unique_id_bytes(self._nccl.get_unique_id())
+            self.store.set("uid", data)
+            return data
+        self._store_wait(["uid"], deadline, "the NCCL unique id from rank 0")
+        return nccl_types.unique_id_bytes(self.store.get("uid"))
+
+    def _register(self, device_id: int, deadline: Deadline) -> str:
+        """Say which GPU this rank uses and wait until every rank has said so."""
+        bus = str(self._cupy.cuda.runtime.deviceGetPCIBusId(device_id))
+        self.store.set(f"gpu/{self.rank}", f"{socket.gethostname()} {bus}")
+        self._store_wait([f"gpu/{r}" for r in range(self.size)], deadline,
+                         "every rank to join the NCCL communicator")
+        return bus
+
+    def _init_failure(self, exc: BaseException, bus: str) -> str:
+        text = f"{self.describe('init')}: ncclCommInitRank failed: {exc}"
+        gpus = [v.decode() for v in self.store.multi_get(
+            [f"gpu/{r}" for r in range(self.size)])]
+        shared = [r for r, v in enumerate(gpus) if v == gpus[self.rank] and r != self.rank]
+        if shared:
+            text += (f". Ranks {shared} use the same GPU ({bus}) as this rank; NCCL needs one "
+                     "GPU per rank: call distcomm.gpu.set_device(local_rank) before the first "
+                     "operation, set CUDA_VISIBLE_DEVICES per rank, or start at most as many "
+                     "ranks per node as it has GPUs")
+        return text
+
+    def _store_wait(self, keys: list[str], deadline: Deadline, what: str) -> None:
+        try:
+            self.store.wait(keys, deadline.remaining())
+        except DistTimeoutError:
+            missing = [k for k in keys if not self.store.check([k])]
+            raise DistTimeoutError(
+                f"{self.describe('init')}: timed out after {deadline.seconds:.0f} s waiting "
+                f"for {what} (missing: {', '.join(missing)}); did every rank of the group "
+                "issue the same first GPU operation?") from None
+
+    # -- issuing operations -------------------------------------------------------------------
+
+    def _raise_if_failed(self, description: str) -> None:
+        failure = self._failure
+        if failure is not None:
+            raise type(failure)(f"{description}: the group was aborted: {failure}")
+        if self._closed:
+            raise RuntimeError(f"{description}: the process group was destroyed")
+
+    def _signature(self, op: str, array: Any = None, redop: ReduceOp | None = None,
+                   root: int = -1, count: int | None = None) -> Signature:
+        return Signature(OP_CODES[op], dtype_code(array.dtype) if array is not None else 0,
+                         NO_REDOP if redop is None else int(redop), root,
+                         (array.size if array is not None else 0) if count is None else count)
+
+    def _check_signature(self, seq: int, signature: Signature, description: str) -> None:
+        """DETAIL mode: compare this collective's signature with every rank's, by store."""
+        fields = (signature.op, signature.dtype, signature.redop, signature.root,
+                  signature.count)
+        self.store.set(f"sig/{seq}/{self.rank}", ",".join(map(str, fields)))
+        keys = [f"sig/{seq}/{r}" for r in range(self.size)]
+        try:
+            self.store.wait(keys, self.timeout)
+        except DistTimeoutError:
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            raise DistTimeoutError(
+                f"{description}: ranks {missing} did not reach collective #{seq} within "
+                f"{self.timeout:.0f} s (DISTCOMM_DEBUG=DETAIL signature check)") from None
+        for peer, value in enumerate(self.store.multi_get(keys)):
+            theirs = Signature(*(int(v) for v in value.decode().split(",")))
+            if theirs != signature:
+                raise DistBackendError(
+                    mismatch_message(self.rank, self.size, seq, signature, peer, theirs))
+        if seq > 1:  # every rank has passed collective seq - 1's check: its key is read
+            self.store.delete_key(f"sig/{seq - 1}/{self.rank}")
+
+    def _issue_op(self, op: str, device_id: int, launch: Callable[[Any, int], None],
+                  outputs: list[Any], keep: list[Any], signature: Signature | None = None,
+                  host_wait: bool = False) -> NcclWork:
+        """Queue `launch(comm, stream_ptr)` on the group's stream; the Work of the operation.
+
+        `signature` (collectives) is checked against every rank's in DETAIL mode.
+        """
+        with self._issue:
+            self._seq += 1
+            description = self.describe(f"{op} #{self._seq}")
+            self._raise_if_failed(description)
+            comm = self._ensure(device_id, op)
+            if signature is not None:
+                self._coll_seq += 1
+                if self._detail:
+                    self._check_signature(self._coll_seq, signature, description)
+            work = NcclWork(self, description, outputs, keep, host_wait=host_wait)
+            with self._device:
+                if self._grouped is None:
+                    self._follow_caller()
+                try:
+                    launch(comm, self._stream.ptr)
+                except Exception as exc:
+                    raise self._launch_failed(description, exc) from exc
+                if self._grouped is not None:
+                    self._grouped.append(work)
+                else:
+                    work._record(self._stream)
+                    self._track([work])
+            return work
+
+    def _follow_caller(self) -> None:
+        """Make the group's stream wait for the work queued so far on the caller's stream."""
+        cupy = self._cupy
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.get_current_stream())
+        self._stream.wait_event(event)
+
+    def _launch_failed(self, description: str, exc: BaseException) -> DistError:
+        error = DistBackendError(f"{description}: NCCL refused the operation: {exc}")
+        self._fail(error)
+        return error
+
+    def _track(self, works: list[NcclWork]) -> None:
+        with self._cond:
+            self._pending.extend(works)
+            self._cond.notify_all()
+
+    def _then(self, inner: NcclWork, finalize: Callable[[], None],
+              outputs: list[Any]) -> NcclWork:
+        with self._issue:
+            self._raise_if_failed(inner.description)
+            work = NcclWork(self, inner.description, outputs, list(inner._keep or []))
+            with self._device, self._stream:
+                finalize()
+            work._record(self._stream)
+            self._track([work])
+            return work
+
+    @contextmanager
+    def coalesce(self, array: Any) -> Iterator[None]:
+        """Issue the operations posted inside as one NCCL group (ncclGroupStart/End); their
+        Works complete together. `array` picks the device, as a first operation would."""
+        with self._issue:
+            if self._grouped is not None:
+                yield
+                return
+            self._raise_if_failed(self.describe("batch_isend_irecv"))
+            self._ensure(runtime.device_of(array), "batch_isend_irecv")
+            with self._device:
+                self._follow_caller()
+                self._nccl.groupStart()
+                self._grouped = []
+                try:
+                    yield
+                finally:
+                    works, self._grouped = self._grouped, None
+                    try:
+                        self._nccl.groupEnd()
+                    except Exception as exc:
+                        raise self._launch_failed(self.describe("batch_isend_irecv"),
+                                                  exc) from exc
+                    for work in works:
+                        work._record(self._stream)
+                    self._track(works)
+
+    # -- the op set -----------------------------------------------------------------------------
+
+    def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
+        plan = nccl_types.movement(array.dtype)
+        dt = getattr(self._nccl, plan.dtype)
+        count = array.size * plan.factor
+
+        def launch(comm: Any, stream: int) -> None:
+            if count:
+                comm.broadcast(array.data.ptr, array.data.ptr, count, dt, root, stream)
+
+        return self._issue_op("broadcast", runtime.device_of(array), launch, [array], [array],
+                              self._signature("broadcast", array, root=root))
+
+    def _reduction(self, op: ReduceOp, array: Any, where: str) -> tuple[Any, int, Any, str]:
+        plan = nccl_types.reduction(array.dtype, op, self._version, where)
+        return (getattr(self._nccl, plan.dtype), plan.factor, getattr(self._nccl, plan.op),
+                plan.post)
+
+    def _post(self, post: str, array: Any) -> None:
+        """Finish a reduction on the group's stream: divide (AVG) or keep the parity bit."""
+        if post == "divide":
+            array /= self.size
+        elif post == "parity":
+            bits = array.view(self._cupy.uint8)
+            self._cupy.bitwise_and(bits, 1, out=bits)
+
+    def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
+        dt, factor, nop, post = self._reduction(op, array, "all_reduce")
+        count = array.size * factor
+
+        def launch(comm: Any, stream: int) -> None:
+            if count:
+                comm.allReduce(array.data.ptr, array.data.ptr, count, dt, nop, stream)
+                if post:
+                    with self._stream:
+                        self._post(post, array)
+
+        return self._issue_op("all_reduce", runtime.device_of(array), launch, [array], [array],
+                              self._signature("all_reduce", array, op))
+
+    def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
+        dt, factor, nop, post = self._reduction(op, array, "reduce")
+        count = array.size * factor
+
+        def launch(comm: Any, stream: int) -> None:
+            if count:
+                comm.reduce(array.data.ptr, array.data.ptr, count, dt, nop, root, stream)
+                if post and self.rank == root:
+                    with self._stream:
+                        self._post(post, array)
+
+        return self._issue_op("reduce", runtime.device_of(array), launch, [array], [array],
+                              self._signature("reduce", array, op, root))
+
+    def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
+        plan = nccl_types.movement(input.dtype)
+        dt = getattr(self._nccl, plan.dtype)
+        count = input.size * plan.factor
+
+        def launch(comm: Any, stream: int) -> None:
+            if count:
+                comm.allGather(input.data.ptr, output.data.ptr, count, dt, stream)
+
+        return self._issue_op("all_gather", runtime.device_of(input), launch, [output],
+                              [output, input], self._signature("all_gather", input))
+
+    def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
+                       async_op: bool = False) -> Work:
+        dt, factor, nop, post = self._reduction(op, output, "reduce_scatter")
+        count = output.size * factor
+
+        def launch(comm: Any, stream: int) -> None:
+            if count:
+                comm.reduceScatter(input.data.ptr, output.data.ptr, count, dt, nop, stream)
+                if post:
+                    with self._stream:
+                        self._post(post, output)
+
+        return self._issue_op("reduce_scatter", runtime.device_of(output), launch, [output],
+                              [output, input], self._signature("reduce_scatter", output, op))
+
+    def _copy(self, dst: Any, src: Any) -> None:
+        """Copy `src` into `dst` (same size) on the group's stream."""
+        if dst.nbytes and dst.data.ptr != src.data.ptr:
+            dst.data.copy_from_device_async(src.data, dst.nbytes, self._stream)
+
+    def _grouped_p2p(self, comm: Any, sends: Sequence[tuple[int, Any]],
+                     recvs: Sequence[tuple[int, Any]], stream: int) -> None:
+        """Post `sends` and `recvs` ((peer, array) pairs) as one NCCL group."""
+        if not any(a.size for _, a in (*sends, *recvs)):
+            return
+        nccl = self._nccl
+        nccl.groupStart()
+        try:
+            for peer, array in sends:
+                if array.size:
+                    plan = nccl_types.movement(array.dtype)
+                    comm.send(array.data.ptr, array.size * plan.factor,
+                              getattr(nccl, plan.dtype), peer, stream)
+            for peer, array in recvs:
+                if array.size:
+                    plan = nccl_types.movement(array.dtype)
+                    comm.recv(array.data.ptr, array.size * plan.factor,
+                              getattr(nccl, plan.dtype), peer, stream)
+        finally:
+            nccl.groupEnd()
+
+    def gather(self, output: Any | None, input: Any, root: int, *,
+               async_op: bool = False) -> Work:
+        m = input.size
+
+        def launch(comm: Any, stream: int) -> None:
+            if self.rank != root:
+                self._grouped_p2p(comm, [(root, input)], [], stream)
+                return
+            self._copy(output[root * m:(root + 1) * m], input)
+            self._grouped_p2p(comm, [], [(p, output[p * m:(p + 1) * m])
+                                         for p in range(self.size) if p != root], stream)
+
+        outputs = [output] if output is not None else []
+        return self._issue_op("gather", runtime.device_of(input), launch, outputs,
+                              [*outputs, input], self._signature("gather", input, root=root))
+
+    def scatter(self, output: Any, input: Any | None, root: int, *,
+                async_op: bool = False) -> Work:
+        m = output.size
+
+        def launch(comm: Any, stream: int) -> None:
+            if self.rank != root:
+                self._grouped_p2p(comm, [], [(root, output)], stream)
+                return
+            self._copy(output, input[root * m:(root + 1) * m])
+            self._grouped_p2p(comm, [(p, input[p * m:(p + 1) * m])
+                                     for p in range(self.size) if p != root], [], stream)
+
+        keep = [output] if input is None else [output, input]
+        return self._issue_op("scatter", runtime.device_of(output), launch, [output], keep,
+                              self._signature("scatter", output, root=root))
+
+    def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
+                   input_splits: Sequence[int], *, async_op: bool = False) -> Work:
+        me = self.rank
+        if input_splits[me] != output_splits[me]:
+            raise ValueError(
+                f"all_to_all: this rank sends {input_splits[me]} elements to itself but "
+                f"expects {output_splits[me]} from itself; input_split_sizes[{me}] and "
+                f"output_split_sizes[{me}] must match")
+        in_at = [sum(input_splits[:p]) for p in range(self.size)]
+        out_at = [sum(output_splits[:p]) for p in range(self.size)]
+
+        def piece(array: Any, at: list[int], splits: Sequence[int], p: int) -> Any:
+            return array[at[p]:at[p] + splits[p]]
+
+        def launch(comm: Any, stream: int) -> None:
+            self._copy(piece(output, out_at, output_splits, me),
+                       piece(input, in_at, input_splits, me))
+            peers = [p for p in range(self.size) if p != me]
+            self._grouped_p2p(comm, [(p, piece(input, in_at, input_splits, p)) for p in peers],
+                              [(p, piece(output, out_at, output_splits, p)) for p in peers],
+                              stream)
+
+        return self._issue_op("all_to_all", runtime.device_of(input), launch, [output],
+                              [output, input],
+                              self._signature("all_to_all", input, count=-1))
+
+    def send(self, array: Any, dst: int, tag: int) -> Work:
+        plan = nccl_types.movement(array.dtype)
+        dt, count = getattr(self._nccl, plan.dtype), array.size * plan.factor
+
+        def launch(comm: Any, stream: int) -> None:
+            if count:
+                comm.send(array.data.ptr, count, dt, dst, stream)
+
+        return self._issue_op("send", runtime.device_of(array), launch, [array], [array])
+
+    def recv(self, array: Any, src: int | None, tag: int) -> Work:
+        if src is None:
+            raise ValueError(
+                "recv: NCCL cannot receive from any source; pass src (the sending rank)")
+        plan = nccl_types.movement(array.dtype)
+        dt, count = getattr(self._nccl, plan.dtype), array.size * plan.factor
+
+        def launch(comm: Any, stream: int) -> None:
+            if count:
+                comm.recv(array.data.ptr, count, dt, src, stream)
+
+        work = self._issue_op("recv", runtime.device_of(array), launch, [array], [array])
+        work._source_rank = src
+        return work
+
+    def barrier(self, *, async_op: bool = False) -> Work:
+        device_id = self._device.id if self._device is not None else runtime.current_device()
+        if self._barrier_buffer is None:
+            with self._cupy.cuda.Device(device_id):
+                self._barrier_buffer = self._cupy.zeros(1, self._cupy.float32)
+        buffer = self._barrier_buffer
+        dt, op = self._nccl.NCCL_FLOAT32, self._nccl.NCCL_SUM
+
+        def launch(comm: Any, stream: int) -> None:
+            comm.allReduce(buffer.data.ptr, buffer.data.ptr, 1, dt, op, stream)
+
+        return self._issue_op("barrier", runtime.device_of(buffer), launch, [], [buffer],
+                              self._signature("barrier"), host_wait=True)
+
+    # -- watchdog, failure and teardown ---------------------------------------------------------
+
+    def _timed_out(self, work: NcclWork, seconds: float) -> DistTimeoutError:
+        check = ("every rank issued it (DISTCOMM_DEBUG=DETAIL checked)" if self._detail else
+                 "set DISTCOMM_DEBUG=DETAIL to check that every rank issued it with the "
+                 "same arguments")
+        error = DistTimeoutError(
+            f"{work.description} did not complete within {seconds:g} s; {check}. The "
+            "group's NCCL communicator was aborted: destroy the group and create a new one")
+        self._fail(error)
+        return error
+
+    def _fail(self, error: DistError) -> None:
+        """Abort the communicator, fail every pending operation, and leave a notice."""
+        with self._cond:
+            if self._failure is not None:
+                return
+            self._failure = error
+            pending, self._pending = self._pending, []
+            comm = self._comm
+            self._cond.notify_all()
+        log.error("%s: aborting the NCCL communicator: %s", self.describe("abort"), error)
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception as exc:  # an NcclError while aborting changes nothing
+                log.warning("ncclCommAbort failed: %s", exc)
+        for work in pending:
+            if not work._future.done():
+                work._keep = None
+                work.fail(error)
+        try:
+            if not self._closed:
+                self.store.set(_ABORT_KEY, f"rank {self.rank}: {error}")
+        except Exception:  # the store may be gone with the failed rank
+            pass
+
+    def _watch(self) -> None:
+        delay = _WATCH_FIRST
+        last_notice = 0.0
+        while True:
+            with self._cond:
+                while not self._closed and self._failure is None and not self._pending:
+                    delay = _WATCH_FIRST
+                    self._cond.wait(1.0)
+                if self._closed or self._failure is not None:
+                    return
+                pending = list(self._pending)
+            done = {id(w) for w in pending if w._poll()}
+            with self._cond:
+                self._pending = [w for w in self._pending if id(w) not in done]
+                oldest = self._pending[0] if self._pending else None
+            if oldest is None:
+                continue
+            waited = time.monotonic() - oldest._issued
+            if waited > self.timeout:
+                self._timed_out(oldest, self.timeout)
+                return
+            if self._async_error():
+                return
+            if waited > _NOTICE_AFTER and time.monotonic() - last_notice > _NOTICE_AFTER:
+                last_notice = time.monotonic()
+                if self._abort_notice():
+                    return
+            time.sleep(delay)
+            delay = min(delay * 2, _WATCH_MOST)
+
+    def _async_error(self) -> bool:
+        try:
+            self._comm.check_async_error()
+        except Exception as exc:  # NcclError
+            self._fail(DistBackendError(
+                f"{self.describe('watchdog')}: NCCL reported an asynchronous error ({exc}); "
+                "a peer rank probably failed or its connection broke"))
+            return True
+        return False
+
+    def _abort_notice(self) -> bool:
+        try:
+            if not self.store.check([_ABORT_KEY]):
+                return False
+            reason = self.store.get(_ABORT_KEY).decode(errors="replace")
+        except Exception:  # an unreachable store is no notice
+            return False
+        self._fail(DistBackendError(
+            f"{self.describe('watchdog')}: another rank aborted the group ({reason})"))
+        return True
+
+    def abort(self, reason: str) -> None:
+        self._fail(DistBackendError(reason))
+
+    def shutdown(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+            self._cond.notify_all()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(10.0)
+        deadline = Deadline(min(self.timeout, 10.0))
+        while pending and not deadline.expired():
+            pending = [w for w in pending if not w._poll()]
+            if pending:
+                time.sleep(0.001)
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            try:
+                if pending or self._failure is not None:
+                    comm.abort()  # ncclCommDestroy would wait for the stuck operations
+                else:
+                    comm.destroy()
+            except Exception as exc:
+                log.warning("%s: releasing the NCCL communicator failed: %s",
+                            self.describe("shutdown"), exc)
+        for work in pending:
+            if not work._future.done():
+                work._keep = None
+                work.fail(RuntimeError(f"{work.description}: the process group was destroyed "
+                                       "before the operation finished"))
+        self._barrier_buffer = None
+        self._stream = None
