@@ -7,11 +7,17 @@ ranks also run torch.distributed's gloo backend on the same numpy buffers (throu
 `torch.from_numpy`), right after ours at each size, and the table gains torch's time,
 bus bandwidth and the ratio torch_time / our_time (> 1: distcomm is faster).
 
+With `--backend nccl` the buffers are CuPy arrays, one GPU per rank (rank % GPUs), the
+group is 'cpu:gloo,cuda:nccl' (gloo only aligns the ranks and collects the timings), and
+each timed loop ends with a synchronisation of the rank's stream. `--compare cupy` runs
+raw `cupy.cuda.nccl` calls on the same buffers, on a communicator of their own.
+
 Examples::
 
     python benchmarks/collectives.py --op all_reduce -b 8 -e 64M --nprocs 4
     python benchmarks/collectives.py --op all_reduce,broadcast,all_gather --compare torch
     python benchmarks/collectives.py --op all --csv results.csv
+    python benchmarks/collectives.py --backend nccl --compare cupy --nprocs 1 -e 1G
 
 All traffic stays on 127.0.0.1: the parent hosts the stores on port 0 (the system picks
 a free port) and passes the real ports to the ranks. The ranks die with the parent
@@ -130,7 +136,8 @@ bandwidth: algbw = size / time and busbw = algbw * factor, in GB/s (1e9 bytes/s)
   (n-1)/n; broadcast, reduce 1.
 compare: with --compare torch each size runs ours, then torch.distributed's gloo in the
   same ranks on the same buffers (torch.from_numpy); torch/ours is the ratio of the two
-  times: above 1, distcomm is faster.
+  times: above 1, distcomm is faster. --compare cupy (with --backend nccl) does the same
+  with raw cupy.cuda.nccl calls on the same CuPy buffers.
 exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 for a
   usage error (including --compare torch without torch installed).""")
     parser.add_argument("-b", "--minbytes", type=parse_bytes, default=8,
@@ -154,9 +161,10 @@ exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 f
     parser.add_argument("--nprocs", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="element type (default float32)")
-    parser.add_argument("--compare", choices=("torch", "mpi4py"),
-                        help="also run torch.distributed's gloo backend (torch), or raw mpi4py "
-                             "calls (mpi4py, under mpiexec), on the same buffers")
+    parser.add_argument("--compare", choices=("torch", "mpi4py", "cupy"),
+                        help="also run torch.distributed's gloo backend (torch), raw mpi4py "
+                             "calls (mpi4py, under mpiexec), or raw cupy.cuda.nccl calls "
+                             "(cupy, with --backend nccl) on the same buffers")
     parser.add_argument("--csv", metavar="PATH", help="also write every row to this CSV file")
     parser.add_argument("--timeout", type=positive_float, default=300.0,
                         help="seconds any one collective or the start of the ranks may "
@@ -176,11 +184,19 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.iters < 1 or args.warmup_iters < 0:
         parser.error(f"need --iters >= 1 and --warmup_iters >= 0, got {args.iters} and "
                      f"{args.warmup_iters}")
-    import distcomm
+    from distcomm.backends import get_backend_record
 
-    if not distcomm.is_backend_available(args.backend):
-        parser.error(f"--backend {args.backend!r} is not available here (is it registered, "
-                     "and its library installed?); the default is 'tcp'")
+    try:
+        reason = get_backend_record(args.backend).availability()
+    except ValueError as exc:
+        parser.error(f"--backend: {exc}")
+    if reason:
+        parser.error(f"--backend {args.backend!r} is not available here: {reason}")
+    if args.compare == "cupy" and args.backend != "nccl":
+        parser.error("--compare cupy needs --backend nccl (it compares GPU buffers)")
+    if args.backend == "nccl" and args.compare not in (None, "cupy"):
+        parser.error(f"--backend nccl uses GPU buffers: compare it with --compare cupy, not "
+                     f"--compare {args.compare}")
     if args.compare == "torch":
         try:
             import torch.distributed as tdist
@@ -281,6 +297,84 @@ class Mpi4pyPeer:
         self.comm.Free()
 
 
+class CupyNcclPeer:
+    """The same calls done with raw cupy.cuda.nccl on the caller's current stream, on a
+    communicator of their own (the `--compare cupy` peer)."""
+
+    def __init__(self, dist: Any, rank: int, n: int) -> None:
+        import cupy
+        from cupy.cuda import nccl
+
+        self.cupy, self.nccl, self.rank, self.n = cupy, nccl, rank, n
+        uid = [nccl.get_unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(uid, src=0)  # over the group's CPU backend
+        self.comm = nccl.NcclCommunicator(n, uid[0], rank)
+        self.token = cupy.zeros(1, cupy.float32)
+
+    @staticmethod
+    def view(array: Any) -> Any:
+        return array
+
+    def _type(self, array: Any) -> tuple[int, int]:
+        return getattr(self.nccl, f"NCCL_{array.dtype.name.upper()}"), array.size
+
+    def _stream(self) -> int:
+        return self.cupy.cuda.get_current_stream().ptr
+
+    def all_reduce(self, buf: Any) -> None:
+        dt, count = self._type(buf)
+        self.comm.allReduce(buf.data.ptr, buf.data.ptr, count, dt, self.nccl.NCCL_SUM,
+                            self._stream())
+
+    def reduce(self, buf: Any, dst: int) -> None:
+        dt, count = self._type(buf)
+        self.comm.reduce(buf.data.ptr, buf.data.ptr, count, dt, self.nccl.NCCL_SUM, dst,
+                         self._stream())
+
+    def broadcast(self, buf: Any, src: int) -> None:
+        dt, count = self._type(buf)
+        self.comm.broadcast(buf.data.ptr, buf.data.ptr, count, dt, src, self._stream())
+
+    def all_gather_single(self, out: Any, inp: Any) -> None:
+        dt, count = self._type(inp)
+        self.comm.allGather(inp.data.ptr, out.data.ptr, count, dt, self._stream())
+
+    def reduce_scatter_single(self, out: Any, inp: Any) -> None:
+        dt, count = self._type(out)
+        self.comm.reduceScatter(inp.data.ptr, out.data.ptr, count, dt, self.nccl.NCCL_SUM,
+                                self._stream())
+
+    def all_to_all_single(self, out: Any, inp: Any) -> None:
+        dt, count = self._type(inp)
+        per, stream, step = count // self.n, self._stream(), inp.itemsize * (count // self.n)
+        self.nccl.groupStart()
+        for peer in range(self.n):
+            self.comm.send(inp.data.ptr + peer * step, per, dt, peer, stream)
+            self.comm.recv(out.data.ptr + peer * step, per, dt, peer, stream)
+        self.nccl.groupEnd()
+
+    def barrier(self) -> None:
+        self.comm.allReduce(self.token.data.ptr, self.token.data.ptr, 1,
+                            self.nccl.NCCL_FLOAT32, self.nccl.NCCL_SUM, self._stream())
+        self.cupy.cuda.get_current_stream().synchronize()
+
+    def destroy_process_group(self) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+        self.comm.destroy()
+
+
+def _cupy_version() -> str:
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError:
+        return "CuPy not installed"
+    from distcomm.gpu.nccl import parse_version
+
+    return (f"CuPy {cupy.__version__}, NCCL "
+            f"{'.'.join(map(str, parse_version(nccl.get_version())))}")
+
+
 def _mpi4py_version() -> str:
     try:
         import mpi4py
@@ -290,10 +384,11 @@ def _mpi4py_version() -> str:
 
 
 def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: Any,
-              tdist: Any) -> Case | None:
+              tdist: Any, xp: Any = np) -> Case | None:
     """The Case of `op` at `nbytes`, or None when the size holds too few elements.
 
-    `tdist` is torch.distributed, a `Mpi4pyPeer`, or None.
+    `tdist` is torch.distributed, a `Mpi4pyPeer`, a `CupyNcclPeer`, or None; `xp` is the
+    array module of the buffers (numpy, or cupy for GPU buffers).
     """
     count = nbytes // dtype.itemsize
     if op in SPLIT_OPS:
@@ -302,11 +397,12 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
         return None
     per = count // n
     torch = None
-    if tdist is not None and not isinstance(tdist, Mpi4pyPeer):
+    raw = isinstance(tdist, (Mpi4pyPeer, CupyNcclPeer))
+    if tdist is not None and not raw:
         import torch
 
     def view(array: np.ndarray) -> Any:
-        if isinstance(tdist, Mpi4pyPeer):
+        if raw:
             return array
         return torch.from_numpy(array) if torch is not None else None
 
@@ -314,8 +410,8 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
         return Case(0, 0, lambda: None, lambda: 0, dist.barrier,
                     tdist.barrier if tdist else None)
     if op in ("all_reduce", "reduce"):
-        buf = np.empty(count, dtype)
-        total = _const(n * (n + 1) // 2, dtype)
+        buf = xp.empty(count, dtype)
+        total = _const(n * (n + 1) // 2, dtype).item()
         checked = op == "all_reduce" or rank == 0
         if op == "all_reduce":
             ours, t = (lambda: dist.all_reduce(buf)), view(buf)
@@ -325,23 +421,23 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
             theirs = (lambda: tdist.reduce(t, dst=0)) if tdist else None
         return Case(count * dtype.itemsize, count,
                     lambda: buf.fill(rank + 1),
-                    lambda: int(np.count_nonzero(buf != total)) if checked else 0,
+                    lambda: int(xp.count_nonzero(buf != total)) if checked else 0,
                     ours, theirs, settle=lambda: buf.fill(0))
     if op == "broadcast":
-        buf = np.empty(count, dtype)
-        pattern = (np.arange(count) % 97 + 1).astype(dtype)
+        buf = xp.empty(count, dtype)
+        pattern = xp.asarray((np.arange(count) % 97 + 1).astype(dtype))
         t = view(buf)
 
         def fill() -> None:
             buf[...] = pattern if rank == 0 else 0
 
         return Case(count * dtype.itemsize, count, fill,
-                    lambda: int(np.count_nonzero(buf != pattern)),
+                    lambda: int(xp.count_nonzero(buf != pattern)),
                     lambda: dist.broadcast(buf, src=0),
                     (lambda: tdist.broadcast(t, src=0)) if tdist else None)
     if op == "all_gather":
-        inp, out = np.empty(per, dtype), np.empty(count, dtype)
-        expected = np.repeat(np.arange(1, n + 1), per).astype(dtype)
+        inp, out = xp.empty(per, dtype), xp.empty(count, dtype)
+        expected = xp.asarray(np.repeat(np.arange(1, n + 1), per).astype(dtype))
         ti, to = view(inp), view(out)
 
         def fill() -> None:
@@ -352,31 +448,32 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
         gather = getattr(tdist, "all_gather_single", None) or getattr(
             tdist, "all_gather_into_tensor", None)
         return Case(count * dtype.itemsize, count, fill,
-                    lambda: int(np.count_nonzero(out != expected)),
+                    lambda: int(xp.count_nonzero(out != expected)),
                     lambda: dist.all_gather_single(out, inp),
                     (lambda: gather(to, ti)) if tdist else None)
     if op == "reduce_scatter":
         # rank q's piece j holds (q+1)(j+1); rank r gets sum over q: (r+1) n(n+1)/2
-        inp, out = np.empty(count, dtype), np.empty(per, dtype)
-        total = _const((rank + 1) * n * (n + 1) // 2, dtype)
+        inp, out = xp.empty(count, dtype), xp.empty(per, dtype)
+        total = _const((rank + 1) * n * (n + 1) // 2, dtype).item()
         ti, to = view(inp), view(out)
 
         def fill() -> None:
-            inp.reshape(n, per)[...] = ((rank + 1) * np.arange(1, n + 1)).astype(dtype)[:, None]
+            inp.reshape(n, per)[...] = xp.asarray(
+                ((rank + 1) * np.arange(1, n + 1)).astype(dtype)[:, None])
             out.fill(0)
 
         # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated)
         scatter = getattr(tdist, "reduce_scatter_single", None) or getattr(
             tdist, "reduce_scatter_tensor", None)
         return Case(count * dtype.itemsize, count, fill,
-                    lambda: int(np.count_nonzero(out != total)),
+                    lambda: int(xp.count_nonzero(out != total)),
                     lambda: dist.reduce_scatter_single(out, inp),
                     (lambda: scatter(to, ti)) if tdist else None)
     if op == "all_to_all":
         # rank q's piece j holds q*n + j + 1; rank r's piece j arrives from rank j
-        inp, out = np.empty(count, dtype), np.empty(count, dtype)
-        sent = (rank * n + np.arange(n) + 1).astype(dtype)[:, None]
-        expected = np.repeat(np.arange(n) * n + rank + 1, per).astype(dtype)
+        inp, out = xp.empty(count, dtype), xp.empty(count, dtype)
+        sent = xp.asarray((rank * n + np.arange(n) + 1).astype(dtype)[:, None])
+        expected = xp.asarray(np.repeat(np.arange(n) * n + rank + 1, per).astype(dtype))
         ti, to = view(inp), view(out)
 
         def fill() -> None:
@@ -384,25 +481,30 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
             out.fill(0)
 
         return Case(count * dtype.itemsize, count, fill,
-                    lambda: int(np.count_nonzero(out != expected)),
+                    lambda: int(xp.count_nonzero(out != expected)),
                     lambda: dist.all_to_all_single(out, inp),
                     (lambda: tdist.all_to_all_single(to, ti)) if tdist else None)
     raise ValueError(f"unknown op {op!r}")
 
 
 def measure(run: Callable[[], Any], barrier: Callable[[], Any], case: Case, iters: int,
-            warmup: int) -> tuple[float, int]:
-    """(mean seconds per iteration on this rank, wrong elements of the checked run)."""
+            warmup: int, sync: Callable[[], Any] = lambda: None) -> tuple[float, int]:
+    """(mean seconds per iteration on this rank, wrong elements of the checked run).
+
+    `sync` waits for the GPU work queued so far (GPU buffers); it ends the timed loop.
+    """
     case.fill()
     run()
     wrong = case.wrong()
     case.settle()
     for _ in range(warmup - 1):
         run()
+    sync()
     barrier()
     start = time.perf_counter()
     for _ in range(iters):
         run()
+    sync()
     return (time.perf_counter() - start) / iters, wrong
 
 
@@ -422,6 +524,7 @@ class Plan:
     scale_above: int
     timeout: float
     torch_port: int | None
+    compare: str | None = None
 
 
 def _die_with_parent() -> None:
@@ -440,8 +543,17 @@ def _rank_main(rank: int, plan: Plan, env: dict[str, str],
     try:
         import distcomm as dist
 
-        dist.init_process_group(plan.backend, init_method="env://", timeout=plan.timeout)
-        tdist = None
+        xp, sync = np, None
+        if plan.backend == "nccl":
+            import cupy
+
+            from distcomm import gpu
+
+            gpu.set_device(rank % gpu.device_count())
+            xp, sync = cupy, cupy.cuda.get_current_stream().synchronize
+        spec = "cpu:gloo,cuda:nccl" if plan.backend == "nccl" else plan.backend
+        dist.init_process_group(spec, init_method="env://", timeout=plan.timeout)
+        tdist: Any = CupyNcclPeer(dist, rank, plan.nprocs) if plan.compare == "cupy" else None
         if plan.torch_port is not None:
             import torch.distributed as tdist
 
@@ -454,12 +566,12 @@ def _rank_main(rank: int, plan: Plan, env: dict[str, str],
         dtype = np.dtype(plan.dtype)
         for op in plan.ops:
             for nbytes in plan.sizes if op != "barrier" else (0,):
-                case = make_case(op, nbytes, dtype, rank, plan.nprocs, dist, tdist)
+                case = make_case(op, nbytes, dtype, rank, plan.nprocs, dist, tdist, xp)
                 if case is None:
                     if rank == 0:
                         conn.send(("skip", (op, nbytes)))
                     continue
-                row = _run_case(op, case, plan, dist, tdist)
+                row = _run_case(op, case, plan, dist, tdist, sync)
                 if rank == 0:
                     conn.send(("row", row))
         if tdist is not None:
@@ -472,14 +584,16 @@ def _rank_main(rank: int, plan: Plan, env: dict[str, str],
         conn.close()
 
 
-def _run_case(op: str, case: Case, plan: Plan, dist: Any, tdist: Any) -> dict[str, Any]:
-    """Time ours, then torch's, and combine every rank's numbers (valid on rank 0)."""
+def _run_case(op: str, case: Case, plan: Plan, dist: Any, tdist: Any,
+              sync: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Time ours, then the peer's, and combine every rank's numbers (valid on rank 0)."""
     n = plan.nprocs
     iters, warmup = iterations(case.size, plan.iters, plan.warmup, plan.scale_above)
-    ours, wrong = measure(case.ours, dist.barrier, case, iters, warmup)
+    sync = sync or (lambda: None)
+    ours, wrong = measure(case.ours, dist.barrier, case, iters, warmup, sync)
     theirs, their_wrong = math.nan, 0
     if case.theirs is not None:
-        theirs, their_wrong = measure(case.theirs, tdist.barrier, case, iters, warmup)
+        theirs, their_wrong = measure(case.theirs, tdist.barrier, case, iters, warmup, sync)
     mine = np.array([ours, wrong, theirs, their_wrong], dtype=np.float64)
     every = np.empty(n * mine.size, dtype=np.float64)
     dist.all_gather_single(every, mine)
@@ -514,6 +628,16 @@ def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def _gpu_names() -> str:
+    """The name of each GPU CuPy sees (queried without making a context current here)."""
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    names = [cupy.cuda.runtime.getDeviceProperties(i)["name"] for i in range(count)]
+    return ", ".join(f"{i}: {n.decode() if isinstance(n, bytes) else n}"
+                     for i, n in enumerate(names))
+
+
 class Report:
     """Prints the tables as rows arrive and keeps the rows for the CSV file."""
 
@@ -525,7 +649,9 @@ class Report:
         #: the peer's name in headers, and its full description
         self.peer = args.compare or ""
         self.peer_label = (f"torch {torch_version} gloo" if args.compare == "torch"
-                           else f"raw mpi4py {_mpi4py_version()}" if args.compare else "")
+                           else f"raw mpi4py {_mpi4py_version()}" if args.compare == "mpi4py"
+                           else f"raw cupy.cuda.nccl ({_cupy_version()})" if args.compare
+                           else "")
         self.rows: list[dict[str, Any]] = []
         self.op: str | None = None
 
@@ -541,6 +667,8 @@ class Report:
               + (f", torch {self.torch_version}" if self.torch_version else ""))
         print(f"# memory copy bandwidth (numpy copy of 64 MiB, one core, best of 5): "
               f"{copy_bandwidth() / 1e9:.2f} GB/s", flush=True)
+        if self.args.backend == "nccl":
+            print(f"# GPUs: {_gpu_names()}; {_cupy_version()}", flush=True)
         a = self.args
         print(f"# iterations: -n {a.iters} -w {a.warmup_iters}"
               + (f", scaled down above {a.scale_above} bytes" if a.scale_above else "")
@@ -740,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
                                          timeout=timedelta(seconds=args.timeout))
         plan = Plan(args.op, tuple(sizes(args)), args.dtype, args.backend, args.nprocs,
                     args.iters, args.warmup_iters, args.scale_above, args.timeout,
-                    torch_store.port if torch_store is not None else None)
+                    torch_store.port if torch_store is not None else None, args.compare)
         base = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(store.port),
                 "WORLD_SIZE": str(args.nprocs), "LOCAL_WORLD_SIZE": str(args.nprocs),
                 "DISTCOMM_USE_AGENT_STORE": "1", "DISTCOMM_SOCKET_IFNAME": "lo",
