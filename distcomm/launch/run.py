@@ -175,14 +175,9 @@ def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
 
 
 def _gpu_count() -> int:
-    try:
-        from ..gpu import device_count  # type: ignore[attr-defined]
-    except ImportError:
-        return 0
-    try:
-        return int(device_count())
-    except Exception:
-        return 0
+    from ..gpu import device_count  # imports CuPy, if installed, only when asked
+
+    return device_count()
 
 
 def determine_local_world_size(nproc_per_node: str) -> int:
