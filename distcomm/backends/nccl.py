@@ -334,6 +334,9 @@ class NcclBackend(Backend):
         self._stream.wait_event(event)
 
     def _launch_failed(self, description: str, exc: BaseException) -> DistError:
+        failure = self._failure
+        if failure is not None:  # aborted meanwhile (watchdog): that is the reason
+            return type(failure)(f"{description}: the group was aborted: {failure}")
         error = DistBackendError(f"{description}: NCCL refused the operation: {exc}")
         self._fail(error)
         return error
@@ -347,7 +350,9 @@ class NcclBackend(Backend):
               outputs: list[Any]) -> NcclWork:
         with self._issue:
             self._raise_if_failed(inner.description)
-            work = NcclWork(self, inner.description, outputs, list(inner._keep or []))
+            # `finalize` holds the buffers it copies from: they live until the copies ran
+            work = NcclWork(self, inner.description, outputs,
+                            [*(inner._keep or []), finalize])
             with self._device, self._stream:
                 finalize()
             work._record(self._stream)
