@@ -129,7 +129,7 @@ def _split_into(outputs: list[Any], joined: np.ndarray) -> Callable[[], None]:
 
 def _finish(work: Work, async_op: bool, outputs: list[Any] | None = None) -> Work | None:
     if outputs is not None:
-        work._outputs = outputs  # the caller's arrays, not the flat views the backend saw
+        work.set_outputs(outputs)  # the caller's arrays, not the flat views the backend saw
     if async_op:
         return work
     work.wait()
@@ -177,7 +177,7 @@ def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None
                          "another rank")
     work = backend.send(flat(array), peer, tag)
     work.global_ranks = pg.ranks
-    work._outputs = [tensor]
+    work.set_outputs([tensor])
     return work
 
 
@@ -196,7 +196,7 @@ def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None
                              "from another rank")
     work = backend.recv(flat(array), peer, tag)
     work.global_ranks = pg.ranks
-    work._outputs = [tensor]
+    work.set_outputs([tensor])
     return work
 
 
@@ -523,6 +523,11 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
 
     pg = resolve(group, "monitored_barrier")
     backend = pg.default_backend("monitored_barrier")
+    if "cpu" not in backend.devices:
+        raise ValueError(
+            f"monitored_barrier: group '{pg.group_name}' has no CPU backend (its backend is "
+            f"'{pg.name()}'), and the barrier's messages are host arrays; create the group "
+            "with one, e.g. backend='cpu:gloo,cuda:nccl'")
     deadline = Deadline.of(timeout if timeout is not None else pg.timeout)
     if pg.size() == 1:
         return

@@ -145,6 +145,12 @@ class Work:
         """Mark the operation failed with `error`."""
         self._future.set_exception(error)
 
+    def set_outputs(self, outputs: list[Any]) -> None:
+        """Make `outputs` what `result()` and the future's value hold (the caller's arrays
+        in place of the views a backend saw); in place, so a future already completed by
+        another thread shows them too."""
+        self._outputs[:] = outputs
+
     # -- the public handle ------------------------------------------------------------------
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:

@@ -55,6 +55,7 @@ from ..gpu import nccl as nccl_types
 from ..gpu import runtime
 from ..ops import ReduceOp
 from ..store.base import Store
+from ..store.prefix import PrefixStore
 from ..work import Work
 from .base import Backend
 from .transport.base import NO_REDOP, OP_CODES, Signature, mismatch_message
@@ -97,7 +98,7 @@ class NcclWork(Work):
             return False
         self._keep = None
         try:
-            self.complete()
+            self.complete(self._source_rank)
         except RuntimeError:  # completed (or failed) by another thread meanwhile
             pass
         return True
@@ -169,6 +170,10 @@ class NcclBackend(Backend):
                  group_name: str = "") -> None:
         super().__init__(store, rank, size, timeout, group_name)
         self._nccl, self._version = nccl_types.import_nccl()
+        # a group re-created on the same store (re-initialisation) gets keys of its own:
+        # every rank joins once per group, so the join count numbers the groups
+        generation = (store.add("joined", 1) - 1) // size
+        self.store = PrefixStore(f"g{generation}", store)
         self._cupy = sys.modules["cupy"]
         cfg = config.load()
         self._blocking_wait = cfg.nccl_blocking_wait
@@ -284,9 +289,15 @@ class NcclBackend(Backend):
             self.store.wait(keys, self.timeout)
         except DistTimeoutError:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            raise DistTimeoutError(
+            error = DistTimeoutError(
                 f"{description}: ranks {missing} did not reach collective #{seq} within "
-                f"{self.timeout:.0f} s (DISTCOMM_DEBUG=DETAIL signature check)") from None
+                f"{self.timeout:.0f} s (DISTCOMM_DEBUG=DETAIL signature check); the group "
+                "is aborted, so a late rank cannot enter NCCL alone")
+            self.store.delete_key(f"sig/{seq}/{self.rank}")  # a late rank waits, then fails
+            self._fail(error)
+            raise error from None
+        if self._abort_notice():  # another rank gave up on this group meanwhile
+            self._raise_if_failed(description)
         for peer, value in enumerate(self.store.multi_get(keys)):
             theirs = Signature(*(int(v) for v in value.decode().split(",")))
             if theirs != signature:
@@ -294,6 +305,15 @@ class NcclBackend(Backend):
                     mismatch_message(self.rank, self.size, seq, signature, peer, theirs))
         if seq > 1:  # every rank has passed collective seq - 1's check: its key is read
             self.store.delete_key(f"sig/{seq - 1}/{self.rank}")
+
+    def _device_id(self, array: Any, op: str) -> int:
+        """The GPU of a CuPy array; TypeError for anything else."""
+        if not runtime.is_cupy_array(array):
+            raise TypeError(
+                f"{self.describe(op)}: the nccl backend takes CuPy arrays, got "
+                f"{type(array).__module__}.{type(array).__name__}; use a group with a CPU "
+                "backend for host arrays, e.g. backend='cpu:gloo,cuda:nccl'")
+        return runtime.device_of(array)
 
     def _issue_op(self, op: str, device_id: int, launch: Callable[[Any, int], None],
                   outputs: list[Any], keep: list[Any], signature: Signature | None = None,
@@ -368,7 +388,7 @@ class NcclBackend(Backend):
                 yield
                 return
             self._raise_if_failed(self.describe("batch_isend_irecv"))
-            self._ensure(runtime.device_of(array), "batch_isend_irecv")
+            self._ensure(self._device_id(array, "batch_isend_irecv"), "batch_isend_irecv")
             with self._device:
                 self._follow_caller()
                 self._nccl.groupStart()
@@ -397,7 +417,8 @@ class NcclBackend(Backend):
             if count:
                 comm.broadcast(array.data.ptr, array.data.ptr, count, dt, root, stream)
 
-        return self._issue_op("broadcast", runtime.device_of(array), launch, [array], [array],
+        return self._issue_op("broadcast", self._device_id(array, "broadcast"),
+                              launch, [array], [array],
                               self._signature("broadcast", array, root=root))
 
     def _reduction(self, op: ReduceOp, array: Any, where: str) -> tuple[Any, int, Any, str]:
@@ -424,7 +445,8 @@ class NcclBackend(Backend):
                     with self._stream:
                         self._post(post, array)
 
-        return self._issue_op("all_reduce", runtime.device_of(array), launch, [array], [array],
+        return self._issue_op("all_reduce", self._device_id(array, "all_reduce"),
+                              launch, [array], [array],
                               self._signature("all_reduce", array, op))
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
@@ -438,7 +460,7 @@ class NcclBackend(Backend):
                     with self._stream:
                         self._post(post, array)
 
-        return self._issue_op("reduce", runtime.device_of(array), launch, [array], [array],
+        return self._issue_op("reduce", self._device_id(array, "reduce"), launch, [array], [array],
                               self._signature("reduce", array, op, root))
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
@@ -450,7 +472,7 @@ class NcclBackend(Backend):
             if count:
                 comm.allGather(input.data.ptr, output.data.ptr, count, dt, stream)
 
-        return self._issue_op("all_gather", runtime.device_of(input), launch, [output],
+        return self._issue_op("all_gather", self._device_id(input, "all_gather"), launch, [output],
                               [output, input], self._signature("all_gather", input))
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
@@ -465,7 +487,8 @@ class NcclBackend(Backend):
                     with self._stream:
                         self._post(post, output)
 
-        return self._issue_op("reduce_scatter", runtime.device_of(output), launch, [output],
+        return self._issue_op("reduce_scatter", self._device_id(output, "reduce_scatter"),
+                              launch, [output],
                               [output, input], self._signature("reduce_scatter", output, op))
 
     def _copy(self, dst: Any, src: Any) -> None:
@@ -507,7 +530,7 @@ class NcclBackend(Backend):
                                          for p in range(self.size) if p != root], stream)
 
         outputs = [output] if output is not None else []
-        return self._issue_op("gather", runtime.device_of(input), launch, outputs,
+        return self._issue_op("gather", self._device_id(input, "gather"), launch, outputs,
                               [*outputs, input], self._signature("gather", input, root=root))
 
     def scatter(self, output: Any, input: Any | None, root: int, *,
@@ -523,7 +546,7 @@ class NcclBackend(Backend):
                                      for p in range(self.size) if p != root], [], stream)
 
         keep = [output] if input is None else [output, input]
-        return self._issue_op("scatter", runtime.device_of(output), launch, [output], keep,
+        return self._issue_op("scatter", self._device_id(output, "scatter"), launch, [output], keep,
                               self._signature("scatter", output, root=root))
 
     def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
@@ -548,7 +571,7 @@ class NcclBackend(Backend):
                               [(p, piece(output, out_at, output_splits, p)) for p in peers],
                               stream)
 
-        return self._issue_op("all_to_all", runtime.device_of(input), launch, [output],
+        return self._issue_op("all_to_all", self._device_id(input, "all_to_all"), launch, [output],
                               [output, input],
                               self._signature("all_to_all", input, count=-1))
 
@@ -560,7 +583,7 @@ class NcclBackend(Backend):
             if count:
                 comm.send(array.data.ptr, count, dt, dst, stream)
 
-        return self._issue_op("send", runtime.device_of(array), launch, [array], [array])
+        return self._issue_op("send", self._device_id(array, "send"), launch, [array], [array])
 
     def recv(self, array: Any, src: int | None, tag: int) -> Work:
         if src is None:
@@ -573,7 +596,7 @@ class NcclBackend(Backend):
             if count:
                 comm.recv(array.data.ptr, count, dt, src, stream)
 
-        work = self._issue_op("recv", runtime.device_of(array), launch, [array], [array])
+        work = self._issue_op("recv", self._device_id(array, "recv"), launch, [array], [array])
         work._source_rank = src
         return work
 
@@ -588,7 +611,7 @@ class NcclBackend(Backend):
         def launch(comm: Any, stream: int) -> None:
             comm.allReduce(buffer.data.ptr, buffer.data.ptr, 1, dt, op, stream)
 
-        return self._issue_op("barrier", runtime.device_of(buffer), launch, [], [buffer],
+        return self._issue_op("barrier", self._device_id(buffer, "barrier"), launch, [], [buffer],
                               self._signature("barrier"), host_wait=True)
 
     # -- watchdog, failure and teardown ---------------------------------------------------------
@@ -603,8 +626,9 @@ class NcclBackend(Backend):
         self._fail(error)
         return error
 
-    def _fail(self, error: DistError) -> None:
-        """Abort the communicator, fail every pending operation, and leave a notice."""
+    def _fail(self, error: DistError, notify: bool = True) -> None:
+        """Abort the communicator, fail every pending operation, and (`notify`) leave a
+        notice for the other ranks unless one is there already."""
         with self._cond:
             if self._failure is not None:
                 return
@@ -623,8 +647,8 @@ class NcclBackend(Backend):
                 work._keep = None
                 work.fail(error)
         try:
-            if not self._closed:
-                self.store.set(_ABORT_KEY, f"rank {self.rank}: {error}")
+            if notify and not self._closed:
+                self.store.compare_set(_ABORT_KEY, "", f"rank {self.rank}: {error}")
         except Exception:  # the store may be gone with the failed rank
             pass
 
@@ -676,7 +700,8 @@ class NcclBackend(Backend):
         except Exception:  # an unreachable store is no notice
             return False
         self._fail(DistBackendError(
-            f"{self.describe('watchdog')}: another rank aborted the group ({reason})"))
+            f"{self.describe('watchdog')}: another rank aborted the group ({reason})"),
+            notify=False)
         return True
 
     def abort(self, reason: str) -> None:

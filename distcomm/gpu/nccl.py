@@ -150,7 +150,9 @@ def create_communicator(nccl: Any, size: int, data: bytes, rank: int) -> Any:
     form = _cupy_form()
     try:
         return nccl.NcclCommunicator(size, comm_id(data, form), rank)
-    except TypeError:  # raised converting the argument, before NCCL is called
+    except TypeError as exc:  # raised converting the argument, before NCCL is called
+        if "commId" not in str(exc):
+            raise
         other = tuple if form is bytes else bytes
         return nccl.NcclCommunicator(size, comm_id(data, other), rank)
 

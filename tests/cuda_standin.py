@@ -1,0 +1,1399 @@
+"""An in-process stand-in for the part of CuPy and `cupy.cuda.nccl` that distcomm uses.
+
+`CudaStandin()` builds fresh `cupy`, `cupy.cuda`, `cupy.cuda.runtime` and
+`cupy.cuda.nccl` modules; `install(monkeypatch)` puts them in `sys.modules`, so
+distcomm's `import cupy` and `from cupy.cuda import nccl` find them. Ranks of an NCCL
+communicator are threads of this process. Nothing here needs a GPU.
+
+What is modelled
+----------------
+* Device memory is host memory: a `cupy.ndarray` wraps a numpy array, and its
+  `.data.ptr` is the numpy array's address. Every allocation is registered with its
+  device, so every raw pointer the stand-in is handed (NCCL buffers, device-to-device
+  copies) is checked to lie inside one live allocation of the right device. New
+  arrays (`cupy.empty`) are filled with 0xA5 bytes, so reading unwritten memory shows.
+* Devices: `device_count` fake GPUs; the current device is per thread (as CUDA's), set
+  by `Device(i).use()` or `with Device(i):`.
+* Streams: each `Stream` (and each device's legacy null stream, ptr 0) is an in-order
+  work queue. The current stream is per thread and per device (`with stream:`, which
+  refuses a stream of another device, as CuPy does). Work on an idle stream runs at
+  once in the calling thread; work on a stream that is blocked (waiting for an event
+  that is not done, behind a hung NCCL operation, or paused by a test) is queued and
+  runs, in order, when the blocker clears. Kernels (`a[...] = b`, `a /= n`,
+  `bitwise_and`, `concatenate`, `zeros`, `asarray`) run on the current stream and
+  refuse arrays of another device (CuPy's ValueError). `Event.record(stream)` marks a
+  position in a queue; `done` is whether the queue has passed it; an event of one
+  device cannot be recorded on another device's stream. `get()` synchronises the
+  current stream first. `__array__` raises TypeError, as CuPy's does (use `.get()`).
+* NCCL: communicators created with the same unique id rendezvous through the stand-in
+  (`NcclCommunicator` blocks until all `ndev` ranks have joined, and refuses two ranks
+  on one device with NCCL's "Duplicate GPU detected" error; when some rank fails to
+  initialise, the others fail too instead of hanging as real NCCL would). The id must be `bytes`
+  under CuPy >= 14 and a tuple of 128 signed chars under CuPy 13, else TypeError (the
+  form follows `cupy.__version__`; `comm_id_form` overrides it). Collectives block the
+  calling thread until every rank of the communicator issued its next collective, then
+  every rank checks that all agree on (kind, count, datatype, op, root) - a mismatch
+  raises `NcclError` on every rank instead of hanging (real NCCL would hang or corrupt
+  memory) - and computes its result from snapshots of every rank's send buffer:
+  reductions in the NCCL datatype, in rank order; AVG is the sum divided by the rank
+  count in the datatype (refused with ncclInvalidArgument before NCCL 2.10). A
+  collective of 0 elements is a no-op, as in NCCL. Between `groupStart()` and the
+  outermost `groupEnd()` (a per-thread depth) operations are queued; `groupEnd()`
+  posts every send, runs the collectives, then completes every receive (blocking until
+  the matching message arrives). Outside a group `send` is eager (posts and returns)
+  and `recv` blocks. Messages between two ranks match in posting order; count and
+  datatype must match. `abort()`/`destroy()` release the communicator; later calls
+  raise NcclError (invalid argument), as CuPy's do on a released communicator.
+* Test switches: `hang(ranks)` makes the communicators of those ranks accept operations
+  that never complete (their data is not written, events after them stay not done,
+  and the stream stays blocked) until `abort()`; `inject_async_error(rank)` makes
+  `check_async_error()` raise; `fail_init(rank)` makes `NcclCommunicator` raise;
+  `pause(stream)` / `resume(stream)` hold a stream's queue (to check ordering).
+* Every call is logged (`calls()`), every blocking wait ends after `wait_timeout`
+  seconds (or at once after `interrupt(reason)`, which a test harness calls when one
+  rank failed so the others stop waiting for it), and misuse that a real GPU would
+  punish (a pointer outside any allocation or on the wrong device, a stream of another
+  device, a collective that times out, ncclCommDestroy with operations that can never
+  finish, an operation on a released communicator) is recorded in `violations` as well
+  as raised.
+
+Not modelled: real asynchrony (an operation on an idle stream has finished when the
+call returns), the legacy null stream's implicit synchronisation with other blocking
+streams, per-thread default streams, peer access, memory pools, kernels and array
+methods distcomm does not call, bfloat16, ncclCommSplit/initAll, NCCL's pre-multiplied
+AVG for floats (here: sum, then divide), and a hung operation that later completes (a
+hung operation only ends by `abort()`, without writing data).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import sys
+import threading
+import time
+import types
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Call", "CudaStandin", "NcclError", "StandinError"]
+
+#: NCCL's datatype codes and the numpy dtype of each
+NCCL_DTYPES = {
+    0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32),
+    3: np.dtype(np.uint32), 4: np.dtype(np.int64), 5: np.dtype(np.uint64),
+    6: np.dtype(np.float16), 7: np.dtype(np.float32), 8: np.dtype(np.float64),
+}
+#: NCCL's reduction op codes
+NCCL_OPS = {0: "SUM", 1: "PROD", 2: "MAX", 3: "MIN", 4: "AVG"}
+_UFUNCS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}
+
+# ncclResult_t (NCCL 2)
+SUCCESS, UNHANDLED_CUDA_ERROR, SYSTEM_ERROR, INTERNAL_ERROR = 0, 1, 2, 3
+INVALID_ARGUMENT, INVALID_USAGE, REMOTE_ERROR = 4, 5, 6
+_STATUS = {
+    0: ("NCCL_ERROR_SUCCESS", "no error"),
+    1: ("NCCL_ERROR_UNHANDLED_CUDA_ERROR", "unhandled cuda error"),
+    2: ("NCCL_ERROR_SYSTEM_ERROR", "unhandled system error"),
+    3: ("NCCL_ERROR_INTERNAL_ERROR", "internal error"),
+    4: ("NCCL_ERROR_INVALID_ARGUMENT", "invalid argument"),
+    5: ("NCCL_ERROR_INVALID_USAGE", "invalid usage"),
+    6: ("NCCL_ERROR_REMOTE_ERROR", "remote process exited or there was a network error"),
+}
+_UID_BYTES = 128
+_FILL = 0xA5  # what a new allocation holds
+
+
+class NcclError(RuntimeError):
+    """`cupy.cuda.nccl.NcclError`: an NCCL status code and its text."""
+
+    def __init__(self, status: int, detail: str = "") -> None:
+        self.status = status
+        name, text = _STATUS.get(status, (f"NCCL_ERROR_{status}", "unknown error"))
+        super().__init__(f"{name}: {text}" + (f" ({detail})" if detail else ""))
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.status,))
+
+
+class CUDARuntimeError(RuntimeError):
+    """`cupy.cuda.runtime.CUDARuntimeError`."""
+
+
+class StandinError(RuntimeError):
+    """Misuse the stand-in detected that a real GPU would punish (also in `violations`)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One logged call: the calling thread's name, the communicator's rank (None for
+    calls that have no communicator), the call's name and its arguments."""
+
+    thread: str
+    rank: int | None
+    name: str
+    args: dict = field(default_factory=dict)
+
+
+# -- streams ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    kind: str  # "fn" (a kernel or copy), "wait" (an event), "hung", "comm" (deferred NCCL)
+    fn: Callable[[], None] | None = None
+    event: Any = None
+    comm: Any = None
+    comms: tuple = ()
+
+
+class _Queue:
+    """The in-order work queue of one CUDA stream."""
+
+    def __init__(self, ptr: int, device: int, label: str) -> None:
+        self.ptr, self.device, self.label = ptr, device, label
+        self.items: deque[_Item] = deque()
+        self.submitted = 0  # positions handed out
+        self.completed = 0  # positions passed
+        self.paused = False
+        self.running = False  # a deferred NCCL item is executing outside the lock
+
+    def blocked(self) -> bool:
+        return bool(self.paused or self.items or self.running)
+
+
+# -- the per-world classes (subclassed with `_w` set by CudaStandin) ----------------------
+
+
+class _MemoryPointer:
+    """`cupy.cuda.MemoryPointer`: `.ptr` and device-to-device copies on a stream."""
+
+    def __init__(self, world: CudaStandin, ptr: int, device_id: int) -> None:
+        self._w, self.ptr, self.device_id = world, ptr, device_id
+
+    def __int__(self) -> int:
+        return self.ptr
+
+    def copy_from_device_async(self, src: _MemoryPointer, size: int,
+                               stream: Any = None) -> None:
+        w = self._w
+        size = int(size)
+        w._log(None, "copy_from_device_async",
+               dst=self.ptr, src=src.ptr, size=size,
+               stream=None if stream is None else stream.ptr)
+        if size <= 0:
+            return
+        w._check_memory(self.ptr, size, None, "copy_from_device_async destination")
+        w._check_memory(src.ptr, size, None, "copy_from_device_async source")
+        queue = w._queue_of(w._current_stream() if stream is None else stream)
+        dst_ptr, src_ptr = self.ptr, src.ptr
+        w._submit(queue, lambda: ctypes.memmove(dst_ptr, src_ptr, size))
+
+
+class _Flags:
+    def __init__(self, array: np.ndarray) -> None:
+        self.c_contiguous = bool(array.flags.c_contiguous)
+        self.f_contiguous = bool(array.flags.f_contiguous)
+        self.owndata = bool(array.flags.owndata)
+        # CuPy's flags have no `writeable`
+
+
+class _NdArray:
+    """`cupy.ndarray`: a numpy array standing for device memory on one device."""
+
+    _w: CudaStandin
+
+    def __init__(self, host: np.ndarray, device_id: int) -> None:
+        self._host = host
+        self._device_id = device_id
+
+    # -- attributes
+    @property
+    def data(self) -> _MemoryPointer:
+        return _MemoryPointer(self._w, int(self._host.ctypes.data), self._device_id)
+
+    @property
+    def device(self) -> Any:
+        return self._w.Device(self._device_id)
+
+    @property
+    def size(self) -> int:
+        return int(self._host.size)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._host.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._host.nbytes)
+
+    @property
+    def itemsize(self) -> int:
+        return int(self._host.itemsize)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._host.shape
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return self._host.strides
+
+    @property
+    def ndim(self) -> int:
+        return self._host.ndim
+
+    @property
+    def flags(self) -> _Flags:
+        return _Flags(self._host)
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def __repr__(self) -> str:
+        return (f"<stand-in cupy.ndarray shape={self.shape} dtype={self.dtype} "
+                f"device={self._device_id}>")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use "
+                        "`.get()` to construct a NumPy array explicitly.")
+
+    # -- views (no data is read or written)
+    def _wrap(self, host: np.ndarray) -> _NdArray:
+        return type(self)(host, self._device_id)
+
+    def view(self, dtype: Any = None) -> _NdArray:
+        return self._wrap(self._host.view() if dtype is None else self._host.view(dtype))
+
+    def reshape(self, *shape: Any) -> _NdArray:
+        return self._wrap(self._host.reshape(*shape))
+
+    def ravel(self) -> _NdArray:
+        return self.reshape(-1)
+
+    def __getitem__(self, key: Any) -> _NdArray:
+        """Basic indexing only (slices, ints, Ellipsis): a view sharing memory."""
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(not isinstance(k, (slice, int, np.integer)) and k is not Ellipsis and
+               k is not None for k in key):
+            raise NotImplementedError("the stand-in supports basic indexing only")
+        if not any(k is Ellipsis for k in key):
+            key = (*key, Ellipsis)  # an int index gives a 0-d view, as CuPy's does
+        return self._wrap(self._host[key])
+
+    # -- kernels (run on the current stream, in order)
+    def __setitem__(self, key: Any, value: Any) -> None:
+        arrays = [self]
+        if isinstance(value, _NdArray):
+            arrays.append(value)
+            source = value._host
+
+            def run() -> None:
+                self._host[key] = source
+        else:
+            captured = np.array(value, copy=True)
+
+            def run() -> None:
+                self._host[key] = captured
+        self._w._kernel(arrays, run)
+
+    def __itruediv__(self, other: Any) -> _NdArray:
+        np.true_divide(self._host[:0], other, out=self._host[:0])  # CuPy's casting errors
+        self._w._kernel([self], lambda: np.true_divide(self._host, other, out=self._host))
+        return self
+
+    def __iadd__(self, other: Any) -> _NdArray:
+        arrays = [self, other] if isinstance(other, _NdArray) else [self]
+        operand = other._host if isinstance(other, _NdArray) else other
+        self._w._kernel(arrays, lambda: np.add(self._host, operand, out=self._host))
+        return self
+
+    def fill(self, value: Any) -> None:
+        self[...] = value
+
+    def copy(self) -> _NdArray:
+        out = self._w._alloc(self.shape, self.dtype)
+        source = self._host
+        self._w._kernel([self], lambda: out._host.__setitem__(..., source))
+        return out
+
+    def astype(self, dtype: Any) -> _NdArray:
+        out = self._w._alloc(self.shape, dtype)
+        source = self._host
+        self._w._kernel([self], lambda: out._host.__setitem__(..., source))
+        return out
+
+    def get(self, stream: Any = None) -> np.ndarray:
+        """A host copy, after the current (or given) stream has finished its work."""
+        w = self._w
+        with self.device:
+            queue = w._queue_of(w._current_stream() if stream is None else stream)
+        w._drain(queue, f"ndarray.get() on {queue.label}")
+        return self._host.copy()
+
+
+class _Device:
+    """`cupy.cuda.Device`."""
+
+    _w: CudaStandin
+
+    def __init__(self, device: Any = None) -> None:
+        if device is None:
+            device = self._w._current_device()
+        self.id = int(device)
+
+    def _check(self) -> None:
+        if not 0 <= self.id < self._w.device_count:
+            raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+
+    def use(self) -> None:
+        self._check()
+        self._w._tls_state().device = self.id
+
+    def __enter__(self) -> _Device:
+        self._check()
+        state = self._w._tls_state()
+        state.device_stack.append(state.device)
+        state.device = self.id
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        state = self._w._tls_state()
+        state.device = state.device_stack.pop()
+
+    def synchronize(self) -> None:
+        self._check()
+        w = self._w
+        w._log(None, "Device.synchronize", device=self.id)
+        for queue in w._queues_of_device(self.id):
+            w._drain(queue, f"Device({self.id}).synchronize()")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Device) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return self.id
+
+    def __int__(self) -> int:
+        return self.id
+
+    def __repr__(self) -> str:
+        return f"<CUDA Device {self.id}>"
+
+
+class _Stream:
+    """`cupy.cuda.Stream`; `Stream.null` (ptr 0) is the current device's legacy stream."""
+
+    _w: CudaStandin
+    null: _Stream
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False,
+                 priority: Any = None) -> None:
+        w = self._w
+        self.non_blocking = non_blocking
+        if null:
+            self.ptr, self.device_id = 0, -1
+            return
+        self.device_id = w._current_device()
+        self.ptr = next(w._ptrs)
+        with w.lock:
+            w._queues[self.ptr] = _Queue(self.ptr, self.device_id, f"stream {self.ptr:#x}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Stream) and other.ptr == self.ptr
+
+    def __hash__(self) -> int:
+        return self.ptr
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.ptr} (device {self.device_id})>"
+
+    def _device_matches(self) -> int:
+        current = self._w._current_device()
+        device = current if self.device_id == -1 else self.device_id
+        if device != current:
+            raise RuntimeError(f"The device that the stream is created on ({device}) does "
+                               f"not match with the current device ({current})")
+        return device
+
+    def __enter__(self) -> _Stream:
+        device = self._device_matches()
+        state = self._w._tls_state()
+        state.streams.setdefault(device, []).append(self)
+        state.stream_devices.append(device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        state = self._w._tls_state()
+        device = state.stream_devices.pop()
+        state.streams[device].pop()
+
+    def use(self) -> _Stream:
+        device = self._device_matches()
+        stack = self._w._tls_state().streams.setdefault(device, [])
+        if stack:
+            stack[-1] = self
+        else:
+            stack.append(self)
+        return self
+
+    @property
+    def done(self) -> bool:
+        queue = self._w._queue_of(self)
+        with self._w.lock:
+            return not queue.blocked()
+
+    def synchronize(self) -> None:
+        queue = self._w._queue_of(self)
+        self._w._log(None, "Stream.synchronize", stream=self.ptr)
+        self._w._drain(queue, f"{queue.label}.synchronize()")
+
+    def record(self, event: Any = None) -> Any:
+        if event is None:
+            event = self._w.Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event: Any) -> None:
+        w = self._w
+        queue = w._queue_of(self)
+        w._log(None, "Stream.wait_event", stream=self.ptr, device=queue.device, event=event)
+        with w.lock:
+            queue.submitted += 1
+            if not queue.blocked() and event.done:
+                queue.completed += 1
+            else:
+                queue.items.append(_Item("wait", event=event))
+
+
+class _Event:
+    """`cupy.cuda.Event`: a position in a stream's queue."""
+
+    _w: CudaStandin
+
+    def __init__(self, block: bool = False, disable_timing: bool = False,
+                 interprocess: bool = False) -> None:
+        w = self._w
+        self.ptr = next(w._ptrs)
+        self.device_id = w._current_device()
+        self._queue: _Queue | None = None
+        self._target = 0
+
+    def __repr__(self) -> str:
+        return f"<Event {self.ptr:#x} (device {self.device_id})>"
+
+    def record(self, stream: Any = None) -> None:
+        w = self._w
+        if stream is None:
+            stream = w._current_stream()
+        queue = w._queue_of(stream)
+        w._log(None, "Event.record", event=self, stream=queue.ptr, device=queue.device)
+        if queue.device != self.device_id:
+            w._violation(f"Event.record: event of device {self.device_id} recorded on "
+                         f"{queue.label} of device {queue.device}")
+            raise CUDARuntimeError("cudaErrorInvalidResourceHandle: invalid resource handle")
+        with w.lock:
+            self._queue, self._target = queue, queue.submitted
+
+    @property
+    def done(self) -> bool:
+        with self._w.lock:
+            return self._queue is None or self._queue.completed >= self._target
+
+    def synchronize(self) -> None:
+        self._w._wait_until(lambda: self.done, f"Event.synchronize() of {self!r}")
+
+
+# -- NCCL ----------------------------------------------------------------------------------
+
+
+class _Clique:
+    """The communicators that share one unique id."""
+
+    def __init__(self, uid: bytes, ndev: int) -> None:
+        self.uid, self.ndev = uid, ndev
+        self.members: dict[int, Any] = {}
+        self.colls: dict[int, dict] = {}  # collective number -> posts and readers left
+        self.mail: dict[tuple[int, int], deque] = {}  # (src, dst) -> messages in order
+        self.failures: dict[int, NcclError] | None = None  # set once every rank joined
+
+
+@dataclass
+class _Message:
+    count: int
+    datatype: int
+    payload: bytes
+
+
+@dataclass
+class _Op:
+    """One NCCL operation, run now or at the outermost groupEnd."""
+
+    comm: Any
+    kind: str  # "coll", "send", "recv"
+    name: str
+    stream: int
+    desc: tuple = ()
+    send: tuple[int, int] | None = None  # (ptr, nbytes) read
+    recv: tuple[int, int] | None = None  # (ptr, nbytes) written
+    count: int = 0
+    datatype: int = 0
+    peer: int = -1
+    queue: _Queue | None = None
+
+
+class _NcclCommunicator:
+    """`cupy.cuda.nccl.NcclCommunicator` for one rank (a thread) of a clique."""
+
+    _w: CudaStandin
+
+    def __init__(self, ndev: int, commId: Any, rank: int) -> None:
+        w = self._w
+        form = w._comm_id_form()
+        if form is bytes:
+            if not isinstance(commId, bytes):
+                raise TypeError("Argument 'commId' has incorrect type (expected bytes, got "
+                                f"{type(commId).__name__})")
+            uid = commId
+        else:
+            if not isinstance(commId, tuple):
+                raise TypeError("Argument 'commId' has incorrect type (expected tuple, got "
+                                f"{type(commId).__name__})")
+            if any(not isinstance(v, int) or not -128 <= v <= 127 for v in commId):
+                raise OverflowError("value too large to convert to char")
+            uid = bytes(v & 0xFF for v in commId)
+        if len(uid) != _UID_BYTES:
+            raise AssertionError("len(commId) == NCCL_UNIQUE_ID_BYTES")
+        self.ndev, self.rank, self.uid = int(ndev), int(rank), uid
+        self.device = w._current_device()
+        self.hang = False  # per-communicator switch, as `CudaStandin.hang`
+        self.aborted = self.destroyed = False
+        self.async_error: NcclError | None = None
+        self._coll_seq = 0
+        w._log(rank, "NcclCommunicator", ndev=ndev, rank=rank, device=self.device,
+               uid=uid, id_type=type(commId).__name__)
+        if not 0 <= self.rank < self.ndev:
+            raise NcclError(INVALID_ARGUMENT, f"rank {rank} is not in 0..{ndev - 1}")
+        self.clique = w._join(self)
+
+    # -- queries and lifetime
+    @property
+    def released(self) -> bool:
+        return self.aborted or self.destroyed
+
+    def _live(self, name: str, violation: bool = True) -> None:
+        if self.released:
+            state = "aborted" if self.aborted else "destroyed"
+            if violation:
+                self._w._violation(f"rank {self.rank}: {name} on a communicator already "
+                                   f"{state}")
+            raise NcclError(INVALID_ARGUMENT, f"the communicator was {state}")
+
+    def device_id(self) -> int:
+        self._live("device_id", violation=False)
+        return self.device
+
+    def rank_id(self) -> int:
+        self._live("rank_id", violation=False)
+        return self.rank
+
+    def size(self) -> int:
+        self._live("size", violation=False)
+        return self.ndev
+
+    def check_async_error(self) -> None:
+        self._live("check_async_error", violation=False)
+        if self.async_error is not None:
+            raise self.async_error
+
+    def abort(self) -> None:
+        w = self._w
+        w._log(self.rank, "abort")
+        if self.released:
+            return  # CuPy: a released communicator's handle is 0, abort does nothing
+        self.aborted = True
+        with w.nccl_cond:
+            w.nccl_cond.notify_all()  # wake this rank's waits: they fail
+        w._pump()  # hung operations end (without writing data)
+
+    def destroy(self) -> None:
+        w = self._w
+        w._log(self.rank, "destroy")
+        if self.released:
+            return
+        if w._hung_items(self):
+            w._violation(f"rank {self.rank}: ncclCommDestroy with operations that never "
+                         "complete would block forever (use abort)")
+        self.destroyed = True
+
+    # -- collectives
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
+                  stream: int) -> None:
+        self._coll("allReduce", stream, count, datatype, op, -1, sendbuf, 1, recvbuf, 1)
+
+    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
+               root: int, stream: int) -> None:
+        self._coll("reduce", stream, count, datatype, op, root, sendbuf, 1,
+                   recvbuf if self.rank == root else None, 1)
+
+    def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
+                  stream: int) -> None:
+        self._coll("broadcast", stream, count, datatype, -1, root,
+                   sendbuff if self.rank == root else None, 1, recvbuff, 1)
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
+                  stream: int) -> None:
+        self._coll("allGather", stream, count, datatype, -1, -1, sendbuf, 1, recvbuf,
+                   self.ndev)
+
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,
+                      op: int, stream: int) -> None:
+        self._coll("reduceScatter", stream, recvcount, datatype, op, -1, sendbuf, self.ndev,
+                   recvbuf, 1)
+
+    def _coll(self, name: str, stream: int, count: int, datatype: int, op: int, root: int,
+              send: int | None, send_factor: int, recv: int | None, recv_factor: int) -> None:
+        w = self._w
+        args = dict(count=count, datatype=datatype, stream=stream)
+        if op >= 0:
+            args["op"] = op
+        if root >= 0:
+            args["root"] = root
+        args.update(sendbuf=send, recvbuf=recv)
+        w._log(self.rank, name, **args)
+        self._live(name)
+        dtype = self._dtype(datatype)
+        if op >= 0:
+            if op not in NCCL_OPS:
+                raise NcclError(INVALID_ARGUMENT, f"op {op} is not an NCCL reduction")
+            if op == 4 and w.nccl_version < 21000:
+                raise NcclError(INVALID_ARGUMENT, "ncclAvg needs NCCL >= 2.10")
+        if name in ("reduce", "broadcast") and not 0 <= root < self.ndev:
+            raise NcclError(INVALID_ARGUMENT, f"root {root} is not a rank")
+        if count == 0:
+            return  # NCCL returns at once for empty collectives
+        nbytes = int(count) * dtype.itemsize
+        sendspan = recvspan = None
+        if send is not None:
+            sendspan = (int(send), nbytes * send_factor)
+            w._check_memory(*sendspan, self.device, f"{name} sendbuf", nccl=True)
+        if recv is not None:
+            recvspan = (int(recv), nbytes * recv_factor)
+            w._check_memory(*recvspan, self.device, f"{name} recvbuf", nccl=True)
+        desc = (name, int(count), int(datatype), int(op), int(root))
+        self._issue(_Op(self, "coll", name, int(stream), desc, sendspan, recvspan,
+                        int(count), int(datatype)))
+
+    # -- point to point
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._p2p("send", sendbuf, count, datatype, peer, stream)
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._p2p("recv", recvbuf, count, datatype, peer, stream)
+
+    def _p2p(self, name: str, buf: int, count: int, datatype: int, peer: int,
+             stream: int) -> None:
+        w = self._w
+        w._log(self.rank, name, buf=buf, count=count, datatype=datatype, peer=peer,
+               stream=stream)
+        self._live(name)
+        dtype = self._dtype(datatype)
+        if not 0 <= peer < self.ndev:
+            raise NcclError(INVALID_ARGUMENT, f"peer {peer} is not a rank")
+        span = (int(buf), int(count) * dtype.itemsize)
+        w._check_memory(*span, self.device, f"{name} buffer", nccl=True)
+        self._issue(_Op(self, name, name, int(stream), send=span if name == "send" else None,
+                        recv=span if name == "recv" else None, count=int(count),
+                        datatype=int(datatype), peer=int(peer)))
+
+    def _dtype(self, datatype: int) -> np.dtype:
+        if datatype not in NCCL_DTYPES:
+            raise NcclError(INVALID_ARGUMENT, f"datatype {datatype} is not an NCCL type")
+        return NCCL_DTYPES[datatype]
+
+    def _issue(self, op: _Op) -> None:
+        w = self._w
+        op.queue = w._queue_for_nccl(self, op.stream)
+        state = w._tls_state()
+        if state.group_depth:
+            state.group_ops.append(op)
+            return
+        w._launch([op])
+
+
+# -- the stand-in ----------------------------------------------------------------------------
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.device = 0
+        self.device_stack: list[int] = []
+        self.streams: dict[int, list[Any]] = {}
+        self.stream_devices: list[int] = []
+        self.group_depth = 0
+        self.group_ops: list[_Op] = []
+
+
+class CudaStandin:
+    """A fake CUDA machine with `device_count` GPUs, its CuPy modules and its NCCL.
+
+    Args:
+        device_count: how many GPUs `getDeviceCount()` reports.
+        cupy_version: `cupy.__version__` (settable later: `standin.cupy.__version__`).
+        nccl_version: what `nccl.get_version()` returns (settable: `nccl_version`).
+        wait_timeout: the longest any blocking wait of the stand-in lasts, in seconds.
+    """
+
+    def __init__(self, device_count: int = 4, cupy_version: str = "14.2.0",
+                 nccl_version: int = 23203, wait_timeout: float = 30.0) -> None:
+        self.device_count = device_count
+        self.nccl_version = nccl_version
+        self.wait_timeout = wait_timeout
+        #: None: the id form follows cupy.__version__; else bytes or tuple
+        self.comm_id_form: type | None = None
+        self.lock = threading.RLock()  # streams, events, allocations
+        self.cond = threading.Condition(self.lock)
+        self.nccl_cond = threading.Condition()  # cliques, rendezvous, mailboxes
+        self.violations: list[str] = []
+        self.unique_ids: list[bytes] = []
+        self._calls: list[Call] = []
+        self._ptrs = itertools.count(0x7F00_0000_1000, 0x100)
+        self._ids = itertools.count(1)
+        self._tls = _ThreadState()
+        self._queues: dict[int, _Queue] = {}
+        self._null: dict[int, _Queue] = {}
+        self._allocs: dict[int, tuple[int, weakref.ref, int]] = {}
+        self._cliques: dict[bytes, _Clique] = {}
+        self._hang: set[int] | None = set()  # None: every rank
+        self._init_failures: dict[int, NcclError] = {}
+        self._interrupted: str | None = None
+        self._build_modules(cupy_version)
+
+    # -- modules ----------------------------------------------------------------------------
+
+    def _build_modules(self, cupy_version: str) -> None:
+        w = self
+        self.ndarray = type("ndarray", (_NdArray,), {"__module__": "cupy", "_w": w})
+        self.Device = type("Device", (_Device,), {"__module__": "cupy.cuda.device", "_w": w})
+        self.Stream = type("Stream", (_Stream,), {"__module__": "cupy.cuda.stream", "_w": w})
+        self.Stream.null = self.Stream(null=True)
+        self.Event = type("Event", (_Event,), {"__module__": "cupy.cuda.stream", "_w": w})
+        self.NcclCommunicator = type("NcclCommunicator", (_NcclCommunicator,),
+                                     {"__module__": "cupy.cuda.nccl", "_w": w})
+
+        cupy = types.ModuleType("cupy")
+        cupy.__version__ = cupy_version
+        cupy.ndarray = self.ndarray
+        for name in ("bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                     "uint64", "float16", "float32", "float64", "complex64", "complex128"):
+            setattr(cupy, name, getattr(np, name))
+        cupy.empty = self._empty
+        cupy.zeros = self._zeros
+        cupy.ones = lambda shape, dtype=float: self._full(shape, 1, dtype)
+        cupy.full = self._full
+        cupy.arange = self._arange
+        cupy.asarray = self._asarray
+        cupy.array = self._asarray
+        cupy.asnumpy = lambda a, stream=None: a.get(stream)
+        cupy.concatenate = self._concatenate
+        cupy.bitwise_and = self._bitwise_and
+
+        runtime = types.ModuleType("cupy.cuda.runtime")
+        runtime.CUDARuntimeError = CUDARuntimeError
+        runtime.getDeviceCount = self._get_device_count
+        runtime.getDevice = self._current_device
+        runtime.setDevice = lambda i: self.Device(i).use()
+        runtime.deviceGetPCIBusId = self._bus_id
+
+        nccl = types.ModuleType("cupy.cuda.nccl")
+        nccl.available = True
+        nccl.NcclError = NcclError
+        nccl.NcclCommunicator = self.NcclCommunicator
+        nccl.get_version = lambda: self.nccl_version
+        nccl.get_build_version = lambda: self.nccl_version
+        nccl.get_unique_id = self._get_unique_id
+        nccl.groupStart = self._group_start
+        nccl.groupEnd = self._group_end
+        for code, dtype in NCCL_DTYPES.items():
+            setattr(nccl, f"NCCL_{dtype.name.upper()}", code)
+        for code, name in NCCL_OPS.items():
+            setattr(nccl, f"NCCL_{name}", code)
+
+        cuda = types.ModuleType("cupy.cuda")
+        cuda.runtime = runtime
+        cuda.nccl = nccl
+        cuda.Device = self.Device
+        cuda.Stream = self.Stream
+        cuda.Event = self.Event
+        cuda.MemoryPointer = _MemoryPointer
+        cuda.get_current_stream = self._get_current_stream
+        cuda.get_device_id = self._current_device
+        cupy.cuda = cuda
+
+        self.cupy, self.cuda, self.runtime, self.nccl = cupy, cuda, runtime, nccl
+
+    def modules(self) -> dict[str, types.ModuleType]:
+        """The modules by import name, for sys.modules."""
+        return {"cupy": self.cupy, "cupy.cuda": self.cuda, "cupy.cuda.runtime": self.runtime,
+                "cupy.cuda.nccl": self.nccl}
+
+    def install(self, monkeypatch: Any) -> CudaStandin:
+        """Put the modules in sys.modules for the test (monkeypatch restores them)."""
+        for name, module in self.modules().items():
+            monkeypatch.setitem(sys.modules, name, module)
+        return self
+
+    # -- test switches and inspection --------------------------------------------------------
+
+    def hang(self, ranks: Iterable[int] | None = None) -> None:
+        """From now on, NCCL operations of `ranks` (None: every rank) never complete."""
+        self._hang = None if ranks is None else set(ranks)
+
+    def unhang(self) -> None:
+        """New operations complete again (operations already hung stay hung)."""
+        self._hang = set()
+
+    def inject_async_error(self, rank: int | None = None,
+                           status: int = REMOTE_ERROR) -> None:
+        """Make `check_async_error()` of the communicators of `rank` (None: all) raise."""
+        for comm in self.communicators(rank):
+            comm.async_error = NcclError(status, "injected by the test")
+
+    def fail_init(self, rank: int, status: int = SYSTEM_ERROR) -> None:
+        """Make the next `NcclCommunicator` of `rank` fail (after the ranks rendezvous)."""
+        self._init_failures[rank] = NcclError(status, "injected by the test")
+
+    def pause(self, stream: Any) -> None:
+        """Hold `stream`'s queue: work submitted to it waits until `resume`."""
+        queue = self._queue_of(stream)
+        with self.lock:
+            queue.paused = True
+
+    def resume(self, stream: Any) -> None:
+        """Release a paused stream and run what it holds (in this thread)."""
+        queue = self._queue_of(stream)
+        with self.lock:
+            queue.paused = False
+        self._pump()
+
+    def interrupt(self, reason: str | None) -> None:
+        """Make every blocking wait of the stand-in (rendezvous, receives, stream
+        synchronisation) raise StandinError(`reason`) at once, so that the other ranks of
+        a test whose rank failed stop instead of waiting `wait_timeout`; None resets."""
+        self._interrupted = reason
+        with self.nccl_cond:
+            self.nccl_cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def _check_interrupt(self) -> None:
+        if self._interrupted is not None:
+            raise StandinError(f"interrupted: {self._interrupted}")
+
+    def communicators(self, rank: int | None = None) -> list[Any]:
+        """Every communicator created so far (of `rank`), in creation order."""
+        with self.nccl_cond:
+            comms = [c for clique in self._cliques.values() for c in clique.members.values()]
+        return [c for c in comms if rank is None or c.rank == rank]
+
+    def calls(self, name: str | Iterable[str] | None = None, *, thread: str | None = None,
+              rank: int | None = None) -> list[Call]:
+        """The logged calls, optionally only those named `name`, made by `thread` or by
+        the communicator of `rank`."""
+        names = {name} if isinstance(name, str) else None if name is None else set(name)
+        return [c for c in list(self._calls)
+                if (names is None or c.name in names)
+                and (thread is None or c.thread == thread)
+                and (rank is None or c.rank == rank)]
+
+    def clear_calls(self) -> None:
+        self._calls.clear()
+
+    # -- logging and misuse ------------------------------------------------------------------
+
+    def _log(self, _rank: int | None, _name: str, **args: Any) -> None:
+        self._calls.append(Call(threading.current_thread().name, _rank, _name, args))
+
+    def _violation(self, text: str) -> None:
+        self.violations.append(text)
+
+    # -- devices, streams, memory --------------------------------------------------------
+
+    def _get_device_count(self) -> int:
+        return self.device_count
+
+    def _bus_id(self, device: int) -> str:
+        if not 0 <= device < self.device_count:
+            raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+        return f"0000:{device:02x}:00.0"
+
+    def _tls_state(self) -> _ThreadState:
+        return self._tls
+
+    def _current_device(self) -> int:
+        return self._tls.device
+
+    def _get_current_stream(self, device_id: int = -1) -> Any:
+        device = self._current_device() if device_id == -1 else device_id
+        stack = self._tls.streams.get(device)
+        return stack[-1] if stack else self.Stream.null
+
+    def _current_stream(self) -> Any:
+        return self._get_current_stream()
+
+    def _null_queue(self, device: int) -> _Queue:
+        with self.lock:
+            queue = self._null.get(device)
+            if queue is None:
+                queue = self._null[device] = _Queue(0, device, f"null stream of GPU {device}")
+            return queue
+
+    def _queue_of(self, stream: Any) -> _Queue:
+        """The queue of a Stream object (the null stream: the current device's)."""
+        if stream.ptr == 0:
+            return self._null_queue(self._current_device())
+        return self._queues[stream.ptr]
+
+    def _queue_for_nccl(self, comm: Any, ptr: int) -> _Queue:
+        if ptr == 0:
+            return self._null_queue(comm.device)
+        queue = self._queues.get(ptr)
+        if queue is None:
+            self._violation(f"rank {comm.rank}: NCCL operation on unknown stream {ptr:#x}")
+            raise NcclError(UNHANDLED_CUDA_ERROR, f"invalid stream {ptr:#x}")
+        if queue.device != comm.device:
+            self._violation(f"rank {comm.rank}: NCCL operation of the communicator on GPU "
+                            f"{comm.device} issued on {queue.label} of GPU {queue.device}")
+            raise NcclError(UNHANDLED_CUDA_ERROR, "stream of another device")
+        return queue
+
+    def _queues_of_device(self, device: int) -> list[_Queue]:
+        with self.lock:
+            return [q for q in (*self._queues.values(), *self._null.values())
+                    if q.device == device]
+
+    def _alloc(self, shape: Any, dtype: Any, device: int | None = None) -> _NdArray:
+        host = np.empty(shape, dtype)
+        if host.nbytes:
+            host.reshape(-1).view(np.uint8)[...] = _FILL
+        device = self._current_device() if device is None else device
+        if not 0 <= device < self.device_count:
+            raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+        with self.lock:
+            if len(self._allocs) > 512:
+                self._allocs = {k: v for k, v in self._allocs.items() if v[1]() is not None}
+            if host.nbytes:
+                start = int(host.ctypes.data)
+                self._allocs[start] = (start + host.nbytes, weakref.ref(host), device)
+        return self.ndarray(host, device)
+
+    def _check_memory(self, ptr: int, nbytes: int, device: int | None, what: str,
+                      nccl: bool = False) -> None:
+        """`[ptr, ptr + nbytes)` must lie in one live allocation (of `device`)."""
+        if nbytes <= 0:
+            return
+        with self.lock:
+            for start, (end, ref, dev) in self._allocs.items():
+                if start <= ptr and ptr + nbytes <= end and ref() is not None:
+                    if device is None or dev == device:
+                        return
+                    problem = f"is memory of GPU {dev}, not GPU {device}"
+                    break
+            else:
+                problem = "is not inside any live allocation"
+        text = f"{what} [{ptr:#x}, +{nbytes}) {problem}"
+        self._violation(text)
+        if nccl:
+            raise NcclError(INVALID_ARGUMENT, text)
+        raise StandinError(f"illegal memory access: {text}")
+
+    @staticmethod
+    def _bytes_at(ptr: int, nbytes: int) -> np.ndarray:
+        if nbytes <= 0:
+            return np.empty(0, np.uint8)
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+    def _submit(self, queue: _Queue, fn: Callable[[], Any]) -> None:
+        """Run `fn` on `queue`: now if it is idle, else when the work before it is done."""
+        with self.lock:
+            queue.submitted += 1
+            if queue.blocked():
+                queue.items.append(_Item("fn", fn=fn))
+                return
+            fn()
+            queue.completed += 1
+
+    def _kernel(self, arrays: list[_NdArray], fn: Callable[[], Any]) -> None:
+        current = self._current_device()
+        for array in arrays:
+            if array._device_id != current:
+                self._violation(f"kernel on an array of GPU {array._device_id} while GPU "
+                                f"{current} is current")
+                raise ValueError(f"Array device must be same as the current device: array "
+                                 f"device = {array._device_id} while current = {current}")
+        self._submit(self._queue_of(self._current_stream()), fn)
+
+    def _wait_until(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.wait_timeout
+        with self.cond:
+            while not ready():
+                self._check_interrupt()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._violation(f"{what} did not finish within {self.wait_timeout} s")
+                    raise StandinError(f"{what} did not finish within {self.wait_timeout} s "
+                                       "(a hung or paused stream?)")
+                self.cond.wait(min(left, 0.05))
+
+    def _drain(self, queue: _Queue, what: str) -> None:
+        self._wait_until(lambda: not queue.blocked(), what)
+
+    def _hung_items(self, comm: Any) -> int:
+        with self.lock:
+            return sum(1 for q in (*self._queues.values(), *self._null.values())
+                       for item in q.items if item.kind == "hung" and item.comm is comm)
+
+    def _pump(self) -> None:
+        """Run queued work whose blockers have cleared, until nothing more can run."""
+        while True:
+            picked: tuple[_Queue, _Item] | None = None
+            changed = False
+            with self.cond:
+                for queue in (*self._queues.values(), *self._null.values()):
+                    while queue.items and not queue.paused and not queue.running:
+                        item = queue.items[0]
+                        if item.kind == "wait" and not item.event.done:
+                            break
+                        if item.kind == "hung" and not item.comm.released:
+                            break
+                        if item.kind == "comm":
+                            queue.running = True
+                            picked = (queue, item)
+                            break
+                        queue.items.popleft()
+                        if item.kind == "fn":
+                            try:
+                                item.fn()
+                            except Exception as exc:
+                                self._violation(f"queued work on {queue.label} failed: {exc!r}")
+                        queue.completed += 1
+                        changed = True
+                    if picked:
+                        break
+                self.cond.notify_all()
+            if picked is None:
+                if not changed:
+                    return
+                continue
+            queue, item = picked
+            try:
+                item.fn()
+            except Exception as exc:  # an asynchronous NCCL failure
+                self._violation(f"deferred NCCL work on {queue.label} failed: {exc!r}")
+                for comm in item.comms:
+                    comm.async_error = NcclError(INTERNAL_ERROR, f"deferred operation: {exc}")
+            with self.cond:
+                queue.items.popleft()
+                queue.running = False
+                queue.completed += 1
+                self.cond.notify_all()
+
+    # -- cupy functions ---------------------------------------------------------------------
+
+    @staticmethod
+    def _shape(shape: Any) -> tuple[int, ...]:
+        return (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+
+    def _empty(self, shape: Any, dtype: Any = float, order: str = "C") -> _NdArray:
+        return self._alloc(self._shape(shape), dtype)
+
+    def _zeros(self, shape: Any, dtype: Any = float, order: str = "C") -> _NdArray:
+        out = self._alloc(self._shape(shape), dtype)
+        self._kernel([out], lambda: out._host.__setitem__(..., 0))
+        return out
+
+    def _full(self, shape: Any, fill_value: Any, dtype: Any = None) -> _NdArray:
+        if dtype is None:
+            dtype = np.array(fill_value).dtype
+        out = self._alloc(self._shape(shape), dtype)
+        self._kernel([out], lambda: out._host.__setitem__(..., fill_value))
+        return out
+
+    def _arange(self, *args: Any, dtype: Any = None) -> _NdArray:
+        return self._asarray(np.arange(*args, dtype=dtype))
+
+    def _asarray(self, a: Any, dtype: Any = None) -> _NdArray:
+        if isinstance(a, _NdArray):
+            return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+        host = np.array(a, dtype=dtype, copy=True)
+        out = self._alloc(host.shape, host.dtype)
+        self._kernel([out], lambda: out._host.__setitem__(..., host))
+        return out
+
+    def _concatenate(self, arrays: Any, axis: int = 0) -> _NdArray:
+        arrays = list(arrays)
+        if not arrays:
+            raise ValueError("need at least one array to concatenate")
+        shapes = [a.shape for a in arrays]
+        rows = sum(s[axis] for s in shapes)
+        shape = list(shapes[0])
+        shape[axis] = rows
+        out = self._alloc(tuple(shape), np.result_type(*[a.dtype for a in arrays]))
+        sources = [a._host for a in arrays]
+        self._kernel([*arrays, out],
+                     lambda: np.concatenate(sources, axis=axis, out=out._host))
+        return out
+
+    def _bitwise_and(self, a: _NdArray, b: Any, out: _NdArray | None = None) -> _NdArray:
+        if out is None:
+            out = self._alloc(a.shape, a.dtype)
+        operand = b._host if isinstance(b, _NdArray) else b
+        arrays = [a, out] + ([b] if isinstance(b, _NdArray) else [])
+        self._kernel(arrays, lambda: np.bitwise_and(a._host, operand, out=out._host))
+        return out
+
+    # -- nccl module functions -----------------------------------------------------------
+
+    def _comm_id_form(self) -> type:
+        if self.comm_id_form is not None:
+            return self.comm_id_form
+        return self._cupy_id_form()
+
+    def _cupy_id_form(self) -> type:
+        try:
+            major = int(str(self.cupy.__version__).split(".", 1)[0])
+        except ValueError:
+            major = 14
+        return bytes if major >= 14 else tuple
+
+    def _get_unique_id(self) -> Any:
+        n = next(self._ids)
+        data = (hashlib.sha512(f"uid-{id(self)}-{n}-a".encode()).digest()
+                + hashlib.sha512(f"uid-{id(self)}-{n}-b".encode()).digest())
+        self.unique_ids.append(data)
+        self._log(None, "get_unique_id", uid=data)
+        if self._cupy_id_form() is bytes:
+            return data
+        return tuple(b - 256 if b > 127 else b for b in data)
+
+    def _group_start(self) -> None:
+        self._log(None, "groupStart")
+        self._tls.group_depth += 1
+
+    def _group_end(self) -> None:
+        self._log(None, "groupEnd")
+        state = self._tls
+        if state.group_depth == 0:
+            self._violation("groupEnd without groupStart")
+            raise NcclError(INVALID_USAGE, "groupEnd without groupStart")
+        state.group_depth -= 1
+        if state.group_depth:
+            return
+        ops, state.group_ops = state.group_ops, []
+        self._launch(ops)
+
+    # -- NCCL execution --------------------------------------------------------------------
+
+    def _hung(self, comm: Any) -> bool:
+        return comm.hang or self._hang is None or comm.rank in self._hang
+
+    def _join(self, comm: Any) -> _Clique:
+        """ncclCommInitRank: wait until every rank joined; then fail the ranks that share a
+        GPU (NCCL's check), a rank whose failure the test injected, and - instead of the
+        hang real NCCL would show - every other rank of a clique where some rank failed."""
+        deadline = time.monotonic() + self.wait_timeout
+        with self.nccl_cond:
+            clique = self._cliques.get(comm.uid)
+            if clique is None:
+                clique = self._cliques[comm.uid] = _Clique(comm.uid, comm.ndev)
+            if clique.ndev != comm.ndev:
+                raise NcclError(INVALID_USAGE, f"rank {comm.rank} says {comm.ndev} ranks, "
+                                f"the others {clique.ndev}")
+            if comm.rank in clique.members:
+                raise NcclError(INVALID_USAGE, f"rank {comm.rank} joined twice")
+            clique.members[comm.rank] = comm
+            if len(clique.members) == clique.ndev:
+                clique.failures = self._init_outcome(clique)
+                self.nccl_cond.notify_all()
+            while clique.failures is None:
+                self._check_interrupt()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(clique.ndev)) - set(clique.members))
+                    raise NcclError(SYSTEM_ERROR, f"stand-in: ncclCommInitRank of rank "
+                                    f"{comm.rank} timed out waiting for ranks {missing}")
+                self.nccl_cond.wait(min(left, 0.1))
+            failure = clique.failures.get(comm.rank)
+        if failure is not None:
+            raise failure
+        return clique
+
+    def _init_outcome(self, clique: _Clique) -> dict[int, NcclError]:
+        failures: dict[int, NcclError] = {}
+        members = clique.members
+        for rank, comm in members.items():
+            twins = sorted(r for r, c in members.items() if r != rank and c.device == comm.device)
+            if twins:
+                failures[rank] = NcclError(
+                    INVALID_USAGE, f"Duplicate GPU detected : rank {rank} and rank {twins[0]} "
+                    f"both on CUDA device {comm.device}")
+            elif rank in self._init_failures:
+                failures[rank] = self._init_failures.pop(rank)
+        failed = sorted(failures)
+        for rank in members:
+            if failed and rank not in failures:
+                failures[rank] = NcclError(
+                    INTERNAL_ERROR, f"stand-in: ranks {failed} failed to initialise, rank "
+                    f"{rank} cannot connect to them")
+        return failures
+
+    def _launch(self, ops: list[_Op]) -> None:
+        """Issue `ops` (one operation, or one group): hung ones are parked on their
+        streams; the others run now, or are queued when their stream is blocked."""
+        live = []
+        for op in ops:
+            if self._hung(op.comm):
+                with self.lock:
+                    op.queue.submitted += 1
+                    op.queue.items.append(_Item("hung", comm=op.comm))
+            else:
+                live.append(op)
+        if not live:
+            return
+        queues = {id(op.queue): op.queue for op in live}
+        with self.lock:
+            blocked = [q for q in queues.values() if q.blocked()]
+            if blocked and len(queues) == 1:
+                queue = blocked[0]
+                queue.submitted += 1
+                comms = tuple({id(op.comm): op.comm for op in live}.values())
+                queue.items.append(_Item("comm", fn=lambda: self._execute(live), comms=comms))
+                return
+        if blocked:
+            self._violation("a group of NCCL operations on several streams, one blocked")
+            raise StandinError("the stand-in cannot defer a group spanning several streams")
+        self._execute(live)
+        with self.lock:
+            for op in live:
+                op.queue.submitted += 1
+                op.queue.completed += 1
+
+    def _execute(self, ops: list[_Op]) -> None:
+        """Post every send, run the collectives, then complete every receive."""
+        for op in ops:
+            if op.kind == "send":
+                self._post(op)
+        for op in ops:
+            if op.kind == "coll":
+                self._collective(op)
+        for op in ops:
+            if op.kind == "recv":
+                self._receive(op)
+
+    def _post(self, op: _Op) -> None:
+        payload = self._bytes_at(*op.send).tobytes()
+        comm = op.comm
+        with self.nccl_cond:
+            box = comm.clique.mail.setdefault((comm.rank, op.peer), deque())
+            box.append(_Message(op.count, op.datatype, payload))
+            self.nccl_cond.notify_all()
+
+    def _receive(self, op: _Op) -> None:
+        comm = op.comm
+        deadline = time.monotonic() + self.wait_timeout
+        with self.nccl_cond:
+            box = comm.clique.mail.setdefault((op.peer, comm.rank), deque())
+            while not box:
+                self._check_interrupt()
+                if comm.released:
+                    raise NcclError(INVALID_ARGUMENT, "the communicator was released")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    text = (f"rank {comm.rank}: recv of {op.count} x type {op.datatype} from "
+                            f"rank {op.peer} found no message within {self.wait_timeout} s")
+                    self._violation(text)
+                    raise NcclError(SYSTEM_ERROR, f"stand-in: {text}")
+                self.nccl_cond.wait(min(left, 0.1))
+            message = box.popleft()
+        if (message.count, message.datatype) != (op.count, op.datatype):
+            text = (f"rank {comm.rank}: recv of {op.count} x type {op.datatype} from rank "
+                    f"{op.peer} matched a send of {message.count} x type {message.datatype}")
+            self._violation(text)
+            raise NcclError(INVALID_USAGE, f"stand-in: {text}")
+        self._bytes_at(*op.recv)[...] = np.frombuffer(message.payload, np.uint8)
+
+    def _collective(self, op: _Op) -> None:
+        comm = op.comm
+        clique = comm.clique
+        seq = comm._coll_seq
+        comm._coll_seq += 1
+        snapshot = self._bytes_at(*op.send).copy() if op.send is not None else None
+        deadline = time.monotonic() + self.wait_timeout
+        with self.nccl_cond:
+            slot = clique.colls.setdefault(seq, {"posts": {}, "left": clique.ndev})
+            slot["posts"][comm.rank] = (op.desc, snapshot)
+            self.nccl_cond.notify_all()
+            while len(slot["posts"]) < clique.ndev:
+                self._check_interrupt()
+                if comm.released:
+                    raise NcclError(INVALID_ARGUMENT, "the communicator was released")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(clique.ndev)) - set(slot["posts"]))
+                    text = (f"rank {comm.rank}: collective #{seq} ({op.name}) timed out "
+                            f"waiting for ranks {missing}")
+                    self._violation(text)
+                    raise NcclError(SYSTEM_ERROR, f"stand-in: {text}")
+                self.nccl_cond.wait(min(left, 0.1))
+            posts = dict(slot["posts"])
+            slot["left"] -= 1
+            if not slot["left"]:
+                del clique.colls[seq]
+        for peer, (desc, _) in sorted(posts.items()):
+            if desc != op.desc:
+                raise NcclError(INVALID_USAGE, f"stand-in: collective mismatch at #{seq}: "
+                                f"rank {comm.rank} called {_describe(op.desc)}, rank {peer} "
+                                f"called {_describe(desc)}")
+        name, count, datatype, nop, root = op.desc
+        dtype = NCCL_DTYPES[datatype]
+        n = clique.ndev
+
+        def data(rank: int) -> np.ndarray:
+            return posts[rank][1].view(dtype)
+
+        if name == "broadcast":
+            result = data(root)
+        elif name == "allGather":
+            result = np.concatenate([data(r) for r in range(n)])
+        else:
+            result = data(0).copy()
+            for r in range(1, n):
+                _UFUNCS[nop](result, data(r), out=result)
+            if nop == 4:  # AVG: the sum divided by the rank count, in the datatype
+                if dtype.kind == "f":
+                    np.true_divide(result, dtype.type(n), out=result)
+                else:
+                    np.floor_divide(result, dtype.type(n), out=result)
+            if name == "reduceScatter":
+                result = result[comm.rank * count:(comm.rank + 1) * count]
+            elif name == "reduce" and comm.rank != root:
+                return
+        self._bytes_at(*op.recv)[...] = np.ascontiguousarray(result).view(np.uint8)
+
+
+def _describe(desc: tuple) -> str:
+    name, count, datatype, op, root = desc
+    text = f"{name} of {count} x {NCCL_DTYPES[datatype]}"
+    if op >= 0:
+        text += f" op {NCCL_OPS[op]}"
+    if root >= 0:
+        text += f" root {root}"
+    return text
