@@ -407,8 +407,12 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
         return torch.from_numpy(array) if torch is not None else None
 
     if op == "barrier":
-        return Case(0, 0, lambda: None, lambda: 0, dist.barrier,
-                    tdist.barrier if tdist else None)
+        if xp is not np:  # the GPU backend's barrier (a plain barrier runs on gloo)
+            def ours() -> None:
+                dist.barrier(device_ids=[xp.cuda.Device().id])
+        else:
+            ours = dist.barrier
+        return Case(0, 0, lambda: None, lambda: 0, ours, tdist.barrier if tdist else None)
     if op in ("all_reduce", "reduce"):
         buf = xp.empty(count, dtype)
         total = _const(n * (n + 1) // 2, dtype).item()

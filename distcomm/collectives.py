@@ -497,10 +497,13 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
             device_ids: list[int] | None = None) -> Work | None:
-    """Block until every rank of the group has entered the barrier."""
-    del device_ids
+    """Block until every rank of the group has entered the barrier.
+
+    With `device_ids` (torch's NCCL form, e.g. `[local_rank]`) the group's GPU backend
+    (nccl) runs it when the group has one; it then also waits for the GPU.
+    """
     pg = resolve(group, "barrier")
-    backend = pg.default_backend("barrier")
+    backend = pg.default_backend("barrier", "cuda" if device_ids else None)
     return _finish(backend.barrier(async_op=async_op), async_op)
 
 

@@ -104,10 +104,13 @@ class ProcessGroup:
                 f"create the group with a backend for {device}, e.g. 'cpu:tcp,cuda:nccl'")
         return backend
 
-    def default_backend(self, where: str) -> Backend:
-        """The group's backend for device-less operations (barrier): CPU first."""
+    def default_backend(self, where: str, device: str | None = None) -> Backend:
+        """The group's backend for device-less operations (barrier): `device`'s ("cuda"
+        for a barrier given device_ids) when the group has one, else CPU first."""
         if not self.is_member or not self._backends:
             return self.backend_for(None, where)
+        if device is not None and device in self._backends:
+            return self._backends[device]
         return self._backends.get("cpu") or next(iter(self._backends.values()))
 
     def _shutdown(self) -> None:

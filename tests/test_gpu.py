@@ -188,6 +188,11 @@ def test_default_cuda_backend_falls_back_to_gloo_without_nccl(no_cupy):
     assert get_backend_record("nccl").devices == ("cuda",)
 
 
+def test_barrier_with_device_ids_on_a_cpu_group_uses_the_cpu_backend(solo):
+    assert dist.barrier(device_ids=[0]) is None
+    assert dist.barrier(device_ids=[0], async_op=True).wait(10) is True
+
+
 def test_nccl_blocking_wait_flag():
     assert config.load({}).nccl_blocking_wait is False
     assert config.load({"DISTCOMM_NCCL_BLOCKING_WAIT": "1"}).nccl_blocking_wait is True

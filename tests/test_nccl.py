@@ -200,6 +200,7 @@ def _ordering_and_barrier() -> None:
         total = float(cp.asnumpy(x[1]))
     assert total == n * (n + 1) / 2
     dist.barrier()
+    dist.barrier(device_ids=[cp.cuda.Device().id])  # on nccl
     assert dist.all_reduce(cp.ones(1), async_op=True).wait(timeout=60) is True
 
 
