@@ -192,6 +192,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--backend: {exc}")
     if reason:
         parser.error(f"--backend {args.backend!r} is not available here: {reason}")
+    if args.backend == "nccl" and _mpi_rank() is not None:
+        parser.error("--backend nccl starts its own ranks, one per GPU: run it without "
+                     "mpiexec")
+    if args.backend == "nccl":
+        from distcomm.gpu import device_count
+
+        if args.nprocs > device_count():
+            parser.error(f"--backend nccl needs one GPU per rank: --nprocs {args.nprocs} but "
+                         f"{device_count()} GPU(s) here")
     if args.compare == "cupy" and args.backend != "nccl":
         parser.error("--compare cupy needs --backend nccl (it compares GPU buffers)")
     if args.backend == "nccl" and args.compare not in (None, "cupy"):

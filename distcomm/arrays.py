@@ -133,6 +133,12 @@ def check_same(arrays: list[Any], where: str, name: str) -> tuple[str, np.dtype]
             f"{where}: {name} mixes devices ({', '.join(sorted(devices))}); "
             "pass arrays that all live on the same device"
         )
+    if devices == {"cuda"}:
+        gpus = {a.device.id for a in arrays}
+        if len(gpus) > 1:
+            raise ValueError(
+                f"{where}: {name} are on different GPUs ({', '.join(map(str, sorted(gpus)))});"
+                " pass arrays that all live on the same GPU")
     dtypes = {a.dtype for a in arrays}
     if len(dtypes) > 1:
         raise TypeError(

@@ -504,6 +504,9 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     """
     pg = resolve(group, "barrier")
     backend = pg.default_backend("barrier", "cuda" if device_ids else None)
+    on_device = getattr(backend, "barrier_on", None)
+    if device_ids and on_device is not None:
+        return _finish(on_device(int(device_ids[0]), async_op=async_op), async_op)
     return _finish(backend.barrier(async_op=async_op), async_op)
 
 

@@ -468,7 +468,7 @@ class _Stream:
         w._log(None, "Stream.wait_event", stream=self.ptr, device=queue.device, event=event)
         with w.lock:
             queue.submitted += 1
-            if not queue.blocked() and event.done:
+            if not queue.blocked() and event._is_done():
                 queue.completed += 1
             else:
                 queue.items.append(_Item("wait", event=event))
@@ -505,11 +505,20 @@ class _Event:
 
     @property
     def done(self) -> bool:
+        """cudaEventQuery. Asked from a thread whose current device is another one (a new
+        thread's is 0), real CUDA would create a context on that device: a violation."""
+        current = self._w._current_device()
+        if current != self.device_id:
+            self._w._violation(f"Event.done: {self!r} queried with device {current} current "
+                               f"(CUDA would create a context on device {current})")
+        return self._is_done()
+
+    def _is_done(self) -> bool:
         with self._w.lock:
             return self._queue is None or self._queue.completed >= self._target
 
     def synchronize(self) -> None:
-        self._w._wait_until(lambda: self.done, f"Event.synchronize() of {self!r}")
+        self._w._wait_until(self._is_done, f"Event.synchronize() of {self!r}")
 
 
 # -- NCCL ----------------------------------------------------------------------------------
@@ -1070,7 +1079,7 @@ class CudaStandin:
                 for queue in (*self._queues.values(), *self._null.values()):
                     while queue.items and not queue.paused and not queue.running:
                         item = queue.items[0]
-                        if item.kind == "wait" and not item.event.done:
+                        if item.kind == "wait" and not item.event._is_done():
                             break
                         if item.kind == "hung" and not item.comm.released:
                             break

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -1159,3 +1160,42 @@ def test_detail_timeout_does_not_let_a_late_rank_into_nccl(monkeypatch, cuda, ma
         entered = len(cuda.calls("allReduce", rank=1)) > calls
         cluster.shutdown()
     assert not entered
+
+
+def _list_gather_from_another_device(me: Rank) -> None:
+    cp = me.cp
+    with cp.cuda.Device(me.device):
+        mine = me.array(np.full(5, me.rank, np.int32))
+        out = [cp.empty(5, np.int32) for _ in range(me.size)]
+    cp.cuda.Device((me.device + 1) % me.standin.device_count).use()  # not the group's GPU
+    dist.all_gather(out, mine, group=me.group())
+    with cp.cuda.Device(me.device):
+        for k in range(me.size):
+            same(out[k].get(), np.full(5, k, np.int32), f"all_gather[{k}]")
+
+
+@pytest.mark.timeout(60)
+def test_list_variants_from_a_thread_on_another_device(solo, make_cluster):
+    # the copy-out's event is recorded with the group's GPU current, whatever the caller's
+    make_cluster(2).run(_list_gather_from_another_device)
+
+
+def _watched_while_pending(me: Rank) -> None:
+    b = me.backend
+    b.all_reduce(me.cp.ones(3, me.cp.float32), SUM).wait()  # the communicator exists
+    stream = b._stream
+    me.standin.pause(stream)  # the next operation stays pending for a while
+    work = b.all_gather(me.cp.empty(2 * me.size, me.cp.float32), me.cp.ones(2, me.cp.float32))
+    time.sleep(0.3)  # the watchdog polls the pending operation meanwhile
+    assert not work.is_completed()
+    me.standin.resume(stream)
+    assert work.wait(timeout=30) is True
+
+
+@pytest.mark.timeout(60)
+def test_events_are_queried_on_their_own_device(cuda, make_cluster):
+    # ranks on GPUs 2 and 3: the watchdog (a new thread, device 0) and waiters must make
+    # the group's GPU current before querying its events (the stand-in flags it otherwise)
+    cluster = make_cluster(2, devices=[2, 3])
+    cluster.run(_watched_while_pending)
+    assert not cuda.violations

@@ -77,8 +77,9 @@ class NcclWork(Work):
     """The Work of an NCCL operation: completes on a CUDA event recorded after it."""
 
     def __init__(self, backend: NcclBackend, description: str, outputs: list[Any],
-                 keep: list[Any], *, host_wait: bool = False) -> None:
+                 keep: list[Any], *, host_wait: bool = False, source_rank: int = -1) -> None:
         super().__init__(description, outputs, timeout=backend.timeout)
+        self._source_rank = source_rank
         self._backend = backend
         self._event: Any = None
         self._keep: list[Any] | None = keep  # the arrays the GPU may still touch
@@ -94,13 +95,23 @@ class NcclWork(Work):
         """Whether the operation has finished (completing the future when it has)."""
         if self._future.done():
             return True
-        if self._event is None or not self._event.done:
+        if self._event is None:
+            return False
+        backend = self._backend
+        try:
+            with backend._device:  # never make another GPU current in this thread
+                done = self._event.done
+        except Exception as exc:  # CUDARuntimeError: a sticky error (illegal address, ...)
+            backend._fail(DistBackendError(f"{self.description}: CUDA failed: {exc}"))
+            return True
+        if not done:
             return False
         self._keep = None
         try:
             self.complete(self._source_rank)
-        except RuntimeError:  # completed (or failed) by another thread meanwhile
-            pass
+        except Exception as exc:  # done by another thread meanwhile, or a callback raised
+            if not str(exc).startswith("this Future is already completed"):
+                log.warning("%s: a done-callback raised: %r", self.description, exc)
         return True
 
     def wait(self, timeout: Any = None) -> bool:
@@ -192,6 +203,10 @@ class NcclBackend(Backend):
         self._seq = 0  # operations issued, for messages
         self._coll_seq = 0  # collectives issued, for the DETAIL signature check
         self._grouped: list[NcclWork] | None = None  # Works of an open coalesced batch
+        self._launching: tuple[str, float] | None = None  # an NCCL call in progress, since
+        self._failed_works: list[NcclWork] = []  # their arrays live until shutdown
+        self._release_lock = threading.Lock()
+        self._released = False
         self._barrier_buffer: Any = None
 
     # -- the communicator ---------------------------------------------------------------------
@@ -317,7 +332,7 @@ class NcclBackend(Backend):
 
     def _issue_op(self, op: str, device_id: int, launch: Callable[[Any, int], None],
                   outputs: list[Any], keep: list[Any], signature: Signature | None = None,
-                  host_wait: bool = False) -> NcclWork:
+                  host_wait: bool = False, source_rank: int = -1) -> NcclWork:
         """Queue `launch(comm, stream_ptr)` on the group's stream; the Work of the operation.
 
         `signature` (collectives) is checked against every rank's in DETAIL mode.
@@ -331,20 +346,35 @@ class NcclBackend(Backend):
                 self._coll_seq += 1
                 if self._detail:
                     self._check_signature(self._coll_seq, signature, description)
-            work = NcclWork(self, description, outputs, keep, host_wait=host_wait)
+            work = NcclWork(self, description, outputs, keep, host_wait=host_wait,
+                            source_rank=source_rank)
             with self._device:
                 if self._grouped is None:
                     self._follow_caller()
-                try:
-                    launch(comm, self._stream.ptr)
-                except Exception as exc:
-                    raise self._launch_failed(description, exc) from exc
+                with self._launching_as(description):
+                    try:
+                        launch(comm, self._stream.ptr)
+                    except Exception as exc:
+                        raise self._launch_failed(description, exc) from exc
                 if self._grouped is not None:
                     self._grouped.append(work)
                 else:
                     work._record(self._stream)
                     self._track([work])
             return work
+
+    @contextmanager
+    def _launching_as(self, description: str) -> Iterator[None]:
+        """Mark an NCCL call in progress: one that blocks the host (NCCL connects to peers
+        lazily, inside the first operations) is then bounded by the watchdog too."""
+        with self._cond:
+            self._launching = (description, time.monotonic())
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._launching = None
 
     def _follow_caller(self) -> None:
         """Make the group's stream wait for the work queued so far on the caller's stream."""
@@ -375,7 +405,7 @@ class NcclBackend(Backend):
                             [*(inner._keep or []), finalize])
             with self._device, self._stream:
                 finalize()
-            work._record(self._stream)
+                work._record(self._stream)
             self._track([work])
             return work
 
@@ -398,7 +428,8 @@ class NcclBackend(Backend):
                 finally:
                     works, self._grouped = self._grouped, None
                     try:
-                        self._nccl.groupEnd()
+                        with self._launching_as(self.describe("batch_isend_irecv")):
+                            self._nccl.groupEnd()
                     except Exception as exc:
                         raise self._launch_failed(self.describe("batch_isend_irecv"),
                                                   exc) from exc
@@ -596,12 +627,20 @@ class NcclBackend(Backend):
             if count:
                 comm.recv(array.data.ptr, count, dt, src, stream)
 
-        work = self._issue_op("recv", self._device_id(array, "recv"), launch, [array], [array])
-        work._source_rank = src
-        return work
+        return self._issue_op("recv", self._device_id(array, "recv"), launch, [array], [array],
+                              source_rank=src)
 
     def barrier(self, *, async_op: bool = False) -> Work:
-        device_id = self._device.id if self._device is not None else runtime.current_device()
+        return self.barrier_on(None, async_op=async_op)
+
+    def barrier_on(self, device_id: int | None, *, async_op: bool = False) -> Work:
+        """A barrier on GPU `device_id` (torch's `barrier(device_ids=[i])`), which is the
+        device of the communicator when the group has one already; default:
+        `distcomm.gpu.current_device()`."""
+        if self._device is not None:
+            device_id = self._device.id
+        elif device_id is None:
+            device_id = runtime.current_device()
         if self._barrier_buffer is None:
             with self._cupy.cuda.Device(device_id):
                 self._barrier_buffer = self._cupy.zeros(1, self._cupy.float32)
@@ -638,14 +677,15 @@ class NcclBackend(Backend):
             self._cond.notify_all()
         log.error("%s: aborting the NCCL communicator: %s", self.describe("abort"), error)
         if comm is not None:
-            try:
-                comm.abort()
-            except Exception as exc:  # an NcclError while aborting changes nothing
-                log.warning("ncclCommAbort failed: %s", exc)
+            self._release(abort=True)
+        # kernels queued behind the aborted ones may still run: keep their arrays until
+        # the group is destroyed
+        self._failed_works = pending
         for work in pending:
-            if not work._future.done():
-                work._keep = None
+            try:
                 work.fail(error)
+            except RuntimeError:  # it completed meanwhile
+                pass
         try:
             if notify and not self._closed:
                 self.store.compare_set(_ABORT_KEY, "", f"rank {self.rank}: {error}")
@@ -653,21 +693,37 @@ class NcclBackend(Backend):
             pass
 
     def _watch(self) -> None:
+        try:
+            self._device.use()  # a new thread's device is 0: never make a context there
+            self._watch_loop()
+        except Exception as exc:  # a watchdog that died silently would hide every failure
+            self._fail(DistBackendError(f"{self.describe('watchdog')} failed: {exc!r}"))
+
+    def _watch_loop(self) -> None:
         delay = _WATCH_FIRST
         last_notice = 0.0
         while True:
             with self._cond:
-                while not self._closed and self._failure is None and not self._pending:
+                while (not self._closed and self._failure is None and not self._pending
+                       and self._launching is None):
                     delay = _WATCH_FIRST
                     self._cond.wait(1.0)
                 if self._closed or self._failure is not None:
                     return
-                pending = list(self._pending)
+                pending, launching = list(self._pending), self._launching
+            if launching is not None and time.monotonic() - launching[1] > self.timeout:
+                self._fail(DistTimeoutError(
+                    f"{launching[0]}: NCCL did not return within {self.timeout:g} s (it "
+                    "waits for a peer that never connected?); the communicator was "
+                    "aborted: destroy the group and create a new one"))
+                return
             done = {id(w) for w in pending if w._poll()}
             with self._cond:
                 self._pending = [w for w in self._pending if id(w) not in done]
                 oldest = self._pending[0] if self._pending else None
             if oldest is None:
+                time.sleep(delay)
+                delay = min(delay * 2, _WATCH_MOST)
                 continue
             waited = time.monotonic() - oldest._issued
             if waited > self.timeout:
@@ -707,6 +763,21 @@ class NcclBackend(Backend):
     def abort(self, reason: str) -> None:
         self._fail(DistBackendError(reason))
 
+    def _release(self, abort: bool) -> None:
+        """Abort or destroy the communicator, once, whichever thread asks first."""
+        with self._release_lock:
+            if self._released or self._comm is None:
+                return
+            self._released = True
+        try:
+            if abort:
+                self._comm.abort()
+            else:
+                self._comm.destroy()
+        except Exception as exc:  # an NcclError while releasing changes nothing
+            log.warning("%s: %s of the NCCL communicator failed: %s",
+                        self.describe("shutdown"), "abort" if abort else "destroy", exc)
+
     def shutdown(self) -> None:
         with self._cond:
             if self._closed:
@@ -721,20 +792,15 @@ class NcclBackend(Backend):
             pending = [w for w in pending if not w._poll()]
             if pending:
                 time.sleep(0.001)
-        comm, self._comm = self._comm, None
-        if comm is not None:
-            try:
-                if pending or self._failure is not None:
-                    comm.abort()  # ncclCommDestroy would wait for the stuck operations
-                else:
-                    comm.destroy()
-            except Exception as exc:
-                log.warning("%s: releasing the NCCL communicator failed: %s",
-                            self.describe("shutdown"), exc)
+        # ncclCommDestroy would wait for stuck operations: abort those instead
+        self._release(abort=bool(pending) or self._failure is not None)
+        self._comm = None
         for work in pending:
-            if not work._future.done():
-                work._keep = None
+            try:
                 work.fail(RuntimeError(f"{work.description}: the process group was destroyed "
                                        "before the operation finished"))
+            except RuntimeError:  # it completed meanwhile
+                pass
+        self._failed_works = []
         self._barrier_buffer = None
         self._stream = None

@@ -145,16 +145,27 @@ def _cupy_form() -> type:
 
 
 def create_communicator(nccl: Any, size: int, data: bytes, rank: int) -> Any:
-    """`nccl.NcclCommunicator(size, id, rank)` with the id in the installed CuPy's form
-    (decided by CuPy's version; the other form is tried if CuPy refuses the type)."""
-    form = _cupy_form()
-    try:
-        return nccl.NcclCommunicator(size, comm_id(data, form), rank)
-    except TypeError as exc:  # raised converting the argument, before NCCL is called
-        if "commId" not in str(exc):
-            raise
-        other = tuple if form is bytes else bytes
-        return nccl.NcclCommunicator(size, comm_id(data, other), rank)
+    """`nccl.NcclCommunicator(size, id, rank)` with the id in the installed CuPy's form.
+
+    The form follows CuPy's version; if CuPy refuses it (a TypeError naming commId, or an
+    OverflowError where C `char` is unsigned, as on aarch64) the others are tried: bytes,
+    a tuple of signed chars, a tuple of unsigned chars.
+    """
+    signed, unsigned = comm_id(data, tuple), tuple(data)
+    forms = [bytes(data), signed, unsigned] if _cupy_form() is bytes else [
+        signed, unsigned, bytes(data)]
+    refused: BaseException | None = None
+    for form in forms:
+        try:
+            return nccl.NcclCommunicator(size, form, rank)
+        except TypeError as exc:  # raised converting the argument, before NCCL is called
+            if "commId" not in str(exc):
+                raise
+            refused = exc
+        except OverflowError as exc:
+            refused = exc
+    assert refused is not None
+    raise refused
 
 
 # -- dtypes and reductions --------------------------------------------------------------------

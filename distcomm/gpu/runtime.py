@@ -86,7 +86,7 @@ def device_count() -> int:
     """The number of CUDA devices CuPy sees; 0 without CuPy, a driver or a device."""
     try:
         import cupy
-    except ImportError:
+    except Exception:  # not installed, or an installation that fails to import
         return 0
     try:
         return int(cupy.cuda.runtime.getDeviceCount())
