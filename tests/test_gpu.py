@@ -69,6 +69,54 @@ def test_unique_id_rejects(bad, error, match):
         nt.unique_id_bytes(bad)
 
 
+class _Communicators:
+    """What `create_communicator` sees of a CuPy: a constructor that accepts one id form."""
+
+    def __init__(self, accepts: str) -> None:
+        self.accepts, self.tried = accepts, []
+
+    def NcclCommunicator(self, size: int, uid: object, rank: int) -> tuple:
+        form = ("bytes" if isinstance(uid, bytes)
+                else "signed" if any(v < 0 for v in uid) else "unsigned")
+        self.tried.append(form)
+        if form != self.accepts:
+            if self.accepts == "unsigned" and form == "signed":  # C char is unsigned
+                raise OverflowError("value too large to convert to char")
+            raise TypeError(f"Argument 'commId' has incorrect type (expected "
+                            f"{'bytes' if self.accepts == 'bytes' else 'tuple'}, got "
+                            f"{type(uid).__name__})")
+        return (size, uid, rank)
+
+
+@pytest.mark.parametrize("version,accepts,tried", [
+    ("14.2.0", "bytes", ["bytes"]),
+    ("13.6.0", "signed", ["signed"]),
+    ("14.2.0", "signed", ["bytes", "signed"]),  # a CuPy 14 that still takes tuples
+    ("13.6.0", "unsigned", ["signed", "unsigned"]),  # CuPy 13 where char is unsigned
+    ("13.6.0", "bytes", ["signed", "unsigned", "bytes"]),
+])
+def test_create_communicator_finds_the_id_form(monkeypatch, version, accepts, tried):
+    monkeypatch.setitem(sys.modules, "cupy", type(sys)("cupy"))
+    sys.modules["cupy"].__version__ = version
+    data = bytes([200, 1] * 64)  # a byte above 127: signed and unsigned tuples differ
+    fake = _Communicators(accepts)
+    size, uid, rank = nt.create_communicator(fake, 4, data, 2)
+    assert (size, rank) == (4, 2) and nt.unique_id_bytes(uid) == data
+    assert fake.tried[:len(tried)] == tried and fake.tried[-1] == accepts
+
+
+def test_create_communicator_keeps_other_type_errors(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", type(sys)("cupy"))
+    sys.modules["cupy"].__version__ = "14.2.0"
+
+    class Broken:
+        def NcclCommunicator(self, size, uid, rank):
+            raise TypeError("an unrelated bug")
+
+    with pytest.raises(TypeError, match="an unrelated bug"):
+        nt.create_communicator(Broken(), 2, bytes(128), 0)
+
+
 def test_comm_id_rejects_unknown_form():
     with pytest.raises(ValueError, match="bytes or tuple"):
         nt.comm_id(bytes(128), list)

@@ -1199,3 +1199,15 @@ def test_events_are_queried_on_their_own_device(cuda, make_cluster):
     cluster = make_cluster(2, devices=[2, 3])
     cluster.run(_watched_while_pending)
     assert not cuda.violations
+
+
+def test_arrays_on_two_gpus_are_refused(solo, cuda, make_cluster):
+    cluster = make_cluster(1)
+    cp = cuda.cupy
+    with cp.cuda.Device(0):
+        out = cp.empty(4, np.float32)
+    with cp.cuda.Device(1):
+        mine = cp.ones(4, np.float32)
+    group = ProcessGroup("g", [0], 0, {"cuda": cluster.backends[0]}, "nccl", 30.0, 0)
+    with pytest.raises(ValueError, match=r"different GPUs \(0, 1\)"):
+        dist.all_gather_single(out, mine, group=group)
