@@ -19,6 +19,7 @@ from . import config
 from .arrays import device_of
 from .backends import create_backend, get_backend_record, registered_backends
 from .backends.base import Backend
+from .backends.staged import StagedBackend
 from .deadline import to_seconds
 from .store import HashStore, PrefixStore, Store
 
@@ -221,7 +222,10 @@ def _create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
                 shared[backend_name] = create_backend(
                     backend_name, PrefixStore(backend_name, store), rank, size, timeout, name,
                     members)
-            backends[device] = shared[backend_name]
+            backend = shared[backend_name]
+            if device == "cuda" and backend.stages_device_arrays:
+                backend = StagedBackend(backend)  # CuPy arrays through pinned host memory
+            backends[device] = backend
     except BaseException:
         for backend in shared.values():
             backend.shutdown()

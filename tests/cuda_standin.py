@@ -195,6 +195,28 @@ class _MemoryPointer:
         dst_ptr, src_ptr = self.ptr, src.ptr
         w._submit(queue, lambda: ctypes.memmove(dst_ptr, src_ptr, size))
 
+    def _host_copy(self, what: str, host: Any, size: int, stream: Any, to_host: bool) -> None:
+        """A copy between this device memory and host memory at `host` (a c_void_p)."""
+        w = self._w
+        size, address = int(size), int(host.value or 0)
+        w._log(None, what, ptr=self.ptr, host=address, size=size,
+               stream=None if stream is None else stream.ptr)
+        if size <= 0:
+            return
+        w._check_memory(self.ptr, size, None, what)
+        queue = w._queue_of(w._current_stream() if stream is None else stream)
+        if queue.device != self.device_id:
+            w._violation(f"{what}: memory of device {self.device_id} copied on "
+                         f"{queue.label} of device {queue.device}")
+        dst, src = (address, self.ptr) if to_host else (self.ptr, address)
+        w._submit(queue, lambda: ctypes.memmove(dst, src, size))
+
+    def copy_to_host_async(self, mem: Any, size: int, stream: Any = None) -> None:
+        self._host_copy("copy_to_host_async", mem, size, stream, to_host=True)
+
+    def copy_from_host_async(self, mem: Any, size: int, stream: Any = None) -> None:
+        self._host_copy("copy_from_host_async", mem, size, stream, to_host=False)
+
 
 class _Flags:
     def __init__(self, array: np.ndarray) -> None:
@@ -844,6 +866,7 @@ class CudaStandin:
         cuda.Event = self.Event
         cuda.MemoryPointer = _MemoryPointer
         cuda.get_current_stream = self._get_current_stream
+        cuda.alloc_pinned_memory = lambda nbytes: bytearray(int(nbytes))  # page-locked here
         cuda.get_device_id = self._current_device
         cupy.cuda = cuda
 

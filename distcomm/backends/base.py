@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from ..gpu.staging import is_cupy_array
 from ..ops import ReduceOp
 from ..store.base import Store
 from ..work import Work
@@ -120,6 +118,8 @@ class Backend(ABC):
 
     name: ClassVar[str] = ""
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    #: serves CUDA arrays by host staging: its group wraps it in a `StagedBackend` for them
+    stages_device_arrays: ClassVar[bool] = False
 
     def __init__(self, store: Store, rank: int, size: int, timeout: float,
                  group_name: str = "") -> None:
@@ -128,7 +128,6 @@ class Backend(ABC):
         self.size = size
         self.timeout = timeout
         self.group_name = group_name or "default"
-        self._staging: Any = None  # pinned host buffers for CuPy arrays, made on first use
 
     @classmethod
     def is_available(cls) -> bool:
@@ -148,19 +147,10 @@ class Backend(ABC):
 
         register_backend(name, func, extended_api=extended_api, devices=devices)
 
-    def _staged(self, call: Callable[..., Work], outputs: Sequence[Any],
-                inputs: Sequence[Any]) -> Work | None:
-        """Run `call(*host_outputs, *host_inputs)` on pinned host copies when an array is a
-        CuPy array (in-place arrays are listed as both); None for host arrays."""
-        if "cupy" not in sys.modules or not any(is_cupy_array(a)
-                                                 for a in (*outputs, *inputs)):
-            return None
-        from ..gpu.staging import HostStaging, run_staged
-
-        if self._staging is None:
-            self._staging = HostStaging()
-        run_staged(call, outputs, inputs, self._staging)
-        return Work.completed(self.describe("staged operation"), list(outputs))
+    def takes_device_arrays(self) -> bool:
+        """Whether this CPU backend takes CuPy arrays' device memory itself (a CUDA-aware
+        MPI), so a `StagedBackend` passes them through instead of staging them."""
+        return False
 
     def label(self) -> str:
         """`[rank r/n]`, the prefix of this backend's messages."""

@@ -61,6 +61,7 @@ class GlooBackend(TcpBackend):
 
     name = "gloo"
     devices = ("cpu", "cuda")
+    stages_device_arrays = True
     tuning_preset = algo.Tuning.tuned()
 
     def __init__(self, store: Store, rank: int, size: int, timeout: float,
@@ -223,9 +224,6 @@ class GlooBackend(TcpBackend):
     # -- the op set ------------------------------------------------------------------------
 
     def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
-        staged = self._staged(lambda a, _: self.broadcast(a, root), [array], [array])
-        if staged is not None:
-            return staged
         signature = self._signature("broadcast", array, root=root)
         if self._across_hosts():
             return self._hier_broadcast(array, root, signature, async_op)
@@ -235,9 +233,6 @@ class GlooBackend(TcpBackend):
                            lambda e, s, g: e.broadcast(s, g, array, root), [array], async_op)
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
-        staged = self._staged(lambda a, _: self.all_reduce(a, op), [array], [array])
-        if staged is not None:
-            return staged
         signature = self._signature("all_reduce", array, op)
         if self._across_hosts():
             return self._hier_all_reduce(array, op, signature, async_op)
@@ -247,9 +242,6 @@ class GlooBackend(TcpBackend):
                            lambda e, s, g: e.all_reduce(s, g, array, op), [array], async_op)
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
-        staged = self._staged(lambda a, _: self.reduce(a, root, op), [array], [array])
-        if staged is not None:
-            return staged
         signature = self._signature("reduce", array, op, root)
         if self._across_hosts():
             return self._hier_reduce(array, root, op, signature, async_op)
@@ -259,9 +251,6 @@ class GlooBackend(TcpBackend):
                            lambda e, s, g: e.reduce(s, g, array, root, op), [array], async_op)
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
-        staged = self._staged(lambda o, i: self.all_gather(o, i), [output], [input])
-        if staged is not None:
-            return staged
         if not self._on_one_host():
             return super().all_gather(output, input, async_op=async_op)
         return self._local("all_gather", self._signature("all_gather", input),
@@ -270,9 +259,6 @@ class GlooBackend(TcpBackend):
 
     def gather(self, output: Any | None, input: Any, root: int, *,
                async_op: bool = False) -> Work:
-        staged = self._staged(lambda o, i: self.gather(o, i, root), [output], [input])
-        if staged is not None:
-            return staged
         if not self._on_one_host():
             return super().gather(output, input, root, async_op=async_op)
         return self._local("gather", self._signature("gather", input, root=root),
@@ -281,9 +267,6 @@ class GlooBackend(TcpBackend):
 
     def scatter(self, output: Any, input: Any | None, root: int, *,
                 async_op: bool = False) -> Work:
-        staged = self._staged(lambda o, i: self.scatter(o, i, root), [output], [input])
-        if staged is not None:
-            return staged
         if not self._on_one_host():
             return super().scatter(output, input, root, async_op=async_op)
         return self._local("scatter", self._signature("scatter", output, root=root),
@@ -292,9 +275,6 @@ class GlooBackend(TcpBackend):
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
                        async_op: bool = False) -> Work:
-        staged = self._staged(lambda o, i: self.reduce_scatter(o, i, op), [output], [input])
-        if staged is not None:
-            return staged
         if not self._on_one_host():
             return super().reduce_scatter(output, input, op, async_op=async_op)
         return self._local("reduce_scatter", self._signature("reduce_scatter", output, op),
@@ -303,10 +283,6 @@ class GlooBackend(TcpBackend):
 
     def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
                    input_splits: Sequence[int], *, async_op: bool = False) -> Work:
-        staged = self._staged(
-            lambda o, i: self.all_to_all(o, i, output_splits, input_splits), [output], [input])
-        if staged is not None:
-            return staged
         if not self._on_one_host():
             return super().all_to_all(output, input, output_splits, input_splits,
                                       async_op=async_op)
@@ -346,6 +322,4 @@ class GlooBackend(TcpBackend):
         super().shutdown()
         if self._engine is not None:
             self._engine.close()
-        if self._staging is not None:
-            self._staging.clear()
 

@@ -150,6 +150,7 @@ class MpiBackend(Backend):
 
     name = "mpi"
     devices = ("cpu", "cuda")
+    stages_device_arrays = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -321,29 +322,16 @@ class MpiBackend(Backend):
 
     # -- GPU arrays -------------------------------------------------------------------------
 
-    def _staged(self, call: Callable[..., Work], outputs: Sequence[Any],
-                inputs: Sequence[Any]) -> Work | None:
-        """Host staging of CuPy arrays, unless the MPI library takes device memory itself."""
-        if self._cuda_aware and any(is_cupy_array(a) for a in (*outputs, *inputs)):
-            import cupy
-
-            cupy.cuda.get_current_stream().synchronize()
-            return None
-        return super()._staged(call, outputs, inputs)
+    def takes_device_arrays(self) -> bool:
+        return self._cuda_aware
 
     # -- the op set ------------------------------------------------------------------------
 
     def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
-        staged = self._staged(lambda a, _: self.broadcast(a, root), [array], [array])
-        if staged is not None:
-            return staged
         buf, comm = self._buf(array), self._comm
         return self._run("broadcast", lambda: comm.Bcast(buf, root), [array], async_op)
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
-        staged = self._staged(lambda a, _: self.all_reduce(a, op), [array], [array])
-        if staged is not None:
-            return staged
         buf, comm, IN_PLACE = self._buf(array), self._comm, self._MPI.IN_PLACE
         mop = self._op(op, array.dtype)
         return self._run("all_reduce", lambda: comm.Allreduce(IN_PLACE, buf, mop), [array],
@@ -355,9 +343,6 @@ class MpiBackend(Backend):
         return lambda: np.divide(array, self.size, out=array)
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
-        staged = self._staged(lambda a, _: self.reduce(a, root, op), [array], [array])
-        if staged is not None:
-            return staged
         comm, buf, mop = self._comm, self._buf(array), self._op(op, array.dtype)
         if self.rank == root:
             send, recv = self._MPI.IN_PLACE, buf
@@ -378,18 +363,12 @@ class MpiBackend(Backend):
         return self._buf(input.copy())
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
-        staged = self._staged(lambda o, i: self.all_gather(o, i), [output], [input])
-        if staged is not None:
-            return staged
         comm, send, recv = self._comm, self._in_place(output, input, self.rank), \
             self._buf(output)
         return self._run("all_gather", lambda: comm.Allgather(send, recv), [output], async_op)
 
     def gather(self, output: Any | None, input: Any, root: int, *,
                async_op: bool = False) -> Work:
-        staged = self._staged(lambda o, i: self.gather(o, i, root), [output], [input])
-        if staged is not None:
-            return staged
         comm = self._comm
         if self.rank == root:
             send, recv = self._in_place(output, input, root), self._buf(output)
@@ -400,9 +379,6 @@ class MpiBackend(Backend):
 
     def scatter(self, output: Any, input: Any | None, root: int, *,
                 async_op: bool = False) -> Work:
-        staged = self._staged(lambda o, i: self.scatter(o, i, root), [output], [input])
-        if staged is not None:
-            return staged
         comm = self._comm
         if self.rank == root:
             send = self._buf(input if not np.shares_memory(input, output) else input.copy())
@@ -413,9 +389,6 @@ class MpiBackend(Backend):
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
                        async_op: bool = False) -> Work:
-        staged = self._staged(lambda o, i: self.reduce_scatter(o, i, op), [output], [input])
-        if staged is not None:
-            return staged
         comm, mop = self._comm, self._op(op, output.dtype)
         send = self._buf(input if not np.shares_memory(input, output) else input.copy())
         recv = self._buf(output)
@@ -424,10 +397,6 @@ class MpiBackend(Backend):
 
     def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
                    input_splits: Sequence[int], *, async_op: bool = False) -> Work:
-        staged = self._staged(
-            lambda o, i: self.all_to_all(o, i, output_splits, input_splits), [output], [input])
-        if staged is not None:
-            return staged
         comm = self._comm
         source = input if not np.shares_memory(input, output) else input.copy()
         dtype = self._buf(output)[1]
@@ -496,8 +465,6 @@ class MpiBackend(Backend):
             op.Free()
         self._user_ops.clear()
         self._ops.clear()
-        if self._staging is not None:
-            self._staging.clear()
         try:
             self._comm.Free()
         except self._MPI.Exception:
