@@ -17,11 +17,11 @@ the timeout expires aborts the communicator (ncclCommAbort) and raises
 `DistTimeoutError` naming the op and its sequence number. `barrier()` blocks the host.
 Arrays an operation uses are kept alive by its Work until the event has passed.
 
-Watchdog: while operations are pending, a thread polls their events (completing their
-futures), `check_async_error()` (a failed peer or network error becomes
-`DistBackendError` and aborts the communicator instead of a hang), the group timeout,
-and an abort notice other ranks leave in the store. After an abort every operation of
-the group raises; destroy the group and create a new one.
+Watchdog (`nccl_watch.py`, with the Work): while operations are pending, a thread polls
+their events (completing their futures), `check_async_error()` (a failed peer or
+network error becomes `DistBackendError` and aborts the communicator instead of a
+hang), the group timeout, and an abort notice other ranks leave in the store. After an
+abort every operation of the group raises; destroy the group and create a new one.
 
 Ops: all_reduce, broadcast, reduce, all_gather and reduce_scatter are NCCL collectives;
 gather, scatter and all_to_all are grouped sends and receives (ncclGroupStart/End);
@@ -42,14 +42,13 @@ import os
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from .. import config
 from ..arrays import dtype_code
-from ..deadline import Deadline, to_seconds
+from ..deadline import Deadline
 from ..errors import BackendUnavailableError, DistBackendError, DistError, DistTimeoutError
 from ..gpu import nccl as nccl_types
 from ..gpu import runtime
@@ -58,108 +57,15 @@ from ..store.base import Store
 from ..store.prefix import PrefixStore
 from ..work import Work
 from .base import Backend
+from .nccl_watch import NcclSupervision, NcclWork
 from .transport.base import NO_REDOP, OP_CODES, Signature, mismatch_message
 
 __all__ = ["NcclBackend", "NcclWork"]
 
 log = logging.getLogger(__name__)
 
-#: how often the watchdog looks at pending operations: from the first to the last, doubling
-_WATCH_FIRST, _WATCH_MOST = 0.0005, 0.02
-#: a host wait polls the event this often at most
-_POLL_MOST = 0.001
-#: pending work older than this makes the watchdog look for other ranks' abort notices
-_NOTICE_AFTER = 1.0
-_ABORT_KEY = "abort"
 
-
-class NcclWork(Work):
-    """The Work of an NCCL operation: completes on a CUDA event recorded after it."""
-
-    def __init__(self, backend: NcclBackend, description: str, outputs: list[Any],
-                 keep: list[Any], *, host_wait: bool = False, source_rank: int = -1) -> None:
-        super().__init__(description, outputs, timeout=backend.timeout)
-        self._source_rank = source_rank
-        self._backend = backend
-        self._event: Any = None
-        self._keep: list[Any] | None = keep  # the arrays the GPU may still touch
-        self._host_wait = host_wait
-        self._issued = time.monotonic()
-
-    def _record(self, stream: Any) -> None:
-        event = self._backend._cupy.cuda.Event(disable_timing=True)
-        event.record(stream)
-        self._event = event
-
-    def _poll(self) -> bool:
-        """Whether the operation has finished (completing the future when it has)."""
-        if self._future.done():
-            return True
-        if self._event is None:
-            return False
-        backend = self._backend
-        try:
-            with backend._device:  # never make another GPU current in this thread
-                done = self._event.done
-        except Exception as exc:  # CUDARuntimeError: a sticky error (illegal address, ...)
-            backend._fail(DistBackendError(f"{self.description}: CUDA failed: {exc}"))
-            return True
-        if not done:
-            return False
-        self._keep = None
-        try:
-            self.complete(self._source_rank)
-        except Exception as exc:  # done by another thread meanwhile, or a callback raised
-            if not str(exc).startswith("this Future is already completed"):
-                log.warning("%s: a done-callback raised: %r", self.description, exc)
-        return True
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Order the caller's current stream after the operation; True on success.
-
-        With `timeout` (or DISTCOMM_NCCL_BLOCKING_WAIT=1, or for a barrier) block the host
-        until the operation finished, up to `timeout` (default: the group's).
-
-        Raises:
-            DistTimeoutError: `timeout` expired; the group's communicator was aborted.
-            DistError: the operation failed, or the group was aborted.
-        """
-        seconds = to_seconds(timeout)
-        backend = self._backend
-        if self._future.done():
-            self._future.value()
-            return True
-        backend._raise_if_failed(self.description)
-        if seconds is None and not (self._host_wait or backend._blocking_wait):
-            with backend._device:
-                backend._cupy.cuda.get_current_stream().wait_event(self._event)
-            return True
-        deadline = Deadline(self._default_timeout if seconds is None else seconds)
-        delay = _WATCH_FIRST
-        while not self._poll():
-            backend._raise_if_failed(self.description)
-            if deadline.expired():
-                raise backend._timed_out(self, deadline.seconds or 0.0)
-            time.sleep(deadline.slice(delay))
-            delay = min(delay * 2, _POLL_MOST)
-        self._future.value()
-        return True
-
-    def synchronize(self) -> None:
-        """Block the host until the operation finished (torch's Work.synchronize)."""
-        self.wait(self._default_timeout)
-
-    def is_completed(self) -> bool:
-        """Whether the operation has finished on the GPU, successfully or not."""
-        return self._poll()
-
-    def chain(self, finalize: Callable[[], None], outputs: list[Any]) -> Work:
-        """A Work that completes after this one and `finalize()`, which queues GPU work
-        (copies out of a joined buffer) on the group's stream, after this operation."""
-        return self._backend._then(self, finalize, outputs)
-
-
-class NcclBackend(Backend):
+class NcclBackend(NcclSupervision, Backend):
     """Collectives on CuPy arrays through NCCL, one communicator and CUDA stream per group."""
 
     name = "nccl"
@@ -192,21 +98,13 @@ class NcclBackend(Backend):
         if runtime.chosen_device() is None and os.environ.get("LOCAL_RANK", "").strip():
             runtime.set_device(runtime.current_device())  # one GPU per launcher worker
         self._issue = threading.RLock()  # operations are issued one at a time, in order
-        self._cond = threading.Condition()  # guards the state below; wakes the watchdog
+        self._init_supervision()
         self._comm: Any = None
         self._device: Any = None
         self._stream: Any = None
-        self._pending: list[NcclWork] = []
-        self._failure: DistError | None = None
-        self._closed = False
-        self._watchdog: threading.Thread | None = None
         self._seq = 0  # operations issued, for messages
         self._coll_seq = 0  # collectives issued, for the DETAIL signature check
         self._grouped: list[NcclWork] | None = None  # Works of an open coalesced batch
-        self._launching: tuple[str, float] | None = None  # an NCCL call in progress, since
-        self._failed_works: list[NcclWork] = []  # their arrays live until shutdown
-        self._release_lock = threading.Lock()
-        self._released = False
         self._barrier_buffer: Any = None
 
     # -- the communicator ---------------------------------------------------------------------
@@ -233,9 +131,7 @@ class NcclBackend(Backend):
                 raise DistBackendError(self._init_failure(exc, bus)) from exc
             stream = cupy.cuda.Stream(non_blocking=True)
         self._comm, self._device, self._stream = comm, device, stream
-        self._watchdog = threading.Thread(target=self._watch, daemon=True,
-                                          name=f"distcomm-nccl-watchdog-{self.group_name}")
-        self._watchdog.start()
+        self._start_watchdog()
         log.info("%s: NCCL %s communicator of %d ranks on GPU %d (%s)",
                  self.describe("init"), ".".join(map(str, self._version)), self.size,
                  device_id, bus)
@@ -280,13 +176,6 @@ class NcclBackend(Backend):
                 "issue the same first GPU operation?") from None
 
     # -- issuing operations -------------------------------------------------------------------
-
-    def _raise_if_failed(self, description: str) -> None:
-        failure = self._failure
-        if failure is not None:
-            raise type(failure)(f"{description}: the group was aborted: {failure}")
-        if self._closed:
-            raise RuntimeError(f"{description}: the process group was destroyed")
 
     def _signature(self, op: str, array: Any = None, redop: ReduceOp | None = None,
                    root: int = -1, count: int | None = None) -> Signature:
@@ -363,19 +252,6 @@ class NcclBackend(Backend):
                     self._track([work])
             return work
 
-    @contextmanager
-    def _launching_as(self, description: str) -> Iterator[None]:
-        """Mark an NCCL call in progress: one that blocks the host (NCCL connects to peers
-        lazily, inside the first operations) is then bounded by the watchdog too."""
-        with self._cond:
-            self._launching = (description, time.monotonic())
-            self._cond.notify_all()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._launching = None
-
     def _follow_caller(self) -> None:
         """Make the group's stream wait for the work queued so far on the caller's stream."""
         cupy = self._cupy
@@ -390,11 +266,6 @@ class NcclBackend(Backend):
         error = DistBackendError(f"{description}: NCCL refused the operation: {exc}")
         self._fail(error)
         return error
-
-    def _track(self, works: list[NcclWork]) -> None:
-        with self._cond:
-            self._pending.extend(works)
-            self._cond.notify_all()
 
     def _then(self, inner: NcclWork, finalize: Callable[[], None],
               outputs: list[Any]) -> NcclWork:
@@ -653,145 +524,16 @@ class NcclBackend(Backend):
         return self._issue_op("barrier", self._device_id(buffer, "barrier"), launch, [], [buffer],
                               self._signature("barrier"), host_wait=True)
 
-    # -- watchdog, failure and teardown ---------------------------------------------------------
-
-    def _timed_out(self, work: NcclWork, seconds: float) -> DistTimeoutError:
-        check = ("every rank issued it (DISTCOMM_DEBUG=DETAIL checked)" if self._detail else
-                 "set DISTCOMM_DEBUG=DETAIL to check that every rank issued it with the "
-                 "same arguments")
-        error = DistTimeoutError(
-            f"{work.description} did not complete within {seconds:g} s; {check}. The "
-            "group's NCCL communicator was aborted: destroy the group and create a new one")
-        self._fail(error)
-        return error
-
-    def _fail(self, error: DistError, notify: bool = True) -> None:
-        """Abort the communicator, fail every pending operation, and (`notify`) leave a
-        notice for the other ranks unless one is there already."""
-        with self._cond:
-            if self._failure is not None:
-                return
-            self._failure = error
-            pending, self._pending = self._pending, []
-            comm = self._comm
-            self._cond.notify_all()
-        log.error("%s: aborting the NCCL communicator: %s", self.describe("abort"), error)
-        if comm is not None:
-            self._release(abort=True)
-        # kernels queued behind the aborted ones may still run: keep their arrays until
-        # the group is destroyed
-        self._failed_works = pending
-        for work in pending:
-            try:
-                work.fail(error)
-            except RuntimeError:  # it completed meanwhile
-                pass
-        try:
-            if notify and not self._closed:
-                self.store.compare_set(_ABORT_KEY, "", f"rank {self.rank}: {error}")
-        except Exception:  # the store may be gone with the failed rank
-            pass
-
-    def _watch(self) -> None:
-        try:
-            self._device.use()  # a new thread's device is 0: never make a context there
-            self._watch_loop()
-        except Exception as exc:  # a watchdog that died silently would hide every failure
-            self._fail(DistBackendError(f"{self.describe('watchdog')} failed: {exc!r}"))
-
-    def _watch_loop(self) -> None:
-        delay = _WATCH_FIRST
-        last_notice = 0.0
-        while True:
-            with self._cond:
-                while (not self._closed and self._failure is None and not self._pending
-                       and self._launching is None):
-                    delay = _WATCH_FIRST
-                    self._cond.wait(1.0)
-                if self._closed or self._failure is not None:
-                    return
-                pending, launching = list(self._pending), self._launching
-            if launching is not None and time.monotonic() - launching[1] > self.timeout:
-                self._fail(DistTimeoutError(
-                    f"{launching[0]}: NCCL did not return within {self.timeout:g} s (it "
-                    "waits for a peer that never connected?); the communicator was "
-                    "aborted: destroy the group and create a new one"))
-                return
-            done = {id(w) for w in pending if w._poll()}
-            with self._cond:
-                self._pending = [w for w in self._pending if id(w) not in done]
-                oldest = self._pending[0] if self._pending else None
-            if oldest is None:
-                time.sleep(delay)
-                delay = min(delay * 2, _WATCH_MOST)
-                continue
-            waited = time.monotonic() - oldest._issued
-            if waited > self.timeout:
-                self._timed_out(oldest, self.timeout)
-                return
-            if self._async_error():
-                return
-            if waited > _NOTICE_AFTER and time.monotonic() - last_notice > _NOTICE_AFTER:
-                last_notice = time.monotonic()
-                if self._abort_notice():
-                    return
-            time.sleep(delay)
-            delay = min(delay * 2, _WATCH_MOST)
-
-    def _async_error(self) -> bool:
-        try:
-            self._comm.check_async_error()
-        except Exception as exc:  # NcclError
-            self._fail(DistBackendError(
-                f"{self.describe('watchdog')}: NCCL reported an asynchronous error ({exc}); "
-                "a peer rank probably failed or its connection broke"))
-            return True
-        return False
-
-    def _abort_notice(self) -> bool:
-        try:
-            if not self.store.check([_ABORT_KEY]):
-                return False
-            reason = self.store.get(_ABORT_KEY).decode(errors="replace")
-        except Exception:  # an unreachable store is no notice
-            return False
-        self._fail(DistBackendError(
-            f"{self.describe('watchdog')}: another rank aborted the group ({reason})"),
-            notify=False)
-        return True
+    # -- teardown -----------------------------------------------------------------------------
 
     def abort(self, reason: str) -> None:
         self._fail(DistBackendError(reason))
-
-    def _release(self, abort: bool) -> None:
-        """Abort or destroy the communicator, once, whichever thread asks first."""
-        with self._release_lock:
-            if self._released or self._comm is None:
-                return
-            self._released = True
-        try:
-            if abort:
-                self._comm.abort()
-            else:
-                self._comm.destroy()
-        except Exception as exc:  # an NcclError while releasing changes nothing
-            log.warning("%s: %s of the NCCL communicator failed: %s",
-                        self.describe("shutdown"), "abort" if abort else "destroy", exc)
 
     def shutdown(self) -> None:
         with self._cond:
             if self._closed:
                 return
-            self._closed = True
-            pending = list(self._pending)
-            self._cond.notify_all()
-        if self._watchdog is not None and self._watchdog is not threading.current_thread():
-            self._watchdog.join(10.0)
-        deadline = Deadline(min(self.timeout, 10.0))
-        while pending and not deadline.expired():
-            pending = [w for w in pending if not w._poll()]
-            if pending:
-                time.sleep(0.001)
+        pending = self._stop_supervision()
         # ncclCommDestroy would wait for stuck operations: abort those instead
         self._release(abort=bool(pending) or self._failure is not None)
         self._comm = None
