@@ -136,37 +136,20 @@ def _finish(work: Work, async_op: bool, outputs: list[Any] | None = None) -> Wor
     return None
 
 
-def _then(inner: Work, finalize: Callable[[], None], outputs: list[Any]) -> Work:
-    """A Work that completes after `inner` and then `finalize()` (copying results out).
-
-    A device Work (nccl) queues `finalize` on its stream at once, after the operation.
-    """
-    chain = getattr(inner, "chain", None)
-    if chain is not None:
-        return chain(finalize, outputs)
-    outer = Work(inner.description, outputs, on_timeout=inner._on_timeout,
-                 timeout=inner._default_timeout)
-
-    def done(future: Any) -> None:
-        if future._error is not None:
-            outer.fail(future._error)
-            return
-        try:
-            finalize()
-        except BaseException as exc:
-            outer.fail(exc)
-            return
-        outer.complete()
-
-    inner.get_future().add_done_callback(done)
-    return outer
-
-
 # -- point to point ---------------------------------------------------------------------------
 
-def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_dst: int | None = None) -> Work:
-    """Send `tensor` to `dst` without blocking; returns the Work to wait on."""
+class _Posting:
+    """A validated point-to-point operation, ready to post on its backend."""
+
+    __slots__ = ("array", "backend", "post")
+
+    def __init__(self, array: Any, backend: Any, post: Callable[[], Work]) -> None:
+        self.array, self.backend, self.post = array, backend, post
+
+
+def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
+             group_dst: int | None) -> _Posting:
+    """Validate an isend (its messages say "isend")."""
     pg = resolve(group, "isend")
     tag = _tag(tag, "isend")
     array = adapt(tensor, "isend", "tensor", writable=False)
@@ -175,15 +158,19 @@ def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None
     if peer == pg.rank():
         raise ValueError(f"isend: dst {pg.ranks[peer]} is this process itself; send to "
                          "another rank")
-    work = backend.send(flat(array), peer, tag)
-    work.global_ranks = pg.ranks
-    work.set_outputs([tensor])
-    return work
+
+    def post() -> Work:
+        work = backend.send(flat(array), peer, tag)
+        work.global_ranks = pg.ranks
+        work.set_outputs([tensor])
+        return work
+
+    return _Posting(array, backend, post)
 
 
-def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_src: int | None = None) -> Work:
-    """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells."""
+def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: int,
+               group_src: int | None) -> _Posting:
+    """Validate an irecv (its messages say "irecv")."""
     pg = resolve(group, "irecv")
     tag = _tag(tag, "irecv")
     array = adapt(tensor, "irecv", "tensor", writable=True)
@@ -194,10 +181,26 @@ def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None
         if peer == pg.rank():
             raise ValueError(f"irecv: src {pg.ranks[peer]} is this process itself; receive "
                              "from another rank")
-    work = backend.recv(flat(array), peer, tag)
-    work.global_ranks = pg.ranks
-    work.set_outputs([tensor])
-    return work
+
+    def post() -> Work:
+        work = backend.recv(flat(array), peer, tag)
+        work.global_ranks = pg.ranks
+        work.set_outputs([tensor])
+        return work
+
+    return _Posting(array, backend, post)
+
+
+def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work:
+    """Send `tensor` to `dst` without blocking; returns the Work to wait on."""
+    return _sending(tensor, dst, group, tag, group_dst).post()
+
+
+def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_src: int | None = None) -> Work:
+    """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells."""
+    return _receiving(tensor, src, group, tag, group_src).post()
 
 
 def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
@@ -249,20 +252,13 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
         raise TypeError("batch_isend_irecv: p2p_op_list must be a list of P2POp")
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv: p2p_op_list must not be empty")
-    where = "batch_isend_irecv"
-    arrays = [adapt(p.tensor, where, f"p2p_op_list[{i}].tensor", writable=p.op is irecv)
-              for i, p in enumerate(p2p_op_list)]
-    backends = {id(b): b for b in (resolve(p.group, where).backend_for(a, where)
-                                   for p, a in zip(p2p_op_list, arrays, strict=True))}
-    coalesce = getattr(next(iter(backends.values())), "coalesce", None)
-    with coalesce(arrays[0]) if coalesce is not None and len(backends) == 1 else nullcontext():
-        works = []
-        for p in p2p_op_list:
-            if p.op is isend:
-                works.append(isend(p.tensor, p.peer, p.group, p.tag, p.group_peer))
-            else:
-                works.append(irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer))
-    return works
+    postings = [(_sending if p.op is isend else _receiving)(p.tensor, p.peer, p.group, p.tag,
+                                                            p.group_peer)
+                for p in p2p_op_list]
+    first = postings[0]
+    together = all(p.backend is first.backend for p in postings)
+    with first.backend.coalesce(first.array) if together else nullcontext():
+        return [p.post() for p in postings]
 
 
 # -- collectives ----------------------------------------------------------------------------
@@ -332,7 +328,7 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
     backend = pg.backend_for(input, "all_gather")
     gathered = empty(pg.size() * input.size, input)
     inner = backend.all_gather(gathered, flat(input), async_op=async_op)
-    return _finish(_then(inner, _split_into(outputs, gathered), outputs), async_op)
+    return _finish(inner.chain(_split_into(outputs, gathered), outputs), async_op)
 
 
 def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
@@ -353,7 +349,7 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     outputs = _output_list(gather_list, input, pg.size(), "gather", "gather_list")
     gathered = empty(pg.size() * input.size, input)
     inner = backend.gather(gathered, flat(input), root, async_op=async_op)
-    return _finish(_then(inner, _split_into(outputs, gathered), outputs), async_op)
+    return _finish(inner.chain(_split_into(outputs, gathered), outputs), async_op)
 
 
 def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
@@ -492,7 +488,7 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
     received = empty(sum(t.size for t in outputs), inputs[0])
     inner = backend.all_to_all(received, joined, [t.size for t in outputs],
                                [t.size for t in inputs], async_op=async_op)
-    return _finish(_then(inner, _split_into(outputs, received), outputs), async_op)
+    return _finish(inner.chain(_split_into(outputs, received), outputs), async_op)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
@@ -503,11 +499,10 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     (nccl) runs it when the group has one; it then also waits for the GPU.
     """
     pg = resolve(group, "barrier")
-    backend = pg.default_backend("barrier", "cuda" if device_ids else None)
-    on_device = getattr(backend, "barrier_on", None)
-    if device_ids and on_device is not None:
-        return _finish(on_device(int(device_ids[0]), async_op=async_op), async_op)
-    return _finish(backend.barrier(async_op=async_op), async_op)
+    if device_ids:
+        backend = pg.default_backend("barrier", "cuda")
+        return _finish(backend.barrier_on(int(device_ids[0]), async_op=async_op), async_op)
+    return _finish(pg.default_backend("barrier").barrier(async_op=async_op), async_op)
 
 
 def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,

@@ -65,6 +65,12 @@ class Deadline:
         left = self.remaining()
         return most if left is None else min(most, left)
 
+    def nap(self, delay: float, most: float) -> float:
+        """Sleep `delay` seconds (never past the deadline) between two polls; returns the
+        next delay: twice this one, at most `most` (exponential backoff)."""
+        time.sleep(self.slice(delay))
+        return min(delay * 2, most)
+
     def __repr__(self) -> str:
         left = self.remaining()
         return "Deadline(none)" if left is None else f"Deadline({left:.3f}s left)"

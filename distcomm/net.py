@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import socket
-import time
 
 import psutil
 
@@ -102,8 +101,7 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "peer") -> soc
                     f"could not connect to {what} at {address}: {exc.strerror or exc}"
                 ) from exc
             last = exc
-            time.sleep(deadline.slice(delay))
-            delay = min(delay * 2, 1.0)
+            delay = deadline.nap(delay, 1.0)
             continue
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         set_keepalive(sock)

@@ -204,6 +204,27 @@ class Work:
         self.wait()
         return list(self._outputs)
 
+    def chain(self, finalize: Callable[[], None], outputs: list[Any]) -> Work:
+        """A Work over `outputs` that completes after this one and then `finalize()` (the
+        copy of results out of a joined buffer); it fails with this one's error, or
+        `finalize`'s. A device Work queues `finalize` on its stream instead."""
+        outer = Work(self.description, outputs, on_timeout=self._on_timeout,
+                     timeout=self._default_timeout)
+
+        def done(future: Future) -> None:
+            if future._error is not None:
+                outer.fail(future._error)
+                return
+            try:
+                finalize()
+            except BaseException as exc:
+                outer.fail(exc)
+                return
+            outer.complete()
+
+        self._future.add_done_callback(done)
+        return outer
+
     def source_rank(self) -> int:
         """For a receive: the global rank that sent the message (-1 before completion)."""
         if self._source_rank < 0 or self.global_ranks is None:

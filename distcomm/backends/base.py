@@ -6,6 +6,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
 from ..ops import ReduceOp
@@ -210,6 +211,16 @@ class Backend(ABC):
     @abstractmethod
     def barrier(self, *, async_op: bool = False) -> Work:
         """Complete once every rank has entered the barrier."""
+
+    def barrier_on(self, device_id: int, *, async_op: bool = False) -> Work:
+        """A barrier on device `device_id` (torch's `barrier(device_ids=[i])`); backends
+        without devices of their own run `barrier()`."""
+        return self.barrier(async_op=async_op)
+
+    def coalesce(self, array: Any) -> AbstractContextManager[None]:
+        """A context in which the operations posted are issued together (one NCCL group);
+        `array` is the first one's. Backends that post each at once need nothing."""
+        return nullcontext()
 
     @abstractmethod
     def abort(self, reason: str) -> None:

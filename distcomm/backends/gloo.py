@@ -224,7 +224,7 @@ class GlooBackend(TcpBackend):
     # -- the op set ------------------------------------------------------------------------
 
     def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
-        signature = self._signature("broadcast", array, root=root)
+        signature = Signature.of("broadcast", array, root=root)
         if self._across_hosts():
             return self._hier_broadcast(array, root, signature, async_op)
         if not self._on_one_host():
@@ -233,7 +233,7 @@ class GlooBackend(TcpBackend):
                            lambda e, s, g: e.broadcast(s, g, array, root), [array], async_op)
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
-        signature = self._signature("all_reduce", array, op)
+        signature = Signature.of("all_reduce", array, op)
         if self._across_hosts():
             return self._hier_all_reduce(array, op, signature, async_op)
         if not self._on_one_host():
@@ -242,7 +242,7 @@ class GlooBackend(TcpBackend):
                            lambda e, s, g: e.all_reduce(s, g, array, op), [array], async_op)
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
-        signature = self._signature("reduce", array, op, root)
+        signature = Signature.of("reduce", array, op, root)
         if self._across_hosts():
             return self._hier_reduce(array, root, op, signature, async_op)
         if not self._on_one_host():
@@ -253,7 +253,7 @@ class GlooBackend(TcpBackend):
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         if not self._on_one_host():
             return super().all_gather(output, input, async_op=async_op)
-        return self._local("all_gather", self._signature("all_gather", input),
+        return self._local("all_gather", Signature.of("all_gather", input),
                            lambda e, s, g: e.all_gather(s, g, output, input), [output],
                            async_op)
 
@@ -261,7 +261,7 @@ class GlooBackend(TcpBackend):
                async_op: bool = False) -> Work:
         if not self._on_one_host():
             return super().gather(output, input, root, async_op=async_op)
-        return self._local("gather", self._signature("gather", input, root=root),
+        return self._local("gather", Signature.of("gather", input, root=root),
                            lambda e, s, g: e.gather(s, g, output, input, root),
                            [output] if output is not None else [], async_op)
 
@@ -269,7 +269,7 @@ class GlooBackend(TcpBackend):
                 async_op: bool = False) -> Work:
         if not self._on_one_host():
             return super().scatter(output, input, root, async_op=async_op)
-        return self._local("scatter", self._signature("scatter", output, root=root),
+        return self._local("scatter", Signature.of("scatter", output, root=root),
                            lambda e, s, g: e.scatter(s, g, output, input, root), [output],
                            async_op)
 
@@ -277,7 +277,7 @@ class GlooBackend(TcpBackend):
                        async_op: bool = False) -> Work:
         if not self._on_one_host():
             return super().reduce_scatter(output, input, op, async_op=async_op)
-        return self._local("reduce_scatter", self._signature("reduce_scatter", output, op),
+        return self._local("reduce_scatter", Signature.of("reduce_scatter", output, op),
                            lambda e, s, g: e.reduce_scatter(s, g, output, input, op), [output],
                            async_op)
 
@@ -287,7 +287,7 @@ class GlooBackend(TcpBackend):
             return super().all_to_all(output, input, output_splits, input_splits,
                                       async_op=async_op)
         return self._local(
-            "all_to_all", self._signature("all_to_all", input, count=-1),
+            "all_to_all", Signature.of("all_to_all", input, count=-1),
             lambda e, s, g: e.all_to_all(s, g, output, input, output_splits, input_splits),
             [output], async_op)
 

@@ -47,7 +47,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from .. import config
-from ..arrays import dtype_code
 from ..deadline import Deadline
 from ..errors import BackendUnavailableError, DistBackendError, DistError, DistTimeoutError
 from ..gpu import nccl as nccl_types
@@ -58,7 +57,7 @@ from ..store.prefix import PrefixStore
 from ..work import Work
 from .base import Backend
 from .nccl_watch import NcclSupervision, NcclWork
-from .transport.base import NO_REDOP, OP_CODES, Signature, mismatch_message
+from .transport.base import Signature, mismatch_message
 
 __all__ = ["NcclBackend", "NcclWork"]
 
@@ -176,12 +175,6 @@ class NcclBackend(NcclSupervision, Backend):
                 "issue the same first GPU operation?") from None
 
     # -- issuing operations -------------------------------------------------------------------
-
-    def _signature(self, op: str, array: Any = None, redop: ReduceOp | None = None,
-                   root: int = -1, count: int | None = None) -> Signature:
-        return Signature(OP_CODES[op], dtype_code(array.dtype) if array is not None else 0,
-                         NO_REDOP if redop is None else int(redop), root,
-                         (array.size if array is not None else 0) if count is None else count)
 
     def _check_signature(self, seq: int, signature: Signature, description: str) -> None:
         """DETAIL mode: compare this collective's signature with every rank's, by store."""
@@ -310,10 +303,13 @@ class NcclBackend(NcclSupervision, Backend):
 
     # -- the op set -----------------------------------------------------------------------------
 
-    def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
+    def _moved(self, array: Any) -> tuple[int, int]:
+        """(NCCL type, count) that move `array` unchanged (bytes for types NCCL lacks)."""
         plan = nccl_types.movement(array.dtype)
-        dt = getattr(self._nccl, plan.dtype)
-        count = array.size * plan.factor
+        return getattr(self._nccl, plan.dtype), array.size * plan.factor
+
+    def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
+        dt, count = self._moved(array)
 
         def launch(comm: Any, stream: int) -> None:
             if count:
@@ -321,7 +317,7 @@ class NcclBackend(NcclSupervision, Backend):
 
         return self._issue_op("broadcast", self._device_id(array, "broadcast"),
                               launch, [array], [array],
-                              self._signature("broadcast", array, root=root))
+                              Signature.of("broadcast", array, root=root))
 
     def _reduction(self, op: ReduceOp, array: Any, where: str) -> tuple[Any, int, Any, str]:
         plan = nccl_types.reduction(array.dtype, op, self._version, where)
@@ -329,12 +325,16 @@ class NcclBackend(NcclSupervision, Backend):
                 plan.post)
 
     def _post(self, post: str, array: Any) -> None:
-        """Finish a reduction on the group's stream: divide (AVG) or keep the parity bit."""
-        if post == "divide":
-            array /= self.size
-        elif post == "parity":
-            bits = array.view(self._cupy.uint8)
-            self._cupy.bitwise_and(bits, 1, out=bits)
+        """Finish a reduction on the group's stream: divide (AVG), keep the parity bit, or
+        nothing ("")."""
+        if not post:
+            return
+        with self._stream:
+            if post == "divide":
+                array /= self.size
+            else:  # "parity"
+                bits = array.view(self._cupy.uint8)
+                self._cupy.bitwise_and(bits, 1, out=bits)
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
         dt, factor, nop, post = self._reduction(op, array, "all_reduce")
@@ -343,13 +343,11 @@ class NcclBackend(NcclSupervision, Backend):
         def launch(comm: Any, stream: int) -> None:
             if count:
                 comm.allReduce(array.data.ptr, array.data.ptr, count, dt, nop, stream)
-                if post:
-                    with self._stream:
-                        self._post(post, array)
+                self._post(post, array)
 
         return self._issue_op("all_reduce", self._device_id(array, "all_reduce"),
                               launch, [array], [array],
-                              self._signature("all_reduce", array, op))
+                              Signature.of("all_reduce", array, op))
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
         dt, factor, nop, post = self._reduction(op, array, "reduce")
@@ -358,24 +356,21 @@ class NcclBackend(NcclSupervision, Backend):
         def launch(comm: Any, stream: int) -> None:
             if count:
                 comm.reduce(array.data.ptr, array.data.ptr, count, dt, nop, root, stream)
-                if post and self.rank == root:
-                    with self._stream:
-                        self._post(post, array)
+                if self.rank == root:
+                    self._post(post, array)
 
         return self._issue_op("reduce", self._device_id(array, "reduce"), launch, [array], [array],
-                              self._signature("reduce", array, op, root))
+                              Signature.of("reduce", array, op, root))
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
-        plan = nccl_types.movement(input.dtype)
-        dt = getattr(self._nccl, plan.dtype)
-        count = input.size * plan.factor
+        dt, count = self._moved(input)
 
         def launch(comm: Any, stream: int) -> None:
             if count:
                 comm.allGather(input.data.ptr, output.data.ptr, count, dt, stream)
 
         return self._issue_op("all_gather", self._device_id(input, "all_gather"), launch, [output],
-                              [output, input], self._signature("all_gather", input))
+                              [output, input], Signature.of("all_gather", input))
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
                        async_op: bool = False) -> Work:
@@ -385,13 +380,11 @@ class NcclBackend(NcclSupervision, Backend):
         def launch(comm: Any, stream: int) -> None:
             if count:
                 comm.reduceScatter(input.data.ptr, output.data.ptr, count, dt, nop, stream)
-                if post:
-                    with self._stream:
-                        self._post(post, output)
+                self._post(post, output)
 
         return self._issue_op("reduce_scatter", self._device_id(output, "reduce_scatter"),
                               launch, [output],
-                              [output, input], self._signature("reduce_scatter", output, op))
+                              [output, input], Signature.of("reduce_scatter", output, op))
 
     def _copy(self, dst: Any, src: Any) -> None:
         """Copy `src` into `dst` (same size) on the group's stream."""
@@ -408,14 +401,12 @@ class NcclBackend(NcclSupervision, Backend):
         try:
             for peer, array in sends:
                 if array.size:
-                    plan = nccl_types.movement(array.dtype)
-                    comm.send(array.data.ptr, array.size * plan.factor,
-                              getattr(nccl, plan.dtype), peer, stream)
+                    dt, count = self._moved(array)
+                    comm.send(array.data.ptr, count, dt, peer, stream)
             for peer, array in recvs:
                 if array.size:
-                    plan = nccl_types.movement(array.dtype)
-                    comm.recv(array.data.ptr, array.size * plan.factor,
-                              getattr(nccl, plan.dtype), peer, stream)
+                    dt, count = self._moved(array)
+                    comm.recv(array.data.ptr, count, dt, peer, stream)
         finally:
             nccl.groupEnd()
 
@@ -433,7 +424,7 @@ class NcclBackend(NcclSupervision, Backend):
 
         outputs = [output] if output is not None else []
         return self._issue_op("gather", self._device_id(input, "gather"), launch, outputs,
-                              [*outputs, input], self._signature("gather", input, root=root))
+                              [*outputs, input], Signature.of("gather", input, root=root))
 
     def scatter(self, output: Any, input: Any | None, root: int, *,
                 async_op: bool = False) -> Work:
@@ -449,7 +440,7 @@ class NcclBackend(NcclSupervision, Backend):
 
         keep = [output] if input is None else [output, input]
         return self._issue_op("scatter", self._device_id(output, "scatter"), launch, [output], keep,
-                              self._signature("scatter", output, root=root))
+                              Signature.of("scatter", output, root=root))
 
     def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
                    input_splits: Sequence[int], *, async_op: bool = False) -> Work:
@@ -475,11 +466,10 @@ class NcclBackend(NcclSupervision, Backend):
 
         return self._issue_op("all_to_all", self._device_id(input, "all_to_all"), launch, [output],
                               [output, input],
-                              self._signature("all_to_all", input, count=-1))
+                              Signature.of("all_to_all", input, count=-1))
 
     def send(self, array: Any, dst: int, tag: int) -> Work:
-        plan = nccl_types.movement(array.dtype)
-        dt, count = getattr(self._nccl, plan.dtype), array.size * plan.factor
+        dt, count = self._moved(array)
 
         def launch(comm: Any, stream: int) -> None:
             if count:
@@ -491,8 +481,7 @@ class NcclBackend(NcclSupervision, Backend):
         if src is None:
             raise ValueError(
                 "recv: NCCL cannot receive from any source; pass src (the sending rank)")
-        plan = nccl_types.movement(array.dtype)
-        dt, count = getattr(self._nccl, plan.dtype), array.size * plan.factor
+        dt, count = self._moved(array)
 
         def launch(comm: Any, stream: int) -> None:
             if count:
@@ -522,7 +511,7 @@ class NcclBackend(NcclSupervision, Backend):
             comm.allReduce(buffer.data.ptr, buffer.data.ptr, 1, dt, op, stream)
 
         return self._issue_op("barrier", self._device_id(buffer, "barrier"), launch, [], [buffer],
-                              self._signature("barrier"), host_wait=True)
+                              Signature.of("barrier"), host_wait=True)
 
     # -- teardown -----------------------------------------------------------------------------
 
@@ -530,10 +519,9 @@ class NcclBackend(NcclSupervision, Backend):
         self._fail(DistBackendError(reason))
 
     def shutdown(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
         pending = self._stop_supervision()
+        if pending is None:  # shut down already
+            return
         # ncclCommDestroy would wait for stuck operations: abort those instead
         self._release(abort=bool(pending) or self._failure is not None)
         self._comm = None

@@ -36,6 +36,7 @@ _POLL_MOST = 0.001
 #: pending work older than this makes the watchdog look for other ranks' abort notices
 _NOTICE_AFTER = 1.0
 _ABORT_KEY = "abort"
+_UNBOUNDED = Deadline(None)  # the watchdog's naps have no end of their own
 
 
 class NcclWork(Work):
@@ -105,8 +106,7 @@ class NcclWork(Work):
             backend._raise_if_failed(self.description)
             if deadline.expired():
                 raise backend._timed_out(self, deadline.seconds or 0.0)
-            time.sleep(deadline.slice(delay))
-            delay = min(delay * 2, _POLL_MOST)
+            delay = deadline.nap(delay, _POLL_MOST)
         self._future.value()
         return True
 
@@ -135,8 +135,7 @@ class NcclSupervision:
         self._watchdog: threading.Thread | None = None
         self._launching: tuple[str, float] | None = None  # an NCCL call in progress, since
         self._failed_works: list[NcclWork] = []  # their arrays live until shutdown
-        self._release_lock = threading.Lock()
-        self._released = False
+        self._released = False  # the communicator was aborted or destroyed
 
     def _start_watchdog(self) -> None:
         self._watchdog = threading.Thread(target=self._watch, daemon=True,
@@ -154,9 +153,8 @@ class NcclSupervision:
     def _launching_as(self, description: str) -> Iterator[None]:
         """Mark an NCCL call in progress: one that blocks the host (NCCL connects to peers
         lazily, inside the first operations) is then bounded by the watchdog too."""
-        with self._cond:
+        with self._cond:  # no wake-up: the watchdog looks within a second anyway
             self._launching = (description, time.monotonic())
-            self._cond.notify_all()
         try:
             yield
         finally:
@@ -186,11 +184,9 @@ class NcclSupervision:
                 return
             self._failure = error
             pending, self._pending = self._pending, []
-            comm = self._comm
             self._cond.notify_all()
         log.error("%s: aborting the NCCL communicator: %s", self.describe("abort"), error)
-        if comm is not None:
-            self._release(abort=True)
+        self._release(abort=True)
         # kernels queued behind the aborted ones may still run: keep their arrays until
         # the group is destroyed
         self._failed_works = pending
@@ -234,22 +230,18 @@ class NcclSupervision:
             with self._cond:
                 self._pending = [w for w in self._pending if id(w) not in done]
                 oldest = self._pending[0] if self._pending else None
-            if oldest is None:
-                time.sleep(delay)
-                delay = min(delay * 2, _WATCH_MOST)
-                continue
-            waited = time.monotonic() - oldest._issued
-            if waited > self.timeout:
-                self._timed_out(oldest, self.timeout)
-                return
-            if self._async_error():
-                return
-            if waited > _NOTICE_AFTER and time.monotonic() - last_notice > _NOTICE_AFTER:
-                last_notice = time.monotonic()
-                if self._abort_notice():
+            if oldest is not None:
+                waited = time.monotonic() - oldest._issued
+                if waited > self.timeout:
+                    self._timed_out(oldest, self.timeout)
                     return
-            time.sleep(delay)
-            delay = min(delay * 2, _WATCH_MOST)
+                if self._async_error():
+                    return
+                if waited > _NOTICE_AFTER and time.monotonic() - last_notice > _NOTICE_AFTER:
+                    last_notice = time.monotonic()
+                    if self._abort_notice():
+                        return
+            delay = _UNBOUNDED.nap(delay, _WATCH_MOST)
 
     def _async_error(self) -> bool:
         try:
@@ -275,7 +267,7 @@ class NcclSupervision:
 
     def _release(self, abort: bool) -> None:
         """Abort or destroy the communicator, once, whichever thread asks first."""
-        with self._release_lock:
+        with self._cond:
             if self._released or self._comm is None:
                 return
             self._released = True
@@ -288,10 +280,12 @@ class NcclSupervision:
             log.warning("%s: %s of the NCCL communicator failed: %s",
                         self.describe("shutdown"), "abort" if abort else "destroy", exc)
 
-    def _stop_supervision(self) -> list[NcclWork]:
+    def _stop_supervision(self) -> list[NcclWork] | None:
         """Stop the watchdog; the operations still pending after up to 10 s (at most the
-        group timeout) of waiting for them."""
+        group timeout) of waiting for them, or None if it was stopped already."""
         with self._cond:
+            if self._closed:
+                return None
             self._closed = True
             pending = list(self._pending)
             self._cond.notify_all()

@@ -6,8 +6,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-import numpy as np
-
 from ..arrays import dtype_code
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistError, DistTimeoutError
@@ -130,60 +128,53 @@ class TcpBackend(Backend):
             return failure.error()
         return on_timeout
 
-    @staticmethod
-    def _signature(op: str, array: np.ndarray, redop: ReduceOp | None = None,
-                   root: int = -1, count: int | None = None) -> Signature:
-        return Signature(OP_CODES[op], dtype_code(array.dtype),
-                         NO_REDOP if redop is None else int(redop), root,
-                         array.size if count is None else count)
-
     # -- the op set ------------------------------------------------------------------------
 
     def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
         return self._collective(
-            "broadcast", self._signature("broadcast", array, root=root),
+            "broadcast", Signature.of("broadcast", array, root=root),
             lambda ex: algo.broadcast(ex, array, root, self.tuning), [array], async_op)
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
         return self._collective(
-            "all_reduce", self._signature("all_reduce", array, op),
+            "all_reduce", Signature.of("all_reduce", array, op),
             lambda ex: algo.all_reduce(ex, array, op, self.tuning), [array], async_op)
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
         return self._collective(
-            "reduce", self._signature("reduce", array, op, root),
+            "reduce", Signature.of("reduce", array, op, root),
             lambda ex: algo.reduce(ex, array, root, op, self.tuning), [array], async_op)
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         return self._collective(
-            "all_gather", self._signature("all_gather", input),
+            "all_gather", Signature.of("all_gather", input),
             lambda ex: algo.all_gather(ex, output, input, self.tuning), [output], async_op)
 
     def gather(self, output: Any | None, input: Any, root: int, *,
                async_op: bool = False) -> Work:
         return self._collective(
-            "gather", self._signature("gather", input, root=root),
+            "gather", Signature.of("gather", input, root=root),
             lambda ex: algo.gather(ex, output, input, root, self.tuning),
             [output] if output is not None else [], async_op)
 
     def scatter(self, output: Any, input: Any | None, root: int, *,
                 async_op: bool = False) -> Work:
         return self._collective(
-            "scatter", self._signature("scatter", output, root=root),
+            "scatter", Signature.of("scatter", output, root=root),
             lambda ex: algo.scatter(ex, output, input, root, self.tuning), [output],
             async_op)
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
                        async_op: bool = False) -> Work:
         return self._collective(
-            "reduce_scatter", self._signature("reduce_scatter", output, op),
+            "reduce_scatter", Signature.of("reduce_scatter", output, op),
             lambda ex: algo.reduce_scatter(ex, output, input, op, self.tuning), [output],
             async_op)
 
     def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
                    input_splits: Sequence[int], *, async_op: bool = False) -> Work:
         return self._collective(
-            "all_to_all", self._signature("all_to_all", input, count=-1),
+            "all_to_all", Signature.of("all_to_all", input, count=-1),
             lambda ex: algo.all_to_all(ex, output, input, output_splits, input_splits,
                                        self.tuning),
             [output], async_op)

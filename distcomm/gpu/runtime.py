@@ -172,18 +172,20 @@ def device_of(array: Any) -> int:
     return int(array.device.id)
 
 
+def _device(device: Any, where: str) -> Any:
+    """`device` (default: `current_device()`) as a `cupy.cuda.Device`."""
+    cupy = import_cupy(where)
+    index = current_device() if device is None else _index(
+        device, cupy.cuda.runtime.getDeviceCount(), where)
+    return cupy.cuda.Device(index)
+
+
 def current_stream(device: Any = None) -> Any:
     """The calling thread's current CuPy stream on `device` (default: `current_device()`)."""
-    cupy = import_cupy("current_stream")
-    index = current_device() if device is None else _index(
-        device, cupy.cuda.runtime.getDeviceCount(), "current_stream")
-    with cupy.cuda.Device(index):
-        return cupy.cuda.get_current_stream()
+    with _device(device, "current_stream"):
+        return sys.modules["cupy"].cuda.get_current_stream()
 
 
 def synchronize(device: Any = None) -> None:
     """Wait for all work queued on `device` (default: `current_device()`) to finish."""
-    cupy = import_cupy("synchronize")
-    index = current_device() if device is None else _index(
-        device, cupy.cuda.runtime.getDeviceCount(), "synchronize")
-    cupy.cuda.Device(index).synchronize()
+    _device(device, "synchronize").synchronize()

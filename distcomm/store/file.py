@@ -24,7 +24,6 @@ import fcntl
 import os
 import struct
 import threading
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -101,8 +100,7 @@ class FileLock:
                     f"could not lock FileStore file {self.path!r} within {deadline.seconds:.1f} s: "
                     "another process holds the lock (is one stopped or hung?)"
                 )
-            time.sleep(deadline.slice(delay))
-            delay = min(delay * 2, _LOCK_POLL_MOST)
+            delay = deadline.nap(delay, _LOCK_POLL_MOST)
 
     def release(self) -> None:
         """Drop the lock."""
@@ -273,8 +271,7 @@ class FileStore(Store):
                     return [self._data[key] for key in keys]
             if deadline.expired():
                 raise timeout_error(missing, timeout, f"the FileStore {self.path!r}")
-            time.sleep(deadline.slice(delay))
-            delay = min(delay * 2, _KEY_POLL_MOST)
+            delay = deadline.nap(delay, _KEY_POLL_MOST)
 
     # -- the Store methods ----------------------------------------------------------------
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...arrays import dtype_from_code
+from ...arrays import dtype_code, dtype_from_code
 from ...deadline import Deadline
 from ...errors import DistError
 from ...ops import ReduceOp
@@ -89,6 +89,14 @@ class Signature:
     redop: int = NO_REDOP
     root: int = -1
     count: int = 0
+
+    @classmethod
+    def of(cls, op: str, array: Any = None, redop: ReduceOp | None = None, root: int = -1,
+           count: int | None = None) -> Signature:
+        """The signature of collective `op` on `array` (count: its size unless given)."""
+        return cls(OP_CODES[op], dtype_code(array.dtype) if array is not None else 0,
+                   NO_REDOP if redop is None else int(redop), root,
+                   (array.size if array is not None else 0) if count is None else count)
 
     def describe(self) -> str:
         name = OP_NAMES[self.op]

@@ -478,8 +478,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                          "store this node hosts", self._where(), deadline.remaining() or 0.0,
                          others)
                 told = True
-            time.sleep(deadline.slice(delay))
-            delay = min(delay * 2, _POLL_MOST)
+            delay = deadline.nap(delay, _POLL_MOST)
 
     def __repr__(self) -> str:
         return (f"DynamicRendezvousHandler(run_id={self._run_id!r}, backend={self._backend!r}, "
