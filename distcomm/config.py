@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_STORE_TIMEOUT", "DEFAULT_TIMEOUT", "Config", "configure_logging", "load"]
+__all__ = [
+    "DEFAULT_STORE_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "Config",
+    "configure_logging",
+    "load",
+    "parse_size",
+]
 
 #: Default timeout of a process group's blocking operations, in seconds (torch: 30 minutes).
 DEFAULT_TIMEOUT = 1800.0
@@ -14,6 +22,15 @@ DEFAULT_TIMEOUT = 1800.0
 DEFAULT_STORE_TIMEOUT = 300.0
 
 _DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
+_SIZE = re.compile(r"(\d+)\s*([KMG]?)", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int | None:
+    """A number of bytes written as an integer with an optional K, M or G suffix (powers of
+    1024: `256K`, `8M`); None when `text` is not one."""
+    match = _SIZE.fullmatch(text.strip())
+    return int(match[1]) * _UNITS[match[2].upper()] if match else None
 
 
 @dataclass(frozen=True)
@@ -37,6 +54,11 @@ class Config:
         nccl_blocking_wait: DISTCOMM_NCCL_BLOCKING_WAIT (default off): `Work.wait()` of an
             nccl operation blocks the host until it finished (bounded by the group
             timeout) instead of only ordering the caller's CUDA stream after it.
+        store_max_key_bytes: DISTCOMM_STORE_MAX_KEY_BYTES (default 8K): the longest key a
+            TCPStore server hosted by this process accepts.
+        store_max_value_bytes: DISTCOMM_STORE_MAX_VALUE_BYTES (default 8M): the largest
+            value (and, with 1 MiB more, request) a TCPStore server hosted by this process
+            accepts.
     """
 
     auth_key: bytes | None = None
@@ -47,6 +69,8 @@ class Config:
     store_prefix: str = ""
     mpi_abort_on_exception: bool = True
     nccl_blocking_wait: bool = False
+    store_max_key_bytes: int = 8 << 10
+    store_max_value_bytes: int = 8 << 20
 
 
 def _flag(name: str, value: str) -> bool:
@@ -56,6 +80,19 @@ def _flag(name: str, value: str) -> bool:
     if lowered in ("", "0", "false", "no", "off"):
         return False
     raise ValueError(f"{name}={value!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
+
+
+def _bytes(env: dict[str, str] | os._Environ, name: str, default: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    size = parse_size(text)
+    if size is None or not 1 <= size <= 0xFFFFFFFF - (1 << 21):
+        raise ValueError(
+            f"{name}={text!r} is not a size from 1 byte to 4G - 2M: write a number of bytes "
+            "with an optional K, M or G suffix, e.g. 64M"
+        )
+    return size
 
 
 def load(environ: dict[str, str] | None = None) -> Config:
@@ -94,6 +131,8 @@ def load(environ: dict[str, str] | None = None) -> Config:
         nccl_blocking_wait=_flag(
             "DISTCOMM_NCCL_BLOCKING_WAIT", env.get("DISTCOMM_NCCL_BLOCKING_WAIT", "")
         ),
+        store_max_key_bytes=_bytes(env, "DISTCOMM_STORE_MAX_KEY_BYTES", 8 << 10),
+        store_max_value_bytes=_bytes(env, "DISTCOMM_STORE_MAX_VALUE_BYTES", 8 << 20),
     )
 
 

@@ -19,7 +19,6 @@ either one adjusted through DISTCOMM_TUNING (`Tuning.from_env`).
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -27,6 +26,7 @@ from functools import partial
 
 import numpy as np
 
+from ..config import parse_size
 from ..ops import ReduceOp, reduce_into
 from .transport.exchange import Exchange
 
@@ -48,8 +48,6 @@ ENV_VAR = "DISTCOMM_TUNING"
 #: A threshold no array reaches: the algorithm it enables is never chosen.
 NEVER = sys.maxsize
 
-_SIZE = re.compile(r"(\d+)([KMG]?)", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 @dataclass(frozen=True)
@@ -159,11 +157,11 @@ class Tuning:
             if name not in names:
                 raise ValueError(f"{ENV_VAR}: {entry!r}: {name!r} is not a field of the "
                                  f"tuning; {valid}")
-            match = _SIZE.fullmatch(value)
+            size = parse_size(value)
             if value.lower() == "never":
                 changes[name] = NEVER
-            elif match:
-                changes[name] = int(match[1]) * _UNITS[match[2].upper()]
+            elif size is not None:
+                changes[name] = size
             else:
                 raise ValueError(f"{ENV_VAR}: {entry!r}: {value!r} is not a size in bytes "
                                  "(an integer with an optional K, M or G suffix, e.g. 256K, "
