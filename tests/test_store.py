@@ -7,6 +7,7 @@ Every socket is on 127.0.0.1. Multi-process tests run their ranks through the ha
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import multiprocessing
 import os
@@ -847,7 +848,7 @@ def test_file_store_survives_a_torn_record(tmp_path):
 
 @pytest.mark.parametrize("use_ofd", [True, False], ids=["ofd", "flock"])
 def test_file_lock_separates_two_files_of_one_process(tmp_path, use_ofd):
-    if use_ofd and not hasattr(file_module.fcntl, "F_OFD_SETLK"):
+    if use_ofd and not hasattr(fcntl, "F_OFD_SETLK"):
         pytest.skip("no open-file-description locks on this platform")
     path = str(tmp_path / "lockfile")
     fds = [os.open(path, os.O_RDWR | os.O_CREAT) for _ in range(2)]
