@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
+import warnings
 
 import psutil
 
@@ -14,6 +16,7 @@ __all__ = [
     "connect",
     "format_address",
     "interface_address",
+    "is_loopback",
     "listen",
     "recv_exact",
     "set_keepalive",
@@ -38,8 +41,30 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET if socket.AF_INET in families else families[0]
 
 
-def listen(host: str, port: int = 0, backlog: int = 1024) -> socket.socket:
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback address (127.0.0.0/8, ::1).
+
+    "0.0.0.0" and "::" (every interface) are not; neither is a name that does not resolve.
+    """
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    addresses = {info[4][0].split("%")[0] for info in infos}
+    try:
+        return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+    except ValueError:
+        return False
+
+
+def listen(host: str, port: int = 0, backlog: int = 1024, *, authenticated: bool = True,
+           what: str = "distcomm") -> socket.socket:
     """A listening TCP socket bound to `host:port` (port 0 picks a free port).
+
+    Args:
+        authenticated: whether connections must prove DISTCOMM_AUTH_KEY; when not, binding
+            an address other than loopback warns (once per address and process).
+        what: who listens, for that warning ("the TCPStore", "the tcp backend").
 
     Raises:
         DistNetworkError: the address cannot be bound (in use, not local, unresolvable).
@@ -59,6 +84,14 @@ def listen(host: str, port: int = 0, backlog: int = 1024) -> socket.socket:
         raise DistNetworkError(
             f"cannot listen on {format_address(host, port)}: {exc.strerror} ({hint})"
         ) from exc
+    if not authenticated and not is_loopback(host):
+        warnings.warn(  # the default filter shows each distinct message once per process
+            f"{what} listens on {host}, which other hosts can reach, and DISTCOMM_AUTH_KEY is "
+            "not set: anyone who can reach the port can read and change the job's state. "
+            "Set the same DISTCOMM_AUTH_KEY on every process of the job",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return sock
 
 

@@ -122,7 +122,8 @@ class TcpTransport(Transport):
 
     def _connect_mesh(self, store: Store, generation: int, deadline: Deadline) -> None:
         host = local_address(store)
-        listener = net.listen(host, 0, backlog=max(16, self.size))
+        listener = net.listen(host, 0, backlog=max(16, self.size),
+                              authenticated=self._key is not None, what="the tcp transport")
         port = listener.getsockname()[1]
         store.set(f"tcp/{generation}/{self.rank}", f"{net.format_address(host, port)}")
         accepted: dict[int, socket.socket] = {}
