@@ -6,7 +6,12 @@ import math
 import time
 from datetime import timedelta
 
-__all__ = ["Deadline", "to_seconds"]
+__all__ = ["FOREVER", "Deadline", "to_seconds"]
+
+#: Seconds (about three years) beyond which a timeout is taken as none: sockets, locks and
+#: event loops refuse timeouts beyond a few hundred years or even 25 days, and no job waits
+#: this long on purpose.
+FOREVER = 1e8
 
 
 def to_seconds(timeout: float | timedelta | None, *, name: str = "timeout") -> float | None:
@@ -36,14 +41,16 @@ class Deadline:
     """A point in time by which a blocking operation must finish.
 
     Args:
-        seconds: time allowed from now; None means no limit.
+        seconds: time allowed from now; None, or more than `FOREVER`, means no limit (the
+            value is kept in `seconds` for messages).
     """
 
     __slots__ = ("_end", "seconds")
 
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
-        self._end = math.inf if seconds is None else time.monotonic() + seconds
+        self._end = (math.inf if seconds is None or seconds > FOREVER
+                     else time.monotonic() + seconds)
 
     @classmethod
     def of(cls, timeout: float | timedelta | None) -> Deadline:

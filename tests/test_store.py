@@ -30,7 +30,8 @@ from distcomm.errors import (
 )
 from distcomm.store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
 from distcomm.store import file as file_module
-from distcomm.store.tcp_server import HEADER, Cmd, Status, StoreServer, decode_args, encode_frame
+from distcomm.store.tcp_protocol import HEADER, Cmd, Status, decode_args, encode_frame
+from distcomm.store.tcp_server import StoreServer
 from tests.etcd_server import etcd_endpoint  # noqa: F401 - fixture of the etcd kind
 from tests.harness import run_ranks
 
@@ -122,6 +123,15 @@ def _tcp_state(port: int) -> tuple[list, list]:
     return conns, threads
 
 
+def _settle(store: Store) -> None:
+    """Make `store`'s earlier writes visible to other clients before they read.
+
+    TCPStore's set, append and multi_set return once sent, as torch's do; an answered
+    request on the same connection comes after them, so once it returns they have landed.
+    """
+    store.check([])
+
+
 def _in_thread(fn, *args):
     """Start `fn(*args)` in a thread; returns (thread, box) where box gets 'value'/'error'."""
     box: dict = {}
@@ -187,6 +197,7 @@ def test_add_counts_and_stores_decimal(store_pair):
     assert writer.add("counter", 0) == 3
     assert reader.get("counter") == b"3"
     writer.set("preset", "40")
+    _settle(writer)
     assert reader.add("preset", 2) == 42
     assert writer.add("big", 2**70) == 2**70
 
@@ -223,6 +234,7 @@ def test_wait_and_check(store_pair):
     assert reader.check([])
     assert not reader.check(["x"])
     writer.set("x", "1")
+    _settle(writer)
     assert reader.check(["x"])
     assert not reader.check(["x", "y"])
     reader.wait(["x"])
@@ -272,8 +284,11 @@ def test_num_keys(store):
 def test_append(store_pair):
     writer, reader = store_pair
     writer.append("log", "a")
+    _settle(writer)
     reader.append("log", b"b")
+    _settle(reader)
     writer.append("log", "c")
+    _settle(writer)
     assert reader.get("log") == b"abc"
 
 
@@ -317,10 +332,11 @@ def test_large_values(store_pair):
     if isinstance(writer, EtcdStore):
         pytest.skip("etcd takes requests up to about 1.5 MiB (its --max-request-bytes); "
                     "test_etcd_store checks that larger values are refused clearly")
-    big = os.urandom(1 << 20) * 24  # 24 MiB
+    big = os.urandom(1 << 20) * 6  # 6 MiB: under the TCPStore limit of 8 MiB per value
     writer.set("big", big)
     assert reader.get("big") == big
     writer.append("big", b"tail")
+    _settle(writer)
     assert reader.multi_get(["big"])[0][-4:] == b"tail"
 
 
@@ -519,12 +535,15 @@ def test_tcp_bad_requests_get_errors_and_the_connection_stays_usable(master):
         sock.sendall(HEADER.pack(0, 250))  # unknown command
         assert _read_response(sock)[0] == Status.ERROR
         sock.sendall(b"".join(encode_frame(Cmd.SET, [b"only-a-key"])))
-        status, args = _read_response(sock)
-        assert status == Status.ERROR and b"malformed SET" in args[0]
+        status, args = _read_response(sock)  # SET is answered only when refused
+        assert status == Status.LATE_ERROR and b"malformed SET" in args[0]
         sock.sendall(HEADER.pack(3, Cmd.SET) + b"\x09\x00\x00")  # truncated argument length
+        assert _read_response(sock)[0] == Status.LATE_ERROR
+        sock.sendall(HEADER.pack(3, Cmd.ADD) + b"\x09\x00\x00")
         assert _read_response(sock)[0] == Status.ERROR
         sock.sendall(b"".join(encode_frame(Cmd.SET, [b"raw", b"ok"])))
-        assert _read_response(sock) == (Status.OK, [])
+        sock.sendall(b"".join(encode_frame(Cmd.CHECK, [b"raw"])))
+        assert _read_response(sock) == (Status.OK, [b"\x01"])
     assert master.get("raw") == b"ok"
 
 
@@ -544,7 +563,7 @@ def _read_response(sock: socket.socket) -> tuple[int, list[bytes]]:
 
 
 def _silent_server(listener: socket.socket, log: list) -> None:
-    """A fake store that answers REGISTER on its first connection, then nothing more."""
+    """A fake store that answers everything but its first ADD (and quiet SETs, as the real one)."""
     first = True
     while True:
         try:
@@ -559,10 +578,10 @@ def _silent_server(listener: socket.socket, log: list) -> None:
             size, code = HEADER.unpack(header)
             _recv_exact(sock, size)
             log.append(code)
-            if code != Cmd.SET or not first:
-                sock.sendall(b"".join(encode_frame(Status.OK, [])))
-            else:
+            if code == Cmd.ADD and first:
                 first = False
+            elif code not in (Cmd.SET, Cmd.APPEND, Cmd.MULTI_SET):
+                sock.sendall(b"".join(encode_frame(Status.OK, [b"1"])))
         sock.close()
 
 
@@ -574,9 +593,9 @@ def test_tcp_client_safety_net_resets_a_stuck_connection():
     client = TCPStore(HOST, listener.getsockname()[1], timeout=0.3)
     try:
         with pytest.raises(DistStoreTimeoutError, match="did not answer"):
-            client.set("stuck", "1")
-        client.set("fine", "2")  # on a new connection, not registered twice
-        assert log == [Cmd.REGISTER, Cmd.SET, Cmd.SET]
+            client.add("stuck", 1)
+        assert client.add("fine", 1) == 1  # on a new connection, not registered twice
+        assert log == [Cmd.REGISTER, Cmd.ADD, Cmd.ADD]
     finally:
         client.close()
         listener.close()
@@ -709,7 +728,8 @@ def test_auth_the_raw_request_used_below_works_without_a_key(master):
     with socket.create_connection((HOST, master.port), timeout=5) as sock:
         _recv_exact(sock, auth.HELLO_SIZE)
         sock.sendall(b"".join(encode_frame(Cmd.SET, [b"pwned", b"x" * 100])))
-        assert _read_response(sock) == (Status.OK, [])
+        sock.sendall(b"".join(encode_frame(Cmd.CHECK, [b"pwned"])))
+        assert _read_response(sock) == (Status.OK, [b"\x01"])
     assert master.check(["pwned"])
 
 

@@ -42,6 +42,7 @@ import psutil
 from ..errors import DistError
 from ..parallel import physical_cores
 from ..store import Store, TCPStore
+from ..store.base import publish
 from .errors import ChildFailedError, ProcessFailure
 from .rendezvous import (
     RendezvousClosedError,
@@ -231,7 +232,7 @@ class ElasticAgent:
             if result is RunResult.SUCCEEDED:
                 self._exit_barrier(info)
                 self._stop_workers()
-                info.run_store.set("outcome", "succeeded")
+                publish(info.run_store, "outcome", "succeeded")  # read by check() once closed
                 self._close_rendezvous()
                 self._depart(info)
                 return 0
@@ -249,7 +250,7 @@ class ElasticAgent:
             count = self._count_restart(info)
             error = ChildFailedError(c.name, failures)
             if count > c.max_restarts:
-                info.run_store.set("outcome", "failed")
+                publish(info.run_store, "outcome", "failed")  # read by check() once closed
                 self._close_rendezvous()
                 print(error.format_msg(), file=sys.stderr, flush=True)
                 self._depart(info)

@@ -9,7 +9,7 @@ from datetime import timedelta
 from ..config import DEFAULT_STORE_TIMEOUT
 from ..deadline import to_seconds
 
-__all__ = ["Store", "check_key", "to_bytes"]
+__all__ = ["Store", "check_key", "publish", "to_bytes"]
 
 
 def to_bytes(value: str | bytes | bytearray | memoryview, name: str = "value") -> bytes:
@@ -124,3 +124,16 @@ class Store(ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def publish(store: Store, key: str, value: str | bytes) -> None:
+    """Set `key` and return once every client of `store` can read it.
+
+    TCPStore's `set` returns once the request is sent, as torch's does: a `get` or
+    `wait` anywhere sees the value when it lands, but a client that looks without waiting
+    (`check`, `add`, `compare_set`, a `get` of a key that held an older value) right after
+    `set` returned may be served first. An answered request on the same connection is
+    served after the set, so once it returns the value is there for everyone.
+    """
+    store.set(key, value)
+    store.check([key])

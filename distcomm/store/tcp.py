@@ -6,33 +6,41 @@ clients); every TCPStore object, the master's included, is a client of it with o
 connection, used by one request at a time. Every connection proves DISTCOMM_AUTH_KEY
 (when set) before any request is served.
 
-A waiting request (get, wait, multi_get) is answered by the server itself at its
-deadline, so the connection stays in step; the client's socket timeout is a little
-longer, and if that safety net ever fires the connection is dropped and reopened on the
-next request. If the server goes away, requests raise `DistNetworkError` at once.
+`set`, `append` and `multi_set` return once the request is sent, as torch's do: the
+server answers them only to refuse them (which a client that checked the server's limits
+never sees), and such a refusal is raised by the next request of this object. A waiting
+request (get, wait, multi_get) is answered by the server itself at its deadline, however
+far (infinite included), so the connection stays in step; the client's kernel timeouts
+are a little longer, and if that safety net ever fires the connection is dropped and
+reopened on the next request. If the server goes away, requests raise
+`DistNetworkError` at once.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
 from .. import auth, config
 from ..config import DEFAULT_STORE_TIMEOUT
-from ..deadline import Deadline, to_seconds
+from ..deadline import FOREVER, Deadline, to_seconds
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from ..net import connect, format_address
 from .base import Store, check_key, to_bytes
 from .hash import check_amount, check_keys, check_values, timeout_error
-from .tcp_server import HEADER, SECONDS, Cmd, Status, StoreServer, decode_args, encode_frame
+from .tcp_protocol import HEADER, SECONDS, Cmd, Limits, Status, decode_args, encode_frame
+from .tcp_server import StoreServer
 
 __all__ = ["TCPStore"]
 
 #: Extra seconds the client waits beyond a request's own timeout before giving up on it.
 SAFETY_MARGIN = 1.0
+_TIMEVAL = struct.Struct("@ll")
 
 
 class _PeerClosed(Exception):
@@ -50,9 +58,14 @@ class TCPStore(Store):
             if unknown.
         is_master: host the server in this process.
         timeout: connecting, waiting for workers and the default for `get`/`wait`
-            (seconds or timedelta; default 300 s).
+            (seconds or timedelta, of any length; default 300 s).
         wait_for_workers: with `is_master` and `world_size`, the constructor returns once
             `world_size` clients have connected.
+
+    Keys are limited to 8 KiB and values to 8 MiB by default, as in torch; the process
+    that hosts the store sets other limits with DISTCOMM_STORE_MAX_KEY_BYTES and
+    DISTCOMM_STORE_MAX_VALUE_BYTES, and clients learn them when they connect. A request
+    over a limit raises `ValueError` before anything is sent.
 
     Raises:
         DistNetworkError: the master cannot bind, or a client cannot reach or authenticate
@@ -90,6 +103,9 @@ class TCPStore(Store):
         self._auth_key = config.load().auth_key
         self._lock = threading.Lock()
         self._registered = False
+        self._limits = Limits()
+        self._sock_timeout: float | None = -1.0  # the kernel timeouts set on the socket
+        self._pushback = b""  # bytes read past the last answer
         self._broken: str | None = None
         self._local_address = ""
         try:
@@ -124,6 +140,11 @@ class TCPStore(Store):
         return self._local_address
 
     @property
+    def limits(self) -> Limits:
+        """What one request may carry, as the server said when this client connected."""
+        return self._limits
+
+    @property
     def _where(self) -> str:
         return f"the TCPStore at {format_address(self._host, self._port)}"
 
@@ -134,10 +155,16 @@ class TCPStore(Store):
         sock = connect(self._host, self._port, deadline, what="the TCPStore")
         try:
             auth.client_handshake(sock, self._auth_key, deadline, self._where)
+            sock.settimeout(None)  # blocking; requests bound each call with kernel timeouts
+            self._sock_timeout = -1.0
+            self._pushback = b""
             self._local_address = sock.getsockname()[0]
             self._sock = sock
             if not self._registered:
-                self._exchange(Cmd.REGISTER, [], deadline, "register")
+                left = deadline.remaining()
+                _, result = self._exchange(encode_frame(Cmd.REGISTER, []),
+                                           FOREVER if left is None else left, "register")
+                self._limits = Limits.decode(result[1:])
                 self._registered = True
         except BaseException:
             self._drop()
@@ -155,40 +182,78 @@ class TCPStore(Store):
                 pass
         sock.close()
 
-    def _recv_exact(self, sock: socket.socket, size: int, deadline: Deadline) -> bytearray:
-        buffer = bytearray(size)
-        view = memoryview(buffer)
-        got = 0
-        while got < size:
-            left = deadline.remaining()
-            if left is not None and left <= 0:
-                raise TimeoutError
-            sock.settimeout(left)
-            count = sock.recv_into(view[got:])
-            if not count:
+    def _bound(self, sock: socket.socket, seconds: float | None) -> None:
+        """Bound each send and receive on `sock` by `seconds` (None or huge: unbounded)."""
+        # 0 is the kernel's "no timeout"
+        seconds = 0.0 if seconds is None or seconds > FOREVER else max(seconds, 0.001)
+        if seconds != self._sock_timeout:
+            whole = int(seconds)
+            timeval = _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            self._sock_timeout = seconds
+
+    def _read_reply(self, sock: socket.socket, end_time: float) -> tuple[int, list[bytes]]:
+        data = sock.recv(1 << 16)
+        while len(data) < HEADER.size:
+            if not data:
                 raise _PeerClosed
-            got += count
-        return buffer
+            more = sock.recv(1 << 16)
+            if not more:
+                raise _PeerClosed
+            data += more
+        size, status = HEADER.unpack_from(data)
+        end = HEADER.size + size
+        if len(data) < end:  # a large answer: receive the rest into place
+            buffer = bytearray(end)
+            buffer[: len(data)] = data
+            view = memoryview(buffer)
+            got = len(data)
+            while got < end:
+                if time.monotonic() > end_time:
+                    raise TimeoutError
+                count = sock.recv_into(view[got:])
+                if not count:
+                    raise _PeerClosed
+                got += count
+            data = buffer
+        elif len(data) > end:  # an answer refusing an earlier quiet request, then ours
+            self._pushback = data[end:]
+        return status, decode_args(data, HEADER.size, end)
 
     def _exchange(
-        self, code: Cmd, args: list[bytes], deadline: Deadline, what: str
+        self, frame: list[bytes], seconds: float, what: str, quiet: bool = False
     ) -> tuple[int, list[bytes]]:
-        """Send one request and read its response on the open connection; lock held."""
+        """Send one request and (unless `quiet`) read its answer; lock held.
+
+        An answer refusing an earlier quiet request is read first and raised as
+        DistStoreError once this request's own answer is in.
+        """
         sock = self._sock
         if sock is None:
             raise DistStoreError(f"{self._where}: no connection (closed?)")
         try:
-            for part in encode_frame(code, args):
-                sock.settimeout(deadline.remaining())
+            self._bound(sock, seconds)
+            for part in frame:
                 sock.sendall(part)
-            size, status = HEADER.unpack(self._recv_exact(sock, HEADER.size, deadline))
-            return status, decode_args(self._recv_exact(sock, size, deadline))
-        except TimeoutError:
+            if quiet:
+                return Status.OK, []
+            end_time = time.monotonic() + seconds
+            late = None
+            while True:
+                if self._pushback:
+                    status, result = self._unpush(sock, end_time)
+                else:
+                    status, result = self._read_reply(sock, end_time)
+                if status != Status.LATE_ERROR:
+                    break
+                late = result[0].decode(errors="replace") if result else "unknown error"
+        except (TimeoutError, BlockingIOError):  # a kernel timeout surfaces as EAGAIN
             self._drop()
             if self._closed:
                 raise DistStoreError(f"{self._where} was closed during {what}") from None
             raise DistStoreTimeoutError(
-                f"{self._where} did not answer {what} within {deadline.seconds:.1f} s; "
+                f"{self._where} did not answer {what} within {seconds:.1f} s; "
                 "the connection was reset and is reopened by the next request"
             ) from None
         except (_PeerClosed, OSError) as exc:
@@ -201,19 +266,53 @@ class TCPStore(Store):
                 f"{reason} (did the master process exit?)"
             )
             raise DistNetworkError(f"{self._broken}; {what} failed") from None
+        if late is not None:
+            raise DistStoreError(
+                f"{self._where} refused an earlier set, append or multi_set of this process: "
+                f"{late} (reported by {what}, which completed)"
+            )
+        return status, result
+
+    def _unpush(self, sock: socket.socket, end_time: float) -> tuple[int, list[bytes]]:
+        """Read an answer whose start came with the previous one."""
+        data, self._pushback = self._pushback, b""
+        while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
+            if time.monotonic() > end_time:
+                raise TimeoutError
+            more = sock.recv(1 << 16)
+            if not more:
+                raise _PeerClosed
+            data += more
+        end = HEADER.size + HEADER.unpack_from(data)[0]
+        self._pushback = data[end:]
+        return HEADER.unpack_from(data)[1], decode_args(data, HEADER.size, end)
 
     def _request(
-        self, code: Cmd, args: list[bytes], what: str, wait: float | None = None
+        self, code: Cmd, args: list[bytes], what: str, wait: float | None = None,
+        keys: Sequence[bytes] = (), values: Sequence[bytes] = (), quiet: bool = False,
     ) -> tuple[int, list[bytes]]:
         """One request: (status, arguments); `wait` is the server-side wait, if any.
 
+        `keys` and `values` are the request's keys and values, checked against the
+        server's limits before anything is sent. A `quiet` request (SET, APPEND,
+        MULTI_SET) returns once sent, as torch's do.
+
         Raises:
-            DistStoreError: the server reported an error, or this store is closed.
+            ValueError: the request is over the server's limits (nothing was sent).
+            DistStoreError: the server refused this request or an earlier quiet one, or
+                this store is closed.
             DistNetworkError: the connection to the master failed.
             DistStoreTimeoutError: no answer in time (the connection is then reset).
         """
+        frame = encode_frame(code, args)
+        limits = self._limits
+        body = sum(map(len, frame)) - HEADER.size
+        if (body > limits.max_value or len(keys) > 1
+                or (keys and len(keys[0]) > limits.max_key)):
+            limits.check_request(what, keys, values, body)
         budget = (self._timeout if wait is None else wait) + SAFETY_MARGIN
-        if not self._lock.acquire(timeout=budget):
+        lock = self._lock
+        if not lock.acquire(timeout=min(budget, threading.TIMEOUT_MAX)):
             raise DistStoreTimeoutError(
                 f"{what} on {self._where} waited {budget:.1f} s for another thread of this "
                 "process to finish its request on the shared connection"
@@ -225,26 +324,28 @@ class TCPStore(Store):
                 raise DistNetworkError(f"{self._broken}; {what} failed")
             if self._sock is None:
                 self._connect(Deadline(self._timeout))
-            status, result = self._exchange(code, args, Deadline(budget), what)
+            status, result = self._exchange(frame, budget, what, quiet)
         finally:
-            self._lock.release()
+            lock.release()
         if status == Status.ERROR:
             message = result[0].decode(errors="replace") if result else "unknown error"
             raise DistStoreError(f"{self._where} refused {what}: {message}")
         return status, result
 
     def _call(
-        self, code: Cmd, args: list[bytes], what: str, wait: float | None = None
+        self, code: Cmd, args: list[bytes], what: str, wait: float | None = None,
+        keys: Sequence[bytes] = (), values: Sequence[bytes] = (), quiet: bool = False,
     ) -> list[bytes]:
         """A request that must succeed: its results, or the right exception."""
-        status, result = self._request(code, args, what, wait)
+        status, result = self._request(code, args, what, wait, keys, values, quiet)
         if status == Status.TIMEOUT:
             missing = [key.decode(errors="replace") for key in result]
             raise timeout_error(missing, wait or 0.0, self._where)
         return result
 
     def _wait_for_workers(self, world_size: int, deadline: Deadline) -> None:
-        left = deadline.remaining() or 0.0
+        left = deadline.remaining()
+        left = float("inf") if left is None else left
         status, result = self._request(
             Cmd.WAIT_WORKERS,
             [SECONDS.pack(left), str(world_size).encode()],
@@ -263,7 +364,9 @@ class TCPStore(Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         """Store `value` under `key`, replacing any previous value."""
-        self._call(Cmd.SET, [check_key(key).encode(), to_bytes(value)], f"set({key!r})")
+        name, data = check_key(key).encode(), to_bytes(value)
+        self._call(Cmd.SET, [name, data], f"set({key!r})", keys=(name,), values=(data,),
+                   quiet=True)
 
     def get(self, key: str) -> bytes:
         """The value of `key`, waiting up to the store timeout for it to be set.
@@ -279,19 +382,19 @@ class TCPStore(Store):
         Raises:
             DistStoreError: the key holds something other than an integer.
         """
-        args = [check_key(key).encode(), str(check_amount(amount)).encode()]
-        return int(self._call(Cmd.ADD, args, f"add({key!r})")[0])
+        name = check_key(key).encode()
+        args = [name, str(check_amount(amount)).encode()]
+        return int(self._call(Cmd.ADD, args, f"add({key!r})", keys=(name,))[0])
 
     def compare_set(
         self, key: str, expected_value: str | bytes, desired_value: str | bytes
     ) -> bytes:
         """Atomically set `key` to `desired_value` if it holds `expected_value` (see Store)."""
-        args = [
-            check_key(key).encode(),
-            to_bytes(expected_value, "expected_value"),
-            to_bytes(desired_value, "desired_value"),
-        ]
-        return self._call(Cmd.COMPARE_SET, args, f"compare_set({key!r})")[0]
+        name = check_key(key).encode()
+        expected = to_bytes(expected_value, "expected_value")
+        desired = to_bytes(desired_value, "desired_value")
+        return self._call(Cmd.COMPARE_SET, [name, expected, desired], f"compare_set({key!r})",
+                          keys=(name,), values=(expected, desired))[0]
 
     def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
         """Block until every key in `keys` is set, up to `timeout` (default: the store's).
@@ -299,20 +402,20 @@ class TCPStore(Store):
         Raises:
             DistStoreTimeoutError: names the keys still missing.
         """
-        names = check_keys(keys)
+        names = [name.encode() for name in check_keys(keys)]
         seconds = self._timeout if timeout is None else to_seconds(timeout)
-        args = [SECONDS.pack(seconds), *(name.encode() for name in names)]
-        self._call(Cmd.WAIT, args, f"wait({names!r})", wait=seconds)
+        self._call(Cmd.WAIT, [SECONDS.pack(seconds), *names], f"wait({list(keys)!r})",
+                   wait=seconds, keys=names)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key in `keys` is set, without waiting."""
-        names = check_keys(keys)
-        return self._call(Cmd.CHECK, [n.encode() for n in names], "check")[0] == b"\x01"
+        names = [name.encode() for name in check_keys(keys)]
+        return self._call(Cmd.CHECK, names, "check", keys=names)[0] == b"\x01"
 
     def delete_key(self, key: str) -> bool:
         """Delete `key`; returns whether it existed."""
         args = [check_key(key).encode()]
-        return self._call(Cmd.DELETE_KEY, args, f"delete_key({key!r})")[0] == b"\x01"
+        return self._call(Cmd.DELETE_KEY, args, f"delete_key({key!r})", keys=args)[0] == b"\x01"
 
     def num_keys(self) -> int:
         """The number of keys in the store."""
@@ -320,7 +423,9 @@ class TCPStore(Store):
 
     def append(self, key: str, value: str | bytes) -> None:
         """Append `value` to the value of `key` (created empty)."""
-        self._call(Cmd.APPEND, [check_key(key).encode(), to_bytes(value)], f"append({key!r})")
+        name, data = check_key(key).encode(), to_bytes(value)
+        self._call(Cmd.APPEND, [name, data], f"append({key!r})", keys=(name,), values=(data,),
+                   quiet=True)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of `keys`, waiting up to the store timeout for all of them.
@@ -328,18 +433,20 @@ class TCPStore(Store):
         Raises:
             DistStoreTimeoutError: names the keys still missing.
         """
-        names = check_keys(keys)
-        args = [SECONDS.pack(self._timeout), *(name.encode() for name in names)]
-        what = f"get({names[0]!r})" if len(names) == 1 else f"multi_get({names!r})"
-        return self._call(Cmd.MULTI_GET, args, what, wait=self._timeout)
+        names = [name.encode() for name in check_keys(keys)]
+        what = f"get({keys[0]!r})" if len(names) == 1 else f"multi_get({list(keys)!r})"
+        return self._call(Cmd.MULTI_GET, [SECONDS.pack(self._timeout), *names], what,
+                          wait=self._timeout, keys=names)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set each key of `keys` to the value at the same position of `values`, atomically."""
         names = check_keys(keys)
+        datas = check_values(names, values)
+        encoded = [name.encode() for name in names]
         args = []
-        for name, value in zip(names, check_values(names, values), strict=True):
-            args += (name.encode(), value)
-        self._call(Cmd.MULTI_SET, args, "multi_set")
+        for name, data in zip(encoded, datas, strict=True):
+            args += (name, data)
+        self._call(Cmd.MULTI_SET, args, "multi_set", keys=encoded, values=datas, quiet=True)
 
     # -- teardown -------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from ...deadline import Deadline
 from ...errors import DistError, DistStoreTimeoutError
 from ...net import format_address
 from ...store import TCPStore
+from ...store.base import publish
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -187,7 +188,7 @@ class StaticRendezvous(RendezvousHandler):
         """
         store = self._connect(Deadline(self._close_timeout))
         try:
-            store.set(self._closed_key, b"1")
+            publish(store, self._closed_key, b"1")  # is_closed() anywhere sees it at once
         except DistError as exc:
             raise RendezvousConnectionError(f"{self._where()}: set_closed failed: {exc}") from exc
 
