@@ -273,6 +273,14 @@ def test_a_client_that_never_reads_is_not_served_beyond_the_watermark(master):
         sock.close()
 
 
+def test_a_large_answer_ending_in_an_empty_value_is_sent_whole(master):
+    big = os.urandom(100000)
+    master.multi_set(["big", "empty"], [big, b""])
+    assert master.multi_get(["big", "empty"]) == [big, b""]
+    assert master.multi_get(["empty", "big", "empty"]) == [b"", big, b""]
+    assert master.add("alive", 1) == 1
+
+
 def test_pipelined_requests_are_served_in_turns(master):
     server = _server(master)
     with _raw(master.port) as sock:

@@ -575,14 +575,11 @@ class StoreServer:
                 self._close(conn)
                 return
             conn.out_bytes -= sent
-            while sent:
-                head = out[0]
-                if sent >= len(head):
-                    sent -= len(head)
-                    out.popleft()
-                else:
-                    out[0] = memoryview(head)[sent:]
-                    sent = 0
+            while out and sent >= len(out[0]):  # empty pieces (an empty value) go too
+                sent -= len(out[0])
+                out.popleft()
+            if sent:
+                out[0] = memoryview(out[0])[sent:]
             if out:
                 conn.out_since = time.monotonic()  # progress: the clock starts again
         if out:
