@@ -57,7 +57,9 @@ class Values:
 
     def get(self, key, default: bytes | None = None) -> bytes | None:
         """The value of `key`, or `default` when it is missing."""
-        return self[key] if key in self._data else default
+        if self._growing and key in self._growing:
+            return self[key]
+        return self._data.get(key, default)
 
     def __setitem__(self, key, value: bytes) -> None:
         if self._growing:
@@ -96,7 +98,7 @@ class Values:
         return self._data.keys()
 
 
-def add_value(key: str, current: bytes | None, amount: int) -> bytes:
+def add_value(key: str | bytes, current: bytes | None, amount: int) -> bytes:
     """The decimal counter value `add(key, amount)` stores when `key` holds `current`.
 
     Raises:
@@ -108,6 +110,8 @@ def add_value(key: str, current: bytes | None, amount: int) -> bytes:
         number = int(current)
     except ValueError:
         shown = current[:40]
+        if isinstance(key, bytes):
+            key = key.decode(errors="replace")
         raise DistStoreError(
             f"store key {key!r} holds {shown!r}, which is not an integer: add() only works on "
             "keys created by add() or set to decimal text"

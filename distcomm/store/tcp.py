@@ -41,10 +41,16 @@ __all__ = ["TCPStore"]
 #: Extra seconds the client waits beyond a request's own timeout before giving up on it.
 SAFETY_MARGIN = 1.0
 _TIMEVAL = struct.Struct("@ll")
+_ERROR, _TIMEOUT, _LATE_ERROR = int(Status.ERROR), int(Status.TIMEOUT), int(Status.LATE_ERROR)
 
 
 class _PeerClosed(Exception):
     """The server closed the connection."""
+
+
+def _describe(what: str | tuple[str, object]) -> str:
+    """A request for messages: "num_keys", or ("get", "k") as "get('k')" (made on error only)."""
+    return what if isinstance(what, str) else f"{what[0]}({what[1]!r})"
 
 
 class TCPStore(Store):
@@ -105,6 +111,7 @@ class TCPStore(Store):
         self._registered = False
         self._limits = Limits()
         self._sock_timeout: float | None = -1.0  # the kernel timeouts set on the socket
+        self._bound_for: float | None = -1.0  # the seconds _bound was last given
         self._pushback = b""  # bytes read past the last answer
         self._broken: str | None = None
         self._local_address = ""
@@ -156,7 +163,7 @@ class TCPStore(Store):
         try:
             auth.client_handshake(sock, self._auth_key, deadline, self._where)
             sock.settimeout(None)  # blocking; requests bound each call with kernel timeouts
-            self._sock_timeout = -1.0
+            self._sock_timeout = self._bound_for = -1.0
             self._pushback = b""
             self._local_address = sock.getsockname()[0]
             self._sock = sock
@@ -184,6 +191,7 @@ class TCPStore(Store):
 
     def _bound(self, sock: socket.socket, seconds: float | None) -> None:
         """Bound each send and receive on `sock` by `seconds` (None or huge: unbounded)."""
+        given = seconds
         # 0 is the kernel's "no timeout"
         seconds = 0.0 if seconds is None or seconds > FOREVER else max(seconds, 0.001)
         if seconds != self._sock_timeout:
@@ -192,8 +200,9 @@ class TCPStore(Store):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
             self._sock_timeout = seconds
+        self._bound_for = given
 
-    def _read_reply(self, sock: socket.socket, end_time: float) -> tuple[int, list[bytes]]:
+    def _read_reply(self, sock: socket.socket, seconds: float) -> tuple[int, list[bytes]]:
         data = sock.recv(1 << 16)
         while len(data) < HEADER.size:
             if not data:
@@ -209,6 +218,7 @@ class TCPStore(Store):
             buffer[: len(data)] = data
             view = memoryview(buffer)
             got = len(data)
+            end_time = time.monotonic() + seconds
             while got < end:
                 if time.monotonic() > end_time:
                     raise TimeoutError
@@ -222,7 +232,8 @@ class TCPStore(Store):
         return status, decode_args(data, HEADER.size, end)
 
     def _exchange(
-        self, frame: list[bytes], seconds: float, what: str, quiet: bool = False
+        self, frame: list[bytes], seconds: float, what: str | tuple[str, object],
+        quiet: bool = False
     ) -> tuple[int, list[bytes]]:
         """Send one request and (unless `quiet`) read its answer; lock held.
 
@@ -233,43 +244,45 @@ class TCPStore(Store):
         if sock is None:
             raise DistStoreError(f"{self._where}: no connection (closed?)")
         try:
-            self._bound(sock, seconds)
+            if seconds != self._bound_for:
+                self._bound(sock, seconds)
             for part in frame:
                 sock.sendall(part)
             if quiet:
-                return Status.OK, []
-            end_time = time.monotonic() + seconds
+                return 0, []
             late = None
             while True:
                 if self._pushback:
-                    status, result = self._unpush(sock, end_time)
+                    status, result = self._unpush(sock, time.monotonic() + seconds)
                 else:
-                    status, result = self._read_reply(sock, end_time)
-                if status != Status.LATE_ERROR:
+                    status, result = self._read_reply(sock, seconds)
+                if status != _LATE_ERROR:
                     break
                 late = result[0].decode(errors="replace") if result else "unknown error"
         except (TimeoutError, BlockingIOError):  # a kernel timeout surfaces as EAGAIN
             self._drop()
             if self._closed:
-                raise DistStoreError(f"{self._where} was closed during {what}") from None
+                raise DistStoreError(
+                    f"{self._where} was closed during {_describe(what)}") from None
             raise DistStoreTimeoutError(
-                f"{self._where} did not answer {what} within {seconds:.1f} s; "
+                f"{self._where} did not answer {_describe(what)} within {seconds:.1f} s; "
                 "the connection was reset and is reopened by the next request"
             ) from None
         except (_PeerClosed, OSError) as exc:
             self._drop()
             if self._closed:
-                raise DistStoreError(f"{self._where} was closed during {what}") from None
+                raise DistStoreError(
+                    f"{self._where} was closed during {_describe(what)}") from None
             reason = "" if isinstance(exc, _PeerClosed) else f" ({exc})"
             self._broken = (
                 f"store at {format_address(self._host, self._port)} closed the connection"
                 f"{reason} (did the master process exit?)"
             )
-            raise DistNetworkError(f"{self._broken}; {what} failed") from None
+            raise DistNetworkError(f"{self._broken}; {_describe(what)} failed") from None
         if late is not None:
             raise DistStoreError(
                 f"{self._where} refused an earlier set, append or multi_set of this process: "
-                f"{late} (reported by {what}, which completed)"
+                f"{late} (reported by {_describe(what)}, which completed)"
             )
         return status, result
 
@@ -288,7 +301,8 @@ class TCPStore(Store):
         return HEADER.unpack_from(data)[1], decode_args(data, HEADER.size, end)
 
     def _request(
-        self, code: Cmd, args: list[bytes], what: str, wait: float | None = None,
+        self, code: int, args: list[bytes], what: str | tuple[str, object],
+        wait: float | None = None,
         keys: Sequence[bytes] = (), values: Sequence[bytes] = (), quiet: bool = False,
     ) -> tuple[int, list[bytes]]:
         """One request: (status, arguments); `wait` is the server-side wait, if any.
@@ -306,42 +320,55 @@ class TCPStore(Store):
         """
         frame = encode_frame(code, args)
         limits = self._limits
-        body = sum(map(len, frame)) - HEADER.size
+        body = (len(frame[0]) if len(frame) == 1 else sum(map(len, frame))) - HEADER.size
         if (body > limits.max_value or len(keys) > 1
                 or (keys and len(keys[0]) > limits.max_key)):
-            limits.check_request(what, keys, values, body)
+            limits.check_request(_describe(what), keys, values, body)
         budget = (self._timeout if wait is None else wait) + SAFETY_MARGIN
         lock = self._lock
-        if not lock.acquire(timeout=min(budget, threading.TIMEOUT_MAX)):
+        if not lock.acquire(False) and not lock.acquire(
+                timeout=min(budget, threading.TIMEOUT_MAX)):
             raise DistStoreTimeoutError(
-                f"{what} on {self._where} waited {budget:.1f} s for another thread of this "
-                "process to finish its request on the shared connection"
+                f"{_describe(what)} on {self._where} waited {budget:.1f} s for another thread "
+                "of this process to finish its request on the shared connection"
             )
         try:
-            if self._closed:
-                raise DistStoreError(f"{self._where} is closed; {what} is not possible")
-            if self._broken is not None:
-                raise DistNetworkError(f"{self._broken}; {what} failed")
-            if self._sock is None:
-                self._connect(Deadline(self._timeout))
+            if self._sock is None or self._closed or self._broken is not None:
+                self._reopen(what)
             status, result = self._exchange(frame, budget, what, quiet)
         finally:
             lock.release()
-        if status == Status.ERROR:
-            message = result[0].decode(errors="replace") if result else "unknown error"
-            raise DistStoreError(f"{self._where} refused {what}: {message}")
+        if status == _ERROR:
+            self._failed(status, result, what, wait)
         return status, result
 
+    def _reopen(self, what: str | tuple[str, object]) -> None:
+        """Before a request with no open connection: refuse, or connect again; lock held."""
+        if self._closed:
+            raise DistStoreError(f"{self._where} is closed; {_describe(what)} is not possible")
+        if self._broken is not None:
+            raise DistNetworkError(f"{self._broken}; {_describe(what)} failed")
+        self._connect(Deadline(self._timeout))
+
     def _call(
-        self, code: Cmd, args: list[bytes], what: str, wait: float | None = None,
+        self, code: int, args: list[bytes], what: str | tuple[str, object],
+        wait: float | None = None,
         keys: Sequence[bytes] = (), values: Sequence[bytes] = (), quiet: bool = False,
     ) -> list[bytes]:
         """A request that must succeed: its results, or the right exception."""
         status, result = self._request(code, args, what, wait, keys, values, quiet)
-        if status == Status.TIMEOUT:
+        if status:
+            self._failed(status, result, what, wait)
+        return result
+
+    def _failed(self, status: int, result: list[bytes], what: str | tuple[str, object],
+                wait: float | None) -> None:
+        """Raise for an answer that is not OK."""
+        if status == _TIMEOUT:
             missing = [key.decode(errors="replace") for key in result]
             raise timeout_error(missing, wait or 0.0, self._where)
-        return result
+        message = result[0].decode(errors="replace") if result else "unknown error"
+        raise DistStoreError(f"{self._where} refused {_describe(what)}: {message}")
 
     def _wait_for_workers(self, world_size: int, deadline: Deadline) -> None:
         left = deadline.remaining()
@@ -365,7 +392,7 @@ class TCPStore(Store):
     def set(self, key: str, value: str | bytes) -> None:
         """Store `value` under `key`, replacing any previous value."""
         name, data = check_key(key).encode(), to_bytes(value)
-        self._call(Cmd.SET, [name, data], f"set({key!r})", keys=(name,), values=(data,),
+        self._call(Cmd.SET, [name, data], ("set", key), keys=(name,), values=(data,),
                    quiet=True)
 
     def get(self, key: str) -> bytes:
@@ -384,7 +411,7 @@ class TCPStore(Store):
         """
         name = check_key(key).encode()
         args = [name, str(check_amount(amount)).encode()]
-        return int(self._call(Cmd.ADD, args, f"add({key!r})", keys=(name,))[0])
+        return int(self._call(Cmd.ADD, args, ("add", key), keys=(name,))[0])
 
     def compare_set(
         self, key: str, expected_value: str | bytes, desired_value: str | bytes
@@ -393,7 +420,7 @@ class TCPStore(Store):
         name = check_key(key).encode()
         expected = to_bytes(expected_value, "expected_value")
         desired = to_bytes(desired_value, "desired_value")
-        return self._call(Cmd.COMPARE_SET, [name, expected, desired], f"compare_set({key!r})",
+        return self._call(Cmd.COMPARE_SET, [name, expected, desired], ("compare_set", key),
                           keys=(name,), values=(expected, desired))[0]
 
     def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
@@ -404,7 +431,7 @@ class TCPStore(Store):
         """
         names = [name.encode() for name in check_keys(keys)]
         seconds = self._timeout if timeout is None else to_seconds(timeout)
-        self._call(Cmd.WAIT, [SECONDS.pack(seconds), *names], f"wait({list(keys)!r})",
+        self._call(Cmd.WAIT, [SECONDS.pack(seconds), *names], ("wait", list(keys)),
                    wait=seconds, keys=names)
 
     def check(self, keys: Sequence[str]) -> bool:
@@ -415,7 +442,7 @@ class TCPStore(Store):
     def delete_key(self, key: str) -> bool:
         """Delete `key`; returns whether it existed."""
         args = [check_key(key).encode()]
-        return self._call(Cmd.DELETE_KEY, args, f"delete_key({key!r})", keys=args)[0] == b"\x01"
+        return self._call(Cmd.DELETE_KEY, args, ("delete_key", key), keys=args)[0] == b"\x01"
 
     def num_keys(self) -> int:
         """The number of keys in the store."""
@@ -424,7 +451,7 @@ class TCPStore(Store):
     def append(self, key: str, value: str | bytes) -> None:
         """Append `value` to the value of `key` (created empty)."""
         name, data = check_key(key).encode(), to_bytes(value)
-        self._call(Cmd.APPEND, [name, data], f"append({key!r})", keys=(name,), values=(data,),
+        self._call(Cmd.APPEND, [name, data], ("append", key), keys=(name,), values=(data,),
                    quiet=True)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
@@ -434,7 +461,7 @@ class TCPStore(Store):
             DistStoreTimeoutError: names the keys still missing.
         """
         names = [name.encode() for name in check_keys(keys)]
-        what = f"get({keys[0]!r})" if len(names) == 1 else f"multi_get({list(keys)!r})"
+        what = ("get", keys[0]) if len(names) == 1 else ("multi_get", list(keys))
         return self._call(Cmd.MULTI_GET, [SECONDS.pack(self._timeout), *names], what,
                           wait=self._timeout, keys=names)
 

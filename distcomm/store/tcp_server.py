@@ -63,6 +63,7 @@ _RECV_LARGE = 1 << 20  # the most read at once for the rest of a large request
 _MAX_SLEEP = 3600.0  # epoll takes at most ~24.8 days; wake up hourly whatever the timers say
 _IOV_MAX = 512  # buffers given to one sendmsg
 _IN, _OUT = select.EPOLLIN, select.EPOLLOUT
+_OK, _TIMEOUT = int(Status.OK), int(Status.TIMEOUT)
 _GONE = select.EPOLLHUP | select.EPOLLERR
 
 
@@ -611,12 +612,12 @@ class StoreServer:
     def _serve(self, conn: _Conn, buf: bytes | bytearray) -> int:
         """Serve the complete requests at the start of `buf`; returns the bytes used."""
         pos, size_buf, served = 0, len(buf), 0
-        handlers = self._handlers
+        handlers, high_water, turn = self._handlers, self.out_high_water, self.frames_per_turn
         while size_buf - pos >= 5 and conn.parked is None and not conn.closing:
-            if conn.out_bytes > self.out_high_water:
+            if conn.out_bytes > high_water:
                 conn.blocked = True  # served again once the answers drain
                 break
-            if served == self.frames_per_turn:
+            if served == turn:
                 self._runnable.append(conn)  # the others' turn first
                 break
             size, code = HEADER.unpack_from(buf, pos)
@@ -644,7 +645,7 @@ class StoreServer:
                 self._reply(conn, status, [message.encode()])
             else:
                 if result is not None:
-                    self._reply(conn, Status.OK, result)
+                    self._reply(conn, _OK, result)
             pos = end
         if served and conn.pending:
             conn.pending = False
@@ -714,8 +715,12 @@ class StoreServer:
 
     def _finish(self, waiter: _Waiter, status: int, args: list[bytes]) -> None:
         self._unpark(waiter)
-        self._reply(waiter.conn, status, args)
-        self._runnable.append(waiter.conn)
+        conn = waiter.conn
+        self._reply(conn, status, args)
+        if conn.inbuf:
+            self._runnable.append(conn)  # requests came after it: serve them in turn
+        else:
+            self._settle(conn)  # answer now
 
     def _changed(self, key: bytes) -> None:
         """Move on the requests watching `key`; answer those whose keys are all set."""
@@ -764,10 +769,15 @@ class StoreServer:
         """GET and MULTI_GET: the values, or park until all are set."""
         raw, *keys = args
         seconds = self._seconds(raw)
-        self._check_keys(keys)
         data = self._data
-        if len(keys) == 1 and keys[0] in data:
-            return [data[keys[0]]]
+        if len(keys) == 1:
+            key = keys[0]
+            if len(key) > self.limits.max_key:
+                self._check_keys(keys)
+            if key in data:
+                return [data[key]]
+        else:
+            self._check_keys(keys)
         return self._wait_for(conn, Cmd.MULTI_GET, keys, seconds)
 
     def _do_wait(self, conn: _Conn, args: list[bytes]) -> list[bytes] | None:
@@ -790,8 +800,9 @@ class StoreServer:
 
     def _do_add(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
         key, amount = args
-        self._check_keys([key])
-        value = add_value(key.decode(errors="replace"), self._data.get(key), int(amount))
+        if len(key) > self.limits.max_key:
+            self._check_keys([key])
+        value = add_value(key, self._data.get(key), int(amount))
         self._data[key] = value
         if key in self._watchers:
             self._changed(key)
