@@ -249,6 +249,19 @@ def test_wait_and_check(store_pair):
     assert reader.check(["x", "y", "z"])
 
 
+@pytest.mark.parametrize("timeout", [timedelta(days=30), float("inf"), 1e300],
+                         ids=["30-days", "inf", "1e300"])
+def test_timeouts_of_any_length(store_pair, timeout):
+    writer, reader = store_pair
+    reader.set_timeout(timeout)
+    thread, box = _in_thread(reader.wait, ["late"], timeout)
+    time.sleep(0.1)
+    writer.set("late", "1")
+    thread.join(10)
+    assert box == {"value": None}
+    assert reader.get("late") == b"1"  # a get waits with the store's timeout: `timeout`
+
+
 def test_wait_timeout_names_only_missing_keys(store):
     store.set("here", "1")
     with pytest.raises(

@@ -39,7 +39,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..config import DEFAULT_STORE_TIMEOUT
-from ..deadline import Deadline, to_seconds
+from ..deadline import FOREVER, Deadline, to_seconds
 from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
 from ..net import format_address, set_keepalive
 from .base import Store, check_key, to_bytes
@@ -233,8 +233,11 @@ class EtcdStore(Store):
 
     # -- HTTP -----------------------------------------------------------------------------
 
-    def _request_timeout(self) -> float:
-        return self._timeout + SAFETY_MARGIN
+    def _request_timeout(self) -> float | None:
+        """The socket timeout of one request: None (none) for store timeouts beyond
+        `FOREVER`, which sockets refuse."""
+        seconds = self._timeout + SAFETY_MARGIN
+        return None if seconds > FOREVER else seconds
 
     def _check_open(self, what: str) -> None:
         """Raise if closed; forget a parent's connections after a fork. The lock is held."""
@@ -330,7 +333,7 @@ class EtcdStore(Store):
                     raise self._unreachable(what, exc) from None
                 raise DistStoreTimeoutError(
                     f"etcd at {self._endpoint} did not answer {what} within "
-                    f"{self._request_timeout():.1f} s (is the server overloaded or stopped?)"
+                    f"{self._timeout + SAFETY_MARGIN:.1f} s (is the server overloaded or stopped?)"
                 ) from None
             except (http.client.HTTPException, OSError) as exc:
                 conn.close()
@@ -498,7 +501,7 @@ class EtcdStore(Store):
                 raise self._unreachable(what, exc) from None
             raise DistStoreTimeoutError(
                 f"etcd at {self._endpoint} did not open the watch for {what} within "
-                f"{self._request_timeout():.1f} s (is the server overloaded or stopped?)"
+                f"{self._timeout + SAFETY_MARGIN:.1f} s (is the server overloaded or stopped?)"
             ) from None
         except (http.client.HTTPException, OSError, binascii.Error) as exc:
             raise self._unreachable(what, exc) from None
