@@ -30,10 +30,11 @@ from distcomm.errors import (
 )
 from distcomm.store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
 from distcomm.store import file as file_module
-from distcomm.store.tcp_protocol import HEADER, Cmd, Status, decode_args, encode_frame
+from distcomm.store.tcp_protocol import HEADER, Cmd, Status, encode_frame
 from distcomm.store.tcp_server import StoreServer
 from tests.etcd_server import etcd_endpoint  # noqa: F401 - fixture of the etcd kind
 from tests.harness import run_ranks
+from tests.store_wire import read_response, recv_exact
 
 HOST = "127.0.0.1"
 KINDS = ["hash", "file", "tcp", "prefix-tcp", "etcd"]
@@ -543,36 +544,21 @@ def test_tcp_many_clients_and_parked_waiters(master):
 
 def test_tcp_bad_requests_get_errors_and_the_connection_stays_usable(master):
     with socket.create_connection((HOST, master.port), timeout=5) as sock:
-        hello = _recv_exact(sock, auth.HELLO_SIZE)
+        hello = recv_exact(sock, auth.HELLO_SIZE)
         assert hello[len(auth.MAGIC)] == 0  # no key required
         sock.sendall(HEADER.pack(0, 250))  # unknown command
-        assert _read_response(sock)[0] == Status.ERROR
+        assert read_response(sock)[0] == Status.ERROR
         sock.sendall(b"".join(encode_frame(Cmd.SET, [b"only-a-key"])))
-        status, args = _read_response(sock)  # SET is answered only when refused
+        status, args = read_response(sock)  # SET is answered only when refused
         assert status == Status.LATE_ERROR and b"malformed SET" in args[0]
         sock.sendall(HEADER.pack(3, Cmd.SET) + b"\x09\x00\x00")  # truncated argument length
-        assert _read_response(sock)[0] == Status.LATE_ERROR
+        assert read_response(sock)[0] == Status.LATE_ERROR
         sock.sendall(HEADER.pack(3, Cmd.ADD) + b"\x09\x00\x00")
-        assert _read_response(sock)[0] == Status.ERROR
+        assert read_response(sock)[0] == Status.ERROR
         sock.sendall(b"".join(encode_frame(Cmd.SET, [b"raw", b"ok"])))
         sock.sendall(b"".join(encode_frame(Cmd.CHECK, [b"raw"])))
-        assert _read_response(sock) == (Status.OK, [b"\x01"])
+        assert read_response(sock) == (Status.OK, [b"\x01"])
     assert master.get("raw") == b"ok"
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _read_response(sock: socket.socket) -> tuple[int, list[bytes]]:
-    size, status = HEADER.unpack(_recv_exact(sock, HEADER.size))
-    return status, decode_args(_recv_exact(sock, size))
 
 
 def _silent_server(listener: socket.socket, log: list) -> None:
@@ -585,11 +571,11 @@ def _silent_server(listener: socket.socket, log: list) -> None:
             return
         sock.sendall(auth.hello_message(None)[0])
         while True:
-            header = _recv_exact(sock, HEADER.size)
+            header = recv_exact(sock, HEADER.size)
             if len(header) < HEADER.size:
                 break
             size, code = HEADER.unpack(header)
-            _recv_exact(sock, size)
+            recv_exact(sock, size)
             log.append(code)
             if code == Cmd.ADD and first:
                 first = False
@@ -739,17 +725,17 @@ def test_auth_key_against_a_keyless_server(master, monkeypatch):
 
 def test_auth_the_raw_request_used_below_works_without_a_key(master):
     with socket.create_connection((HOST, master.port), timeout=5) as sock:
-        _recv_exact(sock, auth.HELLO_SIZE)
+        recv_exact(sock, auth.HELLO_SIZE)
         sock.sendall(b"".join(encode_frame(Cmd.SET, [b"pwned", b"x" * 100])))
         sock.sendall(b"".join(encode_frame(Cmd.CHECK, [b"pwned"])))
-        assert _read_response(sock) == (Status.OK, [b"\x01"])
+        assert read_response(sock) == (Status.OK, [b"\x01"])
     assert master.check(["pwned"])
 
 
 def test_auth_unauthenticated_raw_requests_are_not_served(keyed_master):
     # A request longer than the proof: taken as a bad proof, the connection is dropped.
     with socket.create_connection((HOST, keyed_master.port), timeout=5) as sock:
-        hello = _recv_exact(sock, auth.HELLO_SIZE)
+        hello = recv_exact(sock, auth.HELLO_SIZE)
         assert hello[len(auth.MAGIC)] == 1  # key required
         sock.sendall(b"".join(encode_frame(Cmd.SET, [b"pwned", b"x" * 100])))
         try:
@@ -758,7 +744,7 @@ def test_auth_unauthenticated_raw_requests_are_not_served(keyed_master):
             pass
     # A short request: nothing is parsed or answered before a proof arrives.
     with socket.create_connection((HOST, keyed_master.port), timeout=5) as sock:
-        _recv_exact(sock, auth.HELLO_SIZE)
+        recv_exact(sock, auth.HELLO_SIZE)
         sock.sendall(b"".join(encode_frame(Cmd.SET, [b"pwned", b"x"])))
         sock.settimeout(0.3)
         with pytest.raises(socket.timeout):
@@ -774,7 +760,7 @@ def test_auth_stalled_handshake_is_dropped(monkeypatch):
     store = TCPStore(HOST, 0, is_master=True, timeout=5)
     try:
         with socket.create_connection((HOST, store.port), timeout=5) as sock:
-            assert len(_recv_exact(sock, auth.HELLO_SIZE)) == auth.HELLO_SIZE
+            assert len(recv_exact(sock, auth.HELLO_SIZE)) == auth.HELLO_SIZE
             sock.sendall(b"\x00" * 10)  # part of a proof, then silence
             assert sock.recv(1024) == b""  # the server hangs up
         store.set("k", "v")  # and keeps serving authenticated clients

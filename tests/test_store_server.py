@@ -18,12 +18,11 @@ from datetime import timedelta
 
 import pytest
 
-from distcomm import auth
 from distcomm.errors import DistStoreError, DistStoreTimeoutError
 from distcomm.store import TCPStore
-from distcomm.store.tcp_protocol import HEADER, LENGTH, SECONDS, Cmd, Limits, Status, decode_args
-from distcomm.store.tcp_protocol import encode_frame as frame_parts
+from distcomm.store.tcp_protocol import HEADER, LENGTH, SECONDS, Cmd, Limits, Status
 from distcomm.store.tcp_server import StoreServer, _Throttle
+from tests.store_wire import frame, raw_connection, read_response
 
 HOST = "127.0.0.1"
 
@@ -42,32 +41,8 @@ def master():
     store.close()
 
 
-def _frame(code: int, args: list[bytes]) -> bytes:
-    return b"".join(frame_parts(code, args))
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _read(sock: socket.socket) -> tuple[int, list[bytes]]:
-    header = _recv_exact(sock, HEADER.size)
-    assert len(header) == HEADER.size, "the server closed the connection"
-    size, status = HEADER.unpack(header)
-    return status, decode_args(_recv_exact(sock, size))
-
-
 def _raw(port: int, timeout: float = 10.0) -> socket.socket:
-    """A raw connection past the (keyless) greeting."""
-    sock = socket.create_connection((HOST, port), timeout=timeout)
-    assert len(_recv_exact(sock, auth.HELLO_SIZE)) == auth.HELLO_SIZE
-    return sock
+    return raw_connection(HOST, port, timeout)
 
 
 def _closed_by_server(sock: socket.socket) -> bool:
@@ -117,21 +92,21 @@ def test_a_store_made_with_a_30_day_timeout_works():
 def test_timeout_values_no_request_may_carry_are_refused_and_huge_ones_parked(master):
     with _raw(master.port) as sock:
         for bad in (math.nan, -1.0):
-            sock.sendall(_frame(Cmd.WAIT, [SECONDS.pack(bad), b"k"]))
-            status, args = _read(sock)
+            sock.sendall(frame(Cmd.WAIT, [SECONDS.pack(bad), b"k"]))
+            status, args = read_response(sock)
             assert status == Status.ERROR and b"timeout must be >= 0" in args[0]
-        sock.sendall(_frame(Cmd.WAIT, [SECONDS.pack(0.0), b"k"]))  # 0: answered at once
-        assert _read(sock) == (Status.TIMEOUT, [b"k"])
+        sock.sendall(frame(Cmd.WAIT, [SECONDS.pack(0.0), b"k"]))  # 0: answered at once
+        assert read_response(sock) == (Status.TIMEOUT, [b"k"])
     parked = []
     for seconds in (math.inf, 1e300, 3e6, 2.2e6):  # 2.2e6 s is beyond epoll's ~24.8 days
         sock = _raw(master.port)
-        sock.sendall(_frame(Cmd.WAIT, [SECONDS.pack(seconds), b"k"]))
+        sock.sendall(frame(Cmd.WAIT, [SECONDS.pack(seconds), b"k"]))
         parked.append(sock)
     time.sleep(0.2)
     parked.pop().close()  # a parked request whose client leaves is forgotten
     master.set("k", "1")
     for sock in parked:
-        assert _read(sock) == (Status.OK, [])
+        assert read_response(sock) == (Status.OK, [])
         sock.close()
     assert master.add("alive", 1) == 1
 
@@ -143,7 +118,7 @@ def test_a_fault_while_serving_closes_one_connection_not_the_server(master, monk
     server = _server(master)
     monkeypatch.setitem(server._handlers, Cmd.NUM_KEYS, broken)
     with caplog.at_level(logging.WARNING, "distcomm.store"), _raw(master.port) as sock:
-        sock.sendall(_frame(Cmd.NUM_KEYS, []))
+        sock.sendall(frame(Cmd.NUM_KEYS, []))
         assert _closed_by_server(sock)
     assert "internal error" in caplog.text
     master.set("k", "v")
@@ -176,7 +151,7 @@ def test_a_fault_in_the_loop_itself_is_survived(master, monkeypatch, caplog):
 def test_a_huge_declared_request_is_refused_at_its_header(master):
     with _raw(master.port) as sock:
         sock.sendall(HEADER.pack(0xFFFFFFFF, Cmd.SET))  # 4 GiB announced, nothing follows
-        status, args = _read(sock)
+        status, args = read_response(sock)
         assert status == Status.ERROR and b"over the limit" in args[0]
         assert _closed_by_server(sock)
     assert not _server(master)._conns or all(
@@ -209,8 +184,8 @@ def test_the_server_refuses_what_a_client_did_not_check(master):
     finally:
         client.close()
     with _raw(master.port) as sock:
-        sock.sendall(_frame(Cmd.GET, [SECONDS.pack(0), b"k" * 9000]))
-        status, args = _read(sock)
+        sock.sendall(frame(Cmd.GET, [SECONDS.pack(0), b"k" * 9000]))
+        status, args = read_response(sock)
         assert status == Status.ERROR and b"key of 9,000 bytes" in args[0]
 
 
@@ -246,7 +221,7 @@ def test_a_bad_limit_names_the_variable(monkeypatch, value):
 def test_a_client_that_never_reads_is_not_served_beyond_the_watermark(master):
     server = _server(master)
     master.set("v", b"x" * (64 << 10))
-    request = _frame(Cmd.GET, [SECONDS.pack(0), b"v"])
+    request = frame(Cmd.GET, [SECONDS.pack(0), b"v"])
     sock = _raw(master.port)
     sock.settimeout(0.5)
     sent = 0
@@ -285,9 +260,9 @@ def test_pipelined_requests_are_served_in_turns(master):
     server = _server(master)
     with _raw(master.port) as sock:
         count = 5 * server.frames_per_turn + 3
-        sock.sendall(_frame(Cmd.ADD, [b"n", b"1"]) * count)
+        sock.sendall(frame(Cmd.ADD, [b"n", b"1"]) * count)
         for index in range(count):
-            assert _read(sock) == (Status.OK, [str(index + 1).encode()])
+            assert read_response(sock) == (Status.OK, [str(index + 1).encode()])
     assert master.get("n") == str(count).encode()
 
 
@@ -362,9 +337,9 @@ def test_a_connection_that_never_sends_a_request_is_dropped(master, monkeypatch)
 def test_a_request_left_half_sent_is_dropped(master, monkeypatch):
     monkeypatch.setattr(StoreServer, "io_timeout", 0.3)
     with _raw(master.port) as sock:
-        sock.sendall(_frame(Cmd.REGISTER, []))
-        assert _read(sock)[0] == Status.OK
-        sock.sendall(_frame(Cmd.SET, [b"k", b"v" * 100])[:50])  # and never the rest
+        sock.sendall(frame(Cmd.REGISTER, []))
+        assert read_response(sock)[0] == Status.OK
+        sock.sendall(frame(Cmd.SET, [b"k", b"v" * 100])[:50])  # and never the rest
         assert _closed_by_server(sock)
     assert not master.check(["k"])
 
@@ -378,8 +353,8 @@ def test_connections_without_a_request_are_capped(master, monkeypatch, caplog):
             for sock in socks[:3]:  # the oldest are dropped for the newest
                 assert _closed_by_server(sock)
             for sock in socks[3:]:
-                sock.sendall(_frame(Cmd.NUM_KEYS, []))
-                assert _read(sock) == (Status.OK, [b"0"])
+                sock.sendall(frame(Cmd.NUM_KEYS, []))
+                assert read_response(sock) == (Status.OK, [b"0"])
         finally:
             for sock in socks:
                 sock.close()
@@ -459,13 +434,13 @@ def test_at_the_descriptor_limit_new_clients_still_get_in():
 def test_register_counts_each_connection_once(master):
     with _raw(master.port) as sock:
         for _ in range(5):
-            sock.sendall(_frame(Cmd.REGISTER, []))
-            status, args = _read(sock)
+            sock.sendall(frame(Cmd.REGISTER, []))
+            status, args = read_response(sock)
             assert status == Status.OK
         assert args[0] == b"2"  # the master's own client and this connection
         assert Limits.decode(args[1:]) == Limits()
-        sock.sendall(_frame(Cmd.WAIT_WORKERS, [SECONDS.pack(0.3), b"6"]))
-        assert _read(sock) == (Status.TIMEOUT, [b"2"])
+        sock.sendall(frame(Cmd.WAIT_WORKERS, [SECONDS.pack(0.3), b"6"]))
+        assert read_response(sock) == (Status.TIMEOUT, [b"2"])
 
 
 # -- the non-loopback warning -------------------------------------------------------------------
@@ -485,5 +460,5 @@ def test_binding_beyond_loopback_without_a_key_warns(monkeypatch):
 
 
 def test_frames_are_length_prefixed():
-    assert _frame(Cmd.SET, [b"k", b"vv"]) == (
+    assert frame(Cmd.SET, [b"k", b"vv"]) == (
         HEADER.pack(11, Cmd.SET) + LENGTH.pack(1) + b"k" + LENGTH.pack(2) + b"vv")
