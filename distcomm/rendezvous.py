@@ -77,24 +77,54 @@ from .errors import DistError, DistNetworkError, DistStoreError
 from .net import format_address, interface_address
 from .store import FileStore, PrefixStore, Store, TCPStore
 
-__all__ = ["EnvInfo", "InitMethod", "Rendezvous", "detect_environment", "expand_nodelist",
-           "parse_init_method", "rendezvous", "slurm_port"]
+__all__ = [
+    "EnvInfo",
+    "InitMethod",
+    "Rendezvous",
+    "detect_environment",
+    "expand_nodelist",
+    "parse_init_method",
+    "rendezvous",
+    "slurm_port",
+]
 
 # Per value, (variable, launcher) in precedence order.
-_RANK_VARS = (("RANK", "torch style"), ("OMPI_COMM_WORLD_RANK", "Open MPI"),
-              ("PMIX_RANK", "PMIx"), ("PMI_RANK", "MPICH"), ("SLURM_PROCID", "Slurm"))
-_SIZE_VARS = (("WORLD_SIZE", "torch style"), ("OMPI_COMM_WORLD_SIZE", "Open MPI"),
-              ("PMI_SIZE", "MPICH"), ("SLURM_STEP_NUM_TASKS", "Slurm"), ("SLURM_NTASKS", "Slurm"))
-_LOCAL_RANK_VARS = (("LOCAL_RANK", "torch style"), ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"),
-                    ("MPI_LOCALRANKID", "MPICH"), ("SLURM_LOCALID", "Slurm"))
-_LOCAL_SIZE_VARS = (("LOCAL_WORLD_SIZE", "torch style"),
-                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"), ("MPI_LOCALNRANKS", "MPICH"))
+_RANK_VARS = (
+    ("RANK", "torch style"),
+    ("OMPI_COMM_WORLD_RANK", "Open MPI"),
+    ("PMIX_RANK", "PMIx"),
+    ("PMI_RANK", "MPICH"),
+    ("SLURM_PROCID", "Slurm"),
+)
+_SIZE_VARS = (
+    ("WORLD_SIZE", "torch style"),
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI"),
+    ("PMI_SIZE", "MPICH"),
+    ("SLURM_STEP_NUM_TASKS", "Slurm"),
+    ("SLURM_NTASKS", "Slurm"),
+)
+_LOCAL_RANK_VARS = (
+    ("LOCAL_RANK", "torch style"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"),
+    ("MPI_LOCALRANKID", "MPICH"),
+    ("SLURM_LOCALID", "Slurm"),
+)
+_LOCAL_SIZE_VARS = (
+    ("LOCAL_WORLD_SIZE", "torch style"),
+    ("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"),
+    ("MPI_LOCALNRANKS", "MPICH"),
+)
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-_LAUNCHER_PREFIXES = (("OMPI_", "Open MPI"), ("PMIX_", "PMIx"), ("PMI_", "MPICH"),
-                      ("MPI_LOCAL", "MPICH"), ("SLURM_", "Slurm"))
+_LAUNCHER_PREFIXES = (
+    ("OMPI_", "Open MPI"),
+    ("PMIX_", "PMIx"),
+    ("PMI_", "MPICH"),
+    ("MPI_LOCAL", "MPICH"),
+    ("SLURM_", "Slurm"),
+)
 _SCHEMES = "env:// (the default: MASTER_ADDR, MASTER_PORT), tcp://HOST:PORT or file:///PATH"
-_MAX_RANGE = 65536        # hosts in one lo-hi range (Slurm's limit)
-_MAX_HOSTS = 1 << 20      # hosts in one node list
+_MAX_RANGE = 65536  # hosts in one lo-hi range (Slurm's limit)
+_MAX_HOSTS = 1 << 20  # hosts in one node list
 _SLURM_PORT_BASE = 12000
 
 log = logging.getLogger(__name__)
@@ -178,8 +208,14 @@ def _launcher_of(source: str) -> str | None:
     for prefix, launcher in _LAUNCHER_PREFIXES:
         if source.startswith(prefix):
             return launcher
-    if source in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT"):
+    if source in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         return "torch style"
     return None
 
@@ -205,8 +241,10 @@ def _optional_int(name: str, value: object, lowest: int) -> int | None:
     if value == -1:
         return None
     if value < lowest:
-        raise ValueError(f"{name}={value} is invalid: pass a value >= {lowest}, or -1 (the "
-                         f"default) to take it from the environment")
+        raise ValueError(
+            f"{name}={value} is invalid: pass a value >= {lowest}, or -1 (the "
+            f"default) to take it from the environment"
+        )
     return int(value)
 
 
@@ -214,8 +252,10 @@ def _optional_int(name: str, value: object, lowest: int) -> int | None:
 
 
 def _bad_nodelist(spec: str, problem: str) -> ValueError:
-    return ValueError(f"malformed Slurm node list {spec!r}: {problem}; expected names such as "
-                      f"node[01-04,07], gpu-a[1-2],gpu-b3 or host1,host2")
+    return ValueError(
+        f"malformed Slurm node list {spec!r}: {problem}; expected names such as "
+        f"node[01-04,07], gpu-a[1-2],gpu-b3 or host1,host2"
+    )
 
 
 def _range_values(spec: str, body: str) -> list[str]:
@@ -295,8 +335,10 @@ def _slurm_local_size(env: Mapping[str, str]) -> tuple[int, str] | None:
                 return counts[0], var
             continue
         if not 0 <= node < len(counts):
-            raise ValueError(f"SLURM_NODEID={node} has no entry in {var}={raw!r} (it lists "
-                             f"{len(counts)} nodes): are both from the same job step?")
+            raise ValueError(
+                f"SLURM_NODEID={node} has no entry in {var}={raw!r} (it lists "
+                f"{len(counts)} nodes): are both from the same job step?"
+            )
         return counts[node], var
     raw = env.get("SLURM_NTASKS_PER_NODE", "").strip()
     return (_parse_int("SLURM_NTASKS_PER_NODE", raw), "SLURM_NTASKS_PER_NODE") if raw else None
@@ -305,36 +347,52 @@ def _slurm_local_size(env: Mapping[str, str]) -> tuple[int, str] | None:
 # -- environment detection --------------------------------------------------------------------
 
 
-def _detect(env: Mapping[str, str], given: Mapping[str, tuple[object, str]],
-            with_master: bool) -> EnvInfo:
+def _detect(
+    env: Mapping[str, str], given: Mapping[str, tuple[object, str]], with_master: bool
+) -> EnvInfo:
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
-    for name, table in (("rank", _RANK_VARS), ("world_size", _SIZE_VARS),
-                        ("local_rank", _LOCAL_RANK_VARS), ("local_world_size", _LOCAL_SIZE_VARS)):
+    for name, table in (
+        ("rank", _RANK_VARS),
+        ("world_size", _SIZE_VARS),
+        ("local_rank", _LOCAL_RANK_VARS),
+        ("local_world_size", _LOCAL_SIZE_VARS),
+    ):
         if name in given:
             values[name], sources[name] = given[name]
         elif found := next((var for var, _ in table if env.get(var, "").strip()), None):
             values[name], sources[name] = _parse_int(found, env[found]), found
     if "local_world_size" not in values and (slurm := _slurm_local_size(env)) is not None:
         values["local_world_size"], sources["local_world_size"] = slurm
-    for name, lowest in (("rank", 0), ("world_size", 1), ("local_rank", 0),
-                         ("local_world_size", 1)):
+    for name, lowest in (
+        ("rank", 0),
+        ("world_size", 1),
+        ("local_rank", 0),
+        ("local_world_size", 1),
+    ):
         if name in values and values[name] < lowest:  # type: ignore[operator]
-            raise ValueError(f"{name} {values[name]} from {_describe(sources[name])} is "
-                             f"invalid: it must be >= {lowest}")
+            raise ValueError(
+                f"{name} {values[name]} from {_describe(sources[name])} is "
+                f"invalid: it must be >= {lowest}"
+            )
     for low, high in (("rank", "world_size"), ("local_rank", "local_world_size")):
         if low in values and high in values and values[low] >= values[high]:  # type: ignore[operator]
             raise ValueError(
                 f"{low} {values[low]} (from {_describe(sources[low])}) is out of range for "
                 f"{high} {values[high]} (from {_describe(sources[high])}): it must run from "
-                f"0 to {high} - 1; check that every process was started with the same size")
+                f"0 to {high} - 1; check that every process was started with the same size"
+            )
     if with_master:
         _detect_master(env, given, values, sources)
     return EnvInfo(**values, sources=tuple(sources.items()))  # type: ignore[arg-type]
 
 
-def _detect_master(env: Mapping[str, str], given: Mapping[str, tuple[object, str]],
-                   values: dict[str, object], sources: dict[str, str]) -> None:
+def _detect_master(
+    env: Mapping[str, str],
+    given: Mapping[str, tuple[object, str]],
+    values: dict[str, object],
+    sources: dict[str, str],
+) -> None:
     srun = sources.get("rank") == "SLURM_PROCID"
     if "master_addr" in given:
         values["master_addr"], sources["master_addr"] = given["master_addr"]
@@ -364,13 +422,21 @@ def _detect_master(env: Mapping[str, str], given: Mapping[str, tuple[object, str
         values["master_port"], sources["master_port"] = slurm_port(job, step), "SLURM_JOB_ID"
     port = values.get("master_port")
     if port is not None and not 1 <= port <= 65535:  # type: ignore[operator]
-        raise ValueError(f"store port {port} from {_describe(sources['master_port'])} is out "
-                         f"of range: use a TCP port from 1 to 65535")
+        raise ValueError(
+            f"store port {port} from {_describe(sources['master_port'])} is out "
+            f"of range: use a TCP port from 1 to 65535"
+        )
 
 
-def detect_environment(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
-                       world_size: int | None = None, master_addr: str | None = None,
-                       master_port: int | None = None, with_master: bool = True) -> EnvInfo:
+def detect_environment(
+    environ: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    with_master: bool = True,
+) -> EnvInfo:
     """What `environ` (default os.environ) says about this process, per the module's table.
 
     Values passed explicitly win over the environment, which is then not read for them.
@@ -399,21 +465,29 @@ def _require(info: EnvInfo, name: str, hint: str = "") -> object:
     if value is not None:
         return value
     if name in ("rank", "world_size"):
-        names = [f"{var} ({launcher})" for var, launcher in
-                 (_RANK_VARS if name == "rank" else _SIZE_VARS)]
+        names = [
+            f"{var} ({launcher})"
+            for var, launcher in (_RANK_VARS if name == "rank" else _SIZE_VARS)
+        ]
         note = " (PMIx exports no size variable)" if name == "world_size" else ""
-        message = (f"cannot determine the {name.replace('_', ' ')}: pass {name}= to "
-                   f"init_process_group, or set {', '.join(names[:-1])} or {names[-1]}{note}; "
-                   f"a tcp:// or file:// URL may also carry ?{name}=")
+        message = (
+            f"cannot determine the {name.replace('_', ' ')}: pass {name}= to "
+            f"init_process_group, or set {', '.join(names[:-1])} or {names[-1]}{note}; "
+            f"a tcp:// or file:// URL may also carry ?{name}="
+        )
     elif name == "master_addr":
-        message = ("cannot determine the store address: set MASTER_ADDR to the host name or "
-                   "IP address of rank 0's host (looked for MASTER_ADDR, then for "
-                   "SLURM_STEP_NODELIST, SLURM_JOB_NODELIST or SLURM_NODELIST), or use "
-                   "init_method='tcp://HOST:PORT'")
+        message = (
+            "cannot determine the store address: set MASTER_ADDR to the host name or "
+            "IP address of rank 0's host (looked for MASTER_ADDR, then for "
+            "SLURM_STEP_NODELIST, SLURM_JOB_NODELIST or SLURM_NODELIST), or use "
+            "init_method='tcp://HOST:PORT'"
+        )
     else:
-        message = ("cannot determine the store port: set MASTER_PORT to a free TCP port on rank "
-                   "0's host (looked for MASTER_PORT, then for SLURM_JOB_ID to derive one), or "
-                   "use init_method='tcp://HOST:PORT'")
+        message = (
+            "cannot determine the store port: set MASTER_PORT to a free TCP port on rank "
+            "0's host (looked for MASTER_PORT, then for SLURM_JOB_ID to derive one), or "
+            "use init_method='tcp://HOST:PORT'"
+        )
     raise ValueError(message + hint)
 
 
@@ -427,8 +501,10 @@ def _parse_query(url: str, query: str) -> dict[str, int]:
         if key == "use_libuv":
             continue  # torch's TCPStore implementation switch: nothing to choose here
         if not sep or key not in ("rank", "world_size"):
-            raise ValueError(f"init_method {url!r}: query item {item!r} is not understood; "
-                             f"only rank=R and world_size=N may follow the '?'")
+            raise ValueError(
+                f"init_method {url!r}: query item {item!r} is not understood; "
+                f"only rank=R and world_size=N may follow the '?'"
+            )
         if key in found:
             raise ValueError(f"init_method {url!r} gives {key} twice: give it once")
         found[key] = _parse_int(f"?{key}", value)
@@ -444,41 +520,52 @@ def parse_init_method(url: str) -> InitMethod:
         ValueError: the scheme is unknown or the URL lacks what its scheme needs.
     """
     if not isinstance(url, str):
-        raise TypeError(f"init_method must be a str URL such as {_SCHEMES}, got "
-                        f"{type(url).__name__}")
+        raise TypeError(
+            f"init_method must be a str URL such as {_SCHEMES}, got {type(url).__name__}"
+        )
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ValueError(f"init_method {url!r} is not a valid URL ({exc}): use {_SCHEMES}"
-                         ) from None
+        raise ValueError(
+            f"init_method {url!r} is not a valid URL ({exc}): use {_SCHEMES}"
+        ) from None
     scheme = parts.scheme.lower()
     if scheme not in ("env", "tcp", "file"):
-        raise ValueError(f"init_method {url!r} has an unsupported scheme {parts.scheme!r}: "
-                         f"use {_SCHEMES}")
+        raise ValueError(
+            f"init_method {url!r} has an unsupported scheme {parts.scheme!r}: use {_SCHEMES}"
+        )
     if parts.fragment:
-        raise ValueError(f"init_method {url!r} has a '#' part, which no init_method takes: "
-                         f"remove it (for file://, pick a path without '#')")
+        raise ValueError(
+            f"init_method {url!r} has a '#' part, which no init_method takes: "
+            f"remove it (for file://, pick a path without '#')"
+        )
     query = _parse_query(url, parts.query)
     bare = urlunsplit(parts._replace(query=""))
     if scheme == "env":
         if parts.netloc or parts.path.strip("/"):
-            raise ValueError(f"init_method {url!r}: env:// takes no address, it reads "
-                             f"MASTER_ADDR and MASTER_PORT; write tcp://HOST:PORT to give one")
+            raise ValueError(
+                f"init_method {url!r}: env:// takes no address, it reads "
+                f"MASTER_ADDR and MASTER_PORT; write tcp://HOST:PORT to give one"
+            )
         return InitMethod("env", bare, **query)
     if scheme == "tcp":
         if not parts.hostname or port is None:
-            raise ValueError(f"init_method {url!r} needs a host and a port: "
-                             f"tcp://HOST:PORT or tcp://[IPV6]:PORT")
+            raise ValueError(
+                f"init_method {url!r} needs a host and a port: tcp://HOST:PORT or tcp://[IPV6]:PORT"
+            )
         if not 1 <= port <= 65535:
-            raise ValueError(f"init_method {url!r}: port {port} is out of range: use a TCP "
-                             f"port from 1 to 65535")
+            raise ValueError(
+                f"init_method {url!r}: port {port} is out of range: use a TCP port from 1 to 65535"
+            )
         if parts.path.strip("/"):
             raise ValueError(f"init_method {url!r}: a tcp:// URL takes no path")
         return InitMethod("tcp", bare, host=parts.hostname, port=port, **query)
     if parts.netloc not in ("", "localhost"):
-        raise ValueError(f"init_method {url!r} names the host {parts.netloc!r}: a file:// "
-                         f"URL holds a path, absolute after three slashes: file:///shared/path")
+        raise ValueError(
+            f"init_method {url!r} names the host {parts.netloc!r}: a file:// "
+            f"URL holds a path, absolute after three slashes: file:///shared/path"
+        )
     if not parts.path:
         raise ValueError(f"init_method {url!r} has no path: use file:///shared/path")
     return InitMethod("file", bare, path=parts.path, **query)
@@ -530,16 +617,28 @@ def _host_address(one_host: bool, ifname: str | None) -> str:
     for name, addresses in psutil.net_if_addrs().items():
         if name in stats and stats[name].isup:
             for addr in addresses:
-                if (addr.family == socket.AF_INET
-                        and not ipaddress.ip_address(addr.address).is_loopback):
+                if (
+                    addr.family == socket.AF_INET
+                    and not ipaddress.ip_address(addr.address).is_loopback
+                ):
                     return addr.address
-    raise ValueError("this host's name resolves to a loopback address and no interface has "
-                     "another IPv4 address: set DISTCOMM_SOCKET_IFNAME to the interface the "
-                     "other hosts reach (e.g. eth0), or MASTER_ADDR")
+    raise ValueError(
+        "this host's name resolves to a loopback address and no interface has "
+        "another IPv4 address: set DISTCOMM_SOCKET_IFNAME to the interface the "
+        "other hosts reach (e.g. eth0), or MASTER_ADDR"
+    )
 
 
-def _bootstrap_over_mpi(mpi: Any, info: EnvInfo, rank: int, size: int, seconds: float,
-                        launcher: str, where: str, ifname: str | None) -> Rendezvous:
+def _bootstrap_over_mpi(
+    mpi: Any,
+    info: EnvInfo,
+    rank: int,
+    size: int,
+    seconds: float,
+    launcher: str,
+    where: str,
+    ifname: str | None,
+) -> Rendezvous:
     """Rank 0 hosts the TCPStore and broadcasts its address over MPI.COMM_WORLD.
 
     Raises:
@@ -557,22 +656,35 @@ def _bootstrap_over_mpi(mpi: Any, info: EnvInfo, rank: int, size: int, seconds: 
         shared.Free()
     ranks = comm.allgather(rank)
     if sorted(ranks) != list(range(size)):
-        raise ValueError(f"{where}: the processes of MPI.COMM_WORLD have ranks {ranks} (in MPI "
-                         f"rank order), not each of 0..{size - 1} once: pass rank= so that "
-                         f"every process gets its own, or leave it out under mpiexec")
+        raise ValueError(
+            f"{where}: the processes of MPI.COMM_WORLD have ranks {ranks} (in MPI "
+            f"rank order), not each of 0..{size - 1} once: pass rank= so that "
+            f"every process gets its own, or leave it out under mpiexec"
+        )
     root = ranks.index(0)
     fixed_addr = info.source_of("master_addr") == "MASTER_ADDR"
     fixed_port = info.source_of("master_port") == "MASTER_PORT"
-    origin = (f"address from {'MASTER_ADDR' if fixed_addr else 'rank 0'}, port from "
-              f"{'MASTER_PORT' if fixed_port else 'rank 0'}, shared over MPI")
+    origin = (
+        f"address from {'MASTER_ADDR' if fixed_addr else 'rank 0'}, port from "
+        f"{'MASTER_PORT' if fixed_port else 'rank 0'}, shared over MPI"
+    )
     if rank == 0:
         try:
             host = str(info.master_addr) if fixed_addr else _host_address(one_host, ifname)
             port = int(info.master_port) if fixed_port else 0  # type: ignore[arg-type]
             context = f"{where}: hosting the store at {format_address(host, port)} ({origin})"
-            store = _open_store(lambda: TCPStore(host, port, world_size=size, is_master=True,
-                                                 timeout=seconds, wait_for_workers=False),
-                                context, DistNetworkError)
+            store = _open_store(
+                lambda: TCPStore(
+                    host,
+                    port,
+                    world_size=size,
+                    is_master=True,
+                    timeout=seconds,
+                    wait_for_workers=False,
+                ),
+                context,
+                DistNetworkError,
+            )
         except BaseException as exc:
             comm.bcast(("error", f"{type(exc).__name__}: {exc}"), root=root)
             raise
@@ -584,8 +696,11 @@ def _bootstrap_over_mpi(mpi: Any, info: EnvInfo, rank: int, size: int, seconds: 
             return store
 
         try:
-            _open_store(wait_for_workers, f"{where}: hosting the store at "
-                        f"{format_address(host, port)} ({origin})", DistNetworkError)
+            _open_store(
+                wait_for_workers,
+                f"{where}: hosting the store at {format_address(host, port)} ({origin})",
+                DistNetworkError,
+            )
         except BaseException:
             store.close()
             raise
@@ -594,18 +709,32 @@ def _bootstrap_over_mpi(mpi: Any, info: EnvInfo, rank: int, size: int, seconds: 
         if reply[0] != "ok":
             raise DistNetworkError(f"{where}: rank 0 could not host the store: {reply[1]}")
         host, port = reply[1], reply[2]
-        store = _open_store(lambda: TCPStore(host, port, world_size=size, is_master=False,
-                                             timeout=seconds),
-                            f"{where}: connecting to the store at {format_address(host, port)} "
-                            f"({origin})", DistNetworkError)
-    return Rendezvous(store, rank, size, info.local_rank, info.local_world_size, host, port,
-                      f"{launcher} (store address bootstrapped over MPI)")
+        store = _open_store(
+            lambda: TCPStore(host, port, world_size=size, is_master=False, timeout=seconds),
+            f"{where}: connecting to the store at {format_address(host, port)} ({origin})",
+            DistNetworkError,
+        )
+    return Rendezvous(
+        store,
+        rank,
+        size,
+        info.local_rank,
+        info.local_world_size,
+        host,
+        port,
+        f"{launcher} (store address bootstrapped over MPI)",
+    )
 
 
-def rendezvous(init_method: str | None = None, *, rank: int | None = -1,
-               world_size: int | None = -1, store: Store | None = None,
-               timeout: float | timedelta = config.DEFAULT_TIMEOUT,
-               environ: Mapping[str, str] | None = None) -> Rendezvous:
+def rendezvous(
+    init_method: str | None = None,
+    *,
+    rank: int | None = -1,
+    world_size: int | None = -1,
+    store: Store | None = None,
+    timeout: float | timedelta = config.DEFAULT_TIMEOUT,
+    environ: Mapping[str, str] | None = None,
+) -> Rendezvous:
     """Find this process's store, rank and world size, as `init_process_group` does.
 
     Args:
@@ -633,25 +762,37 @@ def rendezvous(init_method: str | None = None, *, rank: int | None = -1,
     seconds = config.DEFAULT_TIMEOUT if seconds is None else seconds
     if store is not None:
         if init_method is not None:
-            raise ValueError(f"cannot specify both init_method ({init_method!r}) and store: "
-                             f"pass one of them")
+            raise ValueError(
+                f"cannot specify both init_method ({init_method!r}) and store: pass one of them"
+            )
         if not isinstance(store, Store):
             raise TypeError(f"store must be a distcomm Store, got {type(store).__name__}")
         if rank_arg is None or size_arg is None:
-            raise ValueError(f"a store= needs rank and world_size given explicitly, got "
-                             f"rank={rank}, world_size={world_size}: pass world_size=N (N >= 1) "
-                             f"and rank=R (0 <= R < N)")
-        info = _detect(env, {"rank": (rank_arg, "rank= argument"),
-                             "world_size": (size_arg, "world_size= argument")}, False)
-        return Rendezvous(store, rank_arg, size_arg, info.local_rank, info.local_world_size,
-                          source="store")
+            raise ValueError(
+                f"a store= needs rank and world_size given explicitly, got "
+                f"rank={rank}, world_size={world_size}: pass world_size=N (N >= 1) "
+                f"and rank=R (0 <= R < N)"
+            )
+        info = _detect(
+            env,
+            {
+                "rank": (rank_arg, "rank= argument"),
+                "world_size": (size_arg, "world_size= argument"),
+            },
+            False,
+        )
+        return Rendezvous(
+            store, rank_arg, size_arg, info.local_rank, info.local_world_size, source="store"
+        )
     method = parse_init_method("env://" if init_method is None else init_method)
     given: dict[str, tuple[object, str]] = {}
     for name, arg in (("rank", rank_arg), ("world_size", size_arg)):
         in_url = getattr(method, name)
         if arg is not None and in_url is not None and arg != in_url:
-            raise ValueError(f"{name} is given twice with different values: {name}={arg} and "
-                             f"?{name}={in_url} in init_method {method.url!r}: give it once")
+            raise ValueError(
+                f"{name} is given twice with different values: {name}={arg} and "
+                f"?{name}={in_url} in init_method {method.url!r}: give it once"
+            )
         if arg is not None:
             given[name] = (arg, f"{name}= argument")
         elif in_url is not None:
@@ -664,17 +805,27 @@ def rendezvous(init_method: str | None = None, *, rank: int | None = -1,
     where = f"[rank {the_rank}/{size}] {method.scheme}:// rendezvous"
     if method.scheme == "file":
         path = str(method.path)
-        opened = _open_store(lambda: FileStore(path, size, timeout=seconds),
-                             f"{where}: opening the FileStore {path!r}", DistStoreError)
-        return Rendezvous(opened, the_rank, size, info.local_rank, info.local_world_size,
-                          source=method.url)
+        opened = _open_store(
+            lambda: FileStore(path, size, timeout=seconds),
+            f"{where}: opening the FileStore {path!r}",
+            DistStoreError,
+        )
+        return Rendezvous(
+            opened, the_rank, size, info.local_rank, info.local_world_size, source=method.url
+        )
     cfg = config.load(dict(env))
     agent = cfg.use_agent_store
     hint = ""
     mpi_launch = _mpi_launcher(env)
-    if (method.scheme == "env" and not agent and mpi_launch is not None
-            and (info.source_of("master_addr") != "MASTER_ADDR"
-                 or info.source_of("master_port") != "MASTER_PORT")):
+    if (
+        method.scheme == "env"
+        and not agent
+        and mpi_launch is not None
+        and (
+            info.source_of("master_addr") != "MASTER_ADDR"
+            or info.source_of("master_port") != "MASTER_PORT"
+        )
+    ):
         var, launcher = mpi_launch
         if not mpiutil.is_mpi4py_available():
             why, remedy = "mpi4py is not installed", f"install it ({mpiutil.INSTALL_HINT})"
@@ -685,29 +836,49 @@ def rendezvous(init_method: str | None = None, *, rank: int | None = -1,
                 why, remedy = str(exc), "repair mpi4py"
             else:
                 if mpi.COMM_WORLD.Get_size() == size:
-                    return _bootstrap_over_mpi(mpi, info, the_rank, size, seconds, launcher,
-                                               where, cfg.socket_ifname)
+                    return _bootstrap_over_mpi(
+                        mpi, info, the_rank, size, seconds, launcher, where, cfg.socket_ifname
+                    )
                 library = (mpi.Get_library_version().strip().splitlines() or ["?"])[0]
-                why = (f"MPI.COMM_WORLD has {mpi.COMM_WORLD.Get_size()} process(es), not the "
-                       f"world size {size} (from {_describe(str(info.source_of('world_size')))})"
-                       f": mpi4py's MPI library ({library.strip()}) did not start this job")
+                why = (
+                    f"MPI.COMM_WORLD has {mpi.COMM_WORLD.Get_size()} process(es), not the "
+                    f"world size {size} (from {_describe(str(info.source_of('world_size')))})"
+                    f": mpi4py's MPI library ({library.strip()}) did not start this job"
+                )
                 remedy = "start the job with that library's mpiexec"
                 if info.master_addr is not None and info.master_port is not None:
-                    log.warning("%s: not bootstrapping the store over MPI: %s; using %s and %s",
-                                where, why, info.source_of("master_addr"),
-                                info.source_of("master_port"))
-        hint = (f"; under {launcher} ({var}) rank 0 shares the store address over MPI "
-                f"instead, but {why}: {remedy} or set MASTER_ADDR and MASTER_PORT")
+                    log.warning(
+                        "%s: not bootstrapping the store over MPI: %s; using %s and %s",
+                        where,
+                        why,
+                        info.source_of("master_addr"),
+                        info.source_of("master_port"),
+                    )
+        hint = (
+            f"; under {launcher} ({var}) rank 0 shares the store address over MPI "
+            f"instead, but {why}: {remedy} or set MASTER_ADDR and MASTER_PORT"
+        )
     host = str(_require(info, "master_addr", hint))
     port = int(_require(info, "master_port", hint))  # type: ignore[call-overload]
     hosting = the_rank == 0 and not agent
-    context = (f"{where}: {'hosting' if hosting else 'connecting to'} the store at "
-               f"{format_address(host, port)} (address from "
-               f"{_describe(str(info.source_of('master_addr')))}, port from "
-               f"{_describe(str(info.source_of('master_port')))})")
-    opened = _open_store(lambda: TCPStore(host, port, world_size=size, is_master=hosting,
-                                          timeout=seconds, wait_for_workers=not agent),
-                         context, DistNetworkError)
+    context = (
+        f"{where}: {'hosting' if hosting else 'connecting to'} the store at "
+        f"{format_address(host, port)} (address from "
+        f"{_describe(str(info.source_of('master_addr')))}, port from "
+        f"{_describe(str(info.source_of('master_port')))})"
+    )
+    opened = _open_store(
+        lambda: TCPStore(
+            host,
+            port,
+            world_size=size,
+            is_master=hosting,
+            timeout=seconds,
+            wait_for_workers=not agent,
+        ),
+        context,
+        DistNetworkError,
+    )
     if agent and cfg.store_prefix:
         opened = _RoundStore(cfg.store_prefix, opened)
     launcher = info.launcher
@@ -715,5 +886,6 @@ def rendezvous(init_method: str | None = None, *, rank: int | None = -1,
         source = f"tcp://{format_address(host, port)}"
     else:
         source = launcher if launcher not in (None, "torch style") else "env://"
-    return Rendezvous(opened, the_rank, size, info.local_rank, info.local_world_size, host,
-                      port, source)
+    return Rendezvous(
+        opened, the_rank, size, info.local_rank, info.local_world_size, host, port, source
+    )

@@ -50,11 +50,12 @@ def free_port() -> int:
         ("x[1-2] y[5]\tz", ["x1", "x2", "y5", "z"]),
         ("10.0.0.[1-2]", ["10.0.0.1", "10.0.0.2"]),
         ("[1-2]", ["1", "2"]),
-        ("rack[1-2]-node[01-02]",
-         ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]),
+        ("rack[1-2]-node[01-02]", ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]),
         # Slurm's order with three groups: the middle group outermost, the last innermost.
-        ("a[1-2]b[3-4]c[5-6]",
-         ["a1b3c5", "a1b3c6", "a2b3c5", "a2b3c6", "a1b4c5", "a1b4c6", "a2b4c5", "a2b4c6"]),
+        (
+            "a[1-2]b[3-4]c[5-6]",
+            ["a1b3c5", "a1b3c6", "a2b3c5", "a2b3c6", "a1b4c5", "a1b4c6", "a2b4c5", "a2b4c6"],
+        ),
         ("r[1-2]n[1]-ib,login", ["r1n1-ib", "r2n1-ib", "login"]),
         (",,host1,,", ["host1"]),
     ],
@@ -97,13 +98,25 @@ def test_expand_nodelist_rejects_non_str() -> None:
 # -- detect_environment -----------------------------------------------------------------------
 
 TORCH = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-OMPI = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+OMPI = {
+    "OMPI_COMM_WORLD_RANK": "5",
+    "OMPI_COMM_WORLD_SIZE": "16",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+}
 PMIX = {"PMIX_RANK": "6", "PMIX_NAMESPACE": "prterun-host-1234@1"}
 MPICH = {"PMI_RANK": "7", "PMI_SIZE": "12", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "6"}
-SLURM = {"SLURM_PROCID": "9", "SLURM_NTASKS": "10", "SLURM_LOCALID": "4", "SLURM_NODEID": "1",
-         "SLURM_TASKS_PER_NODE": "5(x2)", "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "3",
-         "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_STEP_NODELIST": "node08"}
+SLURM = {
+    "SLURM_PROCID": "9",
+    "SLURM_NTASKS": "10",
+    "SLURM_LOCALID": "4",
+    "SLURM_NODEID": "1",
+    "SLURM_TASKS_PER_NODE": "5(x2)",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "3",
+    "SLURM_JOB_NODELIST": "node[07-08]",
+    "SLURM_STEP_NODELIST": "node08",
+}
 
 
 def test_detect_nothing() -> None:
@@ -169,9 +182,16 @@ def test_detect_slurm_batch_step_uses_job_values_under_mpirun() -> None:
 
 
 def test_detect_slurm_step_tasks_and_nodelist_fallbacks() -> None:
-    env = {"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "3", "SLURM_NTASKS": "64",
-           "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2,1",
-           "SLURM_TASKS_PER_NODE": "32(x2)", "SLURM_NODELIST": "c[1-2]", "SLURM_JOB_ID": "7"}
+    env = {
+        "SLURM_PROCID": "2",
+        "SLURM_STEP_NUM_TASKS": "3",
+        "SLURM_NTASKS": "64",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "2,1",
+        "SLURM_TASKS_PER_NODE": "32(x2)",
+        "SLURM_NODELIST": "c[1-2]",
+        "SLURM_JOB_ID": "7",
+    }
     info = detect_environment(env)
     assert (info.world_size, info.local_world_size) == (3, 1)
     assert info.master_addr == "c1"
@@ -181,8 +201,8 @@ def test_detect_slurm_step_tasks_and_nodelist_fallbacks() -> None:
 @pytest.mark.parametrize(
     ("env", "local_size"),
     [
-        ({"SLURM_TASKS_PER_NODE": "4(x3)"}, 4),               # uniform: no node id needed
-        ({"SLURM_TASKS_PER_NODE": "4,2"}, None),              # not uniform, no node id
+        ({"SLURM_TASKS_PER_NODE": "4(x3)"}, 4),  # uniform: no node id needed
+        ({"SLURM_TASKS_PER_NODE": "4,2"}, None),  # not uniform, no node id
         ({"SLURM_TASKS_PER_NODE": "4,2", "SLURM_NODEID": "1"}, 2),
         ({"SLURM_TASKS_PER_NODE": "4,2", "SLURM_NTASKS_PER_NODE": "4"}, 4),
         ({"SLURM_NTASKS_PER_NODE": "6"}, 6),
@@ -200,8 +220,13 @@ def test_slurm_port_range() -> None:
     assert slurm_port(5, 2) != slurm_port(5, 3) != slurm_port(6, 3)
 
 
-PRECEDENCE = [(TORCH, "RANK"), (OMPI, "OMPI_COMM_WORLD_RANK"), (PMIX, "PMIX_RANK"),
-              (MPICH, "PMI_RANK"), (SLURM, "SLURM_PROCID")]
+PRECEDENCE = [
+    (TORCH, "RANK"),
+    (OMPI, "OMPI_COMM_WORLD_RANK"),
+    (PMIX, "PMIX_RANK"),
+    (MPICH, "PMI_RANK"),
+    (SLURM, "SLURM_PROCID"),
+]
 
 
 @pytest.mark.parametrize("first", range(len(PRECEDENCE)))
@@ -216,8 +241,13 @@ def test_detect_rank_precedence(first: int) -> None:
 
 
 def test_detect_explicit_values_win_and_skip_the_environment() -> None:
-    env = {"RANK": "not a number", "WORLD_SIZE": "x", "MASTER_ADDR": "env-host",
-           "MASTER_PORT": "99999", "LOCAL_RANK": "0"}
+    env = {
+        "RANK": "not a number",
+        "WORLD_SIZE": "x",
+        "MASTER_ADDR": "env-host",
+        "MASTER_PORT": "99999",
+        "LOCAL_RANK": "0",
+    }
     info = detect_environment(env, rank=1, world_size=2, master_addr="h", master_port=80)
     assert (info.rank, info.world_size, info.master_addr, info.master_port) == (1, 2, "h", 80)
     assert info.source_of("rank") == "rank= argument"
@@ -242,8 +272,10 @@ def test_detect_without_master_ignores_master_vars() -> None:
         ({"OMPI_COMM_WORLD_SIZE": "4.0"}, ["OMPI_COMM_WORLD_SIZE", "not an integer"]),
         ({"MASTER_PORT": "http"}, ["MASTER_PORT='http'", "not an integer"]),
         ({"RANK": "4", "WORLD_SIZE": "4"}, ["rank 4", "RANK", "world_size 4", "WORLD_SIZE"]),
-        ({"OMPI_COMM_WORLD_RANK": "2", "SLURM_NTASKS": "2"},
-         ["OMPI_COMM_WORLD_RANK (Open MPI)", "SLURM_NTASKS (Slurm)"]),
+        (
+            {"OMPI_COMM_WORLD_RANK": "2", "SLURM_NTASKS": "2"},
+            ["OMPI_COMM_WORLD_RANK (Open MPI)", "SLURM_NTASKS (Slurm)"],
+        ),
         ({"RANK": "-1"}, ["rank -1", "RANK", ">= 0"]),
         ({"WORLD_SIZE": "0"}, ["world_size 0", ">= 1"]),
         ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, ["local_rank 2", "LOCAL_WORLD_SIZE"]),
@@ -272,8 +304,10 @@ def test_detect_rejects_bad_values(env: dict[str, str], words: list[str]) -> Non
         ("env://?rank=1&world_size=2", ("env", None, None, None, 1, 2)),
         ("tcp://10.1.1.20:23456", ("tcp", "10.1.1.20", 23456, None, None, None)),
         ("TCP://Node1:80/", ("tcp", "node1", 80, None, None, None)),
-        ("tcp://[ff15:1e18:5d4c:4cf0:d02d:b659:53ba:b0a7]:23456?world_size=4",
-         ("tcp", "ff15:1e18:5d4c:4cf0:d02d:b659:53ba:b0a7", 23456, None, None, 4)),
+        (
+            "tcp://[ff15:1e18:5d4c:4cf0:d02d:b659:53ba:b0a7]:23456?world_size=4",
+            ("tcp", "ff15:1e18:5d4c:4cf0:d02d:b659:53ba:b0a7", 23456, None, None, 4),
+        ),
         ("tcp://[::1]:1?rank=0&world_size=1&use_libuv=0", ("tcp", "::1", 1, None, 0, 1)),
         ("file:///mnt/nfs/sharedfile", ("file", None, None, "/mnt/nfs/sharedfile", None, None)),
         ("file://localhost/tmp/f?rank=3&world_size=4", ("file", None, None, "/tmp/f", 3, 4)),
@@ -330,7 +364,8 @@ def test_missing_rank_lists_every_source() -> None:
     assert str(info.value).startswith(
         "cannot determine the rank: pass rank= to init_process_group, or set RANK (torch "
         "style), OMPI_COMM_WORLD_RANK (Open MPI), PMIX_RANK (PMIx), PMI_RANK (MPICH) or "
-        "SLURM_PROCID (Slurm)")
+        "SLURM_PROCID (Slurm)"
+    )
 
 
 def test_missing_world_size_lists_every_source() -> None:
@@ -338,8 +373,14 @@ def test_missing_world_size_lists_every_source() -> None:
         rendezvous("tcp://127.0.0.1:1", rank=0, environ={"PMIX_RANK": "0"})
     message = str(info.value)
     assert message.startswith("cannot determine the world size: pass world_size=")
-    for word in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "PMIx",
-                 "?world_size="):
+    for word in (
+        "WORLD_SIZE",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "SLURM_NTASKS",
+        "PMIx",
+        "?world_size=",
+    ):
         assert word in message
 
 
@@ -361,16 +402,19 @@ def test_missing_master_addr_and_port() -> None:
         ({"rank": 0, "world_size": 2.0}, TypeError, ["world_size must be an int", "float"]),
         ({"rank": -2, "world_size": 2}, ValueError, ["rank=-2", ">= 0", "-1"]),
         ({"rank": 0, "world_size": 0}, ValueError, ["world_size=0", ">= 1"]),
-        ({"rank": 2, "world_size": 2}, ValueError, ["rank 2", "rank= argument",
-                                                    "world_size 2"]),
+        ({"rank": 2, "world_size": 2}, ValueError, ["rank 2", "rank= argument", "world_size 2"]),
         ({"init_method": "udp://h:1"}, ValueError, ["unsupported scheme", "tcp://HOST:PORT"]),
-        ({"init_method": "tcp://h:1?rank=1", "rank": 0}, ValueError,
-         ["rank is given twice", "rank=0", "?rank=1"]),
+        (
+            {"init_method": "tcp://h:1?rank=1", "rank": 0},
+            ValueError,
+            ["rank is given twice", "rank=0", "?rank=1"],
+        ),
         ({"timeout": "10"}, TypeError, ["timeout"]),
     ],
 )
-def test_rendezvous_rejects_bad_arguments(kwargs: dict[str, object], error: type,
-                                          words: list[str]) -> None:
+def test_rendezvous_rejects_bad_arguments(
+    kwargs: dict[str, object], error: type, words: list[str]
+) -> None:
     with pytest.raises(error) as info:
         rendezvous(environ={}, **kwargs)  # type: ignore[arg-type]
     for word in words:
@@ -429,8 +473,13 @@ def test_connect_failure_names_rank_and_address_sources() -> None:
     with pytest.raises(DistError) as info:
         rendezvous(rank=1, world_size=2, environ=env, timeout=0.5)
     message = str(info.value)
-    for word in ("[rank 1/2]", "connecting to the store at 127.0.0.1:", str(port),
-                 "MASTER_ADDR", "MASTER_PORT"):
+    for word in (
+        "[rank 1/2]",
+        "connecting to the store at 127.0.0.1:",
+        str(port),
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         assert word in message
 
 
@@ -459,9 +508,14 @@ def exchange(init_method: str | None, explicit: bool, drop: tuple[str, ...]) -> 
             store.wait([f"done/{r}" for r in range(result.world_size)], timedelta(seconds=30))
     finally:
         store.close()
-    return {"rank": result.rank, "world_size": result.world_size,
-            "local": (result.local_rank, result.local_world_size), "source": result.source,
-            "master": (result.master_addr, result.master_port), "values": values}
+    return {
+        "rank": result.rank,
+        "world_size": result.world_size,
+        "local": (result.local_rank, result.local_world_size),
+        "source": result.source,
+        "master": (result.master_addr, result.master_port),
+        "values": values,
+    }
 
 
 def check_world(results: list[dict[str, object]], size: int, source: str) -> None:
@@ -477,8 +531,9 @@ def check_world(results: list[dict[str, object]], size: int, source: str) -> Non
 def test_env_world(size: int) -> None:
     port = free_port()
     init_method = "env://" if size != 2 else None
-    results = run_ranks(exchange, size, init_method, False, (), timeout=60,
-                        env={"MASTER_PORT": str(port)})
+    results = run_ranks(
+        exchange, size, init_method, False, (), timeout=60, env={"MASTER_PORT": str(port)}
+    )
     check_world(results, size, "env://")
     for rank, result in enumerate(results):
         assert result["local"] == (rank, size)
@@ -488,17 +543,24 @@ def test_env_world(size: int) -> None:
 def test_env_explicit_arguments_override_environment() -> None:
     port = free_port()
     # each rank's RANK and WORLD_SIZE lie; the rank= and world_size= arguments win
-    results = run_ranks(exchange, 2, "env://", True, (), timeout=60,
-                        env={"MASTER_PORT": str(port), "TRUE_SIZE": "2"},
-                        rank_env=lambda r: {"RANK": str(1 - r), "WORLD_SIZE": "5",
-                                            "TRUE_RANK": str(r)})
+    results = run_ranks(
+        exchange,
+        2,
+        "env://",
+        True,
+        (),
+        timeout=60,
+        env={"MASTER_PORT": str(port), "TRUE_SIZE": "2"},
+        rank_env=lambda r: {"RANK": str(1 - r), "WORLD_SIZE": "5", "TRUE_RANK": str(r)},
+    )
     check_world(results, 2, "env://")
 
 
 def test_tcp_explicit_rank_and_world_size() -> None:
     port = free_port()
-    results = run_ranks(exchange, 3, f"tcp://127.0.0.1:{port}", True,
-                        (*TORCH_VARS, "MASTER_ADDR"), timeout=60)
+    results = run_ranks(
+        exchange, 3, f"tcp://127.0.0.1:{port}", True, (*TORCH_VARS, "MASTER_ADDR"), timeout=60
+    )
     check_world(results, 3, f"tcp://127.0.0.1:{port}")
     assert all(result["local"] == (None, None) for result in results)
 
@@ -518,31 +580,58 @@ def test_file_world(tmp_path: object) -> None:
 
 
 def _open_mpi_env(rank: int) -> dict[str, str]:
-    return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "3",
-            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank % 2), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-            "PMIX_RANK": str(rank)}
+    return {
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": "3",
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank % 2),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "PMIX_RANK": str(rank),
+    }
 
 
 def test_open_mpi_environment() -> None:
     port = free_port()
-    results = run_ranks(exchange, 3, None, False, TORCH_VARS, timeout=60,
-                        env={"MASTER_PORT": str(port)}, rank_env=_open_mpi_env)
+    results = run_ranks(
+        exchange,
+        3,
+        None,
+        False,
+        TORCH_VARS,
+        timeout=60,
+        env={"MASTER_PORT": str(port)},
+        rank_env=_open_mpi_env,
+    )
     check_world(results, 3, "Open MPI")
     assert [result["local"] for result in results] == [(0, 2), (1, 2), (0, 2)]
 
 
 def _slurm_env(rank: int) -> dict[str, str]:
-    return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-            "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "4242",
-            "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "127.0.0.1",
-            "SLURM_STEP_NODELIST": "127.0.0.1"}
+    return {
+        "SLURM_PROCID": str(rank),
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0",
+        "SLURM_TASKS_PER_NODE": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+    }
 
 
 def test_slurm_environment() -> None:
     port = free_port()
     # MASTER_ADDR is dropped: the store's address comes from SLURM_STEP_NODELIST
-    results = run_ranks(exchange, 2, "env://", False, (*TORCH_VARS, "MASTER_ADDR"), timeout=60,
-                        env={"MASTER_PORT": str(port)}, rank_env=_slurm_env)
+    results = run_ranks(
+        exchange,
+        2,
+        "env://",
+        False,
+        (*TORCH_VARS, "MASTER_ADDR"),
+        timeout=60,
+        env={"MASTER_PORT": str(port)},
+        rank_env=_slurm_env,
+    )
     check_world(results, 2, "Slurm")
     for rank, result in enumerate(results):
         assert result["local"] == (rank, 2)

@@ -40,14 +40,30 @@ from .base import Backend, OpQueue
 __all__ = ["MpiBackend", "mpi"]
 
 _DTYPES = {
-    "bool": "C_BOOL", "int8": "INT8_T", "int16": "INT16_T", "int32": "INT32_T",
-    "int64": "INT64_T", "uint8": "UINT8_T", "uint16": "UINT16_T", "uint32": "UINT32_T",
-    "uint64": "UINT64_T", "float16": "UINT16_T", "float32": "FLOAT", "float64": "DOUBLE",
-    "complex64": "C_FLOAT_COMPLEX", "complex128": "C_DOUBLE_COMPLEX",
+    "bool": "C_BOOL",
+    "int8": "INT8_T",
+    "int16": "INT16_T",
+    "int32": "INT32_T",
+    "int64": "INT64_T",
+    "uint8": "UINT8_T",
+    "uint16": "UINT16_T",
+    "uint32": "UINT32_T",
+    "uint64": "UINT64_T",
+    "float16": "UINT16_T",
+    "float32": "FLOAT",
+    "float64": "DOUBLE",
+    "complex64": "C_FLOAT_COMPLEX",
+    "complex128": "C_DOUBLE_COMPLEX",
 }
-_BOOL_OPS = {ReduceOp.SUM: "LOR", ReduceOp.PRODUCT: "LAND", ReduceOp.MIN: "LAND",
-             ReduceOp.MAX: "LOR", ReduceOp.BAND: "LAND", ReduceOp.BOR: "LOR",
-             ReduceOp.BXOR: "LXOR"}
+_BOOL_OPS = {
+    ReduceOp.SUM: "LOR",
+    ReduceOp.PRODUCT: "LAND",
+    ReduceOp.MIN: "LAND",
+    ReduceOp.MAX: "LOR",
+    ReduceOp.BAND: "LAND",
+    ReduceOp.BOR: "LOR",
+    ReduceOp.BXOR: "LXOR",
+}
 _SPIN_YIELD = 64  # Test calls between sched_yields while waiting on a request
 _SPIN_SECONDS = 10.0  # then the waiter sleeps between tests (a hung peer costs no CPU)
 
@@ -72,9 +88,16 @@ def mpi() -> Any:
 class _MpiWork(Work):
     """A Work on an MPI request; `wait` and `is_completed` drive MPI's progress."""
 
-    def __init__(self, description: str, outputs: list[Any], request: Any,
-                 finish: Callable[[], None] | None, timeout: float, status: Any = None,
-                 on_timeout: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        description: str,
+        outputs: list[Any],
+        request: Any,
+        finish: Callable[[], None] | None,
+        timeout: float,
+        status: Any = None,
+        on_timeout: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(description, outputs, timeout=timeout)
         self._request, self._finish, self._status = request, finish, status
         self._lock = threading.Lock()
@@ -127,7 +150,8 @@ class _MpiWork(Work):
                 self._on_expiry()
             raise DistTimeoutError(
                 f"{self.description} did not complete within {seconds:.1f} s; an MPI "
-                "operation cannot be cancelled, so this group can no longer be used")
+                "operation cannot be cancelled, so this group can no longer be used"
+            )
         return super().wait(0)
 
     def is_completed(self) -> bool:
@@ -135,8 +159,9 @@ class _MpiWork(Work):
 
     def get_future(self) -> Future:
         if not self._future.done():
-            threading.Thread(target=self._drive, args=(None,), daemon=True,
-                             name="distcomm-mpi-future").start()
+            threading.Thread(
+                target=self._drive, args=(None,), daemon=True, name="distcomm-mpi-future"
+            ).start()
         return self._future
 
 
@@ -158,11 +183,20 @@ class MpiBackend(Backend):
 
     @classmethod
     def unavailable_reason(cls) -> str:
-        return ("mpi4py is not installed: pip install 'distcomm[mpi]' (mpi4py and the mpich "
-                "wheel), or build mpi4py against your cluster's MPI library")
+        return (
+            "mpi4py is not installed: pip install 'distcomm[mpi]' (mpi4py and the mpich "
+            "wheel), or build mpi4py against your cluster's MPI library"
+        )
 
-    def __init__(self, store: Store, rank: int, size: int, timeout: float,
-                 group_name: str = "", global_ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        size: int,
+        timeout: float,
+        group_name: str = "",
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
         super().__init__(store, rank, size, timeout, group_name)
         MPI = self._MPI = mpi()
         install_abort_hook()  # an uncaught exception ends the job instead of hanging it
@@ -172,7 +206,8 @@ class MpiBackend(Backend):
             raise DistBackendError(
                 f"{self.label()} mpi backend: the group needs ranks {ranks} but "
                 f"MPI.COMM_WORLD has {world.size} process(es); start the job with "
-                f"mpiexec -n {max(ranks) + 1} or more")
+                f"mpiexec -n {max(ranks) + 1} or more"
+            )
         if ranks == list(range(world.size)):
             comm = world.Dup()
         else:
@@ -189,7 +224,8 @@ class MpiBackend(Backend):
             raise DistBackendError(
                 f"{self.label()} mpi backend: MPI places this process at rank {got[0]} of "
                 f"{got[1]}, but the group was created with rank {rank} of {size}; under "
-                "mpiexec let init_process_group('mpi') take rank and world size from MPI")
+                "mpiexec let init_process_group('mpi') take rank and world size from MPI"
+            )
         comm.Set_name(f"distcomm:{self.group_name}")
         self._comm = comm
         self._tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
@@ -229,6 +265,7 @@ class MpiBackend(Backend):
         if dtype.name == "float16":
             user = self._user_ops.get(op)
             if user is None:
+
                 def combine(inbuf: Any, inout: Any, datatype: Any, op: ReduceOp = op) -> None:
                     incoming = np.frombuffer(inbuf, dtype=np.float16)
                     acc = np.frombuffer(inout, dtype=np.float16)
@@ -252,8 +289,14 @@ class MpiBackend(Backend):
         """Refuse every later operation: `description` timed out and is still in MPI."""
         self._broken = f"{description} timed out and could not be cancelled"
 
-    def _run(self, what: str, blocking: Callable[[], None], outputs: list[Any],
-             async_op: bool, finish: Callable[[], None] | None = None) -> Work:
+    def _run(
+        self,
+        what: str,
+        blocking: Callable[[], None],
+        outputs: list[Any],
+        async_op: bool,
+        finish: Callable[[], None] | None = None,
+    ) -> Work:
         """Run the blocking MPI call `blocking()` in issue order (on the worker thread when
         `async_op`), then `finish()`."""
         if not async_op and not self._broken and self._queue.idle():
@@ -266,7 +309,8 @@ class MpiBackend(Backend):
             self._break(description)
             return DistTimeoutError(
                 f"{description} did not complete within {seconds:.1f} s (Work.wait timeout); "
-                "an MPI operation cannot be cancelled, so this group can no longer be used")
+                "an MPI operation cannot be cancelled, so this group can no longer be used"
+            )
 
         def run() -> None:
             self._call(what, blocking, finish)
@@ -274,8 +318,9 @@ class MpiBackend(Backend):
         work = Work(description, outputs, on_timeout=on_timeout, timeout=self.timeout)
         return self._queue.submit(run, work, async_op and self._threaded)
 
-    def _call(self, what: str, blocking: Callable[[], None],
-              finish: Callable[[], None] | None) -> None:
+    def _call(
+        self, what: str, blocking: Callable[[], None], finish: Callable[[], None] | None
+    ) -> None:
         """Make the blocking MPI call under the watchdog's eye, then `finish()`."""
         self._watch(what)
         try:
@@ -287,24 +332,38 @@ class MpiBackend(Backend):
         if finish is not None:
             finish()
 
-    def _request(self, what: str, start: Callable[[], Any], outputs: list[Any],
-                 finish: Callable[[], None] | None = None, status: Any = None) -> Work:
+    def _request(
+        self,
+        what: str,
+        start: Callable[[], Any],
+        outputs: list[Any],
+        finish: Callable[[], None] | None = None,
+        status: Any = None,
+    ) -> Work:
         """Start a point-to-point request; its Work drives MPI's progress when waited on."""
         description = self._check(what)
         try:
             request = start()
         except self._MPI.Exception as exc:
             raise DistBackendError(f"{description}: {_mpi_error(exc)}") from None
-        return _MpiWork(description, outputs, request, finish, self.timeout, status,
-                        lambda: self._break(description))
+        return _MpiWork(
+            description,
+            outputs,
+            request,
+            finish,
+            self.timeout,
+            status,
+            lambda: self._break(description),
+        )
 
     # -- the watchdog of blocking calls ---------------------------------------------------------
 
     def _watch(self, description: str) -> None:
         self._inflight = (time.monotonic(), description)
         if self._watchdog is None:
-            self._watchdog = threading.Thread(target=self._watch_loop, daemon=True,
-                                              name="distcomm-mpi-watchdog")
+            self._watchdog = threading.Thread(
+                target=self._watch_loop, daemon=True, name="distcomm-mpi-watchdog"
+            )
             self._watchdog.start()
 
     def _watch_loop(self) -> None:
@@ -313,11 +372,14 @@ class MpiBackend(Backend):
             inflight = self._inflight
             if inflight is None or time.monotonic() - inflight[0] < self.timeout:
                 continue
-            print(f"{self.describe(inflight[1])} did not complete within {self.timeout:.1f} s "
-                  "(the group timeout): a rank has not called it, or called a different "
-                  "operation. An "
-                  "MPI operation cannot be cancelled, so the MPI job is aborted.",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.describe(inflight[1])} did not complete within {self.timeout:.1f} s "
+                "(the group timeout): a rank has not called it, or called a different "
+                "operation. An "
+                "MPI operation cannot be cancelled, so the MPI job is aborted.",
+                file=sys.stderr,
+                flush=True,
+            )
             abort(self._MPI)
 
     # -- GPU arrays -------------------------------------------------------------------------
@@ -334,8 +396,13 @@ class MpiBackend(Backend):
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
         buf, comm, IN_PLACE = self._buf(array), self._comm, self._MPI.IN_PLACE
         mop = self._op(op, array.dtype)
-        return self._run("all_reduce", lambda: comm.Allreduce(IN_PLACE, buf, mop), [array],
-                         async_op, self._averaged(op, array))
+        return self._run(
+            "all_reduce",
+            lambda: comm.Allreduce(IN_PLACE, buf, mop),
+            [array],
+            async_op,
+            self._averaged(op, array),
+        )
 
     def _averaged(self, op: ReduceOp, array: Any) -> Callable[[], None] | None:
         if op is not ReduceOp.AVG:
@@ -349,8 +416,9 @@ class MpiBackend(Backend):
         else:
             send, recv = buf, None
         finish = self._averaged(op, array) if self.rank == root else None
-        return self._run("reduce", lambda: comm.Reduce(send, recv, mop, root), [array],
-                         async_op, finish)
+        return self._run(
+            "reduce", lambda: comm.Reduce(send, recv, mop, root), [array], async_op, finish
+        )
 
     def _in_place(self, output: Any, input: Any, index: int) -> Any:
         """MPI.IN_PLACE when `input` already is slot `index` of `output`; else `input`'s
@@ -358,27 +426,28 @@ class MpiBackend(Backend):
         if output is None or not np.shares_memory(output, input):
             return self._buf(input)
         m = input.size
-        if output[index * m:(index + 1) * m].ctypes.data == input.ctypes.data:
+        if output[index * m : (index + 1) * m].ctypes.data == input.ctypes.data:
             return self._MPI.IN_PLACE
         return self._buf(input.copy())
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
-        comm, send, recv = self._comm, self._in_place(output, input, self.rank), \
-            self._buf(output)
+        comm, send, recv = self._comm, self._in_place(output, input, self.rank), self._buf(output)
         return self._run("all_gather", lambda: comm.Allgather(send, recv), [output], async_op)
 
-    def gather(self, output: Any | None, input: Any, root: int, *,
-               async_op: bool = False) -> Work:
+    def gather(self, output: Any | None, input: Any, root: int, *, async_op: bool = False) -> Work:
         comm = self._comm
         if self.rank == root:
             send, recv = self._in_place(output, input, root), self._buf(output)
         else:
             send, recv = self._buf(input), None
-        return self._run("gather", lambda: comm.Gather(send, recv, root),
-                         [output] if output is not None else [], async_op)
+        return self._run(
+            "gather",
+            lambda: comm.Gather(send, recv, root),
+            [output] if output is not None else [],
+            async_op,
+        )
 
-    def scatter(self, output: Any, input: Any | None, root: int, *,
-                async_op: bool = False) -> Work:
+    def scatter(self, output: Any, input: Any | None, root: int, *, async_op: bool = False) -> Work:
         comm = self._comm
         if self.rank == root:
             send = self._buf(input if not np.shares_memory(input, output) else input.copy())
@@ -387,16 +456,29 @@ class MpiBackend(Backend):
         recv = self._buf(output)
         return self._run("scatter", lambda: comm.Scatter(send, recv, root), [output], async_op)
 
-    def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
-                       async_op: bool = False) -> Work:
+    def reduce_scatter(
+        self, output: Any, input: Any, op: ReduceOp, *, async_op: bool = False
+    ) -> Work:
         comm, mop = self._comm, self._op(op, output.dtype)
         send = self._buf(input if not np.shares_memory(input, output) else input.copy())
         recv = self._buf(output)
-        return self._run("reduce_scatter", lambda: comm.Reduce_scatter_block(send, recv, mop),
-                         [output], async_op, self._averaged(op, output))
+        return self._run(
+            "reduce_scatter",
+            lambda: comm.Reduce_scatter_block(send, recv, mop),
+            [output],
+            async_op,
+            self._averaged(op, output),
+        )
 
-    def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
-                   input_splits: Sequence[int], *, async_op: bool = False) -> Work:
+    def all_to_all(
+        self,
+        output: Any,
+        input: Any,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        async_op: bool = False,
+    ) -> Work:
         comm = self._comm
         source = input if not np.shares_memory(input, output) else input.copy()
         dtype = self._buf(output)[1]
@@ -419,8 +501,10 @@ class MpiBackend(Backend):
         if tag < 0:  # distcomm's own messages (monitored_barrier): the top of the range
             return self._tag_ub + tag + 1
         if tag > self._tag_ub - 16:
-            raise ValueError(f"{what}: tag {tag} is too large for this MPI library (the "
-                             f"largest is {self._tag_ub - 16}); use a smaller tag")
+            raise ValueError(
+                f"{what}: tag {tag} is too large for this MPI library (the "
+                f"largest is {self._tag_ub - 16}); use a smaller tag"
+            )
         return tag
 
     def send(self, array: Any, dst: int, tag: int) -> Work:
@@ -440,12 +524,14 @@ class MpiBackend(Backend):
 
             def finish() -> None:
                 array.set(target)
+
         buf, comm, MPI = self._buf(target), self._comm, self._MPI
         source = MPI.ANY_SOURCE if src is None else src
         mpi_tag = self._tag(tag, what)
         status = MPI.Status()
-        return self._request(what, lambda: comm.Irecv(buf, source, mpi_tag), [array],
-                             finish, status)
+        return self._request(
+            what, lambda: comm.Irecv(buf, source, mpi_tag), [array], finish, status
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -456,8 +542,9 @@ class MpiBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        self._queue.close(DistBackendError(f"{self.describe('operation')}: the process "
-                                           "group was destroyed"))
+        self._queue.close(
+            DistBackendError(f"{self.describe('operation')}: the process group was destroyed")
+        )
         self._watch_stop.set()
         if self._watchdog is not None:
             self._watchdog.join(5.0)

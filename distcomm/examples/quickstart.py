@@ -71,8 +71,10 @@ def train(args: argparse.Namespace) -> bool:
         w = np.random.default_rng([SEED, 1, rank]).normal(size=FEATURES)
         dist.broadcast(w, src=0)
         if rank == 0:
-            print(f"{world_size} rank(s), backend {dist.get_backend()}, {len(y)} samples "
-                  f"and {FEATURES} features per rank, {args.steps} steps, lr {args.lr}")
+            print(
+                f"{world_size} rank(s), backend {dist.get_backend()}, {len(y)} samples "
+                f"and {FEATURES} features per rank, {args.steps} steps, lr {args.lr}"
+            )
         for step in range(args.steps):
             if step % args.print_every == 0:
                 loss = mean_loss(x, y, w)
@@ -88,8 +90,10 @@ def train(args: argparse.Namespace) -> bool:
         error = float(np.max(np.abs(w - true_w)))
         ok = identical and error < TOLERANCE
         if rank == 0:
-            print(f"final loss {loss:.6f}; max |w - w_true| {error:.2e} (tolerance "
-                  f"{TOLERANCE}); weights identical on all ranks: {identical}")
+            print(
+                f"final loss {loss:.6f}; max |w - w_true| {error:.2e} (tolerance "
+                f"{TOLERANCE}); weights identical on all ranks: {identical}"
+            )
             print("OK" if ok else "FAILED")
         return ok
     finally:
@@ -97,6 +101,7 @@ def train(args: argparse.Namespace) -> bool:
 
 
 # -- starting the ranks ourselves (--nprocs) ---------------------------------------------------
+
 
 def _spawned_rank(rank: int, env: dict[str, str], args: argparse.Namespace) -> None:
     """A rank started by `spawn`: dies with the parent and leaves Ctrl-C to it."""
@@ -108,34 +113,47 @@ def _spawned_rank(rank: int, env: dict[str, str], args: argparse.Namespace) -> N
 
 def spawn(args: argparse.Namespace) -> int:
     """Host the store, start `args.nprocs` ranks on this host, wait; the exit status."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=args.timeout)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-           "WORLD_SIZE": str(args.nprocs), "LOCAL_WORLD_SIZE": str(args.nprocs),
-           "DISTCOMM_USE_AGENT_STORE": "1", "DISTCOMM_SOCKET_IFNAME": "lo"}
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=args.timeout
+    )
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": str(args.nprocs),
+        "LOCAL_WORLD_SIZE": str(args.nprocs),
+        "DISTCOMM_USE_AGENT_STORE": "1",
+        "DISTCOMM_SOCKET_IFNAME": "lo",
+    }
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_spawned_rank, args=(rank, env, args), name=f"rank {rank}")
-             for rank in range(args.nprocs)]
+    procs = [
+        ctx.Process(target=_spawned_rank, args=(rank, env, args), name=f"rank {rank}")
+        for rank in range(args.nprocs)
+    ]
     deadline, status = time.monotonic() + args.timeout, 0
     try:
         for proc in procs:
             proc.start()
         running = list(procs)
         while running and time.monotonic() < deadline:
-            multiprocessing.connection.wait([p.sentinel for p in running],
-                                            timeout=deadline - time.monotonic())
+            multiprocessing.connection.wait(
+                [p.sentinel for p in running], timeout=deadline - time.monotonic()
+            )
             for proc in [p for p in running if p.exitcode is not None]:
                 running.remove(proc)
                 if proc.exitcode != 0 and not status:
-                    how = (f"was killed by signal {-proc.exitcode}" if proc.exitcode < 0
-                           else f"exited with status {proc.exitcode}")
-                    print(f"quickstart: {proc.name} {how}; stopping the others",
-                          file=sys.stderr)
+                    how = (
+                        f"was killed by signal {-proc.exitcode}"
+                        if proc.exitcode < 0
+                        else f"exited with status {proc.exitcode}"
+                    )
+                    print(f"quickstart: {proc.name} {how}; stopping the others", file=sys.stderr)
                     status, deadline = 1, min(deadline, time.monotonic() + 5.0)
         if running and not status:
             names = ", ".join(p.name for p in running)
-            print(f"quickstart: {names} still running after {args.timeout:g} s; stopping "
-                  "every rank", file=sys.stderr)
+            print(
+                f"quickstart: {names} still running after {args.timeout:g} s; stopping every rank",
+                file=sys.stderr,
+            )
             status = 1
         return status
     except KeyboardInterrupt:
@@ -152,18 +170,32 @@ def spawn(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nprocs", type=int, default=None,
-                        help="start this many ranks on this host (default 2); not when "
-                             "launched with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set")
+    parser.add_argument(
+        "--nprocs",
+        type=int,
+        default=None,
+        help="start this many ranks on this host (default 2); not when "
+        "launched with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set",
+    )
     parser.add_argument("--steps", type=int, default=100, help="SGD steps (default 100)")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
-    parser.add_argument("--backend", default=None,
-                        help="distcomm backend (default: distcomm's default for CPU arrays)")
-    parser.add_argument("--print_every", type=int, default=10,
-                        help="print the loss every this many steps (default 10)")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds any wait may take, and the whole run with --nprocs "
-                             "(default 120)")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="distcomm backend (default: distcomm's default for CPU arrays)",
+    )
+    parser.add_argument(
+        "--print_every",
+        type=int,
+        default=10,
+        help="print the loss every this many steps (default 10)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds any wait may take, and the whole run with --nprocs (default 120)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.print_every < 1 or args.timeout <= 0:
         parser.error("--steps, --print_every and --timeout must be positive")
@@ -172,17 +204,23 @@ def main(argv: list[str] | None = None) -> int:
     if mpi_rank is not None and "RANK" not in os.environ:
         # under mpiexec/srun: this process is one rank; init_process_group finds the rest
         if args.nprocs is not None:
-            parser.error(f"--nprocs starts ranks itself, but this process already is rank "
-                         f"{mpi_rank} of an MPI job: drop --nprocs")
+            parser.error(
+                f"--nprocs starts ranks itself, but this process already is rank "
+                f"{mpi_rank} of an MPI job: drop --nprocs"
+            )
         return 0 if train(args) else 1
     if present and len(present) < len(LAUNCH_VARS):
         missing = ", ".join(name for name in LAUNCH_VARS if name not in os.environ)
-        parser.error(f"the environment sets {', '.join(present)} but not {missing}: set all "
-                     "four (as a launcher does) or none (then use --nprocs)")
+        parser.error(
+            f"the environment sets {', '.join(present)} but not {missing}: set all "
+            "four (as a launcher does) or none (then use --nprocs)"
+        )
     if present:
         if args.nprocs is not None:
-            parser.error(f"--nprocs starts ranks itself, but this process already is rank "
-                         f"{os.environ['RANK']} of a launched job: drop --nprocs")
+            parser.error(
+                f"--nprocs starts ranks itself, but this process already is rank "
+                f"{os.environ['RANK']} of a launched job: drop --nprocs"
+            )
         return 0 if train(args) else 1
     args.nprocs = 2 if args.nprocs is None else args.nprocs
     if args.nprocs < 1:
