@@ -261,3 +261,27 @@ def test_backend_connections_authenticate(tmp_path):
                         rank_env=lambda r: {"DISTCOMM_AUTH_KEY": "secret"} if r == 0 else {})
     assert all(kind != "ok" for kind, _ in missing), missing
     assert "DISTCOMM_AUTH_KEY" in missing[1][1], missing
+
+
+# -- ranks leaving at different times ----------------------------------------------------------
+
+def _late_rank_after_root_left() -> tuple[str, float]:
+    """Rank 0 broadcasts and leaves the group before the late last rank calls broadcast."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    x = np.full(1000, 3.0) if r == 0 else np.zeros(1000)
+    if r == n - 1:  # rank 0's right-hand neighbour in the signature check
+        time.sleep(1.5)
+    try:
+        dist.broadcast(x, src=0)
+    except dist.DistError as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        dist.destroy_process_group()
+    return "ok", float(x.sum())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_late_rank_completes_a_collective_its_neighbour_left(backend):
+    results = run_ranks(_late_rank_after_root_left, 3, backend=backend, timeout=60,
+                        init_timeout=60)
+    assert results == [("ok", 3000.0)] * 3, results

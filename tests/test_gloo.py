@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -233,3 +234,31 @@ def test_failures_across_hosts_reach_every_rank(case, kind, words):
             continue
         assert result[0] == kind, outcomes
     assert any(words in message for _, message in outcomes if message), outcomes
+
+
+def _leave_at_different_times() -> tuple[str, float]:
+    """The last collective of a job, with the ranks arriving and leaving at different times.
+
+    Hosts h0 = ranks {0, 2} and h1 = {1, 3}: rank 1, h1's representative, comes late, so
+    its host-mate rank 3 still waits for it in h1's step while rank 0 (index 0 on h0,
+    like rank 1 on h1) has finished and left the group.
+    """
+    r = dist.get_rank()
+    x = np.full(4, 7.0) if r == 0 else np.zeros(4)
+    if r == 1:
+        time.sleep(1.5)
+    try:
+        dist.broadcast(x, src=0)
+    except dist.DistError as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        dist.destroy_process_group()
+    return "ok", float(x.sum())
+
+
+def test_ranks_leaving_at_different_times_across_hosts():
+    # each rank destroys its own group: nothing left for the harness to tear down
+    results = run_ranks(_leave_at_different_times, 4, backend="gloo", timeout=60,
+                        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"})
+    assert results == [("ok", 28.0)] * 4, results
+

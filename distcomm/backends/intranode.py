@@ -247,7 +247,8 @@ class IntraNode:
                 spins += 1
                 os.sched_yield()
                 continue
-            failure = self._mailbox.failure or self._mailbox.gone(peer)
+            # `peer` counts this host's ranks; the mailbox knows the group's
+            failure = self._mailbox.failure or self._mailbox.gone(self.names[peer])
             if failure is not None:
                 raise failure.kind(f"{self._describe}: {failure.message}")
             left = self._deadline.remaining()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...deadline import Deadline
-from ...errors import DistError, DistTimeoutError
+from ...errors import DistError, DistNetworkError, DistTimeoutError
 from .base import COLL, SIG, Signature, Transport, as_bytes
 from .mailbox import Mailbox, Recv
 
@@ -64,8 +64,14 @@ class Exchange:
         if self.size > 1:
             s = self.signature
             fields = (SIG, s.op, s.dtype, s.redop, s.root, self.seq, 0, s.count, 0)
-            self.transport.send(self._global((self.rank + 1) % self.size), fields,
-                                memoryview(b""), self.deadline)
+            peer = self._global((self.rank + 1) % self.size)
+            try:
+                self.transport.send(peer, fields, memoryview(b""), self.deadline)
+            except DistNetworkError:
+                # a neighbour that already finished this collective and left the group
+                # (a late rank's last collective) has nothing left to compare
+                if self.transport.mailbox.gone(peer) is None:
+                    raise
 
     def send(self, peer: int, step: int, array: np.ndarray) -> None:
         """Send `array`'s bytes to `peer` as message `step` of this collective."""

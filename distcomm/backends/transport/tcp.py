@@ -300,10 +300,11 @@ class TcpTransport(Transport):
                 fields = HEADER.unpack(header)
                 kind, nbytes = fields[0], fields[8]
                 if kind == BYE:
-                    conn.gone = True
+                    # the mailbox first: a sender that finds `gone` set can ask it why
                     mailbox.peer_gone(conn.rank, Failure(
                         DistNetworkError,
                         f"rank {conn.rank} has left the group (destroy_process_group or exit)"))
+                    conn.gone = True
                     _drain(sock)
                     return
                 if kind == ABORT:
