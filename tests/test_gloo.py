@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -262,3 +263,33 @@ def test_ranks_leaving_at_different_times_across_hosts():
                         rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"})
     assert results == [("ok", 28.0)] * 4, results
 
+
+def _frozen_rank(frozen: int, resume_after: float) -> tuple[str, str]:
+    """Three all_reduces; `frozen` stops itself (SIGSTOP) before the third, a helper
+    process resumes it later."""
+    x = np.ones(1000)
+    try:
+        for i in range(3):
+            if i == 2 and dist.get_rank() == frozen:
+                subprocess.Popen(["sh", "-c", f"sleep {resume_after}; kill -CONT {os.getpid()}"])
+                os.kill(os.getpid(), signal.SIGSTOP)
+            dist.all_reduce(x)
+    except dist.DistError as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def test_timeout_across_hosts_names_the_stopped_rank():
+    # rank 3 shares host h1 with rank 1, which stands for h1 between hosts: its stop holds
+    # up rank 1 in h1's step, ranks 0 and 2 between hosts and on h0
+    results = run_ranks(_frozen_rank, 4, 3, 8.0, backend="gloo", timeout=90, init_timeout=3,
+                        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"})
+    for rank in (0, 1, 2):
+        kind, message = results[rank]
+        assert kind == "DistTimeoutError", results
+        assert "all_reduce on 'gloo' (group 'default') #2" in message, results
+        assert "rank(s) 3 did not answer" in message, results
+        for other in (0, 1, 2):
+            assert f"rank(s) {other} " not in message, results
+        assert "collective #4" not in message, results  # h1's own step count
+    assert results[3][0] != "ok" and "aborted" in results[3][1], results

@@ -113,9 +113,22 @@ class GlooBackend(TcpBackend):
         """Run `body(seq, describe, deadline)` as collective `seq` of the group."""
 
         def run(seq: int, describe: str, deadline: Deadline) -> None:
+            if not self._across_hosts():
+                if self._engine is not None:
+                    self._engine.begin(describe, deadline)
+                body(seq, describe, deadline)
+                return
+            # Every rank records the group collective it is in, also those that only take
+            # part in this host's steps: a late collective is then explained the same way
+            # wherever it times out, by the peers' answers to a progress query (a stopped
+            # rank does not answer, one that has not called it says where it is), in the
+            # group's ranks and collective numbers rather than this host's steps.
+            mailbox = self._transport.mailbox
+            mailbox.begin_collective(seq, signature)
             if self._engine is not None:
-                self._engine.begin(describe, deadline)
+                self._engine.begin(describe, deadline, lambda: diagnose(self._transport, seq))
             body(seq, describe, deadline)
+            mailbox.finish_collective(seq, signature)
 
         def why(seq: int) -> str:
             if self._on_one_host():

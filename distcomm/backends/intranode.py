@@ -23,7 +23,7 @@ import logging
 import os
 import platform
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,6 +191,7 @@ class IntraNode:
         self._pool = ScratchPool()  # a non-root owner's partial result in `reduce`
         self._describe = ""
         self._deadline = Deadline(None)
+        self._explain: Callable[[], str] | None = None
         mailbox.add_listener(self._interrupt)
 
     # -- layout ----------------------------------------------------------------------------
@@ -253,9 +254,10 @@ class IntraNode:
                 raise failure.kind(f"{self._describe}: {failure.message}")
             left = self._deadline.remaining()
             if left is not None and left <= 0:
+                why = self._explain() if self._explain is not None else (
+                    self._lagging(target, what) or "the peers did not wake this rank")
                 raise DistTimeoutError(
-                    f"{self._describe} timed out after {self._deadline.seconds:.1f} s: "
-                    f"{self._lagging(target, what) or 'the peers did not wake this rank'}")
+                    f"{self._describe} timed out after {self._deadline.seconds:.1f} s: {why}")
             self._waiting = address
             try:
                 futex_wait(address, value, _SLICE if left is None else min(left, _SLICE))
@@ -323,9 +325,19 @@ class IntraNode:
     def _others(self) -> list[int]:
         return [p for p in range(self.size) if p != self.rank]
 
-    def begin(self, describe: str, deadline: Deadline) -> None:
-        """Name and time the collective about to run (for errors)."""
-        self._describe, self._deadline = describe, deadline
+    def begin(self, describe: str, deadline: Deadline,
+              explain: Callable[[], str] | None = None) -> None:
+        """Name and time the collective about to run (for errors).
+
+        Args:
+            describe: the collective, as its errors name it ("[rank 1/4] all_reduce ... #7").
+            deadline: when its waits give up.
+            explain: why it is late, in the group's terms, for a step of a collective that
+                spans hosts: this host's counters number the host's own steps and can only
+                name the same-host ranks it waits for, not a late rank on another host.
+                None: the counters explain it (the collective runs on this host alone).
+        """
+        self._describe, self._deadline, self._explain = describe, deadline, explain
 
     # -- data movement ---------------------------------------------------------------------
 
