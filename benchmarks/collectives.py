@@ -49,8 +49,7 @@ import numpy as np
 
 from distcomm.launch.errors import exit_description
 
-OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
-       "barrier")
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier")
 DTYPES = ("float32", "float64", "float16", "int8", "uint8", "int32", "int64")
 #: Ops whose buffers are split in one piece per rank: sizes round down to a multiple of n.
 SPLIT_OPS = ("all_gather", "reduce_scatter", "all_to_all")
@@ -62,9 +61,24 @@ GRACE_AFTER_FAILURE = 3.0
 PARENT_MARGIN = 30.0
 LOOPBACK = "127.0.0.1"
 
-FIELDS = ("op", "nprocs", "dtype", "backend", "size", "count", "iters", "time_us",
-          "algbw", "busbw", "wrong", "peer_time_us", "peer_algbw", "peer_busbw",
-          "peer_wrong", "ratio")
+FIELDS = (
+    "op",
+    "nprocs",
+    "dtype",
+    "backend",
+    "size",
+    "count",
+    "iters",
+    "time_us",
+    "algbw",
+    "busbw",
+    "wrong",
+    "peer_time_us",
+    "peer_algbw",
+    "peer_busbw",
+    "peer_wrong",
+    "ratio",
+)
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -80,6 +94,7 @@ def bus_factor(op: str, n: int) -> float:
 
 # -- command line ------------------------------------------------------------------------------
 
+
 def parse_bytes(text: str) -> int:
     """'8', '64K', '64M', '1G' (also '64MB', '64MiB'; powers of 1024) -> bytes.
 
@@ -90,7 +105,8 @@ def parse_bytes(text: str) -> int:
     if match is None:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size: write a number of bytes with an optional K, M or G "
-            "suffix (powers of 1024), e.g. 8, 64K, 64M, 1G")
+            "suffix (powers of 1024), e.g. 8, 64K, 64M, 1G"
+        )
     return int(match.group(1)) * 1024 ** " KMG".index(match.group(2) or " ")
 
 
@@ -103,7 +119,8 @@ def parse_ops(text: str) -> tuple[str, ...]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown op {', '.join(unknown) or text!r}: choose from {', '.join(OPS)} or 'all' "
-            "(several ops: a comma-separated list)")
+            "(several ops: a comma-separated list)"
+        )
     return tuple(dict.fromkeys(names))
 
 
@@ -139,37 +156,68 @@ compare: with --compare torch each size runs ours, then torch.distributed's gloo
   times: above 1, distcomm is faster. --compare cupy (with --backend nccl) does the same
   with raw cupy.cuda.nccl calls on the same CuPy buffers.
 exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 for a
-  usage error (including --compare torch without torch installed).""")
-    parser.add_argument("-b", "--minbytes", type=parse_bytes, default=8,
-                        help="smallest size in bytes (default 8)")
-    parser.add_argument("-e", "--maxbytes", type=parse_bytes, default=64 * 1024 ** 2,
-                        help="largest size in bytes, suffixes K/M/G (default 64M)")
-    parser.add_argument("-f", "--stepfactor", type=int, default=2,
-                        help="multiply the size by this between rows (default 2)")
-    parser.add_argument("-n", "--iters", type=int, default=20,
-                        help="timed iterations per size (default 20)")
-    parser.add_argument("-w", "--warmup_iters", type=int, default=5,
-                        help="warm-up iterations per size, the checked one included "
-                             "(default 5)")
-    parser.add_argument("--scale_above", type=parse_bytes, default=1024 ** 2,
-                        help="shrink the iterations of sizes above this (default 1M; "
-                             "0: never)")
-    parser.add_argument("--op", type=parse_ops, default=("all_reduce",),
-                        help=f"{', '.join(OPS)}, a comma-separated list of them, or 'all' "
-                             "(default all_reduce)")
+  usage error (including --compare torch without torch installed).""",
+    )
+    parser.add_argument(
+        "-b", "--minbytes", type=parse_bytes, default=8, help="smallest size in bytes (default 8)"
+    )
+    parser.add_argument(
+        "-e",
+        "--maxbytes",
+        type=parse_bytes,
+        default=64 * 1024**2,
+        help="largest size in bytes, suffixes K/M/G (default 64M)",
+    )
+    parser.add_argument(
+        "-f",
+        "--stepfactor",
+        type=int,
+        default=2,
+        help="multiply the size by this between rows (default 2)",
+    )
+    parser.add_argument(
+        "-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)"
+    )
+    parser.add_argument(
+        "-w",
+        "--warmup_iters",
+        type=int,
+        default=5,
+        help="warm-up iterations per size, the checked one included (default 5)",
+    )
+    parser.add_argument(
+        "--scale_above",
+        type=parse_bytes,
+        default=1024**2,
+        help="shrink the iterations of sizes above this (default 1M; 0: never)",
+    )
+    parser.add_argument(
+        "--op",
+        type=parse_ops,
+        default=("all_reduce",),
+        help=f"{', '.join(OPS)}, a comma-separated list of them, or 'all' (default all_reduce)",
+    )
     parser.add_argument("--backend", default="gloo", help="distcomm backend (default gloo)")
     parser.add_argument("--nprocs", type=int, default=2, help="number of ranks (default 2)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="element type (default float32)")
-    parser.add_argument("--compare", choices=("torch", "mpi4py", "cupy"),
-                        help="also run torch.distributed's gloo backend (torch), raw mpi4py "
-                             "calls (mpi4py, under mpiexec), or raw cupy.cuda.nccl calls "
-                             "(cupy, with --backend nccl) on the same buffers")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="element type (default float32)"
+    )
+    parser.add_argument(
+        "--compare",
+        choices=("torch", "mpi4py", "cupy"),
+        help="also run torch.distributed's gloo backend (torch), raw mpi4py "
+        "calls (mpi4py, under mpiexec), or raw cupy.cuda.nccl calls "
+        "(cupy, with --backend nccl) on the same buffers",
+    )
     parser.add_argument("--csv", metavar="PATH", help="also write every row to this CSV file")
-    parser.add_argument("--timeout", type=positive_float, default=300.0,
-                        help="seconds any one collective or the start of the ranks may "
-                             "take; the parent gives up when no row arrives for this plus "
-                             f"{PARENT_MARGIN:.0f} s (default 300)")
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=300.0,
+        help="seconds any one collective or the start of the ranks may "
+        "take; the parent gives up when no row arrives for this plus "
+        f"{PARENT_MARGIN:.0f} s (default 300)",
+    )
     return parser
 
 
@@ -177,13 +225,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.nprocs < 1:
         parser.error(f"--nprocs must be >= 1, got {args.nprocs}")
     if args.minbytes < 1 or args.maxbytes < args.minbytes:
-        parser.error(f"need 1 <= --minbytes <= --maxbytes, got {args.minbytes} and "
-                     f"{args.maxbytes}")
+        parser.error(f"need 1 <= --minbytes <= --maxbytes, got {args.minbytes} and {args.maxbytes}")
     if args.stepfactor < 2:
         parser.error(f"--stepfactor must be >= 2, got {args.stepfactor}")
     if args.iters < 1 or args.warmup_iters < 0:
-        parser.error(f"need --iters >= 1 and --warmup_iters >= 0, got {args.iters} and "
-                     f"{args.warmup_iters}")
+        parser.error(
+            f"need --iters >= 1 and --warmup_iters >= 0, got {args.iters} and {args.warmup_iters}"
+        )
     from distcomm.backends import get_backend_record
 
     try:
@@ -193,29 +241,35 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if reason:
         parser.error(f"--backend {args.backend!r} is not available here: {reason}")
     if args.backend == "nccl" and _mpi_rank() is not None:
-        parser.error("--backend nccl starts its own ranks, one per GPU: run it without "
-                     "mpiexec")
+        parser.error("--backend nccl starts its own ranks, one per GPU: run it without mpiexec")
     if args.backend == "nccl":
         from distcomm.gpu import device_count
 
         if args.nprocs > device_count():
-            parser.error(f"--backend nccl needs one GPU per rank: --nprocs {args.nprocs} but "
-                         f"{device_count()} GPU(s) here")
+            parser.error(
+                f"--backend nccl needs one GPU per rank: --nprocs {args.nprocs} but "
+                f"{device_count()} GPU(s) here"
+            )
     if args.compare == "cupy" and args.backend != "nccl":
         parser.error("--compare cupy needs --backend nccl (it compares GPU buffers)")
     if args.backend == "nccl" and args.compare not in (None, "cupy"):
-        parser.error(f"--backend nccl uses GPU buffers: compare it with --compare cupy, not "
-                     f"--compare {args.compare}")
+        parser.error(
+            f"--backend nccl uses GPU buffers: compare it with --compare cupy, not "
+            f"--compare {args.compare}"
+        )
     if args.compare == "torch":
         try:
             import torch.distributed as tdist
         except ImportError as exc:
-            parser.error(f"--compare torch needs PyTorch, which is not importable in this "
-                         f"Python ({sys.executable}: {exc}); install it (pip install torch) "
-                         "or run without --compare")
+            parser.error(
+                f"--compare torch needs PyTorch, which is not importable in this "
+                f"Python ({sys.executable}: {exc}); install it (pip install torch) "
+                "or run without --compare"
+            )
         if not (tdist.is_available() and tdist.is_gloo_available()):
-            parser.error("--compare torch: this PyTorch build has no torch.distributed gloo "
-                         "backend")
+            parser.error(
+                "--compare torch: this PyTorch build has no torch.distributed gloo backend"
+            )
 
 
 def sizes(args: argparse.Namespace) -> list[int]:
@@ -232,11 +286,14 @@ def iterations(nbytes: int, iters: int, warmup: int, scale_above: int) -> tuple[
     if scale_above <= 0 or nbytes <= scale_above:
         return iters, max(1, warmup)
     factor = scale_above / nbytes
-    return (min(iters, max(MIN_SCALED_ITERS, math.ceil(iters * factor))),
-            max(1, math.ceil(warmup * factor)))
+    return (
+        min(iters, max(MIN_SCALED_ITERS, math.ceil(iters * factor))),
+        max(1, math.ceil(warmup * factor)),
+    )
 
 
 # -- one op at one size, on one rank -----------------------------------------------------------
+
 
 @dataclass
 class Case:
@@ -332,13 +389,15 @@ class CupyNcclPeer:
 
     def all_reduce(self, buf: Any) -> None:
         dt, count = self._type(buf)
-        self.comm.allReduce(buf.data.ptr, buf.data.ptr, count, dt, self.nccl.NCCL_SUM,
-                            self._stream())
+        self.comm.allReduce(
+            buf.data.ptr, buf.data.ptr, count, dt, self.nccl.NCCL_SUM, self._stream()
+        )
 
     def reduce(self, buf: Any, dst: int) -> None:
         dt, count = self._type(buf)
-        self.comm.reduce(buf.data.ptr, buf.data.ptr, count, dt, self.nccl.NCCL_SUM, dst,
-                         self._stream())
+        self.comm.reduce(
+            buf.data.ptr, buf.data.ptr, count, dt, self.nccl.NCCL_SUM, dst, self._stream()
+        )
 
     def broadcast(self, buf: Any, src: int) -> None:
         dt, count = self._type(buf)
@@ -350,8 +409,9 @@ class CupyNcclPeer:
 
     def reduce_scatter_single(self, out: Any, inp: Any) -> None:
         dt, count = self._type(out)
-        self.comm.reduceScatter(inp.data.ptr, out.data.ptr, count, dt, self.nccl.NCCL_SUM,
-                                self._stream())
+        self.comm.reduceScatter(
+            inp.data.ptr, out.data.ptr, count, dt, self.nccl.NCCL_SUM, self._stream()
+        )
 
     def all_to_all_single(self, out: Any, inp: Any) -> None:
         dt, count = self._type(inp)
@@ -363,8 +423,14 @@ class CupyNcclPeer:
         self.nccl.groupEnd()
 
     def barrier(self) -> None:
-        self.comm.allReduce(self.token.data.ptr, self.token.data.ptr, 1,
-                            self.nccl.NCCL_FLOAT32, self.nccl.NCCL_SUM, self._stream())
+        self.comm.allReduce(
+            self.token.data.ptr,
+            self.token.data.ptr,
+            1,
+            self.nccl.NCCL_FLOAT32,
+            self.nccl.NCCL_SUM,
+            self._stream(),
+        )
         self.cupy.cuda.get_current_stream().synchronize()
 
     def destroy_process_group(self) -> None:
@@ -380,8 +446,7 @@ def _cupy_version() -> str:
         return "CuPy not installed"
     from distcomm.gpu.nccl import parse_version
 
-    return (f"CuPy {cupy.__version__}, NCCL "
-            f"{'.'.join(map(str, parse_version(nccl.get_version())))}")
+    return f"CuPy {cupy.__version__}, NCCL {'.'.join(map(str, parse_version(nccl.get_version())))}"
 
 
 def _mpi4py_version() -> str:
@@ -392,8 +457,9 @@ def _mpi4py_version() -> str:
     return mpi4py.__version__
 
 
-def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: Any,
-              tdist: Any, xp: Any = np) -> Case | None:
+def make_case(
+    op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: Any, tdist: Any, xp: Any = np
+) -> Case | None:
     """The Case of `op` at `nbytes`, or None when the size holds too few elements.
 
     `tdist` is torch.distributed, a `Mpi4pyPeer`, a `CupyNcclPeer`, or None; `xp` is the
@@ -417,6 +483,7 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
 
     if op == "barrier":
         if xp is not np:  # the GPU backend's barrier (a plain barrier runs on gloo)
+
             def ours() -> None:
                 dist.barrier(device_ids=[xp.cuda.Device().id])
         else:
@@ -432,10 +499,15 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
         else:
             ours, t = (lambda: dist.reduce(buf, dst=0)), view(buf)
             theirs = (lambda: tdist.reduce(t, dst=0)) if tdist else None
-        return Case(count * dtype.itemsize, count,
-                    lambda: buf.fill(rank + 1),
-                    lambda: int(xp.count_nonzero(buf != total)) if checked else 0,
-                    ours, theirs, settle=lambda: buf.fill(0))
+        return Case(
+            count * dtype.itemsize,
+            count,
+            lambda: buf.fill(rank + 1),
+            lambda: int(xp.count_nonzero(buf != total)) if checked else 0,
+            ours,
+            theirs,
+            settle=lambda: buf.fill(0),
+        )
     if op == "broadcast":
         buf = xp.empty(count, dtype)
         pattern = xp.asarray((np.arange(count) % 97 + 1).astype(dtype))
@@ -444,10 +516,14 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
         def fill() -> None:
             buf[...] = pattern if rank == 0 else 0
 
-        return Case(count * dtype.itemsize, count, fill,
-                    lambda: int(xp.count_nonzero(buf != pattern)),
-                    lambda: dist.broadcast(buf, src=0),
-                    (lambda: tdist.broadcast(t, src=0)) if tdist else None)
+        return Case(
+            count * dtype.itemsize,
+            count,
+            fill,
+            lambda: int(xp.count_nonzero(buf != pattern)),
+            lambda: dist.broadcast(buf, src=0),
+            (lambda: tdist.broadcast(t, src=0)) if tdist else None,
+        )
     if op == "all_gather":
         inp, out = xp.empty(per, dtype), xp.empty(count, dtype)
         expected = xp.asarray(np.repeat(np.arange(1, n + 1), per).astype(dtype))
@@ -459,11 +535,16 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
 
         # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated)
         gather = getattr(tdist, "all_gather_single", None) or getattr(
-            tdist, "all_gather_into_tensor", None)
-        return Case(count * dtype.itemsize, count, fill,
-                    lambda: int(xp.count_nonzero(out != expected)),
-                    lambda: dist.all_gather_single(out, inp),
-                    (lambda: gather(to, ti)) if tdist else None)
+            tdist, "all_gather_into_tensor", None
+        )
+        return Case(
+            count * dtype.itemsize,
+            count,
+            fill,
+            lambda: int(xp.count_nonzero(out != expected)),
+            lambda: dist.all_gather_single(out, inp),
+            (lambda: gather(to, ti)) if tdist else None,
+        )
     if op == "reduce_scatter":
         # rank q's piece j holds (q+1)(j+1); rank r gets sum over q: (r+1) n(n+1)/2
         inp, out = xp.empty(count, dtype), xp.empty(per, dtype)
@@ -472,16 +553,22 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
 
         def fill() -> None:
             inp.reshape(n, per)[...] = xp.asarray(
-                ((rank + 1) * np.arange(1, n + 1)).astype(dtype)[:, None])
+                ((rank + 1) * np.arange(1, n + 1)).astype(dtype)[:, None]
+            )
             out.fill(0)
 
         # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated)
         scatter = getattr(tdist, "reduce_scatter_single", None) or getattr(
-            tdist, "reduce_scatter_tensor", None)
-        return Case(count * dtype.itemsize, count, fill,
-                    lambda: int(xp.count_nonzero(out != total)),
-                    lambda: dist.reduce_scatter_single(out, inp),
-                    (lambda: scatter(to, ti)) if tdist else None)
+            tdist, "reduce_scatter_tensor", None
+        )
+        return Case(
+            count * dtype.itemsize,
+            count,
+            fill,
+            lambda: int(xp.count_nonzero(out != total)),
+            lambda: dist.reduce_scatter_single(out, inp),
+            (lambda: scatter(to, ti)) if tdist else None,
+        )
     if op == "all_to_all":
         # rank q's piece j holds q*n + j + 1; rank r's piece j arrives from rank j
         inp, out = xp.empty(count, dtype), xp.empty(count, dtype)
@@ -493,15 +580,25 @@ def make_case(op: str, nbytes: int, dtype: np.dtype, rank: int, n: int, dist: An
             inp.reshape(n, per)[...] = sent
             out.fill(0)
 
-        return Case(count * dtype.itemsize, count, fill,
-                    lambda: int(xp.count_nonzero(out != expected)),
-                    lambda: dist.all_to_all_single(out, inp),
-                    (lambda: tdist.all_to_all_single(to, ti)) if tdist else None)
+        return Case(
+            count * dtype.itemsize,
+            count,
+            fill,
+            lambda: int(xp.count_nonzero(out != expected)),
+            lambda: dist.all_to_all_single(out, inp),
+            (lambda: tdist.all_to_all_single(to, ti)) if tdist else None,
+        )
     raise ValueError(f"unknown op {op!r}")
 
 
-def measure(run: Callable[[], Any], barrier: Callable[[], Any], case: Case, iters: int,
-            warmup: int, sync: Callable[[], Any] = lambda: None) -> tuple[float, int]:
+def measure(
+    run: Callable[[], Any],
+    barrier: Callable[[], Any],
+    case: Case,
+    iters: int,
+    warmup: int,
+    sync: Callable[[], Any] = lambda: None,
+) -> tuple[float, int]:
     """(mean seconds per iteration on this rank, wrong elements of the checked run).
 
     `sync` waits for the GPU work queued so far (GPU buffers); it ends the timed loop.
@@ -522,6 +619,7 @@ def measure(run: Callable[[], Any], barrier: Callable[[], Any], case: Case, iter
 
 
 # -- the ranks ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -547,8 +645,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _rank_main(rank: int, plan: Plan, env: dict[str, str],
-               conn: multiprocessing.connection.Connection) -> None:
+def _rank_main(
+    rank: int, plan: Plan, env: dict[str, str], conn: multiprocessing.connection.Connection
+) -> None:
     """A spawned rank: initialise both libraries, run the plan; rank 0 reports each row."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
@@ -571,10 +670,12 @@ def _rank_main(rank: int, plan: Plan, env: dict[str, str],
             import torch.distributed as tdist
 
             limit = timedelta(seconds=plan.timeout)
-            store = tdist.TCPStore(LOOPBACK, plan.torch_port, plan.nprocs, is_master=False,
-                                   timeout=limit)
-            tdist.init_process_group("gloo", store=store, rank=rank, world_size=plan.nprocs,
-                                     timeout=limit)
+            store = tdist.TCPStore(
+                LOOPBACK, plan.torch_port, plan.nprocs, is_master=False, timeout=limit
+            )
+            tdist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=plan.nprocs, timeout=limit
+            )
         conn.send(("ready", None))
         dtype = np.dtype(plan.dtype)
         for op in plan.ops:
@@ -597,8 +698,9 @@ def _rank_main(rank: int, plan: Plan, env: dict[str, str],
         conn.close()
 
 
-def _run_case(op: str, case: Case, plan: Plan, dist: Any, tdist: Any,
-              sync: Callable[[], Any] | None = None) -> dict[str, Any]:
+def _run_case(
+    op: str, case: Case, plan: Plan, dist: Any, tdist: Any, sync: Callable[[], Any] | None = None
+) -> dict[str, Any]:
     """Time ours, then the peer's, and combine every rank's numbers (valid on rank 0)."""
     n = plan.nprocs
     iters, warmup = iterations(case.size, plan.iters, plan.warmup, plan.scale_above)
@@ -614,20 +716,38 @@ def _run_case(op: str, case: Case, plan: Plan, dist: Any, tdist: Any,
     time_us = float(every[:, 0].max()) * 1e6
     algbw = case.size / time_us / 1e3 if time_us > 0 else 0.0
     row: dict[str, Any] = dict(
-        op=op, nprocs=n, dtype=plan.dtype, backend=plan.backend, size=case.size,
-        count=case.count, iters=iters, time_us=time_us, algbw=algbw,
-        busbw=algbw * bus_factor(op, n), wrong=int(every[:, 1].sum()),
-        peer_time_us="", peer_algbw="", peer_busbw="", peer_wrong="", ratio="")
+        op=op,
+        nprocs=n,
+        dtype=plan.dtype,
+        backend=plan.backend,
+        size=case.size,
+        count=case.count,
+        iters=iters,
+        time_us=time_us,
+        algbw=algbw,
+        busbw=algbw * bus_factor(op, n),
+        wrong=int(every[:, 1].sum()),
+        peer_time_us="",
+        peer_algbw="",
+        peer_busbw="",
+        peer_wrong="",
+        ratio="",
+    )
     if case.theirs is not None:
         torch_us = float(every[:, 2].max()) * 1e6
         peer_algbw = case.size / torch_us / 1e3 if torch_us > 0 else 0.0
-        row.update(peer_time_us=torch_us, peer_algbw=peer_algbw,
-                   peer_busbw=peer_algbw * bus_factor(op, n),
-                   peer_wrong=int(every[:, 3].sum()), ratio=torch_us / time_us)
+        row.update(
+            peer_time_us=torch_us,
+            peer_algbw=peer_algbw,
+            peer_busbw=peer_algbw * bus_factor(op, n),
+            peer_wrong=int(every[:, 3].sum()),
+            ratio=torch_us / time_us,
+        )
     return row
 
 
 # -- the parent: spawn, supervise, print --------------------------------------------------------
+
 
 def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     """This machine's memory-copy bandwidth in bytes/s: the yardstick for large messages."""
@@ -647,24 +767,31 @@ def _gpu_names() -> str:
 
     count = cupy.cuda.runtime.getDeviceCount()
     names = [cupy.cuda.runtime.getDeviceProperties(i)["name"] for i in range(count)]
-    return ", ".join(f"{i}: {n.decode() if isinstance(n, bytes) else n}"
-                     for i, n in enumerate(names))
+    return ", ".join(
+        f"{i}: {n.decode() if isinstance(n, bytes) else n}" for i, n in enumerate(names)
+    )
 
 
 class Report:
     """Prints the tables as rows arrive and keeps the rows for the CSV file."""
 
-    def __init__(self, args: argparse.Namespace, torch_version: str | None,
-                 nprocs: int | None = None) -> None:
+    def __init__(
+        self, args: argparse.Namespace, torch_version: str | None, nprocs: int | None = None
+    ) -> None:
         self.args = args
         self.torch_version = torch_version
         self.nprocs = nprocs or args.nprocs
         #: the peer's name in headers, and its full description
         self.peer = args.compare or ""
-        self.peer_label = (f"torch {torch_version} gloo" if args.compare == "torch"
-                           else f"raw mpi4py {_mpi4py_version()}" if args.compare == "mpi4py"
-                           else f"raw cupy.cuda.nccl ({_cupy_version()})" if args.compare
-                           else "")
+        self.peer_label = (
+            f"torch {torch_version} gloo"
+            if args.compare == "torch"
+            else f"raw mpi4py {_mpi4py_version()}"
+            if args.compare == "mpi4py"
+            else f"raw cupy.cuda.nccl ({_cupy_version()})"
+            if args.compare
+            else ""
+        )
         self.rows: list[dict[str, Any]] = []
         self.op: str | None = None
 
@@ -673,19 +800,27 @@ class Report:
         import distcomm
 
         load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-        print(f"# host: {platform.node()} {platform.system()} {platform.machine()}, "
-              f"{os.cpu_count()} cores ({usable} usable), {load} at start, python "
-              f"{platform.python_version()}, numpy {np.__version__}, distcomm "
-              f"{distcomm.__version__}"
-              + (f", torch {self.torch_version}" if self.torch_version else ""))
-        print(f"# memory copy bandwidth (numpy copy of 64 MiB, one core, best of 5): "
-              f"{copy_bandwidth() / 1e9:.2f} GB/s", flush=True)
+        print(
+            f"# host: {platform.node()} {platform.system()} {platform.machine()}, "
+            f"{os.cpu_count()} cores ({usable} usable), {load} at start, python "
+            f"{platform.python_version()}, numpy {np.__version__}, distcomm "
+            f"{distcomm.__version__}"
+            + (f", torch {self.torch_version}" if self.torch_version else "")
+        )
+        print(
+            f"# memory copy bandwidth (numpy copy of 64 MiB, one core, best of 5): "
+            f"{copy_bandwidth() / 1e9:.2f} GB/s",
+            flush=True,
+        )
         if self.args.backend == "nccl":
             print(f"# GPUs: {_gpu_names()}; {_cupy_version()}", flush=True)
         a = self.args
-        print(f"# iterations: -n {a.iters} -w {a.warmup_iters}"
-              + (f", scaled down above {a.scale_above} bytes" if a.scale_above else "")
-              + "; time = max over ranks of the mean time per iteration", flush=True)
+        print(
+            f"# iterations: -n {a.iters} -w {a.warmup_iters}"
+            + (f", scaled down above {a.scale_above} bytes" if a.scale_above else "")
+            + "; time = max over ranks of the mean time per iteration",
+            flush=True,
+        )
 
     def _start_op(self, op: str) -> None:
         if op == self.op:
@@ -695,28 +830,37 @@ class Report:
         a = self.args
         peer = f", compared with {self.peer_label}" if a.compare else ""
         print(f"#\n# op {op}, nprocs {self.nprocs}, dtype {a.dtype}, backend {a.backend}{peer}")
-        head = (f"#{'size(B)':>11} {'count':>10} {'iters':>5} {'time(us)':>11} "
-                f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}")
+        head = (
+            f"#{'size(B)':>11} {'count':>10} {'iters':>5} {'time(us)':>11} "
+            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}"
+        )
         if a.compare:
-            head += (f"  | {self.peer + '(us)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} "
-                     f"{self.peer + '/ours':>11}")
+            head += (
+                f"  | {self.peer + '(us)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} "
+                f"{self.peer + '/ours':>11}"
+            )
         print(head)
 
     def skip(self, op: str, nbytes: int) -> None:
         self._start_op(op)
         per = "rank" if op in SPLIT_OPS else "buffer"
-        print(f"#{nbytes:>11} skipped: less than one {self.args.dtype} element per {per}",
-              flush=True)
+        print(
+            f"#{nbytes:>11} skipped: less than one {self.args.dtype} element per {per}", flush=True
+        )
 
     def add(self, row: dict[str, Any]) -> None:
         self._start_op(row["op"])
         self.rows.append(row)
-        line = (f"{row['size']:>12} {row['count']:>10} {row['iters']:>5} "
-                f"{row['time_us']:>11.1f} {row['algbw']:>11.3f} {row['busbw']:>11.3f} "
-                f"{row['wrong']:>6}")
+        line = (
+            f"{row['size']:>12} {row['count']:>10} {row['iters']:>5} "
+            f"{row['time_us']:>11.1f} {row['algbw']:>11.3f} {row['busbw']:>11.3f} "
+            f"{row['wrong']:>6}"
+        )
         if self.args.compare:
-            line += (f"  | {row['peer_time_us']:>11.1f} {row['peer_busbw']:>11.3f} "
-                     f"{row['peer_wrong']:>6} {row['ratio']:>11.2f}")
+            line += (
+                f"  | {row['peer_time_us']:>11.1f} {row['peer_busbw']:>11.3f} "
+                f"{row['peer_wrong']:>6} {row['ratio']:>11.2f}"
+            )
         print(line, flush=True)
 
     def _finish_op(self) -> None:
@@ -726,17 +870,24 @@ class Report:
         line = f"# avg bus bandwidth: {np.mean([r['busbw'] for r in rows]):.3f} GB/s"
         if self.args.compare:
             ratios = [r["ratio"] for r in rows if r["ratio"] != "" and r["ratio"] > 0]
-            line += (f"; {self.peer_label} {np.mean([r['peer_busbw'] for r in rows]):.3f} "
-                     f"GB/s; geometric mean of {self.peer}/ours "
-                     f"{math.exp(np.mean(np.log(ratios))):.2f}")
+            line += (
+                f"; {self.peer_label} {np.mean([r['peer_busbw'] for r in rows]):.3f} "
+                f"GB/s; geometric mean of {self.peer}/ours "
+                f"{math.exp(np.mean(np.log(ratios))):.2f}"
+            )
         print(line, flush=True)
 
     def close(self, finished: bool) -> int:
         """Finish the last table, write the CSV; the number of rows with wrong results."""
         self._finish_op()
         bad = sum(1 for r in self.rows if r["wrong"] or r["peer_wrong"] not in ("", 0))
-        verdict = ("the run did not finish (see the error)" if not finished
-                   else "all checks passed" if not bad else "SOME CHECKS FAILED")
+        verdict = (
+            "the run did not finish (see the error)"
+            if not finished
+            else "all checks passed"
+            if not bad
+            else "SOME CHECKS FAILED"
+        )
         print(f"# {len(self.rows)} rows, {bad} with wrong results: {verdict}", flush=True)
         if self.args.csv:
             with open(self.args.csv, "w", newline="") as f:
@@ -745,8 +896,6 @@ class Report:
                 writer.writerows(self.rows)
             print(f"# wrote {len(self.rows)} rows to {self.args.csv}", flush=True)
         return bad
-
-
 
 
 def supervise(procs: list[Any], conns: list[Any], report: Report, timeout: float) -> bool:
@@ -762,9 +911,11 @@ def supervise(procs: list[Any], conns: list[Any], report: Report, timeout: float
         now = time.monotonic()
         if now >= deadline:
             if not errors:
-                errors[-1] = (f"no rank reported anything for {timeout + PARENT_MARGIN:.0f} s "
-                              f"(--timeout {timeout:g} + {PARENT_MARGIN:.0f}); rank(s) "
-                              f"{', '.join(map(str, sorted(pending)))} still running")
+                errors[-1] = (
+                    f"no rank reported anything for {timeout + PARENT_MARGIN:.0f} s "
+                    f"(--timeout {timeout:g} + {PARENT_MARGIN:.0f}); rank(s) "
+                    f"{', '.join(map(str, sorted(pending)))} still running"
+                )
             break
         waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
         ready = multiprocessing.connection.wait(waitables, timeout=deadline - now)
@@ -797,12 +948,19 @@ def supervise(procs: list[Any], conns: list[Any], report: Report, timeout: float
     # a rank that died without a word is the likely cause; the others' errors follow from it
     silent = [r for r in errors if r >= 0 and errors[r].startswith("exited without")]
     first = silent[0] if silent else next(iter(errors))
-    print(f"\nerror: the benchmark failed (first failure: "
-          f"{'the parent' if first < 0 else f'rank {first}'}); every rank is stopped. "
-          "Report of each rank:", file=sys.stderr)
+    print(
+        f"\nerror: the benchmark failed (first failure: "
+        f"{'the parent' if first < 0 else f'rank {first}'}); every rank is stopped. "
+        "Report of each rank:",
+        file=sys.stderr,
+    )
     for r in ([-1] if -1 in errors else []) + list(range(n)):
-        text = errors.get(r, "still running when stopped (hung, or waiting on a failed rank?)"
-                          if r in pending else "finished")
+        text = errors.get(
+            r,
+            "still running when stopped (hung, or waiting on a failed rank?)"
+            if r in pending
+            else "finished",
+        )
         print(f"### {'parent' if r < 0 else f'rank {r}/{n}'}\n{text}", file=sys.stderr)
     return False
 
@@ -831,8 +989,18 @@ def mpi_main(args: argparse.Namespace) -> int:
     dist.init_process_group(args.backend, timeout=args.timeout)
     rank, n = dist.get_rank(), dist.get_world_size()
     peer = Mpi4pyPeer() if args.compare == "mpi4py" else None
-    plan = Plan(args.op, tuple(sizes(args)), args.dtype, args.backend, n, args.iters,
-                args.warmup_iters, args.scale_above, args.timeout, None)
+    plan = Plan(
+        args.op,
+        tuple(sizes(args)),
+        args.dtype,
+        args.backend,
+        n,
+        args.iters,
+        args.warmup_iters,
+        args.scale_above,
+        args.timeout,
+        None,
+    )
     report = Report(args, None, nprocs=n) if rank == 0 else None
     if report is not None:
         report.host()
@@ -861,9 +1029,11 @@ def main(argv: list[str] | None = None) -> int:
     if _mpi_rank() is not None:
         return mpi_main(args)
     if args.backend == "mpi" or args.compare == "mpi4py":
-        parser.error("--backend mpi and --compare mpi4py run under an MPI launcher: "
-                     "mpiexec -n 2 python benchmarks/collectives.py --backend mpi "
-                     "--compare mpi4py")
+        parser.error(
+            "--backend mpi and --compare mpi4py run under an MPI launcher: "
+            "mpiexec -n 2 python benchmarks/collectives.py --backend mpi "
+            "--compare mpi4py"
+        )
     from distcomm import TCPStore
 
     torch_store, torch_version = None, None
@@ -876,25 +1046,49 @@ def main(argv: list[str] | None = None) -> int:
             import torch.distributed as tdist
 
             torch_version = torch.__version__
-            torch_store = tdist.TCPStore(LOOPBACK, 0, args.nprocs, is_master=True,
-                                         wait_for_workers=False,
-                                         timeout=timedelta(seconds=args.timeout))
-        plan = Plan(args.op, tuple(sizes(args)), args.dtype, args.backend, args.nprocs,
-                    args.iters, args.warmup_iters, args.scale_above, args.timeout,
-                    torch_store.port if torch_store is not None else None, args.compare)
-        base = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(store.port),
-                "WORLD_SIZE": str(args.nprocs), "LOCAL_WORLD_SIZE": str(args.nprocs),
-                "DISTCOMM_USE_AGENT_STORE": "1", "DISTCOMM_SOCKET_IFNAME": "lo",
-                "GLOO_SOCKET_IFNAME": "lo",
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            torch_store = tdist.TCPStore(
+                LOOPBACK,
+                0,
+                args.nprocs,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=args.timeout),
+            )
+        plan = Plan(
+            args.op,
+            tuple(sizes(args)),
+            args.dtype,
+            args.backend,
+            args.nprocs,
+            args.iters,
+            args.warmup_iters,
+            args.scale_above,
+            args.timeout,
+            torch_store.port if torch_store is not None else None,
+            args.compare,
+        )
+        base = {
+            "MASTER_ADDR": LOOPBACK,
+            "MASTER_PORT": str(store.port),
+            "WORLD_SIZE": str(args.nprocs),
+            "LOCAL_WORLD_SIZE": str(args.nprocs),
+            "DISTCOMM_USE_AGENT_STORE": "1",
+            "DISTCOMM_SOCKET_IFNAME": "lo",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
         report = Report(args, torch_version)
         report.host()
         ctx = multiprocessing.get_context("spawn")
         for rank in range(args.nprocs):
             parent_end, child_end = ctx.Pipe(duplex=False)
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
-            proc = ctx.Process(target=_rank_main, args=(rank, plan, env, child_end),
-                               name=f"bench-rank-{rank}", daemon=True)
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(rank, plan, env, child_end),
+                name=f"bench-rank-{rank}",
+                daemon=True,
+            )
             proc.start()
             child_end.close()
             procs.append(proc)

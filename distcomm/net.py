@@ -23,8 +23,15 @@ __all__ = [
 ]
 
 # Errors that mean "nobody listens there yet": a client retries them until its deadline.
-_RETRY_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH,
-                 errno.ENETUNREACH, errno.ETIMEDOUT, errno.EAGAIN}
+_RETRY_ERRNOS = {
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ETIMEDOUT,
+    errno.EAGAIN,
+}
 
 
 def format_address(host: str, port: int) -> str:
@@ -57,8 +64,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def listen(host: str, port: int = 0, backlog: int = 1024, *, authenticated: bool = True,
-           what: str = "distcomm") -> socket.socket:
+def listen(
+    host: str,
+    port: int = 0,
+    backlog: int = 1024,
+    *,
+    authenticated: bool = True,
+    what: str = "distcomm",
+) -> socket.socket:
     """A listening TCP socket bound to `host:port` (port 0 picks a free port).
 
     Args:
@@ -98,8 +111,11 @@ def listen(host: str, port: int = 0, backlog: int = 1024, *, authenticated: bool
 def set_keepalive(sock: socket.socket, idle: int = 10, interval: int = 5, count: int = 3) -> None:
     """Enable TCP keep-alive so a vanished peer host is noticed in about idle+interval*count s."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval),
-                        ("TCP_KEEPCNT", count)):
+    for name, value in (
+        ("TCP_KEEPIDLE", idle),
+        ("TCP_KEEPINTVL", interval),
+        ("TCP_KEEPCNT", count),
+    ):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 

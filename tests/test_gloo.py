@@ -57,34 +57,45 @@ def test_one_host_uses_shared_memory():
 
 
 def test_transport_tcp_forced_by_environment():
-    results = run_ranks(_check_ops, 2, backend="gloo", timeout=60,
-                        env={"DISTCOMM_GLOO_TRANSPORT": "tcp"})
+    results = run_ranks(
+        _check_ops, 2, backend="gloo", timeout=60, env={"DISTCOMM_GLOO_TRANSPORT": "tcp"}
+    )
     assert results == ["tcp"] * 2
 
 
 def test_ranks_on_two_hosts_share_memory_within_each():
     hosts = {0: "host-a", 1: "host-b", 2: "host-a", 3: "host-b"}
-    results = run_ranks(_check_ops, 4, backend="gloo", timeout=90,
-                        rank_env=lambda r: {"DISTCOMM_HOST_ID": hosts[r]})
+    results = run_ranks(
+        _check_ops, 4, backend="gloo", timeout=90, rank_env=lambda r: {"DISTCOMM_HOST_ID": hosts[r]}
+    )
     assert results == ["shm+tcp"] * 4
 
 
 def test_one_rank_per_host_uses_tcp():
-    results = run_ranks(_check_ops, 2, backend="gloo", timeout=90,
-                        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"host-{r}"})
+    results = run_ranks(
+        _check_ops,
+        2,
+        backend="gloo",
+        timeout=90,
+        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"host-{r}"},
+    )
     assert results == ["tcp"] * 2
 
 
 def test_one_rank_declining_shared_memory_makes_all_use_tcp():
-    results = run_ranks(_check_ops, 3, backend="gloo", timeout=60,
-                        rank_env=lambda r: {"DISTCOMM_GLOO_TRANSPORT": "tcp" if r == 1 else ""})
+    results = run_ranks(
+        _check_ops,
+        3,
+        backend="gloo",
+        timeout=60,
+        rank_env=lambda r: {"DISTCOMM_GLOO_TRANSPORT": "tcp" if r == 1 else ""},
+    )
     assert results == ["tcp"] * 3
 
 
 def _bad_mode() -> str:
     try:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=10)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=10)
     except ValueError as exc:
         return str(exc)
     dist.destroy_process_group()
@@ -92,8 +103,9 @@ def _bad_mode() -> str:
 
 
 def test_invalid_transport_setting_is_a_clear_error():
-    results = run_ranks(_bad_mode, 1, backend=None, timeout=30,
-                        env={"DISTCOMM_GLOO_TRANSPORT": "shmem"})
+    results = run_ranks(
+        _bad_mode, 1, backend=None, timeout=30, env={"DISTCOMM_GLOO_TRANSPORT": "shmem"}
+    )
     assert "DISTCOMM_GLOO_TRANSPORT='shmem'" in results[0] and "'tcp'" in results[0]
 
 
@@ -130,8 +142,9 @@ def _bad_splits() -> tuple[str, str]:
     out = np.zeros(40_000)
     splits = [20_000, 20_000] if r == 0 else [10_000, 30_000]
     try:
-        dist.all_to_all_single(out, inp, output_split_sizes=[20_000, 20_000],
-                               input_split_sizes=splits)
+        dist.all_to_all_single(
+            out, inp, output_split_sizes=[20_000, 20_000], input_split_sizes=splits
+        )
         dist.barrier()
     except dist.DistError as exc:
         return type(exc).__name__, str(exc)
@@ -145,9 +158,13 @@ def test_inconsistent_all_to_all_splits_are_reported():
 
 
 def _mapped_then_destroyed(path: str) -> tuple[int, int]:
-    dist.init_process_group("gloo", init_method=f"file://{path}",
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=60)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{path}",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=60,
+    )
     sub = dist.new_group([0, 1])
     x = np.ones(200_000)
     dist.all_reduce(x)
@@ -189,8 +206,9 @@ def _raise_or_die(how: str) -> None:
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_nothing_left_in_dev_shm_after_exception_or_kill(how):
     before = _dev_shm()
-    outcomes = run_ranks(_raise_or_die, 3, how, backend="gloo", timeout=60, check=False,
-                         may_die={1})
+    outcomes = run_ranks(
+        _raise_or_die, 3, how, backend="gloo", timeout=60, check=False, may_die={1}
+    )
     if how == "raise":
         assert all("DistBackendError" in o.error for o in outcomes), outcomes
     else:
@@ -200,6 +218,7 @@ def test_nothing_left_in_dev_shm_after_exception_or_kill(how):
 
 
 # -- groups across (pretend) hosts: the hierarchical path fails as loudly as the others --------
+
 
 def _two_host_failure(case: str) -> tuple[str, str]:
     r = dist.get_rank()
@@ -223,13 +242,23 @@ def _two_host_failure(case: str) -> tuple[str, str]:
     return "ok", ""
 
 
-@pytest.mark.parametrize("case,kind,words", [
-    ("mismatch", "DistBackendError", "mismatch"),
-    ("kill", "DistNetworkError", "rank 3"),
-])
+@pytest.mark.parametrize(
+    "case,kind,words",
+    [
+        ("mismatch", "DistBackendError", "mismatch"),
+        ("kill", "DistNetworkError", "rank 3"),
+    ],
+)
 def test_failures_across_hosts_reach_every_rank(case, kind, words):
-    outcomes = run_ranks(_two_host_failure, 4, case, backend="gloo", timeout=60,
-                         may_die={3}, rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"})
+    outcomes = run_ranks(
+        _two_host_failure,
+        4,
+        case,
+        backend="gloo",
+        timeout=60,
+        may_die={3},
+        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"},
+    )
     for rank, result in enumerate(outcomes):
         if case == "kill" and rank == 3:
             continue
@@ -259,8 +288,13 @@ def _leave_at_different_times() -> tuple[str, float]:
 
 def test_ranks_leaving_at_different_times_across_hosts():
     # each rank destroys its own group: nothing left for the harness to tear down
-    results = run_ranks(_leave_at_different_times, 4, backend="gloo", timeout=60,
-                        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"})
+    results = run_ranks(
+        _leave_at_different_times,
+        4,
+        backend="gloo",
+        timeout=60,
+        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"},
+    )
     assert results == [("ok", 28.0)] * 4, results
 
 
@@ -282,8 +316,16 @@ def _frozen_rank(frozen: int, resume_after: float) -> tuple[str, str]:
 def test_timeout_across_hosts_names_the_stopped_rank():
     # rank 3 shares host h1 with rank 1, which stands for h1 between hosts: its stop holds
     # up rank 1 in h1's step, ranks 0 and 2 between hosts and on h0
-    results = run_ranks(_frozen_rank, 4, 3, 8.0, backend="gloo", timeout=90, init_timeout=3,
-                        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"})
+    results = run_ranks(
+        _frozen_rank,
+        4,
+        3,
+        8.0,
+        backend="gloo",
+        timeout=90,
+        init_timeout=3,
+        rank_env=lambda r: {"DISTCOMM_HOST_ID": f"h{r % 2}"},
+    )
     for rank in (0, 1, 2):
         kind, message = results[rank]
         assert kind == "DistTimeoutError", results

@@ -52,7 +52,8 @@ def transport_mode(environ: Any = os.environ) -> str:
     if mode not in _MODES:
         raise ValueError(
             f"DISTCOMM_GLOO_TRANSPORT={mode!r} is not valid: use 'auto' (shared memory between "
-            "ranks on one host, TCP otherwise) or 'tcp' (TCP for everything)")
+            "ranks on one host, TCP otherwise) or 'tcp' (TCP for everything)"
+        )
     return mode
 
 
@@ -64,8 +65,9 @@ class GlooBackend(TcpBackend):
     stages_device_arrays = True
     tuning_preset = algo.Tuning.tuned()
 
-    def __init__(self, store: Store, rank: int, size: int, timeout: float,
-                 group_name: str = "") -> None:
+    def __init__(
+        self, store: Store, rank: int, size: int, timeout: float, group_name: str = ""
+    ) -> None:
         mode = transport_mode()
         super().__init__(store, rank, size, timeout, group_name)
         self._layout: HostLayout | None = None
@@ -86,11 +88,22 @@ class GlooBackend(TcpBackend):
         self._layout = layout = outcome
         if layout.segment is not None:
             self._engine = IntraNode(
-                layout.segment, layout.pids, layout.local.index(self.rank), len(layout.local),
-                layout.local, self.size, self._transport.mailbox,
-                inline_max=self.tuning.shm_inline_max, chunk=self.tuning.shm_chunk)
-        log.info("%s: collectives over %s (hosts: %s)", self.describe("setup"),
-                 self.transport, layout.hosts)
+                layout.segment,
+                layout.pids,
+                layout.local.index(self.rank),
+                len(layout.local),
+                layout.local,
+                self.size,
+                self._transport.mailbox,
+                inline_max=self.tuning.shm_inline_max,
+                chunk=self.tuning.shm_chunk,
+            )
+        log.info(
+            "%s: collectives over %s (hosts: %s)",
+            self.describe("setup"),
+            self.transport,
+            layout.hosts,
+        )
 
     @property
     def transport(self) -> str:
@@ -108,8 +121,14 @@ class GlooBackend(TcpBackend):
 
     # -- running collectives in shared memory ------------------------------------------------
 
-    def _shm(self, op: str, signature: Signature, body: Callable[[int, str, Deadline], None],
-             outputs: list[Any], async_op: bool) -> Work:
+    def _shm(
+        self,
+        op: str,
+        signature: Signature,
+        body: Callable[[int, str, Deadline], None],
+        outputs: list[Any],
+        async_op: bool,
+    ) -> Work:
         """Run `body(seq, describe, deadline)` as collective `seq` of the group."""
 
         def run(seq: int, describe: str, deadline: Deadline) -> None:
@@ -138,14 +157,20 @@ class GlooBackend(TcpBackend):
 
         return self._run_collective(op, signature, run, outputs, async_op, why)
 
-    def _local(self, op: str, signature: Signature,
-               body: Callable[[IntraNode, int, Signature], None], outputs: list[Any],
-               async_op: bool) -> Work:
+    def _local(
+        self,
+        op: str,
+        signature: Signature,
+        body: Callable[[IntraNode, int, Signature], None],
+        outputs: list[Any],
+        async_op: bool,
+    ) -> Work:
         """A collective of a group on one host: entirely in shared memory."""
         engine = self._engine
         assert engine is not None
-        return self._shm(op, signature, lambda seq, d, dl: body(engine, seq, signature),
-                         outputs, async_op)
+        return self._shm(
+            op, signature, lambda seq, d, dl: body(engine, seq, signature), outputs, async_op
+        )
 
     # -- groups across hosts: shared memory within each, TCP between one rank of each ----
 
@@ -165,44 +190,62 @@ class GlooBackend(TcpBackend):
         assert self._layout is not None
         return next(r for r in reps if r in self._layout.local)
 
-    def _between_hosts(self, seq: int, signature: Signature, describe: str,
-                       deadline: Deadline, reps: list[int],
-                       step: Callable[[Exchange], None]) -> None:
+    def _between_hosts(
+        self,
+        seq: int,
+        signature: Signature,
+        describe: str,
+        deadline: Deadline,
+        reps: list[int],
+        step: Callable[[Exchange], None],
+    ) -> None:
         """Run `step` over TCP among `reps` (this rank takes part only if it is one)."""
         if self.rank in reps:
             self._exchange(seq, signature, describe, deadline, step, reps)
 
-    def _hier_all_reduce(self, array: Any, op: ReduceOp, signature: Signature,
-                         async_op: bool) -> Work:
+    def _hier_all_reduce(
+        self, array: Any, op: ReduceOp, signature: Signature, async_op: bool
+    ) -> Work:
         plain = ReduceOp.SUM if op is ReduceOp.AVG else op
         reps = self._reps()
 
         def body(seq: int, describe: str, deadline: Deadline) -> None:
             self._host_step(lambda e, s: e.reduce(s, signature, array, 0, plain))
-            self._between_hosts(seq, signature, describe, deadline, reps,
-                                lambda ex: algo.all_reduce(ex, array, plain, self.tuning))
+            self._between_hosts(
+                seq,
+                signature,
+                describe,
+                deadline,
+                reps,
+                lambda ex: algo.all_reduce(ex, array, plain, self.tuning),
+            )
             self._host_step(lambda e, s: e.broadcast(s, signature, array, 0))
             if op is ReduceOp.AVG:
                 np.divide(array, self.size, out=array)
 
         return self._shm("all_reduce", signature, body, [array], async_op)
 
-    def _hier_broadcast(self, array: Any, root: int, signature: Signature,
-                        async_op: bool) -> Work:
+    def _hier_broadcast(self, array: Any, root: int, signature: Signature, async_op: bool) -> Work:
         reps = self._reps(root)
         assert self._layout is not None
         mine = self._layout.local.index(self._my_rep(reps))
 
         def body(seq: int, describe: str, deadline: Deadline) -> None:
-            self._between_hosts(seq, signature, describe, deadline, reps,
-                                lambda ex: algo.broadcast(ex, array, reps.index(root),
-                                                          self.tuning))
+            self._between_hosts(
+                seq,
+                signature,
+                describe,
+                deadline,
+                reps,
+                lambda ex: algo.broadcast(ex, array, reps.index(root), self.tuning),
+            )
             self._host_step(lambda e, s: e.broadcast(s, signature, array, mine))
 
         return self._shm("broadcast", signature, body, [array], async_op)
 
-    def _hier_reduce(self, array: Any, root: int, op: ReduceOp, signature: Signature,
-                     async_op: bool) -> Work:
+    def _hier_reduce(
+        self, array: Any, root: int, op: ReduceOp, signature: Signature, async_op: bool
+    ) -> Work:
         plain = ReduceOp.SUM if op is ReduceOp.AVG else op
         reps = self._reps(root)
         assert self._layout is not None
@@ -215,9 +258,14 @@ class GlooBackend(TcpBackend):
                 target = self._scratch.get(_HOST_COPY_SLOT, array.size, array.dtype)
                 target[...] = array
             self._host_step(lambda e, s: e.reduce(s, signature, target, mine, plain))
-            self._between_hosts(seq, signature, describe, deadline, reps,
-                                lambda ex: algo.reduce(ex, target, reps.index(root), plain,
-                                                       self.tuning))
+            self._between_hosts(
+                seq,
+                signature,
+                describe,
+                deadline,
+                reps,
+                lambda ex: algo.reduce(ex, target, reps.index(root), plain, self.tuning),
+            )
             if op is ReduceOp.AVG and self.rank == root:
                 np.divide(array, self.size, out=array)
 
@@ -228,8 +276,9 @@ class GlooBackend(TcpBackend):
 
         def body(seq: int, describe: str, deadline: Deadline) -> None:
             self._host_step(lambda e, s: e.barrier(s, signature))
-            self._between_hosts(seq, signature, describe, deadline, reps,
-                                lambda ex: algo.barrier(ex, self.tuning))
+            self._between_hosts(
+                seq, signature, describe, deadline, reps, lambda ex: algo.barrier(ex, self.tuning)
+            )
             self._host_step(lambda e, s: e.barrier(s, signature))
 
         return self._shm("barrier", signature, body, [], async_op)
@@ -242,8 +291,13 @@ class GlooBackend(TcpBackend):
             return self._hier_broadcast(array, root, signature, async_op)
         if not self._on_one_host():
             return super().broadcast(array, root, async_op=async_op)
-        return self._local("broadcast", signature,
-                           lambda e, s, g: e.broadcast(s, g, array, root), [array], async_op)
+        return self._local(
+            "broadcast",
+            signature,
+            lambda e, s, g: e.broadcast(s, g, array, root),
+            [array],
+            async_op,
+        )
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
         signature = Signature.of("all_reduce", array, op)
@@ -251,8 +305,13 @@ class GlooBackend(TcpBackend):
             return self._hier_all_reduce(array, op, signature, async_op)
         if not self._on_one_host():
             return super().all_reduce(array, op, async_op=async_op)
-        return self._local("all_reduce", signature,
-                           lambda e, s, g: e.all_reduce(s, g, array, op), [array], async_op)
+        return self._local(
+            "all_reduce",
+            signature,
+            lambda e, s, g: e.all_reduce(s, g, array, op),
+            [array],
+            async_op,
+        )
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
         signature = Signature.of("reduce", array, op, root)
@@ -260,49 +319,74 @@ class GlooBackend(TcpBackend):
             return self._hier_reduce(array, root, op, signature, async_op)
         if not self._on_one_host():
             return super().reduce(array, root, op, async_op=async_op)
-        return self._local("reduce", signature,
-                           lambda e, s, g: e.reduce(s, g, array, root, op), [array], async_op)
+        return self._local(
+            "reduce", signature, lambda e, s, g: e.reduce(s, g, array, root, op), [array], async_op
+        )
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         if not self._on_one_host():
             return super().all_gather(output, input, async_op=async_op)
-        return self._local("all_gather", Signature.of("all_gather", input),
-                           lambda e, s, g: e.all_gather(s, g, output, input), [output],
-                           async_op)
+        return self._local(
+            "all_gather",
+            Signature.of("all_gather", input),
+            lambda e, s, g: e.all_gather(s, g, output, input),
+            [output],
+            async_op,
+        )
 
-    def gather(self, output: Any | None, input: Any, root: int, *,
-               async_op: bool = False) -> Work:
+    def gather(self, output: Any | None, input: Any, root: int, *, async_op: bool = False) -> Work:
         if not self._on_one_host():
             return super().gather(output, input, root, async_op=async_op)
-        return self._local("gather", Signature.of("gather", input, root=root),
-                           lambda e, s, g: e.gather(s, g, output, input, root),
-                           [output] if output is not None else [], async_op)
+        return self._local(
+            "gather",
+            Signature.of("gather", input, root=root),
+            lambda e, s, g: e.gather(s, g, output, input, root),
+            [output] if output is not None else [],
+            async_op,
+        )
 
-    def scatter(self, output: Any, input: Any | None, root: int, *,
-                async_op: bool = False) -> Work:
+    def scatter(self, output: Any, input: Any | None, root: int, *, async_op: bool = False) -> Work:
         if not self._on_one_host():
             return super().scatter(output, input, root, async_op=async_op)
-        return self._local("scatter", Signature.of("scatter", output, root=root),
-                           lambda e, s, g: e.scatter(s, g, output, input, root), [output],
-                           async_op)
+        return self._local(
+            "scatter",
+            Signature.of("scatter", output, root=root),
+            lambda e, s, g: e.scatter(s, g, output, input, root),
+            [output],
+            async_op,
+        )
 
-    def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
-                       async_op: bool = False) -> Work:
+    def reduce_scatter(
+        self, output: Any, input: Any, op: ReduceOp, *, async_op: bool = False
+    ) -> Work:
         if not self._on_one_host():
             return super().reduce_scatter(output, input, op, async_op=async_op)
-        return self._local("reduce_scatter", Signature.of("reduce_scatter", output, op),
-                           lambda e, s, g: e.reduce_scatter(s, g, output, input, op), [output],
-                           async_op)
-
-    def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
-                   input_splits: Sequence[int], *, async_op: bool = False) -> Work:
-        if not self._on_one_host():
-            return super().all_to_all(output, input, output_splits, input_splits,
-                                      async_op=async_op)
         return self._local(
-            "all_to_all", Signature.of("all_to_all", input, count=-1),
+            "reduce_scatter",
+            Signature.of("reduce_scatter", output, op),
+            lambda e, s, g: e.reduce_scatter(s, g, output, input, op),
+            [output],
+            async_op,
+        )
+
+    def all_to_all(
+        self,
+        output: Any,
+        input: Any,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        async_op: bool = False,
+    ) -> Work:
+        if not self._on_one_host():
+            return super().all_to_all(output, input, output_splits, input_splits, async_op=async_op)
+        return self._local(
+            "all_to_all",
+            Signature.of("all_to_all", input, count=-1),
             lambda e, s, g: e.all_to_all(s, g, output, input, output_splits, input_splits),
-            [output], async_op)
+            [output],
+            async_op,
+        )
 
     def barrier(self, *, async_op: bool = False) -> Work:
         signature = Signature(OP_CODES["barrier"])
@@ -310,8 +394,7 @@ class GlooBackend(TcpBackend):
             return self._hier_barrier(signature, async_op)
         if not self._on_one_host():
             return super().barrier(async_op=async_op)
-        return self._local("barrier", signature, lambda e, s, g: e.barrier(s, g), [],
-                           async_op)
+        return self._local("barrier", signature, lambda e, s, g: e.barrier(s, g), [], async_op)
 
     def send(self, array: Any, dst: int, tag: int) -> Work:
         self._host_only(array, "send")
@@ -325,7 +408,8 @@ class GlooBackend(TcpBackend):
         if is_cupy_array(array):
             raise TypeError(
                 f"{self.describe(op)}: the gloo backend does not {op} CuPy arrays; copy the "
-                "array to the host (array.get()) or use a group with the nccl backend")
+                "array to the host (array.get()) or use a group with the nccl backend"
+            )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -335,4 +419,3 @@ class GlooBackend(TcpBackend):
         super().shutdown()
         if self._engine is not None:
             self._engine.close()
-

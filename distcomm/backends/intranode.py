@@ -95,8 +95,9 @@ class HostLayout:
     pids: list[int]
 
 
-def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
-                    mode: str) -> HostLayout | str:
+def same_host_setup(
+    store: Store, rank: int, size: int, deadline: Deadline, mode: str
+) -> HostLayout | str:
     """Agree with the peers which ranks share a host, and map each host's segment.
 
     Returns the layout, or the reason shared memory is not used at all (every rank gets
@@ -105,8 +106,7 @@ def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
     generation = (store.add("gloo/joined", 1) - 1) // size
     key = f"gloo/{generation}"
     allow_peer_access()
-    store.set(f"{key}/who/{rank}", f"{mode}|{host_identity()}|{os.getpid()}|"
-                                    f"{_PROBE.ctypes.data}")
+    store.set(f"{key}/who/{rank}", f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}")
 
     def gather(name: str) -> list[str]:
         keys = [f"{key}/{name}/{r}" for r in range(size)]
@@ -120,8 +120,10 @@ def same_host_setup(store: Store, rank: int, size: int, deadline: Deadline,
     if any(w[0] != "auto" for w in who):
         return "DISTCOMM_GLOO_TRANSPORT=tcp"
     if platform.machine().lower() not in _ORDERED_CPUS:
-        return (f"the shared-memory path needs a CPU that keeps stores in order (x86-64); "
-                f"this is {platform.machine()}")
+        return (
+            f"the shared-memory path needs a CPU that keeps stores in order (x86-64); "
+            f"this is {platform.machine()}"
+        )
     by_host: dict[str, list[int]] = {}
     for r, w in enumerate(who):
         by_host.setdefault(w[1], []).append(r)
@@ -174,14 +176,23 @@ class IntraNode:
         chunk: bytes reduced per step of a large reduction.
     """
 
-    def __init__(self, segment: Segment, pids: list[int], rank: int, size: int,
-                 names: list[int], group_size: int, mailbox: Mailbox, inline_max: int,
-                 chunk: int) -> None:
+    def __init__(
+        self,
+        segment: Segment,
+        pids: list[int],
+        rank: int,
+        size: int,
+        names: list[int],
+        group_size: int,
+        mailbox: Mailbox,
+        inline_max: int,
+        chunk: int,
+    ) -> None:
         self.rank, self.size = rank, size
         self.names, self.group_size = names, group_size
         self.inline_max, self.chunk = min(inline_max, self.INLINE_MAX), chunk
         self._segment, self._pids, self._mailbox = segment, pids, mailbox
-        self._words = segment.bytes[:self.slots_offset(size)].view(np.int32)
+        self._words = segment.bytes[: self.slots_offset(size)].view(np.int32)
         # the slot layout, fixed by the group size
         self._slots_at = self.slots_offset(size)
         self._header = self._header_bytes(size)
@@ -216,15 +227,15 @@ class IntraNode:
 
     def _meta(self, seq: int, rank: int) -> np.ndarray:
         at = self._slot(seq, rank)
-        return self._segment.bytes[at:at + _META].view(np.int64)
+        return self._segment.bytes[at : at + _META].view(np.int64)
 
     def _offsets(self, seq: int, rank: int) -> np.ndarray:
         at = self._slot(seq, rank) + _META
-        return self._segment.bytes[at:at + 8 * (self.size + 1)].view(np.int64)
+        return self._segment.bytes[at : at + 8 * (self.size + 1)].view(np.int64)
 
     def _payload(self, seq: int, rank: int, nbytes: int) -> np.ndarray:
         at = self._slot(seq, rank) + self._header
-        return self._segment.bytes[at:at + nbytes]
+        return self._segment.bytes[at : at + nbytes]
 
     # -- synchronisation -------------------------------------------------------------------
 
@@ -254,10 +265,14 @@ class IntraNode:
                 raise failure.kind(f"{self._describe}: {failure.message}")
             left = self._deadline.remaining()
             if left is not None and left <= 0:
-                why = self._explain() if self._explain is not None else (
-                    self._lagging(target, what) or "the peers did not wake this rank")
+                why = (
+                    self._explain()
+                    if self._explain is not None
+                    else (self._lagging(target, what) or "the peers did not wake this rank")
+                )
                 raise DistTimeoutError(
-                    f"{self._describe} timed out after {self._deadline.seconds:.1f} s: {why}")
+                    f"{self._describe} timed out after {self._deadline.seconds:.1f} s: {why}"
+                )
             self._waiting = address
             try:
                 futex_wait(address, value, _SLICE if left is None else min(left, _SLICE))
@@ -266,8 +281,11 @@ class IntraNode:
 
     def _lagging(self, target: int, what: str) -> str:
         """The peers that have not reached counter value `target` (as the TCP diagnosis says)."""
-        late = [p for p in self._others()
-                if not _reached(int(self._words[self._word(p, what)]), target % _MOD)]
+        late = [
+            p
+            for p in self._others()
+            if not _reached(int(self._words[self._word(p, what)]), target % _MOD)
+        ]
         if not late:
             return ""
         ranks = ", ".join(str(self.names[p]) for p in late)
@@ -277,7 +295,8 @@ class IntraNode:
             f"rank {self.names[p]} is at collective #{self._words[self._word(p, what)] - 1}"
             if self._words[self._word(p, what)]
             else f"rank {self.names[p]} has run no collective yet"
-            for p in late)
+            for p in late
+        )
         return f"rank(s) {ranks} have not called collective #{target - 1} ({where})"
 
     @staticmethod
@@ -293,13 +312,27 @@ class IntraNode:
                 return late
         return "every rank has finished it"
 
-    def _arrive(self, seq: int, signature: Signature, in_addr: int = 0, out_addr: int = 0,
-                inline: np.ndarray | None = None,
-                offsets: Sequence[int] | None = None) -> None:
+    def _arrive(
+        self,
+        seq: int,
+        signature: Signature,
+        in_addr: int = 0,
+        out_addr: int = 0,
+        inline: np.ndarray | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> None:
         """Publish this rank's part of collective `seq`, wait for every peer's, compare."""
         meta = self._meta(seq, self.rank)
-        meta[:] = (signature.op, signature.dtype, signature.redop, signature.root,
-                   signature.count, in_addr, out_addr, _INLINE if inline is not None else 0)
+        meta[:] = (
+            signature.op,
+            signature.dtype,
+            signature.redop,
+            signature.root,
+            signature.count,
+            in_addr,
+            out_addr,
+            _INLINE if inline is not None else 0,
+        )
         if inline is not None and inline.size:
             self._payload(seq, self.rank, inline.nbytes)[:] = inline
         if offsets is not None:
@@ -311,9 +344,16 @@ class IntraNode:
             if peer != self.rank:
                 theirs = Signature(*(int(v) for v in self._meta(seq, peer)[:5]))
                 if theirs != signature:
-                    raise DistBackendError(mismatch_message(
-                        self.names[self.rank], self.group_size, seq, signature,
-                        self.names[peer], theirs))
+                    raise DistBackendError(
+                        mismatch_message(
+                            self.names[self.rank],
+                            self.group_size,
+                            seq,
+                            signature,
+                            self.names[peer],
+                            theirs,
+                        )
+                    )
 
     def _finish(self, seq: int, wait_for: Sequence[int]) -> None:
         """Mark this rank done with `seq`'s arrays; wait until `wait_for` are done too."""
@@ -325,8 +365,9 @@ class IntraNode:
     def _others(self) -> list[int]:
         return [p for p in range(self.size) if p != self.rank]
 
-    def begin(self, describe: str, deadline: Deadline,
-              explain: Callable[[], str] | None = None) -> None:
+    def begin(
+        self, describe: str, deadline: Deadline, explain: Callable[[], str] | None = None
+    ) -> None:
         """Name and time the collective about to run (for errors).
 
         Args:
@@ -356,8 +397,11 @@ class IntraNode:
         if nbytes < _THREADED_MIN:
             cma_read(pid, base.ctypes.data, src, nbytes)
         else:
-            parallel_for(nbytes, lambda a, b: cma_read(pid, base.ctypes.data + a, src + a,
-                                                       b - a), min_chunk=_THREADED_MIN // 2)
+            parallel_for(
+                nbytes,
+                lambda a, b: cma_read(pid, base.ctypes.data + a, src + a, b - a),
+                min_chunk=_THREADED_MIN // 2,
+            )
 
     def _scratch(self, nbytes: int) -> np.ndarray:
         """This thread's chunk buffer (the intra-op threads reduce side by side)."""
@@ -366,8 +410,16 @@ class IntraNode:
             pool = self._local.pool = ScratchPool()
         return pool.get(0, nbytes, np.uint8)
 
-    def _owner_reduce(self, seq: int, acc: np.ndarray, own: np.ndarray, base: int,
-                      op: ReduceOp, write_to: Sequence[int], divide: bool) -> None:
+    def _owner_reduce(
+        self,
+        seq: int,
+        acc: np.ndarray,
+        own: np.ndarray,
+        base: int,
+        op: ReduceOp,
+        write_to: Sequence[int],
+        divide: bool,
+    ) -> None:
         """acc <- own (op) every peer's input at byte `base` on; then write it to `write_to`.
 
         `acc` and `own` have the same length; peers' data come from their published
@@ -387,7 +439,7 @@ class IntraNode:
                 part = acc[lo:hi]
                 if part.ctypes.data != own.ctypes.data + lo * isz:
                     part[...] = own[lo:hi]
-                incoming = scratch[:hi - lo]
+                incoming = scratch[: hi - lo]
                 for p in peers:
                     cma_read(pids[p], incoming.ctypes.data, sources[p] + lo * isz, incoming.nbytes)
                     reduce_into(part, incoming, op)
@@ -410,20 +462,19 @@ class IntraNode:
         view = _u8(out)
         view[:] = self._payload(seq, 0, offset + nbytes)[offset:]
         for peer in range(1, self.size):
-            reduce_into(out, self._payload(seq, peer, offset + nbytes)[offset:]
-                        .view(out.dtype), op)
+            reduce_into(out, self._payload(seq, peer, offset + nbytes)[offset:].view(out.dtype), op)
 
     # -- the collectives -------------------------------------------------------------------
 
     def all_reduce(self, seq: int, sig: Signature, buf: np.ndarray, op: ReduceOp) -> None:
         self._reduction(seq, sig, buf, op, None)
 
-    def reduce(self, seq: int, sig: Signature, buf: np.ndarray, root: int,
-               op: ReduceOp) -> None:
+    def reduce(self, seq: int, sig: Signature, buf: np.ndarray, root: int, op: ReduceOp) -> None:
         self._reduction(seq, sig, buf, op, root)
 
-    def _reduction(self, seq: int, sig: Signature, buf: np.ndarray, op: ReduceOp,
-                   root: int | None) -> None:
+    def _reduction(
+        self, seq: int, sig: Signature, buf: np.ndarray, op: ReduceOp, root: int | None
+    ) -> None:
         """Reduce every rank's `buf` into `root`'s (None: into every rank's)."""
         avg = op is ReduceOp.AVG
         gets_result = root is None or self.rank == root
@@ -455,48 +506,50 @@ class IntraNode:
             self._fetch(seq, root, buf, 0)
         self._finish(seq, self._others() if is_root else ())
 
-    def all_gather(self, seq: int, sig: Signature, output: np.ndarray,
-                   input: np.ndarray) -> None:
+    def all_gather(self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray) -> None:
         m = input.size
         inline = input.nbytes <= self.inline_max
         self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None)
-        mine = output[self.rank * m:(self.rank + 1) * m]
+        mine = output[self.rank * m : (self.rank + 1) * m]
         if mine.ctypes.data != input.ctypes.data:
             mine[...] = input
         for peer in self._others():
-            self._fetch(seq, peer, output[peer * m:(peer + 1) * m], 0)
+            self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
         if not inline:
             self._finish(seq, range(self.size))
 
-    def gather(self, seq: int, sig: Signature, output: np.ndarray | None, input: np.ndarray,
-               root: int) -> None:
+    def gather(
+        self, seq: int, sig: Signature, output: np.ndarray | None, input: np.ndarray, root: int
+    ) -> None:
         m = input.size
         inline = input.nbytes <= self.inline_max
         self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None)
         if self.rank == root:
             assert output is not None
-            output[root * m:(root + 1) * m] = input
+            output[root * m : (root + 1) * m] = input
             for peer in self._others():
-                self._fetch(seq, peer, output[peer * m:(peer + 1) * m], 0)
+                self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
         if not inline:
             self._finish(seq, [root] if self.rank != root else ())
 
-    def scatter(self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray | None,
-                root: int) -> None:
+    def scatter(
+        self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray | None, root: int
+    ) -> None:
         m = output.size
         inline = m * self.size * output.itemsize <= self.inline_max
         if self.rank == root:
             assert input is not None
             self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None)
-            output[...] = input[root * m:(root + 1) * m]
+            output[...] = input[root * m : (root + 1) * m]
         else:
             self._arrive(seq, sig)
             self._fetch(seq, root, output, self.rank * m * output.itemsize)
         if not inline:
             self._finish(seq, self._others() if self.rank == root else ())
 
-    def reduce_scatter(self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray,
-                       op: ReduceOp) -> None:
+    def reduce_scatter(
+        self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray, op: ReduceOp
+    ) -> None:
         m, r = output.size, self.rank
         avg = op is ReduceOp.AVG
         if input.nbytes <= self.inline_max:
@@ -506,16 +559,25 @@ class IntraNode:
                 np.divide(output, self.size, out=output)
             return
         self._arrive(seq, sig, input.ctypes.data)
-        self._owner_reduce(seq, output, input[r * m:(r + 1) * m], r * m * output.itemsize, op,
-                           (), avg)
+        self._owner_reduce(
+            seq, output, input[r * m : (r + 1) * m], r * m * output.itemsize, op, (), avg
+        )
         self._finish(seq, range(self.size))
 
-    def all_to_all(self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray,
-                   output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
+    def all_to_all(
+        self,
+        seq: int,
+        sig: Signature,
+        output: np.ndarray,
+        input: np.ndarray,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+    ) -> None:
         offsets = np.concatenate(([0], np.cumsum(input_splits, dtype=np.int64)))
         inline = input.nbytes <= self.inline_max
-        self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None,
-                     offsets=offsets)
+        self._arrive(
+            seq, sig, input.ctypes.data, inline=_u8(input) if inline else None, offsets=offsets
+        )
         out_at = np.concatenate(([0], np.cumsum(output_splits, dtype=np.int64)))
         isz = output.itemsize
         for peer in range(self.size):
@@ -528,10 +590,11 @@ class IntraNode:
                     f"{self.names[peer]} sends "
                     f"{count} elements to this rank, but output_split_sizes[{peer}] here is "
                     f"{expected}; every rank's input split for rank j must equal rank j's "
-                    "output split for it")
-            target = output[out_at[peer]:out_at[peer + 1]]
+                    "output split for it"
+                )
+            target = output[out_at[peer] : out_at[peer + 1]]
             if peer == self.rank:
-                target[...] = input[start:start + count]
+                target[...] = input[start : start + count]
             else:
                 self._fetch(seq, peer, target, start * isz)
         if not all(self._is_inline(seq, peer) for peer in range(self.size)):
@@ -545,4 +608,3 @@ class IntraNode:
     def close(self) -> None:
         self._words = np.empty(0, np.int32)
         self._segment.close()
-

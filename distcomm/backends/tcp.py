@@ -38,8 +38,9 @@ class TcpBackend(Backend):
     #: the algorithm thresholds of this backend, before DISTCOMM_TUNING
     tuning_preset: ClassVar[algo.Tuning] = algo.Tuning.simple()
 
-    def __init__(self, store: Store, rank: int, size: int, timeout: float,
-                 group_name: str = "") -> None:
+    def __init__(
+        self, store: Store, rank: int, size: int, timeout: float, group_name: str = ""
+    ) -> None:
         super().__init__(store, rank, size, timeout, group_name)
         self.tuning = algo.Tuning.from_env(self.tuning_preset)
         label = f"{self.label()} {self.name} backend (group '{self.group_name}')"
@@ -52,9 +53,15 @@ class TcpBackend(Backend):
 
     # -- running collectives ----------------------------------------------------------------
 
-    def _run_collective(self, op: str, signature: Signature,
-                        body: Callable[[int, str, Deadline], None], outputs: list[Any],
-                        async_op: bool, why: Callable[[int], str]) -> Work:
+    def _run_collective(
+        self,
+        op: str,
+        signature: Signature,
+        body: Callable[[int, str, Deadline], None],
+        outputs: list[Any],
+        async_op: bool,
+        why: Callable[[int], str],
+    ) -> Work:
         """Run `body(seq, describe, deadline)` as the group's next collective, in issue order.
 
         `why(seq)` explains a Work.wait timeout. Any error aborts the group.
@@ -67,9 +74,12 @@ class TcpBackend(Backend):
                 return why(running[0])
             return "it had not started: operations issued before it are still running"
 
-        work = Work(description, outputs,
-                    on_timeout=self._abort_on_timeout(description, explain),
-                    timeout=self.timeout)
+        work = Work(
+            description,
+            outputs,
+            on_timeout=self._abort_on_timeout(description, explain),
+            timeout=self.timeout,
+        )
 
         def run() -> None:
             seq = self._seq
@@ -78,8 +88,7 @@ class TcpBackend(Backend):
             describe = f"{description} #{seq}"
             failure = self._transport.mailbox.failure
             if failure is not None:
-                raise failure.kind(f"{describe}: the group was aborted earlier: "
-                                   f"{failure.message}")
+                raise failure.kind(f"{describe}: the group was aborted earlier: {failure.message}")
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s: %s", describe, signature.describe())
             try:
@@ -93,29 +102,50 @@ class TcpBackend(Backend):
 
         return self._collectives.submit(run, work, async_op)
 
-    def _exchange(self, seq: int, signature: Signature, describe: str, deadline: Deadline,
-                  body: Callable[[Exchange], None], ranks: list[int] | None = None) -> None:
+    def _exchange(
+        self,
+        seq: int,
+        signature: Signature,
+        describe: str,
+        deadline: Deadline,
+        body: Callable[[Exchange], None],
+        ranks: list[int] | None = None,
+    ) -> None:
         """Run `body(ex)` over TCP among `ranks` (default: every rank of the group)."""
         if ranks is None:
             ex = Exchange(self._transport, seq, signature, deadline, describe, self._scratch)
         else:
-            ex = SubExchange(self._transport, seq, signature, deadline, describe,
-                             self._scratch, ranks)
+            ex = SubExchange(
+                self._transport, seq, signature, deadline, describe, self._scratch, ranks
+            )
         mailbox = self._transport.mailbox
         mailbox.begin_collective(seq, signature)
         ex.announce()
         body(ex)
         mailbox.finish_collective(seq, signature)
 
-    def _collective(self, op: str, signature: Signature, body: Callable[[Exchange], None],
-                    outputs: list[Any], async_op: bool) -> Work:
+    def _collective(
+        self,
+        op: str,
+        signature: Signature,
+        body: Callable[[Exchange], None],
+        outputs: list[Any],
+        async_op: bool,
+    ) -> Work:
         return self._run_collective(
-            op, signature, lambda seq, describe, deadline: self._exchange(
-                seq, signature, describe, deadline, body),
-            outputs, async_op, lambda seq: diagnose(self._transport, seq))
+            op,
+            signature,
+            lambda seq, describe, deadline: self._exchange(
+                seq, signature, describe, deadline, body
+            ),
+            outputs,
+            async_op,
+            lambda seq: diagnose(self._transport, seq),
+        )
 
-    def _abort_on_timeout(self, description: str,
-                          why: Callable[[], str]) -> Callable[[float], BaseException]:
+    def _abort_on_timeout(
+        self, description: str, why: Callable[[], str]
+    ) -> Callable[[float], BaseException]:
         """The Work.wait timeout handler of an operation that cannot be withdrawn."""
 
         def on_timeout(seconds: float) -> BaseException:
@@ -123,73 +153,122 @@ class TcpBackend(Backend):
                 DistTimeoutError,
                 f"{description} did not complete within {seconds:.1f} s (Work.wait timeout): "
                 f"{why()}; the group is aborted because the operation cannot be abandoned "
-                "half-way")
+                "half-way",
+            )
             self._transport.abort(failure)
             return failure.error()
+
         return on_timeout
 
     # -- the op set ------------------------------------------------------------------------
 
     def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
         return self._collective(
-            "broadcast", Signature.of("broadcast", array, root=root),
-            lambda ex: algo.broadcast(ex, array, root, self.tuning), [array], async_op)
+            "broadcast",
+            Signature.of("broadcast", array, root=root),
+            lambda ex: algo.broadcast(ex, array, root, self.tuning),
+            [array],
+            async_op,
+        )
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
         return self._collective(
-            "all_reduce", Signature.of("all_reduce", array, op),
-            lambda ex: algo.all_reduce(ex, array, op, self.tuning), [array], async_op)
+            "all_reduce",
+            Signature.of("all_reduce", array, op),
+            lambda ex: algo.all_reduce(ex, array, op, self.tuning),
+            [array],
+            async_op,
+        )
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
         return self._collective(
-            "reduce", Signature.of("reduce", array, op, root),
-            lambda ex: algo.reduce(ex, array, root, op, self.tuning), [array], async_op)
+            "reduce",
+            Signature.of("reduce", array, op, root),
+            lambda ex: algo.reduce(ex, array, root, op, self.tuning),
+            [array],
+            async_op,
+        )
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         return self._collective(
-            "all_gather", Signature.of("all_gather", input),
-            lambda ex: algo.all_gather(ex, output, input, self.tuning), [output], async_op)
+            "all_gather",
+            Signature.of("all_gather", input),
+            lambda ex: algo.all_gather(ex, output, input, self.tuning),
+            [output],
+            async_op,
+        )
 
-    def gather(self, output: Any | None, input: Any, root: int, *,
-               async_op: bool = False) -> Work:
+    def gather(self, output: Any | None, input: Any, root: int, *, async_op: bool = False) -> Work:
         return self._collective(
-            "gather", Signature.of("gather", input, root=root),
+            "gather",
+            Signature.of("gather", input, root=root),
             lambda ex: algo.gather(ex, output, input, root, self.tuning),
-            [output] if output is not None else [], async_op)
+            [output] if output is not None else [],
+            async_op,
+        )
 
-    def scatter(self, output: Any, input: Any | None, root: int, *,
-                async_op: bool = False) -> Work:
+    def scatter(self, output: Any, input: Any | None, root: int, *, async_op: bool = False) -> Work:
         return self._collective(
-            "scatter", Signature.of("scatter", output, root=root),
-            lambda ex: algo.scatter(ex, output, input, root, self.tuning), [output],
-            async_op)
+            "scatter",
+            Signature.of("scatter", output, root=root),
+            lambda ex: algo.scatter(ex, output, input, root, self.tuning),
+            [output],
+            async_op,
+        )
 
-    def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
-                       async_op: bool = False) -> Work:
+    def reduce_scatter(
+        self, output: Any, input: Any, op: ReduceOp, *, async_op: bool = False
+    ) -> Work:
         return self._collective(
-            "reduce_scatter", Signature.of("reduce_scatter", output, op),
-            lambda ex: algo.reduce_scatter(ex, output, input, op, self.tuning), [output],
-            async_op)
+            "reduce_scatter",
+            Signature.of("reduce_scatter", output, op),
+            lambda ex: algo.reduce_scatter(ex, output, input, op, self.tuning),
+            [output],
+            async_op,
+        )
 
-    def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
-                   input_splits: Sequence[int], *, async_op: bool = False) -> Work:
+    def all_to_all(
+        self,
+        output: Any,
+        input: Any,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        async_op: bool = False,
+    ) -> Work:
         return self._collective(
-            "all_to_all", Signature.of("all_to_all", input, count=-1),
-            lambda ex: algo.all_to_all(ex, output, input, output_splits, input_splits,
-                                       self.tuning),
-            [output], async_op)
+            "all_to_all",
+            Signature.of("all_to_all", input, count=-1),
+            lambda ex: algo.all_to_all(ex, output, input, output_splits, input_splits, self.tuning),
+            [output],
+            async_op,
+        )
 
     def barrier(self, *, async_op: bool = False) -> Work:
-        return self._collective("barrier", Signature(OP_CODES["barrier"]),
-                                lambda ex: algo.barrier(ex, self.tuning), [], async_op)
+        return self._collective(
+            "barrier",
+            Signature(OP_CODES["barrier"]),
+            lambda ex: algo.barrier(ex, self.tuning),
+            [],
+            async_op,
+        )
 
     # -- point to point -------------------------------------------------------------------
 
     def send(self, array: Any, dst: int, tag: int) -> Work:
         description = self.describe(f"send to rank {dst} (tag {tag})")
         payload = as_bytes(array)
-        fields = (P2P, OP_CODES["send"], dtype_code(array.dtype), NO_REDOP, -1, tag, 0,
-                  array.size, len(payload))
+        fields = (
+            P2P,
+            OP_CODES["send"],
+            dtype_code(array.dtype),
+            NO_REDOP,
+            -1,
+            tag,
+            0,
+            array.size,
+            len(payload),
+        )
 
         def run() -> None:
             try:
@@ -199,11 +278,17 @@ class TcpBackend(Backend):
                 raise type(exc)(f"{description}: {exc}") from None
 
         def why() -> str:
-            return (f"rank {dst} is not reading its connection (hung or stopped?), or "
-                    "sends issued before this one are still being written")
+            return (
+                f"rank {dst} is not reading its connection (hung or stopped?), or "
+                "sends issued before this one are still being written"
+            )
 
-        work = Work(description, [array], on_timeout=self._abort_on_timeout(description, why),
-                    timeout=self.timeout)
+        work = Work(
+            description,
+            [array],
+            on_timeout=self._abort_on_timeout(description, why),
+            timeout=self.timeout,
+        )
         return self._sends.submit(run, work, async_op=True)
 
     def recv(self, array: Any, src: int | None, tag: int) -> Work:
@@ -215,7 +300,8 @@ class TcpBackend(Backend):
         def on_timeout(seconds: float) -> BaseException:
             error = DistTimeoutError(
                 f"{description}: no message arrived within {seconds:.1f} s "
-                "(did the sender call send with the same tag and this rank as dst?)")
+                "(did the sender call send with the same tag and this rank as dst?)"
+            )
             if holder and not mailbox.cancel(holder[0]):
                 holder[0].event.wait(self.timeout)  # matched already: its payload is arriving
             return error
@@ -231,8 +317,16 @@ class TcpBackend(Backend):
             else:
                 work.complete(recv.source)
 
-        holder.append(mailbox.post(src, Mailbox.p2p_key(src, tag), as_bytes(array),
-                                   dtype_code(array.dtype), None, callback=done))
+        holder.append(
+            mailbox.post(
+                src,
+                Mailbox.p2p_key(src, tag),
+                as_bytes(array),
+                dtype_code(array.dtype),
+                None,
+                callback=done,
+            )
+        )
         return work
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -57,8 +57,17 @@ PROGRESS = struct.Struct("<qq")
 HEADER = struct.Struct("<BBBBiqqqQ")
 
 OP_NAMES = (
-    "none", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-    "reduce_scatter", "all_to_all", "barrier", "send",
+    "none",
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+    "send",
 )
 OP_CODES = {name: code for code, name in enumerate(OP_NAMES)}
 NO_REDOP = 255
@@ -91,12 +100,22 @@ class Signature:
     count: int = 0
 
     @classmethod
-    def of(cls, op: str, array: Any = None, redop: ReduceOp | None = None, root: int = -1,
-           count: int | None = None) -> Signature:
+    def of(
+        cls,
+        op: str,
+        array: Any = None,
+        redop: ReduceOp | None = None,
+        root: int = -1,
+        count: int | None = None,
+    ) -> Signature:
         """The signature of collective `op` on `array` (count: its size unless given)."""
-        return cls(OP_CODES[op], dtype_code(array.dtype) if array is not None else 0,
-                   NO_REDOP if redop is None else int(redop), root,
-                   (array.size if array is not None else 0) if count is None else count)
+        return cls(
+            OP_CODES[op],
+            dtype_code(array.dtype) if array is not None else 0,
+            NO_REDOP if redop is None else int(redop),
+            root,
+            (array.size if array is not None else 0) if count is None else count,
+        )
 
     def describe(self) -> str:
         name = OP_NAMES[self.op]
@@ -114,8 +133,9 @@ class Signature:
         return text
 
 
-def mismatch_message(rank: int, size: int, seq: int, mine: Signature, peer: int,
-              theirs: Signature) -> str:
+def mismatch_message(
+    rank: int, size: int, seq: int, mine: Signature, peer: int, theirs: Signature
+) -> str:
     return (
         f"[rank {rank}/{size}] collective mismatch at collective #{seq}: this rank called "
         f"{mine.describe()}, rank {peer} called {theirs.describe()}; every rank of a group "
@@ -153,5 +173,3 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Say goodbye to the peers and release every connection and thread; idempotent."""
-
-

@@ -42,11 +42,17 @@ class ScratchPool:
 class Exchange:
     """One collective's view of the transport: its seq, signature, deadline and messages."""
 
-    __slots__ = ("deadline", "describe", "rank", "scratch", "seq", "signature",
-                 "size", "transport")
+    __slots__ = ("deadline", "describe", "rank", "scratch", "seq", "signature", "size", "transport")
 
-    def __init__(self, transport: Transport, seq: int, signature: Signature,
-                 deadline: Deadline, describe: str, scratch: ScratchPool | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        seq: int,
+        signature: Signature,
+        deadline: Deadline,
+        describe: str,
+        scratch: ScratchPool | None = None,
+    ) -> None:
         self.scratch = scratch if scratch is not None else ScratchPool()
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
@@ -87,8 +93,12 @@ class Exchange:
         """Post the receive of message `step` from `peer` into `array`."""
         peer = self._global(peer)
         return self.transport.mailbox.post(
-            peer, Mailbox.coll_key(peer, self.seq, step), as_bytes(array), self.signature.dtype,
-            self.signature)
+            peer,
+            Mailbox.coll_key(peer, self.seq, step),
+            as_bytes(array),
+            self.signature.dtype,
+            self.signature,
+        )
 
     def wait(self, recv: Recv) -> None:
         """Wait for a posted receive until the collective's deadline.
@@ -101,7 +111,8 @@ class Exchange:
         if not recv.event.wait(self.deadline.remaining()):
             raise DistTimeoutError(
                 f"{self.describe} timed out after {self.deadline.seconds:.1f} s: "
-                + diagnose(self.transport, self.seq))
+                + diagnose(self.transport, self.seq)
+            )
         if recv.error is not None:
             error = recv.error
             raise type(error)(_prefixed(self.describe, str(error))) from None
@@ -116,9 +127,16 @@ class SubExchange(Exchange):
 
     __slots__ = ("ranks",)
 
-    def __init__(self, transport: Transport, seq: int, signature: Signature,
-                 deadline: Deadline, describe: str, scratch: ScratchPool | None,
-                 ranks: list[int]) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        seq: int,
+        signature: Signature,
+        deadline: Deadline,
+        describe: str,
+        scratch: ScratchPool | None,
+        ranks: list[int],
+    ) -> None:
         super().__init__(transport, seq, signature, deadline, describe, scratch)
         self.ranks = ranks
         self.rank, self.size = ranks.index(transport.rank), len(ranks)
@@ -144,16 +162,20 @@ def diagnose(transport: Transport, seq: int, probe_timeout: float = 1.0) -> str:
     parts = []
     if behind:
         where = "; ".join(
-            f"rank {p} is at collective #{statuses[p][0]}" if statuses[p][0] >= 0
-            else f"rank {p} has run no collective yet" for p in behind)
+            f"rank {p} is at collective #{statuses[p][0]}"
+            if statuses[p][0] >= 0
+            else f"rank {p} has run no collective yet"
+            for p in behind
+        )
         parts.append(f"rank(s) {_ranks(behind)} have not called collective #{seq} ({where})")
     if silent:
         parts.append(f"rank(s) {_ranks(silent)} did not answer (hung, stopped or dead?)")
     if waiting:
         parts.append(f"this rank was waiting for rank(s) {_ranks(waiting)}")
     if not behind and not silent:
-        parts.append("every rank has reached this collective: did they all call it with "
-                     "the same arguments?")
+        parts.append(
+            "every rank has reached this collective: did they all call it with the same arguments?"
+        )
     return "; ".join(parts)
 
 

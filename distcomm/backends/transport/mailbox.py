@@ -18,12 +18,30 @@ __all__ = ["Mailbox", "Recv"]
 class Recv:
     """A posted receive: where the payload goes and what the sender must match."""
 
-    __slots__ = ("buffer", "callback", "dtype", "error", "event", "key", "order", "peer",
-                 "signature", "source", "tag")
+    __slots__ = (
+        "buffer",
+        "callback",
+        "dtype",
+        "error",
+        "event",
+        "key",
+        "order",
+        "peer",
+        "signature",
+        "source",
+        "tag",
+    )
 
-    def __init__(self, peer: int | None, key: tuple, buffer: memoryview, dtype: int,
-                 signature: Signature | None, order: int,
-                 callback: Callable[[Recv], None] | None = None) -> None:
+    def __init__(
+        self,
+        peer: int | None,
+        key: tuple,
+        buffer: memoryview,
+        dtype: int,
+        signature: Signature | None,
+        order: int,
+        callback: Callable[[Recv], None] | None = None,
+    ) -> None:
         self.peer = peer  # None: any source (point-to-point only)
         self.key = key
         self.buffer = buffer
@@ -89,9 +107,15 @@ class Mailbox:
 
     # -- posting ---------------------------------------------------------------------------
 
-    def post(self, peer: int | None, key: tuple, buffer: memoryview, dtype: int,
-             signature: Signature | None,
-             callback: Callable[[Recv], None] | None = None) -> Recv:
+    def post(
+        self,
+        peer: int | None,
+        key: tuple,
+        buffer: memoryview,
+        dtype: int,
+        signature: Signature | None,
+        callback: Callable[[Recv], None] | None = None,
+    ) -> Recv:
         """Post a receive; it completes at once if a matching message already arrived.
 
         `callback(recv)` runs (in whichever thread completes it) once it completes.
@@ -143,8 +167,9 @@ class Mailbox:
     def cancel(self, recv: Recv) -> bool:
         """Withdraw a receive nobody has matched yet; False if it is already matched."""
         with self.lock:
-            queues = [self._any.get(recv.key[2])] if recv.peer is None else [
-                self._posted.get(recv.key)]
+            queues = (
+                [self._any.get(recv.key[2])] if recv.peer is None else [self._posted.get(recv.key)]
+            )
             for queue in queues:
                 if queue and recv in queue:
                     queue.remove(recv)
@@ -210,7 +235,8 @@ class Mailbox:
             recv = self._pop_posted(key)
             if recv is None:
                 self._unexpected.setdefault(key, deque()).append(
-                    (next(self._arrivals), fields, payload))
+                    (next(self._arrivals), fields, payload)
+                )
                 return
         self.deliver(recv, peer, fields, payload)
 
@@ -229,7 +255,8 @@ class Mailbox:
             mine = recv.signature
             if mine is not None and theirs != mine:
                 return DistBackendError(
-                    mismatch_message(self.rank, self.size, seq, mine, peer, theirs))
+                    mismatch_message(self.rank, self.size, seq, mine, peer, theirs)
+                )
         if nbytes != len(recv.buffer) or dtype != recv.dtype:
             mine_n = len(recv.buffer) // max(1, dtype_from_code(recv.dtype).itemsize)
             theirs_n = nbytes // max(1, dtype_from_code(dtype).itemsize)
@@ -253,15 +280,18 @@ class Mailbox:
         current = self._current
         if current is not None and current[0] == seq and current[1] != theirs:
             raise DistBackendError(
-                mismatch_message(self.rank, self.size, seq, current[1], peer, theirs))
+                mismatch_message(self.rank, self.size, seq, current[1], peer, theirs)
+            )
 
     def _late_message(self, peer: int, seq: int, theirs: Signature) -> str:
         mine = self._history.get(seq)
         if mine is None:
-            return (f"[rank {self.rank}/{self.size}] collective mismatch: rank {peer} sent "
-                    f"data for collective #{seq} ({theirs.describe()}) after this rank had "
-                    "finished it; every rank of a group must issue the same collectives in "
-                    "the same order")
+            return (
+                f"[rank {self.rank}/{self.size}] collective mismatch: rank {peer} sent "
+                f"data for collective #{seq} ({theirs.describe()}) after this rank had "
+                "finished it; every rank of a group must issue the same collectives in "
+                "the same order"
+            )
         return mismatch_message(self.rank, self.size, seq, mine, peer, theirs)
 
     # -- collective bookkeeping -----------------------------------------------------------
@@ -276,8 +306,11 @@ class Mailbox:
         theirs = Signature(op, dtype, redop, root, count)
         with self.lock:
             current = self._current
-            mine = current[1] if current is not None and current[0] == seq else (
-                self._history.get(seq))
+            mine = (
+                current[1]
+                if current is not None and current[0] == seq
+                else (self._history.get(seq))
+            )
             if mine is None:
                 if seq > self._done_seq:
                     self._early_sigs[seq] = (peer, theirs)
@@ -296,7 +329,8 @@ class Mailbox:
             early = self._early_sigs.pop(seq, None)
             if early is not None and early[1] != signature:
                 raise DistBackendError(
-                    mismatch_message(self.rank, self.size, seq, signature, early[0], early[1]))
+                    mismatch_message(self.rank, self.size, seq, signature, early[0], early[1])
+                )
             for (kind, peer, msg_seq, *_), queue in self._unexpected.items():
                 if kind == COLL and msg_seq == seq:
                     self._check_collective(peer, queue[0][1])
@@ -398,5 +432,3 @@ class Mailbox:
             if any(self._any.values()):
                 peers.add(-1)
         return sorted(peers)
-
-

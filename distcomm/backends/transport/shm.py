@@ -46,8 +46,14 @@ _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 
 # futex(2) syscall numbers; other architectures fall back to sleeping polls
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98, "ppc64le": 221,
-              "s390x": 238}.get(platform.machine())
+_SYS_FUTEX = {
+    "x86_64": 202,
+    "aarch64": 98,
+    "arm64": 98,
+    "riscv64": 98,
+    "ppc64le": 221,
+    "s390x": 238,
+}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _INT_MAX = 0x7FFFFFFF
 _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1).value
@@ -65,8 +71,14 @@ _readv = _libc.process_vm_readv
 _writev = _libc.process_vm_writev
 for _fn in (_readv, _writev):
     _fn.restype = ctypes.c_ssize_t
-    _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                    ctypes.c_ulong, ctypes.c_ulong]
+    _fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
 
 
 def futex_wait(address: int, expected: int, timeout: float) -> None:
@@ -79,8 +91,15 @@ def futex_wait(address: int, expected: int, timeout: float) -> None:
         return
     timeout = max(timeout, 0.0)
     spec = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
-    _syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_int(expected),
-             ctypes.byref(spec), None, 0)
+    _syscall(
+        _SYS_FUTEX,
+        ctypes.c_void_p(address),
+        _FUTEX_WAIT,
+        ctypes.c_int(expected),
+        ctypes.byref(spec),
+        None,
+        0,
+    )
 
 
 def futex_wake(address: int) -> None:
@@ -99,7 +118,8 @@ def _transfer(fn, verb: str, pid: int, local: int, remote: int, nbytes: int) -> 
                 continue
             raise DistBackendError(
                 f"shared-memory transport: cannot {verb} {nbytes} bytes of process {pid}: "
-                f"{os.strerror(err) if done < 0 else 'no progress'} (has it exited?)")
+                f"{os.strerror(err) if done < 0 else 'no progress'} (has it exited?)"
+            )
         local, remote, nbytes = local + done, remote + done, nbytes - done
 
 

@@ -45,8 +45,7 @@ log = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("<4siiq")  # magic, rank, size, generation
 _HELLO_MAGIC = b"DCTP"
-_FAILURE_KINDS: tuple[type[DistError], ...] = (DistNetworkError, DistBackendError,
-                                               DistTimeoutError)
+_FAILURE_KINDS: tuple[type[DistError], ...] = (DistNetworkError, DistBackendError, DistTimeoutError)
 _POLL_SLICE = 0.5
 _SEND_SLICE = 0.5
 #: collective payloads at least this large wait briefly for their receive (Mailbox.claim)
@@ -82,8 +81,9 @@ class _Peer:
         self.sock = sock
         # sends block in the kernel (faster than polling from Python), but never for
         # longer than this at a time, so the sender notices deadlines and aborts
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", 0, int(_SEND_SLICE * 1e6)))
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, int(_SEND_SLICE * 1e6))
+        )
         self.lock = threading.Lock()  # one sender at a time: messages never interleave
         self.dirty = False  # a send stopped half-way: the stream can carry nothing more
         self.gone = False  # the peer said goodbye or the connection ended
@@ -100,8 +100,7 @@ class TcpTransport(Transport):
         label: prefix of messages, e.g. "[rank 1/4] tcp backend (group 'default')".
     """
 
-    def __init__(self, store: Store, rank: int, size: int, deadline: Deadline,
-                 label: str) -> None:
+    def __init__(self, store: Store, rank: int, size: int, deadline: Deadline, label: str) -> None:
         super().__init__(rank, size)
         self.mailbox = Mailbox(rank, size)
         self._label = label
@@ -114,16 +113,25 @@ class TcpTransport(Transport):
             generation = (store.add("tcp/joined", 1) - 1) // size
             self._connect_mesh(store, generation, deadline)
         for peer in self._peers.values():
-            peer.thread = threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
-                                           name=f"distcomm-recv-{rank}-{peer.rank}")
+            peer.thread = threading.Thread(
+                target=self._read_loop,
+                args=(peer,),
+                daemon=True,
+                name=f"distcomm-recv-{rank}-{peer.rank}",
+            )
             peer.thread.start()
 
     # -- setup -----------------------------------------------------------------------------
 
     def _connect_mesh(self, store: Store, generation: int, deadline: Deadline) -> None:
         host = local_address(store)
-        listener = net.listen(host, 0, backlog=max(16, self.size),
-                              authenticated=self._key is not None, what="the tcp transport")
+        listener = net.listen(
+            host,
+            0,
+            backlog=max(16, self.size),
+            authenticated=self._key is not None,
+            what="the tcp transport",
+        )
         port = listener.getsockname()[1]
         store.set(f"tcp/{generation}/{self.rank}", f"{net.format_address(host, port)}")
         accepted: dict[int, socket.socket] = {}
@@ -131,7 +139,9 @@ class TcpTransport(Transport):
         acceptor = threading.Thread(
             target=self._accept_loop,
             args=(listener, generation, deadline, accepted, accept_error),
-            name=f"distcomm-accept-{self.rank}", daemon=True)
+            name=f"distcomm-accept-{self.rank}",
+            daemon=True,
+        )
         acceptor.start()
         try:
             for peer in range(self.rank):
@@ -144,7 +154,8 @@ class TcpTransport(Transport):
                 raise DistTimeoutError(
                     f"{self._label}: rank(s) {', '.join(map(str, missing))} did not connect "
                     f"within {deadline.seconds:.1f} s{reason} (did every rank call "
-                    "init_process_group/new_group, and can they reach this host?)")
+                    "init_process_group/new_group, and can they reach this host?)"
+                )
             for peer, sock in accepted.items():
                 self._peers[peer] = _Peer(peer, sock)
         except BaseException:
@@ -157,8 +168,9 @@ class TcpTransport(Transport):
         finally:
             listener.close()
 
-    def _connect_to(self, store: Store, peer: int, generation: int,
-                    deadline: Deadline) -> socket.socket:
+    def _connect_to(
+        self, store: Store, peer: int, generation: int, deadline: Deadline
+    ) -> socket.socket:
         key = f"tcp/{generation}/{peer}"
         try:
             store.wait([key], deadline.remaining())
@@ -180,8 +192,14 @@ class TcpTransport(Transport):
         sock.settimeout(None)  # the handshake's read timeout must not outlive it
         return sock
 
-    def _accept_loop(self, listener: socket.socket, generation: int, deadline: Deadline,
-                     accepted: dict[int, socket.socket], errors: list[BaseException]) -> None:
+    def _accept_loop(
+        self,
+        listener: socket.socket,
+        generation: int,
+        deadline: Deadline,
+        accepted: dict[int, socket.socket],
+        errors: list[BaseException],
+    ) -> None:
         expected = set(range(self.rank + 1, self.size))
         try:
             while expected - set(accepted):
@@ -203,8 +221,14 @@ class TcpTransport(Transport):
         except BaseException as exc:  # reported by the joining thread
             errors.append(exc)
 
-    def _admit(self, sock: socket.socket, generation: int, deadline: Deadline,
-               expected: set[int], accepted: dict[int, socket.socket]) -> int | None:
+    def _admit(
+        self,
+        sock: socket.socket,
+        generation: int,
+        deadline: Deadline,
+        expected: set[int],
+        accepted: dict[int, socket.socket],
+    ) -> int | None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         net.set_keepalive(sock)
         step = Deadline(min(10.0, deadline.remaining() or 10.0))
@@ -268,7 +292,8 @@ class TcpTransport(Transport):
                 if deadline.expired():
                     raise DistTimeoutError(
                         f"sending to rank {conn.rank} made no progress for "
-                        f"{deadline.seconds:.1f} s (is it alive and reading?)")
+                        f"{deadline.seconds:.1f} s (is it alive and reading?)"
+                    )
 
     def _send_control(self, conn: _Peer, kind: int, payload: bytes = b"", code: int = 0) -> None:
         """Best-effort ABORT/BYE/QUERY/STATUS: never blocks long, never interleaves a message."""
@@ -280,8 +305,7 @@ class TcpTransport(Transport):
             payload = payload[:4096]
             header = HEADER.pack(kind, code, 0, 0, 0, 0, 0, 0, len(payload))
             try:
-                self._send_views(conn, [memoryview(header), memoryview(payload)],
-                                 Deadline(1.0))
+                self._send_views(conn, [memoryview(header), memoryview(payload)], Deadline(1.0))
             except DistError:
                 conn.dirty = True
         finally:
@@ -301,18 +325,25 @@ class TcpTransport(Transport):
                 kind, nbytes = fields[0], fields[8]
                 if kind == BYE:
                     # the mailbox first: a sender that finds `gone` set can ask it why
-                    mailbox.peer_gone(conn.rank, Failure(
-                        DistNetworkError,
-                        f"rank {conn.rank} has left the group (destroy_process_group or exit)"))
+                    mailbox.peer_gone(
+                        conn.rank,
+                        Failure(
+                            DistNetworkError,
+                            f"rank {conn.rank} has left the group (destroy_process_group or exit)",
+                        ),
+                    )
                     conn.gone = True
                     _drain(sock)
                     return
                 if kind == ABORT:
                     reason = _read_bytes(sock, nbytes).decode(errors="replace")
                     code = fields[1] if fields[1] < len(_FAILURE_KINDS) else 1
-                    self.abort(Failure(_FAILURE_KINDS[code],
-                                       f"rank {conn.rank} aborted the group: {reason}"),
-                               tell=conn.rank)
+                    self.abort(
+                        Failure(
+                            _FAILURE_KINDS[code], f"rank {conn.rank} aborted the group: {reason}"
+                        ),
+                        tell=conn.rank,
+                    )
                     _drain(sock)
                     return
                 if kind == QUERY:
@@ -329,8 +360,8 @@ class TcpTransport(Transport):
                     continue
                 try:
                     recv = mailbox.claim(
-                        conn.rank, fields,
-                        _WAIT_FOR_POST if nbytes >= _WAIT_FOR_POST_MIN else 0.0)
+                        conn.rank, fields, _WAIT_FOR_POST if nbytes >= _WAIT_FOR_POST_MIN else 0.0
+                    )
                 except DistError as exc:  # a message for a collective this rank finished
                     _read_bytes(sock, nbytes)
                     self.abort(Failure(type(exc), str(exc)))
@@ -357,9 +388,11 @@ class TcpTransport(Transport):
 
     def _connection_failure(self, peer: int, exc: BaseException) -> Failure:
         if isinstance(exc, EOFError) or getattr(exc, "errno", None) in (
-                errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED):
-            return Failure(DistNetworkError,
-                           f"rank {peer} closed the connection (exit or crash?)")
+            errno.ECONNRESET,
+            errno.EPIPE,
+            errno.ECONNABORTED,
+        ):
+            return Failure(DistNetworkError, f"rank {peer} closed the connection (exit or crash?)")
         return Failure(DistNetworkError, f"the connection to rank {peer} failed: {exc}")
 
     def probe(self, timeout: float) -> dict[int, tuple[int, int] | None]:
