@@ -13,6 +13,7 @@ failures. KeyboardInterrupt is passed to the previous hook unchanged (mpiexec fo
 Ctrl-C to every rank). SystemExit never reaches `sys.excepthook`, so unlike mpi4py's run
 mode ``sys.exit(n)`` does not abort.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -95,7 +96,8 @@ def wait_all(comm: Any, deadline: Deadline, what: str) -> None:
             raise DistTimeoutError(
                 f"{what}: not every one of the {comm.Get_size()} processes of the MPI "
                 f"communicator arrived within {deadline.seconds:.1f} s; did every process "
-                f"call init_process_group?")
+                f"call init_process_group?"
+            )
         time.sleep(deadline.slice(delay))
         delay = min(delay * 2, _POLL_MOST)
 
@@ -110,20 +112,28 @@ class _AbortHook:
         self.previous = previous
         self.active = True
 
-    def __call__(self, exc_type: type[BaseException], exc: BaseException,
-                 tb: TracebackType | None) -> None:
+    def __call__(
+        self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+    ) -> None:
         mpi = sys.modules.get("mpi4py.MPI")
-        if (not self.active or issubclass(exc_type, KeyboardInterrupt) or mpi is None
-                or not mpi.Is_initialized() or mpi.Is_finalized()):
+        if (
+            not self.active
+            or issubclass(exc_type, KeyboardInterrupt)
+            or mpi is None
+            or not mpi.Is_initialized()
+            or mpi.Is_finalized()
+        ):
             self.previous(exc_type, exc, tb)
             return
         try:
             rank = mpi.COMM_WORLD.Get_rank()
             text = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n")
             lines = [f"[rank {rank}] {line}" for line in text.split("\n")]
-            lines.append(f"[rank {rank}] uncaught {exc_type.__name__}: calling "
-                         "MPI.COMM_WORLD.Abort(1) to end the job "
-                         "(DISTCOMM_MPI_ABORT_ON_EXCEPTION=0 turns this off)")
+            lines.append(
+                f"[rank {rank}] uncaught {exc_type.__name__}: calling "
+                "MPI.COMM_WORLD.Abort(1) to end the job "
+                "(DISTCOMM_MPI_ABORT_ON_EXCEPTION=0 turns this off)"
+            )
             stream = sys.stderr or sys.__stderr__
             if stream is not None:
                 stream.write("\n".join(lines) + "\n")
@@ -149,8 +159,11 @@ def unlink_mpi_segments() -> list[str]:
     removed = []
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split(None, 5)[5].strip() for line in maps
-                     if line.count(" ") >= 5 and "/dev/shm/" in line}
+            paths = {
+                line.split(None, 5)[5].strip()
+                for line in maps
+                if line.count(" ") >= 5 and "/dev/shm/" in line
+            }
     except (OSError, IndexError):
         return removed
     for path in sorted(paths):

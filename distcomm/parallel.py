@@ -21,19 +21,28 @@ import psutil
 
 from .work import Future
 
-__all__ = ["fork", "get_num_interop_threads", "get_num_threads", "parallel_for",
-           "parallel_info", "set_num_interop_threads", "set_num_threads", "threads", "wait"]
+__all__ = [
+    "fork",
+    "get_num_interop_threads",
+    "get_num_threads",
+    "parallel_for",
+    "parallel_info",
+    "set_num_interop_threads",
+    "set_num_threads",
+    "threads",
+    "wait",
+]
 
 #: Environment variables giving the default intra-op count, the later one winning (torch).
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 _lock = threading.Lock()
-_num_threads: int | None = None      # intra-op count; None until first use
+_num_threads: int | None = None  # intra-op count; None until first use
 _interop_threads: int | None = None  # the inter-op size, once fixed
-_interop_fixed = ""                  # why it is fixed: set, or the pool started
+_interop_fixed = ""  # why it is fixed: set, or the pool started
 _interop_pool: _Pool | None = None
 _intraop_pool: _Pool | None = None
-_local = threading.local()           # .busy: this thread runs a parallel_for piece
+_local = threading.local()  # .busy: this thread runs a parallel_for piece
 
 
 class _Pool:
@@ -51,8 +60,9 @@ class _Pool:
             self.tasks.put(None)  # after the tasks already queued
         for _ in range(self.size, size):
             self.spawned += 1
-            threading.Thread(target=self._serve, name=f"{self.name}-{self.spawned}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, name=f"{self.name}-{self.spawned}", daemon=True
+            ).start()
         self.size = size
 
     def _serve(self) -> None:
@@ -71,8 +81,11 @@ def _env_count(name: str) -> int | None:
     except ValueError:
         value = 0
     if value < 1:
-        warnings.warn(f"ignoring invalid {name}={text!r}: expected an integer >= 1",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"ignoring invalid {name}={text!r}: expected an integer >= 1",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return None
     return value
 
@@ -94,8 +107,9 @@ def _check_count(n: object, name: str, where: str) -> int:
         raise TypeError(f"{where}: {name} must be an int number of threads (>= 1), got {n!r}")
     value = operator.index(n)  # type: ignore[arg-type]
     if value < 1:
-        raise ValueError(f"{where}: {name} must be >= 1, got {value}; pass 1 to disable "
-                         "multi-threading")
+        raise ValueError(
+            f"{where}: {name} must be >= 1, got {value}; pass 1 to disable multi-threading"
+        )
     return value
 
 
@@ -192,7 +206,8 @@ def set_num_interop_threads(n: int) -> None:
             raise RuntimeError(
                 f"set_num_interop_threads({n}): the inter-op pool size can be set only once, "
                 f"before its first use, and {_interop_fixed} (size {_interop_threads}); call "
-                "set_num_interop_threads once at the start of the program, before any fork()")
+                "set_num_interop_threads once at the start of the program, before any fork()"
+            )
         _interop_threads, _interop_fixed = n, "set_num_interop_threads was already called"
 
 
@@ -270,8 +285,9 @@ def parallel_for(count: int, fn: Callable[[int, int], None], *, min_chunk: int) 
     """
     global _intraop_pool
     if count < 0 or min_chunk < 1:
-        raise ValueError(f"parallel_for: need count >= 0 and min_chunk >= 1, got {count} "
-                         f"and {min_chunk}")
+        raise ValueError(
+            f"parallel_for: need count >= 0 and min_chunk >= 1, got {count} and {min_chunk}"
+        )
     pieces = min(get_num_threads(), count // min_chunk)
     if pieces <= 1 or getattr(_local, "busy", False):
         fn(0, count)
@@ -296,8 +312,10 @@ def parallel_for(count: int, fn: Callable[[int, int], None], *, min_chunk: int) 
 
 def parallel_info() -> str:
     """A report of the thread settings, like torch.__config__.parallel_info()."""
-    env = "".join(f"\t{name} : {os.environ.get(name, '[not set]')}\n"
-                  for name in (*_THREAD_VARS, "LOCAL_WORLD_SIZE"))
+    env = "".join(
+        f"\t{name} : {os.environ.get(name, '[not set]')}\n"
+        for name in (*_THREAD_VARS, "LOCAL_WORLD_SIZE")
+    )
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     lines = [
         "distcomm parallel settings:",
@@ -307,8 +325,10 @@ def parallel_info() -> str:
         env.rstrip("\n"),
         f"CPU cores : {psutil.cpu_count(logical=False) or '?'} physical, "
         f"{psutil.cpu_count(logical=True) or '?'} logical",
-        "CPU affinity : " + ("[unknown on this platform]" if affinity is None else
-                             f"{len(affinity)} CPUs {affinity}"),
+        "CPU affinity : "
+        + (
+            "[unknown on this platform]" if affinity is None else f"{len(affinity)} CPUs {affinity}"
+        ),
         "BLAS/OpenMP thread pools (threadpoolctl):",
     ]
     try:
@@ -317,9 +337,12 @@ def parallel_info() -> str:
         lines.append("\t[threadpoolctl not installed: pip install threadpoolctl]")
     else:
         pools = threadpool_info()
-        lines += [f"\t{p['internal_api']} {p.get('version') or '?'} ({p['user_api']}, "
-                  f"{p.get('threading_layer') or 'threading ?'}) : num_threads "
-                  f"{p['num_threads']}, {p['filepath']}" for p in pools]
+        lines += [
+            f"\t{p['internal_api']} {p.get('version') or '?'} ({p['user_api']}, "
+            f"{p.get('threading_layer') or 'threading ?'}) : num_threads "
+            f"{p['num_threads']}, {p['filepath']}"
+            for p in pools
+        ]
         if not pools:
             lines.append("\t[none loaded]")
     return "\n".join(lines) + "\n"

@@ -54,8 +54,9 @@ class World:
         """Run `fn(*args, **kwargs)` on every rank; the results in rank order."""
         if self._pool is None or self._pool.broken:
             env = {k: v for k, v in self.env.items() if v != TWO_HOSTS}
-            self._pool = RankPool(self.size, self.backend, env=env,
-                                  rank_env=_rank_env(self.env), init_timeout=60.0)
+            self._pool = RankPool(
+                self.size, self.backend, env=env, rank_env=_rank_env(self.env), init_timeout=60.0
+            )
         return self._pool.run(fn, *args, timeout=timeout, **kwargs)
 
     def close(self) -> None:
@@ -85,8 +86,11 @@ def _world_params() -> list[tuple]:
     return [(b, n, env) for b, env in cpu_variants() for n in WORLD_SIZES]
 
 
-@pytest.fixture(scope="session", params=_world_params(),
-                ids=lambda p: "mpi" if p[0] == "mpi" else _variant_id(p))
+@pytest.fixture(
+    scope="session",
+    params=_world_params(),
+    ids=lambda p: "mpi" if p[0] == "mpi" else _variant_id(p),
+)
 def world(request):
     """A persistent initialised world; tests run functions on all its ranks."""
     if UNDER_MPIEXEC:

@@ -33,8 +33,9 @@ class MpiWorld:
         self.size = self._comm.size
         self.env: dict[str, str] = {}
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
-            **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, **kwargs: Any
+    ) -> list[Any]:
         """Run `fn(*args, **kwargs)` on every rank; the results in rank order."""
         if not dist.is_initialized():
             dist.init_process_group("mpi", timeout=max(timeout, 60.0))
@@ -45,8 +46,9 @@ class MpiWorld:
         outcomes = self._comm.allgather(outcome)
         failed = [r for r, (ok, _) in enumerate(outcomes) if not ok]
         if failed:
-            raise RankFailure("\n".join(f"### rank {r}/{self.size}\n{outcomes[r][1]}"
-                                        for r in failed))
+            raise RankFailure(
+                "\n".join(f"### rank {r}/{self.size}\n{outcomes[r][1]}" for r in failed)
+            )
         return [value for _, value in outcomes]
 
     def close(self) -> None:

@@ -16,9 +16,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: launcher and rank variables of any job the tests run inside: the jobs start clean
 _DROPPED_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "MPI_LOCAL", "SLURM_")
-_DROPPED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE", "DISTCOMM_USE_AGENT_STORE", "DISTCOMM_MPI_ABORT_ON_EXCEPTION",
-            "PYTEST_CURRENT_TEST")
+_DROPPED = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "DISTCOMM_USE_AGENT_STORE",
+    "DISTCOMM_MPI_ABORT_ON_EXCEPTION",
+    "PYTEST_CURRENT_TEST",
+)
 
 
 def _find_mpiexec() -> str | None:
@@ -34,10 +42,19 @@ MPIEXEC = _find_mpiexec()
 
 def job_env(**extra: str) -> dict[str, str]:
     """This environment without launcher variables, on loopback, with the repo importable."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in _DROPPED and not key.startswith(_DROPPED_PREFIXES)}
-    env.update(HYDRA_IFACE="lo", UCX_NET_DEVICES="lo", HYDRA_LAUNCHER="fork",
-               DISTCOMM_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _DROPPED and not key.startswith(_DROPPED_PREFIXES)
+    }
+    env.update(
+        HYDRA_IFACE="lo",
+        UCX_NET_DEVICES="lo",
+        HYDRA_LAUNCHER="fork",
+        DISTCOMM_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONFAULTHANDLER="1",
+    )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra)
     return env

@@ -17,15 +17,24 @@ from tests.mpijobs import MPIEXEC, REPO, job_env, no_mpi_segment_left  # noqa: F
 pytestmark = pytest.mark.timeout(400)
 
 if importlib.util.find_spec("mpi4py") is None or MPIEXEC is None:
-    pytest.skip("the mpi backend tests need mpi4py and mpiexec: pip install 'distcomm[mpi]'",
-                allow_module_level=True)
+    pytest.skip(
+        "the mpi backend tests need mpi4py and mpiexec: pip install 'distcomm[mpi]'",
+        allow_module_level=True,
+    )
 
 
-def mpiexec(n: int, *argv: str, timeout: float = 300,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def mpiexec(
+    n: int, *argv: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run `mpiexec -n n argv...` on loopback with no torch-style rendezvous variables."""
-    return subprocess.run([MPIEXEC, "-n", str(n), *argv], cwd=REPO, env=job_env(**(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [MPIEXEC, "-n", str(n), *argv],
+        cwd=REPO,
+        env=job_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _script(tmp_path: Path, body: str) -> str:
@@ -36,14 +45,25 @@ def _script(tmp_path: Path, body: str) -> str:
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_conformance_suite_under_mpiexec(n):
-    done = mpiexec(n, sys.executable, "-m", "tests.mpi_world", "tests/test_collectives.py",
-                   "-q", "-x", "-p", "no:cacheprovider")
+    done = mpiexec(
+        n,
+        sys.executable,
+        "-m",
+        "tests.mpi_world",
+        "tests/test_collectives.py",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+    )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
 
 
 def test_init_takes_rank_and_size_from_mpi(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import numpy as np
         from mpi4py import MPI
         import distcomm as dist
@@ -55,7 +75,8 @@ def test_init_takes_rank_and_size_from_mpi(tmp_path):
         with open(f"{__file__}.{MPI.COMM_WORLD.rank}", "w") as out:
             out.write(repr(row))
         dist.destroy_process_group()
-    """)
+    """,
+    )
     done = mpiexec(3, sys.executable, script, timeout=120)
     assert done.returncode == 0, done.stderr
     rows = [eval(Path(f"{script}.{r}").read_text()) for r in range(3)]
@@ -63,7 +84,9 @@ def test_init_takes_rank_and_size_from_mpi(tmp_path):
 
 
 def test_world_size_disagreeing_with_mpi_is_an_error(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import os
         import distcomm as dist
         try:
@@ -71,7 +94,8 @@ def test_world_size_disagreeing_with_mpi_is_an_error(tmp_path):
         except ValueError as exc:
             with open(f"{__file__}.{os.environ['PMI_RANK']}", "w") as out:
                 out.write(str(exc))
-    """)
+    """,
+    )
     done = mpiexec(2, sys.executable, script, timeout=120)
     assert done.returncode == 0, done.stderr
     errors = [Path(f"{script}.{r}").read_text() for r in range(2)]
@@ -79,7 +103,9 @@ def test_world_size_disagreeing_with_mpi_is_an_error(tmp_path):
 
 
 def test_a_rank_that_never_arrives_aborts_the_job(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import time
         import numpy as np
         import distcomm as dist
@@ -87,16 +113,20 @@ def test_a_rank_that_never_arrives_aborts_the_job(tmp_path):
         if dist.get_rank() == 1:
             time.sleep(60)
         dist.all_reduce(np.ones(4))
-    """)
-    done = mpiexec(2, sys.executable, script, timeout=60,
-                   env={"DISTCOMM_MPI_ABORT_ON_EXCEPTION": "0"})
+    """,
+    )
+    done = mpiexec(
+        2, sys.executable, script, timeout=60, env={"DISTCOMM_MPI_ABORT_ON_EXCEPTION": "0"}
+    )
     assert done.returncode != 0
     output = done.stdout + done.stderr
     assert "all_reduce on 'mpi'" in output and "did not complete within 2.0 s" in output, output
 
 
 def test_async_wait_timeout_then_completion(tmp_path):
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         import time
         import numpy as np
         import distcomm as dist
@@ -117,9 +147,11 @@ def test_async_wait_timeout_then_completion(tmp_path):
                 print("UNUSABLE", exc, flush=True)
             work.get_future().wait(30)
             print("LATE", x[0], flush=True)
-    """)
-    done = mpiexec(2, sys.executable, script, timeout=120,
-                   env={"DISTCOMM_MPI_ABORT_ON_EXCEPTION": "0"})
+    """,
+    )
+    done = mpiexec(
+        2, sys.executable, script, timeout=120, env={"DISTCOMM_MPI_ABORT_ON_EXCEPTION": "0"}
+    )
     assert done.returncode == 0, done.stderr
     assert "TIMEOUT" in done.stdout and "cannot be cancelled" in done.stdout, done.stdout
     assert "UNUSABLE" in done.stdout and "LATE 2.0" in done.stdout, done.stdout
@@ -127,7 +159,8 @@ def test_async_wait_timeout_then_completion(tmp_path):
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_quickstart_runs_under_mpiexec_without_arguments(backend):
-    done = mpiexec(4, sys.executable, "-m", "distcomm.examples.quickstart", "--backend",
-                   backend, timeout=180)
+    done = mpiexec(
+        4, sys.executable, "-m", "distcomm.examples.quickstart", "--backend", backend, timeout=180
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"4 rank(s), backend {backend}" in done.stdout and "OK" in done.stdout, done.stdout

@@ -28,17 +28,29 @@ RUN_TIMEOUT = 120
 needs_mpiexec = pytest.mark.skipif(
     MPIEXEC is None or not mpiutil.is_mpi4py_available(),
     reason="needs mpi4py and an mpiexec (beside the interpreter or on PATH): "
-           "pip install distcomm[mpi]")
+    "pip install distcomm[mpi]",
+)
 
 
-def _mpiexec(n: int, script: Path, *args: str, env: dict[str, str] | None = None,
-             timeout: float = RUN_TIMEOUT) -> tuple[int, str, float]:
+def _mpiexec(
+    n: int,
+    script: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = RUN_TIMEOUT,
+) -> tuple[int, str, float]:
     """Run `script` on `n` ranks: (exit status, stdout + stderr, seconds taken)."""
     command = [str(MPIEXEC), "-n", str(n), sys.executable, str(script), *args]
     start = time.monotonic()
-    proc = subprocess.Popen(command, env=job_env() if env is None else env,
-                            cwd=script.parent, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        env=job_env() if env is None else env,
+        cwd=script.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -50,8 +62,9 @@ def _mpiexec(n: int, script: Path, *args: str, env: dict[str, str] | None = None
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
-        pytest.fail(f"mpiexec -n {n} {script.name} still ran after {timeout} s (hung?); "
-                    f"output:\n{output}")
+        pytest.fail(
+            f"mpiexec -n {n} {script.name} still ran after {timeout} s (hung?); output:\n{output}"
+        )
     return proc.returncode, output, time.monotonic() - start
 
 
@@ -159,7 +172,7 @@ def test_detection_and_rendezvous_match_mpi(tmp_path: Path) -> None:
         assert result["rendezvous"] == mpi_view
         assert result["launcher"] in ("MPICH", "Open MPI", "PMIx")
         assert result["source"] == f"{result['launcher']} (store address bootstrapped over MPI)"
-        assert result["master"][0] == "127.0.0.1"   # DISTCOMM_SOCKET_IFNAME=lo
+        assert result["master"][0] == "127.0.0.1"  # DISTCOMM_SOCKET_IFNAME=lo
         ports.add(result["master"][1])
         assert result["seen"] == [str(r) for r in range(n)]
     assert len(ports) == 1 and ports.pop() > 0
@@ -184,8 +197,7 @@ def test_every_rank_raises_when_rank0_cannot_host(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         env = job_env(MASTER_PORT=str(taken.getsockname()[1]))
-        status, output, _ = _mpiexec(2, _script(tmp_path, "fails.py", HOST_FAILS_SCRIPT),
-                                     env=env)
+        status, output, _ = _mpiexec(2, _script(tmp_path, "fails.py", HOST_FAILS_SCRIPT), env=env)
     assert status == 0, output
     results = _results(tmp_path)
     assert sorted(results) == [0, 1], output
@@ -268,8 +280,9 @@ def _fake_mpi(rank: int, calls: list) -> SimpleNamespace:
         raise _Aborted
 
     world = SimpleNamespace(Get_rank=lambda: rank, Abort=abort)
-    return SimpleNamespace(COMM_WORLD=world, Is_initialized=lambda: True,
-                           Is_finalized=lambda: False)
+    return SimpleNamespace(
+        COMM_WORLD=world, Is_initialized=lambda: True, Is_finalized=lambda: False
+    )
 
 
 @pytest.fixture
@@ -384,8 +397,11 @@ class _FakeComm:
 
 
 def _use_fake_mpi(monkeypatch, size: int = 1) -> None:
-    fake = SimpleNamespace(COMM_WORLD=_FakeComm(size), COMM_TYPE_SHARED=1,
-                           Get_library_version=lambda: "Fake MPI 1.0\nmore")
+    fake = SimpleNamespace(
+        COMM_WORLD=_FakeComm(size),
+        COMM_TYPE_SHARED=1,
+        Get_library_version=lambda: "Fake MPI 1.0\nmore",
+    )
     monkeypatch.setattr(mpiutil, "is_mpi4py_available", lambda: True)
     monkeypatch.setattr(mpiutil, "load_mpi", lambda: fake)
 
@@ -432,8 +448,7 @@ def test_bootstrap_keeps_master_port(monkeypatch) -> None:
         ("tcp://127.0.0.1:{port}", {}, "tcp://127.0.0.1:{port}"),
     ],
 )
-def test_no_bootstrap_when_the_address_is_given(monkeypatch, init_method, extra,
-                                                source) -> None:
+def test_no_bootstrap_when_the_address_is_given(monkeypatch, init_method, extra, source) -> None:
     _no_mpi_import(monkeypatch)
     port = str(_free_port())
     env = {**MPICH_ONE, **{key: value.format(port=port) for key, value in extra.items()}}
@@ -467,9 +482,14 @@ def test_missing_mpi4py_says_what_to_do(monkeypatch) -> None:
     with pytest.raises(ValueError) as info:
         rendezvous(environ=env)
     message = str(info.value)
-    for words in ("cannot determine the store address", "SLURM_JOB_NODELIST",
-                  "under MPICH (PMI_RANK)", "mpi4py is not installed",
-                  "pip install distcomm[mpi]", "set MASTER_ADDR and MASTER_PORT"):
+    for words in (
+        "cannot determine the store address",
+        "SLURM_JOB_NODELIST",
+        "under MPICH (PMI_RANK)",
+        "mpi4py is not installed",
+        "pip install distcomm[mpi]",
+        "set MASTER_ADDR and MASTER_PORT",
+    ):
         assert words in message
     with pytest.raises(ValueError) as info:
         rendezvous(environ={**env, "MASTER_ADDR": "127.0.0.1"})
@@ -483,9 +503,13 @@ def test_foreign_mpi_library_is_named(monkeypatch) -> None:
     with pytest.raises(ValueError) as info:
         rendezvous(environ=env)
     message = str(info.value)
-    for words in ("under Open MPI (OMPI_COMM_WORLD_RANK)", "MPI.COMM_WORLD has 1 process(es)",
-                  "world size 2 (from OMPI_COMM_WORLD_SIZE (Open MPI))", "Fake MPI 1.0",
-                  "set MASTER_ADDR and MASTER_PORT"):
+    for words in (
+        "under Open MPI (OMPI_COMM_WORLD_RANK)",
+        "MPI.COMM_WORLD has 1 process(es)",
+        "world size 2 (from OMPI_COMM_WORLD_SIZE (Open MPI))",
+        "Fake MPI 1.0",
+        "set MASTER_ADDR and MASTER_PORT",
+    ):
         assert words in message
 
 
@@ -493,8 +517,12 @@ def test_foreign_mpi_library_falls_back_to_slurm(monkeypatch, caplog) -> None:
     _use_fake_mpi(monkeypatch, size=1)
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=10)
     try:
-        env = {"PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_JOB_NODELIST": "127.0.0.1",
-               "MASTER_PORT": str(server.port)}
+        env = {
+            "PMI_RANK": "1",
+            "PMI_SIZE": "2",
+            "SLURM_JOB_NODELIST": "127.0.0.1",
+            "MASTER_PORT": str(server.port),
+        }
         with caplog.at_level("WARNING", logger="distcomm.rendezvous"):
             result = rendezvous(environ=env, timeout=10)
         result.store.close()
@@ -512,6 +540,7 @@ def test_rank0_failure_reaches_the_other_ranks(monkeypatch) -> None:
     comm.Get_rank = lambda: 1
     comm.allgather = lambda value: [0, value]
     comm.size = 2
-    with pytest.raises(DistNetworkError, match="rank 0 could not host the store: "
-                                               "DistNetworkError: cannot listen"):
+    with pytest.raises(
+        DistNetworkError, match="rank 0 could not host the store: DistNetworkError: cannot listen"
+    ):
         rendezvous(environ={"PMI_RANK": "1", "PMI_SIZE": "2"}, timeout=5)
