@@ -215,6 +215,74 @@ def test_stop_with_sigkill_and_close_stops_running_workers(tmp_path):
     assert workers.poll() == {0: -signal.SIGTERM} and not _alive(pid)
 
 
+FROZEN = """
+    import os, signal, sys
+    from pathlib import Path
+
+    def on_term(signum, frame):
+        Path({handled!r}).write_text("SIGTERM handled\\n")
+        sys.exit(7)
+
+    signal.signal(signal.SIGTERM, on_term)
+    Path({ready!r}).write_text(f"{{os.getpid()}}\\n")
+    os.kill(os.getpid(), signal.SIGSTOP)  # frozen until SIGCONT
+    signal.pause()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_stop_wakes_a_frozen_worker(tmp_path):
+    """A stopped worker gets SIGCONT after SIGTERM, so its handler runs at once: the exit
+    is the handler's, not the SIGKILL that ends the grace period."""
+    handled, ready = tmp_path / "handled", tmp_path / "ready"
+    workers = _workers({0: FROZEN.format(handled=str(handled), ready=str(ready)),
+                        1: "import time; time.sleep(120)"}, tmp_path)
+    with workers:
+        workers.start()
+        pid = int(_wait_file(ready))
+        deadline = time.monotonic() + 30
+        while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, "the worker did not stop itself"
+            time.sleep(0.02)
+        workers.stop(grace=60.0)
+        assert workers.poll() == {0: 7, 1: -signal.SIGTERM}
+        assert handled.read_text() == "SIGTERM handled\n"
+
+
+@pytest.mark.timeout(60)
+def test_send_signal_reaches_running_workers_only(tmp_path):
+    """send_signal (the agent's SIGUSR1/SIGUSR2 forwarding) reaches each running worker's
+    handler and leaves it running; an ended worker is skipped."""
+    ready = tmp_path / "ready"
+    worker = f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        got = []
+        signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+        Path({str(ready)!r}, os.environ["LR"]).write_text("ready\\n")
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        Path({str(ready)!r}, os.environ["LR"]).write_text(f"got {{got}}\\n")
+        sys.exit(3 if got else 1)
+    """
+    ready.mkdir()
+    workers = WorkerProcesses(
+        {0: [PY, "-c", textwrap.dedent(worker)], 1: [PY, "-c", "pass"]},
+        {0: dict(os.environ, LR="0"), 1: dict(os.environ, LR="1")},
+        log_dir=str(tmp_path / "logs"), redirects={}, tee={}, console_ranks=None, prefixes={})
+    with workers:
+        workers.start()
+        _wait_file(ready / "0")
+        deadline = time.monotonic() + 30
+        while workers.poll()[1] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert workers.send_signal(signal.SIGUSR1) == [workers.pids()[0]]
+        assert _wait_exit(workers) == {0: 3, 1: 0}
+        assert (ready / "0").read_text() == f"got [{int(signal.SIGUSR1)}]\n"
+
+
 @linux_only
 @pytest.mark.timeout(60)
 def test_workers_die_with_a_killed_agent(tmp_path):

@@ -435,6 +435,9 @@ class WorkerProcesses:
     def stop(self, grace: float = 30.0, sig: int = signal.SIGTERM) -> None:
         """End every worker's process tree: `sig`, up to `grace` seconds, then SIGKILL.
 
+        `sig` is followed at once by SIGCONT: a stopped (frozen) process would otherwise
+        keep `sig` pending and hold the stop up for the whole grace period.
+
         The signal goes to each worker's process group and to every descendant psutil finds
         under a running worker (which catches those that made their own session). A
         descendant that left the group and whose worker already ended cannot be found.
@@ -567,14 +570,39 @@ class WorkerProcesses:
         return [proc for proc in found.values() if proc.pid not in worker_pids]
 
     def _signal(self, sig: int, targets: list[psutil.Process]) -> None:
-        for proc in self._procs.values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)  # each worker leads its group: pgid == pid
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)  # no-op once reaped
-        for target in targets:
-            with contextlib.suppress(psutil.Error):
-                target.send_signal(sig)  # psutil checks the pid was not reused
+        """Send `sig` to every worker's group and to `targets`; a stopping signal other
+        than SIGKILL is followed by SIGCONT, so a stopped (SIGSTOP, ^Z, debugger-frozen)
+        process acts on it now instead of when the grace period ends in SIGKILL."""
+        signals = [sig] if sig in (signal.SIGKILL, signal.SIGCONT) else [sig, signal.SIGCONT]
+        for each in signals:
+            for proc in self._procs.values():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, each)  # each worker leads its group: pgid == pid
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(each)  # no-op once reaped
+            for target in targets:
+                with contextlib.suppress(psutil.Error):
+                    target.send_signal(each)  # psutil checks the pid was not reused
+
+    def send_signal(self, sig: int) -> list[int]:
+        """Send `sig` to each worker process that still runs (not to its descendants).
+
+        Safe to call from a signal handler: it takes no lock and never raises for a worker
+        that has just ended.
+
+        Returns:
+            The pids the signal was sent to.
+        """
+        sent = []
+        for proc in list(self._procs.values()):
+            if proc.returncode is not None:
+                continue
+            try:
+                os.kill(proc.pid, sig)  # not reaped yet: the pid is still this worker's
+            except (ProcessLookupError, PermissionError):
+                continue
+            sent.append(proc.pid)
+        return sent
 
     def _wait(self, targets: list[psutil.Process], deadline: float) -> list[psutil.Process]:
         """Wait until the workers and `targets` ended or `deadline`; those still alive."""
