@@ -19,19 +19,29 @@ the first source that holds it wins:
                    (``2(x3),1``) at SLURM_NODEID, then SLURM_NTASKS_PER_NODE
     store address  the tcp:// host, MASTER_ADDR, then (env:// only) under an MPI launcher
                    an address of rank 0's host shared over MPI (below), then in a Slurm
-                   job the first node of SLURM_STEP_NODELIST when srun started the ranks
-                   (the rank came from SLURM_PROCID), else of SLURM_JOB_NODELIST or
-                   SLURM_NODELIST
+                   job the first node of SLURM_STEP_NODELIST for a task srun started
+                   (below), else of SLURM_JOB_NODELIST or SLURM_NODELIST
     store port     the tcp:// port, MASTER_PORT, then (env:// only) under an MPI launcher a
                    free port of rank 0's shared over MPI, then in a Slurm job `slurm_port`:
                    12000 + 10 * (SLURM_JOB_ID % 2000) + SLURM_STEP_ID % 10, the step term
-                   only when srun started the ranks
+                   only for a task srun started
 
-Step-level Slurm variables are used only for ranks srun started: ranks that mpirun starts
-inside a batch job see the batch step's variables on the first node and a daemon step's
-elsewhere, while the job-level ones agree everywhere. The derived port lies in
-12000-31999, below Linux's ephemeral range (32768-60999), so no outgoing connection holds
-it; jobs whose ids are equal modulo 2000 and share a first node collide: set MASTER_PORT.
+Tasks srun started. A process is one task of a step that srun started when SLURM_JOB_ID,
+SLURM_STEP_ID, SLURM_PROCID and SLURM_STEP_NUM_TASKS are set, OMPI_COMM_WORLD_RANK is not,
+and the variables of srun's MPI plugin, where set (``--mpi=pmi2``: PMI_RANK and PMI_SIZE,
+``--mpi=pmix``: PMIX_RANK), agree with SLURM_PROCID and SLURM_STEP_NUM_TASKS. Such a task
+takes its place from Slurm whatever plugin srun ran: rank SLURM_PROCID, world size
+SLURM_STEP_NUM_TASKS, local rank SLURM_LOCALID (the torch-style variables still come
+first), the store at the step's first node on the step's port, so that concurrent steps
+of one job do not meet; and the store address is never bootstrapped over MPI, so MPI is
+not initialised: importing mpi4py runs MPI_Init, which kills the process in C when srun's
+PMI is one that mpi4py's MPI does not speak (pip's MPICH under ``--mpi=pmix``). Other
+processes of a job use only the job-level variables: the batch script sees no step, and
+ranks that mpirun or mpiexec starts inside a job see the batch step's variables on the
+first node and a daemon step's elsewhere, while the job-level ones agree everywhere. The
+derived port lies in 12000-31999, below Linux's ephemeral range (32768-60999), so no
+outgoing connection holds it; jobs whose ids are equal modulo 2000 and share a first node
+collide, and so do steps whose ids are equal modulo 10: set MASTER_PORT.
 
 For ``env://`` and ``tcp://``, rank 0 hosts the TCPStore at the address and waits for the
 world to connect; the others connect. With DISTCOMM_USE_AGENT_STORE=1 (a launcher already
@@ -41,16 +51,22 @@ workers never see the keys of an earlier round).
 
 Bootstrap over MPI: with ``env://``, no agent store, MASTER_ADDR or MASTER_PORT unset, and
 an MPI launcher (the first rank variable set is OMPI_COMM_WORLD_RANK, PMIX_RANK or
-PMI_RANK), the rendezvous imports mpi4py (which initialises MPI; nowhere else does it).
-If MPI.COMM_WORLD holds the world size's processes, rank 0 hosts the TCPStore at
-MASTER_ADDR, else at DISTCOMM_SOCKET_IFNAME's address, else at 127.0.0.1 when every rank
-runs on its host, else at its host name's address (or its first non-loopback IPv4
-address), on MASTER_PORT or a free port, and broadcasts "host:port" with
-``MPI.COMM_WORLD.bcast``; the others connect. Every process must reach the rendezvous
-within the timeout (a non-blocking barrier is polled), and an error of rank 0's is
-broadcast, so no rank waits forever. If mpi4py is missing, or its MPI library is not the
-launcher's (its COMM_WORLD has another size), the Slurm values apply where complete, else
-the error says to install mpi4py or set MASTER_ADDR and MASTER_PORT.
+PMI_RANK, and srun did not start the process), the rendezvous imports mpi4py (which
+initialises MPI; nowhere else does it). If MPI.COMM_WORLD holds the world size's
+processes, rank 0 hosts the TCPStore at MASTER_ADDR, else at DISTCOMM_SOCKET_IFNAME's
+address, else at 127.0.0.1 when every rank runs on its host, else at its host name's
+address (or its first non-loopback IPv4 address), on MASTER_PORT or a free port, and
+broadcasts "host:port" with ``MPI.COMM_WORLD.bcast``; the others connect. Every process
+must reach the rendezvous within the timeout (a non-blocking barrier is polled), and an
+error of rank 0's is broadcast, so no rank waits forever. If mpi4py is missing, or its MPI
+library is not the launcher's (its COMM_WORLD has another size), the Slurm values apply
+where complete, else the error says to install mpi4py or set MASTER_ADDR and MASTER_PORT.
+
+The mpi backend takes rank and world size from MPI.COMM_WORLD, and `check_mpi_world_size`
+compares that size with the one the launcher announced (the world size above, from the
+environment only): N processes that each see an MPI world of one are N separate jobs, not
+one, when the launcher's PMI never reached mpi4py's MPI (plain srun with MpiDefault=none)
+or the launcher belongs to another MPI library. The error names both sizes and the remedy.
 """
 
 from __future__ import annotations
@@ -73,7 +89,7 @@ import psutil
 
 from . import config, mpiutil
 from .deadline import Deadline, to_seconds
-from .errors import DistError, DistNetworkError, DistStoreError
+from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError
 from .net import format_address, interface_address
 from .store import FileStore, PrefixStore, Store, TCPStore
 
@@ -81,6 +97,7 @@ __all__ = [
     "EnvInfo",
     "InitMethod",
     "Rendezvous",
+    "check_mpi_world_size",
     "detect_environment",
     "expand_nodelist",
     "parse_init_method",
@@ -115,6 +132,14 @@ _LOCAL_SIZE_VARS = (
     ("MPI_LOCALNRANKS", "MPICH"),
 )
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+_MPI_LAUNCHERS = ("Open MPI", "PMIx", "MPICH")
+# What a task srun started has; (MPI plugin variable, the Slurm variable it must agree with).
+_SRUN_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+_SRUN_PLUGIN_VARS = (
+    ("PMIX_RANK", "SLURM_PROCID"),
+    ("PMI_RANK", "SLURM_PROCID"),
+    ("PMI_SIZE", "SLURM_STEP_NUM_TASKS"),
+)
 _LAUNCHER_PREFIXES = (
     ("OMPI_", "Open MPI"),
     ("PMIX_", "PMIx"),
@@ -139,6 +164,8 @@ class EnvInfo:
         master_addr, master_port: where the store is served; None where unknown.
         sources: (value name, where it came from) pairs: a variable name such as
             ``OMPI_COMM_WORLD_RANK``, or ``rank= argument``, ``tcp:// URL``, ...
+        srun: srun started this process as one task of its step (see the module
+            docstring): its values come from Slurm's step variables, not from MPI's.
     """
 
     rank: int | None = None
@@ -148,6 +175,7 @@ class EnvInfo:
     master_addr: str | None = None
     master_port: int | None = None
     sources: tuple[tuple[str, str], ...] = ()
+    srun: bool = False
 
     def source_of(self, name: str) -> str | None:
         """Where the value `name` (``"rank"``, ``"master_port"``, ...) came from, or None."""
@@ -347,11 +375,30 @@ def _slurm_local_size(env: Mapping[str, str]) -> tuple[int, str] | None:
 # -- environment detection --------------------------------------------------------------------
 
 
+def _srun_task(env: Mapping[str, str]) -> bool:
+    """Whether srun started this process as one task of its step (see the module docstring).
+
+    Raises:
+        ValueError: one of the variables compared holds no integer.
+    """
+    if not all(env.get(var, "").strip() for var in _SRUN_VARS):
+        return False  # the batch script, or not in a Slurm job
+    if env.get("OMPI_COMM_WORLD_RANK", "").strip():
+        return False  # Open MPI's mpirun started it
+    for plugin_var, slurm_var in _SRUN_PLUGIN_VARS:
+        raw = env.get(plugin_var, "").strip()
+        if raw and _parse_int(plugin_var, raw) != _parse_int(slurm_var, env[slurm_var]):
+            return False  # an MPI launcher inside the job (mpiexec in the batch script, ...)
+    return True
+
+
 def _detect(
     env: Mapping[str, str], given: Mapping[str, tuple[object, str]], with_master: bool
 ) -> EnvInfo:
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
+    srun = _srun_task(env)
+    skipped = _MPI_LAUNCHERS if srun else ()  # srun's plugin variables say what Slurm's say
     for name, table in (
         ("rank", _RANK_VARS),
         ("world_size", _SIZE_VARS),
@@ -360,7 +407,9 @@ def _detect(
     ):
         if name in given:
             values[name], sources[name] = given[name]
-        elif found := next((var for var, _ in table if env.get(var, "").strip()), None):
+        elif found := next(
+            (var for var, who in table if who not in skipped and env.get(var, "").strip()), None
+        ):
             values[name], sources[name] = _parse_int(found, env[found]), found
     if "local_world_size" not in values and (slurm := _slurm_local_size(env)) is not None:
         values["local_world_size"], sources["local_world_size"] = slurm
@@ -383,8 +432,8 @@ def _detect(
                 f"0 to {high} - 1; check that every process was started with the same size"
             )
     if with_master:
-        _detect_master(env, given, values, sources)
-    return EnvInfo(**values, sources=tuple(sources.items()))  # type: ignore[arg-type]
+        _detect_master(env, given, values, sources, srun)
+    return EnvInfo(**values, sources=tuple(sources.items()), srun=srun)  # type: ignore[arg-type]
 
 
 def _detect_master(
@@ -392,8 +441,8 @@ def _detect_master(
     given: Mapping[str, tuple[object, str]],
     values: dict[str, object],
     sources: dict[str, str],
+    srun: bool,
 ) -> None:
-    srun = sources.get("rank") == "SLURM_PROCID"
     if "master_addr" in given:
         values["master_addr"], sources["master_addr"] = given["master_addr"]
     elif env.get("MASTER_ADDR", "").strip():
@@ -417,9 +466,9 @@ def _detect_master(
         sources["master_port"] = "MASTER_PORT"
     elif env.get("SLURM_JOB_ID", "").strip():
         job = _parse_int("SLURM_JOB_ID", env["SLURM_JOB_ID"])
-        step_raw = env.get("SLURM_STEP_ID", "").strip() if srun else ""
-        step = _parse_int("SLURM_STEP_ID", step_raw) if step_raw else None
-        values["master_port"], sources["master_port"] = slurm_port(job, step), "SLURM_JOB_ID"
+        step = _parse_int("SLURM_STEP_ID", env["SLURM_STEP_ID"]) if srun else None
+        values["master_port"] = slurm_port(job, step)
+        sources["master_port"] = "SLURM_JOB_ID and SLURM_STEP_ID" if srun else "SLURM_JOB_ID"
     port = values.get("master_port")
     if port is not None and not 1 <= port <= 65535:  # type: ignore[operator]
         raise ValueError(
@@ -489,6 +538,68 @@ def _require(info: EnvInfo, name: str, hint: str = "") -> object:
             "use init_method='tcp://HOST:PORT'"
         )
     raise ValueError(message + hint)
+
+
+def check_mpi_world_size(
+    mpi_size: int, library: str = "", environ: Mapping[str, str] | None = None
+) -> None:
+    """Raise when MPI.COMM_WORLD's size is not the world size the launcher announced.
+
+    The announced size is the world size of the module's table, from the environment
+    alone (WORLD_SIZE, OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_STEP_NUM_TASKS, SLURM_NTASKS);
+    nothing announced, nothing to check. A disagreement means the launcher started
+    processes that MPI does not connect: `srun` without an MPI plugin mpi4py's MPI speaks,
+    the batch script of a job of several tasks, another MPI library's mpiexec, or a
+    torch-style launcher.
+
+    Args:
+        mpi_size: MPI.COMM_WORLD's size.
+        library: MPI.Get_library_version(), for the message (its first line is shown).
+        environ: the environment to read (default: os.environ).
+
+    Raises:
+        DistBackendError: the sizes disagree; the message names both, where the announced
+            one came from, and what to do.
+        ValueError: a launcher variable holds no integer.
+    """
+    info = _detect(os.environ if environ is None else environ, {}, False)
+    size, source = info.world_size, str(info.source_of("world_size"))
+    if size is None or size == mpi_size:
+        return
+    name = (library.strip().splitlines() or ["its MPI library"])[0].strip()
+    launcher = _launcher_of(source)
+    head = (
+        f"init_process_group('mpi'): MPI.COMM_WORLD has {mpi_size} process(es), but the "
+        f"launcher announced a world of {size} ({source}={size}, {launcher})"
+    )
+    if launcher == "Slurm" and info.srun:
+        why = (
+            f"srun started {size} tasks without an MPI plugin that connects them through "
+            f"mpi4py's MPI ({name}), so each task is an MPI world of its own. Start the "
+            f"tasks with 'srun --mpi=pmi2' (MPICH, Intel MPI and MVAPICH speak PMI-2; "
+            f"'srun --mpi=list' shows this Slurm's plugins), or have the administrator set "
+            f"MpiDefault=pmi2 in slurm.conf"
+        )
+    elif launcher == "Slurm":
+        why = (
+            f"this process is not one of the tasks of a job step (the batch script runs "
+            f"once, whatever the job's task count): start the {size} tasks with "
+            f"'srun --mpi=pmi2 python ...' from the batch script"
+        )
+    elif launcher == "torch style":
+        why = (
+            "WORLD_SIZE comes from a torch-style launcher (distcomm-run, torchrun), which "
+            "starts processes that MPI does not connect: under it use the gloo or tcp "
+            "backend, or start the job with mpiexec (or srun --mpi=pmi2) for the mpi backend"
+        )
+    else:
+        why = (
+            f"the {launcher} launcher that started this job is not the MPI library that "
+            f"mpi4py loaded ({name}), so each process is an MPI world of its own: start the "
+            f"job with the mpiexec of mpi4py's MPI library, or rebuild mpi4py against the "
+            f"launcher's MPI (pip install --no-binary mpi4py mpi4py, with its mpicc on PATH)"
+        )
+    raise DistBackendError(f"{head}: {why}")
 
 
 # -- init_method URLs ---------------------------------------------------------------------
@@ -589,7 +700,10 @@ def _open_store(make: Callable[[], Store], context: str, os_error: type[DistErro
 
 
 def _mpi_launcher(env: Mapping[str, str]) -> tuple[str, str] | None:
-    """(variable, launcher) when the first rank variable set in `env` is an MPI one."""
+    """(variable, launcher) when the first rank variable set in `env` is an MPI one and srun
+    did not start this process (srun's MPI plugins export PMI variables too)."""
+    if _srun_task(env):
+        return None
     for var, launcher in _RANK_VARS:
         if env.get(var, "").strip():
             return (var, launcher) if var in _MPI_RANK_VARS else None

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import pytest
 
-from distcomm.errors import DistError
+from distcomm import mpiutil
+from distcomm.errors import DistBackendError, DistError
+from distcomm.examples import quickstart
 from distcomm.rendezvous import (
     EnvInfo,
     Rendezvous,
+    check_mpi_world_size,
     detect_environment,
     expand_nodelist,
     parse_init_method,
@@ -106,6 +110,7 @@ OMPI = {
 }
 PMIX = {"PMIX_RANK": "6", "PMIX_NAMESPACE": "prterun-host-1234@1"}
 MPICH = {"PMI_RANK": "7", "PMI_SIZE": "12", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "6"}
+#: task 9 of step 3, which srun started on 10 tasks, 5 per node (with no MPI plugin)
 SLURM = {
     "SLURM_PROCID": "9",
     "SLURM_NTASKS": "10",
@@ -114,9 +119,23 @@ SLURM = {
     "SLURM_TASKS_PER_NODE": "5(x2)",
     "SLURM_JOB_ID": "123456",
     "SLURM_STEP_ID": "3",
+    "SLURM_STEP_NUM_TASKS": "10",
+    "SLURM_STEP_TASKS_PER_NODE": "5(x2)",
     "SLURM_JOB_NODELIST": "node[07-08]",
     "SLURM_STEP_NODELIST": "node08",
 }
+#: what srun's MPI plugins add to SLURM's task (--mpi=pmi2, --mpi=pmix)
+SRUN_PLUGINS = {
+    "none": {},
+    "pmi2": {"PMI_RANK": "9", "PMI_SIZE": "10", "PMI_FD": "11", "PMI_JOBID": "123456.3"},
+    "pmix": {"PMIX_RANK": "9", "PMIX_NAMESPACE": "slurm.pmix.123456.3"},
+}
+#: the batch script of a job of 10 tasks: the job's variables, no step
+BATCH = {
+    key: value
+    for key, value in SLURM.items()
+    if not key.startswith("SLURM_STEP_") and key not in ("SLURM_LOCALID", "SLURM_NODEID")
+} | {"SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_LOCALID": "0"}
 
 
 def test_detect_nothing() -> None:
@@ -161,14 +180,64 @@ def test_detect_pmix_takes_size_from_slurm() -> None:
     assert info.source_of("world_size") == "SLURM_NTASKS"
 
 
-def test_detect_slurm() -> None:
-    info = detect_environment(SLURM)
+@pytest.mark.parametrize("plugin", sorted(SRUN_PLUGINS))
+def test_detect_srun_task_takes_everything_from_slurm(plugin: str) -> None:
+    info = detect_environment({**SLURM, **SRUN_PLUGINS[plugin]})
+    assert info.srun
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (9, 10, 4, 5)
     assert info.launcher == "Slurm"
-    # srun started the ranks: the step's node list and step id count
+    assert info.source_of("rank") == "SLURM_PROCID"  # not PMI_RANK or PMIX_RANK
+    assert info.source_of("world_size") == "SLURM_STEP_NUM_TASKS"
+    # srun started the ranks: the step's node list and step id count, whatever the plugin
     assert info.master_addr == "node08"
     assert info.source_of("master_addr") == "SLURM_STEP_NODELIST"
     assert info.master_port == slurm_port(123456, 3) == 12000 + 10 * (123456 % 2000) + 3
+    assert info.source_of("master_port") == "SLURM_JOB_ID and SLURM_STEP_ID"
+
+
+@pytest.mark.parametrize("plugin", sorted(SRUN_PLUGINS))
+def test_concurrent_srun_steps_get_their_own_ports(plugin: str) -> None:
+    ports = {
+        detect_environment(
+            {**SLURM, **SRUN_PLUGINS[plugin], "SLURM_STEP_ID": str(step)}
+        ).master_port
+        for step in range(10)
+    }
+    assert len(ports) == 10
+
+
+@pytest.mark.parametrize(
+    ("extra", "rank", "rank_source"),
+    [
+        ({}, 0, "SLURM_PROCID"),  # the batch script itself
+        ({"PMI_RANK": "3", "PMI_SIZE": "4"}, 3, "PMI_RANK"),  # mpiexec in the batch script
+        (OMPI, 5, "OMPI_COMM_WORLD_RANK"),  # mpirun in the batch script
+    ],
+)
+def test_detect_batch_script_and_mpi_launchers_in_it_use_job_values(
+    extra: dict[str, str], rank: int, rank_source: str
+) -> None:
+    info = detect_environment({**BATCH, **extra})
+    assert not info.srun
+    assert (info.rank, info.source_of("rank")) == (rank, rank_source)
+    assert (info.master_addr, info.source_of("master_addr")) == ("node07", "SLURM_JOB_NODELIST")
+    assert (info.master_port, info.source_of("master_port")) == (slurm_port(123456), "SLURM_JOB_ID")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"PMI_RANK": "2", "PMI_SIZE": "10"},  # an mpiexec whose ranks are not srun's tasks
+        {"PMI_RANK": "9", "PMI_SIZE": "40"},  # mpiexec -n 40 inside a step of 10 tasks
+        {"PMIX_RANK": "0", "PMIX_NAMESPACE": "prterun-vm-1@1"},
+        {"OMPI_COMM_WORLD_RANK": "9", "OMPI_COMM_WORLD_SIZE": "10"},  # mpirun inside a step
+    ],
+)
+def test_detect_mpi_launcher_inside_a_step_is_not_srun(extra: dict[str, str]) -> None:
+    info = detect_environment({**SLURM, **extra})
+    assert not info.srun
+    assert info.launcher in ("MPICH", "PMIx", "Open MPI")
+    assert info.master_port == slurm_port(123456)  # no step term: not every rank sees a step
 
 
 def test_detect_slurm_batch_step_uses_job_values_under_mpirun() -> None:
@@ -515,6 +584,7 @@ def exchange(init_method: str | None, explicit: bool, drop: tuple[str, ...]) -> 
         "source": result.source,
         "master": (result.master_addr, result.master_port),
         "values": values,
+        "mpi_initialised": "mpi4py.MPI" in sys.modules,
     }
 
 
@@ -605,8 +675,9 @@ def test_open_mpi_environment() -> None:
     assert [result["local"] for result in results] == [(0, 2), (1, 2), (0, 2)]
 
 
-def _slurm_env(rank: int) -> dict[str, str]:
-    return {
+def _slurm_env(rank: int, plugin: str = "none") -> dict[str, str]:
+    """Task `rank` of a 2-task step srun started with --mpi=`plugin`."""
+    env = {
         "SLURM_PROCID": str(rank),
         "SLURM_NTASKS": "2",
         "SLURM_LOCALID": str(rank),
@@ -614,14 +685,23 @@ def _slurm_env(rank: int) -> dict[str, str]:
         "SLURM_TASKS_PER_NODE": "2",
         "SLURM_JOB_ID": "4242",
         "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
         "SLURM_JOB_NODELIST": "127.0.0.1",
         "SLURM_STEP_NODELIST": "127.0.0.1",
     }
+    if plugin == "pmi2":
+        env.update(PMI_RANK=str(rank), PMI_SIZE="2", PMI_JOBID="4242.0")
+    elif plugin == "pmix":
+        env.update(PMIX_RANK=str(rank), PMIX_NAMESPACE="slurm.pmix.4242.0")
+    return env
 
 
-def test_slurm_environment() -> None:
+@pytest.mark.parametrize("plugin", ["none", "pmi2", "pmix"])
+def test_slurm_environment(plugin: str) -> None:
     port = free_port()
-    # MASTER_ADDR is dropped: the store's address comes from SLURM_STEP_NODELIST
+    # MASTER_ADDR is dropped: the store's address comes from SLURM_STEP_NODELIST. MPI's
+    # variables (srun --mpi=pmi2/pmix) do not make the ranks share it over MPI.
     results = run_ranks(
         exchange,
         2,
@@ -630,12 +710,99 @@ def test_slurm_environment() -> None:
         (*TORCH_VARS, "MASTER_ADDR"),
         timeout=60,
         env={"MASTER_PORT": str(port)},
-        rank_env=_slurm_env,
+        rank_env=lambda rank: _slurm_env(rank, plugin),
     )
     check_world(results, 2, "Slurm")
     for rank, result in enumerate(results):
         assert result["local"] == (rank, 2)
         assert result["master"] == ("127.0.0.1", port)
+        assert not result["mpi_initialised"]
+
+
+def test_srun_task_never_loads_mpi(monkeypatch) -> None:
+    def refuse():
+        raise AssertionError("the rendezvous loaded mpi4py in a task srun started")
+
+    monkeypatch.setattr(mpiutil, "is_mpi4py_available", lambda: True)
+    monkeypatch.setattr(mpiutil, "load_mpi", refuse)
+    env = {**_slurm_env(0, "pmix"), "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1"}
+    env.update(SLURM_TASKS_PER_NODE="1", SLURM_STEP_TASKS_PER_NODE="1")
+    result = rendezvous(environ={**env, "MASTER_PORT": str(free_port())}, timeout=10)
+    try:
+        assert (result.rank, result.world_size, result.source) == (0, 1, "Slurm")
+    finally:
+        result.store.close()
+
+
+# -- the mpi backend's world against the launcher's -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        (  # plain srun -n 4: no MPI plugin, every task a world of one
+            {**_slurm_env(1), "SLURM_STEP_NUM_TASKS": "4"},
+            ["MPI.COMM_WORLD has 1 process(es)", "a world of 4", "SLURM_STEP_NUM_TASKS=4",
+             "srun --mpi=pmi2", "MpiDefault=pmi2", "srun --mpi=list", "Fake MPI 1.0"],
+        ),
+        (  # python run straight from the batch script of a 10-task job
+            BATCH,
+            ["a world of 10", "SLURM_NTASKS=10", "batch script", "srun --mpi=pmi2"],
+        ),
+        (  # Open MPI's mpirun, MPICH's mpi4py
+            {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"},
+            ["a world of 4", "OMPI_COMM_WORLD_SIZE=4", "Open MPI", "Fake MPI 1.0",
+             "mpiexec of mpi4py's MPI library", "rebuild mpi4py"],
+        ),
+        (  # distcomm-run's workers
+            {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"},
+            ["a world of 4", "WORLD_SIZE=4", "distcomm-run", "gloo"],
+        ),
+    ],
+)  # fmt: skip
+def test_mpi_world_size_disagreement_says_what_to_do(env: dict[str, str], words: list[str]) -> None:
+    with pytest.raises(DistBackendError) as info:
+        check_mpi_world_size(1, "Fake MPI 1.0\nmore", environ=env)
+    message = str(info.value)
+    assert message.startswith("init_process_group('mpi'): ")
+    for word in words:
+        assert word in message
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},  # no launcher: a singleton MPI world
+        {**_slurm_env(1, "pmi2"), "SLURM_STEP_NUM_TASKS": "4", "PMI_SIZE": "4"},
+        {"PMI_RANK": "0", "PMI_SIZE": "4"},
+        {"RANK": "0", "WORLD_SIZE": "4"},
+    ],
+)
+def test_mpi_world_size_agreement_passes(env: dict[str, str]) -> None:
+    check_mpi_world_size(1 if not env else 4, "Fake MPI 1.0", environ=env)
+
+
+# -- the quickstart: which processes are ranks of a launched job --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, None),
+        (BATCH, None),  # the batch script is no rank: the quickstart starts its own
+        (SLURM, "rank 9 (SLURM_PROCID, Slurm)"),
+        ({**SLURM, **SRUN_PLUGINS["pmix"]}, "rank 9 (SLURM_PROCID, Slurm)"),
+        ({"PMI_RANK": "2", "PMI_SIZE": "4"}, "rank 2 (PMI_RANK, MPICH)"),
+        (OMPI, "rank 5 (OMPI_COMM_WORLD_RANK, Open MPI)"),
+    ],
+)
+def test_quickstart_knows_launched_ranks(monkeypatch, env: dict[str, str], expected) -> None:
+    for var in list(os.environ):
+        if var.startswith(("SLURM_", "PMI", "OMPI_", "MPI_LOCAL")) or var in TORCH_VARS:
+            monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert quickstart.launcher_rank() == expected
 
 
 def test_agent_store_every_rank_connects() -> None:

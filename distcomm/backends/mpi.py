@@ -69,10 +69,14 @@ _SPIN_SECONDS = 10.0  # then the waiter sleeps between tests (a hung peer costs 
 
 
 def mpi() -> Any:
-    """mpi4py's MPI module (importing it initialises MPI).
+    """mpi4py's MPI module (importing it initialises MPI), once MPI.COMM_WORLD is known to
+    hold the processes the launcher started.
 
     Raises:
         BackendUnavailableError: mpi4py is not installed.
+        DistBackendError: MPI.COMM_WORLD's size is not the world size the launcher announced
+            (plain srun without an MPI plugin: every task a world of one); the message
+            says what to do (`rendezvous.check_mpi_world_size`).
     """
     try:
         from mpi4py import MPI
@@ -82,6 +86,9 @@ def mpi() -> Any:
         raise BackendUnavailableError(
             f"the mpi backend needs mpi4py: {MpiBackend.unavailable_reason()} ({exc})"
         ) from None
+    from ..rendezvous import check_mpi_world_size
+
+    check_mpi_world_size(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
     return MPI
 
 

@@ -16,6 +16,11 @@ MASTER_PORT (rank 0 then hosts the store there; PORT is any free TCP port)::
     export MASTER_ADDR=127.0.0.1 MASTER_PORT=$PORT WORLD_SIZE=2
     RANK=0 python -m distcomm.examples.quickstart & RANK=1 python -m distcomm.examples.quickstart
 
+or as one rank of an MPI or Slurm job, which init_process_group finds by itself::
+
+    mpiexec -n 4 python -m distcomm.examples.quickstart
+    srun -n 4 python -m distcomm.examples.quickstart    # in a Slurm allocation
+
 The exit status is 0 only when the final check passes: identical weights on every rank,
 within 0.01 of the true ones.
 """
@@ -34,6 +39,7 @@ import numpy as np
 
 import distcomm as dist
 from distcomm.procutil import set_pdeathsig
+from distcomm.rendezvous import detect_environment
 
 SEED = 0
 SAMPLES = 4096  # the whole dataset; rank r holds rows r, r + world_size, r + 2 world_size...
@@ -41,8 +47,8 @@ FEATURES = 16
 NOISE = 0.01
 TOLERANCE = 0.01  # the largest accepted |recovered - true| weight
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-#: set in every process by an MPI launcher (Open MPI, PMIx, MPICH/Hydra)
-MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+#: launchers whose every process is one rank: MPI's (their rank variables) and srun's
+RANK_LAUNCHERS = ("Open MPI", "PMIx", "MPICH")
 
 
 def make_shard(rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -168,6 +174,16 @@ def spawn(args: argparse.Namespace) -> int:
         store.close()
 
 
+def launcher_rank() -> str | None:
+    """ "rank R (LAUNCHER)" when an MPI launcher or srun started this process as one rank of
+    a job, else None (a Slurm batch script is not a rank: it runs once, whatever the job's
+    task count)."""
+    info = detect_environment(with_master=False)
+    if info.rank is None or not (info.srun or info.launcher in RANK_LAUNCHERS):
+        return None
+    return f"rank {info.rank} ({info.source_of('rank')}, {info.launcher})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -199,14 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.print_every < 1 or args.timeout <= 0:
         parser.error("--steps, --print_every and --timeout must be positive")
-    mpi_rank = next((os.environ[v] for v in MPI_RANK_VARS if v in os.environ), None)
     present = [name for name in LAUNCH_VARS if name in os.environ]
-    if mpi_rank is not None and "RANK" not in os.environ:
+    try:
+        rank_of_job = None if "RANK" in os.environ else launcher_rank()
+    except ValueError as exc:
+        parser.error(f"the launcher's variables are malformed: {exc}")
+    if rank_of_job is not None:
         # under mpiexec/srun: this process is one rank; init_process_group finds the rest
         if args.nprocs is not None:
             parser.error(
-                f"--nprocs starts ranks itself, but this process already is rank "
-                f"{mpi_rank} of an MPI job: drop --nprocs"
+                f"--nprocs starts ranks itself, but this process already is "
+                f"{rank_of_job} of a launched job: drop --nprocs"
             )
         return 0 if train(args) else 1
     if present and len(present) < len(LAUNCH_VARS):
