@@ -218,6 +218,50 @@ def test_state_machine_complete_round_left_empty_opens_the_next() -> None:
     assert not state.complete and state.round == 1
 
 
+def test_state_machine_next_round_completes_once_every_live_node_is_back() -> None:
+    """A round after a complete one does not wait its last call once every node of the
+    previous round that is alive, and every waiting node, has joined."""
+    state = RendezvousState()
+    for node in ("a", "b", "c"):
+        _step(state, node, 0.0)
+    assert state.complete  # max_nodes
+    # a plain restart: all three back, complete at the last join, no last call
+    leave_round(state, "a")
+    assert state.previous == ["a", "b", "c"]
+    _step(state, "a", 1.0)
+    assert _step(state, "b", 1.0) is Action.JOIN and not state.complete  # c still alive
+    assert state.deadline == 11.0
+    assert _step(state, "c", 1.0) is Action.JOIN and state.complete
+    assert state.previous == []
+    # c dies: a and b wait only until c's heartbeat is missed, not for the last call
+    for node in ("a", "b"):
+        state.last_heartbeats[node] = 2.0
+    leave_round(state, "a")
+    _step(state, "a", 2.0)
+    _step(state, "b", 2.0)
+    assert _step(state, "a", 4.0) is Action.WAIT  # c's last heartbeat (1.0) is recent
+    state.last_heartbeats.update(a=6.5, b=6.5)
+    assert drop_dead(state, "a", LIMITS, 6.5) == ["c"]
+    assert _step(state, "a", 6.5) is Action.COMPLETE and 6.5 < 12.0  # before the last call
+    assert state.participants == {"a": 0, "b": 1}
+    # a node on the wait list is waited for too
+    wide = Limits(min_nodes=2, max_nodes=4, last_call_timeout=10.0, dead_after=5.0)
+    assert decide(state, "d", wide, 7.0, False) is Action.ENTER_WAIT_LIST
+    apply(state, Action.ENTER_WAIT_LIST, "d", wide, 7.0)
+    leave_round(state, "b")
+    for node in ("b", "a"):
+        apply(state, decide(state, node, wide, 7.0, False), node, wide, 7.0)
+    assert not state.complete and decide(state, "a", wide, 7.5, False) is Action.WAIT
+    apply(state, decide(state, "d", wide, 7.5, False), "d", wide, 7.5)
+    assert state.complete and sorted(state.participants) == ["a", "b", "d"]
+    # a first round has nobody to expect: it keeps its last call
+    first = RendezvousState()
+    _step(first, "a", 0.0)
+    _step(first, "b", 0.0)
+    assert _step(first, "a", 1.0) is Action.WAIT and not first.complete
+    assert RendezvousState.decode(state.encode()) == state
+
+
 # -- dynamic rounds over real stores ----------------------------------------------------------
 
 
@@ -290,9 +334,9 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _spawn_node(run: Run) -> tuple[subprocess.Popen[str], str]:
+def _spawn_node(run: Run, **conf: str) -> tuple[subprocess.Popen[str], str]:
     """A node in its own process, joining with min 2 / max 3; returns it and its node id."""
-    params = run.params(2, 3)
+    params = run.params(2, 3, **conf)
     conf = [f"{key}={value}" for key, value in params.config.items()]
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD, run.backend, params.endpoint, run.run_id, HOST, *conf],
@@ -333,8 +377,12 @@ def test_killed_node_is_dropped_before_the_round_completes(run: Run) -> None:
 
 @pytest.mark.timeout(90)
 def test_survivors_of_a_killed_node_form_the_next_round(run: Run) -> None:
-    survivors = [run.handler(2, 3) for _ in range(2)]
-    proc, node = _spawn_node(run)
+    """The survivors' round completes once the dead node is dropped, without waiting for
+    the last call (10 minutes here: the round would outlast WAIT); before that, their
+    watch says the round is over."""
+    slow = {"last_call_timeout": "600"}
+    survivors = [run.handler(2, 3, **slow) for _ in range(2)]
+    proc, node = _spawn_node(run, **slow)
     try:
         _until(lambda: node in survivors[0].state().participants, "the child joined")
         infos = _together(*(h.next_rendezvous for h in survivors))
@@ -342,8 +390,12 @@ def test_survivors_of_a_killed_node_form_the_next_round(run: Run) -> None:
         child_rank = int(proc.stdout.readline().split()[1])
         assert sorted([child_rank, *(info.rank for info in infos)]) == [0, 1, 2]
         assert {info.world_size for info in infos} == {3}
+        view = survivors[0].watch()
+        assert not view.round_over and view.nodes_waiting == 0 and not view.closed
         _kill(proc)
-        # its workers' peers fail, the survivors' agents restart: a round without it
+        # the agents learn from the rendezvous alone that the round lost a node
+        _until(lambda: all(h.watch().round_over for h in survivors), "the round is over")
+        assert survivors[1].num_nodes_waiting() >= 1
         again = _together(*(h.next_rendezvous for h in survivors))
     finally:
         _kill(proc)

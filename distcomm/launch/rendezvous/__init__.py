@@ -9,6 +9,7 @@ from .api import (
     RendezvousInfo,
     RendezvousParameters,
     RendezvousTimeoutError,
+    RoundView,
 )
 from .dynamic import DynamicRendezvousHandler, create_handler
 from .registry import (
@@ -29,6 +30,7 @@ __all__ = [
     "RendezvousParameters",
     "RendezvousSettings",
     "RendezvousTimeoutError",
+    "RoundView",
     "StaticRendezvous",
     "create_handler",
     "get_rendezvous_handler",

@@ -3,8 +3,8 @@
 A `RendezvousHandler` gathers the agents (nodes) of a run into numbered rounds. The
 agent calls `next_rendezvous()` to join the next round; it returns once the round is
 complete with this node's group rank, the number of nodes and stores for the round and
-the run. While its workers run, the agent polls `num_nodes_waiting()` (nodes that want
-to join: a scale-up) and ends with `shutdown()`.
+the run. While its workers run, the agent polls `watch()` (closed? nodes that want to
+join: a scale-up? is this node's round over?) and ends with `shutdown()`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ...store import PrefixStore, Store
 
 __all__ = ["RendezvousClosedError", "RendezvousConnectionError", "RendezvousError",
            "RendezvousHandler", "RendezvousInfo", "RendezvousParameters",
-           "RendezvousTimeoutError"]
+           "RendezvousTimeoutError", "RoundView"]
 
 
 class RendezvousError(DistError):
@@ -66,6 +66,24 @@ class RendezvousInfo:
         return cls(store=PrefixStore(f"{root}/round_{round}", store),
                    run_store=PrefixStore(f"{root}/run", store), rank=rank,
                    world_size=world_size, round=round, bootstrap_address=bootstrap_address)
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What a node running a round needs to know about the rendezvous (one `watch()`).
+
+    Attributes:
+        closed: the rendezvous is closed.
+        nodes_waiting: `num_nodes_waiting()`: > 0 means the agent should join a new round.
+        round_over: this node's round is over for everyone: a newer round began, or a node
+            of the round left it (dropped for missed heartbeats, or shut down). Unlike
+            nodes waiting to join, this also ends an agent's wait at the exit barrier: the
+            round's work cannot complete.
+    """
+
+    closed: bool = False
+    nodes_waiting: int = 0
+    round_over: bool = False
 
 
 @dataclass
@@ -181,6 +199,15 @@ class RendezvousHandler(ABC):
     @abstractmethod
     def num_nodes_waiting(self) -> int:
         """How many nodes wait to join a round after the current one (0 for static)."""
+
+    def watch(self) -> RoundView:
+        """The rendezvous as seen while this node's round runs (default: `is_closed()` and
+        `num_nodes_waiting()`, the round never over; backends may read it all at once).
+
+        Raises:
+            RendezvousError: the store failed.
+        """
+        return RoundView(closed=self.is_closed(), nodes_waiting=self.num_nodes_waiting())
 
     @abstractmethod
     def get_run_id(self) -> str:

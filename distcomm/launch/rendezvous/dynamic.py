@@ -9,7 +9,8 @@ The steps themselves are pure functions of the state, in `state.py` (`decide`, `
 
 A round goes through these states::
 
-    gathering --(max_nodes joined, or min_nodes joined and the last call ended)--> complete
+    gathering --(max_nodes joined, or min_nodes joined and the last call ended, or
+                 every live node of the previous round and the wait list joined)--> complete
     complete  --(a participant calls next_rendezvous again: restart or scale-up)--> gathering
               (round + 1; the participants and the waiting nodes join it again)
     complete  --(every participant gone: shut down or dead)--> gathering (round + 1)
@@ -18,9 +19,15 @@ A round goes through these states::
 - A node joining a gathering round becomes a participant. Once min_nodes have joined, a
   last-call window of `last_call_timeout` opens (each later arrival restarts it, as in
   torch); the round completes at once when max_nodes have joined, or when a participant
-  sees the window over. Ranks are then given by sorting the node ids.
+  sees the window over. A round that follows a complete one (a restart, a scale-up, the
+  loss of a node) completes as soon as min_nodes have joined and every participant of
+  the previous round that is still alive, and every node on the wait list, is back: nobody
+  else is expected, so the last call would only delay the restart (torch waits it out).
+  Ranks are then given by sorting the node ids.
 - A node that arrives while the round is complete (or full) goes on the wait list;
-  `num_nodes_waiting()` counts it, so the agents restart and a new round opens.
+  `num_nodes_waiting()` counts it, so the agents restart and a new round opens. A
+  participant that leaves a running round (dropped for missed heartbeats, or shut down)
+  ends it for the others too (`watch().round_over`): they restart without it.
 - Each handler refreshes its heartbeat every `keep_alive_interval` from a daemon thread,
   from its first `next_rendezvous` until `shutdown`. Each heartbeat and join step drops the nodes
   whose heartbeat is older than ``keep_alive_interval * keep_alive_max_attempt``, so a
@@ -60,6 +67,7 @@ from .api import (
     RendezvousInfo,
     RendezvousParameters,
     RendezvousTimeoutError,
+    RoundView,
 )
 from .settings import check_node_range, settings_from_params
 from .state import (
@@ -168,6 +176,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()  # one state transaction of this handler at a time
         self._initialized = False
         self._round: int | None = None  # the round this node last completed
+        self._round_size = 0  # how many nodes that round had
         self._joined_any = False  # whether this handler ever completed a round
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -256,14 +265,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _heartbeat_loop(self) -> None:
         failing = False
         while not self._stop.wait(self._interval):
+            started = time.monotonic()
             try:
                 self._transact(self._beat, Deadline(self._interval), "a heartbeat")
+                if failing:
+                    log.warning("%s: heartbeats reach the store again", self._where())
                 failing = False
             except Exception as exc:  # the thread must go on: the store may come back
                 if not failing:
                     log.warning("%s: heartbeat failed (retrying every %.1f s): %s",
                                 self._where(), self._interval, exc)
                 failing = True
+            took = time.monotonic() - started
+            if took > self._interval:
+                log.warning("%s: a heartbeat of node %s took %.1f s (the store or the link to "
+                            "it is slow or down); the other nodes drop a node whose "
+                            "heartbeats stop for %.1f s", self._where(), self.node_id, took,
+                            self._limits.dead_after)
 
     def _start_heartbeats(self) -> None:
         if self._heartbeat is None:
@@ -341,6 +359,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             leaving = False
             if action is Action.FINISH:
                 self._round, self._joined_any = state.round, True
+                self._round_size = len(state.participants)
                 log.info("%s: round %d complete: node %s is rank %d of %d", self._where(),
                          state.round, self.node_id, state.participants[self.node_id],
                          len(state.participants))
@@ -411,19 +430,29 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """How many nodes wait for a round to form: the wait list (when a new round could
         take one of them) plus the participants of a gathering round; at least 1 once this
-        node's own round is over (a newer round began, or this node was dropped from it),
-        so that the agent rejoins.
+        node's own round is over (a newer round began, or a node, this one included, was
+        dropped from it or left it), so that the agent rejoins.
 
         Raises:
             RendezvousConnectionError: the store failed.
         """
-        state = self._read("num_nodes_waiting")
+        return self.watch().nodes_waiting
+
+    def watch(self) -> RoundView:
+        """Closed, nodes waiting and whether this node's round is over, from one read.
+
+        Raises:
+            RendezvousConnectionError: the store failed.
+        """
+        state = self._read("watch")
         drop_dead(state, self.node_id, self._limits, time.time())  # a copy: nothing written
         count = num_waiting(state, self._limits)
         mine = self._round
-        if mine is not None and (state.round != mine or self.node_id not in state.participants):
-            return max(1, count)
-        return count
+        over = mine is not None and (state.round != mine
+                                     or self.node_id not in state.participants
+                                     or len(state.participants) < self._round_size)
+        return RoundView(closed=state.closed, nodes_waiting=max(1, count) if over else count,
+                         round_over=over)
 
     def shutdown(self) -> bool:
         """Stop the heartbeats, leave the participants and the wait list, close the owned

@@ -19,6 +19,7 @@ __all__ = [
     "apply",
     "decide",
     "drop_dead",
+    "everyone_back",
     "leave_round",
     "num_waiting",
     "withdraw",
@@ -36,6 +37,9 @@ class RendezvousState:
         wait_list: nodes that arrived while the round was complete (or full), in order.
         deadline: wall-clock time at which the last call of a gathering round ends, or None.
         last_heartbeats: node id -> wall-clock time of its last heartbeat.
+        previous: the participants of the complete round this gathering round follows
+            (empty for a first round, or once complete): when every one of them still
+            alive has joined again, the round completes without waiting for its last call.
     """
 
     round: int = 0
@@ -45,6 +49,7 @@ class RendezvousState:
     wait_list: list[str] = field(default_factory=list)
     deadline: float | None = None
     last_heartbeats: dict[str, float] = field(default_factory=dict)
+    previous: list[str] = field(default_factory=list)
 
     def encode(self) -> bytes:
         """The state as the canonical JSON bytes kept in the store."""
@@ -68,12 +73,13 @@ class RendezvousState:
             wait_list=[str(node) for node in data["wait_list"]],
             deadline=None if data["deadline"] is None else float(data["deadline"]),
             last_heartbeats={str(k): float(v) for k, v in data["last_heartbeats"].items()},
+            previous=[str(node) for node in data.get("previous", [])],
         )
 
     def membership(self) -> tuple[object, ...]:
         """Everything but the heartbeats: what a waiting node watches for changes."""
         return (self.round, self.complete, self.closed, sorted(self.participants.items()),
-                tuple(self.wait_list), self.deadline)
+                tuple(self.wait_list), self.deadline, tuple(self.previous))
 
 
 @dataclass(frozen=True)
@@ -111,11 +117,12 @@ class Action(enum.Enum):
     CLOSED = "closed"
 
 
-def _open_next_round(state: RendezvousState) -> None:
+def _open_next_round(state: RendezvousState, previous: list[str] | None = None) -> None:
     state.round += 1
     state.complete = False
     state.participants = {}
     state.deadline = None
+    state.previous = sorted(previous or [])
 
 
 def _refresh_deadline(state: RendezvousState, limits: Limits, now: float) -> None:
@@ -132,6 +139,19 @@ def _complete_round(state: RendezvousState) -> None:
     state.participants = {node: rank for rank, node in enumerate(sorted(state.participants))}
     state.complete = True
     state.deadline = None
+    state.previous = []
+
+
+def everyone_back(state: RendezvousState, limits: Limits) -> bool:
+    """Whether a gathering round that follows a complete one has every node it can expect:
+    min_nodes at least, every participant of the previous round that is still alive (has a
+    heartbeat) and every node of the wait list. Such a round need not wait for its last
+    call: nobody else is known to be coming (a restart, a scale-up, or the survivors of a
+    lost node once the dead one is dropped)."""
+    if state.complete or not state.previous or len(state.participants) < limits.min_nodes:
+        return False
+    alive = {node for node in state.previous if node in state.last_heartbeats}
+    return not state.wait_list and alive <= state.participants.keys()
 
 
 def leave_round(state: RendezvousState, node: str) -> bool:
@@ -140,7 +160,7 @@ def leave_round(state: RendezvousState, node: str) -> bool:
     Returns whether the state changed (a new, empty round opened).
     """
     if state.complete and node in state.participants:
-        _open_next_round(state)
+        _open_next_round(state, list(state.participants))
         return True
     return False
 
@@ -198,7 +218,7 @@ def decide(state: RendezvousState, node: str, limits: Limits, now: float,
     if not member:
         return Action.JOIN
     if (len(state.participants) >= limits.min_nodes and state.deadline is not None
-            and now >= state.deadline):
+            and now >= state.deadline) or everyone_back(state, limits):
         return Action.COMPLETE
     return Action.WAIT
 
@@ -211,7 +231,7 @@ def apply(state: RendezvousState, action: Action, node: str, limits: Limits,
             state.wait_list.remove(node)
         state.participants[node] = -1
         state.last_heartbeats[node] = now
-        if len(state.participants) >= limits.max_nodes:
+        if len(state.participants) >= limits.max_nodes or everyone_back(state, limits):
             _complete_round(state)
         elif len(state.participants) >= limits.min_nodes:
             state.deadline = now + limits.last_call_timeout  # each arrival restarts it
