@@ -76,8 +76,9 @@ def _variant_id(param: tuple) -> str:
     return f"{backend}{'+' + forced if forced else ''}-{size}"
 
 
-#: set by tests/mpi_world.py: this process is one rank of an mpiexec job
-UNDER_MPIEXEC = os.environ.get("DISTCOMM_TEST_MPIEXEC") == "1"
+#: set by tests/mpi_world.py: this process is one rank of an mpiexec job (the launcher
+#: under test is chosen by DISTCOMM_TEST_MPIEXEC, see tests/mpijobs.py)
+UNDER_MPIEXEC = os.environ.get("DISTCOMM_TEST_UNDER_MPIEXEC") == "1"
 
 
 def _world_params() -> list[tuple]:

@@ -1,7 +1,7 @@
 """The conformance suite under mpiexec: every MPI process is one rank and runs pytest.
 
 `python -m tests.mpi_world [pytest args]`, started by mpiexec, runs pytest in every
-process with DISTCOMM_TEST_MPIEXEC=1, which makes conftest's `world` fixture an
+process with DISTCOMM_TEST_UNDER_MPIEXEC=1, which makes conftest's `world` fixture an
 `MpiWorld`: one default group on the `mpi` backend for the whole session, and `run`
 calls the test body in this process, then gathers every rank's outcome so that all
 ranks pass or fail each test together (and stay in step). Only rank 0 prints.
@@ -18,7 +18,10 @@ from typing import Any
 import distcomm as dist
 from tests.harness import RankFailure
 
-__all__ = ["MpiWorld", "main"]
+__all__ = ["RANK_VARS", "MpiWorld", "main"]
+
+#: where the launchers put the rank: MPICH/Hydra, Open MPI 4 and 5, PMIx
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
 class MpiWorld:
@@ -62,8 +65,8 @@ class MpiWorld:
 def main(argv: list[str]) -> int:
     import pytest
 
-    os.environ["DISTCOMM_TEST_MPIEXEC"] = "1"
-    rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    os.environ["DISTCOMM_TEST_UNDER_MPIEXEC"] = "1"
+    rank = int(next((os.environ[name] for name in RANK_VARS if os.environ.get(name)), 0))
     if rank:
         sink = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
         sys.stdout = sys.stderr = sink

@@ -1,40 +1,39 @@
-"""The mpi backend under a real mpiexec (the pip-installed MPICH): the conformance suite at
-2, 3 and 4 processes, initialisation from MPI.COMM_WORLD, and what happens when a rank
-does not arrive. Every job runs with a hard timeout, on loopback only."""
+"""The mpi backend under a real mpiexec (MPICH, Open MPI 4 or 5: DISTCOMM_TEST_MPIEXEC, see
+tests/mpijobs.py): the conformance suite at 2, 3 and 4 processes, initialisation from
+MPI.COMM_WORLD, what happens when a rank does not arrive, and a process that initialises MPI
+without a launcher. Every job runs with a hard timeout, on loopback only."""
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.mpijobs import MPIEXEC, REPO, job_env, no_mpi_segment_left  # noqa: F401
+from tests.mpijobs import (  # noqa: F401 - the fixture applies to every test here
+    LAUNCHER,
+    SKIP_REASON,
+    Finished,
+    job_env,
+    no_mpi_segment_left,
+    run,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
-if importlib.util.find_spec("mpi4py") is None or MPIEXEC is None:
+if LAUNCHER is None:
     pytest.skip(
-        "the mpi backend tests need mpi4py and mpiexec: pip install 'distcomm[mpi]'",
-        allow_module_level=True,
+        f"the mpi backend tests need mpi4py and mpiexec: {SKIP_REASON}", allow_module_level=True
     )
 
 
 def mpiexec(
     n: int, *argv: str, timeout: float = 300, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """Run `mpiexec -n n argv...` on loopback with no torch-style rendezvous variables."""
-    return subprocess.run(
-        [MPIEXEC, "-n", str(n), *argv],
-        cwd=REPO,
-        env=job_env(**(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+) -> Finished:
+    """Run `argv` on `n` ranks of the launcher under test, on loopback, with no torch-style
+    rendezvous variables."""
+    return run(LAUNCHER.command(n, *argv), env=job_env(**(env or {})), timeout=timeout)
 
 
 def _script(tmp_path: Path, body: str) -> str:
@@ -87,12 +86,12 @@ def test_world_size_disagreeing_with_mpi_is_an_error(tmp_path):
     script = _script(
         tmp_path,
         """
-        import os
+        from mpi4py import MPI
         import distcomm as dist
         try:
             dist.init_process_group("mpi", world_size=5)
         except ValueError as exc:
-            with open(f"{__file__}.{os.environ['PMI_RANK']}", "w") as out:
+            with open(f"{__file__}.{MPI.COMM_WORLD.rank}", "w") as out:
                 out.write(str(exc))
     """,
     )

@@ -1,16 +1,13 @@
 """MPI launch: the store bootstrap over MPI, environment detection and abort on error under a
-real mpiexec, plus the same logic in process with a stand-in for mpi4py."""
+real mpiexec (MPICH, Open MPI 4 or 5: DISTCOMM_TEST_MPIEXEC, see tests/mpijobs.py), plus the
+same logic in process with a stand-in for mpi4py."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,16 +17,18 @@ from distcomm import mpiutil
 from distcomm.errors import DistNetworkError
 from distcomm.rendezvous import rendezvous
 from distcomm.store import TCPStore
-from tests.mpijobs import MPIEXEC, REPO, job_env, no_mpi_segment_left  # noqa: F401
+from tests.mpijobs import (  # noqa: F401 - the fixture applies to every test here
+    LAUNCHER,
+    SKIP_REASON,
+    job_env,
+    no_mpi_segment_left,
+    run,
+)
 
 #: hard limit of one mpiexec run, in seconds
 RUN_TIMEOUT = 120
 
-needs_mpiexec = pytest.mark.skipif(
-    MPIEXEC is None or not mpiutil.is_mpi4py_available(),
-    reason="needs mpi4py and an mpiexec (beside the interpreter or on PATH): "
-    "pip install distcomm[mpi]",
-)
+needs_mpiexec = pytest.mark.skipif(LAUNCHER is None, reason=f"needs mpiexec: {SKIP_REASON}")
 
 
 def _mpiexec(
@@ -37,35 +36,13 @@ def _mpiexec(
     script: Path,
     *args: str,
     env: dict[str, str] | None = None,
+    bind: str | None = None,
     timeout: float = RUN_TIMEOUT,
 ) -> tuple[int, str, float]:
     """Run `script` on `n` ranks: (exit status, stdout + stderr, seconds taken)."""
-    command = [str(MPIEXEC), "-n", str(n), sys.executable, str(script), *args]
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        command,
-        env=job_env() if env is None else env,
-        cwd=script.parent,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: mpiexec then ends its ranks (its proxies run in sessions of
-        # their own, out of reach of a signal to this one); SIGKILL if it does not exit
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            output, _ = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        pytest.fail(
-            f"mpiexec -n {n} {script.name} still ran after {timeout} s (hung?); output:\n{output}"
-        )
-    return proc.returncode, output, time.monotonic() - start
+    command = LAUNCHER.command(n, sys.executable, str(script), *args, bind=bind)
+    done = run(command, cwd=script.parent, env=env, timeout=timeout, merge_output=True)
+    return done.returncode, done.stdout, done.seconds
 
 
 def _results(folder: Path) -> dict[int, dict]:
@@ -158,46 +135,55 @@ DETECT_SCRIPT = """
 
 
 @needs_mpiexec
-def test_detection_and_rendezvous_match_mpi(tmp_path: Path) -> None:
-    n = 3
+@pytest.mark.parametrize("n", [3, 4])
+def test_detection_and_rendezvous_match_mpi(tmp_path: Path, n: int) -> None:
     status, output, _ = _mpiexec(n, _script(tmp_path, "detect.py", DETECT_SCRIPT))
     assert status == 0, output
     results = _results(tmp_path)
     assert sorted(results) == list(range(n)), output
     ports = set()
     for rank, result in results.items():
-        mpi_view = [rank, result["size"], result["local_rank"], result["local_size"]]
         assert result["size"] == n
-        assert result["detected"] == mpi_view
-        assert result["rendezvous"] == mpi_view
+        # rank, size and local size as MPI has them; the local rank is the launcher's, which
+        # need not follow Split_type's order (Open MPI 5 numbers ranks 0-3 as 0, 2, 1, 3)
+        detected = result["detected"]
+        assert [detected[0], detected[1], detected[3]] == [rank, n, result["local_size"]]
+        assert result["rendezvous"] == detected
         assert result["launcher"] in ("MPICH", "Open MPI", "PMIx")
         assert result["source"] == f"{result['launcher']} (store address bootstrapped over MPI)"
         assert result["master"][0] == "127.0.0.1"  # DISTCOMM_SOCKET_IFNAME=lo
         ports.add(result["master"][1])
         assert result["seen"] == [str(r) for r in range(n)]
     assert len(ports) == 1 and ports.pop() > 0
+    local_ranks = sorted(result["detected"][2] for result in results.values())
+    assert local_ranks == sorted(result["local_rank"] for result in results.values()), results
 
 
 HOST_FAILS_SCRIPT = """
+    import os, socket
     from mpi4py import MPI
     from distcomm.rendezvous import rendezvous
 
+    comm = MPI.COMM_WORLD
+    taken = socket.socket()  # MASTER_PORT is in use: rank 0 cannot listen there
+    if comm.Get_rank() == 0:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+    os.environ["MASTER_PORT"] = str(comm.bcast(taken.getsockname()[1]))
     try:
         rendezvous(timeout=30).store.close()
         outcome = "no error"
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {exc}"
-    report({"rank": MPI.COMM_WORLD.Get_rank(), "outcome": outcome})
+    taken.close()
+    report({"rank": comm.Get_rank(), "outcome": outcome})
 """
 
 
 @needs_mpiexec
 def test_every_rank_raises_when_rank0_cannot_host(tmp_path: Path) -> None:
-    with socket.socket() as taken:  # MASTER_PORT is in use: rank 0 cannot listen there
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        env = job_env(MASTER_PORT=str(taken.getsockname()[1]))
-        status, output, _ = _mpiexec(2, _script(tmp_path, "fails.py", HOST_FAILS_SCRIPT), env=env)
+    # the port is taken inside the job: an Open MPI 5 job has a network namespace of its own
+    status, output, _ = _mpiexec(2, _script(tmp_path, "fails.py", HOST_FAILS_SCRIPT))
     assert status == 0, output
     results = _results(tmp_path)
     assert sorted(results) == [0, 1], output
