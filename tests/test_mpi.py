@@ -5,6 +5,8 @@ without a launcher. Every job runs with a hard timeout, on loopback only."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -163,3 +165,37 @@ def test_quickstart_runs_under_mpiexec_without_arguments(backend):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"4 rank(s), backend {backend}" in done.stdout and "OK" in done.stdout, done.stdout
+
+
+SINGLETON_SCRIPT = """
+    import json, os
+    import numpy as np
+    import distcomm as dist
+
+    dist.init_process_group("mpi")
+    x = np.full(4, 3.0)
+    dist.all_reduce(x)
+    with open("/proc/self/maps") as maps:
+        mapped = sorted({line.split(None, 5)[5].strip() for line in maps
+                         if line.count(" ") >= 5 and " /dev/shm/" in line})
+    print(json.dumps({"size": dist.get_world_size(), "sum": x.tolist(), "mapped": mapped}))
+    dist.destroy_process_group()
+"""
+
+
+def test_a_process_without_launcher_leaves_no_shared_memory(tmp_path):
+    """`python script.py` calling init_process_group("mpi") (an MPI singleton): Open MPI 5
+    maps a 16 MiB /dev/shm/sm_segment.* file that it never removes; distcomm removes it at
+    exit. The files the process mapped must be gone once it has ended."""
+    script = _script(tmp_path, SINGLETON_SCRIPT)
+    env = job_env()
+    if LAUNCHER.kind == "openmpi4":  # its singleton starts orted from the install prefix
+        env.setdefault("OPAL_PREFIX", str(Path(os.path.realpath(LAUNCHER.path)).parent.parent))
+    done = run([sys.executable, script], env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (report["size"], report["sum"]) == (1, [3.0] * 4), done.stdout
+    if LAUNCHER.kind == "openmpi5":  # the case this guards: the segment existed
+        assert any("/sm_segment." in path for path in report["mapped"]), report
+    left = [path for path in report["mapped"] if os.path.exists(path)]
+    assert not left, f"the singleton left {left} behind"
