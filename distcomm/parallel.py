@@ -9,9 +9,11 @@ first use, hold daemon threads and are recreated in a child after `os.fork()`.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import os
 import queue
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -95,11 +97,92 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or psutil.cpu_count(logical=True) or 1
 
 
+#: Variables giving the number of ranks on this host, the first valid one winning: torch
+#: style (distcomm-run), Open MPI, MPICH/Hydra and Intel MPI; then Slurm's step layout.
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def _local_ranks() -> int:
+    """How many ranks the launcher started on this host (1 where no launcher says)."""
+    for name in _LOCAL_SIZE_VARS:
+        count = _env_count(name)
+        if count is not None:
+            return count
+    return _slurm_step_tasks_here() or 1
+
+
+def _slurm_step_tasks_here() -> int | None:
+    """The tasks of this srun step on this node, from SLURM_STEP_TASKS_PER_NODE ("2(x3),1")
+    and SLURM_NODEID; None outside a step or where the variables do not parse."""
+    layout, node = os.environ.get("SLURM_STEP_TASKS_PER_NODE"), os.environ.get("SLURM_NODEID")
+    if not layout or node is None:
+        return None
+    counts: list[int] = []
+    for part in layout.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            return None
+        counts += [int(match[1])] * int(match[2] or 1)
+    try:
+        return counts[int(node)] or None
+    except (ValueError, IndexError):
+        return None
+
+
+def _parse_cpu_list(text: str) -> set[int]:
+    """CPU numbers from the kernel's list format ("0-3,8,10-11")."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def _allowed_cpus() -> set[int] | None:
+    """The CPUs this process's cpuset cgroup allows (cgroup v2 or v1), or the online CPUs;
+    None where neither can be read."""
+    try:
+        with open("/proc/self/cgroup") as table:
+            entries = [line.rstrip("\n").split(":", 2) for line in table]
+    except OSError:
+        entries = []
+    for entry in entries:
+        if len(entry) != 3:
+            continue
+        if entry[1] == "":
+            root, name = "/sys/fs/cgroup", "cpuset.cpus.effective"
+        elif "cpuset" in entry[1].split(","):
+            root, name = "/sys/fs/cgroup/cpuset", "cpuset.effective_cpus"
+        else:
+            continue
+        folder = os.path.normpath(root + "/" + entry[2])
+        while folder.startswith(root):  # the nearest cgroup that has the file
+            try:
+                with open(os.path.join(folder, name)) as limit:
+                    cpus = _parse_cpu_list(limit.read())
+                if cpus:
+                    return cpus
+            except (OSError, ValueError):
+                pass
+            folder = os.path.dirname(folder)
+    try:
+        with open("/sys/devices/system/cpu/online") as online:
+            return _parse_cpu_list(online.read()) or None
+    except (OSError, ValueError):
+        return None
+
+
 def _default_num_threads() -> int:
     counts = [c for c in map(_env_count, _THREAD_VARS) if c is not None]
     if counts:
         return counts[-1]
-    return max(1, physical_cores() // (_env_count("LOCAL_WORLD_SIZE") or 1))
+    logical = psutil.cpu_count(logical=True) or physical_cores()
+    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(logical))
+    allowed = len((_allowed_cpus() or set(range(logical))) | mask)
+    usable = max(1, len(mask) * physical_cores() // max(logical, len(mask)))
+    sharing = max(1, math.ceil(_local_ranks() * len(mask) / allowed))
+    return max(1, usable // sharing)
 
 
 def _check_count(n: object, name: str, where: str) -> int:
@@ -117,8 +200,14 @@ def get_num_threads() -> int:
     """The number of intra-op threads (torch.get_num_threads).
 
     The default, fixed at first use: MKL_NUM_THREADS if set, else OMP_NUM_THREADS, else
-    the physical cores (logical ones where unknown) divided by LOCAL_WORLD_SIZE, at least
-    1. As in torch, an invalid value (not an integer >= 1) is ignored with a
+    the physical cores of the CPUs this process may run on (its affinity mask, counted in
+    physical cores as far as the machine has fewer of those than logical CPUs), shared
+    among the ranks expected on them, at least 1. Those ranks are the launcher's ranks on
+    this host (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, or Slurm's
+    SLURM_STEP_TASKS_PER_NODE; 1 without a launcher) times the share of the host's CPUs
+    (those its cpuset allows) the mask covers, rounded up: unpinned ranks split the
+    machine, ranks pinned to a core each get one thread, ranks bound to a socket split
+    that socket. As in torch, an invalid value (not an integer >= 1) is ignored with a
     RuntimeWarning naming the variable and the value. The default leaves the BLAS pools
     alone (they read OMP_NUM_THREADS themselves); `set_num_threads` limits them.
     """
@@ -314,7 +403,7 @@ def parallel_info() -> str:
     """A report of the thread settings, like torch.__config__.parallel_info()."""
     env = "".join(
         f"\t{name} : {os.environ.get(name, '[not set]')}\n"
-        for name in (*_THREAD_VARS, "LOCAL_WORLD_SIZE")
+        for name in (*_THREAD_VARS, *_LOCAL_SIZE_VARS)
     )
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     lines = [

@@ -1,16 +1,18 @@
-"""MPI launch: the store bootstrap over MPI, environment detection and abort on error under a
-real mpiexec (MPICH, Open MPI 4 or 5: DISTCOMM_TEST_MPIEXEC, see tests/mpijobs.py), plus the
-same logic in process with a stand-in for mpi4py."""
+"""MPI launch: the store bootstrap over MPI, environment detection, abort on error and the
+default thread count under a real mpiexec (MPICH, Open MPI 4 or 5: DISTCOMM_TEST_MPIEXEC, see
+tests/mpijobs.py), plus the same logic in process with a stand-in for mpi4py."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from distcomm import mpiutil
@@ -251,6 +253,82 @@ def test_uncaught_exception_aborts_the_job(tmp_path: Path) -> None:
     assert "[rank 1] RuntimeError: rank one failed on purpose" in output
     assert "MPI.COMM_WORLD.Abort(1)" in output
     assert "barrier passed" not in output
+
+
+# -- the default intra-op thread count of ranks ---------------------------------------------
+
+THREADS_SCRIPT = """
+    import os
+    from distcomm import parallel
+
+    rank = next(int(os.environ[name]) for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
+                if name in os.environ)
+    report({"rank": rank, "mask": sorted(os.sched_getaffinity(0)),
+            "threads": parallel.get_num_threads()})
+"""
+
+#: physical cores and logical CPUs of this host
+CORES = psutil.cpu_count(logical=False) or psutil.cpu_count(logical=True) or 1
+CPUS = psutil.cpu_count(logical=True) or 1
+
+
+def _thread_env() -> dict[str, str]:
+    """The job environment without the thread variables: the default applies."""
+    env = job_env()
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    return env
+
+
+@needs_mpiexec
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin 2 ranks")
+def test_ranks_pinned_to_a_core_each_use_one_thread(tmp_path: Path) -> None:
+    status, output, _ = _mpiexec(
+        2, _script(tmp_path, "threads.py", THREADS_SCRIPT), env=_thread_env(), bind="core"
+    )
+    assert status == 0, output
+    results = _results(tmp_path)
+    assert sorted(results) == [0, 1], output
+    masks = [tuple(results[r]["mask"]) for r in (0, 1)]
+    assert all(len(mask) == 1 for mask in masks) and masks[0] != masks[1], masks  # pinned
+    assert [results[r]["threads"] for r in (0, 1)] == [1, 1], results
+
+
+@needs_mpiexec
+def test_unpinned_ranks_split_the_cores(tmp_path: Path) -> None:
+    status, output, _ = _mpiexec(
+        2, _script(tmp_path, "threads.py", THREADS_SCRIPT), env=_thread_env(), bind="none"
+    )
+    assert status == 0, output
+    results = _results(tmp_path)
+    assert sorted(results) == [0, 1], output
+    for result in results.values():
+        assert result["mask"] == sorted(os.sched_getaffinity(0)), results  # not pinned
+        expected = max(1, len(result["mask"]) * CORES // CPUS // 2)
+        assert result["threads"] == expected, results
+
+
+@needs_mpiexec
+def test_explicit_thread_count_wins_over_pinning(tmp_path: Path) -> None:
+    env = {**_thread_env(), "OMP_NUM_THREADS": "3"}
+    status, output, _ = _mpiexec(
+        2, _script(tmp_path, "threads.py", THREADS_SCRIPT), env=env, bind="core"
+    )
+    assert status == 0, output
+    assert [r["threads"] for r in _results(tmp_path).values()] == [3, 3], output
+
+
+@pytest.mark.parametrize(
+    ("layout", "node", "expected"),
+    [("2(x3),1", "1", 2), ("2(x3),1", "3", 1), ("4", "0", 4), ("bad", "0", None)],
+)
+def test_slurm_step_layout_gives_the_local_ranks(monkeypatch, layout, node, expected) -> None:
+    # srun's variables as a step's task sees them (no Slurm here to start a real step)
+    from distcomm import parallel
+
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", layout)
+    monkeypatch.setenv("SLURM_NODEID", node)
+    assert parallel._slurm_step_tasks_here() == expected
 
 
 # -- the abort hook in process (mpi4py stands in or stays unloaded) --------------------------
