@@ -32,17 +32,25 @@ def launcher_env(**extra: str) -> dict[str, str]:
 
 
 def agent(args: list[str], cwd: Path, env: dict[str, str] | None = None,
-          **popen: object) -> subprocess.Popen:
+          log: Path | None = None, **popen: object) -> subprocess.Popen:
     """Start `python -m distcomm.run ARGS` (an agent) without waiting for it.
 
     Its temporary files go under `cwd` (TMPDIR), so an agent a test kills with SIGKILL
-    leaves nothing in the system's /tmp.
+    leaves nothing in the system's /tmp. With `log`, its stdout and stderr go to that
+    file, which a test can read while the agent runs (`finish` returns it as stderr).
     """
     env = dict(env or launcher_env())
     env.setdefault("TMPDIR", str(cwd))
-    return subprocess.Popen([sys.executable, "-m", "distcomm.run", *args], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)  # type: ignore[call-overload]
+    command = [sys.executable, "-m", "distcomm.run", *args]
+    if log is None:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                **popen)  # type: ignore[call-overload]
+    with open(log, "ab") as sink:
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=sink,
+                                stderr=subprocess.STDOUT, **popen)  # type: ignore[call-overload]
+    proc.log_path = log  # type: ignore[attr-defined]
+    return proc
 
 
 def run_launcher(args: list[str], cwd: Path, env: dict[str, str] | None = None,
@@ -55,13 +63,18 @@ def run_launcher(args: list[str], cwd: Path, env: dict[str, str] | None = None,
 
 def finish(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str, str]:
     """Wait for an agent started with `agent`; (status, stdout, stderr)."""
+    log = getattr(proc, "log_path", None)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate()
+        if log is not None:
+            out, err = "", log.read_text(errors="replace")
         raise AssertionError(f"agent {proc.args} did not finish in {timeout} s:\nstdout:\n"
                              f"{out}\nstderr:\n{err}") from None
+    if log is not None:
+        out, err = "", log.read_text(errors="replace")
     return proc.returncode, out, err
 
 

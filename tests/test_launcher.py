@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -424,22 +426,30 @@ def test_expiration_timer_released_in_time(tmp_path):
 # -- several nodes ----------------------------------------------------------------------------
 
 def _nodes(tmp_path: Path, backend: str, endpoint: str, nnodes: str, count: int,
-           worker: Path, *worker_args: str, extra: tuple[str, ...] = ()) -> list:
+           worker: Path, *worker_args: str, extra: tuple[str, ...] = (),
+           local_addr: str | None = "127.0.0.1", log: Path | None = None,
+           run_id: str = "job-7") -> list:
+    addr = [f"--local_addr={local_addr}"] if local_addr else []
     return [agent([f"--nnodes={nnodes}", "--nproc_per_node=2", f"--rdzv_backend={backend}",
-                   f"--rdzv_endpoint={endpoint}", "--rdzv_id=job-7", "--local_addr=127.0.0.1",
-                   *extra, str(worker), *worker_args], tmp_path)
-            for _ in range(count)]
+                   f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}", *addr,
+                   *extra, str(worker), *worker_args], tmp_path,
+                  log=None if log is None else log.with_suffix(f".{i}.log"))
+            for i in range(count)]
 
 
-def _two_nodes(tmp_path: Path, backend: str, endpoint: str) -> None:
+def _two_nodes(tmp_path: Path, backend: str, endpoint: str,
+               local_addr: str | None = "127.0.0.1", run_id: str = "job-7") -> list[dict]:
     out = tmp_path / "out"
     out.mkdir()
-    procs = _nodes(tmp_path, backend, endpoint, "2", 2, _env_worker(tmp_path), str(out))
+    procs = _nodes(tmp_path, backend, endpoint, "2", 2, _env_worker(tmp_path), str(out),
+                   local_addr=local_addr, run_id=run_id)
     try:
         for proc in procs:
             code, _, err = finish(proc)
             assert code == 0, err
-        _check_env(records(out), 2, 2, run_id="job-7")
+        recs = records(out)
+        _check_env(recs, 2, 2, run_id=run_id)
+        return recs
     finally:
         for proc in procs:
             kill_tree(proc.pid)
@@ -455,6 +465,14 @@ def test_two_nodes_file(tmp_path):
 
 def test_two_nodes_etcd(tmp_path, etcd_endpoint):  # noqa: F811 - fixture
     _two_nodes(tmp_path, "etcd", etcd_endpoint)
+
+
+def test_etcd_advertises_the_ip_that_routes_to_the_endpoint(tmp_path, etcd_endpoint):  # noqa: F811
+    """Without --local_addr, node 0 advertises the workers' store at an IP, the source
+    address of its route to the etcd endpoint (here 127.0.0.1), not its host name."""
+    recs = _two_nodes(tmp_path, "etcd", etcd_endpoint, local_addr=None,
+                      run_id=f"job-ip-{os.getpid()}-{tmp_path.name}")
+    assert {r["MASTER_ADDR"] for r in recs} == {"127.0.0.1"}
 
 
 def test_two_nodes_static(tmp_path):
@@ -483,6 +501,9 @@ def _sizes(out: Path) -> dict[int, set[int]]:
 
 
 FAST_RDZV = "--rdzv_conf=last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=3"
+#: a last call far longer than any wait of the tests: a round that waited for it would fail
+LONG_LAST_CALL = ("--rdzv_conf=last_call_timeout=600,keep_alive_interval=0.5,"
+                  "keep_alive_max_attempt=3")
 
 
 def test_scale_up_third_node_joins(tmp_path):
@@ -520,12 +541,14 @@ def _store_host(procs: list, port: int) -> int:
 
 
 def test_scale_down_killed_node_leaves(tmp_path):
+    """kill -9 of an agent mid-run: the survivors form a round of 2 as soon as the dead node
+    is dropped, without waiting for the last call (600 s, beyond every wait here)."""
     out, stop = tmp_path / "out", tmp_path / "stop"
     out.mkdir()
     worker = script(tmp_path / "elastic.py", ELASTIC_WORKER)
     port = _free_port()
     procs = _nodes(tmp_path, "c10d", f"127.0.0.1:{port}", "2:3", 3, worker, str(out), str(stop),
-                   extra=(FAST_RDZV, "--max_restarts=3"))
+                   extra=(LONG_LAST_CALL, "--max_restarts=3"))
     try:
         wait_for(lambda: _sizes(out).get(6) == set(range(6)), 90, "a 3-node group")
         host = _store_host(procs, port)
@@ -565,3 +588,257 @@ def test_agent_records_error_file_json(tmp_path):
     assert "missing-thing" in data["message"]["message"]
     assert "Traceback" in data["message"]["extraInfo"]["py_callstack"]
     assert "missing-thing" in res.stderr
+
+
+# -- a failure on one node ends the run on every node ---------------------------------------------
+
+#: node 0's workers succeed at once; the other node's fail once node 0's are done
+LATE_FAILURE_WORKER = """
+    import os, sys, time
+    from pathlib import Path
+    from distcomm.launch.errors import record
+
+    out = Path(sys.argv[1])
+    rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
+    attempt = os.environ["DISTCOMM_RESTART_COUNT"]
+
+    @record
+    def main():
+        (out / f"start_r{rank}_a{attempt}").write_text(str(os.getppid()))
+        if node == 0:
+            (out / f"done_r{rank}_a{attempt}").write_text("")
+            return
+        deadline = time.monotonic() + 60
+        while len(list(out.glob(f"done_r*_a{attempt}"))) < 2:
+            if time.monotonic() > deadline:
+                raise TimeoutError("node 0's workers never finished")
+            time.sleep(0.05)
+        time.sleep(1.0)  # node 0's agent waits at its exit barrier by now
+        raise RuntimeError(f"boom on rank {rank} at restart {attempt}, after node 0 succeeded")
+
+    main()
+"""
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_failure_after_another_node_succeeded_fails_every_node(tmp_path, max_restarts):
+    """The node whose workers succeeded leaves its exit barrier when the other node's fail:
+    every node exits 1 with the report of the failure (its root cause) instead of waiting
+    out the 300 s barrier and exiting 0; with a restart left, both nodes run again."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = script(tmp_path / "late.py", LATE_FAILURE_WORKER)
+    procs = _nodes(tmp_path, "c10d", f"127.0.0.1:{_free_port()}", "2", 2, worker, str(out),
+                   extra=(f"--max_restarts={max_restarts}",))
+    try:
+        results = {proc.pid: finish(proc, 150) for proc in procs}
+    finally:
+        for proc in procs:
+            kill_tree(proc.pid)
+    assert [code for code, _, _ in results.values()] == [1, 1], results
+    node0 = int((out / "start_r0_a0").read_text())  # the agent whose workers succeeded
+    for pid, (_, _, err) in results.items():
+        assert "Root Cause" in err and "boom on rank" in err, err
+        assert f"at restart {max_restarts}, after node 0 succeeded" in err, err
+        if pid == node0:
+            assert "did not fail; the run failed on node(s) 1" in err, err
+    starts = sorted(p.name for p in out.glob("start_*"))
+    attempts = [f"_a{n}" for n in range(max_restarts + 1)]
+    assert starts == sorted(f"start_r{r}{a}" for r in range(4) for a in attempts)
+
+
+# -- signals: --signals_to_handle, SIGUSR1/SIGUSR2 passed on ------------------------------------
+
+USR1_WORKER = """
+    import os, signal, sys, time
+    from pathlib import Path
+
+    out, rank = Path(sys.argv[1]), os.environ["RANK"]
+    got = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    (out / f"ready_{rank}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (out / f"checkpoint_{rank}").write_text(",".join(map(str, got)))
+    sys.exit(0 if got else 1)
+"""
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["passed-on", "listed-to-stop"])
+def test_sigusr1_reaches_the_workers(tmp_path, listed):
+    """SIGUSR1 to the agent (Slurm's sbatch --signal=USR1@T) reaches every worker's
+    handler. By default the run goes on (here: the workers checkpoint and end, the agent
+    exits 0); listed in --signals_to_handle it stops the run, as in torchrun (128+10)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = script(tmp_path / "usr1.py", USR1_WORKER)
+    args = ["--standalone", "--nproc_per_node=2"]
+    if listed:
+        args.append("--signals_to_handle=SIGTERM,SIGINT,SIGUSR1")
+    proc = agent([*args, str(worker), str(out)], tmp_path)
+    try:
+        wait_for(lambda: len(list(out.glob("ready_*"))) == 2, 60, "both workers to start")
+        proc.send_signal(signal.SIGUSR1)
+        code, _, err = finish(proc, 60)
+    finally:
+        kill_tree(proc.pid)
+    assert code == (128 + signal.SIGUSR1 if listed else 0), err
+    for rank in (0, 1):
+        assert (out / f"checkpoint_{rank}").read_text() == str(int(signal.SIGUSR1))
+
+
+@pytest.mark.parametrize("value, message", [
+    ("SIGBOGUS", "is not a signal name"), ("SIGKILL", "cannot be handled")])
+def test_bad_signals_to_handle_are_named(tmp_path, value, message):
+    res = run_launcher(["--standalone", f"--signals_to_handle={value}", "x.py"], tmp_path,
+                       timeout=60)
+    assert res.returncode == 2
+    assert "--signals_to_handle" in res.stderr and message in res.stderr, res.stderr
+
+
+def test_parse_signals_and_agent_decisions():
+    from distcomm.launch.rendezvous import RoundView
+    from distcomm.launch.run import parse_signals
+    from distcomm.launch.watch import Observation, RunResult, barrier_step, next_step
+
+    assert parse_signals("SIGTERM, usr1,SIGTERM") == (signal.SIGTERM, signal.SIGUSR1)
+    assert parse_signals("") == ()
+    running, quiet = {0: None, 1: None}, Observation(RoundView(), failed=False)
+    assert next_step({0: 0, 1: None}, None) is None
+    assert next_step({0: 1, 1: None}, None) is RunResult.FAILED
+    assert next_step({0: 0, 1: 0}, quiet) is RunResult.SUCCEEDED
+    assert next_step(running, quiet) is None
+    assert next_step(running, Observation(RoundView(), failed=True)) is RunResult.FAILED
+    assert next_step(running, Observation(RoundView(closed=True), False)) is RunResult.CLOSED
+    waiting = Observation(RoundView(nodes_waiting=1), False)
+    assert next_step(running, waiting) is RunResult.MEMBERSHIP_CHANGED
+    # at the exit barrier, nodes waiting to join do not end the wait; the rest does
+    assert barrier_step(waiting) is None and barrier_step(None) is None
+    over = Observation(RoundView(nodes_waiting=1, round_over=True), False)
+    assert barrier_step(over) is RunResult.MEMBERSHIP_CHANGED
+    assert barrier_step(Observation(RoundView(round_over=True), True)) is RunResult.FAILED
+    assert barrier_step(Observation(RoundView(closed=True), False)) is RunResult.CLOSED
+
+
+def test_advertised_address_rules():
+    import ipaddress
+
+    from distcomm.launch.address import advertised_address, default_route_address
+
+    assert advertised_address("node7.example", 4, ("127.0.0.1", 2379)) == "node7.example"
+    assert advertised_address(None, 1, None) == "127.0.0.1"
+    assert advertised_address(None, 4, ("127.0.0.1", 2379)) == "127.0.0.1"
+    assert advertised_address(None, 4, ("localhost", 2379)) == "127.0.0.1"
+    ipaddress.ip_address(advertised_address(None, 4, None))  # an IP, whatever the host
+    default = default_route_address()
+    assert default is None or ipaddress.ip_address(default)
+
+
+#: run inside a new network namespace (root): a veth pair, the default route through it
+NETNS_DRIVER = """
+    import subprocess, sys
+    for cmd in ("ip link set lo up", "ip link add dc0 type veth peer name dc1",
+                "ip addr add 10.23.0.1/24 dev dc0", "ip link set dc0 up", "ip link set dc1 up",
+                "ip route add default via 10.23.0.2 dev dc0"):
+        subprocess.run(cmd.split(), check=True)
+    agents = [subprocess.Popen([sys.executable, "-m", "distcomm.run", *sys.argv[1:]])
+              for _ in range(2)]
+    sys.exit(max(agent.wait(timeout=120) for agent in agents))
+"""
+
+
+def test_file_rendezvous_advertises_the_default_route_address(tmp_path):
+    """file rendezvous without --local_addr: node 0 advertises the IPv4 address of the
+    default route's interface (in a private network namespace: 10.23.0.1), not a name."""
+    probe = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {probe.stderr.strip()}")
+    out = tmp_path / "out"
+    out.mkdir()
+    driver = script(tmp_path / "netns_driver.py", NETNS_DRIVER)
+    proc = subprocess.Popen(
+        ["unshare", "-n", sys.executable, str(driver), "--nnodes=2", "--nproc_per_node=2",
+         "--rdzv_backend=file", f"--rdzv_endpoint={tmp_path / 'rdzv'}", "--rdzv_id=job-ns",
+         str(_env_worker(tmp_path)), str(out)],
+        cwd=tmp_path, env=launcher_env(TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        code, _, err = finish(proc, 150)
+    finally:
+        kill_tree(proc.pid)
+    assert code == 0, err
+    recs = records(out)
+    _check_env(recs, 2, 2, run_id="job-ns")
+    assert {r["MASTER_ADDR"] for r in recs} == {"10.23.0.1"}
+
+
+# -- the store stalls: the agent still watches its workers ------------------------------------
+
+#: sleeps until the trigger names its agent; then its local rank 0 fails
+TRIGGERED_WORKER = """
+    import os, sys, time
+    from pathlib import Path
+
+    out = Path(sys.argv[1])
+    trigger = out / "trigger"
+    (out / f"ready_{os.environ['RANK']}").write_text(f"{os.getppid()} {os.getpid()}")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if trigger.exists() and trigger.read_text() == str(os.getppid()):
+            if os.environ["LOCAL_RANK"] == "0":
+                raise SystemExit(f"rank {os.environ['RANK']} failed as told")
+        time.sleep(0.05)
+"""
+
+
+def test_agent_watches_its_workers_while_the_store_does_not_answer(tmp_path):
+    """The agent hosting the c10d store is frozen (SIGSTOP): the other agent's store calls
+    get no answer, as over a dead link. It says so, and still acts on its worker's failure:
+    the failed worker's sibling is stopped while the store is silent. Once the store is
+    back, both agents end with the failure (exit 1)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = script(tmp_path / "triggered.py", TRIGGERED_WORKER)
+    port = _free_port()
+    endpoint = f"127.0.0.1:{port}"
+    host = _nodes(tmp_path, "c10d", endpoint, "2", 1, worker, str(out),
+                  log=tmp_path / "host")[0]
+    procs = [host]
+    try:
+        def listening() -> bool:
+            conns = psutil.Process(host.pid).net_connections(kind="tcp")
+            return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
+
+        wait_for(listening, 60, "the store's host to listen")
+        other = _nodes(tmp_path, "c10d", endpoint, "2", 1, worker, str(out),
+                       log=tmp_path / "other")[0]
+        procs.append(other)
+        wait_for(lambda: len(list(out.glob("ready_*"))) == 4, 60, "all four workers")
+        mine = [tuple(map(int, p.read_text().split())) for p in out.glob("ready_*")]
+        siblings = [pid for agent_pid, pid in mine if agent_pid == other.pid]
+        assert len(siblings) == 2
+        log = other.log_path
+        host.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: "has not answered for" in log.read_text(), 60,
+                     "the agent to report the silent store")
+            (out / "trigger").write_text(str(other.pid))
+            wait_for(lambda: not alive(siblings), 60,
+                     "the agent to stop its workers while the store is silent")
+            assert other.poll() is None  # still waiting for the store to record the failure
+        finally:
+            host.send_signal(signal.SIGCONT)
+        results = [finish(proc, 120) for proc in procs]
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+            kill_tree(proc.pid)
+    assert [code for code, _, _ in results] == [1, 1], results
+    for _, _, err in results:  # both print the report of the other agent's failed worker
+        assert "Root Cause" in err and "ended with exit code 1" in err, err
+    assert "failed as told" in results[1][2]  # the worker's own output
+    # the late answer, once it came (the watch's read was pending when the agent said so)
+    assert re.search(r"rendezvous store at \S+ took [\d.]+ s to answer", results[1][2])

@@ -2,27 +2,36 @@
 
 One agent runs per node. Each round of the rendezvous gives the node its group rank and
 the number of nodes; the agent assigns the workers' ranks (every node runs the same
-number of workers), starts them, and watches them every `monitor_interval`:
+number of workers), starts them, and watches them every `monitor_interval`. What the
+other nodes do comes from a `RoundWatch` reading the rendezvous on its own thread, so a
+slow store or a dead link never stops the agent from watching its workers:
 
 - all workers exited 0: wait for the other nodes to finish (exit barrier), close the
-  rendezvous, exit 0;
-- a worker failed (non-zero exit, signal, or killed by an expiration timer): stop the
-  local workers and count one restart for the round in the run's store (the count is the
-  run's, not the node's: every node that sees the failure of round R counts it once
-  together). Within `max_restarts` every node joins the next round; past it the
-  rendezvous is closed and every node prints its failures and exits 1;
-- another node waits to join (scale-up) or a new round has begun without this node: stop
-  the workers and join the next round, which does not count as a restart;
-- the rendezvous was closed by another node: stop and exit with the run's outcome.
+  rendezvous, exit 0. The wait ends early when the round fails on another node (handled
+  as below), when the rendezvous is closed, or when a node leaves the round (a new round);
+- a worker failed (non-zero exit, signal, or killed by an expiration timer), here or on
+  another node (the round's failure key in the run's store): record this node's failures
+  in the run's store for the other nodes' reports, count one restart for the round (the
+  count is the run's, not the node's: every node that sees the failure of round R counts
+  it once together) and stop the local workers. Within `max_restarts` every node joins
+  the next round; past it the rendezvous is closed and every node prints the report of
+  the round's failures, on all nodes, and exits 1;
+- another node waits to join (scale-up) or this node's round is over (a new round began,
+  a node left it): stop the workers and join the next round (not counted as a restart);
+- the rendezvous was closed by another node: stop and exit with the run's outcome (1,
+  with the failure report, when the run failed).
 
-SIGTERM, SIGINT, SIGHUP and SIGQUIT stop every worker's process tree (SIGTERM, then
-SIGKILL after `shutdown_timeout`), close the rendezvous and exit 128 + the signal number.
+The signals of `signals_to_handle` (torchrun's --signals_to_handle; SIGTERM, SIGINT,
+SIGHUP and SIGQUIT by default) stop the run: every worker's process tree gets the signal
+(then SIGKILL after `shutdown_timeout`), the rendezvous is closed and the agent exits
+128 + the signal number. SIGUSR1 and SIGUSR2, unless listed there, are passed on to every
+worker process and the run goes on (Slurm's ``sbatch --signal=USR1@120``: the workers
+checkpoint before the job is pre-empted).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import secrets
@@ -34,16 +43,20 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 
 import psutil
 
-from ..errors import DistError
+from ..deadline import Deadline
+from ..errors import DistError, DistStoreTimeoutError
+from ..net import format_address
 from ..parallel import physical_cores
 from ..store import Store, TCPStore
 from ..store.base import publish
-from .errors import ChildFailedError, ProcessFailure
+from .address import advertised_address, endpoint_address
+from .errors import ChildFailedError, ProcessFailure, gather_failures, share_failures
 from .rendezvous import (
     RendezvousClosedError,
     RendezvousError,
@@ -53,9 +66,11 @@ from .rendezvous import (
     get_rendezvous_handler,
 )
 from .timer import FileTimerServer
+from .watch import SLOW_STORE_S, RoundWatch, RunResult, barrier_step, failed_round_key, next_step
 from .workers import Std, WorkerProcesses
 
-__all__ = ["LaunchConfig", "RunResult", "launch"]
+__all__ = ["DEFAULT_SIGNALS_TO_HANDLE", "FORWARDED_SIGNALS", "LaunchConfig", "RunResult",
+           "launch"]
 
 log = logging.getLogger("distcomm.launch")
 
@@ -65,7 +80,10 @@ EXIT_BARRIER_TIMEOUT = 300.0
 DEPARTURE_TIMEOUT = 10.0
 #: seconds between checks of the rendezvous while workers run
 RDZV_CHECK_INTERVAL = 0.5
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: signals that stop the run (torchrun's --signals_to_handle default)
+DEFAULT_SIGNALS_TO_HANDLE = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: signals passed on to the workers without stopping the run, unless listed to stop it
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 DEFAULT_PREFIX_TEMPLATE = "[${rank}]:"
 
 
@@ -97,15 +115,7 @@ class LaunchConfig:
     master_port: int = 0
     shutdown_timeout: float = 30.0
     exit_barrier_timeout: float = EXIT_BARRIER_TIMEOUT
-
-
-class RunResult(enum.Enum):
-    """How one round of workers ended."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    MEMBERSHIP_CHANGED = "membership changed"
-    CLOSED = "closed"
+    signals_to_handle: tuple[int, ...] = DEFAULT_SIGNALS_TO_HANDLE
 
 
 class _Signal(Exception):
@@ -138,6 +148,19 @@ def _remove_stale_temp_dirs() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _slow_store(what: str) -> Iterator[None]:
+    """Log a line when the store calls inside took longer than SLOW_STORE_S."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        took = time.monotonic() - started
+        if took > SLOW_STORE_S:
+            log.warning("distcomm-run: the rendezvous store took %.1f s for %s (is the link "
+                        "to it slow or down?)", took, what)
+
+
 def _resolve_ipv4(host: str) -> str:
     try:
         return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
@@ -165,7 +188,11 @@ class ElasticAgent:
     def run(self) -> int:
         """Run the job on this node until it succeeds, fails for good or is signalled."""
         config = self.config
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in HANDLED_SIGNALS}
+        stopping = tuple(config.signals_to_handle)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in stopping}
+        for sig in FORWARDED_SIGNALS:
+            if sig not in stopping:
+                previous[sig] = signal.signal(sig, self._forward_signal)
         _remove_stale_temp_dirs()
         self._tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
         try:
@@ -184,15 +211,15 @@ class ElasticAgent:
             self._handler = get_rendezvous_handler(self._rdzv_parameters())
             return self._invoke_run()
         except _Signal as sig:
-            log.warning("distcomm-run: got %s: stopping the workers", sig)
-            self._stop_workers()
+            log.warning("distcomm-run: got %s: stopping the workers with it", sig)
+            self._stop_workers(sig.signum)
             self._close_rendezvous()
             return 128 + sig.signum
         except (RendezvousError, DistError, ValueError, OSError) as exc:
             print(f"distcomm-run: {exc}", file=sys.stderr, flush=True)
             return 1
         finally:
-            for sig in HANDLED_SIGNALS:
+            for sig in stopping:
                 signal.signal(sig, signal.SIG_IGN)
             try:
                 self._stop_workers()
@@ -202,9 +229,20 @@ class ElasticAgent:
                     signal.signal(sig, handler)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        for sig in HANDLED_SIGNALS:
+        for sig in self.config.signals_to_handle:
             signal.signal(sig, signal.SIG_IGN)  # one signal stops the run; cleanup goes on
         raise _Signal(signum)
+
+    def _forward_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Pass a SIGUSR1/SIGUSR2 on to every worker process; the run goes on."""
+        workers = self._workers
+        pids = workers.send_signal(signum) if workers is not None else []
+        name = signal.Signals(signum).name
+        if pids:
+            log.warning("distcomm-run: got %s: passed on to worker(s) %s", name,
+                        ", ".join(map(str, pids)))
+        else:
+            log.warning("distcomm-run: got %s while no worker runs: ignored", name)
 
     def _rdzv_parameters(self) -> RendezvousParameters:
         c = self.config
@@ -228,11 +266,19 @@ class ElasticAgent:
                      "%d", info.round, info.rank, info.world_size, c.nproc_per_node, restarts,
                      c.max_restarts)
             self._start_workers(info, restarts)
-            result = self._monitor()
+            watch = RoundWatch(handler, info.run_store, info.round, self._store_description(),
+                               interval=RDZV_CHECK_INTERVAL)
+            watch.start()
+            try:
+                result = self._monitor(watch)
+                if result is RunResult.SUCCEEDED:
+                    result = self._exit_barrier(info, watch)
+            finally:
+                watch.stop()
             if result is RunResult.SUCCEEDED:
-                self._exit_barrier(info)
                 self._stop_workers()
-                publish(info.run_store, "outcome", "succeeded")  # read by check() once closed
+                # read by check() once closed; a failure recorded first is kept
+                info.run_store.compare_set("outcome", b"", b"succeeded")
                 self._close_rendezvous()
                 self._depart(info)
                 return 0
@@ -240,32 +286,62 @@ class ElasticAgent:
                 self._stop_workers()
                 return self._closed_outcome()
             if result is RunResult.MEMBERSHIP_CHANGED:
-                log.warning("distcomm-run: the membership changed (%d node(s) waiting to join "
-                            "or a new round began): restarting the workers in a new round",
-                            handler.num_nodes_waiting())
+                seen = watch.latest()
+                log.warning("distcomm-run: the membership changed (%s): restarting the "
+                            "workers in a new round",
+                            "a node left this round, or a new one began"
+                            if seen is None or seen.view.round_over else
+                            f"{seen.view.nodes_waiting} node(s) waiting to join")
                 self._stop_workers()
                 continue
-            failures = self._failures(info)
-            self._stop_workers()
+            code = self._round_failed(info)
+            if code is not None:
+                return code
+
+    def _round_failed(self, info: RendezvousInfo) -> int | None:
+        """Handle a failed round: record, count, stop; the exit status once no restart is
+        left, else None (join the next round)."""
+        c = self.config
+        failures = self._failures(info)
+        if self._workers is not None:
+            self._workers.terminate()  # the other workers end while the store is told
+        with _slow_store("recording the failure"):
+            if failures:
+                share_failures(info.run_store, info.round, info.rank, failures)
             count = self._count_restart(info)
-            error = ChildFailedError(c.name, failures)
-            if count > c.max_restarts:
+        self._stop_workers()
+        if count > c.max_restarts:
+            with _slow_store("recording the outcome"):
+                publish(info.run_store, "report_round", f"{info.round} {info.world_size}")
                 publish(info.run_store, "outcome", "failed")  # read by check() once closed
-                self._close_rendezvous()
-                print(error.format_msg(), file=sys.stderr, flush=True)
-                self._depart(info)
-                return 1
-            first = error.get_first_failure()[1]
+            self._close_rendezvous()
+            self._print_report(info.run_store, info.round, info.world_size, failures, info.rank)
+            self._depart(info)
+            return 1
+        if failures:
+            first = ChildFailedError(c.name, failures).get_first_failure()[1]
             log.warning("distcomm-run: worker group failed (rank %d: %s); restart %d of %d",
                         first.rank, first.message, count, c.max_restarts)
+        else:
+            log.warning("distcomm-run: the worker group failed on another node; restart %d "
+                        "of %d", count, c.max_restarts)
+        return None
 
     def _closed_outcome(self) -> int:
         info = self._last_info
-        outcome = b""
+        outcome, report = b"", b""
         if info is not None:
             with contextlib.suppress(DistError, OSError):
                 if info.run_store.check(["outcome"]):
                     outcome = info.run_store.get("outcome")
+                if outcome == b"failed" and info.run_store.check(["report_round"]):
+                    report = info.run_store.get("report_round")
+            if report:
+                round_text, _, size_text = report.decode().partition(" ")
+                with contextlib.suppress(DistError, OSError, ValueError):
+                    round_ = int(round_text)
+                    self._print_report(info.run_store, round_, int(size_text), {},
+                                       info.rank if round_ == info.round else None)
             self._depart(info)
         if outcome == b"succeeded":
             return 0
@@ -274,13 +350,52 @@ class ElasticAgent:
               file=sys.stderr, flush=True)
         return 1
 
+    # -- failure reports across nodes ---------------------------------------------------------
+
+    def _print_report(self, run_store: Store, round_: int, world_size: int,
+                      local: dict[int, ProcessFailure], node: int | None) -> None:
+        """Print the failure report of a round: every node's failed workers, root cause.
+
+        Args:
+            local: this node's failures (also read from the store when it shared them).
+            node: this node's rank in that round, or None when it was not in it.
+        """
+        failures: dict[int, ProcessFailure] = {}
+        try:
+            with _slow_store("reading the other nodes' failures"):
+                failures = gather_failures(run_store, round_, world_size)
+        except (DistError, OSError) as exc:
+            log.warning("distcomm-run: the other nodes' failures cannot be read (%s); the "
+                        "report shows this node's only", exc)
+        failures.update(local)
+        lines = []
+        if failures:
+            lines.append(ChildFailedError(self.config.name, failures).format_msg())
+        else:
+            lines.append(f"distcomm-run: the run failed in round {round_} on another node, "
+                         "which recorded no worker failure (see that node's output)")
+        nodes = sorted({failure.rank // self.config.nproc_per_node
+                        for failure in failures.values()})
+        if node is not None and node not in nodes:
+            lines.append(f"distcomm-run: the workers of this node (node {node} of round "
+                         f"{round_}) did not fail; the run failed on node(s) "
+                         f"{', '.join(map(str, nodes)) or 'unknown'}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
     # -- one round ----------------------------------------------------------------------------
 
     def _advertised_host(self) -> str:
+        """The IP (or --local_addr) the other nodes reach the workers' store at."""
         c = self.config
-        if c.local_addr:
-            return c.local_addr
-        return "127.0.0.1" if c.max_nodes == 1 else socket.getfqdn()
+        endpoint = endpoint_address(c.rdzv_backend, c.rdzv_endpoint)
+        return advertised_address(c.local_addr, c.max_nodes, endpoint)
+
+    def _store_description(self) -> str:
+        c = self.config
+        if c.rdzv_backend == "static":
+            where = format_address(c.master_addr or "127.0.0.1", c.master_port)
+            return f"the static rendezvous store at {where}"
+        return f"the {c.rdzv_backend} rendezvous store at {c.rdzv_endpoint}"
 
     def _master(self, info: RendezvousInfo) -> tuple[str, int]:
         """The address of the store the workers use, hosted here when no backend offers one."""
@@ -347,23 +462,15 @@ class ElasticAgent:
             console_ranks=c.console_ranks, prefixes=prefixes)
         self._workers.start()
 
-    def _monitor(self) -> RunResult:
-        assert self._workers is not None and self._handler is not None
-        c, handler = self.config, self._handler
-        next_check = time.monotonic() + RDZV_CHECK_INTERVAL
+    def _monitor(self, watch: RoundWatch) -> RunResult:
+        """Watch the workers every monitor_interval; never waits for the store."""
+        assert self._workers is not None
         while True:
-            time.sleep(c.monitor_interval)
-            codes = self._workers.poll()
-            if any(code not in (None, 0) for code in codes.values()):
-                return RunResult.FAILED
-            if all(code == 0 for code in codes.values()):
-                return RunResult.SUCCEEDED
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + RDZV_CHECK_INTERVAL
-                if handler.is_closed():
-                    return RunResult.CLOSED
-                if handler.num_nodes_waiting() > 0:
-                    return RunResult.MEMBERSHIP_CHANGED
+            time.sleep(self.config.monitor_interval)
+            result = next_step(self._workers.poll(), watch.latest())
+            if result is not None:
+                return result
+            watch.check_stall()
 
     def _failures(self, info: RendezvousInfo) -> dict[int, ProcessFailure]:
         assert self._workers is not None
@@ -389,31 +496,38 @@ class ElasticAgent:
     def _count_restart(self, info: RendezvousInfo) -> int:
         """Count round `info.round`'s failure once for the run; the run's restart count."""
         store, key = info.run_store, f"restart_count_after_round_{info.round}"
-        if int(store.add(f"failed_round_{info.round}", 1)) == 1:
+        if int(store.add(failed_round_key(info.round), 1)) == 1:
             count = int(store.add("restart_count", 1))
             store.set(key, str(count))
             return count
         return int(store.get(key))
 
-    def _exit_barrier(self, info: RendezvousInfo) -> None:
-        """Wait until every node's workers are done, so no node's store leaves early."""
+    def _exit_barrier(self, info: RendezvousInfo, watch: RoundWatch) -> RunResult:
+        """Wait until every node's workers are done, so no node's store leaves early.
+
+        Returns SUCCEEDED once all are (or after exit_barrier_timeout, as torch does), or
+        what `barrier_step` says ends the wait: the round failed on another node, the
+        rendezvous was closed, a node left the round.
+        """
         store = info.store
-        if int(store.add("finished", 1)) == info.world_size:
-            store.set("all_finished", "1")
-            return
-        deadline = time.monotonic() + self.config.exit_barrier_timeout
-        assert self._handler is not None
-        while time.monotonic() < deadline:
+        with _slow_store("the exit barrier"):
+            if int(store.add("finished", 1)) == info.world_size:
+                publish(store, "all_finished", "1")
+                return RunResult.SUCCEEDED
+        deadline = Deadline(self.config.exit_barrier_timeout)
+        while not deadline.expired():
             try:
-                store.wait(["all_finished"], timeout=1.0)
-                return
-            except DistError as exc:
-                if not isinstance(exc, TimeoutError):
-                    raise
-            if self._handler.is_closed():
-                return
+                store.wait(["all_finished"], timeout=deadline.slice(RDZV_CHECK_INTERVAL))
+                return RunResult.SUCCEEDED
+            except DistStoreTimeoutError:
+                pass
+            result = barrier_step(watch.latest())
+            if result is not None:
+                return RunResult.SUCCEEDED if store.check(["all_finished"]) else result
+            watch.check_stall()
         log.warning("distcomm-run: not every node finished within %.0f s of this one; "
                     "leaving", self.config.exit_barrier_timeout)
+        return RunResult.SUCCEEDED
 
     def _depart(self, info: RendezvousInfo) -> None:
         """Leave together: a node that serves the store must not go while others use it.
@@ -437,10 +551,14 @@ class ElasticAgent:
 
     # -- teardown -----------------------------------------------------------------------------
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, sig: int = signal.SIGTERM) -> None:
         workers, self._workers = self._workers, None
         if workers is not None:
-            workers.close(grace=self.config.shutdown_timeout)  # stops what still runs
+            grace = self.config.shutdown_timeout
+            try:
+                workers.stop(grace, sig)
+            finally:
+                workers.close(grace=grace)  # the output pumps and files
         store, self._worker_store = self._worker_store, None
         if store is not None:
             store.close()

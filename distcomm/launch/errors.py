@@ -3,6 +3,8 @@
 `record` writes the exception of a worker's entrypoint to the worker's error file;
 `ProcessFailure` is one failed worker as the agent saw it (reading that file), and
 `ChildFailedError` the agent's report with one block per failed rank and the root cause.
+`share_failures` and `gather_failures` pass a round's failures between the nodes' agents
+through the run's store, so that every node reports every node's failures.
 
 The error file is the one torchelastic uses, so a script decorated with torch's
 `@record` works under distcomm-run and ours under torchrun::
@@ -35,9 +37,10 @@ from typing import Any, TypeVar
 
 from ..errors import DistError
 from ..procutil import signal_name
+from ..store import Store
 
 __all__ = ["ERROR_FILE_ENV", "TORCH_ERROR_FILE_ENV", "ChildFailedError", "ProcessFailure",
-           "exit_description", "record"]
+           "exit_description", "gather_failures", "record", "share_failures"]
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +261,37 @@ class ProcessFailure:
                         + "".join(lines).rstrip("\n"))
         return NO_TRACEBACK
 
+    def to_record(self, tail: int = 20) -> dict[str, Any]:
+        """This failure as JSON-ready data, for the agents of other nodes (`from_record`).
+
+        The message and the traceback (or the stderr tail) are read here, where the files
+        are; the paths are kept only to be shown.
+        """
+        return {"local_rank": self.local_rank, "rank": self.rank, "pid": self.pid,
+                "exitcode": self.exitcode, "error_file": self.error_file, "host": self.host,
+                "role": self.role, "log_files": dict(self.log_files), "reason": self.reason,
+                "timestamp": self.timestamp, "message": self.message,
+                "traceback": self.traceback_text(tail)[-_RECORD_TRACEBACK_CHARS:]}
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> ProcessFailure:
+        """A failure observed on another node, from its `to_record()` data.
+
+        Raises:
+            KeyError, TypeError, ValueError: `data` is not such a record.
+        """
+        failure = cls(local_rank=int(data["local_rank"]), rank=int(data["rank"]),
+                      pid=int(data["pid"]),
+                      exitcode=None if data["exitcode"] is None else int(data["exitcode"]),
+                      host=str(data["host"]), role=str(data["role"]),
+                      reason=str(data["reason"]), timestamp=float(data["timestamp"]))
+        # set after __post_init__: the files are on the other node, not to be read here
+        failure.error_file = str(data["error_file"])
+        failure.log_files = {str(k): str(v) for k, v in data["log_files"].items()}
+        failure.error_data = {"message": {"message": str(data["message"]),
+                                          "extraInfo": {"py_callstack": str(data["traceback"])}}}
+        return failure
+
     def timestamp_isoformat(self) -> str:
         """The failure time as local "YYYY-MM-DD_HH:MM:SS" (torch's format)."""
         return datetime.fromtimestamp(self.timestamp or 0).isoformat(sep="_",
@@ -303,6 +337,8 @@ class ChildFailedError(DistError):
 
 
 _REPORT_WIDTH = 72
+#: the most characters of a traceback passed to the other nodes (its end is kept)
+_RECORD_TRACEBACK_CHARS = 64 * 1024
 _LABEL_WIDTH = 10
 
 
@@ -331,3 +367,43 @@ def _format_failure(rank: int, failure: ProcessFailure) -> str:
     lines.append(f"  {'traceback':<{_LABEL_WIDTH}}:")
     lines.extend(f"    {line}" for line in failure.traceback_text().splitlines())
     return "\n".join(lines)
+
+
+def _failures_key(round_: int, node: int) -> str:
+    return f"failures/round_{round_}/node_{node}"
+
+
+def share_failures(store: Store, round_: int, node: int,
+                   failures: dict[int, ProcessFailure]) -> None:
+    """Put node `node`'s failures of round `round_` in the run's `store` for the other
+    nodes' reports (`gather_failures`).
+
+    Raises:
+        DistError: the store failed.
+    """
+    records = [failure.to_record() for _, failure in sorted(failures.items())]
+    store.set(_failures_key(round_, node), json.dumps(records))
+
+
+def gather_failures(store: Store, round_: int, world_size: int) -> dict[int, ProcessFailure]:
+    """Every failure the `world_size` nodes of round `round_` shared, by global rank.
+
+    A node whose record is missing (it did not fail, or has not written yet) adds nothing;
+    an unreadable record is left out with a warning.
+
+    Raises:
+        DistError: the store failed.
+    """
+    failures: dict[int, ProcessFailure] = {}
+    for node in range(world_size):
+        key = _failures_key(round_, node)
+        if not store.check([key]):
+            continue
+        try:
+            for data in json.loads(store.get(key)):
+                failure = ProcessFailure.from_record(data)
+                failures[failure.rank] = failure
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("the failures node %d shared for round %d are unreadable (%s); the "
+                        "report leaves them out", node, round_, exc)
+    return failures

@@ -11,14 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
 
-from .agent import LaunchConfig, launch
+from .agent import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS, LaunchConfig, launch
 from .workers import parse_local_ranks_filter, parse_std
 
-__all__ = ["config_from_args", "get_args_parser", "main", "parse_args", "parse_min_max_nnodes"]
+__all__ = ["config_from_args", "get_args_parser", "main", "parse_args", "parse_min_max_nnodes",
+           "parse_signals"]
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "file")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -36,6 +38,33 @@ DISTCOMM_MAX_RESTARTS and DISTCOMM_RUN_ID (also as TORCHELASTIC_RESTART_COUNT,
 TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID), OMP_NUM_THREADS (cores / workers per
 node, unless set), and what distcomm.init_process_group() needs with no arguments.
 """
+
+
+def _signal_names(signals: Sequence[int]) -> str:
+    return ",".join(signal.Signals(sig).name for sig in signals)
+
+
+def parse_signals(text: str) -> tuple[int, ...]:
+    """--signals_to_handle as signal numbers: "SIGTERM,SIGUSR1" (the SIG prefix and case
+    are optional).
+
+    Raises:
+        ValueError: an entry is not a signal name, or names one that cannot be caught.
+    """
+    signals: list[int] = []
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
+        sig = getattr(signal.Signals, name, None)
+        if sig is None:
+            raise ValueError(f"--signals_to_handle: {item!r} is not a signal name; give "
+                             f"names such as {_signal_names(DEFAULT_SIGNALS_TO_HANDLE)},"
+                             f"{_signal_names(FORWARDED_SIGNALS)}")
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGCONT):
+            raise ValueError(f"--signals_to_handle: {sig.name} cannot be handled to stop the "
+                             "run (it cannot be caught, or the agent needs its default)")
+        if sig not in signals:
+            signals.append(sig)
+    return tuple(int(sig) for sig in signals)
 
 
 def _env_name(dest: str) -> str:
@@ -143,10 +172,20 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("log_line_prefix_template", "prefix each console line of a worker with this "
         "template (${rank}, ${local_rank}, ${role_name}); default '[${rank}]:' for teed "
         "streams, none otherwise", default=None)
-    add("local_addr", "the address other nodes reach this node at (default: 127.0.0.1 "
-        "for single-node jobs, else this host's fully qualified name)", default=None)
+    add("local_addr", "the address other nodes reach this node at, for the workers' store "
+        "that node 0 hosts with --rdzv_backend=etcd or file (default: 127.0.0.1 for "
+        "single-node jobs; else an IP: the source address of the route to the etcd "
+        "endpoint, or for file the address of the default route's interface)", default=None)
     add("shutdown_timeout", "seconds workers get after SIGTERM before SIGKILL when the "
         "group is stopped (default 30)", type=float, default=30.0)
+    add("signals_to_handle", "comma-separated signals that stop the run, as in torchrun: "
+        "the agent sends the signal to every worker's process group, SIGKILL after "
+        "--shutdown_timeout, and exits 128+signal (default "
+        f"{_signal_names(DEFAULT_SIGNALS_TO_HANDLE)}). SIGUSR1 and SIGUSR2, unless listed "
+        "here, are passed on to every worker process and the run goes on, so that a Slurm "
+        "job (sbatch --signal=USR1@120) can checkpoint before it is pre-empted; list them "
+        "to make them stop the run instead",
+        default=_signal_names(DEFAULT_SIGNALS_TO_HANDLE))
     parser.add_argument("training_script", help="the program (or module with -m) each "
                         "worker runs, followed by its arguments")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
@@ -288,6 +327,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     redirects = parse_std(str(args.redirects), nproc, "--redirects")
     tee = parse_std(str(args.tee), nproc, "--tee")
     console = parse_local_ranks_filter(str(args.local_ranks_filter or ""), nproc)
+    signals = parse_signals(args.signals_to_handle)
     return LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
         command=_command(args), name=os.path.basename(args.training_script), run_id=run_id,
@@ -298,7 +338,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         log_line_prefix_template=args.log_line_prefix_template, local_addr=args.local_addr,
         node_rank=node_rank, master_addr=args.master_addr,
         master_port=0 if master_port is None else int(master_port),
-        shutdown_timeout=shutdown)
+        shutdown_timeout=shutdown, signals_to_handle=signals)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -335,6 +335,8 @@ class WorkerProcesses:
         self._wake: tuple[int, int] | None = None
         self._lock = threading.RLock()
         self._started = self._stopped = self._closed = False
+        #: set by terminate(): when the stopping signal went out, which, and to whom
+        self._terminated: tuple[float, int, list[psutil.Process]] | None = None
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -444,15 +446,19 @@ class WorkerProcesses:
         Every worker is reaped. Calling it again, or after the workers ended, is harmless.
 
         Args:
-            grace: seconds to wait after `sig` before SIGKILL.
-            sig: the first signal (SIGKILL skips the wait).
+            grace: seconds to wait after `sig` before SIGKILL (after the signal of an
+                earlier `terminate()`, when there was one).
+            sig: the first signal (SIGKILL skips the wait); not sent again when
+                `terminate()` already sent one.
         """
         with self._lock:
             if not self._procs or self._stopped:
                 return
-            deadline = time.monotonic() + max(grace, 0.0)
-            targets = self._tree()
-            self._signal(sig, targets)
+            if self._terminated is None:
+                self.terminate(sig)
+            assert self._terminated is not None
+            started, sig, targets = self._terminated
+            deadline = started + max(grace, 0.0)
             if sig != signal.SIGKILL:
                 targets = self._wait(targets, deadline)
                 if targets or self._running():
@@ -470,6 +476,19 @@ class WorkerProcesses:
                             sorted({p.pid for p in left} | {p.pid for p in self._running()}))
             else:
                 self._stopped = True
+
+    def terminate(self, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` (and SIGCONT) to every worker's process tree now, without waiting.
+
+        A later `stop()` waits for the trees from this moment on (its grace counts from
+        here) and sends SIGKILL when the grace is over; `sig` is sent once.
+        """
+        with self._lock:
+            if not self._procs or self._stopped or self._terminated is not None:
+                return
+            targets = self._tree()
+            self._terminated = (time.monotonic(), sig, targets)
+            self._signal(sig, targets)
 
     def close(self, grace: float = 30.0) -> None:
         """Stop workers still running (see `stop`), end the output pumps, close every file.
@@ -578,8 +597,13 @@ class WorkerProcesses:
             for proc in self._procs.values():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, each)  # each worker leads its group: pgid == pid
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(each)  # no-op once reaped
+                try:
+                    in_group = proc.returncode is None and os.getpgid(proc.pid) == proc.pid
+                except OSError:
+                    in_group = False
+                if not in_group:  # it left its group: reach it directly, once
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(each)  # no-op once reaped
             for target in targets:
                 with contextlib.suppress(psutil.Error):
                     target.send_signal(each)  # psutil checks the pid was not reused
