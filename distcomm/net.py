@@ -108,8 +108,23 @@ def listen(
     return sock
 
 
-def set_keepalive(sock: socket.socket, idle: int = 10, interval: int = 5, count: int = 3) -> None:
-    """Enable TCP keep-alive so a vanished peer host is noticed in about idle+interval*count s."""
+def set_keepalive(
+    sock: socket.socket,
+    idle: int = 10,
+    interval: int = 5,
+    count: int = 3,
+    user_timeout: float | None = None,
+) -> None:
+    """Enable TCP keep-alive so a vanished peer host is noticed in about idle+interval*count s.
+
+    Keep-alive only probes a connection with nothing in flight. With `user_timeout`
+    (seconds), data left unacknowledged that long also drops the connection
+    (TCP_USER_TIMEOUT), as does a keep-alive unanswered that long after the last data
+    received, so a dead link or host is found within `user_timeout` whatever the connection
+    was doing; without it the kernel retransmits for about 15 minutes. A peer that is alive
+    but does not read (stopped: its receive window stays closed) counts as dead too once
+    `user_timeout` passes.
+    """
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
         ("TCP_KEEPIDLE", idle),
@@ -118,6 +133,10 @@ def set_keepalive(sock: socket.socket, idle: int = 10, interval: int = 5, count:
     ):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    if user_timeout is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(
+            socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(user_timeout * 1000))
+        )
 
 
 def connect(host: str, port: int, deadline: Deadline, what: str = "peer") -> socket.socket:

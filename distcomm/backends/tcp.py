@@ -17,7 +17,7 @@ from .base import Backend, OpQueue
 from .transport.base import NO_REDOP, OP_CODES, P2P, Failure, Signature, as_bytes
 from .transport.exchange import Exchange, ScratchPool, SubExchange, diagnose
 from .transport.mailbox import Mailbox
-from .transport.tcp import TcpTransport
+from .transport.tcp import TcpTransport, link_timeout
 
 __all__ = ["TcpBackend"]
 
@@ -44,7 +44,9 @@ class TcpBackend(Backend):
         super().__init__(store, rank, size, timeout, group_name)
         self.tuning = algo.Tuning.from_env(self.tuning_preset)
         label = f"{self.label()} {self.name} backend (group '{self.group_name}')"
-        self._transport = TcpTransport(store, rank, size, Deadline(timeout), label)
+        self._transport = TcpTransport(
+            store, rank, size, Deadline(timeout), label, link_timeout=link_timeout(timeout)
+        )
         self._collectives = OpQueue(f"distcomm-{self.name}-ops")
         self._sends = OpQueue(f"distcomm-{self.name}-send")
         self._seq = 0

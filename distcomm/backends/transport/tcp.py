@@ -10,6 +10,16 @@ payloads straight into posted buffers (`recv_into` on memoryviews); senders use
 A connection that breaks aborts the group: every pending and later operation raises
 `DistNetworkError` naming the peer, and the other peers are told why (ABORT), so
 every rank fails within moments instead of waiting out its timeout.
+
+Links between hosts can also fail silently: a pulled cable or a dead host sends nothing,
+and the kernel retransmits for many minutes. Every connection therefore has a link
+timeout (`link_timeout`: the group timeout, within 10 to 30 s): data unacknowledged that
+long, or keep-alive probes unanswered that long after the last data, drop the connection
+(TCP_USER_TIMEOUT, keep-alive) and abort the group, naming the peer and its address. A
+watcher thread reads each connection's TCP state once a second and logs a warning when a
+link stalls (nothing acknowledged for `STALL_AFTER` seconds while data waits, or the
+peer's receive window closed that long) and again when it recovers, so a short outage
+that the job survives is visible too.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 
 from ... import auth, net
 from ...config import load as load_config
@@ -39,9 +50,28 @@ from .base import (
 )
 from .mailbox import Mailbox
 
-__all__ = ["TcpTransport", "local_address"]
+__all__ = [
+    "LINK_TIMEOUT_MAX",
+    "LINK_TIMEOUT_MIN",
+    "STALL_AFTER",
+    "TcpTransport",
+    "link_timeout",
+    "local_address",
+]
 
 log = logging.getLogger(__name__)
+
+#: the bounds of a group's link timeout (its group timeout, clamped): a connection that
+#: acknowledges nothing this long is dead; at least 10 s, so a short hiccup between two
+#: operations of a group with a small timeout does not drop it
+LINK_TIMEOUT_MIN, LINK_TIMEOUT_MAX = 10.0, 30.0
+#: a link is reported as stalled after this many seconds without progress
+STALL_AFTER = 3.0
+_WATCH_SLICE = 1.0
+#: struct tcp_info (linux/tcp.h): the fields the watcher reads, by byte offset
+_TCPI_PROBES, _TCPI_RETRANSMITS = 3, 2
+_TCPI_UNACKED, _TCPI_LAST_DATA_RECV, _TCPI_LAST_ACK_RECV, _TCPI_SND_WND = 24, 52, 56, 228
+_TCPI_BYTES = 232
 
 _HELLO = struct.Struct("<4siiq")  # magic, rank, size, generation
 _HELLO_MAGIC = b"DCTP"
@@ -73,12 +103,42 @@ def local_address(store: Store) -> str:
         return "127.0.0.1"
 
 
-class _Peer:
-    __slots__ = ("dirty", "gone", "lock", "rank", "sock", "thread")
+def link_timeout(group_timeout: float | None) -> float:
+    """How long a group's connection may stay silent (see the module doc): the group
+    timeout, at least LINK_TIMEOUT_MIN and at most LINK_TIMEOUT_MAX seconds."""
+    if group_timeout is None:
+        return LINK_TIMEOUT_MAX
+    return min(LINK_TIMEOUT_MAX, max(LINK_TIMEOUT_MIN, group_timeout))
 
-    def __init__(self, rank: int, sock: socket.socket) -> None:
+
+class _Stall:
+    """A link that makes no progress: why, since when, and whether it was logged."""
+
+    __slots__ = ("kind", "logged", "since")
+
+    def __init__(self, kind: str, since: float) -> None:
+        self.kind, self.since, self.logged = kind, since, False
+
+
+class _Peer:
+    __slots__ = ("address", "dirty", "gone", "idle", "lock", "rank", "sock", "stall", "thread")
+
+    def __init__(self, rank: int, sock: socket.socket, link_timeout: float) -> None:
         self.rank = rank
         self.sock = sock
+        try:
+            host, port = sock.getpeername()[:2]
+            self.address = net.format_address(host, port)
+        except OSError:
+            self.address = "?"
+        self.idle = max(1, int(link_timeout / 3))  # seconds before keep-alive probes
+        net.set_keepalive(
+            sock,
+            idle=self.idle,
+            interval=max(1, int(link_timeout / 6)),
+            user_timeout=link_timeout,
+        )
+        self.stall: _Stall | None = None  # set by the link watcher
         # sends block in the kernel (faster than polling from Python), but never for
         # longer than this at a time, so the sender notices deadlines and aborts
         sock.setsockopt(
@@ -98,15 +158,28 @@ class TcpTransport(Transport):
         rank, size: this rank and the group size.
         deadline: how long connecting may take.
         label: prefix of messages, e.g. "[rank 1/4] tcp backend (group 'default')".
+        link_timeout: seconds a connection may acknowledge nothing before it is dropped
+            and the group aborted (see `link_timeout()`).
     """
 
-    def __init__(self, store: Store, rank: int, size: int, deadline: Deadline, label: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        size: int,
+        deadline: Deadline,
+        label: str,
+        link_timeout: float = LINK_TIMEOUT_MAX,
+    ) -> None:
         super().__init__(rank, size)
         self.mailbox = Mailbox(rank, size)
         self._label = label
         self._key = load_config().auth_key
         self._closing = False
+        self._link_timeout = link_timeout
         self._peers: dict[int, _Peer] = {}
+        self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
         if size > 1:
             # successive groups on the same store keys (re-initialisation) never mix:
             # every rank joins once per group, so the join count numbers the groups
@@ -120,6 +193,11 @@ class TcpTransport(Transport):
                 name=f"distcomm-recv-{rank}-{peer.rank}",
             )
             peer.thread.start()
+        if self._peers:
+            self._watcher = threading.Thread(
+                target=self._watch_links, daemon=True, name=f"distcomm-links-{rank}"
+            )
+            self._watcher.start()
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -146,7 +224,7 @@ class TcpTransport(Transport):
         try:
             for peer in range(self.rank):
                 sock = self._connect_to(store, peer, generation, deadline)
-                self._peers[peer] = _Peer(peer, sock)
+                self._peers[peer] = _Peer(peer, sock, self._link_timeout)
             acceptor.join(deadline.remaining())
             if acceptor.is_alive() or accept_error:
                 missing = sorted(set(range(self.rank + 1, self.size)) - set(accepted))
@@ -157,7 +235,7 @@ class TcpTransport(Transport):
                     "init_process_group/new_group, and can they reach this host?)"
                 )
             for peer, sock in accepted.items():
-                self._peers[peer] = _Peer(peer, sock)
+                self._peers[peer] = _Peer(peer, sock, self._link_timeout)
         except BaseException:
             listener.close()
             acceptor.join(1.0)
@@ -387,13 +465,117 @@ class TcpTransport(Transport):
             self.abort(self._connection_failure(conn.rank, exc))
 
     def _connection_failure(self, peer: int, exc: BaseException) -> Failure:
-        if isinstance(exc, EOFError) or getattr(exc, "errno", None) in (
+        conn = self._peers.get(peer)
+        stall = conn.stall if conn is not None else None
+        code = getattr(exc, "errno", None)
+        if code == errno.ETIMEDOUT or (stall is not None and stall.logged):
+            # the kernel gave up on the link (TCP_USER_TIMEOUT or keep-alive); whichever
+            # of the reader and a sender hears first, the other finds the stream closed
+            where = f" ({conn.address})" if conn is not None else ""
+            limit = f"{self._link_timeout:.0f} s"
+            if stall is not None and stall.kind == "window":
+                why = f"rank {peer} read nothing from it for {limit} (is its process stopped?)"
+            elif stall is not None and stall.kind == "probe":
+                why = (
+                    f"it was idle and keep-alive probes went unanswered for {limit} (link "
+                    f"down, or the host of rank {peer} down or unreachable?)"
+                )
+            else:
+                why = (
+                    f"nothing sent on it was acknowledged for {limit} (link down, or the "
+                    f"host of rank {peer} down or unreachable?)"
+                )
+            return Failure(
+                DistNetworkError,
+                f"the link to rank {peer}{where} failed: {why}; it was dropped after the link "
+                f"timeout of {limit}",
+            )
+        if isinstance(exc, EOFError) or code in (
             errno.ECONNRESET,
             errno.EPIPE,
             errno.ECONNABORTED,
         ):
             return Failure(DistNetworkError, f"rank {peer} closed the connection (exit or crash?)")
         return Failure(DistNetworkError, f"the connection to rank {peer} failed: {exc}")
+
+    # -- link watching ---------------------------------------------------------------------
+
+    def _watch_links(self) -> None:
+        """Once a second, log links that stall and links that recover (see the module doc)."""
+        while not self._stop_watch.wait(_WATCH_SLICE):
+            for conn in list(self._peers.values()):
+                if conn.gone or self._closing:
+                    continue
+                try:
+                    self._check_link(conn)
+                except OSError:
+                    continue  # closed meanwhile: the reader reports it
+                except Exception:  # the watcher must outlive any surprise; it only logs
+                    log.debug("%s: link watcher", self._label, exc_info=True)
+
+    def _check_link(self, conn: _Peer) -> None:
+        info = conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_BYTES)
+        if len(info) < _TCPI_LAST_ACK_RECV + 4:
+            return
+        unacked = struct.unpack_from("I", info, _TCPI_UNACKED)[0]
+        since_ack = struct.unpack_from("I", info, _TCPI_LAST_ACK_RECV)[0] / 1000.0
+        since_data = struct.unpack_from("I", info, _TCPI_LAST_DATA_RECV)[0] / 1000.0
+        window = (
+            struct.unpack_from("I", info, _TCPI_SND_WND)[0]
+            if len(info) >= _TCPI_SND_WND + 4
+            else None
+        )
+        now = time.monotonic()
+        kind, quiet = "", 0.0
+        if unacked and since_ack >= STALL_AFTER:
+            kind, quiet = "ack", since_ack  # sent, never acknowledged: retransmitting
+        elif info[_TCPI_PROBES] and not unacked and window != 0:
+            # keep-alive probes unanswered: they started `idle` seconds after the last data
+            kind, quiet = "probe", max(0.0, since_data - conn.idle)
+        elif window == 0:
+            kind = "window"  # the peer's receive buffer is full: it does not read
+        stall = conn.stall
+        if not kind:
+            if stall is not None and stall.logged:
+                log.warning(
+                    "%s: the link to rank %d (%s) recovered after a stall of %.1f s",
+                    self._label,
+                    conn.rank,
+                    conn.address,
+                    now - stall.since,
+                )
+            conn.stall = None
+            return
+        if stall is None or stall.kind != kind:
+            stall = conn.stall = _Stall(kind, now - quiet)
+        if stall.logged or now - stall.since < STALL_AFTER:
+            return
+        stall.logged = True
+        if kind == "ack":
+            what = (
+                f"{unacked} segment(s) unacknowledged for {now - stall.since:.1f} s, "
+                f"{info[_TCPI_RETRANSMITS]} retransmission(s) so far (link down, or the "
+                "host unreachable?)"
+            )
+        elif kind == "probe":
+            what = (
+                f"keep-alive probes unanswered for {now - stall.since:.1f} s (the connection "
+                "was idle; link down, or the host unreachable?)"
+            )
+        else:
+            what = (
+                f"its receive window has been closed for {now - stall.since:.1f} s: rank "
+                f"{conn.rank} does not read (stopped or hung?)"
+            )
+        log.warning(
+            "%s: the link to rank %d (%s) has stalled: %s; it is dropped and the group "
+            "aborted if this lasts %.0f s",
+            self._label,
+            conn.rank,
+            conn.address,
+            what,
+            self._link_timeout,
+        )
 
     def probe(self, timeout: float) -> dict[int, tuple[int, int] | None]:
         peers = [c.rank for c in self._peers.values() if not c.gone and not c.dirty]
@@ -418,6 +600,9 @@ class TcpTransport(Transport):
         if self._closing:
             return
         self._closing = True
+        self._stop_watch.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5.0)
         for conn in self._peers.values():
             if not conn.gone:
                 self._send_control(conn, BYE)
