@@ -1,8 +1,9 @@
 """nccl-tests-style benchmark of distcomm's collectives, optionally beside torch.distributed's gloo.
 
-The script spawns `--nprocs` ranks on this host, times each collective over a range of
-sizes and prints one table per op: size, count, time, algorithm and bus bandwidth, and
-the number of wrong elements in the checked result. With `--compare torch` the same
+The script spawns `--nprocs` ranks on this host, or, started by an external launcher,
+runs as that launcher's ranks (below); it times each collective over a range of sizes and
+prints one table per op: size, count, time, algorithm and bus bandwidth, and the number
+of wrong elements in the checked result. With `--compare torch` the same
 ranks also run torch.distributed's gloo backend on the same numpy buffers (through
 `torch.from_numpy`), right after ours at each size, and the table gains torch's time,
 bus bandwidth and the ratio torch_time / our_time (> 1: distcomm is faster).
@@ -19,10 +20,24 @@ Examples::
     python benchmarks/collectives.py --op all --csv results.csv
     python benchmarks/collectives.py --backend nccl --compare cupy --nprocs 1 -e 1G
 
-All traffic stays on 127.0.0.1: the parent hosts the stores on port 0 (the system picks
-a free port) and passes the real ports to the ranks. The ranks die with the parent
-(PR_SET_PDEATHSIG), every wait has a timeout, and on any failure every rank is killed
-and its error printed.
+Spawned ranks talk over 127.0.0.1 only: the parent hosts the stores on port 0 (the
+system picks a free port) and passes the real ports to the ranks. The ranks die with the
+parent (PR_SET_PDEATHSIG), every wait has a timeout, and on any failure every rank is
+killed and its error printed.
+
+Under an external launcher every process is one rank, across as many hosts as the
+launcher spans, and rank 0 prints (the header then says which ranks ran on which host).
+The launcher is recognised from the environment: distcomm-run (or torchrun-style
+variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as for env://) or an MPI launcher
+(mpiexec, srun: PMI_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK)::
+
+    distcomm-run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST \
+        benchmarks/collectives.py --op all_reduce,all_gather --backend gloo
+    mpiexec -n 8 -hosts a,b python benchmarks/collectives.py --backend mpi --compare mpi4py
+
+There `--nprocs` is the launcher's business (given, it must match the world size),
+`--compare torch` is not offered (torch's gloo would need a store of its own) and
+`--backend nccl` is refused: it starts its own ranks, one per GPU.
 """
 
 from __future__ import annotations
@@ -198,7 +213,13 @@ exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 f
         help=f"{', '.join(OPS)}, a comma-separated list of them, or 'all' (default all_reduce)",
     )
     parser.add_argument("--backend", default="gloo", help="distcomm backend (default gloo)")
-    parser.add_argument("--nprocs", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument(
+        "--nprocs",
+        type=int,
+        default=None,
+        help="number of ranks to spawn (default 2); under an external launcher, the "
+        "launcher's world size",
+    )
     parser.add_argument(
         "--dtype", choices=DTYPES, default="float32", help="element type (default float32)"
     )
@@ -222,7 +243,24 @@ exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 f
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.nprocs < 1:
+    launcher = launched_by(parser)
+    if launcher is not None:
+        world = int(os.environ["WORLD_SIZE"]) if launcher != "mpiexec" else None
+        if args.nprocs is not None and world is not None and args.nprocs != world:
+            parser.error(
+                f"--nprocs {args.nprocs}, but {launcher} started this process as one rank of "
+                f"{world}: drop --nprocs (the launcher decides how many ranks run)"
+            )
+        if args.compare == "torch":
+            parser.error(
+                f"--compare torch spawns its ranks itself; under {launcher} it would need a "
+                "store of its own: run the comparison without a launcher"
+            )
+        if args.compare == "mpi4py" and launcher != "mpiexec":
+            parser.error(f"--compare mpi4py runs under mpiexec, not {launcher}")
+    elif args.nprocs is None:
+        args.nprocs = 2
+    if args.nprocs is not None and args.nprocs < 1:
         parser.error(f"--nprocs must be >= 1, got {args.nprocs}")
     if args.minbytes < 1 or args.maxbytes < args.minbytes:
         parser.error(f"need 1 <= --minbytes <= --maxbytes, got {args.minbytes} and {args.maxbytes}")
@@ -240,8 +278,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--backend: {exc}")
     if reason:
         parser.error(f"--backend {args.backend!r} is not available here: {reason}")
-    if args.backend == "nccl" and _mpi_rank() is not None:
-        parser.error("--backend nccl starts its own ranks, one per GPU: run it without mpiexec")
+    if args.backend == "nccl" and launcher is not None:
+        parser.error(f"--backend nccl starts its own ranks, one per GPU: run it without {launcher}")
     if args.backend == "nccl":
         from distcomm.gpu import device_count
 
@@ -982,12 +1020,57 @@ def _mpi_rank() -> int | None:
     return None
 
 
-def mpi_main(args: argparse.Namespace) -> int:
-    """Every process of an mpiexec job is one rank; rank 0 prints."""
+#: what a launcher that starts every rank itself (distcomm-run, torchrun, a script) sets
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by(parser: argparse.ArgumentParser) -> str | None:
+    """Which external launcher started this process as one of its ranks, if any:
+    "distcomm-run", "env://" (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) or
+    "mpiexec". A partial set of the env:// variables is a usage error."""
+    present = [name for name in LAUNCH_VARS if name in os.environ]
+    if "RANK" not in os.environ and _mpi_rank() is not None:
+        return "mpiexec"
+    if not present:
+        return None
+    if len(present) < len(LAUNCH_VARS):
+        missing = ", ".join(name for name in LAUNCH_VARS if name not in os.environ)
+        parser.error(
+            f"the environment sets {', '.join(present)} but not {missing}: set all four (as "
+            "a launcher does, and each process is one rank) or none (the benchmark then "
+            "spawns --nprocs ranks on this host)"
+        )
+    if not os.environ["WORLD_SIZE"].isdigit() or not os.environ["RANK"].isdigit():
+        parser.error(
+            f"RANK={os.environ['RANK']!r} and WORLD_SIZE={os.environ['WORLD_SIZE']!r} must "
+            "be integers"
+        )
+    return "distcomm-run" if os.environ.get("DISTCOMM_RUN_ID") else "env://"
+
+
+def _hosts(dist: Any) -> str:
+    """Which ranks run on which host: "host-a: 0-3; host-b: 4-7" (a collective)."""
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, platform.node())
+    by_host: dict[str, list[int]] = {}
+    for rank, name in enumerate(names):
+        by_host.setdefault(name, []).append(rank)
+
+    def ranks(members: list[int]) -> str:
+        if members == list(range(members[0], members[-1] + 1)) and len(members) > 2:
+            return f"{members[0]}-{members[-1]}"
+        return ",".join(map(str, members))
+
+    return "; ".join(f"{name}: {ranks(members)}" for name, members in by_host.items())
+
+
+def launched_main(args: argparse.Namespace, launcher: str) -> int:
+    """Every process started by an external launcher is one rank; rank 0 prints."""
     import distcomm as dist
 
     dist.init_process_group(args.backend, timeout=args.timeout)
     rank, n = dist.get_rank(), dist.get_world_size()
+    hosts = _hosts(dist)
     peer = Mpi4pyPeer() if args.compare == "mpi4py" else None
     plan = Plan(
         args.op,
@@ -1004,6 +1087,7 @@ def mpi_main(args: argparse.Namespace) -> int:
     report = Report(args, None, nprocs=n) if rank == 0 else None
     if report is not None:
         report.host()
+        print(f"# {n} ranks started by {launcher}, by host: {hosts}", flush=True)
     dtype = np.dtype(args.dtype)
     for op in plan.ops:
         for nbytes in plan.sizes if op != "barrier" else (0,):
@@ -1026,8 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    if _mpi_rank() is not None:
-        return mpi_main(args)
+    launcher = launched_by(parser)
+    if launcher is not None:
+        return launched_main(args, launcher)
     if args.backend == "mpi" or args.compare == "mpi4py":
         parser.error(
             "--backend mpi and --compare mpi4py run under an MPI launcher: "
