@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from distcomm import mpiutil
+from distcomm import mpiutil, parallel
 from distcomm.errors import DistNetworkError
 from distcomm.rendezvous import rendezvous
 from distcomm.store import TCPStore
@@ -295,6 +295,10 @@ def test_ranks_pinned_to_a_core_each_use_one_thread(tmp_path: Path) -> None:
 
 
 @needs_mpiexec
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < len(parallel._allowed_cpus() or ()),
+    reason="this test process is pinned to some CPUs (taskset?): its ranks would be too",
+)
 def test_unpinned_ranks_split_the_cores(tmp_path: Path) -> None:
     status, output, _ = _mpiexec(
         2, _script(tmp_path, "threads.py", THREADS_SCRIPT), env=_thread_env(), bind="none"
@@ -324,8 +328,6 @@ def test_explicit_thread_count_wins_over_pinning(tmp_path: Path) -> None:
 )
 def test_slurm_step_layout_gives_the_local_ranks(monkeypatch, layout, node, expected) -> None:
     # srun's variables as a step's task sees them (no Slurm here to start a real step)
-    from distcomm import parallel
-
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", layout)
     monkeypatch.setenv("SLURM_NODEID", node)
     assert parallel._slurm_step_tasks_here() == expected
