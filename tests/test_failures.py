@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import threading
 import time
 
@@ -265,6 +267,7 @@ def test_backend_connections_authenticate(tmp_path):
 
 # -- ranks leaving at different times ----------------------------------------------------------
 
+
 def _late_rank_after_root_left() -> tuple[str, float]:
     """Rank 0 broadcasts and leaves the group before the late last rank calls broadcast."""
     r, n = dist.get_rank(), dist.get_world_size()
@@ -282,6 +285,60 @@ def _late_rank_after_root_left() -> tuple[str, float]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_late_rank_completes_a_collective_its_neighbour_left(backend):
-    results = run_ranks(_late_rank_after_root_left, 3, backend=backend, timeout=60,
-                        init_timeout=60)
+    results = run_ranks(_late_rank_after_root_left, 3, backend=backend, timeout=60, init_timeout=60)
     assert results == [("ok", 3000.0)] * 3, results
+
+
+# -- links: every connection's failure detection, a stalled link logged --------------------------
+
+
+def _link_options() -> list[tuple[int, int]]:
+    transport = dist.group.WORLD._backends["cpu"]._transport
+    return [
+        (
+            peer.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            peer.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+        )
+        for peer in transport._peers.values()
+    ]
+
+
+@pytest.mark.parametrize("group_timeout,link_ms", [(4, 10_000), (20, 20_000), (1800, 30_000)])
+def test_every_connection_has_keepalive_and_the_link_timeout(group_timeout, link_ms):
+    # the group timeout clamped to 10..30 s, on connections made and accepted alike
+    for options in run_ranks(
+        _link_options, 3, backend="tcp", timeout=40, init_timeout=group_timeout
+    ):
+        assert options == [(1, link_ms)] * 2, options
+
+
+def _stopped_reader() -> list[str]:
+    """Rank 1 stops (SIGSTOP) for 8 s while rank 0 sends it more than its buffers hold."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logging.getLogger("distcomm.backends.transport.tcp").addHandler(Keep())
+    big = np.ones(32 << 20, dtype=np.float32)  # 128 MiB: far more than the socket buffers
+    if dist.get_rank() == 1:
+        subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        dist.recv(big, src=0)
+    else:
+        time.sleep(0.5)
+        dist.send(big, dst=1)
+        end = time.monotonic() + 5  # the link watcher looks once a second
+        while not any("recovered" in m for m in seen) and time.monotonic() < end:
+            time.sleep(0.1)
+    return seen
+
+
+def test_a_peer_that_stops_reading_is_logged_and_its_recovery_too():
+    seen = run_ranks(_stopped_reader, 2, backend="tcp", timeout=60, init_timeout=60)[0]
+    stalled = [m for m in seen if "the link to rank 1" in m and "has stalled" in m]
+    assert stalled and "rank 1 does not read (stopped or hung?)" in stalled[0], seen
+    assert any("the link to rank 1" in m and "recovered after a stall of" in m for m in seen), seen
