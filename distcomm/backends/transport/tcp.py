@@ -468,9 +468,13 @@ class TcpTransport(Transport):
         conn = self._peers.get(peer)
         stall = conn.stall if conn is not None else None
         code = getattr(exc, "errno", None)
-        if code == errno.ETIMEDOUT or (stall is not None and stall.logged):
-            # the kernel gave up on the link (TCP_USER_TIMEOUT or keep-alive); whichever
-            # of the reader and a sender hears first, the other finds the stream closed
+        # the kernel gave up on the link (TCP_USER_TIMEOUT or keep-alive): ETIMEDOUT goes to
+        # whichever of the reader and a sender asks first; the other finds the stream
+        # closed, which a stall that has lasted about the link timeout explains too
+        expired = stall is not None and (
+            time.monotonic() - stall.since >= self._link_timeout - 2 * _WATCH_SLICE
+        )
+        if code == errno.ETIMEDOUT or expired:
             where = f" ({conn.address})" if conn is not None else ""
             limit = f"{self._link_timeout:.0f} s"
             if stall is not None and stall.kind == "window":
