@@ -188,7 +188,7 @@ def test_a_process_without_launcher_leaves_no_shared_memory(tmp_path):
     maps a 16 MiB /dev/shm/sm_segment.* file that it never removes; distcomm removes it at
     exit. The files the process mapped must be gone once it has ended."""
     script = _script(tmp_path, SINGLETON_SCRIPT)
-    env = job_env()
+    env = job_env(TMPDIR=str(tmp_path))  # Open MPI's session folder, which it leaves too
     if LAUNCHER.kind == "openmpi4":  # its singleton starts orted from the install prefix
         env.setdefault("OPAL_PREFIX", str(Path(os.path.realpath(LAUNCHER.path)).parent.parent))
     done = run([sys.executable, script], env=env, timeout=120)
