@@ -104,10 +104,6 @@ class Launcher:
         """The MPI's name for messages: MPICH, Open MPI 4 or Open MPI 5."""
         return {"mpich": "MPICH", "openmpi4": "Open MPI 4", "openmpi5": "Open MPI 5"}[self.kind]
 
-    @property
-    def is_open_mpi(self) -> bool:
-        return self.kind.startswith("openmpi")
-
     def command(self, n: int, *argv: str, bind: str | None = None) -> list[str]:
         """The command line that runs `argv` on `n` ranks.
 
@@ -183,6 +179,7 @@ def _choose() -> Launcher:
         path = shutil.which(chosen)
         if path is None:
             raise RuntimeError("not an executable file or a command on PATH")
+        path = os.path.abspath(path)  # jobs run in other folders
     else:
         path = _default_mpiexec()
         if path is None:
