@@ -241,6 +241,39 @@ def records(directory: Path, name: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob(f"{name}-*.json"))]
 
 
+# -- the harness itself ------------------------------------------------------------------------
+
+NAME_PROBE = """
+import socket, sys
+try:
+    socket.getaddrinfo(socket.gethostname(), None)
+    resolved = "resolves"
+except socket.gaierror:
+    resolved = "unresolved"
+print(socket.gethostname(), resolved)
+"""
+
+
+def test_hosts_have_their_own_names_and_only_the_switch_routes():
+    with netns.Cluster(2) as cluster:
+        for host in cluster.hosts:
+            name, resolved = host.run([sys.executable, "-c", NAME_PROBE]).stdout.split()
+            assert (name, resolved) == (host.hostname, "unresolved")
+            # one route: the switch's subnet; nothing leads anywhere else
+            routes = host.run(["ip", "-4", "route", "show", "table", "all"]).stdout
+            assert [
+                r.split()[0]
+                for r in routes.splitlines()
+                if not r.startswith(("local ", "broadcast "))
+            ] == [str(cluster.subnet)], routes
+        assert len(cluster.pids()) == 0
+        namespaces = [cluster.switch, *(h.netns for h in cluster.hosts)]
+    listed = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=30
+    ).stdout
+    assert not any(name in listed for name in namespaces), listed
+
+
 # -- the quickstart on every rendezvous backend; gloo's transports -----------------------------
 
 SETUP_LINE = re.compile(
