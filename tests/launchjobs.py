@@ -20,19 +20,36 @@ REPO = Path(__file__).resolve().parent.parent
 
 def launcher_env(**extra: str) -> dict[str, str]:
     """The environment an agent runs with in the tests: loopback only, no inherited job."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DISTCOMM_", "TORCHELASTIC_", "PET_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                         "MASTER_PORT", "OMP_NUM_THREADS")}
-    env.update({k: v for k, v in LOOPBACK_ENV.items()
-                if k not in ("MASTER_ADDR", "OMP_NUM_THREADS")})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DISTCOMM_", "TORCHELASTIC_", "PET_"))
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "OMP_NUM_THREADS",
+        )
+    }
+    env.update(
+        {k: v for k, v in LOOPBACK_ENV.items() if k not in ("MASTER_ADDR", "OMP_NUM_THREADS")}
+    )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(extra)
     return env
 
 
-def agent(args: list[str], cwd: Path, env: dict[str, str] | None = None,
-          log: Path | None = None, **popen: object) -> subprocess.Popen:
+def agent(
+    args: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    **popen: object,
+) -> subprocess.Popen:
     """Start `python -m distcomm.run ARGS` (an agent) without waiting for it.
 
     Its temporary files go under `cwd` (TMPDIR), so an agent a test kills with SIGKILL
@@ -43,18 +60,26 @@ def agent(args: list[str], cwd: Path, env: dict[str, str] | None = None,
     env.setdefault("TMPDIR", str(cwd))
     command = [sys.executable, "-m", "distcomm.run", *args]
     if log is None:
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True,
-                                **popen)  # type: ignore[call-overload]
+        return subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **popen,
+        )  # type: ignore[call-overload]
     with open(log, "ab") as sink:
-        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=sink,
-                                stderr=subprocess.STDOUT, **popen)  # type: ignore[call-overload]
+        proc = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT, **popen
+        )  # type: ignore[call-overload]
     proc.log_path = log  # type: ignore[attr-defined]
     return proc
 
 
-def run_launcher(args: list[str], cwd: Path, env: dict[str, str] | None = None,
-                 timeout: float = 120.0) -> subprocess.CompletedProcess:
+def run_launcher(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120.0
+) -> subprocess.CompletedProcess:
     """Run one agent to the end; its exit status and output (the agent is killed on timeout)."""
     proc = agent(args, cwd, env)
     code, out, err = finish(proc, timeout)
@@ -71,8 +96,9 @@ def finish(proc: subprocess.Popen, timeout: float = 120.0) -> tuple[int, str, st
         out, err = proc.communicate()
         if log is not None:
             out, err = "", log.read_text(errors="replace")
-        raise AssertionError(f"agent {proc.args} did not finish in {timeout} s:\nstdout:\n"
-                             f"{out}\nstderr:\n{err}") from None
+        raise AssertionError(
+            f"agent {proc.args} did not finish in {timeout} s:\nstdout:\n{out}\nstderr:\n{err}"
+        ) from None
     if log is not None:
         out, err = "", log.read_text(errors="replace")
     return proc.returncode, out, err

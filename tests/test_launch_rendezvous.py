@@ -57,8 +57,13 @@ except ImportError:  # the etcd fixture's module is not there: the etcd cases sk
 HOST = "127.0.0.1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: short settings so rounds and failure detection take a fraction of a second
-FAST = {"last_call_timeout": "0.5", "keep_alive_interval": "0.2",
-        "keep_alive_max_attempt": "5", "join_timeout": "30", "read_timeout": "10"}
+FAST = {
+    "last_call_timeout": "0.5",
+    "keep_alive_interval": "0.2",
+    "keep_alive_max_attempt": "5",
+    "join_timeout": "30",
+    "read_timeout": "10",
+}
 #: seconds without a heartbeat after which the others drop a node, with these settings
 DEAD_AFTER = float(FAST["keep_alive_interval"]) * int(FAST["keep_alive_max_attempt"])
 #: how long a thread or process of a test may take before the test gives up on it
@@ -97,8 +102,15 @@ class Run:
             else:
                 endpoint = f"{HOST}:0"
                 config.setdefault("is_host", "true")
-        return RendezvousParameters(self.backend, endpoint, self.run_id, min_nodes, max_nodes,
-                                    local_addr=HOST, config=config)
+        return RendezvousParameters(
+            self.backend,
+            endpoint,
+            self.run_id,
+            min_nodes,
+            max_nodes,
+            local_addr=HOST,
+            config=config,
+        )
 
     def handler(self, min_nodes: int, max_nodes: int, **conf: str) -> DynamicRendezvousHandler:
         handler = get_rendezvous_handler(self.params(min_nodes, max_nodes, **conf))
@@ -340,8 +352,12 @@ def _spawn_node(run: Run, **conf: str) -> tuple[subprocess.Popen[str], str]:
     conf = [f"{key}={value}" for key, value in params.config.items()]
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD, run.backend, params.endpoint, run.run_id, HOST, *conf],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": ROOT})
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
 
@@ -500,15 +516,22 @@ def test_c10d_explicit_host_on_a_taken_port() -> None:
     with socket.socket() as taken:
         taken.bind((HOST, 0))
         taken.listen()
-        params = RendezvousParameters("c10d", f"{HOST}:{taken.getsockname()[1]}", "taken", 1,
-                                      1, config={"is_host": "true"})
+        params = RendezvousParameters(
+            "c10d", f"{HOST}:{taken.getsockname()[1]}", "taken", 1, 1, config={"is_host": "true"}
+        )
         with pytest.raises(RendezvousConnectionError, match="cannot host the store"):
             get_rendezvous_handler(params)
 
 
 def test_c10d_unreachable_store() -> None:
-    params = RendezvousParameters("c10d", f"{HOST}:{_free_port()}", "nobody", 1, 1,
-                                  config={"is_host": "false", "read_timeout": "0.3"})
+    params = RendezvousParameters(
+        "c10d",
+        f"{HOST}:{_free_port()}",
+        "nobody",
+        1,
+        1,
+        config={"is_host": "false", "read_timeout": "0.3"},
+    )
     with pytest.raises(RendezvousConnectionError, match="cannot reach the store"):
         get_rendezvous_handler(params)
 
@@ -537,9 +560,17 @@ def test_static_two_nodes() -> None:
     port = _free_port()
 
     def params(rank: int, **conf: str) -> RendezvousParameters:
-        return RendezvousParameters("static", "", "pair", 2, 2, node_rank=rank,
-                                    master_addr=HOST, master_port=port,
-                                    config={"join_timeout": "20", **conf})
+        return RendezvousParameters(
+            "static",
+            "",
+            "pair",
+            2,
+            2,
+            node_rank=rank,
+            master_addr=HOST,
+            master_port=port,
+            config={"join_timeout": "20", **conf},
+        )
 
     node1 = get_rendezvous_handler(params(1))  # may start before node 0
     node0 = get_rendezvous_handler(params(0))
@@ -547,7 +578,9 @@ def test_static_two_nodes() -> None:
         for expected_round in (0, 1):
             infos = _together(node1.next_rendezvous, node0.next_rendezvous)
             assert [(i.rank, i.world_size, i.round) for i in infos] == [
-                (1, 2, expected_round), (0, 2, expected_round)]
+                (1, 2, expected_round),
+                (0, 2, expected_round),
+            ]
             assert {i.bootstrap_address for i in infos} == {(HOST, port)}
         infos[0].run_store.set("k", b"v")
         assert infos[1].run_store.get("k") == b"v"
@@ -562,8 +595,17 @@ def test_static_two_nodes() -> None:
 
 @pytest.mark.timeout(60)
 def test_static_join_timeout() -> None:
-    params = RendezvousParameters("static", "", "alone", 2, 2, node_rank=0, master_addr=HOST,
-                                  master_port=_free_port(), config={"join_timeout": "0.5"})
+    params = RendezvousParameters(
+        "static",
+        "",
+        "alone",
+        2,
+        2,
+        node_rank=0,
+        master_addr=HOST,
+        master_port=_free_port(),
+        config={"join_timeout": "0.5"},
+    )
     handler = get_rendezvous_handler(params)
     try:
         with pytest.raises(RendezvousTimeoutError, match="only 1 of 2 nodes"):
@@ -575,29 +617,36 @@ def test_static_join_timeout() -> None:
 # -- parameters -------------------------------------------------------------------------------
 
 
-def _params(backend: str = "c10d", endpoint: str = "localhost:0", min_nodes: int = 1,
-            max_nodes: int = 1, **kwargs: object) -> RendezvousParameters:
-    return RendezvousParameters(backend, endpoint, "bad", min_nodes, max_nodes,
-                                **kwargs)  # type: ignore[arg-type]
+def _params(
+    backend: str = "c10d",
+    endpoint: str = "localhost:0",
+    min_nodes: int = 1,
+    max_nodes: int = 1,
+    **kwargs: object,
+) -> RendezvousParameters:
+    return RendezvousParameters(backend, endpoint, "bad", min_nodes, max_nodes, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("params", "flag"), [
-    (_params(min_nodes=3, max_nodes=2), "--nnodes"),
-    (_params(min_nodes=0, max_nodes=2), "--nnodes"),
-    (_params(config={"join_timeot": "5"}), "--rdzv_conf"),
-    (_params(config={"join_timeout": "-1"}), "join_timeout"),
-    (_params(config={"keep_alive_max_attempt": "0"}), "keep_alive_max_attempt"),
-    (_params(config={"is_host": "maybe"}), "is_host"),
-    (_params(endpoint="127.0.0.1:99999"), "--rdzv_endpoint"),
-    (_params(endpoint="127.0.0.1:0", config={"is_host": "false"}), "--rdzv_endpoint"),
-    (_params("file", ""), "--rdzv_endpoint"),
-    (_params("etcd", ""), "--rdzv_endpoint"),
-    (_params("static", "", 1, 4), "--rdzv_backend=c10d, etcd or file"),
-    (_params("static", "", 2, 2, master_port=29999), "--node_rank"),
-    (_params("static", "", 2, 2, node_rank=2, master_port=29999), "--node_rank"),
-    (_params("static", "", 2, 2, node_rank=1), "--master_port"),
-    (_params("static", "", 1, 1, config={"last_cal": "1"}), "--rdzv_conf"),
-])
+@pytest.mark.parametrize(
+    ("params", "flag"),
+    [
+        (_params(min_nodes=3, max_nodes=2), "--nnodes"),
+        (_params(min_nodes=0, max_nodes=2), "--nnodes"),
+        (_params(config={"join_timeot": "5"}), "--rdzv_conf"),
+        (_params(config={"join_timeout": "-1"}), "join_timeout"),
+        (_params(config={"keep_alive_max_attempt": "0"}), "keep_alive_max_attempt"),
+        (_params(config={"is_host": "maybe"}), "is_host"),
+        (_params(endpoint="127.0.0.1:99999"), "--rdzv_endpoint"),
+        (_params(endpoint="127.0.0.1:0", config={"is_host": "false"}), "--rdzv_endpoint"),
+        (_params("file", ""), "--rdzv_endpoint"),
+        (_params("etcd", ""), "--rdzv_endpoint"),
+        (_params("static", "", 1, 4), "--rdzv_backend=c10d, etcd or file"),
+        (_params("static", "", 2, 2, master_port=29999), "--node_rank"),
+        (_params("static", "", 2, 2, node_rank=2, master_port=29999), "--node_rank"),
+        (_params("static", "", 2, 2, node_rank=1), "--master_port"),
+        (_params("static", "", 1, 1, config={"last_cal": "1"}), "--rdzv_conf"),
+    ],
+)
 def test_bad_parameters(params: RendezvousParameters, flag: str) -> None:
     with pytest.raises(ValueError, match=re.escape(flag)):
         get_rendezvous_handler(params)

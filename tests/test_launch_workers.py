@@ -40,8 +40,9 @@ from distcomm.launch.workers import (
 from tests import processes
 
 PY = sys.executable
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="PR_SET_PDEATHSIG is Linux-only")
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only"
+)
 
 
 def _alive(pid: int, create_time: float | None = None) -> bool:
@@ -69,7 +70,9 @@ def _workers(commands: dict[int, str], log_dir, **kwargs) -> WorkerProcesses:
     return WorkerProcesses(
         {lr: [PY, "-c", textwrap.dedent(code)] for lr, code in commands.items()},
         {lr: dict(os.environ) for lr in commands},
-        log_dir=None if log_dir is None else str(log_dir), **options)
+        log_dir=None if log_dir is None else str(log_dir),
+        **options,
+    )
 
 
 def _wait_exit(workers: WorkerProcesses, timeout: float = 30.0) -> dict[int, int | None]:
@@ -95,14 +98,18 @@ def _wait_file(path, timeout: float = 30.0) -> str:
 
 # -- exit codes -------------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_exit_codes_and_signals(tmp_path):
-    workers = _workers({
-        0: "pass",
-        1: "import sys; sys.exit(3)",
-        2: "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
-        3: "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
-    }, tmp_path)
+    workers = _workers(
+        {
+            0: "pass",
+            1: "import sys; sys.exit(3)",
+            2: "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+            3: "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+        },
+        tmp_path,
+    )
     with workers:
         workers.start()
         pids = workers.pids()
@@ -137,22 +144,34 @@ def test_poll_before_start_and_start_twice(tmp_path):
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="at least one"):
-        WorkerProcesses({}, {}, log_dir=None, redirects={}, tee={}, console_ranks=None,
-                        prefixes={})
+        WorkerProcesses({}, {}, log_dir=None, redirects={}, tee={}, console_ranks=None, prefixes={})
     with pytest.raises(ValueError, match="differ"):
-        WorkerProcesses({0: ["true"]}, {1: {}}, log_dir=None, redirects={}, tee={},
-                        console_ranks=None, prefixes={})
+        WorkerProcesses(
+            {0: ["true"]},
+            {1: {}},
+            log_dir=None,
+            redirects={},
+            tee={},
+            console_ranks=None,
+            prefixes={},
+        )
     with pytest.raises(ValueError, match="empty"):
-        WorkerProcesses({0: []}, {0: {}}, log_dir=None, redirects={}, tee={},
-                        console_ranks=None, prefixes={})
+        WorkerProcesses(
+            {0: []}, {0: {}}, log_dir=None, redirects={}, tee={}, console_ranks=None, prefixes={}
+        )
 
 
 @pytest.mark.timeout(60)
 def test_command_that_cannot_start_ends_the_others(tmp_path):
     workers = WorkerProcesses(
         {0: [PY, "-c", "import time; time.sleep(60)"], 1: [str(tmp_path / "no-such-program")]},
-        {0: dict(os.environ), 1: dict(os.environ)}, log_dir=str(tmp_path), redirects={},
-        tee={}, console_ranks=None, prefixes={})
+        {0: dict(os.environ), 1: dict(os.environ)},
+        log_dir=str(tmp_path),
+        redirects={},
+        tee={},
+        console_ranks=None,
+        prefixes={},
+    )
     with pytest.raises(FileNotFoundError, match="local rank 1: cannot start"):
         workers.start()
     assert workers.poll()[0] is not None  # rank 0 was ended and reaped
@@ -184,8 +203,13 @@ time.sleep(120)
 @pytest.mark.parametrize("worker_ignores", [False, True], ids=["worker-dies", "worker-ignores"])
 def test_stop_kills_the_whole_tree(tmp_path, worker_ignores):
     pids_file = str(tmp_path / "pids")
-    workers = _workers({0: TREE.format(worker_ignores=worker_ignores, pids=pids_file),
-                        1: "import time; time.sleep(120)"}, tmp_path)
+    workers = _workers(
+        {
+            0: TREE.format(worker_ignores=worker_ignores, pids=pids_file),
+            1: "import time; time.sleep(120)",
+        },
+        tmp_path,
+    )
     with workers:
         workers.start()
         pids = [int(p) for p in _wait_file(pids_file).split()]
@@ -235,8 +259,13 @@ def test_stop_wakes_a_frozen_worker(tmp_path):
     """A stopped worker gets SIGCONT after SIGTERM, so its handler runs at once: the exit
     is the handler's, not the SIGKILL that ends the grace period."""
     handled, ready = tmp_path / "handled", tmp_path / "ready"
-    workers = _workers({0: FROZEN.format(handled=str(handled), ready=str(ready)),
-                        1: "import time; time.sleep(120)"}, tmp_path)
+    workers = _workers(
+        {
+            0: FROZEN.format(handled=str(handled), ready=str(ready)),
+            1: "import time; time.sleep(120)",
+        },
+        tmp_path,
+    )
     with workers:
         workers.start()
         pid = int(_wait_file(ready))
@@ -270,7 +299,12 @@ def test_send_signal_reaches_running_workers_only(tmp_path):
     workers = WorkerProcesses(
         {0: [PY, "-c", textwrap.dedent(worker)], 1: [PY, "-c", "pass"]},
         {0: dict(os.environ, LR="0"), 1: dict(os.environ, LR="1")},
-        log_dir=str(tmp_path / "logs"), redirects={}, tee={}, console_ranks=None, prefixes={})
+        log_dir=str(tmp_path / "logs"),
+        redirects={},
+        tee={},
+        console_ranks=None,
+        prefixes={},
+    )
     with workers:
         workers.start()
         _wait_file(ready / "0")
@@ -320,8 +354,9 @@ BOTH = "import sys; print('out-{0}'); print('err-{0}', file=sys.stderr)"
 
 @pytest.mark.timeout(60)
 def test_redirects_write_files_only(tmp_path, capfd):
-    workers = _workers({0: BOTH.format(0), 1: BOTH.format(1)}, tmp_path,
-                       redirects={0: Std.ALL, 1: Std.OUT})
+    workers = _workers(
+        {0: BOTH.format(0), 1: BOTH.format(1)}, tmp_path, redirects={0: Std.ALL, 1: Std.OUT}
+    )
     with workers:
         workers.start()
         _wait_exit(workers)
@@ -329,8 +364,10 @@ def test_redirects_write_files_only(tmp_path, capfd):
     assert (tmp_path / "0" / "stderr.log").read_text() == "err-0\n"
     assert (tmp_path / "1" / "stdout.log").read_text() == "out-1\n"
     assert not (tmp_path / "1" / "stderr.log").exists()
-    assert workers.log_files(0) == {"stdout": str(tmp_path / "0" / "stdout.log"),
-                                    "stderr": str(tmp_path / "0" / "stderr.log")}
+    assert workers.log_files(0) == {
+        "stdout": str(tmp_path / "0" / "stdout.log"),
+        "stderr": str(tmp_path / "0" / "stderr.log"),
+    }
     assert workers.log_files(1) == {"stdout": str(tmp_path / "1" / "stdout.log")}
     assert workers.error_file(1) == str(tmp_path / "1" / "error.json")
     out, err = capfd.readouterr()
@@ -346,8 +383,12 @@ def test_tee_goes_to_file_and_prefixed_console(tmp_path, capfdbinary):
         os.write(2, b"bytes \xff\xfe not utf-8\n")
         os.write(1, b"no newline at the end")
     """
-    workers = _workers({0: code, 1: BOTH.format(1)}, tmp_path, tee={0: Std.ALL},
-                       prefixes={0: "[default0]:", 1: "[default1]:"})
+    workers = _workers(
+        {0: code, 1: BOTH.format(1)},
+        tmp_path,
+        tee={0: Std.ALL},
+        prefixes={0: "[default0]:", 1: "[default1]:"},
+    )
     with workers:
         workers.start()
         _wait_exit(workers)
@@ -357,16 +398,26 @@ def test_tee_goes_to_file_and_prefixed_console(tmp_path, capfdbinary):
     assert not (tmp_path / "1").joinpath("stdout.log").exists()
     out, err = capfdbinary.readouterr()
     assert sorted(out.splitlines(keepends=True)) == [
-        b"[default0]:line one\n", b"[default0]:line two\n",
-        b"[default0]:no newline at the end\n", b"[default1]:out-1\n"]
+        b"[default0]:line one\n",
+        b"[default0]:line two\n",
+        b"[default0]:no newline at the end\n",
+        b"[default1]:out-1\n",
+    ]
     assert sorted(err.splitlines(keepends=True)) == [
-        b"[default0]:bytes \xff\xfe not utf-8\n", b"[default1]:err-1\n"]
+        b"[default0]:bytes \xff\xfe not utf-8\n",
+        b"[default1]:err-1\n",
+    ]
 
 
 @pytest.mark.timeout(60)
 def test_console_ranks_filter(tmp_path, capfd):
-    workers = _workers({0: BOTH.format(0), 1: BOTH.format(1), 2: BOTH.format(2)}, tmp_path,
-                       tee={2: Std.OUT}, console_ranks={0}, prefixes={2: "[2]:"})
+    workers = _workers(
+        {0: BOTH.format(0), 1: BOTH.format(1), 2: BOTH.format(2)},
+        tmp_path,
+        tee={2: Std.OUT},
+        console_ranks={0},
+        prefixes={2: "[2]:"},
+    )
     with workers:
         workers.start()
         _wait_exit(workers)
@@ -386,8 +437,11 @@ def test_prefixed_lines_never_mix(tmp_path, capfdbinary):
                 os.write(1, line[start:start + 700])
     """
     letters = "abcd"
-    workers = _workers({lr: code.format(ch=ch) for lr, ch in enumerate(letters)}, tmp_path,
-                       prefixes={lr: f"[{lr}]:" for lr in range(len(letters))})
+    workers = _workers(
+        {lr: code.format(ch=ch) for lr, ch in enumerate(letters)},
+        tmp_path,
+        prefixes={lr: f"[{lr}]:" for lr in range(len(letters))},
+    )
     with workers:
         workers.start()
         _wait_exit(workers)
@@ -463,9 +517,14 @@ def test_no_descriptor_leak(tmp_path):
     me = psutil.Process()
 
     def cycle(directory) -> None:
-        workers = _workers({0: BOTH.format(0), 1: BOTH.format(1), 2: "import time; "
-                            "time.sleep(60)"}, directory, tee={0: Std.ALL},
-                           redirects={1: Std.ERR}, console_ranks={0, 1}, prefixes={1: "[1]:"})
+        workers = _workers(
+            {0: BOTH.format(0), 1: BOTH.format(1), 2: "import time; time.sleep(60)"},
+            directory,
+            tee={0: Std.ALL},
+            redirects={1: Std.ERR},
+            console_ranks={0, 1},
+            prefixes={1: "[1]:"},
+        )
         workers.start()
         deadline = time.monotonic() + 30
         while None in (workers.poll()[0], workers.poll()[1]) and time.monotonic() < deadline:
@@ -481,6 +540,7 @@ def test_no_descriptor_leak(tmp_path):
 
 
 # -- flag parsing -----------------------------------------------------------------------------
+
 
 def test_parse_std():
     assert parse_std("3", 2) == {0: Std.ALL, 1: Std.ALL}
@@ -513,6 +573,7 @@ def test_parse_local_ranks_filter_rejects(spec):
 
 # -- @record and failure reports --------------------------------------------------------------
 
+
 @record
 def _fails(message: str) -> None:
     """Raise a ValueError."""
@@ -530,7 +591,7 @@ def test_record_writes_torch_layout_and_reraises(tmp_path, monkeypatch):
     assert data["message"]["message"] == "ValueError: bad input"
     info = data["message"]["extraInfo"]
     assert info["py_callstack"].startswith("Traceback (most recent call last):")
-    assert 'raise ValueError(message)' in info["py_callstack"]
+    assert "raise ValueError(message)" in info["py_callstack"]
     assert "wrapper" not in info["py_callstack"]
     assert isinstance(info["timestamp"], str) and int(info["timestamp"]) >= int(before)
     assert _fails.__name__ == "_fails" and _fails.__doc__ == "Raise a ValueError."
@@ -573,16 +634,34 @@ def test_record_never_hides_the_exception(tmp_path, monkeypatch, caplog):
 
 def _recorded(tmp_path, name: str, message: str, timestamp_ns: int) -> str:
     path = tmp_path / name
-    path.write_text(json.dumps({"message": {"message": message, "extraInfo": {
-        "py_callstack": f"Traceback (most recent call last):\n  ...\n{message}\n",
-        "timestamp": str(timestamp_ns // 10**9), "timestamp_ns": str(timestamp_ns)}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": message,
+                    "extraInfo": {
+                        "py_callstack": f"Traceback (most recent call last):\n  ...\n{message}\n",
+                        "timestamp": str(timestamp_ns // 10**9),
+                        "timestamp_ns": str(timestamp_ns),
+                    },
+                }
+            }
+        )
+    )
     return str(path)
 
 
 def test_process_failure_reads_the_error_file(tmp_path):
     error_file = _recorded(tmp_path, "e.json", "KeyError: 'x'", 1_700_000_000_250_000_000)
-    failure = ProcessFailure(local_rank=1, rank=5, pid=42, exitcode=1, error_file=error_file,
-                             host="node-a", timestamp=1.0)
+    failure = ProcessFailure(
+        local_rank=1,
+        rank=5,
+        pid=42,
+        exitcode=1,
+        error_file=error_file,
+        host="node-a",
+        timestamp=1.0,
+    )
     assert failure.timestamp == pytest.approx(1_700_000_000.25)  # the file's time wins
     assert failure.message == "KeyError: 'x'"
     assert failure.traceback_text().endswith("KeyError: 'x'")
@@ -592,8 +671,16 @@ def test_process_failure_reads_the_error_file(tmp_path):
 
     # torch's layout without our timestamp_ns, and torch's C++ layout
     path = tmp_path / "torch.json"
-    path.write_text(json.dumps({"message": {"message": "RuntimeError: x", "extraInfo": {
-        "py_callstack": "tb", "timestamp": "1700000000"}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "RuntimeError: x",
+                    "extraInfo": {"py_callstack": "tb", "timestamp": "1700000000"},
+                }
+            }
+        )
+    )
     assert ProcessFailure(0, 0, 1, 1, str(path)).timestamp == 1_700_000_000
     path.write_text(json.dumps({"message": "c++ error", "timestamp": "1700000001"}))
     failure = ProcessFailure(0, 0, 1, 1, str(path))
@@ -614,8 +701,9 @@ def test_process_failure_without_a_record(tmp_path):
 
     stderr = tmp_path / "stderr.log"
     stderr.write_bytes(b"".join(b"line %d\n" % i for i in range(30)) + b"Segfault \xff\n")
-    failure = ProcessFailure(local_rank=0, rank=0, pid=7, exitcode=-11,
-                             log_files={"stderr": str(stderr)})
+    failure = ProcessFailure(
+        local_rank=0, rank=0, pid=7, exitcode=-11, log_files={"stderr": str(stderr)}
+    )
     text = failure.traceback_text()
     assert "\nline 11\n" in text and "line 10\n" not in text and text.endswith("Segfault \ufffd")
     assert "line 28" not in failure.traceback_text(tail=2)
@@ -627,11 +715,19 @@ def test_child_failed_error_report(tmp_path):
     stderr = tmp_path / "stderr.log"
     stderr.write_text("Fatal Python error: Segmentation fault\n")
     failures = {
-        0: ProcessFailure(0, 0, 100, -9, host="node-a", timestamp=t0 / 1e9 + 5,
-                          reason="expiration timer 'stuck' expired"),
+        0: ProcessFailure(
+            0,
+            0,
+            100,
+            -9,
+            host="node-a",
+            timestamp=t0 / 1e9 + 5,
+            reason="expiration timer 'stuck' expired",
+        ),
         2: ProcessFailure(0, 2, 102, 1, recorded, host="node-b"),
-        3: ProcessFailure(1, 3, 103, -11, host="node-b", timestamp=t0 / 1e9 + 9,
-                          log_files={"stderr": str(stderr)}),
+        3: ProcessFailure(
+            1, 3, 103, -11, host="node-b", timestamp=t0 / 1e9 + 9, log_files={"stderr": str(stderr)}
+        ),
     }
     error = ChildFailedError("train.py", failures)
     assert error.get_first_failure() == (2, failures[2])
@@ -671,20 +767,36 @@ def test_recorded_worker_failure_end_to_end(tmp_path):
 
         main()
     """
-    crash = "import os, sys, signal; print('about to die', file=sys.stderr, flush=True); " \
-            "os.kill(os.getpid(), signal.SIGKILL)"
+    crash = (
+        "import os, sys, signal; print('about to die', file=sys.stderr, flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(code))
-    workers = WorkerProcesses({0: [PY, str(script)], 1: [PY, "-c", crash]},
-                              {0: dict(os.environ), 1: dict(os.environ)}, log_dir=str(tmp_path),
-                              redirects={0: Std.ALL, 1: Std.ALL}, tee={}, console_ranks=None,
-                              prefixes={})
+    workers = WorkerProcesses(
+        {0: [PY, str(script)], 1: [PY, "-c", crash]},
+        {0: dict(os.environ), 1: dict(os.environ)},
+        log_dir=str(tmp_path),
+        redirects={0: Std.ALL, 1: Std.ALL},
+        tee={},
+        console_ranks=None,
+        prefixes={},
+    )
     with workers:
         workers.start()
         codes = _wait_exit(workers)
-        failures = {lr: ProcessFailure(lr, lr, workers.pids()[lr], codes[lr],
-                                       workers.error_file(lr), host="here",
-                                       log_files=workers.log_files(lr)) for lr in codes}
+        failures = {
+            lr: ProcessFailure(
+                lr,
+                lr,
+                workers.pids()[lr],
+                codes[lr],
+                workers.error_file(lr),
+                host="here",
+                log_files=workers.log_files(lr),
+            )
+            for lr in codes
+        }
     assert codes == {0: 1, 1: -signal.SIGKILL}
     assert failures[0].message == "RuntimeError: loss is nan at step 7"
     assert 'raise RuntimeError("loss is nan at step 7")' in failures[0].traceback_text()

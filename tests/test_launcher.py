@@ -30,11 +30,27 @@ from tests.launchjobs import (
 
 pytestmark = pytest.mark.timeout(240)
 
-ENV_NAMES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
-             "WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "DISTCOMM_RESTART_COUNT", "DISTCOMM_MAX_RESTARTS", "DISTCOMM_RUN_ID",
-             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-             "OMP_NUM_THREADS", "DISTCOMM_TIMER_FILE", "DISTCOMM_ERROR_FILE")
+ENV_NAMES = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DISTCOMM_RESTART_COUNT",
+    "DISTCOMM_MAX_RESTARTS",
+    "DISTCOMM_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "OMP_NUM_THREADS",
+    "DISTCOMM_TIMER_FILE",
+    "DISTCOMM_ERROR_FILE",
+)
 
 #: init with no arguments, one all_reduce, a record of the environment per rank
 ENV_WORKER = """
@@ -118,12 +134,21 @@ def _check_env(recs: list[dict], nnodes: int, nproc: int, run_id: str | None = N
 
 # -- one node -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("nproc", [1, 2, 3, 4])
 def test_single_node_environment(tmp_path, nproc):
     out = tmp_path / "out"
     out.mkdir()
-    res = run_launcher(["--standalone", f"--nproc_per_node={nproc}", "--max_restarts=2",
-                        str(_env_worker(tmp_path)), str(out)], tmp_path)
+    res = run_launcher(
+        [
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "--max_restarts=2",
+            str(_env_worker(tmp_path)),
+            str(out),
+        ],
+        tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     recs = records(out)
     _check_env(recs, 1, nproc)
@@ -143,8 +168,10 @@ def test_static_default_backend_picks_a_free_port(tmp_path):
             busy.listen()
         except OSError:
             pass  # something else holds it already: the point stands
-        res = run_launcher(["--nproc_per_node=2", "--rdzv_id=static-run",
-                            str(_env_worker(tmp_path)), str(out)], tmp_path)
+        res = run_launcher(
+            ["--nproc_per_node=2", "--rdzv_id=static-run", str(_env_worker(tmp_path)), str(out)],
+            tmp_path,
+        )
     assert res.returncode == 0, res.stderr
     recs = records(out)
     _check_env(recs, 1, 2, run_id="static-run")
@@ -154,8 +181,11 @@ def test_static_default_backend_picks_a_free_port(tmp_path):
 def test_omp_num_threads_is_kept_when_set(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    res = run_launcher(["--standalone", "--nproc_per_node=2", str(_env_worker(tmp_path)),
-                        str(out)], tmp_path, env=launcher_env(OMP_NUM_THREADS="3"))
+    res = run_launcher(
+        ["--standalone", "--nproc_per_node=2", str(_env_worker(tmp_path)), str(out)],
+        tmp_path,
+        env=launcher_env(OMP_NUM_THREADS="3"),
+    )
     assert res.returncode == 0, res.stderr
     assert {r["OMP_NUM_THREADS"] for r in records(out)} == {"3"}
 
@@ -169,15 +199,17 @@ def test_flags_from_environment_and_precedence(tmp_path):
     assert len(records(out)) == 3
     for f in out.iterdir():
         f.unlink()
-    res = run_launcher(["--nproc-per-node", "2", str(_env_worker(tmp_path)), str(out)],
-                       tmp_path, env=env)
+    res = run_launcher(
+        ["--nproc-per-node", "2", str(_env_worker(tmp_path)), str(out)], tmp_path, env=env
+    )
     assert res.returncode == 0, res.stderr
     assert len(records(out)) == 2
 
 
 def test_quickstart_main_job(tmp_path):
-    res = run_launcher(["--standalone", "--nproc_per_node=4", "-m",
-                        "distcomm.examples.quickstart"], tmp_path)
+    res = run_launcher(
+        ["--standalone", "--nproc_per_node=4", "-m", "distcomm.examples.quickstart"], tmp_path
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "4 rank(s)" in res.stdout and res.stdout.rstrip().endswith("OK")
 
@@ -186,47 +218,63 @@ def test_no_python_and_run_path(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     worker = _env_worker(tmp_path)
-    res = run_launcher(["--standalone", "--nproc_per_node=2", "--run_path", str(worker),
-                        str(out)], tmp_path)
+    res = run_launcher(
+        ["--standalone", "--nproc_per_node=2", "--run_path", str(worker), str(out)], tmp_path
+    )
     assert res.returncode == 0, res.stderr
     assert len(records(out)) == 2
     marker = tmp_path / "marker"
-    res = run_launcher(["--standalone", "--nproc_per_node=2", "--no_python", "sh", "-c",
-                        f'echo "$RANK" >> {marker}'], tmp_path)
+    res = run_launcher(
+        [
+            "--standalone",
+            "--nproc_per_node=2",
+            "--no_python",
+            "sh",
+            "-c",
+            f'echo "$RANK" >> {marker}',
+        ],
+        tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     assert sorted(marker.read_text().split()) == ["0", "1"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nnodes=3:2", "x.py"], "--nnodes"),
-    (["--nnodes=0", "x.py"], "--nnodes"),
-    (["--nproc_per_node=zero", "x.py"], "--nproc_per_node"),
-    (["--standalone", "--nnodes=2", "x.py"], "--standalone"),
-    (["--rdzv_backend=zookeeper", "x.py"], "--rdzv_backend"),
-    (["--rdzv_backend=c10d", "--nnodes=2", "x.py"], "--rdzv_endpoint"),
-    (["--rdzv_backend=file", "x.py"], "--rdzv_endpoint"),
-    (["--nnodes=2", "x.py"], "--node_rank"),
-    (["--nnodes=1:2", "x.py"], "static"),
-    (["--no_python", "-m", "x"], "--no_python"),
-    (["--run_path", "relative.py"], "absolute"),
-    (["--max_restarts=-1", "x.py"], "--max_restarts"),
-    (["--monitor_interval=0", "x.py"], "--monitor_interval"),
-    (["-r", "9", "x.py"], "--redirects"),
-    (["--tee", "0:1,7:2", "x.py"], "--tee"),
-    (["--local_ranks_filter=5", "x.py"], "--local_ranks_filter"),
-    (["--standalone", "--rdzv_conf=bogus=1", "x.py"], "bogus"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nnodes=3:2", "x.py"], "--nnodes"),
+        (["--nnodes=0", "x.py"], "--nnodes"),
+        (["--nproc_per_node=zero", "x.py"], "--nproc_per_node"),
+        (["--standalone", "--nnodes=2", "x.py"], "--standalone"),
+        (["--rdzv_backend=zookeeper", "x.py"], "--rdzv_backend"),
+        (["--rdzv_backend=c10d", "--nnodes=2", "x.py"], "--rdzv_endpoint"),
+        (["--rdzv_backend=file", "x.py"], "--rdzv_endpoint"),
+        (["--nnodes=2", "x.py"], "--node_rank"),
+        (["--nnodes=1:2", "x.py"], "static"),
+        (["--no_python", "-m", "x"], "--no_python"),
+        (["--run_path", "relative.py"], "absolute"),
+        (["--max_restarts=-1", "x.py"], "--max_restarts"),
+        (["--monitor_interval=0", "x.py"], "--monitor_interval"),
+        (["-r", "9", "x.py"], "--redirects"),
+        (["--tee", "0:1,7:2", "x.py"], "--tee"),
+        (["--local_ranks_filter=5", "x.py"], "--local_ranks_filter"),
+        (["--standalone", "--rdzv_conf=bogus=1", "x.py"], "bogus"),
+    ],
+)
 def test_bad_flags_are_named(tmp_path, args, message):
     res = run_launcher(args, tmp_path, timeout=60)
     assert res.returncode != 0
     assert message in res.stderr, res.stderr
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("DISTCOMM_START_METHOD", "bogus", "--start_method"),
-    ("DISTCOMM_NPROC_PER_NODE", "-2", "--nproc_per_node"),
-    ("DISTCOMM_STANDALONE", "maybe", "DISTCOMM_STANDALONE"),
-])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("DISTCOMM_START_METHOD", "bogus", "--start_method"),
+        ("DISTCOMM_NPROC_PER_NODE", "-2", "--nproc_per_node"),
+        ("DISTCOMM_STANDALONE", "maybe", "DISTCOMM_STANDALONE"),
+    ],
+)
 def test_bad_flags_from_environment_are_named(tmp_path, name, value, message):
     res = run_launcher(["x.py"], tmp_path, env=launcher_env(**{name: value}), timeout=60)
     assert res.returncode == 2
@@ -283,12 +331,28 @@ def test_worker_fails_once_then_restart_succeeds(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     worker = script(tmp_path / "restart.py", RESTART_WORKER)
-    res = run_launcher(["--standalone", "--nproc_per_node=3", "--max_restarts=2", str(worker),
-                        str(out), str(tmp_path / "ckpt"), "once"], tmp_path)
+    res = run_launcher(
+        [
+            "--standalone",
+            "--nproc_per_node=3",
+            "--max_restarts=2",
+            str(worker),
+            str(out),
+            str(tmp_path / "ckpt"),
+            "once",
+        ],
+        tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     recs = records(out)
     assert sorted((r["restart"], r["rank"]) for r in recs) == [
-        ("0", 0), ("0", 1), ("0", 2), ("1", 0), ("1", 1), ("1", 2)]
+        ("0", 0),
+        ("0", 1),
+        ("0", 2),
+        ("1", 0),
+        ("1", 1),
+        ("1", 2),
+    ]
     assert all(r["restart"] == r["torch"] for r in recs)
 
 
@@ -296,24 +360,37 @@ def test_max_restarts_exhausted_reports_root_cause(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     worker = script(tmp_path / "restart.py", RESTART_WORKER)
-    res = run_launcher(["--standalone", "--nproc_per_node=2", "--max_restarts=1", str(worker),
-                        str(out), str(tmp_path / "ckpt"), "always"], tmp_path)
+    res = run_launcher(
+        [
+            "--standalone",
+            "--nproc_per_node=2",
+            "--max_restarts=1",
+            str(worker),
+            str(out),
+            str(tmp_path / "ckpt"),
+            "always",
+        ],
+        tmp_path,
+    )
     assert res.returncode == 1
     assert sorted(r["restart"] for r in records(out)) == ["0", "0", "1", "1"]
     err = res.stderr
     assert "FAILED" in err and "Root Cause" in err
     assert "ValueError: boom from rank 1 at restart 1" in err
     assert "exit code 1" in err or "exitcode" in err
-    root = err[err.index("Root Cause"):]
+    root = err[err.index("Root Cause") :]
     assert "rank" in root and "1" in root and "boom from rank 1" in root
 
 
 def test_signal_death_is_named(tmp_path):
-    worker = script(tmp_path / "die.py", """
+    worker = script(
+        tmp_path / "die.py",
+        """
         import os, signal
         if os.environ["RANK"] == "0":
             os.kill(os.getpid(), signal.SIGKILL)
-    """)
+    """,
+    )
     res = run_launcher(["--standalone", "--nproc_per_node=2", str(worker)], tmp_path)
     assert res.returncode == 1
     assert "SIGKILL" in res.stderr
@@ -336,8 +413,10 @@ def _log(log_dir: Path, local_rank: int, stream: str) -> str:
 def test_tee_prefixes_console_and_writes_log_dir(tmp_path):
     worker = script(tmp_path / "p.py", PRINT_WORKER)
     logs = tmp_path / "logs"
-    res = run_launcher(["--standalone", "--nproc_per_node=2", "--tee=3", f"--log_dir={logs}",
-                        str(worker)], tmp_path)
+    res = run_launcher(
+        ["--standalone", "--nproc_per_node=2", "--tee=3", f"--log_dir={logs}", str(worker)],
+        tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     for rank in (0, 1):
         assert f"[{rank}]:hello from {rank}" in res.stdout
@@ -349,8 +428,10 @@ def test_tee_prefixes_console_and_writes_log_dir(tmp_path):
 def test_redirects_keep_output_off_the_console(tmp_path):
     worker = script(tmp_path / "p.py", PRINT_WORKER)
     logs = tmp_path / "logs"
-    res = run_launcher(["--standalone", "--nproc_per_node=2", "-r", "0:1,1:3",
-                        f"--log_dir={logs}", str(worker)], tmp_path)
+    res = run_launcher(
+        ["--standalone", "--nproc_per_node=2", "-r", "0:1,1:3", f"--log_dir={logs}", str(worker)],
+        tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     assert "hello from" not in res.stdout
     assert "oops from 0" in res.stderr and "oops from 1" not in res.stderr
@@ -360,8 +441,9 @@ def test_redirects_keep_output_off_the_console(tmp_path):
 
 def test_local_ranks_filter(tmp_path):
     worker = script(tmp_path / "p.py", PRINT_WORKER)
-    res = run_launcher(["--standalone", "--nproc_per_node=3", "--local_ranks_filter=1",
-                        str(worker)], tmp_path)
+    res = run_launcher(
+        ["--standalone", "--nproc_per_node=3", "--local_ranks_filter=1", str(worker)], tmp_path
+    )
     assert res.returncode == 0, res.stderr
     assert "hello from 1" in res.stdout
     assert "hello from 0" not in res.stdout and "hello from 2" not in res.stdout
@@ -369,22 +451,31 @@ def test_local_ranks_filter(tmp_path):
 
 # -- signals and timers ---------------------------------------------------------------------------
 
+
 def test_sigterm_to_agent_leaves_no_orphans(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
-    worker = script(tmp_path / "hang.py", """
+    worker = script(
+        tmp_path / "hang.py",
+        """
         import os, subprocess, sys, time
         from pathlib import Path
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         Path(sys.argv[1], os.environ["RANK"]).write_text(f"{os.getpid()} {child.pid}")
         time.sleep(300)
-    """)
-    proc = agent(["--standalone", "--nproc_per_node=2", "--shutdown_timeout=5", str(worker),
-                  str(pids)], tmp_path)
+    """,
+    )
+    proc = agent(
+        ["--standalone", "--nproc_per_node=2", "--shutdown_timeout=5", str(worker), str(pids)],
+        tmp_path,
+    )
     try:
         wait_for(lambda: len(list(pids.iterdir())) == 2, 60, "both workers to start")
-        wait_for(lambda: all(len(p.read_text().split()) == 2 for p in pids.iterdir()), 30,
-                 "the pid files")
+        wait_for(
+            lambda: all(len(p.read_text().split()) == 2 for p in pids.iterdir()),
+            30,
+            "the pid files",
+        )
         tree = [int(x) for p in pids.iterdir() for x in p.read_text().split()]
         assert len(alive(tree)) == 4
         proc.send_signal(signal.SIGTERM)
@@ -396,7 +487,9 @@ def test_sigterm_to_agent_leaves_no_orphans(tmp_path):
 
 
 def test_expiration_timer_kills_a_stuck_worker(tmp_path):
-    worker = script(tmp_path / "stuck.py", """
+    worker = script(
+        tmp_path / "stuck.py",
+        """
         import os, time
         import distcomm as dist
         from distcomm.launch import timer
@@ -407,42 +500,83 @@ def test_expiration_timer_kills_a_stuck_worker(tmp_path):
                 time.sleep(120)
         dist.barrier()
         dist.destroy_process_group()
-    """)
+    """,
+    )
     res = run_launcher(["--standalone", "--nproc_per_node=2", str(worker)], tmp_path)
     assert res.returncode == 1
     assert "stuck-step" in res.stderr and "SIGKILL" in res.stderr
 
 
 def test_expiration_timer_released_in_time(tmp_path):
-    worker = script(tmp_path / "quick.py", """
+    worker = script(
+        tmp_path / "quick.py",
+        """
         from distcomm.launch import timer
         with timer.expires(after=60.0):
             pass
-    """)
+    """,
+    )
     res = run_launcher(["--standalone", "--nproc_per_node=2", str(worker)], tmp_path)
     assert res.returncode == 0, res.stderr
 
 
 # -- several nodes ----------------------------------------------------------------------------
 
-def _nodes(tmp_path: Path, backend: str, endpoint: str, nnodes: str, count: int,
-           worker: Path, *worker_args: str, extra: tuple[str, ...] = (),
-           local_addr: str | None = "127.0.0.1", log: Path | None = None,
-           run_id: str = "job-7") -> list:
+
+def _nodes(
+    tmp_path: Path,
+    backend: str,
+    endpoint: str,
+    nnodes: str,
+    count: int,
+    worker: Path,
+    *worker_args: str,
+    extra: tuple[str, ...] = (),
+    local_addr: str | None = "127.0.0.1",
+    log: Path | None = None,
+    run_id: str = "job-7",
+) -> list:
     addr = [f"--local_addr={local_addr}"] if local_addr else []
-    return [agent([f"--nnodes={nnodes}", "--nproc_per_node=2", f"--rdzv_backend={backend}",
-                   f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}", *addr,
-                   *extra, str(worker), *worker_args], tmp_path,
-                  log=None if log is None else log.with_suffix(f".{i}.log"))
-            for i in range(count)]
+    return [
+        agent(
+            [
+                f"--nnodes={nnodes}",
+                "--nproc_per_node=2",
+                f"--rdzv_backend={backend}",
+                f"--rdzv_endpoint={endpoint}",
+                f"--rdzv_id={run_id}",
+                *addr,
+                *extra,
+                str(worker),
+                *worker_args,
+            ],
+            tmp_path,
+            log=None if log is None else log.with_suffix(f".{i}.log"),
+        )
+        for i in range(count)
+    ]
 
 
-def _two_nodes(tmp_path: Path, backend: str, endpoint: str,
-               local_addr: str | None = "127.0.0.1", run_id: str = "job-7") -> list[dict]:
+def _two_nodes(
+    tmp_path: Path,
+    backend: str,
+    endpoint: str,
+    local_addr: str | None = "127.0.0.1",
+    run_id: str = "job-7",
+) -> list[dict]:
     out = tmp_path / "out"
     out.mkdir()
-    procs = _nodes(tmp_path, backend, endpoint, "2", 2, _env_worker(tmp_path), str(out),
-                   local_addr=local_addr, run_id=run_id)
+    procs = _nodes(
+        tmp_path,
+        backend,
+        endpoint,
+        "2",
+        2,
+        _env_worker(tmp_path),
+        str(out),
+        local_addr=local_addr,
+        run_id=run_id,
+    )
     try:
         for proc in procs:
             code, _, err = finish(proc)
@@ -470,8 +604,13 @@ def test_two_nodes_etcd(tmp_path, etcd_endpoint):  # noqa: F811 - fixture
 def test_etcd_advertises_the_ip_that_routes_to_the_endpoint(tmp_path, etcd_endpoint):  # noqa: F811
     """Without --local_addr, node 0 advertises the workers' store at an IP, the source
     address of its route to the etcd endpoint (here 127.0.0.1), not its host name."""
-    recs = _two_nodes(tmp_path, "etcd", etcd_endpoint, local_addr=None,
-                      run_id=f"job-ip-{os.getpid()}-{tmp_path.name}")
+    recs = _two_nodes(
+        tmp_path,
+        "etcd",
+        etcd_endpoint,
+        local_addr=None,
+        run_id=f"job-ip-{os.getpid()}-{tmp_path.name}",
+    )
     assert {r["MASTER_ADDR"] for r in recs} == {"127.0.0.1"}
 
 
@@ -480,9 +619,21 @@ def test_two_nodes_static(tmp_path):
     out.mkdir()
     port = _free_port()
     worker = _env_worker(tmp_path)
-    procs = [agent(["--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=2",
-                    "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), str(out)],
-                   tmp_path) for rank in (1, 0)]
+    procs = [
+        agent(
+            [
+                "--nnodes=2",
+                f"--node_rank={rank}",
+                "--nproc_per_node=2",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                str(worker),
+                str(out),
+            ],
+            tmp_path,
+        )
+        for rank in (1, 0)
+    ]
     try:
         for proc in procs:
             code, _, err = finish(proc)
@@ -502,8 +653,9 @@ def _sizes(out: Path) -> dict[int, set[int]]:
 
 FAST_RDZV = "--rdzv_conf=last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=3"
 #: a last call far longer than any wait of the tests: a round that waited for it would fail
-LONG_LAST_CALL = ("--rdzv_conf=last_call_timeout=600,keep_alive_interval=0.5,"
-                  "keep_alive_max_attempt=3")
+LONG_LAST_CALL = (
+    "--rdzv_conf=last_call_timeout=600,keep_alive_interval=0.5,keep_alive_max_attempt=3"
+)
 
 
 def test_scale_up_third_node_joins(tmp_path):
@@ -511,12 +663,14 @@ def test_scale_up_third_node_joins(tmp_path):
     out.mkdir()
     worker = script(tmp_path / "elastic.py", ELASTIC_WORKER)
     endpoint = f"127.0.0.1:{_free_port()}"
-    procs = _nodes(tmp_path, "c10d", endpoint, "2:3", 2, worker, str(out), str(stop),
-                   extra=(FAST_RDZV,))
+    procs = _nodes(
+        tmp_path, "c10d", endpoint, "2:3", 2, worker, str(out), str(stop), extra=(FAST_RDZV,)
+    )
     try:
         wait_for(lambda: _sizes(out).get(4) == {0, 1, 2, 3}, 90, "a 2-node group")
-        procs += _nodes(tmp_path, "c10d", endpoint, "2:3", 1, worker, str(out), str(stop),
-                        extra=(FAST_RDZV,))
+        procs += _nodes(
+            tmp_path, "c10d", endpoint, "2:3", 1, worker, str(out), str(stop), extra=(FAST_RDZV,)
+        )
         wait_for(lambda: _sizes(out).get(6) == set(range(6)), 90, "a 3-node group")
         stop.write_text("")
         for proc in procs:
@@ -547,8 +701,17 @@ def test_scale_down_killed_node_leaves(tmp_path):
     out.mkdir()
     worker = script(tmp_path / "elastic.py", ELASTIC_WORKER)
     port = _free_port()
-    procs = _nodes(tmp_path, "c10d", f"127.0.0.1:{port}", "2:3", 3, worker, str(out), str(stop),
-                   extra=(LONG_LAST_CALL, "--max_restarts=3"))
+    procs = _nodes(
+        tmp_path,
+        "c10d",
+        f"127.0.0.1:{port}",
+        "2:3",
+        3,
+        worker,
+        str(out),
+        str(stop),
+        extra=(LONG_LAST_CALL, "--max_restarts=3"),
+    )
     try:
         wait_for(lambda: _sizes(out).get(6) == set(range(6)), 90, "a 3-node group")
         host = _store_host(procs, port)
@@ -570,7 +733,9 @@ def test_scale_down_killed_node_leaves(tmp_path):
 
 def test_agent_records_error_file_json(tmp_path):
     """@record writes torch's error-file layout, which the agent reads back."""
-    worker = script(tmp_path / "bad.py", """
+    worker = script(
+        tmp_path / "bad.py",
+        """
         from distcomm.launch.errors import record
 
         @record
@@ -578,10 +743,12 @@ def test_agent_records_error_file_json(tmp_path):
             raise KeyError("missing-thing")
 
         main()
-    """)
+    """,
+    )
     logs = tmp_path / "logs"
-    res = run_launcher(["--standalone", "--nproc_per_node=1", f"--log_dir={logs}",
-                        str(worker)], tmp_path)
+    res = run_launcher(
+        ["--standalone", "--nproc_per_node=1", f"--log_dir={logs}", str(worker)], tmp_path
+    )
     assert res.returncode == 1
     (error_file,) = logs.glob("*/attempt_0/0/error.json")
     data = json.loads(error_file.read_text())
@@ -628,8 +795,16 @@ def test_failure_after_another_node_succeeded_fails_every_node(tmp_path, max_res
     out = tmp_path / "out"
     out.mkdir()
     worker = script(tmp_path / "late.py", LATE_FAILURE_WORKER)
-    procs = _nodes(tmp_path, "c10d", f"127.0.0.1:{_free_port()}", "2", 2, worker, str(out),
-                   extra=(f"--max_restarts={max_restarts}",))
+    procs = _nodes(
+        tmp_path,
+        "c10d",
+        f"127.0.0.1:{_free_port()}",
+        "2",
+        2,
+        worker,
+        str(out),
+        extra=(f"--max_restarts={max_restarts}",),
+    )
     try:
         results = {proc.pid: finish(proc, 150) for proc in procs}
     finally:
@@ -688,11 +863,13 @@ def test_sigusr1_reaches_the_workers(tmp_path, listed):
         assert (out / f"checkpoint_{rank}").read_text() == str(int(signal.SIGUSR1))
 
 
-@pytest.mark.parametrize("value, message", [
-    ("SIGBOGUS", "is not a signal name"), ("SIGKILL", "cannot be handled")])
+@pytest.mark.parametrize(
+    "value, message", [("SIGBOGUS", "is not a signal name"), ("SIGKILL", "cannot be handled")]
+)
 def test_bad_signals_to_handle_are_named(tmp_path, value, message):
-    res = run_launcher(["--standalone", f"--signals_to_handle={value}", "x.py"], tmp_path,
-                       timeout=60)
+    res = run_launcher(
+        ["--standalone", f"--signals_to_handle={value}", "x.py"], tmp_path, timeout=60
+    )
     assert res.returncode == 2
     assert "--signals_to_handle" in res.stderr and message in res.stderr, res.stderr
 
@@ -751,19 +928,34 @@ NETNS_DRIVER = """
 def test_file_rendezvous_advertises_the_default_route_address(tmp_path):
     """file rendezvous without --local_addr: node 0 advertises the IPv4 address of the
     default route's interface (in a private network namespace: 10.23.0.1), not a name."""
-    probe = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        ["unshare", "-n", "ip", "link", "set", "lo", "up"], capture_output=True, text=True
+    )
     if probe.returncode != 0:
         pytest.skip(f"cannot make a network namespace here: {probe.stderr.strip()}")
     out = tmp_path / "out"
     out.mkdir()
     driver = script(tmp_path / "netns_driver.py", NETNS_DRIVER)
     proc = subprocess.Popen(
-        ["unshare", "-n", sys.executable, str(driver), "--nnodes=2", "--nproc_per_node=2",
-         "--rdzv_backend=file", f"--rdzv_endpoint={tmp_path / 'rdzv'}", "--rdzv_id=job-ns",
-         str(_env_worker(tmp_path)), str(out)],
-        cwd=tmp_path, env=launcher_env(TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        [
+            "unshare",
+            "-n",
+            sys.executable,
+            str(driver),
+            "--nnodes=2",
+            "--nproc_per_node=2",
+            "--rdzv_backend=file",
+            f"--rdzv_endpoint={tmp_path / 'rdzv'}",
+            "--rdzv_id=job-ns",
+            str(_env_worker(tmp_path)),
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=launcher_env(TMPDIR=str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         code, _, err = finish(proc, 150)
     finally:
@@ -803,17 +995,18 @@ def test_agent_watches_its_workers_while_the_store_does_not_answer(tmp_path):
     worker = script(tmp_path / "triggered.py", TRIGGERED_WORKER)
     port = _free_port()
     endpoint = f"127.0.0.1:{port}"
-    host = _nodes(tmp_path, "c10d", endpoint, "2", 1, worker, str(out),
-                  log=tmp_path / "host")[0]
+    host = _nodes(tmp_path, "c10d", endpoint, "2", 1, worker, str(out), log=tmp_path / "host")[0]
     procs = [host]
     try:
+
         def listening() -> bool:
             conns = psutil.Process(host.pid).net_connections(kind="tcp")
             return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
 
         wait_for(listening, 60, "the store's host to listen")
-        other = _nodes(tmp_path, "c10d", endpoint, "2", 1, worker, str(out),
-                       log=tmp_path / "other")[0]
+        other = _nodes(
+            tmp_path, "c10d", endpoint, "2", 1, worker, str(out), log=tmp_path / "other"
+        )[0]
         procs.append(other)
         wait_for(lambda: len(list(out.glob("ready_*"))) == 4, 60, "all four workers")
         mine = [tuple(map(int, p.read_text().split())) for p in out.glob("ready_*")]
@@ -822,11 +1015,17 @@ def test_agent_watches_its_workers_while_the_store_does_not_answer(tmp_path):
         log = other.log_path
         host.send_signal(signal.SIGSTOP)
         try:
-            wait_for(lambda: "has not answered for" in log.read_text(), 60,
-                     "the agent to report the silent store")
+            wait_for(
+                lambda: "has not answered for" in log.read_text(),
+                60,
+                "the agent to report the silent store",
+            )
             (out / "trigger").write_text(str(other.pid))
-            wait_for(lambda: not alive(siblings), 60,
-                     "the agent to stop its workers while the store is silent")
+            wait_for(
+                lambda: not alive(siblings),
+                60,
+                "the agent to stop its workers while the store is silent",
+            )
             assert other.poll() is None  # still waiting for the store to record the failure
         finally:
             host.send_signal(signal.SIGCONT)

@@ -122,8 +122,9 @@ def endpoint_address(backend: str, endpoint: str) -> tuple[str, int] | None:
         return None
 
 
-def advertised_address(local_addr: str | None, max_nodes: int,
-                       endpoint: tuple[str, int] | None) -> str:
+def advertised_address(
+    local_addr: str | None, max_nodes: int, endpoint: tuple[str, int] | None
+) -> str:
     """The address other nodes reach this node at (see the module's rules).
 
     Args:
@@ -143,12 +144,17 @@ def advertised_address(local_addr: str | None, max_nodes: int,
         source = route_source(*endpoint)
         if source is not None:
             return source
-        log.warning("distcomm-run: no route to the rendezvous endpoint %s:%d found; "
-                    "advertising the address of the default route's interface", *endpoint)
+        log.warning(
+            "distcomm-run: no route to the rendezvous endpoint %s:%d found; "
+            "advertising the address of the default route's interface",
+            *endpoint,
+        )
     address = default_route_address()
     if address is not None:
         return address
-    log.warning("distcomm-run: this host has no network interface but loopback: the other "
-                "nodes are told 127.0.0.1, which only works if they run on this host; pass "
-                "--local_addr=IP (an address the other nodes reach this host at)")
+    log.warning(
+        "distcomm-run: this host has no network interface but loopback: the other "
+        "nodes are told 127.0.0.1, which only works if they run on this host; pass "
+        "--local_addr=IP (an address the other nodes reach this host at)"
+    )
     return "127.0.0.1"

@@ -69,8 +69,7 @@ from .timer import FileTimerServer
 from .watch import SLOW_STORE_S, RoundWatch, RunResult, barrier_step, failed_round_key, next_step
 from .workers import Std, WorkerProcesses
 
-__all__ = ["DEFAULT_SIGNALS_TO_HANDLE", "FORWARDED_SIGNALS", "LaunchConfig", "RunResult",
-           "launch"]
+__all__ = ["DEFAULT_SIGNALS_TO_HANDLE", "FORWARDED_SIGNALS", "LaunchConfig", "RunResult", "launch"]
 
 log = logging.getLogger("distcomm.launch")
 
@@ -136,7 +135,7 @@ def _remove_stale_temp_dirs() -> None:
     except OSError:
         return
     for name in names:
-        pid_text, sep, _ = name[len(TEMP_PREFIX):].partition("-")
+        pid_text, sep, _ = name[len(TEMP_PREFIX) :].partition("-")
         if not (name.startswith(TEMP_PREFIX) and sep and pid_text.isdigit()):
             continue
         path = os.path.join(root, name)
@@ -157,8 +156,12 @@ def _slow_store(what: str) -> Iterator[None]:
     finally:
         took = time.monotonic() - started
         if took > SLOW_STORE_S:
-            log.warning("distcomm-run: the rendezvous store took %.1f s for %s (is the link "
-                        "to it slow or down?)", took, what)
+            log.warning(
+                "distcomm-run: the rendezvous store took %.1f s for %s (is the link "
+                "to it slow or down?)",
+                took,
+                what,
+            )
 
 
 def _resolve_ipv4(host: str) -> str:
@@ -183,6 +186,7 @@ class ElasticAgent:
         self._attempt = 0
         self._tmp = ""
         self._log_root = ""
+
     # -- the run ------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -204,9 +208,12 @@ class ElasticAgent:
             if config.max_nodes == 1 and not os.environ.get("DISTCOMM_AUTH_KEY"):
                 # one node: the agent's store and the workers share a fresh secret
                 os.environ["DISTCOMM_AUTH_KEY"] = secrets.token_hex(16)
-            self._timer = FileTimerServer(os.path.join(self._tmp, "timer.fifo"), config.run_id,
-                                          max_interval=1.0,
-                                          on_expired=self._on_timer_expired)
+            self._timer = FileTimerServer(
+                os.path.join(self._tmp, "timer.fifo"),
+                config.run_id,
+                max_interval=1.0,
+                on_expired=self._on_timer_expired,
+            )
             self._timer.start()
             self._handler = get_rendezvous_handler(self._rdzv_parameters())
             return self._invoke_run()
@@ -239,18 +246,26 @@ class ElasticAgent:
         pids = workers.send_signal(signum) if workers is not None else []
         name = signal.Signals(signum).name
         if pids:
-            log.warning("distcomm-run: got %s: passed on to worker(s) %s", name,
-                        ", ".join(map(str, pids)))
+            log.warning(
+                "distcomm-run: got %s: passed on to worker(s) %s", name, ", ".join(map(str, pids))
+            )
         else:
             log.warning("distcomm-run: got %s while no worker runs: ignored", name)
 
     def _rdzv_parameters(self) -> RendezvousParameters:
         c = self.config
         return RendezvousParameters(
-            backend=c.rdzv_backend, endpoint=c.rdzv_endpoint, run_id=c.run_id,
-            min_nodes=c.min_nodes, max_nodes=c.max_nodes, local_addr=c.local_addr,
-            config=dict(c.rdzv_configs), node_rank=c.node_rank, master_addr=c.master_addr,
-            master_port=c.master_port)
+            backend=c.rdzv_backend,
+            endpoint=c.rdzv_endpoint,
+            run_id=c.run_id,
+            min_nodes=c.min_nodes,
+            max_nodes=c.max_nodes,
+            local_addr=c.local_addr,
+            config=dict(c.rdzv_configs),
+            node_rank=c.node_rank,
+            master_addr=c.master_addr,
+            master_port=c.master_port,
+        )
 
     def _invoke_run(self) -> int:
         assert self._handler is not None
@@ -262,12 +277,23 @@ class ElasticAgent:
                 return self._closed_outcome()
             self._last_info = info
             restarts = int(info.run_store.add("restart_count", 0))
-            log.info("distcomm-run: round %d: node %d of %d, %d worker(s) each, restart %d of "
-                     "%d", info.round, info.rank, info.world_size, c.nproc_per_node, restarts,
-                     c.max_restarts)
+            log.info(
+                "distcomm-run: round %d: node %d of %d, %d worker(s) each, restart %d of %d",
+                info.round,
+                info.rank,
+                info.world_size,
+                c.nproc_per_node,
+                restarts,
+                c.max_restarts,
+            )
             self._start_workers(info, restarts)
-            watch = RoundWatch(handler, info.run_store, info.round, self._store_description(),
-                               interval=RDZV_CHECK_INTERVAL)
+            watch = RoundWatch(
+                handler,
+                info.run_store,
+                info.round,
+                self._store_description(),
+                interval=RDZV_CHECK_INTERVAL,
+            )
             watch.start()
             try:
                 result = self._monitor(watch)
@@ -287,11 +313,13 @@ class ElasticAgent:
                 return self._closed_outcome()
             if result is RunResult.MEMBERSHIP_CHANGED:
                 seen = watch.latest()
-                log.warning("distcomm-run: the membership changed (%s): restarting the "
-                            "workers in a new round",
-                            "a node left this round, or a new one began"
-                            if seen is None or seen.view.round_over else
-                            f"{seen.view.nodes_waiting} node(s) waiting to join")
+                log.warning(
+                    "distcomm-run: the membership changed (%s): restarting the "
+                    "workers in a new round",
+                    "a node left this round, or a new one began"
+                    if seen is None or seen.view.round_over
+                    else f"{seen.view.nodes_waiting} node(s) waiting to join",
+                )
                 self._stop_workers()
                 continue
             code = self._round_failed(info)
@@ -320,11 +348,19 @@ class ElasticAgent:
             return 1
         if failures:
             first = ChildFailedError(c.name, failures).get_first_failure()[1]
-            log.warning("distcomm-run: worker group failed (rank %d: %s); restart %d of %d",
-                        first.rank, first.message, count, c.max_restarts)
+            log.warning(
+                "distcomm-run: worker group failed (rank %d: %s); restart %d of %d",
+                first.rank,
+                first.message,
+                count,
+                c.max_restarts,
+            )
         else:
-            log.warning("distcomm-run: the worker group failed on another node; restart %d "
-                        "of %d", count, c.max_restarts)
+            log.warning(
+                "distcomm-run: the worker group failed on another node; restart %d of %d",
+                count,
+                c.max_restarts,
+            )
         return None
 
     def _closed_outcome(self) -> int:
@@ -340,20 +376,34 @@ class ElasticAgent:
                 round_text, _, size_text = report.decode().partition(" ")
                 with contextlib.suppress(DistError, OSError, ValueError):
                     round_ = int(round_text)
-                    self._print_report(info.run_store, round_, int(size_text), {},
-                                       info.rank if round_ == info.round else None)
+                    self._print_report(
+                        info.run_store,
+                        round_,
+                        int(size_text),
+                        {},
+                        info.rank if round_ == info.round else None,
+                    )
             self._depart(info)
         if outcome == b"succeeded":
             return 0
-        print(f"distcomm-run: the rendezvous of run {self.config.run_id!r} was closed "
-              f"{'after the run failed on another node' if outcome else 'by another node'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"distcomm-run: the rendezvous of run {self.config.run_id!r} was closed "
+            f"{'after the run failed on another node' if outcome else 'by another node'}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
 
     # -- failure reports across nodes ---------------------------------------------------------
 
-    def _print_report(self, run_store: Store, round_: int, world_size: int,
-                      local: dict[int, ProcessFailure], node: int | None) -> None:
+    def _print_report(
+        self,
+        run_store: Store,
+        round_: int,
+        world_size: int,
+        local: dict[int, ProcessFailure],
+        node: int | None,
+    ) -> None:
         """Print the failure report of a round: every node's failed workers, root cause.
 
         Args:
@@ -365,21 +415,29 @@ class ElasticAgent:
             with _slow_store("reading the other nodes' failures"):
                 failures = gather_failures(run_store, round_, world_size)
         except (DistError, OSError) as exc:
-            log.warning("distcomm-run: the other nodes' failures cannot be read (%s); the "
-                        "report shows this node's only", exc)
+            log.warning(
+                "distcomm-run: the other nodes' failures cannot be read (%s); the "
+                "report shows this node's only",
+                exc,
+            )
         failures.update(local)
         lines = []
         if failures:
             lines.append(ChildFailedError(self.config.name, failures).format_msg())
         else:
-            lines.append(f"distcomm-run: the run failed in round {round_} on another node, "
-                         "which recorded no worker failure (see that node's output)")
-        nodes = sorted({failure.rank // self.config.nproc_per_node
-                        for failure in failures.values()})
+            lines.append(
+                f"distcomm-run: the run failed in round {round_} on another node, "
+                "which recorded no worker failure (see that node's output)"
+            )
+        nodes = sorted(
+            {failure.rank // self.config.nproc_per_node for failure in failures.values()}
+        )
         if node is not None and node not in nodes:
-            lines.append(f"distcomm-run: the workers of this node (node {node} of round "
-                         f"{round_}) did not fail; the run failed on node(s) "
-                         f"{', '.join(map(str, nodes)) or 'unknown'}")
+            lines.append(
+                f"distcomm-run: the workers of this node (node {node} of round "
+                f"{round_}) did not fail; the run failed on node(s) "
+                f"{', '.join(map(str, nodes)) or 'unknown'}"
+            )
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     # -- one round ----------------------------------------------------------------------------
@@ -403,8 +461,9 @@ class ElasticAgent:
             return info.bootstrap_address
         if info.rank == 0:
             host = self._advertised_host()
-            self._worker_store = TCPStore(_resolve_ipv4(host), 0, is_master=True,
-                                          wait_for_workers=False)
+            self._worker_store = TCPStore(
+                _resolve_ipv4(host), 0, is_master=True, wait_for_workers=False
+            )
             port = self._worker_store.port  # type: ignore[attr-defined]
             info.store.set("worker_store", f"{port} {host}")
             return host, port
@@ -421,7 +480,8 @@ class ElasticAgent:
                 f"the nodes of run {self.config.run_id!r} start different numbers of workers "
                 f"(node rank: --nproc_per_node): "
                 f"{', '.join(f'{r}: {n}' for r, n in sorted(counts.items()))}; every node must "
-                f"pass the same --nproc_per_node")
+                f"pass the same --nproc_per_node"
+            )
 
     def _start_workers(self, info: RendezvousInfo, restarts: int) -> None:
         c = self.config
@@ -436,17 +496,28 @@ class ElasticAgent:
         for local_rank in range(nproc):
             rank = info.rank * nproc + local_rank
             env = dict(base)  # WorkerProcesses adds the error-file variables
-            env.update({
-                "LOCAL_RANK": str(local_rank), "RANK": str(rank), "GROUP_RANK": str(info.rank),
-                "ROLE_RANK": str(rank), "ROLE_NAME": c.role, "LOCAL_WORLD_SIZE": str(nproc),
-                "WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world),
-                "MASTER_ADDR": host, "MASTER_PORT": str(port),
-                "DISTCOMM_USE_AGENT_STORE": "1",
-                "DISTCOMM_STORE_PREFIX": f"/worker/round_{info.round}",
-                "DISTCOMM_TIMER_FILE": self._timer.file_path if self._timer else "",
-            })
-            for name, value in (("RESTART_COUNT", str(restarts)),
-                                ("MAX_RESTARTS", str(c.max_restarts)), ("RUN_ID", c.run_id)):
+            env.update(
+                {
+                    "LOCAL_RANK": str(local_rank),
+                    "RANK": str(rank),
+                    "GROUP_RANK": str(info.rank),
+                    "ROLE_RANK": str(rank),
+                    "ROLE_NAME": c.role,
+                    "LOCAL_WORLD_SIZE": str(nproc),
+                    "WORLD_SIZE": str(world),
+                    "ROLE_WORLD_SIZE": str(world),
+                    "MASTER_ADDR": host,
+                    "MASTER_PORT": str(port),
+                    "DISTCOMM_USE_AGENT_STORE": "1",
+                    "DISTCOMM_STORE_PREFIX": f"/worker/round_{info.round}",
+                    "DISTCOMM_TIMER_FILE": self._timer.file_path if self._timer else "",
+                }
+            )
+            for name, value in (
+                ("RESTART_COUNT", str(restarts)),
+                ("MAX_RESTARTS", str(c.max_restarts)),
+                ("RUN_ID", c.run_id),
+            ):
                 env[f"DISTCOMM_{name}"] = env[f"TORCHELASTIC_{name}"] = value
             commands[local_rank] = list(c.command)
             envs[local_rank] = env
@@ -454,12 +525,19 @@ class ElasticAgent:
             if template is None and c.tee.get(local_rank, Std.NONE) != Std.NONE:
                 template = DEFAULT_PREFIX_TEMPLATE
             prefixes[local_rank] = string.Template(template or "").safe_substitute(
-                rank=rank, local_rank=local_rank, role_name=c.role)
+                rank=rank, local_rank=local_rank, role_name=c.role
+            )
         with self._expired_lock:
             self._expired.clear()
         self._workers = WorkerProcesses(
-            commands, envs, log_dir=attempt_dir, redirects=c.redirects, tee=c.tee,
-            console_ranks=c.console_ranks, prefixes=prefixes)
+            commands,
+            envs,
+            log_dir=attempt_dir,
+            redirects=c.redirects,
+            tee=c.tee,
+            console_ranks=c.console_ranks,
+            prefixes=prefixes,
+        )
         self._workers.start()
 
     def _monitor(self, watch: RoundWatch) -> RunResult:
@@ -488,9 +566,16 @@ class ElasticAgent:
             if pid in expired:
                 reason = f"expiration timer scope {expired[pid]!r} expired; the worker was killed"
             failures[rank] = ProcessFailure(
-                local_rank=local_rank, rank=rank, pid=pid, exitcode=code,
-                error_file=self._workers.error_file(local_rank), host=host, role=c.role,
-                log_files=self._workers.log_files(local_rank), reason=reason)
+                local_rank=local_rank,
+                rank=rank,
+                pid=pid,
+                exitcode=code,
+                error_file=self._workers.error_file(local_rank),
+                host=host,
+                role=c.role,
+                log_files=self._workers.log_files(local_rank),
+                reason=reason,
+            )
         return failures
 
     def _count_restart(self, info: RendezvousInfo) -> int:
@@ -525,8 +610,10 @@ class ElasticAgent:
             if result is not None:
                 return RunResult.SUCCEEDED if store.check(["all_finished"]) else result
             watch.check_stall()
-        log.warning("distcomm-run: not every node finished within %.0f s of this one; "
-                    "leaving", self.config.exit_barrier_timeout)
+        log.warning(
+            "distcomm-run: not every node finished within %.0f s of this one; leaving",
+            self.config.exit_barrier_timeout,
+        )
         return RunResult.SUCCEEDED
 
     def _depart(self, info: RendezvousInfo) -> None:
@@ -546,8 +633,9 @@ class ElasticAgent:
     def _on_timer_expired(self, pid: int, scope: str, expiration_time: float) -> None:
         with self._expired_lock:
             self._expired[pid] = scope
-        log.warning("distcomm-run: worker pid %d overstayed expiration timer scope %r: killed",
-                    pid, scope)
+        log.warning(
+            "distcomm-run: worker pid %d overstayed expiration timer scope %r: killed", pid, scope
+        )
 
     # -- teardown -----------------------------------------------------------------------------
 
@@ -586,7 +674,6 @@ def launch(config: LaunchConfig) -> int:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO if os.environ.get("DISTCOMM_LAUNCH_VERBOSE") else
-                     logging.WARNING)
+        log.setLevel(logging.INFO if os.environ.get("DISTCOMM_LAUNCH_VERBOSE") else logging.WARNING)
         log.propagate = False
     return ElasticAgent(config).run()

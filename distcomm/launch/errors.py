@@ -39,8 +39,16 @@ from ..errors import DistError
 from ..procutil import signal_name
 from ..store import Store
 
-__all__ = ["ERROR_FILE_ENV", "TORCH_ERROR_FILE_ENV", "ChildFailedError", "ProcessFailure",
-           "exit_description", "gather_failures", "record", "share_failures"]
+__all__ = [
+    "ERROR_FILE_ENV",
+    "TORCH_ERROR_FILE_ENV",
+    "ChildFailedError",
+    "ProcessFailure",
+    "exit_description",
+    "gather_failures",
+    "record",
+    "share_failures",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +57,10 @@ ERROR_FILE_ENV = "DISTCOMM_ERROR_FILE"
 #: torchelastic's name for the same file, read when ours is unset (and set by the launcher)
 TORCH_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
-NO_TRACEBACK = ("(no traceback: decorate the entrypoint with @record to capture it, "
-                "or pass --log_dir/--redirects to keep its output)")
+NO_TRACEBACK = (
+    "(no traceback: decorate the entrypoint with @record to capture it, "
+    "or pass --log_dir/--redirects to keep its output)"
+)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -81,8 +91,7 @@ def _error_file_path() -> str:
 def _write_error_file(path: str, data: dict[str, Any]) -> None:
     """Write `data` as JSON to `path` atomically (a reader never sees half a file)."""
     if os.path.exists(path):
-        log.warning("error file %s already exists; overwriting it with this process's error",
-                    path)
+        log.warning("error file %s already exists; overwriting it with this process's error", path)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as fp:
@@ -100,14 +109,16 @@ def _exception_record(exc: BaseException, skip_frames: int = 0) -> dict[str, Any
     tb = exc.__traceback__
     for _ in range(skip_frames):
         tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
-    return {"message": {
-        "message": f"{type(exc).__name__}: {exc}",
-        "extraInfo": {
-            "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
-            "timestamp": str(now_ns // 1_000_000_000),
-            "timestamp_ns": str(now_ns),
-        },
-    }}
+    return {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
+                "timestamp": str(now_ns // 1_000_000_000),
+                "timestamp_ns": str(now_ns),
+            },
+        }
+    }
 
 
 def record(fn: _F) -> _F:
@@ -143,8 +154,11 @@ def record(fn: _F) -> _F:
                         data = exc.get_first_failure()[1].error_data
                     _write_error_file(path, data or _exception_record(exc, skip_frames=1))
                 except Exception as write_exc:
-                    log.warning("could not write the error file %s (%s); the exception "
-                                "follows unrecorded", path, write_exc)
+                    log.warning(
+                        "could not write the error file %s (%s); the exception follows unrecorded",
+                        path,
+                        write_exc,
+                    )
             raise
 
     return wrapper  # type: ignore[return-value]
@@ -257,8 +271,9 @@ class ProcessFailure:
             except OSError as exc:
                 return f"(could not read {stderr}: {exc})"
             if lines:
-                return (f"(no recorded traceback; last {len(lines)} lines of {stderr})\n"
-                        + "".join(lines).rstrip("\n"))
+                return f"(no recorded traceback; last {len(lines)} lines of {stderr})\n" + "".join(
+                    lines
+                ).rstrip("\n")
         return NO_TRACEBACK
 
     def to_record(self, tail: int = 20) -> dict[str, Any]:
@@ -267,11 +282,20 @@ class ProcessFailure:
         The message and the traceback (or the stderr tail) are read here, where the files
         are; the paths are kept only to be shown.
         """
-        return {"local_rank": self.local_rank, "rank": self.rank, "pid": self.pid,
-                "exitcode": self.exitcode, "error_file": self.error_file, "host": self.host,
-                "role": self.role, "log_files": dict(self.log_files), "reason": self.reason,
-                "timestamp": self.timestamp, "message": self.message,
-                "traceback": self.traceback_text(tail)[-_RECORD_TRACEBACK_CHARS:]}
+        return {
+            "local_rank": self.local_rank,
+            "rank": self.rank,
+            "pid": self.pid,
+            "exitcode": self.exitcode,
+            "error_file": self.error_file,
+            "host": self.host,
+            "role": self.role,
+            "log_files": dict(self.log_files),
+            "reason": self.reason,
+            "timestamp": self.timestamp,
+            "message": self.message,
+            "traceback": self.traceback_text(tail)[-_RECORD_TRACEBACK_CHARS:],
+        }
 
     @classmethod
     def from_record(cls, data: dict[str, Any]) -> ProcessFailure:
@@ -280,22 +304,30 @@ class ProcessFailure:
         Raises:
             KeyError, TypeError, ValueError: `data` is not such a record.
         """
-        failure = cls(local_rank=int(data["local_rank"]), rank=int(data["rank"]),
-                      pid=int(data["pid"]),
-                      exitcode=None if data["exitcode"] is None else int(data["exitcode"]),
-                      host=str(data["host"]), role=str(data["role"]),
-                      reason=str(data["reason"]), timestamp=float(data["timestamp"]))
+        failure = cls(
+            local_rank=int(data["local_rank"]),
+            rank=int(data["rank"]),
+            pid=int(data["pid"]),
+            exitcode=None if data["exitcode"] is None else int(data["exitcode"]),
+            host=str(data["host"]),
+            role=str(data["role"]),
+            reason=str(data["reason"]),
+            timestamp=float(data["timestamp"]),
+        )
         # set after __post_init__: the files are on the other node, not to be read here
         failure.error_file = str(data["error_file"])
         failure.log_files = {str(k): str(v) for k, v in data["log_files"].items()}
-        failure.error_data = {"message": {"message": str(data["message"]),
-                                          "extraInfo": {"py_callstack": str(data["traceback"])}}}
+        failure.error_data = {
+            "message": {
+                "message": str(data["message"]),
+                "extraInfo": {"py_callstack": str(data["traceback"])},
+            }
+        }
         return failure
 
     def timestamp_isoformat(self) -> str:
         """The failure time as local "YYYY-MM-DD_HH:MM:SS" (torch's format)."""
-        return datetime.fromtimestamp(self.timestamp or 0).isoformat(sep="_",
-                                                                    timespec="seconds")
+        return datetime.fromtimestamp(self.timestamp or 0).isoformat(sep="_", timespec="seconds")
 
 
 class ChildFailedError(DistError):
@@ -327,13 +359,25 @@ class ChildFailedError(DistError):
     def format_msg(self, border: str = "=", section: str = "-") -> str:
         """The failure report: a header, every other failed rank, then the root cause."""
         root_rank, root = self.get_first_failure()
-        others = [_format_failure(rank, self.failures[rank])
-                  for rank in sorted(self.failures) if rank != root_rank]
+        others = [
+            _format_failure(rank, self.failures[rank])
+            for rank in sorted(self.failures)
+            if rank != root_rank
+        ]
         rule, sep = border * _REPORT_WIDTH, section * _REPORT_WIDTH
-        return "\n".join([rule, f"{self.name} FAILED", sep, "Failures:",
-                          *(others or ["  <NO_OTHER_FAILURES>"]), sep,
-                          "Root Cause (first observed failure):",
-                          _format_failure(root_rank, root), rule])
+        return "\n".join(
+            [
+                rule,
+                f"{self.name} FAILED",
+                sep,
+                "Failures:",
+                *(others or ["  <NO_OTHER_FAILURES>"]),
+                sep,
+                "Root Cause (first observed failure):",
+                _format_failure(root_rank, root),
+                rule,
+            ]
+        )
 
 
 _REPORT_WIDTH = 72
@@ -349,9 +393,11 @@ def _format_failure(rank: int, failure: ProcessFailure) -> str:
         status = exit_description(code).removeprefix("exit code ")
     else:
         status = f"{code} ({failure.signal_name()})"
-    rows = [("time", failure.timestamp_isoformat()),
-            ("host", failure.host or "<unknown>"),
-            ("rank", f"{rank} (local_rank: {failure.local_rank})")]
+    rows = [
+        ("time", failure.timestamp_isoformat()),
+        ("host", failure.host or "<unknown>"),
+        ("rank", f"{rank} (local_rank: {failure.local_rank})"),
+    ]
     if failure.role != "default":
         rows.append(("role", failure.role))
     rows += [("pid", str(failure.pid)), ("exitcode", status)]
@@ -373,8 +419,9 @@ def _failures_key(round_: int, node: int) -> str:
     return f"failures/round_{round_}/node_{node}"
 
 
-def share_failures(store: Store, round_: int, node: int,
-                   failures: dict[int, ProcessFailure]) -> None:
+def share_failures(
+    store: Store, round_: int, node: int, failures: dict[int, ProcessFailure]
+) -> None:
     """Put node `node`'s failures of round `round_` in the run's `store` for the other
     nodes' reports (`gather_failures`).
 
@@ -404,6 +451,11 @@ def gather_failures(store: Store, round_: int, world_size: int) -> dict[int, Pro
                 failure = ProcessFailure.from_record(data)
                 failures[failure.rank] = failure
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("the failures node %d shared for round %d are unreadable (%s); the "
-                        "report leaves them out", node, round_, exc)
+            log.warning(
+                "the failures node %d shared for round %d are unreadable (%s); the "
+                "report leaves them out",
+                node,
+                round_,
+                exc,
+            )
     return failures

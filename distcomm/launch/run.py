@@ -19,8 +19,14 @@ from collections.abc import Sequence
 from .agent import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS, LaunchConfig, launch
 from .workers import parse_local_ranks_filter, parse_std
 
-__all__ = ["config_from_args", "get_args_parser", "main", "parse_args", "parse_min_max_nnodes",
-           "parse_signals"]
+__all__ = [
+    "config_from_args",
+    "get_args_parser",
+    "main",
+    "parse_args",
+    "parse_min_max_nnodes",
+    "parse_signals",
+]
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "file")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -56,12 +62,16 @@ def parse_signals(text: str) -> tuple[int, ...]:
         name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
         sig = getattr(signal.Signals, name, None)
         if sig is None:
-            raise ValueError(f"--signals_to_handle: {item!r} is not a signal name; give "
-                             f"names such as {_signal_names(DEFAULT_SIGNALS_TO_HANDLE)},"
-                             f"{_signal_names(FORWARDED_SIGNALS)}")
+            raise ValueError(
+                f"--signals_to_handle: {item!r} is not a signal name; give "
+                f"names such as {_signal_names(DEFAULT_SIGNALS_TO_HANDLE)},"
+                f"{_signal_names(FORWARDED_SIGNALS)}"
+            )
         if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGCONT):
-            raise ValueError(f"--signals_to_handle: {sig.name} cannot be handled to stop the "
-                             "run (it cannot be caught, or the agent needs its default)")
+            raise ValueError(
+                f"--signals_to_handle: {sig.name} cannot be handled to stop the "
+                "run (it cannot be caught, or the agent needs its default)"
+            )
         if sig not in signals:
             signals.append(sig)
     return tuple(int(sig) for sig in signals)
@@ -74,16 +84,26 @@ def _env_name(dest: str) -> str:
 class _EnvDefault(argparse.Action):
     """A flag whose default comes from DISTCOMM_<FLAG> when that is set."""
 
-    def __init__(self, option_strings: list[str], dest: str, default: object = None,
-                 required: bool = False, **kwargs: object) -> None:
+    def __init__(
+        self,
+        option_strings: list[str],
+        dest: str,
+        default: object = None,
+        required: bool = False,
+        **kwargs: object,
+    ) -> None:
         env = os.environ.get(_env_name(dest))
         if env is not None:
             default, required = env, False
-        super().__init__(option_strings, dest, default=default, required=required,
-                         **kwargs)  # type: ignore[arg-type]
+        super().__init__(option_strings, dest, default=default, required=required, **kwargs)  # type: ignore[arg-type]
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: object, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, values)
 
 
@@ -96,11 +116,15 @@ class _EnvFlag(argparse.Action):
         if lowered not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
             raise ValueError(f"{_env_name(dest)}={raw!r} is not a boolean: use 1 or 0")
         default = lowered in ("1", "true", "yes", "on")
-        super().__init__(option_strings, dest, nargs=0, default=default,
-                         **kwargs)  # type: ignore[arg-type]
+        super().__init__(option_strings, dest, nargs=0, default=default, **kwargs)  # type: ignore[arg-type]
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: object, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, True)
 
 
@@ -115,79 +139,163 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distcomm-run",
         description="distcomm's elastic launcher (torchrun's flags and semantics): starts "
-                    "--nproc_per_node workers on this node, joins them with the other nodes "
-                    "of the run, restarts the group on failures and membership changes.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "--nproc_per_node workers on this node, joins them with the other nodes "
+        "of the run, restarts the group on failures and membership changes.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
     def add(flag: str, help: str, **kwargs: object) -> None:
-        parser.add_argument(*_names(flag), action=_EnvDefault, help=help,
-                            **kwargs)  # type: ignore[arg-type]
+        parser.add_argument(*_names(flag), action=_EnvDefault, help=help, **kwargs)  # type: ignore[arg-type]
 
     def flag(flag: str, help: str, *short: str) -> None:
         parser.add_argument(*short, *_names(flag), action=_EnvFlag, help=help)
 
-    add("nnodes", "number of nodes, or the range MIN:MAX for an elastic job (default 1:1)",
-        default="1:1")
-    add("nproc_per_node", "workers per node: an integer, 'cpu' (one per CPU core), 'gpu' "
-        "(one per GPU) or 'auto' (GPUs if any, else CPU cores) (default 1)", default="1")
-    add("node_rank", "this node's rank for --rdzv_backend=static (0..nnodes-1)",
-        type=int, default=None)
-    add("master_addr", "static rendezvous: the address of node 0 (default 127.0.0.1)",
-        default="127.0.0.1")
-    add("master_port", "static rendezvous: node 0's store port (default: a free port on "
-        f"a single node, else {DEFAULT_MASTER_PORT})", type=int, default=None)
-    add("rdzv_backend", f"rendezvous backend: {', '.join(RDZV_BACKENDS)} (default static)",
-        default="static")
-    add("rdzv_endpoint", "rendezvous endpoint: host[:port] for c10d (port 29400 when "
-        "omitted) and etcd (port 2379), a shared file's path for file", default="")
+    add(
+        "nnodes",
+        "number of nodes, or the range MIN:MAX for an elastic job (default 1:1)",
+        default="1:1",
+    )
+    add(
+        "nproc_per_node",
+        "workers per node: an integer, 'cpu' (one per CPU core), 'gpu' "
+        "(one per GPU) or 'auto' (GPUs if any, else CPU cores) (default 1)",
+        default="1",
+    )
+    add(
+        "node_rank",
+        "this node's rank for --rdzv_backend=static (0..nnodes-1)",
+        type=int,
+        default=None,
+    )
+    add(
+        "master_addr",
+        "static rendezvous: the address of node 0 (default 127.0.0.1)",
+        default="127.0.0.1",
+    )
+    add(
+        "master_port",
+        "static rendezvous: node 0's store port (default: a free port on "
+        f"a single node, else {DEFAULT_MASTER_PORT})",
+        type=int,
+        default=None,
+    )
+    add(
+        "rdzv_backend",
+        f"rendezvous backend: {', '.join(RDZV_BACKENDS)} (default static)",
+        default="static",
+    )
+    add(
+        "rdzv_endpoint",
+        "rendezvous endpoint: host[:port] for c10d (port 29400 when "
+        "omitted) and etcd (port 2379), a shared file's path for file",
+        default="",
+    )
     add("rdzv_id", "run id shared by every node of the job (default 'none')", default="none")
-    add("rdzv_conf", "rendezvous settings key=value,...: join_timeout, last_call_timeout, "
+    add(
+        "rdzv_conf",
+        "rendezvous settings key=value,...: join_timeout, last_call_timeout, "
         "close_timeout, read_timeout, is_host, keep_alive_interval, "
-        "keep_alive_max_attempt", default="")
-    flag("standalone", "single-node job: a c10d rendezvous on a free local port with a "
-         "random run id (--rdzv_backend/--rdzv_endpoint/--rdzv_id are ignored)")
-    add("max_restarts", "restarts of the worker group on failures before the run fails "
-        "(counted over the whole run, not per node; default 0)", type=int, default=0)
-    add("monitor_interval", "seconds between checks of the workers (default 0.1)",
-        type=float, default=0.1)
-    add("start_method", f"{', '.join(START_METHODS)}: accepted for torchrun compatibility; "
-        "workers are always started as new processes running the script", default="spawn",
-        choices=START_METHODS)
+        "keep_alive_max_attempt",
+        default="",
+    )
+    flag(
+        "standalone",
+        "single-node job: a c10d rendezvous on a free local port with a "
+        "random run id (--rdzv_backend/--rdzv_endpoint/--rdzv_id are ignored)",
+    )
+    add(
+        "max_restarts",
+        "restarts of the worker group on failures before the run fails "
+        "(counted over the whole run, not per node; default 0)",
+        type=int,
+        default=0,
+    )
+    add(
+        "monitor_interval",
+        "seconds between checks of the workers (default 0.1)",
+        type=float,
+        default=0.1,
+    )
+    add(
+        "start_method",
+        f"{', '.join(START_METHODS)}: accepted for torchrun compatibility; "
+        "workers are always started as new processes running the script",
+        default="spawn",
+        choices=START_METHODS,
+    )
     add("role", "the workers' role name (ROLE_NAME; default 'default')", default="default")
     flag("module", "run the script as a module, like 'python -m'", "-m")
     flag("no_python", "run the script as a program, without prepending 'python'")
-    flag("run_path", "run the script (an absolute path) with runpy.run_path in a Python "
-         "interpreter; takes precedence over --no_python")
-    add("log_dir", "directory for the workers' log and error files (a run_id_xxxxx "
-        "subdirectory per run, attempt_N per restart)", default=None)
-    parser.add_argument("-r", *_names("redirects"), action=_EnvDefault, default="0",
-                        help="send workers' streams to log files only: 0 none, 1 stdout, 2 "
-                             "stderr, 3 both, for all local ranks ('3') or per local rank "
-                             "('0:1,1:2')")
-    parser.add_argument("-t", *_names("tee"), action=_EnvDefault, default="0",
-                        help="like --redirects, but also to the console, each line "
-                             "prefixed with '[rank]:'")
-    add("local_ranks_filter", "show only these local ranks' output on the console "
-        "('0' or '0,2'; log files keep everything)", default="")
-    add("log_line_prefix_template", "prefix each console line of a worker with this "
+    flag(
+        "run_path",
+        "run the script (an absolute path) with runpy.run_path in a Python "
+        "interpreter; takes precedence over --no_python",
+    )
+    add(
+        "log_dir",
+        "directory for the workers' log and error files (a run_id_xxxxx "
+        "subdirectory per run, attempt_N per restart)",
+        default=None,
+    )
+    parser.add_argument(
+        "-r",
+        *_names("redirects"),
+        action=_EnvDefault,
+        default="0",
+        help="send workers' streams to log files only: 0 none, 1 stdout, 2 "
+        "stderr, 3 both, for all local ranks ('3') or per local rank "
+        "('0:1,1:2')",
+    )
+    parser.add_argument(
+        "-t",
+        *_names("tee"),
+        action=_EnvDefault,
+        default="0",
+        help="like --redirects, but also to the console, each line prefixed with '[rank]:'",
+    )
+    add(
+        "local_ranks_filter",
+        "show only these local ranks' output on the console "
+        "('0' or '0,2'; log files keep everything)",
+        default="",
+    )
+    add(
+        "log_line_prefix_template",
+        "prefix each console line of a worker with this "
         "template (${rank}, ${local_rank}, ${role_name}); default '[${rank}]:' for teed "
-        "streams, none otherwise", default=None)
-    add("local_addr", "the address other nodes reach this node at, for the workers' store "
+        "streams, none otherwise",
+        default=None,
+    )
+    add(
+        "local_addr",
+        "the address other nodes reach this node at, for the workers' store "
         "that node 0 hosts with --rdzv_backend=etcd or file (default: 127.0.0.1 for "
         "single-node jobs; else an IP: the source address of the route to the etcd "
-        "endpoint, or for file the address of the default route's interface)", default=None)
-    add("shutdown_timeout", "seconds workers get after SIGTERM before SIGKILL when the "
-        "group is stopped (default 30)", type=float, default=30.0)
-    add("signals_to_handle", "comma-separated signals that stop the run, as in torchrun: "
+        "endpoint, or for file the address of the default route's interface)",
+        default=None,
+    )
+    add(
+        "shutdown_timeout",
+        "seconds workers get after SIGTERM before SIGKILL when the group is stopped (default 30)",
+        type=float,
+        default=30.0,
+    )
+    add(
+        "signals_to_handle",
+        "comma-separated signals that stop the run, as in torchrun: "
         "the agent sends the signal to every worker's process group, SIGKILL after "
         "--shutdown_timeout, and exits 128+signal (default "
         f"{_signal_names(DEFAULT_SIGNALS_TO_HANDLE)}). SIGUSR1 and SIGUSR2, unless listed "
         "here, are passed on to every worker process and the run goes on, so that a Slurm "
         "job (sbatch --signal=USR1@120) can checkpoint before it is pre-empted; list them "
         "to make them stop the run instead",
-        default=_signal_names(DEFAULT_SIGNALS_TO_HANDLE))
-    parser.add_argument("training_script", help="the program (or module with -m) each "
-                        "worker runs, followed by its arguments")
+        default=_signal_names(DEFAULT_SIGNALS_TO_HANDLE),
+    )
+    parser.add_argument(
+        "training_script",
+        help="the program (or module with -m) each worker runs, followed by its arguments",
+    )
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return parser
 
@@ -235,11 +343,14 @@ def determine_local_world_size(nproc_per_node: str) -> int:
         if gpus:
             return gpus
         if value == "gpu":
-            raise ValueError("--nproc_per_node=gpu but no CUDA device is usable here (needs "
-                             "CuPy and a GPU): pass a number or 'cpu'")
+            raise ValueError(
+                "--nproc_per_node=gpu but no CUDA device is usable here (needs "
+                "CuPy and a GPU): pass a number or 'cpu'"
+            )
         return os.cpu_count() or 1
-    raise ValueError(f"--nproc_per_node={nproc_per_node!r} is not a positive integer, "
-                     f"'cpu', 'gpu' or 'auto'")
+    raise ValueError(
+        f"--nproc_per_node={nproc_per_node!r} is not a positive integer, 'cpu', 'gpu' or 'auto'"
+    )
 
 
 def _parse_rdzv_conf(text: str) -> dict[str, str]:
@@ -247,8 +358,10 @@ def _parse_rdzv_conf(text: str) -> dict[str, str]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--rdzv_conf item {item!r} is not key=value "
-                             f"(e.g. join_timeout=600,last_call_timeout=30)")
+            raise ValueError(
+                f"--rdzv_conf item {item!r} is not key=value "
+                f"(e.g. join_timeout=600,last_call_timeout=30)"
+            )
         conf[key.strip()] = value.strip()
     return conf
 
@@ -258,12 +371,16 @@ def _command(args: argparse.Namespace) -> list[str]:
     if args.run_path:
         if not os.path.isabs(script):
             raise ValueError(f"--run_path needs the script as an absolute path, got {script!r}")
-        runner = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-                  "runpy.run_path(sys.argv[0], run_name='__main__')")
+        runner = (
+            "import runpy, sys; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')"
+        )
         return [sys.executable, "-u", "-c", runner, script, *rest]
     if args.no_python and args.module:
-        raise ValueError("--no_python and -m/--module cannot be used together: a module "
-                         "needs the Python interpreter")
+        raise ValueError(
+            "--no_python and -m/--module cannot be used together: a module "
+            "needs the Python interpreter"
+        )
     if args.no_python:
         return [script, *rest]
     if args.module:
@@ -282,14 +399,17 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     if args.standalone:
         if max_nodes != 1:
-            raise ValueError(f"--standalone runs one node, but --nnodes={args.nnodes}: drop "
-                             f"--standalone and use --rdzv_backend=c10d for several nodes")
+            raise ValueError(
+                f"--standalone runs one node, but --nnodes={args.nnodes}: drop "
+                f"--standalone and use --rdzv_backend=c10d for several nodes"
+            )
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
     if backend not in RDZV_BACKENDS:
         raise ValueError(f"--rdzv_backend={backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
     if args.start_method not in START_METHODS:  # a DISTCOMM_START_METHOD default skips choices
-        raise ValueError(f"--start_method={args.start_method!r} is not one of "
-                         f"{', '.join(START_METHODS)}")
+        raise ValueError(
+            f"--start_method={args.start_method!r} is not one of {', '.join(START_METHODS)}"
+        )
     max_restarts = int(args.max_restarts)
     if max_restarts < 0:
         raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
@@ -303,42 +423,65 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     master_port = args.master_port
     if backend == "static":
         if min_nodes != max_nodes:
-            raise ValueError(f"--rdzv_backend=static needs a fixed --nnodes, got "
-                             f"{args.nnodes}: use c10d, etcd or file for an elastic range")
+            raise ValueError(
+                f"--rdzv_backend=static needs a fixed --nnodes, got "
+                f"{args.nnodes}: use c10d, etcd or file for an elastic range"
+            )
         if max_nodes == 1:
             node_rank = 0 if node_rank == -1 else node_rank
         if not 0 <= node_rank < max_nodes:
-            raise ValueError(f"--node_rank must be in 0..{max_nodes - 1} for --nnodes="
-                             f"{args.nnodes} with --rdzv_backend=static, got "
-                             f"{args.node_rank}")
+            raise ValueError(
+                f"--node_rank must be in 0..{max_nodes - 1} for --nnodes="
+                f"{args.nnodes} with --rdzv_backend=static, got "
+                f"{args.node_rank}"
+            )
         if master_port is None:
             master_port = 0 if max_nodes == 1 else DEFAULT_MASTER_PORT
     if master_port is not None and not 0 <= int(master_port) <= 65535:
         raise ValueError(f"--master_port must be in 0..65535, got {master_port}")
     if backend in ("c10d", "etcd", "file") and not endpoint:
         if backend == "file":
-            raise ValueError("--rdzv_backend=file needs --rdzv_endpoint=PATH (a file on a "
-                             "filesystem every node shares)")
+            raise ValueError(
+                "--rdzv_backend=file needs --rdzv_endpoint=PATH (a file on a "
+                "filesystem every node shares)"
+            )
         if max_nodes > 1 or backend == "etcd":
-            raise ValueError(f"--rdzv_backend={backend} needs --rdzv_endpoint=HOST[:PORT] "
-                             f"naming the {'etcd server' if backend == 'etcd' else 'node'} "
-                             f"every agent reaches")
+            raise ValueError(
+                f"--rdzv_backend={backend} needs --rdzv_endpoint=HOST[:PORT] "
+                f"naming the {'etcd server' if backend == 'etcd' else 'node'} "
+                f"every agent reaches"
+            )
         endpoint = "localhost:0"
     redirects = parse_std(str(args.redirects), nproc, "--redirects")
     tee = parse_std(str(args.tee), nproc, "--tee")
     console = parse_local_ranks_filter(str(args.local_ranks_filter or ""), nproc)
     signals = parse_signals(args.signals_to_handle)
     return LaunchConfig(
-        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
-        command=_command(args), name=os.path.basename(args.training_script), run_id=run_id,
-        role=args.role, rdzv_backend=backend,
-        rdzv_endpoint=endpoint, rdzv_configs=_parse_rdzv_conf(args.rdzv_conf),
-        max_restarts=max_restarts, monitor_interval=monitor, start_method=args.start_method,
-        log_dir=args.log_dir, redirects=redirects, tee=tee, console_ranks=console,
-        log_line_prefix_template=args.log_line_prefix_template, local_addr=args.local_addr,
-        node_rank=node_rank, master_addr=args.master_addr,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        command=_command(args),
+        name=os.path.basename(args.training_script),
+        run_id=run_id,
+        role=args.role,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=_parse_rdzv_conf(args.rdzv_conf),
+        max_restarts=max_restarts,
+        monitor_interval=monitor,
+        start_method=args.start_method,
+        log_dir=args.log_dir,
+        redirects=redirects,
+        tee=tee,
+        console_ranks=console,
+        log_line_prefix_template=args.log_line_prefix_template,
+        local_addr=args.local_addr,
+        node_rank=node_rank,
+        master_addr=args.master_addr,
         master_port=0 if master_port is None else int(master_port),
-        shutdown_timeout=shutdown, signals_to_handle=signals)
+        shutdown_timeout=shutdown,
+        signals_to_handle=signals,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,8 +25,15 @@ from ..errors import DistError
 from ..store import Store
 from .rendezvous import RendezvousHandler, RoundView
 
-__all__ = ["SLOW_STORE_S", "Observation", "RoundWatch", "RunResult", "barrier_step",
-           "failed_round_key", "next_step"]
+__all__ = [
+    "SLOW_STORE_S",
+    "Observation",
+    "RoundWatch",
+    "RunResult",
+    "barrier_step",
+    "failed_round_key",
+    "next_step",
+]
 
 log = logging.getLogger("distcomm.launch")
 
@@ -119,8 +126,15 @@ class RoundWatch:
         slow_after: seconds after which a read counts as slow and is logged.
     """
 
-    def __init__(self, handler: RendezvousHandler, run_store: Store, round_: int, where: str,
-                 interval: float = 0.5, slow_after: float = SLOW_STORE_S) -> None:
+    def __init__(
+        self,
+        handler: RendezvousHandler,
+        run_store: Store,
+        round_: int,
+        where: str,
+        interval: float = 0.5,
+        slow_after: float = SLOW_STORE_S,
+    ) -> None:
         self._handler = handler
         self._run_store = run_store
         self._key = failed_round_key(round_)
@@ -133,8 +147,9 @@ class RoundWatch:
         self._pending_since: float | None = None
         self._stall_told = False
         self._failing = False
-        self._thread = threading.Thread(target=self._run, name=f"distcomm-watch-{round_}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"distcomm-watch-{round_}", daemon=True
+        )
 
     def start(self) -> None:
         """Start reading (the first read at once)."""
@@ -164,8 +179,12 @@ class RoundWatch:
             if tell:
                 self._stall_told = True
         if tell:
-            log.warning("distcomm-run: %s has not answered for %.1f s (is the link to it "
-                        "down?); the workers are still watched", self._where, pending)
+            log.warning(
+                "distcomm-run: %s has not answered for %.1f s (is the link to it "
+                "down?); the workers are still watched",
+                self._where,
+                pending,
+            )
         return pending
 
     def read_once(self) -> Observation:
@@ -187,9 +206,13 @@ class RoundWatch:
                 seen = self.read_once()
             except (DistError, OSError) as exc:
                 if not self._failing:
-                    log.warning("distcomm-run: %s failed to answer (%s); retrying every "
-                                "%.1f s while the workers are watched", self._where, exc,
-                                self._interval)
+                    log.warning(
+                        "distcomm-run: %s failed to answer (%s); retrying every "
+                        "%.1f s while the workers are watched",
+                        self._where,
+                        exc,
+                        self._interval,
+                    )
                 self._failing = True
                 seen = None
             finally:

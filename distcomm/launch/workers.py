@@ -55,8 +55,14 @@ import psutil
 from ..procutil import PR_SET_PDEATHSIG, load_prctl
 from .errors import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV
 
-__all__ = ["MAX_LINE_BYTES", "PARTIAL_LINE_FLUSH_S", "Std", "WorkerProcesses",
-           "parse_local_ranks_filter", "parse_std"]
+__all__ = [
+    "MAX_LINE_BYTES",
+    "PARTIAL_LINE_FLUSH_S",
+    "Std",
+    "WorkerProcesses",
+    "parse_local_ranks_filter",
+    "parse_std",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +80,10 @@ _READ_SIZE = 64 * 1024
 #: serializes whole-line writes to the agent's console across all workers and instances
 _CONSOLE_LOCK = threading.Lock()
 
-_STD_FORMS = ("one value for every local rank (e.g. 3) or local_rank:value pairs "
-              "(e.g. 0:3,1:1), where 0 = none, 1 = stdout, 2 = stderr, 3 = both")
+_STD_FORMS = (
+    "one value for every local rank (e.g. 3) or local_rank:value pairs "
+    "(e.g. 0:3,1:1), where 0 = none, 1 = stdout, 2 = stderr, 3 = both"
+)
 
 
 class Std(enum.IntEnum):
@@ -87,8 +95,11 @@ class Std(enum.IntEnum):
     ALL = 3
 
 
-def parse_std(spec: str, local_world_size: int, flag: str = "--redirects/--tee",
-              ) -> dict[int, Std]:
+def parse_std(
+    spec: str,
+    local_world_size: int,
+    flag: str = "--redirects/--tee",
+) -> dict[int, Std]:
     """Parse a ``--redirects`` or ``--tee`` value into local rank -> Std.
 
     Args:
@@ -126,8 +137,10 @@ def parse_std(spec: str, local_world_size: int, flag: str = "--redirects/--tee",
             raise bad(f"cannot read {item.strip()!r}")
         local_rank = int(match[1])
         if local_rank >= local_world_size:
-            raise bad(f"local rank {local_rank} is outside 0..{local_world_size - 1} "
-                      f"({local_world_size} workers per node)")
+            raise bad(
+                f"local rank {local_rank} is outside 0..{local_world_size - 1} "
+                f"({local_world_size} workers per node)"
+            )
         if local_rank in seen:
             raise bad(f"local rank {local_rank} appears twice")
         seen.add(local_rank)
@@ -158,7 +171,8 @@ def parse_local_ranks_filter(spec: str, local_world_size: int) -> set[int] | Non
             raise ValueError(
                 f"--local_ranks_filter={spec!r}: {token!r} is not a local rank in "
                 f"0..{local_world_size - 1}; expected comma-separated local ranks "
-                f"(e.g. 0,2), or nothing for all ranks")
+                f"(e.g. 0,2), or nothing for all ranks"
+            )
         ranks.add(int(token))
     return ranks
 
@@ -191,8 +205,15 @@ def _gone(proc: psutil.Process) -> bool:
 class _Pump:
     """Copies one worker stream from its pipe to a log file and/or the agent's console."""
 
-    def __init__(self, source: IO[bytes], file: IO[bytes] | None, console: str | None,
-                 prefix: str, wake_fd: int, name: str) -> None:
+    def __init__(
+        self,
+        source: IO[bytes],
+        file: IO[bytes] | None,
+        console: str | None,
+        prefix: str,
+        wake_fd: int,
+        name: str,
+    ) -> None:
         self.source, self.file, self.console = source, file, console
         self.prefix = prefix.encode("utf-8", "surrogateescape")
         self.wake_fd, self.name = wake_fd, name
@@ -250,8 +271,12 @@ class _Pump:
             self.file.write(chunk)
             self.file.flush()
         except (OSError, ValueError) as exc:
-            log.warning("%s: writing %s failed (%s); its output reaches the file no more",
-                        self.name, getattr(self.file, "name", "the log file"), exc)
+            log.warning(
+                "%s: writing %s failed (%s); its output reaches the file no more",
+                self.name,
+                getattr(self.file, "name", "the log file"),
+                exc,
+            )
             with contextlib.suppress(OSError, ValueError):
                 self.file.close()
             self.file = None
@@ -274,8 +299,13 @@ class _Pump:
                     stream.write(lines.decode("utf-8", "replace"))
                     stream.flush()
         except (OSError, ValueError, AttributeError) as exc:
-            log.warning("%s: the agent's %s is unusable (%s); this worker's output reaches "
-                        "the console no more", self.name, self.console, exc)
+            log.warning(
+                "%s: the agent's %s is unusable (%s); this worker's output reaches "
+                "the console no more",
+                self.name,
+                self.console,
+                exc,
+            )
             self.console = None
 
 
@@ -308,14 +338,24 @@ class WorkerProcesses:
         ValueError: `commands` is empty, has an empty argv, or its ranks differ from `envs`'.
     """
 
-    def __init__(self, commands: dict[int, list[str]], envs: dict[int, dict[str, str]], *,
-                 log_dir: str | None, redirects: dict[int, Std], tee: dict[int, Std],
-                 console_ranks: set[int] | None, prefixes: dict[int, str]) -> None:
+    def __init__(
+        self,
+        commands: dict[int, list[str]],
+        envs: dict[int, dict[str, str]],
+        *,
+        log_dir: str | None,
+        redirects: dict[int, Std],
+        tee: dict[int, Std],
+        console_ranks: set[int] | None,
+        prefixes: dict[int, str],
+    ) -> None:
         if not commands:
             raise ValueError("WorkerProcesses needs at least one worker command")
         if set(commands) != set(envs):
-            raise ValueError(f"local ranks of commands {sorted(commands)} and of envs "
-                             f"{sorted(envs)} differ; give every worker both")
+            raise ValueError(
+                f"local ranks of commands {sorted(commands)} and of envs "
+                f"{sorted(envs)} differ; give every worker both"
+            )
         for local_rank, argv in commands.items():
             if not argv:
                 raise ValueError(f"local rank {local_rank}: the worker command is empty")
@@ -351,8 +391,10 @@ class WorkerProcesses:
         """
         with self._lock:
             if self._started:
-                raise RuntimeError("WorkerProcesses.start() was already called; make a new "
-                                   "WorkerProcesses for another attempt")
+                raise RuntimeError(
+                    "WorkerProcesses.start() was already called; make a new "
+                    "WorkerProcesses for another attempt"
+                )
             self._started = True
             self._log_dir = self._make_log_dir()
             self._wake = os.pipe()
@@ -412,12 +454,20 @@ class WorkerProcesses:
                     targets[name] = subprocess.DEVNULL
             argv = self._commands[local_rank]
             try:
-                proc = subprocess.Popen(argv, env=env, stdout=targets["stdout"],
-                                        stderr=targets["stderr"], start_new_session=True,
-                                        preexec_fn=setup, close_fds=True)
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdout=targets["stdout"],
+                    stderr=targets["stderr"],
+                    start_new_session=True,
+                    preexec_fn=setup,
+                    close_fds=True,
+                )
             except OSError as exc:
-                raise OSError(exc.errno, f"local rank {local_rank}: cannot start "
-                                         f"{shlex.join(argv)}: {exc.strerror}") from exc
+                raise OSError(
+                    exc.errno,
+                    f"local rank {local_rank}: cannot start {shlex.join(argv)}: {exc.strerror}",
+                ) from exc
         except BaseException:
             for file in opened:
                 file.close()
@@ -429,8 +479,9 @@ class WorkerProcesses:
         for name, (file, _) in pumps.items():
             source = proc.stdout if name == "stdout" else proc.stderr
             assert source is not None
-            pump = _Pump(source, file, name, prefix, self._wake[0],
-                         f"local rank {local_rank} {name}")
+            pump = _Pump(
+                source, file, name, prefix, self._wake[0], f"local rank {local_rank} {name}"
+            )
             self._pumps.append(pump)
             pump.thread.start()
 
@@ -462,9 +513,13 @@ class WorkerProcesses:
             if sig != signal.SIGKILL:
                 targets = self._wait(targets, deadline)
                 if targets or self._running():
-                    log.info("%d processes of the workers' trees still running %.1f s "
-                             "after %s; sending SIGKILL", len(targets) + len(self._running()),
-                             grace, signal.Signals(sig).name)
+                    log.info(
+                        "%d processes of the workers' trees still running %.1f s "
+                        "after %s; sending SIGKILL",
+                        len(targets) + len(self._running()),
+                        grace,
+                        signal.Signals(sig).name,
+                    )
                     targets = self._tree(targets)
                     self._signal(signal.SIGKILL, targets)
             left = self._wait(targets, time.monotonic() + KILL_WAIT_S)
@@ -472,8 +527,10 @@ class WorkerProcesses:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=0 if left else KILL_WAIT_S)
             if left or self._running():
-                log.warning("processes %s did not end after SIGKILL (uninterruptible?)",
-                            sorted({p.pid for p in left} | {p.pid for p in self._running()}))
+                log.warning(
+                    "processes %s did not end after SIGKILL (uninterruptible?)",
+                    sorted({p.pid for p in left} | {p.pid for p in self._running()}),
+                )
             else:
                 self._stopped = True
 
@@ -506,9 +563,11 @@ class WorkerProcesses:
                 pump.thread.join(max(0.0, deadline - time.monotonic()))
             stuck = [pump for pump in self._pumps if pump.thread.is_alive()]
             if stuck and self._wake is not None:
-                log.warning("output of %s still open after its worker ended (a process "
-                            "outside the worker's tree holds it); no longer copying it",
-                            ", ".join(pump.name for pump in stuck))
+                log.warning(
+                    "output of %s still open after its worker ended (a process "
+                    "outside the worker's tree holds it); no longer copying it",
+                    ", ".join(pump.name for pump in stuck),
+                )
                 os.write(self._wake[1], b"x")
                 for pump in stuck:
                     pump.thread.join(PUMP_JOIN_S)

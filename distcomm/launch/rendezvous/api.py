@@ -15,9 +15,16 @@ from dataclasses import dataclass, field
 from ...errors import DistError
 from ...store import PrefixStore, Store
 
-__all__ = ["RendezvousClosedError", "RendezvousConnectionError", "RendezvousError",
-           "RendezvousHandler", "RendezvousInfo", "RendezvousParameters",
-           "RendezvousTimeoutError", "RoundView"]
+__all__ = [
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousHandler",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousTimeoutError",
+    "RoundView",
+]
 
 
 class RendezvousError(DistError):
@@ -58,14 +65,26 @@ class RendezvousInfo:
     bootstrap_address: tuple[str, int] | None = None
 
     @classmethod
-    def for_round(cls, store: Store, run_id: str, round: int, rank: int, world_size: int,
-                  bootstrap_address: tuple[str, int] | None = None) -> RendezvousInfo:
+    def for_round(
+        cls,
+        store: Store,
+        run_id: str,
+        round: int,
+        rank: int,
+        world_size: int,
+        bootstrap_address: tuple[str, int] | None = None,
+    ) -> RendezvousInfo:
         """A round's info with the namespaces every backend uses in `store`:
         ``/rdzv/<run_id>/round_<round>`` for the round, ``/rdzv/<run_id>/run`` for the run."""
         root = f"/rdzv/{run_id}"
-        return cls(store=PrefixStore(f"{root}/round_{round}", store),
-                   run_store=PrefixStore(f"{root}/run", store), rank=rank,
-                   world_size=world_size, round=round, bootstrap_address=bootstrap_address)
+        return cls(
+            store=PrefixStore(f"{root}/round_{round}", store),
+            run_store=PrefixStore(f"{root}/run", store),
+            rank=rank,
+            world_size=world_size,
+            round=round,
+            bootstrap_address=bootstrap_address,
+        )
 
 
 @dataclass(frozen=True)

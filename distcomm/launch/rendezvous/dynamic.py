@@ -152,10 +152,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise ValueError(f"--rdzv_id must be a non-empty string, got {run_id!r}")
         if not isinstance(store, Store):
             raise TypeError(f"the rendezvous needs a distcomm Store, got {type(store).__name__}")
-        if (isinstance(keep_alive_max_attempt, bool) or not isinstance(keep_alive_max_attempt, int)
-                or keep_alive_max_attempt < 1):
-            raise ValueError(f"--rdzv_conf keep_alive_max_attempt={keep_alive_max_attempt!r} "
-                             "must be a whole number >= 1")
+        if (
+            isinstance(keep_alive_max_attempt, bool)
+            or not isinstance(keep_alive_max_attempt, int)
+            or keep_alive_max_attempt < 1
+        ):
+            raise ValueError(
+                f"--rdzv_conf keep_alive_max_attempt={keep_alive_max_attempt!r} "
+                "must be a whole number >= 1"
+            )
         self._run_id = run_id
         self._store = store
         self._backend = backend_name
@@ -216,8 +221,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """The current state (a transaction whose step changes nothing)."""
         return self._transact(lambda state: (None, False), Deadline(None), what)[0]
 
-    def _transact(self, step: Callable[[RendezvousState], tuple[_T, bool]], deadline: Deadline,
-                  what: str) -> tuple[RendezvousState, _T]:
+    def _transact(
+        self, step: Callable[[RendezvousState], tuple[_T, bool]], deadline: Deadline, what: str
+    ) -> tuple[RendezvousState, _T]:
         """Read the state, run `step` on it and, if it changed, compare_set it; again on a
         conflict. Returns the state (as written, or as read when unchanged) and step's result.
 
@@ -259,8 +265,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _log_dropped(self, nodes: list[str]) -> None:
         for node in nodes:
-            log.warning("%s: node %s missed its heartbeats for %.1f s: dropped", self._where(),
-                        node, self._limits.dead_after)
+            log.warning(
+                "%s: node %s missed its heartbeats for %.1f s: dropped",
+                self._where(),
+                node,
+                self._limits.dead_after,
+            )
 
     def _heartbeat_loop(self) -> None:
         failing = False
@@ -273,15 +283,24 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 failing = False
             except Exception as exc:  # the thread must go on: the store may come back
                 if not failing:
-                    log.warning("%s: heartbeat failed (retrying every %.1f s): %s",
-                                self._where(), self._interval, exc)
+                    log.warning(
+                        "%s: heartbeat failed (retrying every %.1f s): %s",
+                        self._where(),
+                        self._interval,
+                        exc,
+                    )
                 failing = True
             took = time.monotonic() - started
             if took > self._interval:
-                log.warning("%s: a heartbeat of node %s took %.1f s (the store or the link to "
-                            "it is slow or down); the other nodes drop a node whose "
-                            "heartbeats stop for %.1f s", self._where(), self.node_id, took,
-                            self._limits.dead_after)
+                log.warning(
+                    "%s: a heartbeat of node %s took %.1f s (the store or the link to "
+                    "it is slow or down); the other nodes drop a node whose "
+                    "heartbeats stop for %.1f s",
+                    self._where(),
+                    self.node_id,
+                    took,
+                    self._limits.dead_after,
+                )
 
     def _start_heartbeats(self) -> None:
         if self._heartbeat is None:
@@ -298,8 +317,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     # -- joining ----------------------------------------------------------------------------
 
-    def _join_step(self, state: RendezvousState, leaving: bool,
-                   expired: bool) -> tuple[tuple[Action, RendezvousState | None], bool]:
+    def _join_step(
+        self, state: RendezvousState, leaving: bool, expired: bool
+    ) -> tuple[tuple[Action, RendezvousState | None], bool]:
         """One step of joining: (the action, the state before it when timing out), changed."""
         now = time.time()
         changed = leave_round(state, self.node_id) if leaving and not state.closed else False
@@ -318,11 +338,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         limits = self._limits
         sizes = f"min {limits.min_nodes}, max {limits.max_nodes}"
         if state.complete:
-            why = (f"round {state.round} is running with {len(state.participants)} node(s) "
-                   f"({sizes}) and did not end to let this node in")
+            why = (
+                f"round {state.round} is running with {len(state.participants)} node(s) "
+                f"({sizes}) and did not end to let this node in"
+            )
         else:
-            why = (f"{len(state.participants)} node(s) joined round {state.round} ({sizes}) "
-                   f"and {len(state.wait_list)} wait(s)")
+            why = (
+                f"{len(state.participants)} node(s) joined round {state.round} ({sizes}) "
+                f"and {len(state.wait_list)} wait(s)"
+            )
         return RendezvousTimeoutError(
             f"{self._where()} did not complete within join_timeout={self._join_timeout:g} s: "
             f"{why}; start the missing nodes with the same --rdzv_id and --rdzv_endpoint, or "
@@ -330,9 +354,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
     def _info(self, state: RendezvousState) -> RendezvousInfo:
-        return RendezvousInfo.for_round(self._store, self._run_id, state.round,
-                                        state.participants[self.node_id],
-                                        len(state.participants), self._bootstrap_address)
+        return RendezvousInfo.for_round(
+            self._store,
+            self._run_id,
+            state.round,
+            state.participants[self.node_id],
+            len(state.participants),
+            self._bootstrap_address,
+        )
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and wait until it is complete.
@@ -360,14 +389,24 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if action is Action.FINISH:
                 self._round, self._joined_any = state.round, True
                 self._round_size = len(state.participants)
-                log.info("%s: round %d complete: node %s is rank %d of %d", self._where(),
-                         state.round, self.node_id, state.participants[self.node_id],
-                         len(state.participants))
+                log.info(
+                    "%s: round %d complete: node %s is rank %d of %d",
+                    self._where(),
+                    state.round,
+                    self.node_id,
+                    state.participants[self.node_id],
+                    len(state.participants),
+                )
                 return self._info(state)
             if action is Action.CLOSED:
-                hint = "" if self._joined_any else (
-                    " (if no run with this id is going on, the state is an earlier run's, "
-                    "which etcd and file stores keep: use a new --rdzv_id)")
+                hint = (
+                    ""
+                    if self._joined_any
+                    else (
+                        " (if no run with this id is going on, the state is an earlier run's, "
+                        "which etcd and file stores keep: use a new --rdzv_id)"
+                    )
+                )
                 self._round = None
                 raise RendezvousClosedError(
                     f"{self._where()} is closed: the run is over or was stopped, and no new "
@@ -448,11 +487,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         drop_dead(state, self.node_id, self._limits, time.time())  # a copy: nothing written
         count = num_waiting(state, self._limits)
         mine = self._round
-        over = mine is not None and (state.round != mine
-                                     or self.node_id not in state.participants
-                                     or len(state.participants) < self._round_size)
-        return RoundView(closed=state.closed, nodes_waiting=max(1, count) if over else count,
-                         round_over=over)
+        over = mine is not None and (
+            state.round != mine
+            or self.node_id not in state.participants
+            or len(state.participants) < self._round_size
+        )
+        return RoundView(
+            closed=state.closed, nodes_waiting=max(1, count) if over else count, round_over=over
+        )
 
     def shutdown(self) -> bool:
         """Stop the heartbeats, leave the participants and the wait list, close the owned
@@ -498,26 +540,40 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if not others:
                 return
             if deadline.expired():
-                log.warning("%s: closing the store this node hosts while %d node(s) still "
-                            "use it (close_timeout=%g s)", self._where(), others,
-                            self._close_timeout)
+                log.warning(
+                    "%s: closing the store this node hosts while %d node(s) still "
+                    "use it (close_timeout=%g s)",
+                    self._where(),
+                    others,
+                    self._close_timeout,
+                )
                 return
             if not told:
-                log.info("%s: waiting up to %g s for %d node(s) to leave before closing the "
-                         "store this node hosts", self._where(), deadline.remaining() or 0.0,
-                         others)
+                log.info(
+                    "%s: waiting up to %g s for %d node(s) to leave before closing the "
+                    "store this node hosts",
+                    self._where(),
+                    deadline.remaining() or 0.0,
+                    others,
+                )
                 told = True
             delay = deadline.nap(delay, _POLL_MOST)
 
     def __repr__(self) -> str:
-        return (f"DynamicRendezvousHandler(run_id={self._run_id!r}, backend={self._backend!r}, "
-                f"node={self.node_id!r})")
+        return (
+            f"DynamicRendezvousHandler(run_id={self._run_id!r}, backend={self._backend!r}, "
+            f"node={self.node_id!r})"
+        )
 
 
-def create_handler(store: Store, params: RendezvousParameters,
-                   bootstrap_address: tuple[str, int] | None = None, *,
-                   owned_store: Store | None = None,
-                   hosts_store: bool = False) -> DynamicRendezvousHandler:
+def create_handler(
+    store: Store,
+    params: RendezvousParameters,
+    bootstrap_address: tuple[str, int] | None = None,
+    *,
+    owned_store: Store | None = None,
+    hosts_store: bool = False,
+) -> DynamicRendezvousHandler:
     """A DynamicRendezvousHandler for `params` (the --rdzv_conf values checked) over `store`.
 
     Raises:

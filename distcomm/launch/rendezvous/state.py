@@ -25,6 +25,7 @@ __all__ = [
     "withdraw",
 ]
 
+
 @dataclass
 class RendezvousState:
     """The shared state of a run's rendezvous (stored as one JSON blob).
@@ -78,8 +79,15 @@ class RendezvousState:
 
     def membership(self) -> tuple[object, ...]:
         """Everything but the heartbeats: what a waiting node watches for changes."""
-        return (self.round, self.complete, self.closed, sorted(self.participants.items()),
-                tuple(self.wait_list), self.deadline, tuple(self.previous))
+        return (
+            self.round,
+            self.complete,
+            self.closed,
+            sorted(self.participants.items()),
+            tuple(self.wait_list),
+            self.deadline,
+            tuple(self.previous),
+        )
 
 
 @dataclass(frozen=True)
@@ -191,16 +199,18 @@ def drop_dead(state: RendezvousState, node: str, limits: Limits, now: float) -> 
     Returns the nodes removed (empty: the state did not change).
     """
     known = set(state.participants) | set(state.wait_list) | set(state.last_heartbeats)
-    dead = [other for other in sorted(known - {node})
-            if now - state.last_heartbeats.get(other, float("-inf")) > limits.dead_after]
+    dead = [
+        other
+        for other in sorted(known - {node})
+        if now - state.last_heartbeats.get(other, float("-inf")) > limits.dead_after
+    ]
     for other in dead:
         withdraw(state, other, limits, now)
         state.last_heartbeats.pop(other, None)
     return dead
 
 
-def decide(state: RendezvousState, node: str, limits: Limits, now: float,
-           expired: bool) -> Action:
+def decide(state: RendezvousState, node: str, limits: Limits, now: float, expired: bool) -> Action:
     """The next action of `node`, which wants to be in a complete round.
 
     Args:
@@ -217,14 +227,16 @@ def decide(state: RendezvousState, node: str, limits: Limits, now: float,
         return Action.WAIT if node in state.wait_list else Action.ENTER_WAIT_LIST
     if not member:
         return Action.JOIN
-    if (len(state.participants) >= limits.min_nodes and state.deadline is not None
-            and now >= state.deadline) or everyone_back(state, limits):
+    if (
+        len(state.participants) >= limits.min_nodes
+        and state.deadline is not None
+        and now >= state.deadline
+    ) or everyone_back(state, limits):
         return Action.COMPLETE
     return Action.WAIT
 
 
-def apply(state: RendezvousState, action: Action, node: str, limits: Limits,
-          now: float) -> bool:
+def apply(state: RendezvousState, action: Action, node: str, limits: Limits, now: float) -> bool:
     """Carry out `action` for `node` on `state`; returns whether the state changed."""
     if action is Action.JOIN:
         if node in state.wait_list:
