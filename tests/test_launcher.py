@@ -787,24 +787,38 @@ LATE_FAILURE_WORKER = """
 """
 
 
-@pytest.mark.parametrize("max_restarts", [0, 1])
-def test_failure_after_another_node_succeeded_fails_every_node(tmp_path, max_restarts):
+@pytest.mark.parametrize(
+    "backend, max_restarts", [("c10d", 0), ("c10d", 1), ("static", 1), ("file", 0)]
+)
+def test_failure_after_another_node_succeeded_fails_every_node(tmp_path, backend, max_restarts):
     """The node whose workers succeeded leaves its exit barrier when the other node's fail:
     every node exits 1 with the report of the failure (its root cause) instead of waiting
     out the 300 s barrier and exiting 0; with a restart left, both nodes run again."""
     out = tmp_path / "out"
     out.mkdir()
     worker = script(tmp_path / "late.py", LATE_FAILURE_WORKER)
-    procs = _nodes(
-        tmp_path,
-        "c10d",
-        f"127.0.0.1:{_free_port()}",
-        "2",
-        2,
-        worker,
-        str(out),
-        extra=(f"--max_restarts={max_restarts}",),
-    )
+    restarts = f"--max_restarts={max_restarts}"
+    if backend == "static":
+        port = _free_port()
+        procs = [
+            agent(
+                [
+                    "--nnodes=2",
+                    f"--node_rank={rank}",
+                    "--nproc_per_node=2",
+                    restarts,
+                    "--master_addr=127.0.0.1",
+                    f"--master_port={port}",
+                    str(worker),
+                    str(out),
+                ],
+                tmp_path,
+            )
+            for rank in (1, 0)
+        ]
+    else:
+        endpoint = f"127.0.0.1:{_free_port()}" if backend == "c10d" else str(tmp_path / "rdzv")
+        procs = _nodes(tmp_path, backend, endpoint, "2", 2, worker, str(out), extra=(restarts,))
     try:
         results = {proc.pid: finish(proc, 150) for proc in procs}
     finally:
