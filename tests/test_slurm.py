@@ -49,6 +49,8 @@ PYTHON = sys.executable
 
 # A rank that reports what it became: init_process_group(BACKEND) with no arguments, an
 # all_reduce of rank + 1, and whether mpi4py's MPI (MPI_Init) was loaded along the way.
+# Results are written with one write() each: ranks share the output file, and print()
+# writes a line and its newline apart when the output is unbuffered.
 RANK_SCRIPT = """
 import os, sys
 import numpy as np
@@ -61,9 +63,9 @@ rank, size = dist.get_rank(), dist.get_world_size()
 total = np.array([rank + 1.0])
 dist.all_reduce(total)
 port = detect_environment().master_port
-print(f"RESULT step={os.environ.get('SLURM_STEP_ID')} rank={rank} size={size} "
-      f"sum={total[0]:g} backend={dist.get_backend()} port={port} "
-      f"mpi={'mpi4py.MPI' in sys.modules}", flush=True)
+os.write(1, f"RESULT step={os.environ.get('SLURM_STEP_ID')} rank={rank} size={size} "
+            f"sum={total[0]:g} backend={dist.get_backend()} port={port} "
+            f"mpi={'mpi4py.MPI' in sys.modules}\\n".encode())
 dist.destroy_process_group()
 """
 
@@ -106,8 +108,8 @@ while not seen and time.monotonic() < deadline:
     time.sleep(0.05)
 count = np.array([float(len(seen))])
 dist.all_reduce(count)
-print(f"RESULT rank={rank} got_sigusr1={bool(seen)} ranks_that_got_it={count[0]:g}",
-      flush=True)
+os.write(1, f"RESULT rank={rank} got_sigusr1={bool(seen)} "
+            f"ranks_that_got_it={count[0]:g}\\n".encode())
 dist.destroy_process_group()
 sys.exit(0 if seen else 3)
 """
@@ -374,9 +376,11 @@ def test_sigusr1_to_distcomm_run_reaches_the_workers(cluster, tmp_path, notice) 
     )
     options = ["-n", "1", "-c", "2", "--output=job.out"]
     if notice == "sbatch --signal":
-        # a 1-minute job asks for SIGUSR1 to its batch step once 55 s or less remain: Slurm
-        # sends it at its next time-limit check (they run every 30 s or so)
-        job = _sbatch(cluster, batch, *options, "--signal=B:USR1@55", minutes=1)
+        # a 2-minute job asks for SIGUSR1 to its batch step 65 s before its end. Slurm
+        # checks time limits every 30 s and sends the notice at the first check where the
+        # time left is below 65 + 30 s: 25 to 55 s after the start, long after the agent
+        # and its workers are ready, and over a minute before the limit
+        job = _sbatch(cluster, batch, *options, "--signal=B:USR1@65", minutes=2)
     else:
         job = _sbatch(cluster, batch, *options)
         _wait_for_files([tmp_path / "ready-0", tmp_path / "ready-1"], job, cluster)
@@ -385,7 +389,7 @@ def test_sigusr1_to_distcomm_run_reaches_the_workers(cluster, tmp_path, notice) 
     assert (state, code) == ("COMPLETED", "0:0"), (
         f"job {job} ended {state}, ExitCode {code} (status:signal); its output:\n{output}"
     )
-    rows = _results(re.sub(r"^\[\d+\]:", "", output, flags=re.M))
+    rows = _results(output)
     assert [row["rank"] for row in rows] == ["0", "1"], output
     for row in rows:
         assert (row["got_sigusr1"], row["ranks_that_got_it"]) == ("True", "2"), output
@@ -413,7 +417,7 @@ def test_one_distcomm_run_per_node_under_sbatch(cluster, tmp_path) -> None:
     job = _sbatch(cluster, batch, "-N", "1", "--ntasks-per-node=1", "-c", "2", "--output=job.out")
     state, code, output = _wait_job(cluster, job, tmp_path / "job.out")
     assert (state, code) == ("COMPLETED", "0:0"), output
-    rows = _results(re.sub(r"^\[\d+\]:", "", output, flags=re.M))
+    rows = _results(output)
     assert [row["rank"] for row in rows] == ["0", "1"], output
     for row in rows:
         assert (row["size"], row["sum"], row["backend"]) == ("2", "3", "gloo"), output
