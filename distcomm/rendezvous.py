@@ -562,23 +562,34 @@ def check_mpi_world_size(
             one came from, and what to do.
         ValueError: a launcher variable holds no integer.
     """
-    info = _detect(os.environ if environ is None else environ, {}, False)
+    env = os.environ if environ is None else environ
+    info = _detect(env, {}, False)
     size, source = info.world_size, str(info.source_of("world_size"))
     if size is None or size == mpi_size:
         return
-    name = (library.strip().splitlines() or ["its MPI library"])[0].strip()
+    name = " ".join((library.strip().splitlines() or ["its MPI library"])[0].split())
     launcher = _launcher_of(source)
     head = (
         f"init_process_group('mpi'): MPI.COMM_WORLD has {mpi_size} process(es), but the "
         f"launcher announced a world of {size} ({source}={size}, {launcher})"
     )
-    if launcher == "Slurm" and info.srun:
+    apart = "; each process is an MPI world of its own" if mpi_size == 1 else ""
+    plugin = "pmix" if env.get("PMIX_RANK") else "pmi2" if env.get("PMI_RANK") else None
+    if launcher == "Slurm" and info.srun and plugin is None:
         why = (
-            f"srun started {size} tasks without an MPI plugin that connects them through "
-            f"mpi4py's MPI ({name}), so each task is an MPI world of its own. Start the "
-            f"tasks with 'srun --mpi=pmi2' (MPICH, Intel MPI and MVAPICH speak PMI-2; "
+            f"srun started {size} tasks with no MPI plugin (--mpi=none, the default unless "
+            f"slurm.conf sets MpiDefault), so mpi4py's MPI ({name}) found no PMI to join "
+            f"them{apart}. Start "
+            f"the tasks with 'srun --mpi=pmi2' (MPICH, Intel MPI and MVAPICH speak PMI-2; "
             f"'srun --mpi=list' shows this Slurm's plugins), or have the administrator set "
             f"MpiDefault=pmi2 in slurm.conf"
+        )
+    elif launcher == "Slurm" and info.srun:
+        why = (
+            f"srun started {size} tasks with its {plugin} plugin, which mpi4py's MPI "
+            f"({name}) did not use{apart}: start them with a plugin that library speaks "
+            f"('srun --mpi=pmi2' for MPICH, Intel MPI and MVAPICH, 'srun --mpi=pmix' for "
+            f"Open MPI; 'srun --mpi=list' shows this Slurm's plugins)"
         )
     elif launcher == "Slurm":
         why = (
@@ -595,9 +606,9 @@ def check_mpi_world_size(
     else:
         why = (
             f"the {launcher} launcher that started this job is not the MPI library that "
-            f"mpi4py loaded ({name}), so each process is an MPI world of its own: start the "
-            f"job with the mpiexec of mpi4py's MPI library, or rebuild mpi4py against the "
-            f"launcher's MPI (pip install --no-binary mpi4py mpi4py, with its mpicc on PATH)"
+            f"mpi4py loaded ({name}){apart}: start the job with the mpiexec of mpi4py's MPI "
+            f"library, or rebuild mpi4py against the launcher's MPI (pip install "
+            f"--no-binary mpi4py mpi4py, with its mpicc on PATH)"
         )
     raise DistBackendError(f"{head}: {why}")
 

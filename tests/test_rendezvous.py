@@ -743,7 +743,13 @@ def test_srun_task_never_loads_mpi(monkeypatch) -> None:
         (  # plain srun -n 4: no MPI plugin, every task a world of one
             {**_slurm_env(1), "SLURM_STEP_NUM_TASKS": "4"},
             ["MPI.COMM_WORLD has 1 process(es)", "a world of 4", "SLURM_STEP_NUM_TASKS=4",
-             "srun --mpi=pmi2", "MpiDefault=pmi2", "srun --mpi=list", "Fake MPI 1.0"],
+             "no MPI plugin", "srun --mpi=pmi2", "MpiDefault=pmi2", "srun --mpi=list",
+             "Fake MPI 1.0", "each process is an MPI world of its own"],
+        ),
+        (  # srun --mpi=pmix -n 4, an MPI library that does not use PMIx
+            {**_slurm_env(1, "pmix"), "SLURM_STEP_NUM_TASKS": "4"},
+            ["a world of 4", "its pmix plugin", "did not use", "srun --mpi=pmi2",
+             "srun --mpi=pmix"],
         ),
         (  # python run straight from the batch script of a 10-task job
             BATCH,
