@@ -10,9 +10,11 @@ can reach this machine's own interfaces or beyond, and no route leads out of the
 Every command a host runs gets a UTS namespace of its own with the host's name (which no
 /etc/hosts entry or DNS server resolves, as on a cluster whose nodes only know each
 other's addresses). Namespace names carry the test process's pid and a counter, so
-clusters of parallel tests never meet. `Cluster.close` (also on leaving the `with`
-block) kills every process inside the cluster's namespaces, whoever started it, waits
-for them, and deletes the namespaces, which removes the veth pairs and the addresses.
+clusters of parallel tests never meet, after a prefix (DISTCOMM_TEST_NETNS_PREFIX,
+default "dc"): "dc4242x0-h1" is host 1 of process 4242's first cluster. `Cluster.close`
+(also on leaving the `with` block) kills every process inside the cluster's namespaces,
+whoever started it, waits for them, and deletes the namespaces, which removes the veth
+pairs and the addresses.
 
 `unavailable()` says why clusters cannot be made here (not root, no `ip netns`);
 `require()` turns that into a skip, or a failure when DISTCOMM_TEST_REQUIRE_NETNS=1.
@@ -68,6 +70,8 @@ COMMAND_TIMEOUT = 30.0
 #: seconds processes get after SIGKILL to be gone before close() reports them
 KILL_TIMEOUT = 10.0
 REQUIRE_VARIABLE = "DISTCOMM_TEST_REQUIRE_NETNS"
+#: names the clusters' namespaces begin with (default "dc"), then the pid and a counter
+PREFIX_VARIABLE = "DISTCOMM_TEST_NETNS_PREFIX"
 
 _counter = itertools.count()
 
@@ -334,7 +338,13 @@ class Cluster:
     """
 
     def __init__(self, hosts: int) -> None:
-        self.tag = f"dc{os.getpid()}x{next(_counter)}"
+        prefix = os.environ.get(PREFIX_VARIABLE, "dc")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix):
+            raise ValueError(
+                f"{PREFIX_VARIABLE}={prefix!r}: use 1 to 16 lowercase letters and digits, "
+                "starting with a letter (it begins namespace and host names)"
+            )
+        self.tag = f"{prefix}{os.getpid()}x{next(_counter)}"
         self.subnet = _free_subnet()
         addresses = list(self.subnet.hosts())
         self.switch = f"{self.tag}-sw"
