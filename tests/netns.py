@@ -70,6 +70,8 @@ COMMAND_TIMEOUT = 30.0
 #: seconds processes get after SIGKILL to be gone before close() reports them
 KILL_TIMEOUT = 10.0
 REQUIRE_VARIABLE = "DISTCOMM_TEST_REQUIRE_NETNS"
+#: set to 1 to run the multi-host tests at all (they are not part of a plain `pytest`)
+OPT_IN_VARIABLE = "DISTCOMM_TEST_CLUSTERS"
 #: names the clusters' namespaces begin with (default "dc"), then the pid and a counter
 PREFIX_VARIABLE = "DISTCOMM_TEST_NETNS_PREFIX"
 
@@ -119,14 +121,22 @@ def unavailable() -> str | None:
 
 
 def require() -> None:
-    """Skip the calling test (or module) when clusters cannot be made; fail instead when
-    DISTCOMM_TEST_REQUIRE_NETNS=1 (a machine that must run these tests)."""
+    """Skip the calling test (or module) unless DISTCOMM_TEST_CLUSTERS=1 or
+    DISTCOMM_TEST_REQUIRE_NETNS=1 asks for it, or when clusters cannot be made; fail instead
+    when DISTCOMM_TEST_REQUIRE_NETNS=1 (a machine that must run these tests)."""
     import pytest
 
+    required = os.environ.get(REQUIRE_VARIABLE) == "1"
+    if not required and os.environ.get(OPT_IN_VARIABLE) != "1":
+        pytest.skip(
+            "the multi-host tests make network namespaces and run for minutes: run them "
+            f"with .ci/hosts, or with {OPT_IN_VARIABLE}=1",
+            allow_module_level=True,
+        )
     reason = unavailable()
     if reason is None:
         return
-    if os.environ.get(REQUIRE_VARIABLE) == "1":
+    if required:
         pytest.fail(
             f"{reason} ({REQUIRE_VARIABLE}=1 requires network-namespace hosts)", pytrace=False
         )

@@ -23,7 +23,8 @@ tests assert the agents' exit statuses, what the workers reported and what they 
 - benchmarks/collectives.py run as the ranks of distcomm-run across hosts.
 
 Tests that measure something (detection and restart times, the stall) print it; run with
-`-s` to see. The module skips without root or `ip netns`; DISTCOMM_TEST_REQUIRE_NETNS=1
+`-s` to see. The module runs only with DISTCOMM_TEST_CLUSTERS=1 (`.ci/hosts` sets the
+variable below); it skips without root or `ip netns`; DISTCOMM_TEST_REQUIRE_NETNS=1
 turns that into a failure.
 """
 
