@@ -595,7 +595,8 @@ def check_mpi_world_size(
         why = (
             f"this process is not one of the tasks of a job step (the batch script runs "
             f"once, whatever the job's task count): start the {size} tasks with "
-            f"'srun --mpi=pmi2 python ...' from the batch script"
+            f"'srun --mpi=pmi2 python ...' from the batch script, or set WORLD_SIZE=1 "
+            f"to run this one process on its own"
         )
     elif launcher == "torch style":
         why = (

@@ -19,10 +19,12 @@ pid (SIGTERM, then SIGKILL) and removes the directory. Clients find the cluster 
 
     from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
-The fixture skips when a Slurm or munge binary is missing, unless
-DISTCOMM_TEST_REQUIRE_SLURM=1, which turns the skip into a failure. This module never
-installs anything: ``.ci/slurm`` does (apt-get install munge slurmctld slurmd slurm-client
-libpmix-dev; Slurm's mpi/pmix plugin loads libpmix.so, which only the -dev package has).
+The fixture skips unless DISTCOMM_TEST_CLUSTERS=1 (or the variable below) asks for the
+Slurm tests, which a plain `pytest` leaves to ``.ci/slurm``. It skips when a Slurm or
+munge binary is missing, unless DISTCOMM_TEST_REQUIRE_SLURM=1, which turns the skip into a
+failure. This module never installs anything: ``.ci/slurm`` does (apt-get install munge
+slurmctld slurmd slurm-client libpmix-dev; Slurm's mpi/pmix plugin loads libpmix.so,
+which only the -dev package has).
 """
 
 from __future__ import annotations
@@ -431,7 +433,17 @@ def unavailable(message: str) -> None:
 
 
 def require_slurm() -> None:
-    """`unavailable` when a Slurm or munge binary is missing."""
+    """Skip unless DISTCOMM_TEST_CLUSTERS=1 or DISTCOMM_TEST_REQUIRE_SLURM=1 asks for the
+    Slurm tests (they start daemons and run for a minute or more, so a plain `pytest` leaves
+    them to ``.ci/slurm``); `unavailable` when a Slurm or munge binary is missing."""
+    if (
+        os.environ.get("DISTCOMM_TEST_REQUIRE_SLURM") != "1"
+        and os.environ.get("DISTCOMM_TEST_CLUSTERS") != "1"
+    ):
+        pytest.skip(
+            "the Slurm tests start a Slurm cluster and run for a minute or more: run them "
+            "with .ci/slurm, or with DISTCOMM_TEST_CLUSTERS=1"
+        )
     missing = missing_binaries()
     if missing:
         unavailable(f"{INSTALL_HINT}; missing: {', '.join(missing)}")

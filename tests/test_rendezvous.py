@@ -753,7 +753,8 @@ def test_srun_task_never_loads_mpi(monkeypatch) -> None:
         ),
         (  # python run straight from the batch script of a 10-task job
             BATCH,
-            ["a world of 10", "SLURM_NTASKS=10", "batch script", "srun --mpi=pmi2"],
+            ["a world of 10", "SLURM_NTASKS=10", "batch script", "srun --mpi=pmi2",
+             "WORLD_SIZE=1"],
         ),
         (  # Open MPI's mpirun, MPICH's mpi4py
             {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"},
@@ -782,10 +783,12 @@ def test_mpi_world_size_disagreement_says_what_to_do(env: dict[str, str], words:
         {**_slurm_env(1, "pmi2"), "SLURM_STEP_NUM_TASKS": "4", "PMI_SIZE": "4"},
         {"PMI_RANK": "0", "PMI_SIZE": "4"},
         {"RANK": "0", "WORLD_SIZE": "4"},
+        {**BATCH, "WORLD_SIZE": "1"},  # one process on its own in a 10-task job's script
     ],
 )
 def test_mpi_world_size_agreement_passes(env: dict[str, str]) -> None:
-    check_mpi_world_size(1 if not env else 4, "Fake MPI 1.0", environ=env)
+    size = 1 if not env or env.get("WORLD_SIZE") == "1" else 4
+    check_mpi_world_size(size, "Fake MPI 1.0", environ=env)
 
 
 # -- the quickstart: which processes are ranks of a launched job --------------------------------
