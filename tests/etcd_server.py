@@ -27,6 +27,8 @@ import time
 
 import pytest
 
+from tests import processes
+
 __all__ = ["EtcdServer", "etcd_binary", "etcd_endpoint", "find_etcd"]
 
 HOST = "127.0.0.1"
@@ -173,13 +175,8 @@ class EtcdServer:
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after a grace period), remove its data."""
         process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(STOP_GRACE)
+        if process is not None:
+            processes.stop(process, STOP_GRACE)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> EtcdServer:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from collections.abc import Iterator
 
 import psutil
 
-__all__ = ["descendants", "no_process_left"]
+__all__ = ["descendants", "no_process_left", "stop"]
 
 
 def descendants(ignore: tuple[str, ...] = ()) -> dict[int, float]:
@@ -39,3 +40,16 @@ def no_process_left(ignore: tuple[str, ...] = ()) -> Iterator[None]:
         except psutil.Error:
             pass
     assert not left, f"processes left behind: {sorted(left)}"
+
+
+def stop(process: subprocess.Popen, grace: float) -> None:
+    """End a process the test started: SIGTERM, up to `grace` seconds, then SIGKILL and up
+    to `grace` seconds more (a process that survives even that raises TimeoutExpired)."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(grace)

@@ -44,6 +44,8 @@ from collections.abc import Mapping
 
 import pytest
 
+from tests import processes
+
 __all__ = ["BINARIES", "SlurmCluster", "missing_binaries", "slurm_cluster", "unavailable"]
 
 HOST = "127.0.0.1"
@@ -403,14 +405,8 @@ class SlurmCluster:
                     time.sleep(0.2)
         for name in ("slurmd", "slurmctld", "munged"):
             process = self.processes.pop(name, None)
-            if process is None or process.poll() is not None:
-                continue
-            process.terminate()
-            try:
-                process.wait(STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(STOP_GRACE)
+            if process is not None:
+                processes.stop(process, STOP_GRACE)
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def __enter__(self) -> SlurmCluster:
