@@ -156,15 +156,17 @@ class Work:
     def wait(self, timeout: float | timedelta | None = None) -> bool:
         """Block until the operation completes; True on success.
 
-        Without `timeout` the group's timeout bounds the wait. When `timeout` expires the
-        operation is cancelled (a pending receive) or its group aborted (a collective,
-        which cannot be abandoned half-way), and `DistTimeoutError` is raised.
+        Without `timeout`, or with a zero one (``timedelta(0)``, torch's ``kNoTimeout``:
+        "no explicit timeout", never "give up at once"), the group's timeout bounds the
+        wait. When `timeout` expires the operation is cancelled (a pending receive) or its
+        group aborted (a collective, which cannot be abandoned half-way), and
+        `DistTimeoutError` is raised.
 
         Raises:
             DistError: the operation failed; the error names the op, the group and the peers.
         """
         seconds = to_seconds(timeout)
-        if seconds is None:
+        if not seconds:  # None or 0: no explicit timeout, as in torch
             seconds = self._default_timeout
         if not self._future._done.wait(seconds):
             if self._on_timeout is None:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+from datetime import timedelta
 
 import numpy as np
 import psutil
@@ -149,6 +150,23 @@ def test_work_wait_timeout_raises_and_aborts(backend):
     assert kind == "DistTimeoutError" and "Work.wait timeout" in message, results
     assert "rank(s) 1 have not called collective #0" in message, results
     assert results[1][0] != "ok" and "aborted" in results[1][1], results
+
+
+def _work_wait_zero(zero) -> tuple[str, str, float]:
+    # timedelta(0) is torch's "no explicit timeout": the group timeout bounds the wait
+    x = np.full(4, dist.get_rank() + 1.0)
+    if dist.get_rank() == 1:
+        time.sleep(2)
+    work = dist.all_reduce(x, async_op=True)
+    kind, message = _outcome(work.wait, zero)
+    return kind, message, float(x[0])
+
+
+@pytest.mark.parametrize("zero", [timedelta(0), 0], ids=["timedelta0", "int0"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_work_wait_zero_means_no_explicit_timeout(backend, zero):
+    results = run_ranks(_work_wait_zero, 2, zero, backend=backend, timeout=40, init_timeout=60)
+    assert results == [("ok", "", 3.0), ("ok", "", 3.0)], results
 
 
 def _recv_timeout_then_recover() -> list:
