@@ -43,6 +43,9 @@ class Config:
         socket_ifname: DISTCOMM_SOCKET_IFNAME: the network interface whose IPv4
             address backend connections bind (default: the route to the store).
         timeout: DISTCOMM_TIMEOUT: default process-group timeout in seconds.
+        stall_warn_s: DISTCOMM_STALL_WARN_S (default 30; 0: off): seconds after which
+            `init_process_group`, still waiting for ranks, warns which ranks are missing,
+            then again after twice as long each time.
         debug: DISTCOMM_DEBUG: OFF, INFO (log group setup, teardown and aborts to stderr)
             or DETAIL (also every collective, with its sequence number and signature).
         use_agent_store: DISTCOMM_USE_AGENT_STORE: the store at MASTER_ADDR:MASTER_PORT
@@ -64,6 +67,7 @@ class Config:
     auth_key: bytes | None = None
     socket_ifname: str | None = None
     timeout: float = DEFAULT_TIMEOUT
+    stall_warn_s: float = 30.0
     debug: str = "OFF"
     use_agent_store: bool = False
     store_prefix: str = ""
@@ -113,6 +117,16 @@ def load(environ: dict[str, str] | None = None) -> Config:
             ) from None
         if timeout <= 0:
             raise ValueError(f"DISTCOMM_TIMEOUT must be > 0 seconds, got {timeout}")
+    stall_text = env.get("DISTCOMM_STALL_WARN_S", "").strip() or "30"
+    try:
+        stall_warn_s = float(stall_text)
+    except ValueError:
+        stall_warn_s = -1.0
+    if not 0 <= stall_warn_s < float("inf"):
+        raise ValueError(
+            f"DISTCOMM_STALL_WARN_S={stall_text!r} is not a number of seconds >= 0: write e.g."
+            " 30 (the default), or 0 to turn the stall warnings off"
+        )
     debug = env.get("DISTCOMM_DEBUG", "OFF").strip().upper() or "OFF"
     if debug not in _DEBUG_LEVELS:
         raise ValueError(f"DISTCOMM_DEBUG={debug!r} is not one of {', '.join(_DEBUG_LEVELS)}")
@@ -120,6 +134,7 @@ def load(environ: dict[str, str] | None = None) -> Config:
         auth_key=key.encode() if key else None,
         socket_ifname=env.get("DISTCOMM_SOCKET_IFNAME") or None,
         timeout=timeout,
+        stall_warn_s=stall_warn_s,
         debug=debug,
         use_agent_store=_flag(
             "DISTCOMM_USE_AGENT_STORE", env.get("DISTCOMM_USE_AGENT_STORE", "")

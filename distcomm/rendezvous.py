@@ -43,11 +43,18 @@ derived port lies in 12000-31999, below Linux's ephemeral range (32768-60999), s
 outgoing connection holds it; jobs whose ids are equal modulo 2000 and share a first node
 collide, and so do steps whose ids are equal modulo 10: set MASTER_PORT.
 
-For ``env://`` and ``tcp://``, rank 0 hosts the TCPStore at the address and waits for the
-world to connect; the others connect. With DISTCOMM_USE_AGENT_STORE=1 (a launcher already
-serves the store there) every rank connects, rank 0 included, and keeps its keys under
+For ``env://`` and ``tcp://``, rank 0 hosts the TCPStore at the address; the others
+connect. With DISTCOMM_USE_AGENT_STORE=1 (a launcher already serves the store there) and
+``env://`` every rank connects, rank 0 included, and keeps its keys under
 DISTCOMM_STORE_PREFIX when that is set (the launcher sets one per round, so restarted
-workers never see the keys of an earlier round).
+workers never see the keys of an earlier round). An explicit ``tcp://`` init_method (or a
+store=) wins over the launcher's store: rank 0 hosts it as without a launcher.
+
+Then every rank sets a key of its own in the store and waits for the others' (a fresh
+TCPStore, or the launcher's round prefix; not for file:// or a store= that may hold keys of
+an earlier run). While ranks are missing, a warning after DISTCOMM_STALL_WARN_S seconds
+(default 30; 0: none), then after 60, 120, ... more, says how many ranks joined and which
+did not; at the timeout the error names them.
 
 Bootstrap over MPI: with ``env://``, no agent store, MASTER_ADDR or MASTER_PORT unset, and
 an MPI launcher (the first rank variable set is OMPI_COMM_WORLD_RANK, PMIX_RANK or
@@ -58,7 +65,9 @@ address, else at 127.0.0.1 when every rank runs on its host, else at its host na
 address (or its first non-loopback IPv4 address), on MASTER_PORT or a free port, and
 broadcasts "host:port" with ``MPI.COMM_WORLD.bcast``; the others connect. Every process
 must reach the rendezvous within the timeout (a non-blocking barrier is polled), and an
-error of rank 0's is broadcast, so no rank waits forever. If mpi4py is missing, or its MPI
+error of rank 0's is broadcast, so no rank waits forever. It installs
+`mpiutil.install_abort_hook`, so a rank's uncaught exception later aborts the job instead of
+leaving that rank in MPI_Finalize while the others wait. If mpi4py is missing, or its MPI
 library is not the launcher's (its COMM_WORLD has another size), the Slurm values apply
 where complete, else the error says to install mpi4py or set MASTER_ADDR and MASTER_PORT.
 
@@ -79,6 +88,7 @@ import numbers
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -89,7 +99,14 @@ import psutil
 
 from . import config, mpiutil
 from .deadline import Deadline, to_seconds
-from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError
+from .errors import (
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    DistStoreTimeoutError,
+    DistTimeoutError,
+)
 from .net import format_address, interface_address
 from .store import FileStore, PrefixStore, Store, TCPStore
 
@@ -711,6 +728,66 @@ def _open_store(make: Callable[[], Store], context: str, os_error: type[DistErro
         raise os_error(f"{context}: {exc}") from exc
 
 
+_JOINED = "distcomm/rendezvous/joined/"
+_STALL_BACKOFF = 2.0
+
+
+def _join(
+    store: Store, rank: int, size: int, seconds: float, warn_after: float, where: str
+) -> None:
+    """Set this rank's key in `store` and wait for every rank's, for at most `seconds`.
+
+    While some are missing, warn after `warn_after` seconds (0: never), then after twice
+    as long as the previous wait each time, naming the ranks that joined and those missing.
+
+    Raises:
+        DistTimeoutError: some ranks did not join in time; the message names them.
+        DistStoreError: the store failed.
+    """
+    keys = [f"{_JOINED}{r}" for r in range(size)]
+    store.set(keys[rank], str(os.getpid()))
+    deadline = Deadline(seconds)
+    started = time.monotonic()
+    interval = warn_after
+    warn_at = warn_after if warn_after > 0 else math.inf
+    while True:
+        left = deadline.remaining()
+        left = math.inf if left is None else max(left, 0.0)
+        step = min(left, max(warn_at - (time.monotonic() - started), 0.001))
+        try:
+            store.wait(keys, step)
+            return
+        except DistStoreTimeoutError:
+            pass
+        waited = time.monotonic() - started
+        missing = [r for r in range(size) if not store.check([keys[r]])]
+        if not missing:
+            return
+        joined = size - len(missing)
+        shown = ", ".join(map(str, missing[:32])) + (" ..." if len(missing) > 32 else "")
+        if deadline.expired():
+            raise DistTimeoutError(
+                f"{where}: only {joined} of {size} ranks joined the store within "
+                f"{seconds:.1f} s; rank(s) {shown} never did: start every rank with the same "
+                f"store address and world size, or look at the missing ranks' output for an "
+                f"error"
+            )
+        if waited >= warn_at:
+            interval *= _STALL_BACKOFF
+            warn_at = waited + interval
+            log.warning(
+                "%s: still waiting after %.0f s: %d of %d ranks joined the store; missing "
+                "rank(s) %s. Start them, or check their output for an error (waiting up to "
+                "the timeout, %.0f s; DISTCOMM_STALL_WARN_S=0 turns this warning off)",
+                where,
+                waited,
+                joined,
+                size,
+                shown,
+                seconds,
+            )
+
+
 def _mpi_launcher(env: Mapping[str, str]) -> tuple[str, str] | None:
     """(variable, launcher) when the first rank variable set in `env` is an MPI one and srun
     did not start this process (srun's MPI plugins export PMI variables too)."""
@@ -940,7 +1017,8 @@ def rendezvous(
             opened, the_rank, size, info.local_rank, info.local_world_size, source=method.url
         )
     cfg = config.load(dict(env))
-    agent = cfg.use_agent_store
+    # an explicit tcp:// address is the script's own store, not the launcher's
+    agent = cfg.use_agent_store and method.scheme == "env"
     hint = ""
     mpi_launch = _mpi_launcher(env)
     if (
@@ -962,6 +1040,9 @@ def rendezvous(
                 why, remedy = str(exc), "repair mpi4py"
             else:
                 if mpi.COMM_WORLD.Get_size() == size:
+                    # MPI is initialised now: a rank that raises would sit in MPI_Finalize
+                    # and the others wait for the group timeout unless the error aborts
+                    mpiutil.install_abort_hook()
                     return _bootstrap_over_mpi(
                         mpi, info, the_rank, size, seconds, launcher, where, cfg.socket_ifname
                     )
@@ -1000,13 +1081,20 @@ def rendezvous(
             world_size=size,
             is_master=hosting,
             timeout=seconds,
-            wait_for_workers=not agent,
+            wait_for_workers=False,  # _join waits, naming the ranks still missing
         ),
         context,
         DistNetworkError,
     )
     if agent and cfg.store_prefix:
         opened = _RoundStore(cfg.store_prefix, opened)
+    if not agent or cfg.store_prefix:
+        try:
+            store_at = f"{where} (the store at {format_address(host, port)})"
+            _join(opened, the_rank, size, seconds, cfg.stall_warn_s, store_at)
+        except BaseException:
+            opened.close()
+            raise
     launcher = info.launcher
     if method.scheme == "tcp":
         source = f"tcp://{format_address(host, port)}"

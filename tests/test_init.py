@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import distcomm as dist
 from tests.harness import run_ranks
+
+REPO = str(Path(__file__).resolve().parent.parent)
 
 
 def _free_port() -> int:
@@ -147,3 +153,59 @@ def test_missing_rank_lists_what_was_looked_for():
                                             "MASTER_PORT": "29999"})[0]
     for word in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         assert word in message, message
+
+
+# -- ranks that never start: warnings while init waits, then it completes ----------------------
+
+JOIN_SCRIPT = """
+import sys
+import numpy as np
+import distcomm as dist
+
+dist.init_process_group("tcp", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=3,
+                        timeout=600)  # far beyond the test's deadline
+x = np.ones(2)
+dist.all_reduce(x)
+print(f"sum {x[0]:.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _start(script, url: str, rank: int, stall: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCOMM_")}
+    env.update(DISTCOMM_STALL_WARN_S=stall, DISTCOMM_SOCKET_IFNAME="lo",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])))
+    return subprocess.Popen([sys.executable, str(script), url, str(rank)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stall", ["0.5", "0"])
+def test_init_warns_which_ranks_are_missing_then_completes(tmp_path, stall):
+    script = tmp_path / "join.py"
+    script.write_text(JOIN_SCRIPT)
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [_start(script, url, rank, stall) for rank in (0, 1)]
+    try:
+        time.sleep(4)  # 0.5 s, then 1 s, then 2 s more: three warnings at least
+        for proc in procs:
+            assert proc.poll() is None, proc.communicate()
+        procs.append(_start(script, url, 2, stall))
+        outputs = [proc.communicate(timeout=60) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0 and out.strip() == "sum 3", (out, err)
+    for rank in (0, 1):
+        err = outputs[rank][1]
+        warnings = [line for line in err.splitlines() if "still waiting" in line]
+        if stall == "0":
+            assert not warnings, err
+            continue
+        assert 2 <= len(warnings) <= 5, err  # backoff: not one per poll
+        assert f"[rank {rank}/3]" in warnings[0], err
+        assert "2 of 3 ranks joined the store; missing rank(s) 2" in warnings[0], err
+    assert "still waiting" not in outputs[2][1], outputs[2]

@@ -1055,3 +1055,36 @@ def test_agent_watches_its_workers_while_the_store_does_not_answer(tmp_path):
     assert "failed as told" in results[1][2]  # the worker's own output
     # the late answer, once it came (the watch's read was pending when the agent said so)
     assert re.search(r"rendezvous store at \S+ took [\d.]+ s to answer", results[1][2])
+
+
+def test_explicit_tcp_init_method_wins_over_the_agent_store(tmp_path):
+    """A script that passes its own tcp:// init_method and rank= (the README's first
+    example) hosts that store on rank 0 under distcomm-run instead of waiting for it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    worker = script(
+        tmp_path / "own_init.py",
+        f"""
+        import os
+        from datetime import timedelta
+        import numpy as np
+        import distcomm as dist
+
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            "tcp",
+            init_method="tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=600),
+        )
+        x = np.ones(4)
+        dist.all_reduce(x)
+        print(f"rank {{rank}} sum {{x[0]:.0f}}", flush=True)
+        dist.destroy_process_group()
+        """,
+    )
+    res = run_launcher(["--standalone", "--nproc_per_node=2", str(worker)], tmp_path, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "rank 0 sum 2" in res.stdout and "rank 1 sum 2" in res.stdout, res.stdout

@@ -255,6 +255,38 @@ def test_uncaught_exception_aborts_the_job(tmp_path: Path) -> None:
     assert "barrier passed" not in output
 
 
+RAISE_AFTER_INIT_SCRIPT = """
+    import sys
+    import numpy as np
+    import distcomm as dist
+
+    dist.init_process_group(sys.argv[1], timeout=600)  # far beyond the test's deadline
+    x = np.ones(4)
+    dist.all_reduce(x)
+    print(f"rank {dist.get_rank()} ready", flush=True)
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank one failed on purpose")
+    dist.barrier()  # rank 0 would wait here for the group timeout
+    print("barrier passed: unexpected", flush=True)
+"""
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("backend", ["gloo", "tcp"])
+def test_uncaught_exception_after_a_bootstrapped_init_aborts_the_job(
+    tmp_path: Path, backend: str
+) -> None:
+    """The store bootstrap over MPI loads MPI, so it installs the abort hook too: the
+    raising rank would otherwise wait in MPI_Finalize and rank 0 for the group timeout."""
+    script = _script(tmp_path, "raise.py", RAISE_AFTER_INIT_SCRIPT)
+    status, output, _ = _mpiexec(2, script, backend, timeout=90)
+    assert status != 0, output
+    assert "rank 0 ready" in output and "rank 1 ready" in output, output
+    assert "[rank 1] RuntimeError: rank one failed on purpose" in output, output
+    assert "MPI.COMM_WORLD.Abort(1)" in output, output
+    assert "barrier passed" not in output, output
+
+
 # -- the default intra-op thread count of ranks ---------------------------------------------
 
 THREADS_SCRIPT = """
