@@ -63,6 +63,7 @@ from .objects import (
 )
 from .ops import ReduceOp
 from .store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
+from .trace import dump_trace
 from .work import Work
 
 __version__ = "0.1.0"
@@ -99,6 +100,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "destroy_process_group",
+    "dump_trace",
     "gather",
     "gather_object",
     "get_backend",

@@ -19,6 +19,7 @@ from .arrays import adapt, check_same, concatenate, empty, flat
 from .errors import DistTimeoutError
 from .group import ProcessGroup, resolve
 from .ops import ReduceOp, check_reduce_op
+from .trace.recorder import Entry, settle, settle_later
 from .work import Work
 
 __all__ = [
@@ -127,12 +128,20 @@ def _split_into(outputs: list[Any], joined: np.ndarray) -> Callable[[], None]:
     return copy_out
 
 
-def _finish(work: Work, async_op: bool, outputs: list[Any] | None = None) -> Work | None:
+def _finish(entry: Entry | None, work: Work, async_op: bool,
+            outputs: list[Any] | None = None) -> Work | None:
+    """Wait for `work` unless `async_op`; settle its flight-recorder `entry` either way."""
     if outputs is not None:
         work.set_outputs(outputs)  # the caller's arrays, not the flat views the backend saw
     if async_op:
+        settle_later(entry, work)
         return work
-    work.wait()
+    try:
+        work.wait()
+    except BaseException as exc:
+        settle(entry, exc)
+        raise
+    settle(entry, None)
     return None
 
 
@@ -160,7 +169,9 @@ def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
                          "another rank")
 
     def post() -> Work:
+        entry = pg._trace.record("send", array, peer=peer, collective=False)
         work = backend.send(flat(array), peer, tag)
+        settle_later(entry, work)
         work.global_ranks = pg.ranks
         work.set_outputs([tensor])
         return work
@@ -183,7 +194,10 @@ def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: in
                              "from another rank")
 
     def post() -> Work:
+        entry = pg._trace.record("recv", array, peer=-1 if peer is None else peer,
+                                 collective=False)
         work = backend.recv(flat(array), peer, tag)
+        settle_later(entry, work)
         work.global_ranks = pg.ranks
         work.set_outputs([tensor])
         return work
@@ -270,7 +284,8 @@ def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = 
     array = adapt(tensor, "broadcast", "tensor", writable=True)
     backend = pg.backend_for(array, "broadcast")
     root = _rank_arg(pg, src, group_src, "broadcast", "src")
-    return _finish(backend.broadcast(flat(array), root, async_op=async_op), async_op,
+    return _finish(pg._trace.record("broadcast", array, root),
+                   backend.broadcast(flat(array), root, async_op=async_op), async_op,
                    [tensor])
 
 
@@ -281,7 +296,8 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     array = adapt(tensor, "all_reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "all_reduce")
     check_reduce_op(op, array.dtype, "all_reduce")
-    return _finish(backend.all_reduce(flat(array), op, async_op=async_op), async_op,
+    return _finish(pg._trace.record("all_reduce", array, reduce_op=op),
+                   backend.all_reduce(flat(array), op, async_op=async_op), async_op,
                    [tensor])
 
 
@@ -294,8 +310,8 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
     backend = pg.backend_for(array, "reduce")
     root = _rank_arg(pg, dst, group_dst, "reduce", "dst", default=0)
     check_reduce_op(op, array.dtype, "reduce")
-    return _finish(backend.reduce(flat(array), root, op, async_op=async_op), async_op,
-                   [tensor])
+    return _finish(pg._trace.record("reduce", array, root, op),
+                   backend.reduce(flat(array), root, op, async_op=async_op), async_op, [tensor])
 
 
 def all_gather_single(output_tensor: Any, input_tensor: Any,
@@ -315,7 +331,8 @@ def all_gather_single(output_tensor: Any, input_tensor: Any,
         raise ValueError(f"{where}: output_tensor must have group size x input elements "
                          f"({pg.size()} x {input.size} = {pg.size() * input.size}), "
                          f"got {output.size}")
-    return _finish(backend.all_gather(flat(output), flat(input), async_op=async_op), async_op,
+    return _finish(pg._trace.record(where, input),
+                   backend.all_gather(flat(output), flat(input), async_op=async_op), async_op,
                    [output_tensor])
 
 
@@ -327,8 +344,9 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
     outputs = _output_list(tensor_list, input, pg.size(), "all_gather", "tensor_list")
     backend = pg.backend_for(input, "all_gather")
     gathered = empty(pg.size() * input.size, input)
+    entry = pg._trace.record("all_gather", input)
     inner = backend.all_gather(gathered, flat(input), async_op=async_op)
-    return _finish(inner.chain(_split_into(outputs, gathered), outputs), async_op)
+    return _finish(entry, inner.chain(_split_into(outputs, gathered), outputs), async_op)
 
 
 def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
@@ -343,13 +361,15 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
         if gather_list:
             raise ValueError("gather: gather_list must be None (or empty) on ranks other "
                              "than dst")
-        return _finish(backend.gather(None, flat(input), root, async_op=async_op), async_op, [])
+        return _finish(pg._trace.record("gather", input, root),
+                       backend.gather(None, flat(input), root, async_op=async_op), async_op, [])
     if gather_list is None:
         raise ValueError("gather: gather_list is required on dst: one array per rank")
     outputs = _output_list(gather_list, input, pg.size(), "gather", "gather_list")
     gathered = empty(pg.size() * input.size, input)
+    entry = pg._trace.record("gather", input, root)
     inner = backend.gather(gathered, flat(input), root, async_op=async_op)
-    return _finish(inner.chain(_split_into(outputs, gathered), outputs), async_op)
+    return _finish(entry, inner.chain(_split_into(outputs, gathered), outputs), async_op)
 
 
 def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
@@ -364,7 +384,8 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
         if scatter_list:
             raise ValueError("scatter: scatter_list must be None (or empty) on ranks other "
                              "than src")
-        return _finish(backend.scatter(flat(output), None, root, async_op=async_op), async_op,
+        return _finish(pg._trace.record("scatter", output, root),
+                       backend.scatter(flat(output), None, root, async_op=async_op), async_op,
                        [tensor])
     if scatter_list is None:
         raise ValueError("scatter: scatter_list is required on src: one array per rank")
@@ -373,7 +394,8 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
     check_same([output, *inputs], "scatter", "scatter_list and tensor")
     _same_size(inputs, output.size, "scatter", "scatter_list")
     joined = concatenate(inputs, output)
-    return _finish(backend.scatter(flat(output), joined, root, async_op=async_op), async_op,
+    return _finish(pg._trace.record("scatter", output, root),
+                   backend.scatter(flat(output), joined, root, async_op=async_op), async_op,
                    [tensor])
 
 
@@ -392,7 +414,8 @@ def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
         raise ValueError(f"{where}: input must have group size x output elements "
                          f"({pg.size()} x {out.size} = {pg.size() * out.size}), "
                          f"got {inp.size}")
-    return _finish(backend.reduce_scatter(flat(out), flat(inp), op, async_op=async_op),
+    return _finish(pg._trace.record(where, out, reduce_op=op),
+                   backend.reduce_scatter(flat(out), flat(inp), op, async_op=async_op),
                    async_op, [output])
 
 
@@ -409,7 +432,8 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     backend = pg.backend_for(out, "reduce_scatter")
     check_reduce_op(op, out.dtype, "reduce_scatter")
     joined = concatenate(inputs, out)
-    return _finish(backend.reduce_scatter(flat(out), joined, op, async_op=async_op), async_op,
+    return _finish(pg._trace.record("reduce_scatter", out, reduce_op=op),
+                   backend.reduce_scatter(flat(out), joined, op, async_op=async_op), async_op,
                    [output])
 
 
@@ -467,7 +491,8 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
     n = pg.size()
     out_splits = _splits(output_split_sizes, out, n, where, "output_split_sizes")
     in_splits = _splits(input_split_sizes, inp, n, where, "input_split_sizes")
-    return _finish(backend.all_to_all(flat(out), flat(inp), out_splits, in_splits,
+    return _finish(pg._trace.record(where, inp),
+                   backend.all_to_all(flat(out), flat(inp), out_splits, in_splits,
                                       async_op=async_op), async_op, [output])
 
 
@@ -486,9 +511,10 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
     backend = pg.backend_for(inputs[0], "all_to_all")
     joined = concatenate(inputs, inputs[0])
     received = empty(sum(t.size for t in outputs), inputs[0])
+    entry = pg._trace.record("all_to_all", inputs[0])
     inner = backend.all_to_all(received, joined, [t.size for t in outputs],
                                [t.size for t in inputs], async_op=async_op)
-    return _finish(inner.chain(_split_into(outputs, received), outputs), async_op)
+    return _finish(entry, inner.chain(_split_into(outputs, received), outputs), async_op)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
@@ -501,8 +527,11 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     pg = resolve(group, "barrier")
     if device_ids:
         backend = pg.default_backend("barrier", "cuda")
-        return _finish(backend.barrier_on(int(device_ids[0]), async_op=async_op), async_op)
-    return _finish(pg.default_backend("barrier").barrier(async_op=async_op), async_op)
+        return _finish(pg._trace.record("barrier", None),
+                       backend.barrier_on(int(device_ids[0]), async_op=async_op), async_op)
+    backend = pg.default_backend("barrier")
+    return _finish(pg._trace.record("barrier", None), backend.barrier(async_op=async_op),
+                   async_op)
 
 
 def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
@@ -532,6 +561,17 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
     deadline = Deadline.of(timeout if timeout is not None else pg.timeout)
     if pg.size() == 1:
         return
+    entry = pg._trace.record("monitored_barrier", None)
+    try:
+        _monitored_barrier(pg, backend, deadline, wait_all_ranks)
+    except BaseException as exc:
+        settle(entry, exc)
+        raise
+    settle(entry, None)
+
+
+def _monitored_barrier(pg: ProcessGroup, backend: Any, deadline: Any,
+                       wait_all_ranks: bool) -> None:
     token = np.empty(0, dtype=np.uint8)
     if pg.rank() != 0:
         backend.send(token, 0, _BARRIER_ARRIVE_TAG).wait(deadline.remaining())

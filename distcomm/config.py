@@ -62,6 +62,10 @@ class Config:
         store_max_value_bytes: DISTCOMM_STORE_MAX_VALUE_BYTES (default 8M): the largest
             value (and, with 1 MiB more, request) a TCPStore server hosted by this process
             accepts.
+        trace_buffer: DISTCOMM_TRACE_BUFFER (default 2000): how many of its last operations
+            each group's flight recorder keeps (0: none).
+        trace_dir: DISTCOMM_TRACE_DIR: where each rank writes its flight recorder (on a
+            timeout, an abort, SIGTERM, SIGUSR1 or `dump_trace()`); unset: no files.
     """
 
     auth_key: bytes | None = None
@@ -75,6 +79,8 @@ class Config:
     nccl_blocking_wait: bool = False
     store_max_key_bytes: int = 8 << 10
     store_max_value_bytes: int = 8 << 20
+    trace_buffer: int = 2000
+    trace_dir: str | None = None
 
 
 def _flag(name: str, value: str) -> bool:
@@ -97,6 +103,15 @@ def _bytes(env: dict[str, str] | os._Environ, name: str, default: int) -> int:
             "with an optional K, M or G suffix, e.g. 64M"
         )
     return size
+
+
+def _count(env: dict[str, str] | os._Environ, name: str, default: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"{name}={text!r} is not a count: write a whole number >= 0, e.g. 2000")
+    return int(text)
 
 
 def load(environ: dict[str, str] | None = None) -> Config:
@@ -148,6 +163,8 @@ def load(environ: dict[str, str] | None = None) -> Config:
         ),
         store_max_key_bytes=_bytes(env, "DISTCOMM_STORE_MAX_KEY_BYTES", 8 << 10),
         store_max_value_bytes=_bytes(env, "DISTCOMM_STORE_MAX_VALUE_BYTES", 8 << 20),
+        trace_buffer=_count(env, "DISTCOMM_TRACE_BUFFER", 2000),
+        trace_dir=env.get("DISTCOMM_TRACE_DIR") or None,
     )
 
 

@@ -22,6 +22,7 @@ from .backends.base import Backend
 from .backends.staged import StagedBackend
 from .deadline import to_seconds
 from .store import HashStore, PrefixStore, Store
+from .trace.recorder import Recorder, install_signal_handlers
 
 __all__ = [
     "GroupMember",
@@ -62,6 +63,10 @@ class ProcessGroup:
         self._spec = spec
         self.timeout = timedelta(seconds=timeout)
         self._global_rank = global_rank
+        cfg = config.load()
+        #: the flight recorder of the group's operations (distcomm.trace)
+        self._trace = Recorder(cfg.trace_buffer if group_rank >= 0 else 0,
+                               stack=cfg.debug == "DETAIL")
 
     def rank(self) -> int:
         """This process's rank in the group, or -1 when it is not a member."""
@@ -336,6 +341,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         _world.groups = {name: group}
         _world.next_id = 1
         _world.spec = spec
+        install_signal_handlers()
 
 
 def _mpi_world(rank: int, world_size: int) -> Any:
