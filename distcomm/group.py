@@ -21,6 +21,7 @@ from .backends import create_backend, get_backend_record, registered_backends
 from .backends.base import Backend
 from .backends.staged import StagedBackend
 from .deadline import to_seconds
+from .errors import DistError
 from .store import HashStore, PrefixStore, Store
 from .trace.recorder import Recorder, install_signal_handlers
 
@@ -423,13 +424,16 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
         ranks: global ranks of the members (default: all); order does not matter.
         timeout: the group's timeout (default: the default group's).
         backend: as in `init_process_group` (default: the default group's).
-        pg_options, use_local_synchronization: accepted for torch compatibility.
+        pg_options: accepted for torch compatibility.
+        use_local_synchronization: False (the default): first a barrier of the default
+            group, so that a rank that died before calling new_group fails the call at
+            once, naming it, instead of leaving the others waiting for it up to the timeout.
         group_desc: the group's name in messages (default: its number).
 
     Returns:
         The group; on a non-member a handle whose `rank()` is -1.
     """
-    del pg_options, use_local_synchronization
+    del pg_options
     with _world.lock:
         world = default_group("new_group")
         members = _check_ranks(ranks, world.size())
@@ -442,6 +446,8 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
         me = world.rank()
         backends: dict[str, Backend] = {}
         group_rank = members.index(me) if me in members else -1
+        if not use_local_synchronization:
+            _every_rank_is_there(world, members, name)
         if group_rank >= 0:
             backends = _create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
                                         group_rank, len(members), seconds, name, members)
@@ -450,6 +456,30 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
                  group_rank if group_rank >= 0 else "not a member")
         _world.groups[f"{group_id}:{name}"] = group
         return group
+
+
+def _every_rank_is_there(world: ProcessGroup, members: list[int], name: str) -> None:
+    """A barrier of the default group's CPU backend, which every rank's `new_group` call
+    reaches: a rank that died before it fails the call at once (its connections closed),
+    naming it, where the new group's connection setup would wait for it up to the timeout.
+
+    Raises:
+        DistError: the default group failed or timed out; the message names the rank.
+    """
+    backend = world._backends.get("cpu")
+    if backend is None or world.size() == 1:
+        return
+    try:
+        backend.barrier(async_op=True).wait()
+    except DistError as exc:
+        try:
+            error = type(exc)(
+                f"new_group {name!r} (ranks {members}): a rank of the default group failed "
+                f"before every rank called new_group, so the group cannot be created (see "
+                f"that rank's output for why it stopped): {exc}")
+        except Exception:  # an error type with a constructor of its own: keep it as it is
+            raise exc from None
+        raise error from exc
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:

@@ -115,6 +115,36 @@ def test_dead_peer_fails_every_survivor_promptly(how, backend):
         assert "rank 2" in message and "closed the connection" in message, outcomes
 
 
+def _dies_before_joining(when: str) -> tuple[str, str]:
+    r = dist.get_rank()
+    if when == "after_new_group":
+        group = dist.new_group([0, 1, 2])
+    if r == 2:
+        os._exit(3)  # right after init_process_group, or before/after new_group
+
+    def first_op() -> None:
+        if when == "before_new_group":
+            dist.all_reduce(np.ones(4), group=dist.new_group([0, 1, 2]))
+        else:
+            dist.all_reduce(np.ones(4), group=group if when == "after_new_group" else None)
+
+    return _outcome(first_op)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("when", ["after_init", "before_new_group", "after_new_group"])
+def test_first_op_after_a_member_died_fails_fast(when, backend):
+    # group timeout 120 s, harness deadline 30 s: only a prompt failure passes
+    outcomes = run_ranks(_dies_before_joining, 3, when, backend=backend, timeout=30,
+                         init_timeout=120, may_die={2})
+    for rank in (0, 1):
+        kind, message = outcomes[rank]
+        assert kind == "DistNetworkError", outcomes
+        assert "rank 2 closed the connection" in message, outcomes
+        if when == "before_new_group":
+            assert "new_group" in message, outcomes
+
+
 # -- timeouts --------------------------------------------------------------------------------
 
 def _straggler(late: int) -> tuple[str, str]:
