@@ -19,7 +19,7 @@ from .arrays import adapt, check_same, concatenate, empty, flat
 from .errors import DistTimeoutError
 from .group import ProcessGroup, resolve
 from .ops import ReduceOp, check_reduce_op
-from .trace.recorder import Entry, settle, settle_later
+from .trace.recorder import Recorder
 from .work import Work
 
 __all__ = [
@@ -128,20 +128,20 @@ def _split_into(outputs: list[Any], joined: np.ndarray) -> Callable[[], None]:
     return copy_out
 
 
-def _finish(entry: Entry | None, work: Work, async_op: bool,
+def _finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,
             outputs: list[Any] | None = None) -> Work | None:
     """Wait for `work` unless `async_op`; settle its flight-recorder `entry` either way."""
     if outputs is not None:
         work.set_outputs(outputs)  # the caller's arrays, not the flat views the backend saw
     if async_op:
-        settle_later(entry, work)
+        trace.settle_later(entry, work)
         return work
     try:
         work.wait()
     except BaseException as exc:
-        settle(entry, exc)
+        trace.settle(entry, exc)
         raise
-    settle(entry, None)
+    trace.settle(entry)
     return None
 
 
@@ -171,7 +171,7 @@ def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
     def post() -> Work:
         entry = pg._trace.record("send", array, peer=peer, collective=False)
         work = backend.send(flat(array), peer, tag)
-        settle_later(entry, work)
+        pg._trace.settle_later(entry, work)
         work.global_ranks = pg.ranks
         work.set_outputs([tensor])
         return work
@@ -197,7 +197,7 @@ def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: in
         entry = pg._trace.record("recv", array, peer=-1 if peer is None else peer,
                                  collective=False)
         work = backend.recv(flat(array), peer, tag)
-        settle_later(entry, work)
+        pg._trace.settle_later(entry, work)
         work.global_ranks = pg.ranks
         work.set_outputs([tensor])
         return work
@@ -284,7 +284,7 @@ def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = 
     array = adapt(tensor, "broadcast", "tensor", writable=True)
     backend = pg.backend_for(array, "broadcast")
     root = _rank_arg(pg, src, group_src, "broadcast", "src")
-    return _finish(pg._trace.record("broadcast", array, root),
+    return _finish(pg._trace, pg._trace.record("broadcast", array, root),
                    backend.broadcast(flat(array), root, async_op=async_op), async_op,
                    [tensor])
 
@@ -296,7 +296,7 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     array = adapt(tensor, "all_reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "all_reduce")
     check_reduce_op(op, array.dtype, "all_reduce")
-    return _finish(pg._trace.record("all_reduce", array, reduce_op=op),
+    return _finish(pg._trace, pg._trace.record("all_reduce", array, reduce_op=op),
                    backend.all_reduce(flat(array), op, async_op=async_op), async_op,
                    [tensor])
 
@@ -310,7 +310,7 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
     backend = pg.backend_for(array, "reduce")
     root = _rank_arg(pg, dst, group_dst, "reduce", "dst", default=0)
     check_reduce_op(op, array.dtype, "reduce")
-    return _finish(pg._trace.record("reduce", array, root, op),
+    return _finish(pg._trace, pg._trace.record("reduce", array, root, op),
                    backend.reduce(flat(array), root, op, async_op=async_op), async_op, [tensor])
 
 
@@ -331,7 +331,7 @@ def all_gather_single(output_tensor: Any, input_tensor: Any,
         raise ValueError(f"{where}: output_tensor must have group size x input elements "
                          f"({pg.size()} x {input.size} = {pg.size() * input.size}), "
                          f"got {output.size}")
-    return _finish(pg._trace.record(where, input),
+    return _finish(pg._trace, pg._trace.record(where, input),
                    backend.all_gather(flat(output), flat(input), async_op=async_op), async_op,
                    [output_tensor])
 
@@ -346,7 +346,7 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
     gathered = empty(pg.size() * input.size, input)
     entry = pg._trace.record("all_gather", input)
     inner = backend.all_gather(gathered, flat(input), async_op=async_op)
-    return _finish(entry, inner.chain(_split_into(outputs, gathered), outputs), async_op)
+    return _finish(pg._trace, entry, inner.chain(_split_into(outputs, gathered), outputs), async_op)
 
 
 def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
@@ -361,7 +361,7 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
         if gather_list:
             raise ValueError("gather: gather_list must be None (or empty) on ranks other "
                              "than dst")
-        return _finish(pg._trace.record("gather", input, root),
+        return _finish(pg._trace, pg._trace.record("gather", input, root),
                        backend.gather(None, flat(input), root, async_op=async_op), async_op, [])
     if gather_list is None:
         raise ValueError("gather: gather_list is required on dst: one array per rank")
@@ -369,7 +369,7 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     gathered = empty(pg.size() * input.size, input)
     entry = pg._trace.record("gather", input, root)
     inner = backend.gather(gathered, flat(input), root, async_op=async_op)
-    return _finish(entry, inner.chain(_split_into(outputs, gathered), outputs), async_op)
+    return _finish(pg._trace, entry, inner.chain(_split_into(outputs, gathered), outputs), async_op)
 
 
 def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
@@ -384,7 +384,7 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
         if scatter_list:
             raise ValueError("scatter: scatter_list must be None (or empty) on ranks other "
                              "than src")
-        return _finish(pg._trace.record("scatter", output, root),
+        return _finish(pg._trace, pg._trace.record("scatter", output, root),
                        backend.scatter(flat(output), None, root, async_op=async_op), async_op,
                        [tensor])
     if scatter_list is None:
@@ -394,7 +394,7 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
     check_same([output, *inputs], "scatter", "scatter_list and tensor")
     _same_size(inputs, output.size, "scatter", "scatter_list")
     joined = concatenate(inputs, output)
-    return _finish(pg._trace.record("scatter", output, root),
+    return _finish(pg._trace, pg._trace.record("scatter", output, root),
                    backend.scatter(flat(output), joined, root, async_op=async_op), async_op,
                    [tensor])
 
@@ -414,7 +414,7 @@ def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
         raise ValueError(f"{where}: input must have group size x output elements "
                          f"({pg.size()} x {out.size} = {pg.size() * out.size}), "
                          f"got {inp.size}")
-    return _finish(pg._trace.record(where, out, reduce_op=op),
+    return _finish(pg._trace, pg._trace.record(where, out, reduce_op=op),
                    backend.reduce_scatter(flat(out), flat(inp), op, async_op=async_op),
                    async_op, [output])
 
@@ -432,7 +432,7 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     backend = pg.backend_for(out, "reduce_scatter")
     check_reduce_op(op, out.dtype, "reduce_scatter")
     joined = concatenate(inputs, out)
-    return _finish(pg._trace.record("reduce_scatter", out, reduce_op=op),
+    return _finish(pg._trace, pg._trace.record("reduce_scatter", out, reduce_op=op),
                    backend.reduce_scatter(flat(out), joined, op, async_op=async_op), async_op,
                    [output])
 
@@ -491,7 +491,7 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
     n = pg.size()
     out_splits = _splits(output_split_sizes, out, n, where, "output_split_sizes")
     in_splits = _splits(input_split_sizes, inp, n, where, "input_split_sizes")
-    return _finish(pg._trace.record(where, inp),
+    return _finish(pg._trace, pg._trace.record(where, inp),
                    backend.all_to_all(flat(out), flat(inp), out_splits, in_splits,
                                       async_op=async_op), async_op, [output])
 
@@ -514,7 +514,7 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
     entry = pg._trace.record("all_to_all", inputs[0])
     inner = backend.all_to_all(received, joined, [t.size for t in outputs],
                                [t.size for t in inputs], async_op=async_op)
-    return _finish(entry, inner.chain(_split_into(outputs, received), outputs), async_op)
+    return _finish(pg._trace, entry, inner.chain(_split_into(outputs, received), outputs), async_op)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
@@ -527,10 +527,10 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     pg = resolve(group, "barrier")
     if device_ids:
         backend = pg.default_backend("barrier", "cuda")
-        return _finish(pg._trace.record("barrier", None),
+        return _finish(pg._trace, pg._trace.record("barrier", None),
                        backend.barrier_on(int(device_ids[0]), async_op=async_op), async_op)
     backend = pg.default_backend("barrier")
-    return _finish(pg._trace.record("barrier", None), backend.barrier(async_op=async_op),
+    return _finish(pg._trace, pg._trace.record("barrier", None), backend.barrier(async_op=async_op),
                    async_op)
 
 
@@ -565,9 +565,9 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
     try:
         _monitored_barrier(pg, backend, deadline, wait_all_ranks)
     except BaseException as exc:
-        settle(entry, exc)
+        pg._trace.settle(entry, exc)
         raise
-    settle(entry, None)
+    pg._trace.settle(entry)
 
 
 def _monitored_barrier(pg: ProcessGroup, backend: Any, deadline: Any,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import distcomm as dist
 from distcomm.trace.analyze import analyze, render
 from tests.conftest import cpu_backends
 from tests.harness import LOOPBACK_ENV
+from tests.launchjobs import launcher_env, run_launcher, script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,19 +31,20 @@ HANG_WORKER = """
 
     backend, rendezvous, rank, ready = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=2, timeout=3)
+                            world_size=2, timeout=60)
+    group = dist.new_group(timeout=3, group_desc="short")  # the start is not timed so
     x = np.arange(4, dtype=np.float32)
     for _ in range(3):
-        dist.all_reduce(x)                      # #0, #1, #2
-    dist.broadcast(x, src=0)                    # #3
+        dist.all_reduce(x, group=group)         # #0, #1, #2
+    dist.broadcast(x, src=0, group=group)       # #3
     if rank == 1:
-        dist.send(np.ones(2, dtype=np.int64), dst=0)  # a p2p op: not numbered
+        dist.send(np.ones(2, dtype=np.int64), dst=0, group=group)  # p2p: not numbered
         open(ready, "w").close()
         time.sleep(120)                         # never enters #4; SIGTERM ends it
     else:
-        dist.recv(np.empty(2, dtype=np.int64), src=1)
+        dist.recv(np.empty(2, dtype=np.int64), src=1, group=group)
         try:
-            dist.all_reduce(x)                  # #4: times out after 3 s
+            dist.all_reduce(x, group=group)     # #4: times out after 3 s
         except dist.DistTimeoutError:
             open(ready, "w").close()
             time.sleep(120)
@@ -113,8 +116,9 @@ def test_rank_that_never_joins_is_named(tmp_path, backend):
     rank1 = json.loads((traces / "rank-1.json").read_text())
     assert rank1["version"] == 1 and rank1["rank"] == 1 and rank1["world_size"] == 2
     assert rank1["reason"] == "SIGTERM"
-    (group,) = rank1["groups"]
-    assert group["name"] == "default" and group["ranks"] == [0, 1]
+    default, group = rank1["groups"]
+    assert default["name"] == "default" and default["entries"] == []
+    assert group["name"] == "short" and group["ranks"] == [0, 1]
     ops = [(e["seq"], e["op"], e["state"]) for e in group["entries"]]
     assert ops == [
         (0, "all_reduce", "completed"),
@@ -125,7 +129,7 @@ def test_rank_that_never_joins_is_named(tmp_path, backend):
     ]
     assert group["entries"][4]["peer"] == 0
     rank0 = json.loads((traces / "rank-0.json").read_text())
-    last = rank0["groups"][0]["entries"][-1]
+    last = rank0["groups"][1]["entries"][-1]
     assert (last["seq"], last["op"], last["state"]) == (4, "all_reduce", "failed")
     assert "DistTimeoutError" in last["error"]
 
@@ -138,10 +142,13 @@ def test_rank_that_never_joins_is_named(tmp_path, backend):
     as_json = _analyzer(traces, "--json")
     assert as_json.returncode == 0, as_json.stderr
     report = json.loads(as_json.stdout)
-    missing = report["groups"][0]["first_missing"]
+    short = report["groups"][1]
+    assert short["name"] == "short"
+    missing = short["first_missing"]
     assert missing["seq"] == 4 and missing["entered"] == [0]
     assert [m["rank"] for m in missing["missing"]] == [1]
-    assert report["groups"][0]["mismatches"] == []
+    assert short["mismatches"] == []
+    assert report["groups"][0]["first_missing"] is None
 
 
 SIGNAL_WORKER = """
@@ -297,3 +304,47 @@ def test_analyzer_exit_2_when_nothing_readable(tmp_path):
     assert result.returncode == 2
     assert "no readable flight-recorder trace" in result.stderr
     assert _analyzer(tmp_path / "missing").returncode == 2
+
+
+#: under distcomm-run: rank 1 never enters the second all_reduce; rank 0 times out
+LAUNCHED_WORKER = """
+    import os, time
+    import numpy as np
+    import distcomm as dist
+
+    dist.init_process_group(os.environ["BACKEND"], timeout=60)
+    x = np.ones(2, dtype=np.int64)
+    dist.all_reduce(x)                # #0
+    if dist.get_rank() == 1:
+        time.sleep(120)               # the agent's SIGTERM ends it (and it dumps)
+    dist.all_reduce(x, async_op=True).wait(timeout=3)  # #1: rank 0 times out, fails
+"""
+
+
+@pytest.mark.parametrize("log_dir", [False, True], ids=["temp-dir", "log-dir"])
+def test_launcher_report_names_the_trace_directory(tmp_path, log_dir):
+    """distcomm-run gives its workers a DISTCOMM_TRACE_DIR that outlives the run (under
+    --log_dir, else in the temporary directory), and its failure report names it."""
+    worker = script(tmp_path / "hang.py", LAUNCHED_WORKER)
+    args = ["--standalone", "--nproc_per_node=2"]
+    if log_dir:
+        args.append(f"--log_dir={tmp_path / 'logs'}")
+    env = launcher_env(BACKEND=cpu_backends()[0])
+    result = run_launcher([*args, str(worker)], tmp_path, env=env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    found = re.search(r"python -m distcomm\.trace (\S+)", result.stderr)
+    assert found, result.stderr
+    directory = Path(found[1])
+    if log_dir:
+        assert directory.is_relative_to(tmp_path / "logs")
+    else:
+        assert directory.name == "attempt_0"
+        assert directory.parent.name.startswith("distcomm-traces-")
+        assert directory.is_relative_to(tmp_path)  # the agent's TMPDIR
+    assert sorted(p.name for p in directory.iterdir()) == ["rank-0.json", "rank-1.json"]
+    analysis = _analyzer(directory)
+    assert analysis.returncode == 0, analysis.stderr
+    assert (
+        "collective #1 all_reduce (int64 x 2, SUM) was entered by rank(s) 0; rank 1 never "
+        "entered it: its last op was #0 all_reduce (int64 x 2, SUM) (completed)" in analysis.stdout
+    )

@@ -56,7 +56,14 @@ from ..parallel import physical_cores
 from ..store import Store, TCPStore
 from ..store.base import publish
 from .address import advertised_address, endpoint_address
-from .errors import ChildFailedError, ProcessFailure, gather_failures, share_failures
+from .errors import (
+    ChildFailedError,
+    ProcessFailure,
+    gather_failures,
+    share_failures,
+    trace_dir,
+    trace_hint,
+)
 from .rendezvous import (
     RendezvousClosedError,
     RendezvousError,
@@ -186,6 +193,7 @@ class ElasticAgent:
         self._attempt = 0
         self._tmp = ""
         self._log_root = ""
+        self._trace_dir = ""  # DISTCOMM_TRACE_DIR of the latest workers
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -438,6 +446,8 @@ class ElasticAgent:
                 f"{round_}) did not fail; the run failed on node(s) "
                 f"{', '.join(map(str, nodes)) or 'unknown'}"
             )
+        if self._trace_dir:
+            lines.append(trace_hint(self._trace_dir))
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     # -- one round ----------------------------------------------------------------------------
@@ -489,8 +499,12 @@ class ElasticAgent:
         host, port = self._master(info)
         nproc, world = c.nproc_per_node, c.nproc_per_node * info.world_size
         attempt_dir = os.path.join(self._log_root, f"attempt_{self._attempt}")
-        self._attempt += 1
         base = dict(os.environ)
+        self._trace_dir = base.get("DISTCOMM_TRACE_DIR") or trace_dir(
+            self._log_root if c.log_dir else "", c.run_id, self._attempt
+        )
+        base["DISTCOMM_TRACE_DIR"] = self._trace_dir
+        self._attempt += 1
         base.setdefault("OMP_NUM_THREADS", str(max(1, physical_cores() // nproc)))
         commands, envs, prefixes = {}, {}, {}
         for local_rank in range(nproc):

@@ -27,6 +27,7 @@ import functools
 import json
 import logging
 import os
+import tempfile
 import time
 import traceback
 from collections import deque
@@ -48,6 +49,8 @@ __all__ = [
     "gather_failures",
     "record",
     "share_failures",
+    "trace_dir",
+    "trace_hint",
 ]
 
 log = logging.getLogger(__name__)
@@ -413,6 +416,35 @@ def _format_failure(rank: int, failure: ProcessFailure) -> str:
     lines.append(f"  {'traceback':<{_LABEL_WIDTH}}:")
     lines.extend(f"    {line}" for line in failure.traceback_text().splitlines())
     return "\n".join(lines)
+
+
+def trace_dir(log_root: str, run_id: str, attempt: int) -> str:
+    """The DISTCOMM_TRACE_DIR the agent gives an attempt's workers when none is set.
+
+    Under the agent's --log_dir directory (`<log_root>/traces/attempt_<k>`) when there is
+    one; else `distcomm-traces-<run id>-<agent pid>/attempt_<k>` in the temporary
+    directory, which outlives the run (the agent's own temporary directory does not).
+    Nothing is created until a worker writes a trace.
+    """
+    if log_root:
+        root = os.path.join(log_root, "traces")
+    else:
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run_id)
+        root = os.path.join(tempfile.gettempdir(), f"distcomm-traces-{safe}-{os.getpid()}")
+    return os.path.join(root, f"attempt_{attempt}")
+
+
+def trace_hint(directory: str) -> str:
+    """The failure report's line naming the workers' flight-recorder traces."""
+    if os.path.isdir(directory) and any(n.endswith(".json") for n in os.listdir(directory)):
+        return (
+            f"distcomm-run: flight-recorder traces of this node's workers: {directory}\n"
+            f"  see which collective each rank was in: python -m distcomm.trace {directory}"
+        )
+    return (
+        f"distcomm-run: no worker of this node wrote a flight-recorder trace to {directory} "
+        "(a worker writes one on a collective timeout or failure, SIGTERM or SIGUSR1)"
+    )
 
 
 def _failures_key(round_: int, node: int) -> str:

@@ -15,6 +15,7 @@ entry still in the ring.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import logging
@@ -28,7 +29,6 @@ from typing import Any
 
 __all__ = [
     "FORMAT_VERSION",
-    "Entry",
     "Recorder",
     "dump",
     "dump_on_failure",
@@ -44,62 +44,34 @@ FORMAT_VERSION = 1
 
 QUEUED, COMPLETED, FAILED = "queued", "completed", "failed"
 
+_time_ns = time.time_ns
 
-class Entry:
-    """One recorded operation (a reused slot of the ring)."""
 
-    __slots__ = (
-        "count",
-        "dtype",
-        "end_ns",
-        "error",
-        "id",
-        "op",
-        "peer",
-        "reduce_op",
-        "root",
-        "seq",
-        "stack",
-        "start_ns",
-        "state",
-    )
-
-    def __init__(self) -> None:
-        self.id = -1
-
-    def as_dict(self, ranks: list[int]) -> dict[str, Any]:
-        """The entry as JSON data; roots and peers as global ranks (`ranks`: the group's)."""
-        return {
-            "id": self.id,
-            "seq": self.seq if self.seq >= 0 else None,
-            "op": self.op,
-            "dtype": None if self.dtype is None else str(self.dtype),
-            "count": self.count,
-            "root": ranks[self.root] if 0 <= self.root < len(ranks) else None,
-            "reduce_op": None if self.reduce_op is None else str(self.reduce_op),
-            "peer": ranks[self.peer] if 0 <= self.peer < len(ranks) else None,
-            "state": self.state,
-            "start_ns": self.start_ns,
-            "end_ns": self.end_ns or None,
-            "error": self.error,
-            "stack": self.stack,
-        }
+def _stack() -> str:
+    return "".join(traceback.format_stack()[:-3])
 
 
 class Recorder:
     """A ring of a group's last `size` operations (none when `size` is 0).
+
+    Each slot holds one tuple (id, seq, op, dtype, count, root, reduce op, peer, start
+    time, stack) written when the operation is issued, and its end time (0 while it
+    runs); failures keep their message aside. `record` returns the operation's id, which
+    `settle` takes.
 
     Args:
         size: how many entries to keep (DISTCOMM_TRACE_BUFFER).
         stack: also keep the Python stack of each call (DISTCOMM_DEBUG=DETAIL).
     """
 
-    __slots__ = ("_ids", "_ring", "_seqs", "size", "stack")
+    __slots__ = ("_ends", "_errors", "_ids", "_ops", "_seqs", "size", "stack")
 
     def __init__(self, size: int, stack: bool = False) -> None:
         self.size = size
         self.stack = stack
-        self._ring: list[Entry] = []  # grows to `size`, then slots are reused
+        self._ops: list[tuple[Any, ...] | None] = [None] * size
+        self._ends = [0] * size
+        self._errors: dict[int, tuple[int, str]] = {}  # slot -> (id, message)
         self._ids = itertools.count()  # next() is atomic under the GIL
         self._seqs = itertools.count()
 
@@ -111,61 +83,98 @@ class Recorder:
         reduce_op: Any = None,
         peer: int = -1,
         collective: bool = True,
-    ) -> Entry | None:
-        """Note an operation as issued (state "queued"); roots and peers are group ranks."""
-        if not self.size:
+    ) -> int | None:
+        """Note an operation as issued; roots and peers are group ranks. Its id, or None
+        when the recorder is off."""
+        size = self.size
+        if not size:
             return None
         i = next(self._ids)
-        if i < self.size:
-            entry = Entry()
-            self._ring.append(entry)
-        else:
-            try:
-                entry = self._ring[i % self.size]
-            except IndexError:  # another thread has not appended its slot yet
-                entry = Entry()
-        entry.id = i
-        entry.seq = next(self._seqs) if collective else -1
-        entry.op = op
-        if array is None:
-            entry.dtype, entry.count = None, 0
-        else:
-            entry.dtype, entry.count = array.dtype, array.size
-        entry.root, entry.reduce_op, entry.peer = root, reduce_op, peer
-        entry.state, entry.error, entry.end_ns = QUEUED, None, 0
-        entry.stack = "".join(traceback.format_stack()[:-2]) if self.stack else None
-        entry.start_ns = time.time_ns()
-        return entry
+        slot = i % size
+        self._ends[slot] = 0
+        if self._errors:
+            self._errors.pop(slot, None)
+        self._ops[slot] = (
+            i,
+            next(self._seqs) if collective else -1,
+            op,
+            None if array is None else array.dtype,
+            0 if array is None else array.size,
+            root,
+            reduce_op,
+            peer,
+            _time_ns(),
+            _stack() if self.stack else None,
+        )
+        return i
 
-    def entries(self) -> list[Entry]:
-        """The entries in the ring, oldest first."""
-        return sorted((e for e in list(self._ring) if e.id >= 0), key=lambda e: e.id)
+    def settle(self, i: int | None, error: BaseException | None = None) -> None:
+        """Mark operation `i` completed, or failed with `error` (which may dump)."""
+        if i is None or not self.size:
+            return
+        slot = i % self.size
+        op = self._ops[slot]
+        if op is None or op[0] != i:  # the slot was reused meanwhile
+            return
+        self._ends[slot] = _time_ns()
+        if error is not None:
+            self._errors[slot] = (i, f"{type(error).__name__}: {error}")
+            dump_on_failure(error)
 
+    def settle_later(self, i: int | None, work: Any) -> None:
+        """Settle operation `i` when the (asynchronous) `work` finishes."""
+        if i is None:
+            return
+        work.get_future().add_done_callback(lambda future: self.settle(i, future._error))
+        expire = getattr(work, "_on_timeout", None)
+        if expire is not None:
+            # a Work.wait(timeout) that expires raises before the abort fails the work:
+            # settle (and dump) when it expires, so the trace is written before the raise
 
-def settle(entry: Entry | None, error: BaseException | None) -> None:
-    """Mark `entry` completed, or failed with `error` (which may trigger a dump)."""
-    if entry is None:
-        return
-    entry.end_ns = time.time_ns()
-    if error is None:
-        entry.state = COMPLETED
-        return
-    entry.state = FAILED
-    entry.error = f"{type(error).__name__}: {error}"
-    dump_on_failure(error)
+            def on_timeout(seconds: float) -> BaseException:
+                error = expire(seconds)
+                self.settle(i, error)
+                return error
 
+            work._on_timeout = on_timeout
 
-def settle_later(entry: Entry | None, work: Any) -> None:
-    """Settle `entry` when the (asynchronous) `work` finishes."""
-    if entry is None:
-        return
-    expected = entry.id
+    def as_dicts(self, ranks: list[int]) -> list[dict[str, Any]]:
+        """The entries in the ring, oldest first, as JSON data; roots and peers as global
+        ranks (`ranks`: the group's)."""
+        ops, ends, errors = list(self._ops), list(self._ends), dict(self._errors)
+        out = []
+        for slot, op in enumerate(ops):
+            if op is None:
+                continue
+            i, seq, name, dtype, count, root, reduce_op, peer, start, stack = op
+            end = ends[slot]
+            error = errors.get(slot)
+            error_text = error[1] if error is not None and error[0] == i else None
+            state = QUEUED if not end else FAILED if error_text else COMPLETED
+            out.append(
+                {
+                    "id": i,
+                    "seq": seq if seq >= 0 else None,
+                    "op": name,
+                    "dtype": None if dtype is None else str(dtype),
+                    "count": count,
+                    "root": ranks[root] if 0 <= root < len(ranks) else None,
+                    "reduce_op": None if reduce_op is None else str(reduce_op),
+                    "peer": ranks[peer] if 0 <= peer < len(ranks) else None,
+                    "state": state,
+                    "start_ns": start,
+                    "end_ns": end or None,
+                    "error": error_text,
+                    "stack": stack,
+                }
+            )
+        out.sort(key=lambda e: e["id"])
+        return out
 
-    def done(future: Any) -> None:
-        if entry.id == expected:  # the slot was not reused meanwhile
-            settle(entry, future._error)
-
-    work.get_future().add_done_callback(done)
+    def unfinished(self) -> bool:
+        """Whether an operation in the ring is still running or failed."""
+        ops, ends, errors = list(self._ops), list(self._ends), dict(self._errors)
+        return bool(errors) or any(op is not None and not ends[slot] for slot, op in enumerate(ops))
 
 
 # -- dumps ---------------------------------------------------------------------------------
@@ -203,7 +212,7 @@ def _snapshot(reason: str) -> tuple[int, dict[str, Any]] | None:
                 "group_rank": group.rank(),
                 "backend": group.name(),
                 "buffer": recorder.size,
-                "entries": [e.as_dict(group.ranks) for e in recorder.entries()],
+                "entries": recorder.as_dicts(group.ranks),
             }
         )
     data = {
@@ -291,9 +300,28 @@ def dump_trace(directory: str | None = None) -> str:
     return path
 
 
+def _dump_at_exit() -> None:
+    """At exit, dump when an operation did not complete: the process is ending after a
+    failure (whose dump, in a backend thread, may not have been written yet)."""
+    from ..group import _world
+
+    if not _dump_lock.acquire(timeout=10.0):
+        return
+    try:
+        groups = list(_world.groups.values())
+        if not any(getattr(g, "_trace", None) and g._trace.unfinished() for g in groups):
+            return
+        dump("exit")
+    except Exception as exc:
+        log.warning("could not write the flight recorder at exit: %s", exc)
+    finally:
+        _dump_lock.release()
+
+
 # -- signals -------------------------------------------------------------------------------
 
 _previous: dict[int, Any] = {}
+_installed = False
 
 
 def _dump_for_signal(signum: int) -> None:
@@ -326,13 +354,17 @@ def _on_sigusr1(signum: int, frame: Any) -> None:
 
 
 def install_signal_handlers() -> None:
-    """Dump on SIGTERM and SIGUSR1 when DISTCOMM_TRACE_DIR is set (main thread only, once).
+    """Dump on SIGTERM and SIGUSR1 when DISTCOMM_TRACE_DIR is set (main thread only, once),
+    and at exit when an operation did not complete.
 
     SIGTERM then does what it did before (the previous handler, or ends the process by
     the signal); SIGUSR1 dumps and calls the previous Python handler, if any.
     """
-    if _trace_dir() is None or _previous:
+    global _installed
+    if _trace_dir() is None or _installed:
         return
+    _installed = True
+    atexit.register(_dump_at_exit)
     if threading.current_thread() is not threading.main_thread():
         return
     for signum, handler in ((signal.SIGTERM, _on_sigterm), (signal.SIGUSR1, _on_sigusr1)):
