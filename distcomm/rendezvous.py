@@ -50,11 +50,11 @@ DISTCOMM_STORE_PREFIX when that is set (the launcher sets one per round, so rest
 workers never see the keys of an earlier round). An explicit ``tcp://`` init_method (or a
 store=) wins over the launcher's store: rank 0 hosts it as without a launcher.
 
-Then every rank sets a key of its own in the store and waits for the others' (a fresh
-TCPStore, or the launcher's round prefix; not for file:// or a store= that may hold keys of
-an earlier run). While ranks are missing, a warning after DISTCOMM_STALL_WARN_S seconds
-(default 30; 0: none), then after 60, 120, ... more, says how many ranks joined and which
-did not; at the timeout the error names them.
+Then (when rank 0 hosts the store) every rank sets a key of its own in it, and rank 0 waits
+for the others' keys, as torch's TCPStore master waits for its workers. While ranks are
+missing, a warning after DISTCOMM_STALL_WARN_S seconds (default 30; 0: none), then after 60,
+120, ... more, says how many ranks joined and which did not; at the timeout the error names
+them.
 
 Bootstrap over MPI: with ``env://``, no agent store, MASTER_ADDR or MASTER_PORT unset, and
 an MPI launcher (the first rank variable set is OMPI_COMM_WORLD_RANK, PMIX_RANK or
@@ -735,7 +735,8 @@ _STALL_BACKOFF = 2.0
 def _join(
     store: Store, rank: int, size: int, seconds: float, warn_after: float, where: str
 ) -> None:
-    """Set this rank's key in `store` and wait for every rank's, for at most `seconds`.
+    """Set this rank's key in `store` and wait for every rank's, for at most `seconds`
+    (rank 0, which hosts the store; the others only set their key).
 
     While some are missing, warn after `warn_after` seconds (0: never), then after twice
     as long as the previous wait each time, naming the ranks that joined and those missing.
@@ -1088,10 +1089,13 @@ def rendezvous(
     )
     if agent and cfg.store_prefix:
         opened = _RoundStore(cfg.store_prefix, opened)
-    if not agent or cfg.store_prefix:
+    if not agent:
         try:
-            store_at = f"{where} (the store at {format_address(host, port)})"
-            _join(opened, the_rank, size, seconds, cfg.stall_warn_s, store_at)
+            if hosting:
+                store_at = f"{where} (the store at {format_address(host, port)})"
+                _join(opened, the_rank, size, seconds, cfg.stall_warn_s, store_at)
+            else:
+                opened.set(f"{_JOINED}{the_rank}", str(os.getpid()))
         except BaseException:
             opened.close()
             raise
