@@ -93,7 +93,13 @@ FIELDS = (
     "peer_busbw",
     "peer_wrong",
     "ratio",
+    "trace_off_us",
+    "trace_cost_us",
 )
+
+#: with --trace both, each size is timed this many times with the recorder on and off,
+#: alternating; the fastest of each is kept
+TRACE_ROUNDS = 3
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -171,7 +177,11 @@ compare: with --compare torch each size runs ours, then torch.distributed's gloo
   times: above 1, distcomm is faster. --compare cupy (with --backend nccl) does the same
   with raw cupy.cuda.nccl calls on the same CuPy buffers.
 exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 for a
-  usage error (including --compare torch without torch installed).""",
+  usage error (including --compare torch without torch installed).
+recorder: --trace on (default) times with the flight recorder on, as users run; off
+  with it off (DISTCOMM_TRACE_BUFFER=0); both times each size 3 times with it on and 3
+  times off, alternating in the same ranks, keeps the fastest of each, and adds the
+  columns off(us) and rec(us) = time - off: the recorder's cost per op.""",
     )
     parser.add_argument(
         "-b", "--minbytes", type=parse_bytes, default=8, help="smallest size in bytes (default 8)"
@@ -229,6 +239,12 @@ exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 f
         help="also run torch.distributed's gloo backend (torch), raw mpi4py "
         "calls (mpi4py, under mpiexec), or raw cupy.cuda.nccl calls "
         "(cupy, with --backend nccl) on the same buffers",
+    )
+    parser.add_argument(
+        "--trace",
+        choices=("on", "off", "both"),
+        default="on",
+        help="time with the flight recorder on, off, or both to show its cost (default on)",
     )
     parser.add_argument("--csv", metavar="PATH", help="also write every row to this CSV file")
     parser.add_argument(
@@ -674,6 +690,7 @@ class Plan:
     timeout: float
     torch_port: int | None
     compare: str | None = None
+    trace: str = "on"
 
 
 def _die_with_parent() -> None:
@@ -736,6 +753,13 @@ def _rank_main(
         conn.close()
 
 
+def set_recorder(dist: Any, on: bool) -> None:
+    """Turn the default group's flight recorder on (DISTCOMM_TRACE_BUFFER entries) or off."""
+    from distcomm import config
+
+    dist.group.WORLD._trace.size = config.load().trace_buffer if on else 0
+
+
 def _run_case(
     op: str, case: Case, plan: Plan, dist: Any, tdist: Any, sync: Callable[[], Any] | None = None
 ) -> dict[str, Any]:
@@ -743,11 +767,22 @@ def _run_case(
     n = plan.nprocs
     iters, warmup = iterations(case.size, plan.iters, plan.warmup, plan.scale_above)
     sync = sync or (lambda: None)
+    set_recorder(dist, plan.trace != "off")
     ours, wrong = measure(case.ours, dist.barrier, case, iters, warmup, sync)
+    off = math.nan
+    if plan.trace == "both":
+        ons, offs = [ours], []
+        for i in range(TRACE_ROUNDS):
+            set_recorder(dist, False)
+            offs.append(measure(case.ours, dist.barrier, case, iters, warmup, sync)[0])
+            set_recorder(dist, True)
+            if i < TRACE_ROUNDS - 1:
+                ons.append(measure(case.ours, dist.barrier, case, iters, warmup, sync)[0])
+        ours, off = min(ons), min(offs)
     theirs, their_wrong = math.nan, 0
     if case.theirs is not None:
         theirs, their_wrong = measure(case.theirs, tdist.barrier, case, iters, warmup, sync)
-    mine = np.array([ours, wrong, theirs, their_wrong], dtype=np.float64)
+    mine = np.array([ours, wrong, theirs, their_wrong, off], dtype=np.float64)
     every = np.empty(n * mine.size, dtype=np.float64)
     dist.all_gather_single(every, mine)
     every = every.reshape(n, mine.size)
@@ -770,7 +805,12 @@ def _run_case(
         peer_busbw="",
         peer_wrong="",
         ratio="",
+        trace_off_us="",
+        trace_cost_us="",
     )
+    if plan.trace == "both":
+        off_us = float(every[:, 4].max()) * 1e6
+        row.update(trace_off_us=off_us, trace_cost_us=time_us - off_us)
     if case.theirs is not None:
         torch_us = float(every[:, 2].max()) * 1e6
         peer_algbw = case.size / torch_us / 1e3 if torch_us > 0 else 0.0
@@ -877,6 +917,8 @@ class Report:
                 f"  | {self.peer + '(us)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} "
                 f"{self.peer + '/ours':>11}"
             )
+        if a.trace == "both":
+            head += f"  | {'off(us)':>9} {'rec(us)':>8}"
         print(head)
 
     def skip(self, op: str, nbytes: int) -> None:
@@ -899,6 +941,8 @@ class Report:
                 f"  | {row['peer_time_us']:>11.1f} {row['peer_busbw']:>11.3f} "
                 f"{row['peer_wrong']:>6} {row['ratio']:>11.2f}"
             )
+        if self.args.trace == "both":
+            line += f"  | {row['trace_off_us']:>9.2f} {row['trace_cost_us']:>8.2f}"
         print(line, flush=True)
 
     def _finish_op(self) -> None:
@@ -1083,6 +1127,7 @@ def launched_main(args: argparse.Namespace, launcher: str) -> int:
         args.scale_above,
         args.timeout,
         None,
+        trace=args.trace,
     )
     report = Report(args, None, nprocs=n) if rank == 0 else None
     if report is not None:
@@ -1151,6 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
             args.timeout,
             torch_store.port if torch_store is not None else None,
             args.compare,
+            trace=args.trace,
         )
         base = {
             "MASTER_ADDR": LOOPBACK,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from time import time_ns
 from typing import Any
 
 import numpy as np
@@ -141,7 +142,8 @@ def _finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,
     except BaseException as exc:
         trace.settle(entry, exc)
         raise
-    trace.settle(entry)
+    if entry is not None:  # trace.settle(entry), inlined: this is every op's path
+        trace.ends[entry % trace.size] = time_ns()
     return None
 
 
@@ -169,7 +171,7 @@ def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
                          "another rank")
 
     def post() -> Work:
-        entry = pg._trace.record("send", array, peer=peer, collective=False)
+        entry = pg._trace.record_p2p("send", array, peer)
         work = backend.send(flat(array), peer, tag)
         pg._trace.settle_later(entry, work)
         work.global_ranks = pg.ranks
@@ -194,8 +196,7 @@ def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: in
                              "from another rank")
 
     def post() -> Work:
-        entry = pg._trace.record("recv", array, peer=-1 if peer is None else peer,
-                                 collective=False)
+        entry = pg._trace.record_p2p("recv", array, -1 if peer is None else peer)
         work = backend.recv(flat(array), peer, tag)
         pg._trace.settle_later(entry, work)
         work.global_ranks = pg.ranks
@@ -296,7 +297,7 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     array = adapt(tensor, "all_reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "all_reduce")
     check_reduce_op(op, array.dtype, "all_reduce")
-    return _finish(pg._trace, pg._trace.record("all_reduce", array, reduce_op=op),
+    return _finish(pg._trace, pg._trace.record("all_reduce", array, -1, op),
                    backend.all_reduce(flat(array), op, async_op=async_op), async_op,
                    [tensor])
 
@@ -414,7 +415,7 @@ def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
         raise ValueError(f"{where}: input must have group size x output elements "
                          f"({pg.size()} x {out.size} = {pg.size() * out.size}), "
                          f"got {inp.size}")
-    return _finish(pg._trace, pg._trace.record(where, out, reduce_op=op),
+    return _finish(pg._trace, pg._trace.record(where, out, -1, op),
                    backend.reduce_scatter(flat(out), flat(inp), op, async_op=async_op),
                    async_op, [output])
 
@@ -432,7 +433,7 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     backend = pg.backend_for(out, "reduce_scatter")
     check_reduce_op(op, out.dtype, "reduce_scatter")
     joined = concatenate(inputs, out)
-    return _finish(pg._trace, pg._trace.record("reduce_scatter", out, reduce_op=op),
+    return _finish(pg._trace, pg._trace.record("reduce_scatter", out, -1, op),
                    backend.reduce_scatter(flat(out), joined, op, async_op=async_op), async_op,
                    [output])
 

@@ -64,44 +64,61 @@ class Recorder:
         stack: also keep the Python stack of each call (DISTCOMM_DEBUG=DETAIL).
     """
 
-    __slots__ = ("_ends", "_errors", "_ids", "_ops", "_seqs", "size", "stack")
+    __slots__ = ("_errors", "_ids", "_ops", "_seqs", "ends", "size", "stack")
 
     def __init__(self, size: int, stack: bool = False) -> None:
         self.size = size
         self.stack = stack
         self._ops: list[tuple[Any, ...] | None] = [None] * size
-        self._ends = [0] * size
+        #: end time of each slot's operation (0 while it runs), set by settle
+        self.ends = [0] * size
         self._errors: dict[int, tuple[int, str]] = {}  # slot -> (id, message)
         self._ids = itertools.count()  # next() is atomic under the GIL
         self._seqs = itertools.count()
 
-    def record(
-        self,
-        op: str,
-        array: Any,
-        root: int = -1,
-        reduce_op: Any = None,
-        peer: int = -1,
-        collective: bool = True,
-    ) -> int | None:
-        """Note an operation as issued; roots and peers are group ranks. Its id, or None
-        when the recorder is off."""
+    def record(self, op: str, array: Any, root: int = -1, reduce_op: Any = None) -> int | None:
+        """Note a collective as issued (roots are group ranks); its id, or None when the
+        recorder is off."""
         size = self.size
         if not size:
             return None
         i = next(self._ids)
         slot = i % size
-        self._ends[slot] = 0
+        self.ends[slot] = 0
         if self._errors:
             self._errors.pop(slot, None)
         self._ops[slot] = (
             i,
-            next(self._seqs) if collective else -1,
+            next(self._seqs),
             op,
             None if array is None else array.dtype,
             0 if array is None else array.size,
             root,
             reduce_op,
+            -1,
+            _time_ns(),
+            _stack() if self.stack else None,
+        )
+        return i
+
+    def record_p2p(self, op: str, array: Any, peer: int) -> int | None:
+        """Note a send or receive as issued (`peer`: a group rank, -1 for any); its id."""
+        size = self.size
+        if not size:
+            return None
+        i = next(self._ids)
+        slot = i % size
+        self.ends[slot] = 0
+        if self._errors:
+            self._errors.pop(slot, None)
+        self._ops[slot] = (
+            i,
+            -1,
+            op,
+            array.dtype,
+            array.size,
+            -1,
+            None,
             peer,
             _time_ns(),
             _stack() if self.stack else None,
@@ -116,7 +133,7 @@ class Recorder:
         op = self._ops[slot]
         if op is None or op[0] != i:  # the slot was reused meanwhile
             return
-        self._ends[slot] = _time_ns()
+        self.ends[slot] = _time_ns()
         if error is not None:
             self._errors[slot] = (i, f"{type(error).__name__}: {error}")
             dump_on_failure(error)
@@ -141,7 +158,7 @@ class Recorder:
     def as_dicts(self, ranks: list[int]) -> list[dict[str, Any]]:
         """The entries in the ring, oldest first, as JSON data; roots and peers as global
         ranks (`ranks`: the group's)."""
-        ops, ends, errors = list(self._ops), list(self._ends), dict(self._errors)
+        ops, ends, errors = list(self._ops), list(self.ends), dict(self._errors)
         out = []
         for slot, op in enumerate(ops):
             if op is None:
@@ -173,7 +190,7 @@ class Recorder:
 
     def unfinished(self) -> bool:
         """Whether an operation in the ring is still running or failed."""
-        ops, ends, errors = list(self._ops), list(self._ends), dict(self._errors)
+        ops, ends, errors = list(self._ops), list(self.ends), dict(self._errors)
         return bool(errors) or any(op is not None and not ends[slot] for slot, op in enumerate(ops))
 
 
