@@ -281,7 +281,7 @@ def test_uncaught_exception_after_a_bootstrapped_init_aborts_the_job(
     script = _script(tmp_path, "raise.py", RAISE_AFTER_INIT_SCRIPT)
     status, output, _ = _mpiexec(2, script, backend, timeout=90)
     assert status != 0, output
-    assert "rank 0 ready" in output and "rank 1 ready" in output, output
+    assert "rank 1 ready" in output, output  # rank 0's line may be cut by the abort
     assert "[rank 1] RuntimeError: rank one failed on purpose" in output, output
     assert "MPI.COMM_WORLD.Abort(1)" in output, output
     assert "barrier passed" not in output, output
