@@ -20,6 +20,9 @@ from distcomm.trace.analyze import analyze, render
 from tests.conftest import cpu_backends
 from tests.harness import LOOPBACK_ENV
 from tests.launchjobs import launcher_env, run_launcher, script
+from tests.mpijobs import LAUNCHER as MPI_LAUNCHER
+from tests.mpijobs import SKIP_REASON as MPI_SKIP_REASON
+from tests.mpijobs import run as mpi_run
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -348,3 +351,48 @@ def test_launcher_report_names_the_trace_directory(tmp_path, log_dir):
         "collective #1 all_reduce (int64 x 2, SUM) was entered by rank(s) 0; rank 1 never "
         "entered it: its last op was #0 all_reduce (int64 x 2, SUM) (completed)" in analysis.stdout
     )
+
+
+MPI_WORKER = """
+    import sys
+    import numpy as np
+    import distcomm as dist
+
+    dist.init_process_group("mpi")
+    rank = dist.get_rank()
+    x = np.full(3, rank, dtype=np.int64)
+    dist.all_reduce(x)
+    dist.broadcast(x, src=1)
+    if rank == 0:
+        dist.send(x, dst=1)
+    else:
+        dist.recv(x, src=0)
+    dist.barrier()
+    dist.dump_trace(sys.argv[1])
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(MPI_LAUNCHER is None, reason=f"needs mpiexec: {MPI_SKIP_REASON}")
+def test_mpi_backend_records_and_dumps(tmp_path):
+    """Under mpiexec with the mpi backend every rank records the same collectives, and the
+    analyzer finds nothing wrong."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(MPI_WORKER))
+    traces = tmp_path / "traces"
+    command = MPI_LAUNCHER.command(2, sys.executable, str(worker), str(traces))
+    done = mpi_run(command, cwd=tmp_path, timeout=120, merge_output=True)
+    assert done.returncode == 0, done.stdout
+    for rank, p2p in ((0, ("send", 1)), (1, ("recv", 0))):
+        entries = json.loads((traces / f"rank-{rank}.json").read_text())["groups"][0]["entries"]
+        assert [(e["seq"], e["op"]) for e in entries] == [
+            (0, "all_reduce"),
+            (1, "broadcast"),
+            (None, p2p[0]),
+            (2, "barrier"),
+        ]
+        assert entries[2]["peer"] == p2p[1]
+        assert {e["state"] for e in entries} == {"completed"}
+    result = _analyzer(traces)
+    assert result.returncode == 0, result.stderr
+    assert "nothing looks wrong" in result.stdout, result.stdout
