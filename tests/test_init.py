@@ -162,8 +162,8 @@ import sys
 import numpy as np
 import distcomm as dist
 
-dist.init_process_group("tcp", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=3,
-                        timeout=600)  # far beyond the test's deadline
+dist.init_process_group(sys.argv[3], init_method=sys.argv[1], rank=int(sys.argv[2]),
+                        world_size=3, timeout=600)  # far beyond the test's deadline
 x = np.ones(2)
 dist.all_reduce(x)
 print(f"sum {x[0]:.0f}", flush=True)
@@ -171,26 +171,27 @@ dist.destroy_process_group()
 """
 
 
-def _start(script, url: str, rank: int, stall: str) -> subprocess.Popen:
+def _start(script, url: str, rank: int, stall: str, backend: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCOMM_")}
     env.update(DISTCOMM_STALL_WARN_S=stall, DISTCOMM_SOCKET_IFNAME="lo",
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, str(script), url, str(rank)], env=env,
+    return subprocess.Popen([sys.executable, str(script), url, str(rank), backend], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["tcp", "gloo"])
 @pytest.mark.parametrize("stall", ["0.5", "0"])
-def test_init_warns_which_ranks_are_missing_then_completes(tmp_path, stall):
+def test_init_warns_which_ranks_are_missing_then_completes(tmp_path, stall, backend):
     script = tmp_path / "join.py"
     script.write_text(JOIN_SCRIPT)
     url = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [_start(script, url, rank, stall) for rank in (0, 1)]
+    procs = [_start(script, url, rank, stall, backend) for rank in (0, 1)]
     try:
         time.sleep(4)  # 0.5 s, then 1 s, then 2 s more: three warnings at least
         for proc in procs:
             assert proc.poll() is None, proc.communicate()
-        procs.append(_start(script, url, 2, stall))
+        procs.append(_start(script, url, 2, stall, backend))
         outputs = [proc.communicate(timeout=60) for proc in procs]
     finally:
         for proc in procs:

@@ -1057,7 +1057,8 @@ def test_agent_watches_its_workers_while_the_store_does_not_answer(tmp_path):
     assert re.search(r"rendezvous store at \S+ took [\d.]+ s to answer", results[1][2])
 
 
-def test_explicit_tcp_init_method_wins_over_the_agent_store(tmp_path):
+@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+def test_explicit_tcp_init_method_wins_over_the_agent_store(tmp_path, backend):
     """A script that passes its own tcp:// init_method and rank= (the README's first
     example) hosts that store on rank 0 under distcomm-run instead of waiting for it."""
     with socket.socket() as probe:
@@ -1073,7 +1074,7 @@ def test_explicit_tcp_init_method_wins_over_the_agent_store(tmp_path):
 
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(
-            "tcp",
+            "{backend}",
             init_method="tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=size,
