@@ -211,3 +211,24 @@ def test_init_warns_which_ranks_are_missing_then_completes(tmp_path, stall, back
         assert "2 of 3 ranks joined the store; missing rank(s) 2" in warnings[0], err
     for rank in (1, 2):
         assert "still waiting" not in outputs[rank][1], outputs[rank]
+
+
+def test_init_timeout_names_the_ranks_that_never_joined():
+    from distcomm.rendezvous import rendezvous
+
+    with pytest.raises(dist.DistTimeoutError) as caught:
+        rendezvous(f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=3, timeout=1.0,
+                   environ={"DISTCOMM_STALL_WARN_S": "0"})
+    message = str(caught.value)
+    assert "[rank 0/3]" in message and "only 1 of 3 ranks joined the store" in message
+    assert "rank(s) 1, 2 never did" in message
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf"])
+def test_stall_warn_setting_rejects_bad_values(value):
+    from distcomm import config
+
+    with pytest.raises(ValueError, match="DISTCOMM_STALL_WARN_S"):
+        config.load({"DISTCOMM_STALL_WARN_S": value})
+    assert config.load({}).stall_warn_s == 30.0
+    assert config.load({"DISTCOMM_STALL_WARN_S": "0"}).stall_warn_s == 0.0
