@@ -97,10 +97,6 @@ FIELDS = (
     "trace_cost_us",
 )
 
-#: with --trace both, each size is timed this many times with the recorder on and off,
-#: alternating; the fastest of each is kept
-TRACE_ROUNDS = 3
-
 
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' bus-bandwidth factor: busbw = algbw * factor."""
@@ -179,9 +175,11 @@ compare: with --compare torch each size runs ours, then torch.distributed's gloo
 exit status: 0 when every rank finished and every check passed, 1 otherwise, 2 for a
   usage error (including --compare torch without torch installed).
 recorder: --trace on (default) times with the flight recorder on, as users run; off
-  with it off (DISTCOMM_TRACE_BUFFER=0); both times each size 3 times with it on and 3
-  times off, alternating in the same ranks, keeps the fastest of each, and adds the
-  columns off(us) and rec(us) = time - off: the recorder's cost per op.""",
+  with it off (DISTCOMM_TRACE_BUFFER=0); both times each size --trace_rounds times
+  (default 3) with it on and as many times off, alternating in the same ranks, keeps the
+  fastest of each, and adds the columns off(us) and rec(us) = time - off: the
+  recorder's cost per op. Many short rounds (-n 500 --trace_rounds 20) resist a noisy
+  machine better than a few long ones.""",
     )
     parser.add_argument(
         "-b", "--minbytes", type=parse_bytes, default=8, help="smallest size in bytes (default 8)"
@@ -246,6 +244,13 @@ recorder: --trace on (default) times with the flight recorder on, as users run; 
         default="on",
         help="time with the flight recorder on, off, or both to show its cost (default on)",
     )
+    parser.add_argument(
+        "--trace_rounds",
+        type=int,
+        default=3,
+        help="with --trace both, how many times each size is timed with the recorder on "
+        "and off, alternating; the fastest of each is kept (default 3)",
+    )
     parser.add_argument("--csv", metavar="PATH", help="also write every row to this CSV file")
     parser.add_argument(
         "--timeout",
@@ -259,6 +264,8 @@ recorder: --trace on (default) times with the flight recorder on, as users run; 
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.trace_rounds < 1:
+        parser.error(f"--trace_rounds must be >= 1, got {args.trace_rounds}")
     launcher = launched_by(parser)
     if launcher is not None:
         world = int(os.environ["WORLD_SIZE"]) if launcher != "mpiexec" else None
@@ -691,6 +698,7 @@ class Plan:
     torch_port: int | None
     compare: str | None = None
     trace: str = "on"
+    trace_rounds: int = 3
 
 
 def _die_with_parent() -> None:
@@ -772,11 +780,11 @@ def _run_case(
     off = math.nan
     if plan.trace == "both":
         ons, offs = [ours], []
-        for i in range(TRACE_ROUNDS):
+        for i in range(plan.trace_rounds):
             set_recorder(dist, False)
             offs.append(measure(case.ours, dist.barrier, case, iters, warmup, sync)[0])
             set_recorder(dist, True)
-            if i < TRACE_ROUNDS - 1:
+            if i < plan.trace_rounds - 1:
                 ons.append(measure(case.ours, dist.barrier, case, iters, warmup, sync)[0])
         ours, off = min(ons), min(offs)
     theirs, their_wrong = math.nan, 0
@@ -1128,6 +1136,7 @@ def launched_main(args: argparse.Namespace, launcher: str) -> int:
         args.timeout,
         None,
         trace=args.trace,
+        trace_rounds=args.trace_rounds,
     )
     report = Report(args, None, nprocs=n) if rank == 0 else None
     if report is not None:
@@ -1197,6 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
             torch_store.port if torch_store is not None else None,
             args.compare,
             trace=args.trace,
+            trace_rounds=args.trace_rounds,
         )
         base = {
             "MASTER_ADDR": LOOPBACK,
