@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from time import time_ns
+from time import monotonic_ns
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ from .arrays import adapt, check_same, concatenate, empty, flat
 from .errors import DistTimeoutError
 from .group import ProcessGroup, resolve
 from .ops import ReduceOp, check_reduce_op
-from .trace.recorder import Recorder
+from .trace.recorder import NO_ARRAY, Recorder
 from .work import Work
 
 __all__ = [
@@ -143,7 +143,7 @@ def _finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,
         trace.settle(entry, exc)
         raise
     if entry is not None:  # trace.settle(entry), inlined: this is every op's path
-        trace.ends[entry % trace.size] = time_ns()
+        trace.ends[entry % trace.size] = monotonic_ns()
     return None
 
 
@@ -528,11 +528,11 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     pg = resolve(group, "barrier")
     if device_ids:
         backend = pg.default_backend("barrier", "cuda")
-        return _finish(pg._trace, pg._trace.record("barrier", None),
+        return _finish(pg._trace, pg._trace.record("barrier", NO_ARRAY),
                        backend.barrier_on(int(device_ids[0]), async_op=async_op), async_op)
     backend = pg.default_backend("barrier")
-    return _finish(pg._trace, pg._trace.record("barrier", None), backend.barrier(async_op=async_op),
-                   async_op)
+    return _finish(pg._trace, pg._trace.record("barrier", NO_ARRAY),
+                   backend.barrier(async_op=async_op), async_op)
 
 
 def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
@@ -562,7 +562,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
     deadline = Deadline.of(timeout if timeout is not None else pg.timeout)
     if pg.size() == 1:
         return
-    entry = pg._trace.record("monitored_barrier", None)
+    entry = pg._trace.record("monitored_barrier", NO_ARRAY)
     try:
         _monitored_barrier(pg, backend, deadline, wait_all_ranks)
     except BaseException as exc:

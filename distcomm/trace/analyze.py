@@ -113,7 +113,7 @@ def _groups(traces: dict[int, dict[str, Any]]) -> list[_Group]:
         for g in data["groups"]:
             key = (str(g["name"]), tuple(g["ranks"]))
             group = groups.setdefault(key, _Group(key[0], list(key[1])))
-            group.entries[rank] = sorted(g.get("entries", []), key=lambda e: e["id"])
+            group.entries[rank] = list(g.get("entries", []))  # oldest first
     return list(groups.values())
 
 

@@ -44,19 +44,32 @@ FORMAT_VERSION = 1
 
 QUEUED, COMPLETED, FAILED = "queued", "completed", "failed"
 
-_time_ns = time.time_ns
+_clock = time.monotonic_ns
 
 
 def _stack() -> str:
     return "".join(traceback.format_stack()[:-3])
 
 
-class Recorder:
-    """A ring of a group's last `size` operations (none when `size` is 0).
+class _NoArray:
+    """What a barrier records in place of an array."""
 
-    Each slot holds one tuple (id, seq, op, dtype, count, root, reduce op, peer, start
-    time, stack) written when the operation is issued, and its end time (0 while it
-    runs); failures keep their message aside. `record` returns the operation's id, which
+    dtype = None
+    size = 0
+
+
+NO_ARRAY = _NoArray()
+
+
+class Recorder:
+    """A ring of a group's last `size` collectives, and one of its last `size` sends and
+    receives (none when `size` is 0).
+
+    A collective's id is its sequence number in the group; a send or receive gets a
+    negative id. Each slot holds one tuple (id, op, dtype, count, root or peer, reduce
+    op, start time) written when the operation is issued, and `ends` its end time
+    (monotonic clock; older than the start while it runs, so a reused slot needs no
+    reset); failures keep their message aside, by id. `record` returns the id, which
     `settle` takes.
 
     Args:
@@ -64,41 +77,42 @@ class Recorder:
         stack: also keep the Python stack of each call (DISTCOMM_DEBUG=DETAIL).
     """
 
-    __slots__ = ("_errors", "_ids", "_ops", "_seqs", "ends", "size", "stack")
+    __slots__ = (
+        "_errors",
+        "_ids",
+        "_ops",
+        "_p2p_ends",
+        "_p2p_ids",
+        "_p2p_ops",
+        "_stacks",
+        "ends",
+        "size",
+        "stack",
+    )
 
     def __init__(self, size: int, stack: bool = False) -> None:
         self.size = size
         self.stack = stack
         self._ops: list[tuple[Any, ...] | None] = [None] * size
-        #: end time of each slot's operation (0 while it runs), set by settle
+        #: end time of each slot's collective (monotonic ns), set by settle
         self.ends = [0] * size
-        self._errors: dict[int, tuple[int, str]] = {}  # slot -> (id, message)
+        self._p2p_ops: list[tuple[Any, ...] | None] = [None] * size
+        self._p2p_ends = [0] * size
+        self._stacks: dict[int, str] = {}  # id -> stack, with `stack` only
+        self._errors: dict[int, str] = {}  # id -> message
         self._ids = itertools.count()  # next() is atomic under the GIL
-        self._seqs = itertools.count()
+        self._p2p_ids = itertools.count()
 
     def record(self, op: str, array: Any, root: int = -1, reduce_op: Any = None) -> int | None:
-        """Note a collective as issued (roots are group ranks); its id, or None when the
-        recorder is off."""
+        """Note a collective as issued (`root`: a group rank; `array`: NO_ARRAY for a
+        barrier); its id, the group's sequence number, or None when the recorder is off."""
         size = self.size
         if not size:
             return None
         i = next(self._ids)
-        slot = i % size
-        self.ends[slot] = 0
-        if self._errors:
-            self._errors.pop(slot, None)
-        self._ops[slot] = (
-            i,
-            next(self._seqs),
-            op,
-            None if array is None else array.dtype,
-            0 if array is None else array.size,
-            root,
-            reduce_op,
-            -1,
-            _time_ns(),
-            _stack() if self.stack else None,
-        )
+        self._ops[i % size] = (i, op, array.dtype, array.size, root, reduce_op, _clock())
+        if self.stack:
+            self._keep_stack(i)
         return i
 
     def record_p2p(self, op: str, array: Any, peer: int) -> int | None:
@@ -106,36 +120,38 @@ class Recorder:
         size = self.size
         if not size:
             return None
-        i = next(self._ids)
-        slot = i % size
-        self.ends[slot] = 0
-        if self._errors:
-            self._errors.pop(slot, None)
-        self._ops[slot] = (
-            i,
-            -1,
-            op,
-            array.dtype,
-            array.size,
-            -1,
-            None,
-            peer,
-            _time_ns(),
-            _stack() if self.stack else None,
-        )
+        k = next(self._p2p_ids)
+        i = -1 - k
+        self._p2p_ops[k % size] = (i, op, array.dtype, array.size, peer, None, _clock())
+        if self.stack:
+            self._keep_stack(i)
         return i
+
+    def _keep_stack(self, i: int) -> None:
+        self._stacks[i] = _stack()
+        if len(self._stacks) > 2 * self.size:
+            for old in sorted(self._stacks, key=abs)[: self.size]:
+                del self._stacks[old]
 
     def settle(self, i: int | None, error: BaseException | None = None) -> None:
         """Mark operation `i` completed, or failed with `error` (which may dump)."""
-        if i is None or not self.size:
+        size = self.size
+        if i is None or not size:
             return
-        slot = i % self.size
-        op = self._ops[slot]
+        ops, ends, slot = (
+            (self._ops, self.ends, i % size)
+            if i >= 0
+            else (self._p2p_ops, self._p2p_ends, (-1 - i) % size)
+        )
+        op = ops[slot]
         if op is None or op[0] != i:  # the slot was reused meanwhile
             return
-        self.ends[slot] = _time_ns()
+        ends[slot] = _clock()
         if error is not None:
-            self._errors[slot] = (i, f"{type(error).__name__}: {error}")
+            self._errors[i] = f"{type(error).__name__}: {error}"
+            if len(self._errors) > 2 * size:
+                for old in sorted(self._errors, key=abs)[:size]:
+                    del self._errors[old]
             dump_on_failure(error)
 
     def settle_later(self, i: int | None, work: Any) -> None:
@@ -155,43 +171,47 @@ class Recorder:
 
             work._on_timeout = on_timeout
 
-    def as_dicts(self, ranks: list[int]) -> list[dict[str, Any]]:
-        """The entries in the ring, oldest first, as JSON data; roots and peers as global
-        ranks (`ranks`: the group's)."""
-        ops, ends, errors = list(self._ops), list(self.ends), dict(self._errors)
+    def _slots(self) -> list[tuple[tuple[Any, ...], int]]:
+        """(op tuple, end time) of every recorded operation, collectives and p2p."""
         out = []
-        for slot, op in enumerate(ops):
-            if op is None:
-                continue
-            i, seq, name, dtype, count, root, reduce_op, peer, start, stack = op
-            end = ends[slot]
-            error = errors.get(slot)
-            error_text = error[1] if error is not None and error[0] == i else None
-            state = QUEUED if not end else FAILED if error_text else COMPLETED
+        for ops, ends in ((self._ops, self.ends), (self._p2p_ops, self._p2p_ends)):
+            ops, ends = list(ops), list(ends)
+            out.extend((op, ends[slot]) for slot, op in enumerate(ops) if op is not None)
+        return out
+
+    def as_dicts(self, ranks: list[int]) -> list[dict[str, Any]]:
+        """The entries in the rings, oldest first, as JSON data; roots and peers as global
+        ranks (`ranks`: the group's); times as wall-clock ns."""
+        to_wall = time.time_ns() - _clock()
+        errors, stacks = dict(self._errors), dict(self._stacks)
+        out = []
+        for op, end in sorted(self._slots(), key=lambda pair: (pair[0][6], pair[0][0])):
+            i, name, dtype, count, rank, reduce_op, start = op
+            done = end >= start
+            error = errors.get(i) if done else None
+            peer = i < 0
             out.append(
                 {
                     "id": i,
-                    "seq": seq if seq >= 0 else None,
+                    "seq": None if peer else i,
                     "op": name,
                     "dtype": None if dtype is None else str(dtype),
                     "count": count,
-                    "root": ranks[root] if 0 <= root < len(ranks) else None,
+                    "root": None if peer or not 0 <= rank < len(ranks) else ranks[rank],
                     "reduce_op": None if reduce_op is None else str(reduce_op),
-                    "peer": ranks[peer] if 0 <= peer < len(ranks) else None,
-                    "state": state,
-                    "start_ns": start,
-                    "end_ns": end or None,
-                    "error": error_text,
-                    "stack": stack,
+                    "peer": ranks[rank] if peer and 0 <= rank < len(ranks) else None,
+                    "state": QUEUED if not done else FAILED if error else COMPLETED,
+                    "start_ns": start + to_wall,
+                    "end_ns": end + to_wall if done else None,
+                    "error": error,
+                    "stack": stacks.get(i),
                 }
             )
-        out.sort(key=lambda e: e["id"])
         return out
 
     def unfinished(self) -> bool:
-        """Whether an operation in the ring is still running or failed."""
-        ops, ends, errors = list(self._ops), list(self.ends), dict(self._errors)
-        return bool(errors) or any(op is not None and not ends[slot] for slot, op in enumerate(ops))
+        """Whether an operation in the rings is still running or failed."""
+        return bool(self._errors) or any(end < op[6] for op, end in self._slots())
 
 
 # -- dumps ---------------------------------------------------------------------------------
