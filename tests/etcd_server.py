@@ -13,14 +13,10 @@ which turns the skip into a failure.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import http.client
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -42,22 +38,6 @@ STOP_GRACE = 10.0
 def find_etcd() -> str | None:
     """The path of the etcd binary on PATH, or None."""
     return shutil.which("etcd")
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind((HOST, 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class EtcdServer:
@@ -106,7 +86,7 @@ class EtcdServer:
 
     def _start(self, start_timeout: float) -> bool:
         """Start etcd on fresh ports; True once healthy, False if it exited (port clash)."""
-        client, peer = _free_ports(2)
+        client, peer = processes.free_ports(2, HOST)
         client_url, peer_url = f"http://{HOST}:{client}", f"http://{HOST}:{peer}"
         member_dir = os.path.join(self.data_dir, f"member-{client}")
         args = [
@@ -136,7 +116,7 @@ class EtcdServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=processes.die_with_parent,
             )
         self.endpoint = f"{HOST}:{client}"
         deadline = time.monotonic() + start_timeout

@@ -1,14 +1,18 @@
-"""Process bookkeeping for tests: which descendants run, and a check that none is left."""
+"""Process bookkeeping for tests: which descendants run, a check that none is left, and
+what the daemons tests start need (free loopback ports, death with the test, a stop)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 
 import psutil
 
-__all__ = ["descendants", "no_process_left", "stop"]
+__all__ = ["descendants", "die_with_parent", "free_ports", "no_process_left", "stop"]
 
 
 def descendants(ignore: tuple[str, ...] = ()) -> dict[int, float]:
@@ -53,3 +57,20 @@ def stop(process: subprocess.Popen, grace: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(grace)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free TCP ports on `host` (bound together, then released)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn`: the child gets SIGTERM when the test process dies (PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass

@@ -30,11 +30,9 @@ which only the -dev package has).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -118,22 +116,6 @@ def missing_binaries() -> list[str]:
 
 def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind((HOST, 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _host_name() -> str:
@@ -242,7 +224,7 @@ class SlurmCluster:
         key = self.path("munge", "munge.key")
         with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
             out.write(secrets.token_bytes(1024))
-        ctld_port, slurmd_port = _free_ports(2)
+        ctld_port, slurmd_port = processes.free_ports(2, HOST)
         with open(self.path("plugstack.conf"), "w") as out:
             out.write("# no SPANK plug-ins\n")
         lines = {
@@ -305,7 +287,7 @@ class SlurmCluster:
                 stderr=subprocess.STDOUT,
                 env=self.env(),
                 cwd=self.directory,
-                preexec_fn=_die_with_parent,
+                preexec_fn=processes.die_with_parent,
             )
 
     def _check_alive(self) -> None:
