@@ -92,13 +92,19 @@ class NcclWork(Work):
         """
         seconds = to_seconds(timeout)
         backend = self._backend
-        if self._future.done():
-            self._future.value()
-            return True
-        backend._raise_if_failed(self.description)
+        done = self._future.done()
+        if done:
+            self._future.value()  # raises the operation's failure
+        else:
+            backend._raise_if_failed(self.description)
         if seconds is None and not (self._host_wait or backend._blocking_wait):
-            with backend._device:
-                backend._cupy.cuda.get_current_stream().wait_event(self._event)
+            # torch orders the caller's stream even when the watchdog already saw the
+            # event complete: the same calls either way
+            if self._event is not None:
+                with backend._device:
+                    backend._cupy.cuda.get_current_stream().wait_event(self._event)
+            return True
+        if done:
             return True
         deadline = Deadline(self._default_timeout if seconds is None else seconds)
         delay = _WATCH_FIRST
