@@ -6,7 +6,7 @@ import math
 import time
 from datetime import timedelta
 
-__all__ = ["FOREVER", "Deadline", "to_seconds"]
+__all__ = ["FOREVER", "Deadline", "StallClock", "to_seconds"]
 
 #: Seconds (about three years) beyond which a timeout is taken as none: sockets, locks and
 #: event loops refuse timeouts beyond a few hundred years or even 25 days, and no job waits
@@ -81,3 +81,29 @@ class Deadline:
     def __repr__(self) -> str:
         left = self.remaining()
         return "Deadline(none)" if left is None else f"Deadline({left:.3f}s left)"
+
+
+class StallClock:
+    """When a wait that is still waiting should say so: after `warn` seconds (0: never),
+    then after twice as long each time (DISTCOMM_STALL_WARN_S's 30, 60, 120 s ...)."""
+
+    __slots__ = ("_at", "_started")
+
+    def __init__(self, warn: float) -> None:
+        self._started = time.monotonic()
+        self._at = warn if warn > 0 else math.inf
+
+    def due(self) -> float | None:
+        """The seconds waited when a warning is due now (the next one is then twice as far
+        out), else None."""
+        waited = time.monotonic() - self._started
+        if waited < self._at:
+            return None
+        while self._at <= waited:
+            self._at *= 2
+        return waited
+
+    @property
+    def next(self) -> float:
+        """The wait, in seconds, at which the next warning is due."""
+        return self._at

@@ -116,6 +116,13 @@ class Store(ABC):
         for key, value in zip(keys, values, strict=True):
             self.set(key, value)
 
+    def clone(self) -> Store:
+        """A store on the same data that another thread may use while this one is blocked in
+        a wait (torch's Store.clone): a new connection where the store has one; a store
+        that is safe to share between threads returns itself (then do not close it apart).
+        """
+        return self
+
     def close(self) -> None:  # noqa: B027 - optional hook, stores without resources keep it
         """Release connections and, for a hosting store, stop its server."""
 

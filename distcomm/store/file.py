@@ -46,8 +46,9 @@ import zlib
 from collections.abc import Sequence
 from datetime import timedelta
 
+from .. import config
 from ..config import DEFAULT_STORE_TIMEOUT
-from ..deadline import Deadline, to_seconds
+from ..deadline import Deadline, StallClock, to_seconds
 from ..errors import DistStoreError, DistStoreTimeoutError
 from .base import Store, check_key, to_bytes
 from .filelog import (
@@ -137,6 +138,7 @@ class FileStore(Store):
         self.path = os.fspath(file_name)
         self.world_size = world_size
         self._mutex = threading.Lock()  # one user of this object's file offset at a time
+        self._stall_warn = config.load().stall_warn_s  # a wait still waiting says so then
         self._fd = -1
         self._compact_above = _COMPACT_MIN  # raised after a compaction failed
         self._reset()
@@ -437,6 +439,7 @@ class FileStore(Store):
         since a key seen earlier may have been deleted since.
         """
         deadline = Deadline(timeout)
+        stall = StallClock(self._stall_warn)
         delay = _KEY_POLL_FIRST
         first = 0  # keys before it were set at the last look
         while True:
@@ -449,6 +452,14 @@ class FileStore(Store):
                 if deadline.expired():
                     missing = [key for key in keys if key not in self._data]
                     raise timeout_error(missing, timeout, f"the FileStore {self.path!r}")
+            waited = stall.due()
+            if waited is not None:
+                missing = [key for key in keys if key not in self._data]
+                log.warning(
+                    "a wait on the FileStore %r has waited %.1f s for %s, not set yet: the "
+                    "process that sets it may be late, stuck or gone (waiting up to %.1f s; "
+                    "next report at %.1f s; DISTCOMM_STALL_WARN_S=0 turns these warnings off)",
+                    self.path, waited, ", ".join(map(repr, missing[:8])), timeout, stall.next)
             delay = deadline.nap(delay, _KEY_POLL_MOST)
 
     # -- the Store methods ----------------------------------------------------------------

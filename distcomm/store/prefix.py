@@ -97,8 +97,23 @@ class PrefixStore(Store):
         """Set each key of `keys` to the value at the same position of `values`."""
         self.underlying_store.multi_set(self._keys(keys), values)
 
+    def clone(self) -> Store:
+        """The same namespace on a clone of the underlying store (itself when the underlying
+        store shares itself); closing the clone closes the underlying one's clone."""
+        inner = self.underlying_store.clone()
+        if inner is self.underlying_store:
+            return self
+        return _ClonedPrefixStore(self.prefix, inner)
+
     def close(self) -> None:
         """Nothing to release: the underlying store stays open for its other users."""
 
     def __repr__(self) -> str:
         return f"PrefixStore({self.prefix!r}, {self.underlying_store!r})"
+
+
+class _ClonedPrefixStore(PrefixStore):
+    """A PrefixStore made by `clone`: it owns its underlying store's clone."""
+
+    def close(self) -> None:
+        self.underlying_store.close()

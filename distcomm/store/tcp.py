@@ -18,6 +18,7 @@ reopened on the next request. If the server goes away, requests raise
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
@@ -41,6 +42,8 @@ __all__ = ["TCPStore"]
 #: Extra seconds the client waits beyond a request's own timeout before giving up on it.
 SAFETY_MARGIN = 1.0
 _TIMEVAL = struct.Struct("@ll")
+log = logging.getLogger(__name__)
+
 _ERROR, _TIMEOUT, _LATE_ERROR = int(Status.ERROR), int(Status.TIMEOUT), int(Status.LATE_ERROR)
 
 
@@ -106,7 +109,9 @@ class TCPStore(Store):
         self._host = host_name
         self._port = port
         self.world_size = world_size
-        self._auth_key = config.load().auth_key
+        cfg = config.load()
+        self._auth_key = cfg.auth_key
+        self._stall_warn = cfg.stall_warn_s  # a wait still waiting after this says so
         self._lock = threading.Lock()
         self._registered = False
         self._limits = Limits()
@@ -431,8 +436,7 @@ class TCPStore(Store):
         """
         names = [name.encode() for name in check_keys(keys)]
         seconds = self._timeout if timeout is None else to_seconds(timeout)
-        self._call(Cmd.WAIT, [SECONDS.pack(seconds), *names], ("wait", list(keys)),
-                   wait=seconds, keys=names)
+        self._waiting(Cmd.WAIT, names, seconds, ("wait", list(keys)))
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key in `keys` is set, without waiting."""
@@ -462,8 +466,43 @@ class TCPStore(Store):
         """
         names = [name.encode() for name in check_keys(keys)]
         what = ("get", keys[0]) if len(names) == 1 else ("multi_get", list(keys))
-        return self._call(Cmd.MULTI_GET, [SECONDS.pack(self._timeout), *names], what,
-                          wait=self._timeout, keys=names)
+        return self._waiting(Cmd.MULTI_GET, names, self._timeout, what)
+
+    def _waiting(self, code: int, names: list[bytes], seconds: float,
+                 what: str | tuple[str, object]) -> list[bytes]:
+        """A WAIT or MULTI_GET of up to `seconds`, which, when it is still waiting after
+        DISTCOMM_STALL_WARN_S, logs the keys still missing, then again after twice as long
+        each time (the server is asked in slices that end at each warning)."""
+        warn = self._stall_warn
+        if not 0 < warn < seconds:
+            return self._call(code, [SECONDS.pack(seconds), *names], what, wait=seconds,
+                              keys=names)
+        deadline = Deadline(seconds)
+        started = time.monotonic()
+        warn_at = warn
+        while True:
+            left = deadline.remaining()
+            step = warn_at - (time.monotonic() - started)
+            step = max(0.0, step if left is None else min(step, left))
+            status, result = self._request(code, [SECONDS.pack(step), *names], what,
+                                           wait=step, keys=names)
+            if status != _TIMEOUT:
+                if status:
+                    self._failed(status, result, what, step)
+                return result
+            missing = [key.decode(errors="replace") for key in result]
+            if deadline.expired():
+                raise timeout_error(missing, seconds, self._where)
+            waited = time.monotonic() - started
+            if waited >= warn_at:
+                warn_at *= 2
+                shown = ", ".join(repr(key) for key in missing[:8]) + (
+                    f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                log.warning(
+                    "%s on %s has waited %.1f s for %s, not set yet: the process that sets "
+                    "it may be late, stuck or gone (waiting up to %.1f s; next report at "
+                    "%.1f s; DISTCOMM_STALL_WARN_S=0 turns these warnings off)",
+                    _describe(what), self._where, waited, shown, seconds, warn_at)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set each key of `keys` to the value at the same position of `values`, atomically."""
@@ -476,6 +515,20 @@ class TCPStore(Store):
         self._call(Cmd.MULTI_SET, args, "multi_set", keys=encoded, values=datas, quiet=True)
 
     # -- teardown -------------------------------------------------------------------------
+
+    def clone(self) -> TCPStore:
+        """A new client connection to the same server (never a master), with this one's
+        timeout: for another thread, which would otherwise queue behind this connection's
+        requests.
+
+        Raises:
+            DistStoreError: this store is closed.
+            DistNetworkError: the server cannot be reached.
+        """
+        if self._closed:
+            raise DistStoreError(f"{self._where} is closed; it cannot be cloned")
+        return TCPStore(self._host, self._port, is_master=False, timeout=self._timeout,
+                        wait_for_workers=False)
 
     def close(self) -> None:
         """Close the connection and, on the master, stop the server (idempotent).
