@@ -50,11 +50,11 @@ DISTCOMM_STORE_PREFIX when that is set (the launcher sets one per round, so rest
 workers never see the keys of an earlier round). An explicit ``tcp://`` init_method (or a
 store=) wins over the launcher's store: rank 0 hosts it as without a launcher.
 
-Then (when rank 0 hosts the store) every rank sets a key of its own in it, and rank 0 waits
-for the others' keys, as torch's TCPStore master waits for its workers. While ranks are
-missing, a warning after DISTCOMM_STALL_WARN_S seconds (default 30; 0: none), then after 60,
-120, ... more, says how many ranks joined and which did not; at the timeout the error names
-them.
+Then (when rank 0 hosts the store) every rank sets a key of its own in it and waits for the
+others' keys, as torch's TCPStore master waits for its workers. While ranks are missing,
+each waiting rank warns after DISTCOMM_STALL_WARN_S seconds (default 30; 0: none), then
+after 60, 120, ... more, how many ranks joined and which did not; at the timeout the error
+names them.
 
 Bootstrap over MPI: with ``env://``, no agent store, MASTER_ADDR or MASTER_PORT unset, and
 an MPI launcher (the first rank variable set is OMPI_COMM_WORLD_RANK, PMIX_RANK or
@@ -735,8 +735,7 @@ _STALL_BACKOFF = 2.0
 def _join(
     store: Store, rank: int, size: int, seconds: float, warn_after: float, where: str
 ) -> None:
-    """Set this rank's key in `store` and wait for every rank's, for at most `seconds`
-    (rank 0, which hosts the store; the others only set their key).
+    """Set this rank's key in `store` and wait for every rank's, for at most `seconds`.
 
     While some are missing, warn after `warn_after` seconds (0: never), then after twice
     as long as the previous wait each time, naming the ranks that joined and those missing.
@@ -755,6 +754,8 @@ def _join(
         left = deadline.remaining()
         left = math.inf if left is None else max(left, 0.0)
         step = min(left, max(warn_at - (time.monotonic() - started), 0.001))
+        if warn_after > 0:  # a store wait longer than that would warn on its own
+            step = min(step, warn_after)
         try:
             store.wait(keys, step)
             return
@@ -1091,11 +1092,9 @@ def rendezvous(
         opened = _RoundStore(cfg.store_prefix, opened)
     if not agent:
         try:
-            if hosting:
-                store_at = f"{where} (the store at {format_address(host, port)})"
-                _join(opened, the_rank, size, seconds, cfg.stall_warn_s, store_at)
-            else:
-                opened.set(f"{_JOINED}{the_rank}", str(os.getpid()))
+            # every rank waits for all to join: any rank still waiting says which are missing
+            store_at = f"{where} (the store at {format_address(host, port)})"
+            _join(opened, the_rank, size, seconds, cfg.stall_warn_s, store_at)
         except BaseException:
             opened.close()
             raise

@@ -200,17 +200,18 @@ def test_init_warns_which_ranks_are_missing_then_completes(tmp_path, stall, back
                 proc.wait()
     for proc, (out, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0 and out.strip() == "sum 3", (out, err)
-    # rank 0, which hosts the store and waits for the others, warns
-    err = outputs[0][1]
-    warnings = [line for line in err.splitlines() if "still waiting" in line]
-    if stall == "0":
-        assert not warnings, err
-    else:
+    # rank 0, which hosts the store, and rank 1 wait for rank 2: both warn, naming it
+    for rank in (0, 1):
+        err = outputs[rank][1]
+        warnings = [line for line in err.splitlines() if "still waiting" in line]
+        if stall == "0":
+            assert not warnings, err
+            assert "has waited" not in err, err  # nor does a store wait
+            continue
         assert 2 <= len(warnings) <= 5, err  # backoff: not one per poll
-        assert "[rank 0/3]" in warnings[0], err
+        assert f"[rank {rank}/3]" in warnings[0], err
         assert "2 of 3 ranks joined the store; missing rank(s) 2" in warnings[0], err
-    for rank in (1, 2):
-        assert "still waiting" not in outputs[rank][1], outputs[rank]
+    assert "still waiting" not in outputs[2][1], outputs[2]
 
 
 def test_init_timeout_names_the_ranks_that_never_joined():
