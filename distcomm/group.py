@@ -23,7 +23,8 @@ from .backends.staged import StagedBackend
 from .deadline import to_seconds
 from .errors import DistError
 from .store import HashStore, PrefixStore, Store
-from .trace.recorder import Recorder, install_signal_handlers
+from .trace import stall
+from .trace.recorder import NO_ARRAY, Recorder, install_signal_handlers
 
 __all__ = [
     "GroupMember",
@@ -56,8 +57,9 @@ class ProcessGroup:
 
     def __init__(self, name: str, ranks: list[int], group_rank: int,
                  backends: dict[str, Backend], spec: str, timeout: float,
-                 global_rank: int) -> None:
+                 global_rank: int, store_key: str = "0") -> None:
         self.group_name = name
+        self._store_key = store_key  # its keys in the job's store: distcomm/<store_key>
         self.ranks = ranks
         self._rank = group_rank
         self._backends = backends
@@ -343,6 +345,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         _world.next_id = 1
         _world.spec = spec
         install_signal_handlers()
+        stall.start(cfg.stall_warn_s, rdzv.store, lambda: list(_world.groups.values()))
 
 
 def _mpi_world(rank: int, world_size: int) -> Any:
@@ -451,7 +454,8 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
         if group_rank >= 0:
             backends = _create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
                                         group_rank, len(members), seconds, name, members)
-        group = ProcessGroup(name, members, group_rank, backends, _spec_text(spec), seconds, me)
+        group = ProcessGroup(name, members, group_rank, backends, _spec_text(spec), seconds, me,
+                             store_key=str(group_id))
         log.info("new_group %r: ranks %s, this rank %s", name, members,
                  group_rank if group_rank >= 0 else "not a member")
         _world.groups[f"{group_id}:{name}"] = group
@@ -469,9 +473,12 @@ def _every_rank_is_there(world: ProcessGroup, members: list[int], name: str) -> 
     backend = world._backends.get("cpu")
     if backend is None or world.size() == 1:
         return
+    entry = world._trace.record("new_group", NO_ARRAY)  # the stall inspector watches it too
     try:
         backend.barrier(async_op=True).wait()
+        world._trace.settle(entry)
     except DistError as exc:
+        world._trace.settle(entry, exc)
         try:
             error = type(exc)(
                 f"new_group {name!r} (ranks {members}): a rank of the default group failed "
@@ -500,6 +507,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
                     del _world.groups[key]
             return
         log.info("destroying every group")
+        stall.stop()
         for value in list(_world.groups.values()):
             if value is not default:
                 value._shutdown()

@@ -120,7 +120,10 @@ def test_rank_that_never_joins_is_named(tmp_path, backend):
     assert rank1["version"] == 1 and rank1["rank"] == 1 and rank1["world_size"] == 2
     assert rank1["reason"] == "SIGTERM"
     default, group = rank1["groups"]
-    assert default["name"] == "default" and default["entries"] == []
+    assert default["name"] == "default"
+    # new_group's barrier of the default group is recorded there: every rank reached it
+    assert [(e["seq"], e["op"], e["state"]) for e in default["entries"]] == [
+        (0, "new_group", "completed")]
     assert group["name"] == "short" and group["ranks"] == [0, 1]
     ops = [(e["seq"], e["op"], e["state"]) for e in group["entries"]]
     assert ops == [
