@@ -399,3 +399,22 @@ def test_mpi_backend_records_and_dumps(tmp_path):
     result = _analyzer(traces)
     assert result.returncode == 0, result.stderr
     assert "nothing looks wrong" in result.stdout, result.stdout
+
+
+def test_states_queued_started_completed_failed():
+    """The oldest unfinished collective is started, those after it queued; the same for
+    sends and receives, apart."""
+    from distcomm.trace.recorder import NO_ARRAY, Recorder
+
+    rec = Recorder(8)
+    x = np.zeros(3, dtype=np.float32)
+    ids = [rec.record("all_reduce", x), rec.record("broadcast", x, 0), rec.record("barrier",
+                                                                                  NO_ARRAY)]
+    sends = [rec.record_p2p("send", x, 1), rec.record_p2p("recv", x, 1)]
+    rec.settle(ids[0])
+    rec.settle(sends[0], RuntimeError("peer gone"))
+    states = {(e["op"], e["seq"]): e["state"] for e in rec.as_dicts([0, 1])}
+    assert states == {("all_reduce", 0): "completed", ("broadcast", 1): "started",
+                      ("barrier", 2): "queued", ("send", None): "failed",
+                      ("recv", None): "started"}
+    assert [e["peer"] for e in rec.as_dicts([0, 1]) if e["seq"] is None] == [1, 1]

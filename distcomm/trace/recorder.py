@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 #: the version of the dump format ("version" in each file)
 FORMAT_VERSION = 1
 
-QUEUED, COMPLETED, FAILED = "queued", "completed", "failed"
+QUEUED, STARTED, COMPLETED, FAILED = "queued", "started", "completed", "failed"
 
 _clock = time.monotonic_ns
 
@@ -185,11 +185,22 @@ class Recorder:
         to_wall = time.time_ns() - _clock()
         errors, stacks = dict(self._errors), dict(self._stacks)
         out = []
-        for op, end in sorted(self._slots(), key=lambda pair: (pair[0][6], pair[0][0])):
+        slots = self._slots()
+        # a backend runs a group's collectives in order (and its sends and receives): the
+        # oldest unfinished one of each kind is running, those after it wait their turn
+        running_ids = [op[0] for op, end in slots if end < op[6]]
+        started = {
+            pick(ids)  # a send or receive's id is -1 - its number: the oldest is the largest
+            for ids, pick in (([i for i in running_ids if i >= 0], min),
+                              ([i for i in running_ids if i < 0], max))
+            if ids
+        }
+        for op, end in sorted(slots, key=lambda pair: (pair[0][6], pair[0][0])):
             i, name, dtype, count, rank, reduce_op, start = op
             done = end >= start
             error = errors.get(i) if done else None
             peer = i < 0
+            running = STARTED if i in started else QUEUED
             out.append(
                 {
                     "id": i,
@@ -200,7 +211,7 @@ class Recorder:
                     "root": None if peer or not 0 <= rank < len(ranks) else ranks[rank],
                     "reduce_op": None if reduce_op is None else str(reduce_op),
                     "peer": ranks[rank] if peer and 0 <= rank < len(ranks) else None,
-                    "state": QUEUED if not done else FAILED if error else COMPLETED,
+                    "state": running if not done else FAILED if error else COMPLETED,
                     "start_ns": start + to_wall,
                     "end_ns": end + to_wall if done else None,
                     "error": error,
