@@ -152,8 +152,20 @@ class _AbortHook:
         except Exception:
             pass
         finally:
+            _dump_trace()
             _flush_and_drain()
             abort(mpi)
+
+
+def _dump_trace() -> None:
+    """Write the flight recorder (when DISTCOMM_TRACE_DIR is set) before an abort, which
+    ends the process without its exit handlers."""
+    try:
+        from .trace.recorder import dump
+
+        dump("abort")
+    except Exception:
+        pass
 
 
 #: shared-memory files MPI libraries keep linked until MPI_Finalize (MPICH, Open MPI 5 and 4)

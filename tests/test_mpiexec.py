@@ -279,12 +279,18 @@ def test_uncaught_exception_after_a_bootstrapped_init_aborts_the_job(
     """The store bootstrap over MPI loads MPI, so it installs the abort hook too: the
     raising rank would otherwise wait in MPI_Finalize and rank 0 for the group timeout."""
     script = _script(tmp_path, "raise.py", RAISE_AFTER_INIT_SCRIPT)
-    status, output, _ = _mpiexec(2, script, backend, timeout=90)
+    traces = tmp_path / "traces"
+    status, output, _ = _mpiexec(2, script, backend, timeout=90,
+                                 env=job_env(DISTCOMM_TRACE_DIR=str(traces)))
     assert status != 0, output
     assert "rank 1 ready" in output, output  # rank 0's line may be cut by the abort
     assert "[rank 1] RuntimeError: rank one failed on purpose" in output, output
     assert "MPI.COMM_WORLD.Abort(1)" in output, output
     assert "barrier passed" not in output, output
+    # the aborting rank wrote its flight recorder first (Abort skips exit handlers)
+    trace = json.loads((traces / "rank-1.json").read_text())
+    assert trace["reason"] == "abort", trace["reason"]
+    assert [e["op"] for e in trace["groups"][0]["entries"]] == ["all_reduce"]
 
 
 # -- the default intra-op thread count of ranks ---------------------------------------------
