@@ -142,8 +142,11 @@ def _finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,
     except BaseException as exc:
         trace.settle(entry, exc)
         raise
-    if entry is not None:  # trace.settle(entry), inlined: this is every op's path
-        trace.ends[entry % trace.size] = monotonic_ns()
+    if entry is not None:
+        if work.finished_on_wait:  # trace.settle(entry), inlined: this is every op's path
+            trace.ends[entry % trace.size] = monotonic_ns()
+        else:  # the op may still run on the device: settled when it completes there
+            trace.settle_later(entry, work)
     return None
 
 

@@ -117,6 +117,10 @@ class Work:
         done: the operation already succeeded (`Work.completed`).
     """
 
+    #: `wait()` returns once the operation finished; False where it only orders a device
+    #: stream after it (nccl), so the flight recorder settles the op on its completion
+    finished_on_wait = True
+
     def __init__(self, description: str, outputs: list[Any] | None = None,
                  on_timeout: Callable[[float], BaseException] | None = None,
                  timeout: float | None = None, *, done: bool = False) -> None:

@@ -1211,3 +1211,32 @@ def test_arrays_on_two_gpus_are_refused(solo, cuda, make_cluster):
     group = ProcessGroup("g", [0], 0, {"cuda": cluster.backends[0]}, "nccl", 30.0, 0)
     with pytest.raises(ValueError, match=r"different GPUs \(0, 1\)"):
         dist.all_gather_single(out, mine, group=group)
+
+
+def test_recorder_settles_a_synchronous_op_when_the_device_finishes_it(solo, cuda,
+                                                                       make_cluster):
+    """A synchronous nccl collective returns once the caller's stream is ordered after it:
+    the flight recorder (and so the stall inspector) keeps it running until its event
+    completes on the device."""
+    cluster = make_cluster(1)
+    cp = cuda.cupy
+    backend = cluster.backends[0]
+    group = ProcessGroup("g", [0], 0, {"cuda": backend}, "nccl", 30.0, 0)
+    x = cp.ones(4, np.float32)
+    dist.all_reduce(x, group=group)  # the communicator and the group's stream exist now
+    backend._stream.synchronize()
+    deadline = time.monotonic() + 10
+    while group._trace.unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not group._trace.unfinished()
+    cuda.pause(backend._stream)
+    try:
+        dist.all_reduce(x, group=group)  # returns: the op waits on the held stream
+        time.sleep(0.3)  # the watchdog polls meanwhile
+        states = [e["state"] for e in group._trace.as_dicts([0])]
+        assert states == ["completed", "started"], states
+    finally:
+        cuda.resume(backend._stream)
+    while group._trace.unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [e["state"] for e in group._trace.as_dicts([0])] == ["completed", "completed"]

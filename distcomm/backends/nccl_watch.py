@@ -50,6 +50,7 @@ class NcclWork(Work):
         self._event: Any = None
         self._keep: list[Any] | None = keep  # the arrays the GPU may still touch
         self._host_wait = host_wait
+        self.finished_on_wait = host_wait or backend._blocking_wait
         self._issued = time.monotonic()
 
     def _record(self, stream: Any) -> None:
