@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 _NS = 1_000_000_000
 #: the longest a tick waits, in seconds
 _TICK_MOST = 1.0
+#: the timeout of the inspector's own store connection, in seconds
+_STORE_TIMEOUT = 5.0
 
 
 def _issued(counter: Any) -> int:
@@ -131,16 +133,17 @@ class StallInspector:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread (waiting up to 5 s for it) and close the store connection."""
+        """Stop the thread and close its store connection (first: that wakes a request
+        of the thread that is waiting on it), then wait up to 5 s for the thread."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(5.0)
         store, self._store = self._store, None
         if store is not None and self._owns_store:
             try:
                 store.close()
             except Exception:
                 pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick):
@@ -328,6 +331,8 @@ def start(warn_s: float, store: Store | None, groups: Any) -> None:
     if store is not None and not isinstance(store, HashStore):
         try:
             side = store.clone()
+            if side is not store:  # a connection of its own: never stuck for long on it
+                side.set_timeout(_STORE_TIMEOUT)
         except Exception as exc:
             log.debug("stall inspector: no second connection to the store: %r", exc)
     inspector = StallInspector(warn_s, side, groups, owns_store=side is not store)
