@@ -620,6 +620,7 @@ def test_foreign_mpi_library_is_named(monkeypatch) -> None:
 def test_foreign_mpi_library_falls_back_to_slurm(monkeypatch, caplog) -> None:
     _use_fake_mpi(monkeypatch, size=1)
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=10)
+    server.set("distcomm/rendezvous/joined/0", "1")  # rank 0 has joined: rank 1 waits for it
     try:
         env = {
             "PMI_RANK": "1",
