@@ -764,8 +764,11 @@ def _rank_main(
 def set_recorder(dist: Any, on: bool) -> None:
     """Turn the default group's flight recorder on (DISTCOMM_TRACE_BUFFER entries) or off."""
     from distcomm import config
+    from distcomm.trace.recorder import Recorder
 
-    dist.group.WORLD._trace.size = config.load().trace_buffer if on else 0
+    world = dist.group.WORLD
+    if (world._trace.size > 0) != on:
+        world._trace = Recorder(config.load().trace_buffer if on else 0)
 
 
 def _run_case(

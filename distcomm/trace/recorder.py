@@ -67,10 +67,14 @@ class Recorder:
 
     A collective's id is its sequence number in the group; a send or receive gets a
     negative id. Each slot holds one tuple (id, op, dtype, count, root or peer, reduce
-    op, start time) written when the operation is issued, and `ends` its end time
-    (monotonic clock; older than the start while it runs, so a reused slot needs no
-    reset); failures keep their message aside, by id. `record` returns the id, which
-    `settle` takes.
+    op, start time) written when the operation is issued; `done[slot]` becomes its id
+    when it completes (one list write on every operation's path, no clock read; a reused
+    slot needs no reset). End times (monotonic clock) are kept where they cost nothing
+    on that path: exact for an operation settled by `settle` (asynchronous ones,
+    failures), else when `oldest_running` (the stall inspector's tick) first saw it
+    completed; a time older than the slot's start belongs to an earlier occupant.
+    Failures keep their message aside, by id. `record` returns the id, which `settle`
+    takes.
 
     Args:
         size: how many entries to keep (DISTCOMM_TRACE_BUFFER).
@@ -78,14 +82,16 @@ class Recorder:
     """
 
     __slots__ = (
+        "_ends",
         "_errors",
         "_ids",
         "_ops",
+        "_p2p_done",
         "_p2p_ends",
         "_p2p_ids",
         "_p2p_ops",
         "_stacks",
-        "ends",
+        "done",
         "size",
         "stack",
     )
@@ -94,37 +100,36 @@ class Recorder:
         self.size = size
         self.stack = stack
         self._ops: list[tuple[Any, ...] | None] = [None] * size
-        #: end time of each slot's collective (monotonic ns), set by settle
-        self.ends = [0] * size
+        #: the id of each slot's collective once it completed (ids are >= 0)
+        self.done = [-1] * size
+        self._ends = [0] * size
         self._p2p_ops: list[tuple[Any, ...] | None] = [None] * size
+        self._p2p_done = [0] * size  # the ids of sends and receives are <= -1
         self._p2p_ends = [0] * size
         self._stacks: dict[int, str] = {}  # id -> stack, with `stack` only
         self._errors: dict[int, str] = {}  # id -> message
         self._ids = itertools.count()  # next() is atomic under the GIL
         self._p2p_ids = itertools.count()
 
+    def __new__(cls, size: int, stack: bool = False) -> Recorder:
+        # every op pays `record`: the variants that do more, or nothing, are subclasses,
+        # so that it tests nothing
+        if cls is Recorder and (size <= 0 or stack):
+            cls = _Off if size <= 0 else _WithStacks
+        return super().__new__(cls)
+
     def record(self, op: str, array: Any, root: int = -1, reduce_op: Any = None) -> int | None:
         """Note a collective as issued (`root`: a group rank; `array`: NO_ARRAY for a
         barrier); its id, the group's sequence number, or None when the recorder is off."""
-        size = self.size
-        if not size:
-            return None
         i = next(self._ids)
-        self._ops[i % size] = (i, op, array.dtype, array.size, root, reduce_op, _clock())
-        if self.stack:
-            self._keep_stack(i)
+        self._ops[i % self.size] = (i, op, array.dtype, array.size, root, reduce_op, _clock())
         return i
 
     def record_p2p(self, op: str, array: Any, peer: int) -> int | None:
         """Note a send or receive as issued (`peer`: a group rank, -1 for any); its id."""
-        size = self.size
-        if not size:
-            return None
         k = next(self._p2p_ids)
         i = -1 - k
-        self._p2p_ops[k % size] = (i, op, array.dtype, array.size, peer, None, _clock())
-        if self.stack:
-            self._keep_stack(i)
+        self._p2p_ops[k % self.size] = (i, op, array.dtype, array.size, peer, None, _clock())
         return i
 
     def _keep_stack(self, i: int) -> None:
@@ -133,16 +138,19 @@ class Recorder:
             for old in sorted(self._stacks, key=abs)[: self.size]:
                 del self._stacks[old]
 
+    def _ring(self, p2p: bool) -> tuple[list[Any], list[int], list[int]]:
+        """(ops, done, end times) of the collectives or of the sends and receives."""
+        if p2p:
+            return self._p2p_ops, self._p2p_done, self._p2p_ends
+        return self._ops, self.done, self._ends
+
     def settle(self, i: int | None, error: BaseException | None = None) -> None:
         """Mark operation `i` completed, or failed with `error` (which may dump)."""
         size = self.size
         if i is None or not size:
             return
-        ops, ends, slot = (
-            (self._ops, self.ends, i % size)
-            if i >= 0
-            else (self._p2p_ops, self._p2p_ends, (-1 - i) % size)
-        )
+        ops, done, ends = self._ring(i < 0)
+        slot = (-1 - i) % size if i < 0 else i % size
         op = ops[slot]
         if op is None or op[0] != i:  # the slot was reused meanwhile
             return
@@ -152,6 +160,8 @@ class Recorder:
             if len(self._errors) > 2 * size:
                 for old in sorted(self._errors, key=abs)[:size]:
                     del self._errors[old]
+        done[slot] = i
+        if error is not None:
             dump_on_failure(error)
 
     def settle_later(self, i: int | None, work: Any) -> None:
@@ -171,12 +181,65 @@ class Recorder:
 
             work._on_timeout = on_timeout
 
-    def _slots(self) -> list[tuple[tuple[Any, ...], int]]:
-        """(op tuple, end time) of every recorded operation, collectives and p2p."""
+    # -- reading the rings (another thread may be recording) -----------------------------
+
+    def issued(self, p2p: bool = False) -> int:
+        """How many collectives (or sends and receives) were recorded so far."""
+        return int(repr(self._p2p_ids if p2p else self._ids)[6:-1])  # 'count(N)'
+
+    def oldest_running(self, cursor: int, p2p: bool, now: int) -> tuple[Any, int]:
+        """(the oldest operation still running numbered `cursor` or later, or None; the
+        cursor to pass next time). Operations it passes that completed with no end time
+        get `now` (monotonic ns) as theirs.
+        """
+        ops, done, ends = self._ring(p2p)
+        size = self.size
+        issued = self.issued(p2p)
+        cursor = max(cursor, issued - size)
+        while cursor < issued:
+            slot = cursor % size
+            op = ops[slot]
+            if op is None:
+                break
+            k = op[0] if op[0] >= 0 else -1 - op[0]
+            if k < cursor:  # numbered but not yet written
+                break
+            if k > cursor:  # overwritten by a newer one
+                cursor = k - size + 1
+                continue
+            if done[slot] != op[0]:
+                return op, cursor
+            if ends[slot] < op[6]:
+                ends[slot] = now
+            cursor += 1
+        return None, cursor
+
+    def newest(self, p2p: bool = False) -> tuple[Any, bool, int | None] | None:
+        """(op tuple, running, end time or None) of the newest collective (or send or
+        receive), or None when there is none yet."""
+        ops, done, ends = self._ring(p2p)
+        issued = self.issued(p2p)
+        for k in (issued - 1, issued - 2):  # the newest may be numbered but not yet written
+            if k < 0:
+                return None
+            slot = k % self.size
+            op = ops[slot]
+            if op is not None and (op[0] if op[0] >= 0 else -1 - op[0]) == k:
+                finished = done[slot] == op[0]
+                end = ends[slot] if finished and ends[slot] >= op[6] else None
+                return op, not finished, end
+        return None
+
+    def _slots(self) -> list[tuple[tuple[Any, ...], bool, int | None]]:
+        """(op tuple, completed, end time or None) of every recorded operation."""
         out = []
-        for ops, ends in ((self._ops, self.ends), (self._p2p_ops, self._p2p_ends)):
-            ops, ends = list(ops), list(ends)
-            out.extend((op, ends[slot]) for slot, op in enumerate(ops) if op is not None)
+        for p2p in (False, True):
+            ops, done, ends = (list(part) for part in self._ring(p2p))
+            for slot, op in enumerate(ops):
+                if op is not None:
+                    finished = done[slot] == op[0]
+                    end = ends[slot] if finished and ends[slot] >= op[6] else None
+                    out.append((op, finished, end))
         return out
 
     def as_dicts(self, ranks: list[int]) -> list[dict[str, Any]]:
@@ -188,17 +251,16 @@ class Recorder:
         slots = self._slots()
         # a backend runs a group's collectives in order (and its sends and receives): the
         # oldest unfinished one of each kind is running, those after it wait their turn
-        running_ids = [op[0] for op, end in slots if end < op[6]]
+        running_ids = [op[0] for op, finished, _ in slots if not finished]
         started = {
             pick(ids)  # a send or receive's id is -1 - its number: the oldest is the largest
             for ids, pick in (([i for i in running_ids if i >= 0], min),
                               ([i for i in running_ids if i < 0], max))
             if ids
         }
-        for op, end in sorted(slots, key=lambda pair: (pair[0][6], pair[0][0])):
+        for op, finished, end in sorted(slots, key=lambda item: (item[0][6], item[0][0])):
             i, name, dtype, count, rank, reduce_op, start = op
-            done = end >= start
-            error = errors.get(i) if done else None
+            error = errors.get(i) if finished else None
             peer = i < 0
             running = STARTED if i in started else QUEUED
             out.append(
@@ -211,9 +273,9 @@ class Recorder:
                     "root": None if peer or not 0 <= rank < len(ranks) else ranks[rank],
                     "reduce_op": None if reduce_op is None else str(reduce_op),
                     "peer": ranks[rank] if peer and 0 <= rank < len(ranks) else None,
-                    "state": running if not done else FAILED if error else COMPLETED,
+                    "state": running if not finished else FAILED if error else COMPLETED,
                     "start_ns": start + to_wall,
-                    "end_ns": end + to_wall if done else None,
+                    "end_ns": None if end is None else end + to_wall,
                     "error": error,
                     "stack": stacks.get(i),
                 }
@@ -222,7 +284,35 @@ class Recorder:
 
     def unfinished(self) -> bool:
         """Whether an operation in the rings is still running or failed."""
-        return bool(self._errors) or any(end < op[6] for op, end in self._slots())
+        return bool(self._errors) or any(not finished for _, finished, _ in self._slots())
+
+
+class _Off(Recorder):
+    """The recorder switched off (DISTCOMM_TRACE_BUFFER=0): records nothing."""
+
+    __slots__ = ()
+
+    def record(self, op: str, array: Any, root: int = -1, reduce_op: Any = None) -> None:
+        return None
+
+    def record_p2p(self, op: str, array: Any, peer: int) -> None:
+        return None
+
+
+class _WithStacks(Recorder):
+    """The recorder that also keeps each call's Python stack (DISTCOMM_DEBUG=DETAIL)."""
+
+    __slots__ = ()
+
+    def record(self, op: str, array: Any, root: int = -1, reduce_op: Any = None) -> int | None:
+        i = Recorder.record(self, op, array, root, reduce_op)
+        self._keep_stack(i)
+        return i
+
+    def record_p2p(self, op: str, array: Any, peer: int) -> int | None:
+        i = Recorder.record_p2p(self, op, array, peer)
+        self._keep_stack(i)
+        return i
 
 
 # -- dumps ---------------------------------------------------------------------------------

@@ -38,47 +38,6 @@ _TICK_MOST = 1.0
 _STORE_TIMEOUT = 5.0
 
 
-def _issued(counter: Any) -> int:
-    """How many ids an itertools.count has handed out (its repr is 'count(N)')."""
-    return int(repr(counter)[6:-1])
-
-
-def _newest(ops: list[Any], ends: list[int], issued: int, size: int) -> tuple[Any, bool] | None:
-    """(op tuple, running) of the newest entry of a ring, or None when it holds none yet."""
-    for k in (issued - 1, issued - 2):  # the newest may be numbered but not yet written
-        if k < 0:
-            return None
-        op = ops[k % size]
-        if op is not None and (op[0] if op[0] >= 0 else -1 - op[0]) == k:
-            return op, ends[k % size] < op[6]
-    return None
-
-
-def _oldest_running(ops: list[Any], ends: list[int], cursor: int, issued: int,
-                    size: int) -> tuple[Any | None, int]:
-    """(the oldest operation still running at or after `cursor`, or None; the new cursor).
-
-    `cursor` is the number of the oldest operation not yet seen completed; it moves on
-    past completed ones, and past those the ring no longer holds.
-    """
-    cursor = max(cursor, issued - size)
-    while cursor < issued:
-        slot = cursor % size
-        op = ops[slot]
-        if op is None:
-            break
-        k = op[0] if op[0] >= 0 else -1 - op[0]
-        if k < cursor:  # numbered but not yet written
-            break
-        if k > cursor:  # overwritten by a newer one
-            cursor = k - size + 1
-            continue
-        if ends[slot] < op[6]:
-            return op, cursor
-        cursor += 1
-    return None, cursor
-
-
 def _describe_op(op: tuple[Any, ...], ranks: list[int], p2p: bool) -> str:
     i, name, dtype, count, root, reduce_op, _ = op
     if p2p:
@@ -169,13 +128,9 @@ class StallInspector:
             del self._state[key]
 
     def _inspect(self, group: Any, recorder: Any, state: _GroupState, now: float) -> None:
-        size = recorder.size
         now_ns = int(now * _NS)
-        issued, p2p_issued = _issued(recorder._ids), _issued(recorder._p2p_ids)
-        op, state.cursor = _oldest_running(recorder._ops, recorder.ends, state.cursor,
-                                           issued, size)
-        p2p, state.p2p_cursor = _oldest_running(recorder._p2p_ops, recorder._p2p_ends,
-                                                state.p2p_cursor, p2p_issued, size)
+        op, state.cursor = recorder.oldest_running(state.cursor, False, now_ns)
+        p2p, state.p2p_cursor = recorder.oldest_running(state.p2p_cursor, True, now_ns)
         due = []
         for entry, is_p2p in ((op, False), (p2p, True)):
             if entry is None:
@@ -193,7 +148,7 @@ class StallInspector:
             del state.warn_at[key]
         if self._store is not None and (due or now - state.last_publish >= self.period):
             state.last_publish = now
-            self._publish(group, recorder, issued, p2p_issued, now_ns)
+            self._publish(group, recorder, now_ns)
         for entry, is_p2p, age in due:
             self._warn(group, entry, is_p2p, age, state.warn_at[entry[0]])
 
@@ -203,18 +158,14 @@ class StallInspector:
     def _key(group: Any, group_rank: int) -> str:
         return f"distcomm/stall/{group._store_key}/{group_rank}"
 
-    def _publish(self, group: Any, recorder: Any, issued: int, p2p_issued: int,
-                 now_ns: int) -> None:
+    def _publish(self, group: Any, recorder: Any, now_ns: int) -> None:
         to_wall = time.time() - now_ns / _NS
         status: dict[str, Any] = {"t": time.time()}
-        for field, ops, ends, count in (("c", recorder._ops, recorder.ends, issued),
-                                        ("p", recorder._p2p_ops, recorder._p2p_ends,
-                                         p2p_issued)):
-            newest = _newest(ops, ends, count, recorder.size)
+        for field in ("c", "p"):
+            newest = recorder.newest(field == "p")
             if newest is not None:
-                entry, running = newest
-                slot = (entry[0] if entry[0] >= 0 else -1 - entry[0]) % recorder.size
-                since = (entry[6] if running else ends[slot]) / _NS + to_wall
+                entry, running, end = newest
+                since = (entry[6] if running else now_ns if end is None else end) / _NS + to_wall
                 peer = entry[4]
                 status[field] = [entry[0], entry[1], running, since,
                                  group.ranks[peer] if field == "p" and peer >= 0 else None]
