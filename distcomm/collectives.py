@@ -17,7 +17,7 @@ import numpy as np
 
 from .arrays import adapt, check_same, concatenate, empty, flat
 from .errors import DistTimeoutError
-from .group import ProcessGroup, resolve
+from .group import ProcessGroup, outside, resolve
 from .ops import ReduceOp, check_reduce_op
 from .trace.recorder import NO_ARRAY, Recorder
 from .work import Work
@@ -210,26 +210,37 @@ def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: in
 
 def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_dst: int | None = None) -> Work:
-    """Send `tensor` to `dst` without blocking; returns the Work to wait on."""
+    """Send `tensor` to `dst` without blocking; returns the Work to wait on (None on a
+    rank outside `group`)."""
+    if outside(group, "isend"):
+        return None
     return _sending(tensor, dst, group, tag, group_dst).post()
 
 
 def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_src: int | None = None) -> Work:
-    """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells."""
+    """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells
+    (None on a rank outside `group`)."""
+    if outside(group, "irecv"):
+        return None
     return _receiving(tensor, src, group, tag, group_src).post()
 
 
 def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send `tensor` to `dst`, blocking until it is handed to the transport."""
-    isend(tensor, dst, group, tag, group_dst).wait()
+    if outside(group, "isend"):  # torch's send is an isend, and warns so
+        return
+    _sending(tensor, dst, group, tag, group_dst).post().wait()
 
 
 def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_src: int | None = None) -> int:
-    """Receive into `tensor` from `src` (None: any rank); returns the sender's global rank."""
-    work = irecv(tensor, src, group, tag, group_src)
+    """Receive into `tensor` from `src` (None: any rank); returns the sender's global rank
+    (-1 on a rank outside `group`)."""
+    if outside(group, "irecv"):  # torch's recv is an irecv, and warns so
+        return -1
+    work = _receiving(tensor, src, group, tag, group_src).post()
     work.wait()
     return work.source_rank()
 
@@ -283,6 +294,8 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
 def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy `src`'s `tensor` into `tensor` on every rank of the group."""
+    if outside(group, "broadcast"):
+        return None
     pg = resolve(group, "broadcast")
     array = adapt(tensor, "broadcast", "tensor", writable=True)
     backend = pg.backend_for(array, "broadcast")
@@ -295,6 +308,8 @@ def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = 
 def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce `tensor` over the group with `op`; every rank gets the result in place."""
+    if outside(group, "all_reduce"):
+        return None
     pg = resolve(group, "all_reduce")
     array = adapt(tensor, "all_reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "all_reduce")
@@ -308,6 +323,8 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
            group: ProcessGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
     """Reduce `tensor` over the group into `dst`'s `tensor` (default dst: global rank 0)."""
+    if outside(group, "reduce"):
+        return None
     pg = resolve(group, "reduce")
     array = adapt(tensor, "reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "reduce")
@@ -325,6 +342,8 @@ def all_gather_single(output_tensor: Any, input_tensor: Any,
     `output_tensor` is the concatenation (n*k, ...) or the stack (n, k, ...) of the inputs.
     """
     where = "all_gather_single"
+    if outside(group, where):
+        return None
     pg = resolve(group, where)
     output = adapt(output_tensor, where, "output_tensor", writable=True)
     input = adapt(input_tensor, where, "input_tensor", writable=False)
@@ -342,6 +361,8 @@ def all_gather_single(output_tensor: Any, input_tensor: Any,
 def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """Gather every rank's `tensor` into `tensor_list` (one array per rank, in rank order)."""
+    if outside(group, "all_gather"):
+        return None
     pg = resolve(group, "all_gather")
     input = adapt(tensor, "all_gather", "tensor", writable=False)
     outputs = _output_list(tensor_list, input, pg.size(), "all_gather", "tensor_list")
@@ -356,6 +377,8 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
            group: ProcessGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
     """Gather every rank's `tensor` into `dst`'s `gather_list` (default dst: global rank 0)."""
+    if outside(group, "gather"):
+        return None
     pg = resolve(group, "gather")
     input = adapt(tensor, "gather", "tensor", writable=False)
     backend = pg.backend_for(input, "gather")
@@ -379,6 +402,8 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
             group: ProcessGroup | None = None, async_op: bool = False,
             group_src: int | None = None) -> Work | None:
     """Give rank i the i-th array of `src`'s `scatter_list` in `tensor` (default src: 0)."""
+    if outside(group, "scatter"):
+        return None
     pg = resolve(group, "scatter")
     output = adapt(tensor, "scatter", "tensor", writable=True)
     backend = pg.backend_for(output, "scatter")
@@ -407,6 +432,8 @@ def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
                           async_op: bool = False) -> Work | None:
     """Reduce `input` (group size x output elements) over the group; rank i gets slice i."""
     where = "reduce_scatter_single"
+    if outside(group, where):
+        return None
     pg = resolve(group, where)
     out = adapt(output, where, "output", writable=True)
     inp = adapt(input, where, "input", writable=False)
@@ -425,6 +452,8 @@ def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
 def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.SUM,
                    group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Reduce the i-th arrays of every rank's `input_list` into rank i's `output`."""
+    if outside(group, "reduce_scatter"):
+        return None
     pg = resolve(group, "reduce_scatter")
     out = adapt(output, "reduce_scatter", "output", writable=True)
     inputs = [adapt(t, "reduce_scatter", f"input_list[{i}]", writable=False)
@@ -486,6 +515,8 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
                       group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Split `input` along dim 0, send piece j to rank j, and concatenate what arrives."""
     where = "all_to_all_single"
+    if outside(group, where):
+        return None
     pg = resolve(group, where)
     out = adapt(output, where, "output", writable=True)
     inp = adapt(input, where, "input", writable=False)
@@ -502,6 +533,8 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
 def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Send `input_tensor_list[j]` to rank j; receive rank j's into `output_tensor_list[j]`."""
+    if outside(group, "all_to_all"):
+        return None
     pg = resolve(group, "all_to_all")
     n = pg.size()
     outputs = [adapt(t, "all_to_all", f"output_tensor_list[{i}]", writable=True)
@@ -527,6 +560,8 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     With `device_ids` (torch's NCCL form, e.g. `[local_rank]`) the group's GPU backend
     (nccl) runs it when the group has one; it then also waits for the GPU.
     """
+    if outside(group, "barrier"):
+        return None
     pg = resolve(group, "barrier")
     if device_ids:
         backend = pg.default_backend("barrier", "cuda")
@@ -554,6 +589,8 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
     """
     from .deadline import Deadline
 
+    if outside(group, "monitored_barrier"):
+        return None
     pg = resolve(group, "monitored_barrier")
     backend = pg.default_backend("monitored_barrier")
     if "cpu" not in backend.devices:

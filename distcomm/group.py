@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -51,8 +52,8 @@ class ProcessGroup:
     """A set of ranks that run collectives together (torch.distributed.ProcessGroup).
 
     Obtained from `init_process_group` (the default group, `group.WORLD`) or
-    `new_group`. On a rank that is not a member, `rank()` is -1 and every
-    collective on the group raises `ValueError`.
+    `new_group` (which gives ranks outside the group `GroupMember.NON_GROUP_MEMBER`
+    instead, as torch does).
     """
 
     def __init__(self, name: str, ranks: list[int], group_rank: int,
@@ -381,11 +382,47 @@ def default_group(where: str) -> ProcessGroup:
     return group
 
 
+def _is_non_member(group: Any) -> bool:
+    """Whether `group` is what new_group returns to a rank outside it."""
+    return (type(group) is int and group == GroupMember.NON_GROUP_MEMBER) or (
+        isinstance(group, ProcessGroup) and not group.is_member)
+
+
+_warned_outside: set[tuple[str, Any]] = set()
+
+
+def outside(group: Any, where: str) -> bool:
+    """Whether this rank is not in `group`, so that operation `where` on it does nothing
+    (as in torch: it returns None and leaves the arrays alone); warns the first time for
+    each operation and group."""
+    if group is None or not _is_non_member(group):
+        return False
+    key = (where, group if isinstance(group, ProcessGroup) else None)
+    if key not in _warned_outside:
+        _warned_outside.add(key)
+        world = _world.default
+        rank = -1 if world is None else world.rank()
+        warnings.warn(f"Running {where} on global rank {rank} which does not belong to the "
+                      "given group.", stacklevel=3)
+    return True
+
+
 def resolve(group: ProcessGroup | None, where: str) -> ProcessGroup:
-    """`group`, or the default group for None."""
+    """`group`, or the default group for None.
+
+    Raises:
+        ValueError: `group` is GroupMember.NON_GROUP_MEMBER (this rank is not in it).
+        TypeError: `group` is not a ProcessGroup.
+    """
     if group is None:
         return default_group(where)
     if not isinstance(group, ProcessGroup):
+        if type(group) is int and group == GroupMember.NON_GROUP_MEMBER:
+            world = default_group(where)
+            raise ValueError(
+                f"{where}: this process (global rank {world.rank()}) is not a member of the "
+                "group: new_group returned GroupMember.NON_GROUP_MEMBER to it, since its "
+                "rank is not in the group's ranks; only members may use the group")
         raise TypeError(
             f"{where}: group must be a ProcessGroup from new_group() or None, got "
             f"{type(group).__name__}")
@@ -417,7 +454,7 @@ def _check_ranks(ranks: Iterable[int] | None, world_size: int) -> list[int]:
 def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | None = None,
               backend: str | None = None, pg_options: Any = None,
               use_local_synchronization: bool = False,
-              group_desc: str | None = None) -> ProcessGroup:
+              group_desc: str | None = None) -> ProcessGroup | int:
     """Create a group of a subset of ranks (torch.distributed.new_group).
 
     Every rank of the world must call it, in the same order relative to other
@@ -434,7 +471,9 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
         group_desc: the group's name in messages (default: its number).
 
     Returns:
-        The group; on a non-member a handle whose `rank()` is -1.
+        The group; on a rank not in it, `GroupMember.NON_GROUP_MEMBER`, as in torch:
+        collectives on that do nothing (they warn once and return None), and `get_rank`
+        and `get_world_size` of it are -1.
     """
     del pg_options
     with _world.lock:
@@ -459,7 +498,7 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
         log.info("new_group %r: ranks %s, this rank %s", name, members,
                  group_rank if group_rank >= 0 else "not a member")
         _world.groups[f"{group_id}:{name}"] = group
-        return group
+        return group if group_rank >= 0 else GroupMember.NON_GROUP_MEMBER
 
 
 def _every_rank_is_there(world: ProcessGroup, members: list[int], name: str) -> None:
@@ -499,6 +538,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """
     with _world.lock:
         default = default_group("destroy_process_group")
+        if type(group) is int and group == GroupMember.NON_GROUP_MEMBER:
+            return  # a group this rank is not in: nothing of it lives here
         if group is not None and group is not default:
             log.info("destroying group %r", group.group_name)
             group._shutdown()
@@ -523,13 +564,18 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
 
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in `group` (default: the world); -1 if not a member."""
+    if group is not None and _is_non_member(group):
+        default_group("get_rank")
+        return -1
     return resolve(group, "get_rank").rank()
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
     """The number of ranks in `group` (default: the world); -1 if this rank is not a member."""
-    resolved = resolve(group, "get_world_size")
-    return resolved.size() if resolved.is_member else -1
+    if group is not None and _is_non_member(group):
+        default_group("get_world_size")
+        return -1
+    return resolve(group, "get_world_size").size()
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import collectives as c
-from .group import ProcessGroup, resolve
+from .group import ProcessGroup, outside, resolve
 
 __all__ = [
     "all_gather_object",
@@ -57,6 +57,8 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
     Every rank passes a list of the same length.
     """
     del device
+    if outside(group, "broadcast_object_list"):
+        return None
     pg = resolve(group, "broadcast_object_list")
     _check_list(object_list, "broadcast_object_list", "object_list")
     root = c._rank_arg(pg, src, group_src, "broadcast_object_list", "src", default=0)
@@ -78,6 +80,8 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
 def all_gather_object(object_list: list[Any], obj: Any,
                       group: ProcessGroup | None = None) -> None:
     """Fill `object_list` (one slot per rank) with every rank's `obj`, in rank order."""
+    if outside(group, "all_gather_object"):
+        return None
     pg = resolve(group, "all_gather_object")
     _check_list(object_list, "all_gather_object", "object_list")
     n = pg.size()
@@ -96,6 +100,8 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None,
                   dst: int | None = None, group: ProcessGroup | None = None,
                   group_dst: int | None = None) -> None:
     """Collect every rank's `obj` into `dst`'s `object_gather_list` (default dst: rank 0)."""
+    if outside(group, "gather_object"):
+        return None
     pg = resolve(group, "gather_object")
     root = c._rank_arg(pg, dst, group_dst, "gather_object", "dst", default=0)
     n = pg.size()
@@ -121,6 +127,8 @@ def scatter_object_list(scatter_object_output_list: list[Any],
                         src: int | None = None, group: ProcessGroup | None = None,
                         group_src: int | None = None) -> None:
     """Give rank i item i of `src`'s input list, in `scatter_object_output_list[0]`."""
+    if outside(group, "scatter_object_list"):
+        return None
     pg = resolve(group, "scatter_object_list")
     out = _check_list(scatter_object_output_list, "scatter_object_list",
                       "scatter_object_output_list")
@@ -157,6 +165,8 @@ def send_object_list(object_list: list[Any], dst: int | None = None,
                      group_dst: int | None = None) -> None:
     """Send the objects of `object_list` to `dst` (received with `recv_object_list`)."""
     del device
+    if outside(group, "send_object_list"):
+        return None
     pg = resolve(group, "send_object_list")
     _check_list(object_list, "send_object_list", "object_list")
     pieces = [_dump(obj) for obj in object_list]
@@ -174,6 +184,8 @@ def recv_object_list(object_list: list[Any], src: int | None = None,
     With `src` None, the first sender of a matching list is received from.
     """
     del device
+    if outside(group, "recv_object_list"):
+        return -1
     pg = resolve(group, "recv_object_list")
     _check_list(object_list, "recv_object_list", "object_list")
     sizes = np.zeros(len(object_list), dtype=np.int64)

@@ -11,6 +11,7 @@ crosses the ring threshold runs for every dtype under SUM and for every op on on
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import pytest
@@ -414,8 +415,8 @@ def _subgroups() -> None:
     evens = [k for k in range(n) if k % 2 == 0]
     group = dist.new_group(ranks=list(reversed(evens)))
     try:
-        assert dist.get_process_group_ranks(group) == evens
         if r in evens:
+            assert dist.get_process_group_ranks(group) == evens
             assert dist.get_rank(group) == evens.index(r)
             assert dist.get_world_size(group) == len(evens)
             assert dist.get_global_rank(group, dist.get_rank(group)) == r
@@ -432,15 +433,26 @@ def _subgroups() -> None:
             objs = [None] * len(evens)
             dist.all_gather_object(objs, r, group=group)
             assert objs == evens
-        else:
+        else:  # as in torch: a handle that makes every collective a no-op, with a warning
+            assert group == dist.GroupMember.NON_GROUP_MEMBER
             assert dist.get_rank(group) == -1
             assert dist.get_world_size(group) == -1
-            try:
-                dist.all_reduce(np.zeros(3), group=group)
-            except ValueError as exc:
-                assert "not a member" in str(exc)
-            else:
-                raise AssertionError("a non-member's all_reduce did not raise")
+            x, objs = np.arange(3.0), ["kept"]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert dist.all_reduce(x, group=group) is None
+                assert dist.all_reduce(x, group=group, async_op=True) is None  # warned once
+                assert dist.broadcast(x, src=evens[0], group=group) is None
+                assert dist.broadcast_object_list(objs, src=evens[0], group=group) is None
+                assert dist.recv(x, src=evens[0], group=group) == -1
+                assert dist.barrier(group=group) is None
+            check(x, np.arange(3.0), "a non-member's array")
+            assert objs == ["kept"]
+            assert [str(w.message) for w in caught] == [
+                f"Running {op} on global rank {r} which does not belong to the given group."
+                for op in ("all_reduce", "broadcast", "broadcast_object_list", "irecv",
+                           "barrier")]
+            dist.destroy_process_group(group)  # nothing to destroy here: a no-op
         # the world still works while the subgroup exists
         w = np.ones(2)
         dist.all_reduce(w)
