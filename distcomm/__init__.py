@@ -25,6 +25,7 @@ from .collectives import (
     scatter,
     send,
 )
+from .debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
 from .errors import (
     BackendUnavailableError,
     DistBackendError,
@@ -37,10 +38,14 @@ from .errors import (
 from .group import (
     GroupMember,
     ProcessGroup,
+    default_pg_timeout,
     destroy_process_group,
     get_backend,
+    get_backend_config,
+    get_default_backend_for_device,
     get_global_rank,
     get_group_rank,
+    get_pg_count,
     get_process_group_ranks,
     get_rank,
     get_world_size,
@@ -51,8 +56,10 @@ from .group import (
     is_initialized,
     is_mpi_available,
     is_nccl_available,
+    is_ucc_available,
     new_group,
 )
+from .launched import get_node_local_rank, is_torchelastic_launched
 from .objects import (
     all_gather_object,
     broadcast_object_list,
@@ -61,7 +68,16 @@ from .objects import (
     scatter_object_list,
     send_object_list,
 )
-from .ops import ReduceOp
+from .ops import ReduceOp, supports_complex
+from .parallel import (
+    fork,
+    get_num_interop_threads,
+    get_num_threads,
+    parallel_info,
+    set_num_interop_threads,
+    set_num_threads,
+    wait,
+)
 from .store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
 from .trace import dump_trace
 from .work import Work
@@ -71,6 +87,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "DebugLevel",
     "DistBackendError",
     "DistError",
     "DistNetworkError",
@@ -99,13 +116,22 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_object_list",
+    "default_pg_timeout",
     "destroy_process_group",
     "dump_trace",
+    "fork",
     "gather",
     "gather_object",
     "get_backend",
+    "get_backend_config",
+    "get_debug_level",
+    "get_default_backend_for_device",
     "get_global_rank",
     "get_group_rank",
+    "get_node_local_rank",
+    "get_num_interop_threads",
+    "get_num_threads",
+    "get_pg_count",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
@@ -118,9 +144,12 @@ __all__ = [
     "is_initialized",
     "is_mpi_available",
     "is_nccl_available",
+    "is_torchelastic_launched",
+    "is_ucc_available",
     "isend",
     "monitored_barrier",
     "new_group",
+    "parallel_info",
     "recv",
     "recv_object_list",
     "reduce",
@@ -131,4 +160,10 @@ __all__ = [
     "scatter_object_list",
     "send",
     "send_object_list",
+    "set_debug_level",
+    "set_debug_level_from_env",
+    "set_num_interop_threads",
+    "set_num_threads",
+    "supports_complex",
+    "wait",
 ]

@@ -46,8 +46,10 @@ class Config:
         stall_warn_s: DISTCOMM_STALL_WARN_S (default 30; 0: off): seconds after which
             `init_process_group`, still waiting for ranks, warns which ranks are missing,
             then again after twice as long each time.
-        debug: DISTCOMM_DEBUG: OFF, INFO (log group setup, teardown and aborts to stderr)
-            or DETAIL (also every collective, with its sequence number and signature).
+        debug: DISTCOMM_DEBUG (or its torch name TORCH_DISTRIBUTED_DEBUG; ours wins when
+            both are set, and `set_debug_level` over both): OFF, INFO (log group setup,
+            teardown and aborts to stderr) or DETAIL (also every collective, with its
+            sequence number and signature).
         use_agent_store: DISTCOMM_USE_AGENT_STORE: the store at MASTER_ADDR:MASTER_PORT
             is already served (by a launcher), so rank 0 connects instead of hosting it.
         store_prefix: DISTCOMM_STORE_PREFIX: with use_agent_store, the key prefix this
@@ -142,9 +144,7 @@ def load(environ: dict[str, str] | None = None) -> Config:
             f"DISTCOMM_STALL_WARN_S={stall_text!r} is not a number of seconds >= 0: write e.g."
             " 30 (the default), or 0 to turn the stall warnings off"
         )
-    debug = env.get("DISTCOMM_DEBUG", "OFF").strip().upper() or "OFF"
-    if debug not in _DEBUG_LEVELS:
-        raise ValueError(f"DISTCOMM_DEBUG={debug!r} is not one of {', '.join(_DEBUG_LEVELS)}")
+    debug = _debug_level(env) if _debug_override is None else _debug_override
     return Config(
         auth_key=key.encode() if key else None,
         socket_ifname=env.get("DISTCOMM_SOCKET_IFNAME") or None,
@@ -168,7 +168,34 @@ def load(environ: dict[str, str] | None = None) -> Config:
     )
 
 
+def _debug_level(env: object) -> str:
+    """DISTCOMM_DEBUG, else TORCH_DISTRIBUTED_DEBUG (its torch name), else OFF."""
+    for name in ("DISTCOMM_DEBUG", "TORCH_DISTRIBUTED_DEBUG"):
+        text = (env.get(name) or "").strip().upper()  # type: ignore[attr-defined]
+        if text:
+            if text not in _DEBUG_LEVELS:
+                raise ValueError(f"{name}={text!r} is not one of {', '.join(_DEBUG_LEVELS)}")
+            return text
+    return "OFF"
+
+
+#: the level `distcomm.set_debug_level` chose, over the environment's (None: none chosen)
+_debug_override: str | None = None
+
+
+def set_debug(level: str | None) -> None:
+    """Make `level` (OFF, INFO, DETAIL) the debug level of this process, over DISTCOMM_DEBUG
+    and TORCH_DISTRIBUTED_DEBUG; None goes back to the environment's. Loggers follow."""
+    global _debug_override
+    if level is not None and level not in _DEBUG_LEVELS:
+        raise ValueError(f"debug level {level!r} is not one of {', '.join(_DEBUG_LEVELS)}")
+    _debug_override = level
+    if _rank >= 0:  # initialised: the loggers follow now (else init_process_group sets them)
+        configure_logging(load(), _rank)
+
+
 _handler: logging.Handler | None = None
+_rank = -1  # the rank in log lines, from the last configure_logging
 
 
 def configure_logging(cfg: Config, rank: int) -> None:
@@ -177,9 +204,12 @@ def configure_logging(cfg: Config, rank: int) -> None:
     With OFF nothing is configured: warnings (aborted groups) still reach stderr through
     logging's last-resort handler, and applications may configure the logger themselves.
     """
-    global _handler
+    global _handler, _rank
+    _rank = rank
     logger = logging.getLogger("distcomm")
     if cfg.debug == "OFF":
+        if _handler is not None:  # switched off after it was on
+            logger.setLevel(logging.WARNING)
         return
     if _handler is None:
         _handler = logging.StreamHandler()

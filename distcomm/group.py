@@ -30,10 +30,14 @@ from .trace.recorder import NO_ARRAY, Recorder, install_signal_handlers
 __all__ = [
     "GroupMember",
     "ProcessGroup",
+    "default_pg_timeout",
     "destroy_process_group",
     "get_backend",
+    "get_backend_config",
+    "get_default_backend_for_device",
     "get_global_rank",
     "get_group_rank",
+    "get_pg_count",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
@@ -44,6 +48,7 @@ __all__ = [
     "is_initialized",
     "is_mpi_available",
     "is_nccl_available",
+    "is_ucc_available",
     "new_group",
 ]
 
@@ -581,6 +586,49 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 def get_backend(group: ProcessGroup | None = None) -> str:
     """The backend of `group` (default: the world), e.g. "tcp"."""
     return resolve(group, "get_backend").name()
+
+
+def get_backend_config(group: ProcessGroup | None = None) -> str:
+    """The backend of each device of `group` (default: the world), as torch writes it:
+    "cpu:gloo" or "cpu:gloo,cuda:nccl"."""
+    text = resolve(group, "get_backend_config").name()
+    if ":" in text:
+        return text
+    return ",".join(f"{device}:{text}" for device in get_backend_record(text).devices)
+
+
+def get_pg_count() -> int:
+    """How many process groups were created since `init_process_group`, the default group
+    included (0 when not initialised)."""
+    return _world.next_id if _world.default is not None else 0
+
+
+#: torch's default_pg_timeout: the default timeout of a group's operations
+default_pg_timeout = timedelta(seconds=config.DEFAULT_TIMEOUT)
+
+#: the backend torch picks by default for each device type
+_DEVICE_DEFAULTS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def get_default_backend_for_device(device: Any) -> str:
+    """The backend torch uses by default for `device` ("cpu", "cuda", "cuda:1", or an
+    object with a `type` such as a torch.device): "gloo" or "nccl".
+
+    Raises:
+        ValueError: not a device type distcomm knows.
+    """
+    kind = getattr(device, "type", device)
+    name = _DEVICE_DEFAULTS.get(str(kind).split(":")[0])
+    if name is None:
+        raise ValueError(
+            f"get_default_backend_for_device: {device!r} is not a device distcomm serves; "
+            f"use one of {', '.join(_DEVICE_DEFAULTS)}")
+    return name
+
+
+def is_ucc_available() -> bool:
+    """Whether the UCC backend is available: never (distcomm has no UCC backend)."""
+    return False
 
 
 def get_process_group_ranks(group: ProcessGroup | None = None) -> list[int]:

@@ -8,7 +8,14 @@ import numpy as np
 
 from .parallel import parallel_for
 
-__all__ = ["MPI_OP_NAMES", "NCCL_OP_NAMES", "ReduceOp", "check_reduce_op", "reduce_into"]
+__all__ = [
+    "MPI_OP_NAMES",
+    "NCCL_OP_NAMES",
+    "ReduceOp",
+    "check_reduce_op",
+    "reduce_into",
+    "supports_complex",
+]
 
 
 class ReduceOp(enum.IntEnum):
@@ -62,6 +69,14 @@ NCCL_OP_NAMES = {
     ReduceOp.MIN: "NCCL_MIN",
     ReduceOp.MAX: "NCCL_MAX",
 }
+
+
+def supports_complex(reduce_op: ReduceOp) -> bool:
+    """Whether `reduce_op` takes complex arrays on every backend (torch's answer: MAX, MIN,
+    PRODUCT and the bitwise ops do not; the CPU backends multiply complex arrays, nccl
+    does not)."""
+    return reduce_op not in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND,
+                             ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def check_reduce_op(op: object, dtype: np.dtype, where: str) -> ReduceOp:

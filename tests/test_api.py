@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import distcomm as dist
-from distcomm import backends
+from distcomm import backends, config
 from distcomm.backends.tcp import TcpBackend
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -303,3 +303,84 @@ def test_debug_level_is_validated(monkeypatch):
     monkeypatch.setenv("DISTCOMM_DEBUG", "LOUD")
     with pytest.raises(ValueError, match="DISTCOMM_DEBUG"):
         dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1)
+
+
+# -- torch's small helpers, debug level and top-level thread controls ----------------------
+
+
+def test_query_helpers(solo, monkeypatch):
+    assert dist.get_backend_config() == "cpu:tcp"
+    assert dist.get_pg_count() == 1
+    dist.new_group([0])
+    assert dist.get_pg_count() == 2
+    assert dist.default_pg_timeout == timedelta(minutes=30)
+    assert dist.get_default_backend_for_device("cpu") == "gloo"
+    assert dist.get_default_backend_for_device("cuda:1") == "nccl"
+    with pytest.raises(ValueError, match="'xpu' is not a device"):
+        dist.get_default_backend_for_device("xpu")
+    assert dist.is_ucc_available() is False
+    assert [op.name for op in dist.ReduceOp if not dist.supports_complex(op)] == [
+        "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(RuntimeError, match="fallback_rank"):
+        dist.get_node_local_rank()
+    assert dist.get_node_local_rank(fallback_rank=3) == 3
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert dist.get_node_local_rank(fallback_rank=3) == 1
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert dist.is_torchelastic_launched() is False
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert dist.is_torchelastic_launched() is True
+
+
+def test_get_pg_count_is_zero_before_init():
+    assert dist.get_pg_count() == 0
+
+
+def test_debug_level_from_either_variable_and_set(monkeypatch):
+    for name in ("DISTCOMM_DEBUG", "TORCH_DISTRIBUTED_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        assert dist.get_debug_level() is dist.DebugLevel.OFF
+        monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "detail")
+        assert dist.get_debug_level() is dist.DebugLevel.DETAIL
+        monkeypatch.setenv("DISTCOMM_DEBUG", "INFO")  # ours wins
+        assert dist.get_debug_level() is dist.DebugLevel.INFO
+        dist.set_debug_level(dist.DebugLevel.OFF)  # over both
+        assert dist.get_debug_level() is dist.DebugLevel.OFF
+        with pytest.raises(ValueError, match="not a DebugLevel"):
+            dist.set_debug_level(7)
+        dist.set_debug_level_from_env()
+        assert dist.get_debug_level() is dist.DebugLevel.INFO
+        monkeypatch.setenv("DISTCOMM_DEBUG", "LOUD")
+        with pytest.raises(ValueError, match="DISTCOMM_DEBUG='LOUD'"):
+            dist.set_debug_level_from_env()
+    finally:
+        monkeypatch.delenv("DISTCOMM_DEBUG", raising=False)
+        monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+        config.set_debug(None)
+    assert [(m.name, m.value) for m in dist.DebugLevel] == [("OFF", 0), ("INFO", 1),
+                                                           ("DETAIL", 2)]
+
+
+def test_thread_controls_at_the_top_level():
+    from distcomm import parallel
+
+    for name in ("set_num_threads", "get_num_threads", "set_num_interop_threads",
+                 "get_num_interop_threads", "parallel_info", "fork", "wait"):
+        assert getattr(dist, name) is getattr(parallel, name)
+    assert dist.wait(dist.fork(lambda a, b: a + b, 2, b=3)) == 5
+
+
+def test_helpers_match_torch():
+    torch_dist = pytest.importorskip("torch.distributed", reason="needs torch installed")
+    for op in dist.ReduceOp:
+        assert dist.supports_complex(op) == torch_dist.supports_complex(
+            getattr(torch_dist.ReduceOp, op.name)), op
+    assert dist.default_pg_timeout == torch_dist.default_pg_timeout
+    for device in ("cpu", "cuda"):
+        assert dist.get_default_backend_for_device(device) == \
+            torch_dist.get_default_backend_for_device(device)
+    assert [(m.name, int(m.value)) for m in dist.DebugLevel] == [
+        (m.name, int(m.value)) for m in (torch_dist.DebugLevel.OFF, torch_dist.DebugLevel.INFO,
+                                         torch_dist.DebugLevel.DETAIL)]

@@ -1,0 +1,34 @@
+"""What the launcher told this process, as torch.distributed asks it."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["get_node_local_rank", "is_torchelastic_launched"]
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank on its node: LOCAL_RANK (set by distcomm-run and torchrun), else
+    `fallback_rank`.
+
+    Raises:
+        RuntimeError: LOCAL_RANK is not set and no `fallback_rank` was given.
+        ValueError: LOCAL_RANK is not an integer.
+    """
+    text = os.environ.get("LOCAL_RANK")
+    if text is not None:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"LOCAL_RANK={text!r} is not an integer") from None
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(
+        "LOCAL_RANK is not in the environment: start the job with distcomm-run (or torchrun), "
+        "or pass fallback_rank= to get_node_local_rank for a process started on its own")
+
+
+def is_torchelastic_launched() -> bool:
+    """Whether distcomm-run (or torchrun) started this process: TORCHELASTIC_RUN_ID is set,
+    which both export to their workers."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
