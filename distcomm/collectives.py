@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .arrays import adapt, check_same, concatenate, empty, flat
+from .deadline import to_seconds
 from .errors import DistTimeoutError
 from .group import ProcessGroup, outside, resolve
 from .ops import ReduceOp, check_reduce_op
@@ -554,22 +555,34 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
-            device_ids: list[int] | None = None) -> Work | None:
+            device_ids: list[int] | None = None, timeout: Any = None) -> Work | None:
     """Block until every rank of the group has entered the barrier.
 
     With `device_ids` (torch's NCCL form, e.g. `[local_rank]`) the group's GPU backend
-    (nccl) runs it when the group has one; it then also waits for the GPU.
+    (nccl) runs it when the group has one; it then also waits for the GPU. `timeout`
+    (seconds or timedelta) bounds the wait of a synchronous barrier instead of the group's
+    timeout; as for `Work.wait(timeout)`, expiry aborts the group.
     """
     if outside(group, "barrier"):
         return None
     pg = resolve(group, "barrier")
+    seconds = to_seconds(timeout, name="barrier timeout")
+    entry = pg._trace.record("barrier", NO_ARRAY)
     if device_ids:
         backend = pg.default_backend("barrier", "cuda")
-        return _finish(pg._trace, pg._trace.record("barrier", NO_ARRAY),
-                       backend.barrier_on(int(device_ids[0]), async_op=async_op), async_op)
-    backend = pg.default_backend("barrier")
-    return _finish(pg._trace, pg._trace.record("barrier", NO_ARRAY),
-                   backend.barrier(async_op=async_op), async_op)
+        work = backend.barrier_on(int(device_ids[0]), async_op=async_op or bool(seconds))
+    else:
+        backend = pg.default_backend("barrier")
+        work = backend.barrier(async_op=async_op or bool(seconds))
+    if async_op or not seconds:
+        return _finish(pg._trace, entry, work, async_op)
+    try:
+        work.wait(seconds)
+    except BaseException as exc:
+        pg._trace.settle(entry, exc)
+        raise
+    pg._trace.settle(entry)
+    return None
 
 
 def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,

@@ -294,7 +294,8 @@ def _resolve_timeout(timeout: float | timedelta | None) -> float:
 def init_process_group(backend: str | None = None, init_method: str | None = None,
                        timeout: float | timedelta | None = None, world_size: int = -1,
                        rank: int = -1, store: Store | None = None,
-                       group_name: str = "") -> None:
+                       group_name: str = "", pg_options: Any = None,
+                       device_id: Any = None) -> None:
     """Initialise the default process group (torch.distributed.init_process_group).
 
     Args:
@@ -306,6 +307,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         world_size, rank: required with `store` or when the environment does not give them.
         store: a Store shared by all ranks, instead of `init_method`.
         group_name: the default group's name in messages.
+        pg_options: accepted for torch compatibility.
+        device_id: the GPU of this rank (an index, "cuda:N", a cupy.cuda.Device or a
+            torch.device): made current, and an nccl backend creates its communicator
+            there now instead of at the first collective.
 
     Raises:
         RuntimeError: the default group already exists.
@@ -314,6 +319,11 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     """
     from .rendezvous import rendezvous
 
+    del pg_options
+    if device_id is not None:
+        from .gpu import runtime
+
+        runtime.set_device(device_id)  # raises, saying what to install, without CuPy or a GPU
     with _world.lock:
         if _world.default is not None:
             raise RuntimeError(
@@ -351,6 +361,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         _world.next_id = 1
         _world.spec = spec
         install_signal_handlers()
+        cuda = backends.get("cuda")
+        if device_id is not None and hasattr(cuda, "connect"):
+            cuda.connect()  # nccl: the communicator now, on the chosen GPU
         stall.start(cfg.stall_warn_s, rdzv.store, lambda: list(_world.groups.values()))
 
 
@@ -435,7 +448,8 @@ def resolve(group: ProcessGroup | None, where: str) -> ProcessGroup:
     return group
 
 
-def _check_ranks(ranks: Iterable[int] | None, world_size: int) -> list[int]:
+def _check_ranks(ranks: Iterable[int] | None, world_size: int,
+                 sort: bool = True) -> list[int]:
     if ranks is None:
         return list(range(world_size))
     try:
@@ -453,13 +467,14 @@ def _check_ranks(ranks: Iterable[int] | None, world_size: int) -> list[int]:
         raise ValueError(f"new_group: ranks {values} name a rank twice")
     if not values:
         raise ValueError("new_group: ranks must name at least one rank")
-    return sorted(values)
+    return sorted(values) if sort else values
 
 
 def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | None = None,
               backend: str | None = None, pg_options: Any = None,
               use_local_synchronization: bool = False,
-              group_desc: str | None = None) -> ProcessGroup | int:
+              group_desc: str | None = None, device_id: Any = None,
+              sort_ranks: bool = True) -> ProcessGroup | int:
     """Create a group of a subset of ranks (torch.distributed.new_group).
 
     Every rank of the world must call it, in the same order relative to other
@@ -474,16 +489,20 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
             group, so that a rank that died before calling new_group fails the call at
             once, naming it, instead of leaving the others waiting for it up to the timeout.
         group_desc: the group's name in messages (default: its number).
+        device_id: accepted for torch compatibility (the GPU of an nccl group is that of
+            its first CuPy array, or the one `init_process_group(device_id=)` chose).
+        sort_ranks: True (default): group ranks follow the global ranks' order; False: the
+            order of `ranks` as given (the same on every rank).
 
     Returns:
         The group; on a rank not in it, `GroupMember.NON_GROUP_MEMBER`, as in torch:
         collectives on that do nothing (they warn once and return None), and `get_rank`
         and `get_world_size` of it are -1.
     """
-    del pg_options
+    del pg_options, device_id
     with _world.lock:
         world = default_group("new_group")
-        members = _check_ranks(ranks, world.size())
+        members = _check_ranks(ranks, world.size(), sort=sort_ranks)
         seconds = (world.timeout.total_seconds() if timeout is None
                    else _resolve_timeout(timeout))
         spec = _world.spec if backend is None else parse_backend(backend)

@@ -162,9 +162,13 @@ def scatter_object_list(scatter_object_output_list: list[Any],
 
 def send_object_list(object_list: list[Any], dst: int | None = None,
                      group: ProcessGroup | None = None, device: Any = None,
-                     group_dst: int | None = None) -> None:
-    """Send the objects of `object_list` to `dst` (received with `recv_object_list`)."""
-    del device
+                     group_dst: int | None = None, use_batch: bool = False) -> None:
+    """Send the objects of `object_list` to `dst` (received with `recv_object_list`).
+
+    `use_batch` (torch's: post the two messages as one batch) is accepted; the sizes and
+    the data go out in order either way.
+    """
+    del device, use_batch
     if outside(group, "send_object_list"):
         return None
     pg = resolve(group, "send_object_list")
@@ -178,12 +182,13 @@ def send_object_list(object_list: list[Any], dst: int | None = None,
 
 def recv_object_list(object_list: list[Any], src: int | None = None,
                      group: ProcessGroup | None = None, device: Any = None,
-                     group_src: int | None = None) -> int:
+                     group_src: int | None = None, use_batch: bool = False) -> int:
     """Receive objects into `object_list` (same length as the sender's); returns the sender.
 
-    With `src` None, the first sender of a matching list is received from.
+    With `src` None, the first sender of a matching list is received from. `use_batch` is
+    accepted as in `send_object_list`.
     """
-    del device
+    del device, use_batch
     if outside(group, "recv_object_list"):
         return -1
     pg = resolve(group, "recv_object_list")

@@ -71,12 +71,12 @@ NCCL_OP_NAMES = {
 }
 
 
-def supports_complex(reduce_op: ReduceOp) -> bool:
-    """Whether `reduce_op` takes complex arrays on every backend (torch's answer: MAX, MIN,
+def supports_complex(reduceOp: ReduceOp) -> bool:  # torch's argument name
+    """Whether `reduceOp` takes complex arrays on every backend (torch's answer: MAX, MIN,
     PRODUCT and the bitwise ops do not; the CPU backends multiply complex arrays, nccl
     does not)."""
-    return reduce_op not in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND,
-                             ReduceOp.BOR, ReduceOp.BXOR)
+    return reduceOp not in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND,
+                            ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def check_reduce_op(op: object, dtype: np.dtype, where: str) -> ReduceOp:

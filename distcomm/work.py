@@ -105,6 +105,10 @@ class Future:
             callback(self)
 
 
+#: torch's WorkResult codes, the values of `Work.get_future_result()`
+WORK_SUCCESS, WORK_TIMEOUT, WORK_COMM_ERROR = 0, 1, 2
+
+
 class Work:
     """The handle of an issued operation, as returned with `async_op=True`.
 
@@ -209,6 +213,30 @@ class Work:
         """The output arrays (waits for completion)."""
         self.wait()
         return list(self._outputs)
+
+    def synchronize(self) -> None:
+        """Block until the operation finished (torch's Work.synchronize), up to the group's
+        timeout.
+
+        Raises:
+            DistTimeoutError: it did not finish in time (the group is aborted).
+            DistError: it failed.
+        """
+        self.wait()
+
+    def get_future_result(self) -> Future:
+        """A Future completed with torch's WorkResult code once the operation finished:
+        0 (SUCCESS), 1 (TIMEOUT: it, or the abort of its group that failed it, timed out)
+        or 2 (COMM_ERROR: any other failure); it never completes with an error."""
+        from .errors import DistTimeoutError
+
+        def code(future: Future) -> int:
+            error = future._error
+            if error is None:
+                return WORK_SUCCESS
+            return WORK_TIMEOUT if isinstance(error, DistTimeoutError) else WORK_COMM_ERROR
+
+        return self._future.then(code)
 
     def chain(self, finalize: Callable[[], None], outputs: list[Any]) -> Work:
         """A Work over `outputs` that completes after this one and then `finalize()` (the

@@ -384,3 +384,35 @@ def test_helpers_match_torch():
     assert [(m.name, int(m.value)) for m in dist.DebugLevel] == [
         (m.name, int(m.value)) for m in (torch_dist.DebugLevel.OFF, torch_dist.DebugLevel.INFO,
                                          torch_dist.DebugLevel.DETAIL)]
+
+
+def test_work_synchronize_and_result_code(solo):
+    x = np.ones(3)
+    work = dist.all_reduce(x, async_op=True)
+    work.synchronize()
+    assert work.is_completed() and work.get_future_result().wait(10) == 0
+    failed = dist.Work("an op")
+    failed.fail(dist.DistBackendError("peer gone"))
+    assert failed.get_future_result().wait(10) == 2
+    timed_out = dist.Work("an op")
+    codes = timed_out.get_future_result()
+    timed_out.fail(dist.DistTimeoutError("late"))
+    assert codes.wait(10) == 1
+
+
+def test_barrier_timeout_alone_and_non_sorted_group(solo):
+    assert dist.barrier(timeout=timedelta(seconds=5)) is None
+    assert dist.barrier(timeout=5, async_op=True).wait() is True
+    group = dist.new_group([0], sort_ranks=False, device_id=None)
+    assert dist.get_rank(group) == 0
+
+
+def test_device_id_without_cupy_says_what_to_install(monkeypatch):
+    from distcomm.gpu import runtime
+
+    if runtime.is_available():
+        pytest.skip("CuPy and a GPU are here")
+    with pytest.raises(dist.BackendUnavailableError, match="pip install"):
+        dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=0)
+    assert not dist.is_initialized()

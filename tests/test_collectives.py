@@ -453,6 +453,14 @@ def _subgroups() -> None:
                 for op in ("all_reduce", "broadcast", "broadcast_object_list", "irecv",
                            "barrier")]
             dist.destroy_process_group(group)  # nothing to destroy here: a no-op
+        # sort_ranks=False: the group ranks follow the order given
+        backwards = dist.new_group(list(reversed(range(n))), sort_ranks=False)
+        assert dist.get_rank(backwards) == n - 1 - r
+        assert dist.get_process_group_ranks(backwards) == list(reversed(range(n)))
+        b = np.full(2, r, dtype=np.int64)
+        dist.broadcast(b, group=backwards, group_src=0)  # group rank 0: global rank n - 1
+        check(b, np.full(2, n - 1, dtype=np.int64), "unsorted group's group_src")
+        dist.destroy_process_group(backwards)
         # the world still works while the subgroup exists
         w = np.ones(2)
         dist.all_reduce(w)

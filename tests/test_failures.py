@@ -173,6 +173,28 @@ def _work_wait_timeout() -> tuple[str, str]:
     return _outcome(work.wait, 0.5)
 
 
+def _barrier_timeout() -> tuple[tuple[str, str], int]:
+    """Rank 0's barrier(timeout=0.5) while rank 1 is late; then get_future_result of a
+    Work of the aborted group."""
+    if dist.get_rank() == 1:
+        time.sleep(3)
+        return _outcome(dist.barrier), -1
+    outcome = _outcome(lambda: dist.barrier(timeout=timedelta(seconds=0.5)))
+    work = dist.all_reduce(np.ones(2), async_op=True)
+    return outcome, work.get_future_result().wait(30)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_barrier_timeout_and_work_result_codes(backend):
+    """barrier(timeout=) bounds the barrier as Work.wait(timeout) does (the group is
+    aborted); an op of the group aborted by that timeout has WorkResult TIMEOUT (1)."""
+    results = run_ranks(_barrier_timeout, 2, backend=backend, timeout=40, init_timeout=60)
+    (kind, message), code = results[0]
+    assert kind == "DistTimeoutError" and "barrier" in message, results
+    assert code == 1, results
+    assert results[1][0][0] != "ok" and "aborted" in results[1][0][1], results
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_work_wait_timeout_raises_and_aborts(backend):
     results = run_ranks(_work_wait_timeout, 2, backend=backend, timeout=40, init_timeout=60)

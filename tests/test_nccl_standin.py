@@ -1240,3 +1240,22 @@ def test_recorder_settles_a_synchronous_op_when_the_device_finishes_it(solo, cud
     while group._trace.unfinished() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [e["state"] for e in group._trace.as_dicts([0])] == ["completed", "completed"]
+
+
+def test_init_with_device_id_creates_the_communicator_there(cuda, monkeypatch):
+    """init_process_group(device_id=) makes the GPU current and creates the nccl
+    communicator at once, on it, as torch's eager init does."""
+    from distcomm.gpu import runtime
+
+    monkeypatch.setattr(runtime, "_chosen", None)
+    dist.init_process_group("cpu:tcp,cuda:nccl", store=dist.HashStore(), rank=0,
+                            world_size=1, device_id="cuda:2")
+    try:
+        backend = dist.group.WORLD._backends["cuda"]
+        assert backend._comm is not None and backend._device.id == 2
+        assert runtime.current_device() == 2
+        x = cuda.cupy.ones(3, np.float32)  # the current device: 2
+        dist.all_reduce(x)
+        assert x.get().tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

@@ -95,3 +95,25 @@ def test_collectives_on_a_group_this_rank_is_not_in_do_nothing_as_in_torch(tmp_p
             "group.")
     assert ours[0]["x"] == [2.0, 4.0] and ours[1]["out"] == [0, 1]
     assert ours[2]["out"] == [None, None]
+
+
+def test_every_function_takes_torchs_keyword_arguments():
+    """A port passes torch's keywords: each public function that torch.distributed also
+    has accepts every parameter name torch's takes."""
+    import inspect
+
+    import torch.distributed as torch_dist
+
+    import distcomm as dist
+
+    missing = {}
+    for name in dist.__all__:
+        theirs, ours = getattr(torch_dist, name, None), getattr(dist, name)
+        if not (inspect.isfunction(theirs) and inspect.isfunction(ours)):
+            continue
+        names = set(inspect.signature(ours).parameters)
+        lacking = [p for p in inspect.signature(theirs).parameters
+                   if not p.startswith("_") and p not in names]
+        if lacking:
+            missing[name] = lacking
+    assert missing == {}

@@ -108,6 +108,12 @@ class NcclBackend(NcclSupervision, Backend):
 
     # -- the communicator ---------------------------------------------------------------------
 
+    def connect(self) -> None:
+        """Create the communicator now, on the current GPU (init_process_group(device_id=)),
+        instead of at the first operation."""
+        with self._issue:
+            self._ensure(runtime.current_device(), "init_process_group(device_id=...)")
+
     def _ensure(self, device_id: int, what: str) -> Any:
         """The communicator (created on `device_id` on first use); checks the device."""
         if self._comm is not None:

@@ -112,6 +112,8 @@ def _index(device: Any, count: int, where: str) -> int:
         value = int(number)
     elif hasattr(device, "id") and not isinstance(device, int):
         value = device.id
+    elif getattr(device, "type", None) == "cuda":  # a torch.device
+        value = current_device() if device.index is None else device.index
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{where}: device must be an int, 'cuda:N' or a cupy.cuda.Device, "
                         f"got {device!r}")
