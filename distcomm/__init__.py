@@ -79,6 +79,7 @@ from .parallel import (
     wait,
 )
 from .store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
+from .subgroups import new_subgroups, new_subgroups_by_enumeration
 from .trace import dump_trace
 from .work import Work
 
@@ -149,6 +150,8 @@ __all__ = [
     "isend",
     "monitored_barrier",
     "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
     "parallel_info",
     "recv",
     "recv_object_list",

@@ -475,6 +475,41 @@ def test_subgroups(world):
     world.run(_subgroups)
 
 
+def _many_subgroups() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    current, every = dist.new_subgroups(group_size=1)
+    assert len(every) == n and every[r] is current and dist.get_world_size(current) == 1
+    assert [dist.get_rank(g) for g in every] == [0 if k == r else -1 for k in range(n)]
+    pairs = [[k, k + 1] for k in range(0, n - 1, 2)]
+    if pairs:
+        current, every = dist.new_subgroups_by_enumeration(pairs)
+        if r < 2 * len(pairs):
+            assert every[r // 2] is current
+            x = np.full(3, r, dtype=np.int64)
+            dist.all_reduce(x, group=current)
+            check(x, np.full(3, 2 * (r - r % 2) + 1, dtype=np.int64), "pair sum")
+        else:
+            assert current is None  # the odd rank out
+    for bad, text in (((n + 1,), "must not exceed"), ((0,), "positive")):
+        try:
+            dist.new_subgroups(*bad)
+        except ValueError as exc:
+            assert text in str(exc), exc
+        else:
+            raise AssertionError(f"new_subgroups{bad} did not raise")
+    try:
+        dist.new_subgroups_by_enumeration([[0], [0]])
+    except ValueError as exc:
+        assert "rank 0 appears in both subgroup [0] and [0]" in str(exc), exc
+    else:
+        raise AssertionError("overlapping subgroups were accepted")
+    dist.barrier()
+
+
+def test_new_subgroups(world):
+    world.run(_many_subgroups)
+
+
 class _DLPackOnly:
     """Exposes a numpy array through the DLPack protocol only (like a CPU torch tensor)."""
 
