@@ -8,6 +8,7 @@ piece of module state distcomm has, set by `init_process_group` and cleared by
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import warnings
@@ -149,6 +150,8 @@ class _World:
     owns_store: bool = False
     groups: dict[str, ProcessGroup] = field(default_factory=dict)
     next_id: int = 1
+    #: groups made with use_local_synchronization, per hash of their ranks
+    local_ids: dict[str, int] = field(default_factory=dict)
     spec: dict[str, str] = field(default_factory=dict)
 
 
@@ -359,6 +362,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         _world.default, _world.store, _world.owns_store = group, rdzv.store, owns
         _world.groups = {name: group}
         _world.next_id = 1
+        _world.local_ids = {}
         _world.spec = spec
         install_signal_handlers()
         cuda = backends.get("cuda")
@@ -478,16 +482,20 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
     """Create a group of a subset of ranks (torch.distributed.new_group).
 
     Every rank of the world must call it, in the same order relative to other
-    `new_group` calls, even ranks that are not members.
+    `new_group` calls, even ranks that are not members (unless
+    `use_local_synchronization`).
 
     Args:
         ranks: global ranks of the members (default: all); order does not matter.
         timeout: the group's timeout (default: the default group's).
         backend: as in `init_process_group` (default: the default group's).
         pg_options: accepted for torch compatibility.
-        use_local_synchronization: False (the default): first a barrier of the default
-            group, so that a rank that died before calling new_group fails the call at
-            once, naming it, instead of leaving the others waiting for it up to the timeout.
+        use_local_synchronization: False (the default): every rank calls new_group, and
+            it starts with a barrier of the default group, so that a rank that died before
+            calling it fails the call at once, naming it, instead of leaving the others
+            waiting for it up to the timeout. True: only the members call it (a non-member
+            that does gets NON_GROUP_MEMBER and nothing happens), and the later calls by
+            every rank still agree on which group is which.
         group_desc: the group's name in messages (default: its number).
         device_id: accepted for torch compatibility (the GPU of an nccl group is that of
             its first CuPy array, or the one `init_process_group(device_id=)` chose).
@@ -506,23 +514,39 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
         seconds = (world.timeout.total_seconds() if timeout is None
                    else _resolve_timeout(timeout))
         spec = _world.spec if backend is None else parse_backend(backend)
-        group_id = _world.next_id
-        _world.next_id += 1
-        name = group_desc or str(group_id)
         me = world.rank()
-        backends: dict[str, Backend] = {}
         group_rank = members.index(me) if me in members else -1
+        if use_local_synchronization:
+            if group_rank < 0:  # only members call it: a non-member that does gets nothing
+                return GroupMember.NON_GROUP_MEMBER
+            group_id = _local_group_id(members)  # agreed by the members alone
+        else:
+            group_id = str(_world.next_id)  # agreed by every rank calling in the same order
+            _world.next_id += 1
+        name = group_desc or group_id
+        backends: dict[str, Backend] = {}
         if not use_local_synchronization:
             _every_rank_is_there(world, members, name)
         if group_rank >= 0:
             backends = _create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
                                         group_rank, len(members), seconds, name, members)
         group = ProcessGroup(name, members, group_rank, backends, _spec_text(spec), seconds, me,
-                             store_key=str(group_id))
+                             store_key=group_id)
         log.info("new_group %r: ranks %s, this rank %s", name, members,
                  group_rank if group_rank >= 0 else "not a member")
         _world.groups[f"{group_id}:{name}"] = group
         return group if group_rank >= 0 else GroupMember.NON_GROUP_MEMBER
+
+
+def _local_group_id(members: list[int]) -> str:
+    """The id of a group made with use_local_synchronization: from its ranks (in order)
+    and how many such groups of these ranks this process made before, which its members
+    agree on without the other ranks (torch hashes the ranks alone, so the same ranks
+    twice collide); it leaves the numbering of the other groups alone."""
+    digest = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
+    count = _world.local_ids.get(digest, 0)
+    _world.local_ids[digest] = count + 1
+    return f"local-{digest}-{count}"
 
 
 def _every_rank_is_there(world: ProcessGroup, members: list[int], name: str) -> None:

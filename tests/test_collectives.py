@@ -510,6 +510,39 @@ def test_new_subgroups(world):
     world.run(_many_subgroups)
 
 
+def _local_groups() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    members = [0, 1] if n > 1 else [0]
+    local = None
+    if r in members:  # only the members call it
+        local = dist.new_group(members, use_local_synchronization=True)
+        again = dist.new_group(members, use_local_synchronization=True)  # same ranks again
+        x = np.full(2, r + 1, dtype=np.int64)
+        dist.all_reduce(x, group=again)
+        check(x, np.full(2, sum(k + 1 for k in members), dtype=np.int64), "second local")
+        dist.destroy_process_group(again)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert dist.new_group(members, use_local_synchronization=True) == \
+                dist.GroupMember.NON_GROUP_MEMBER
+    everyone = dist.new_group()  # every rank: they still agree which group this is
+    y = np.full(2, r, dtype=np.int64)
+    dist.all_reduce(y, group=everyone)
+    check(y, np.full(2, n * (n - 1) // 2, dtype=np.int64), "global after local")
+    if local is not None:
+        z = np.ones(3)
+        dist.all_reduce(z, group=local)
+        check(z, np.full(3, float(len(members))), "local group")
+        dist.destroy_process_group(local)
+    dist.destroy_process_group(everyone)
+    dist.barrier()
+
+
+def test_new_group_with_local_synchronization(world):
+    world.run(_local_groups)
+
+
 class _DLPackOnly:
     """Exposes a numpy array through the DLPack protocol only (like a CPU torch tensor)."""
 
