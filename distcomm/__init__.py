@@ -2,6 +2,7 @@
 
 from . import group
 from .backends.base import Backend
+from .coalesced import all_gather_coalesced, all_reduce_coalesced
 from .collectives import (
     P2POp,
     all_gather,
@@ -107,10 +108,12 @@ __all__ = [
     "TCPStore",
     "Work",
     "all_gather",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_object",
     "all_gather_single",
     "all_reduce",
+    "all_reduce_coalesced",
     "all_to_all",
     "all_to_all_single",
     "barrier",

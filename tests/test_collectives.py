@@ -510,6 +510,34 @@ def test_new_subgroups(world):
     world.run(_many_subgroups)
 
 
+def _coalesced(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    shapes = [(3,), (2, 4), (0,), ()]
+    arrays = [values(r, int(np.prod(s)), dtype).reshape(s) for s in shapes]
+    assert dist.all_reduce_coalesced(arrays) is None
+    for s, a in zip(shapes, arrays, strict=True):
+        check(a, expected_reduction(n, int(np.prod(s)), dtype, ReduceOp.SUM).reshape(s),
+              f"all_reduce_coalesced {s}")
+    inputs = [values(r, 5, dtype), values(r + 7, 6, dtype).reshape(2, 3)]
+    outputs = [[np.empty(5, dtype), np.empty((2, 3), dtype)] for _ in range(n)]
+    work = dist.all_gather_coalesced(outputs, inputs, async_op=True)
+    work.wait()
+    for k in range(n):
+        check(outputs[k][0], values(k, 5, dtype), f"all_gather_coalesced[{k}][0]")
+        check(outputs[k][1], values(k + 7, 6, dtype).reshape(2, 3), f"[{k}][1]")
+    try:
+        dist.all_reduce_coalesced([np.ones(2, np.float32), np.ones(2, np.float64)])
+    except TypeError as exc:
+        assert "dtype" in str(exc), exc
+    else:
+        raise AssertionError("mixed dtypes were accepted")
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float64", "complex64"])
+def test_coalesced(world, dtype):
+    world.run(_coalesced, dtype)
+
+
 def _local_groups() -> None:
     r, n = dist.get_rank(), dist.get_world_size()
     members = [0, 1] if n > 1 else [0]
