@@ -26,7 +26,13 @@ from .collectives import (
     scatter,
     send,
 )
-from .debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
+from .debug import (
+    DebugLevel,
+    breakpoint,
+    get_debug_level,
+    set_debug_level,
+    set_debug_level_from_env,
+)
 from .errors import (
     BackendUnavailableError,
     DistBackendError,
@@ -118,6 +124,7 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
+    "breakpoint",
     "broadcast",
     "broadcast_object_list",
     "default_pg_timeout",

@@ -1,4 +1,5 @@
-"""The debug level, as torch.distributed exposes it (DebugLevel, get/set_debug_level).
+"""Debugging as torch.distributed offers it: the debug level (DebugLevel,
+get/set_debug_level) and `breakpoint` (pdb on one rank while the others wait).
 
 The level comes from DISTCOMM_DEBUG, or from torch's name for it,
 TORCH_DISTRIBUTED_DEBUG (DISTCOMM_DEBUG wins when both are set); `set_debug_level`
@@ -9,10 +10,22 @@ What each level logs is described with DISTCOMM_DEBUG in the README.
 from __future__ import annotations
 
 import enum
+import logging
+import pdb
+import sys
+from typing import Any
 
 from . import config
 
-__all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"]
+__all__ = [
+    "DebugLevel",
+    "breakpoint",
+    "get_debug_level",
+    "set_debug_level",
+    "set_debug_level_from_env",
+]
+
+log = logging.getLogger(__name__)
 
 
 class DebugLevel(enum.IntEnum):
@@ -58,3 +71,63 @@ def set_debug_level_from_env() -> None:
     """
     config.set_debug(None)
     config.load()  # report a bad value here, as torch does
+
+
+_breakpoint_calls: dict[tuple[str, int], int] = {}  # call site -> calls so far, for `skip`
+
+
+class _Pdb(pdb.Pdb):
+    """pdb reading the terminal even where sys.stdin is closed (a spawned child)."""
+
+    def interaction(self, *args: Any, **kwargs: Any) -> None:
+        if sys.stdin is not None and not sys.stdin.closed:
+            pdb.Pdb.interaction(self, *args, **kwargs)
+            return
+        saved = sys.stdin
+        try:
+            with open("/dev/stdin") as sys.stdin:
+                pdb.Pdb.interaction(self, *args, **kwargs)
+        finally:
+            sys.stdin = saved
+
+
+def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float | None = 3600) -> None:
+    """Stop in pdb on global rank `rank` only; every other rank waits in a barrier of the
+    default group until it continues (torch.distributed.breakpoint). distcomm-run sends
+    its own stdin to rank 0 (`--tee` aside), so the debugger of rank 0 is usable from the
+    terminal that started the job.
+
+    Args:
+        rank: the rank that stops.
+        skip: pass this call site the first `skip` times.
+        timeout_s: how long the others wait (the default group's timeout is raised to it
+            for the wait, so a long session does not time the group out); None keeps it.
+    """
+    from .collectives import barrier
+    from .group import default_group
+
+    world = default_group("breakpoint")
+    if skip > 0:
+        caller = sys._getframe(1)
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        calls = _breakpoint_calls.get(site, 0) + 1
+        _breakpoint_calls[site] = calls
+        if calls <= skip:
+            log.warning("breakpoint: skipped, call %d of the %d to skip", calls, skip)
+            return
+    if world.rank() == rank:
+        debugger = _Pdb()
+        debugger.message(
+            "\n!!! ATTENTION !!!\n\nType 'up' to get to the frame that called "
+            f"dist.breakpoint(rank={rank})\n")
+        debugger.set_trace()  # stops on the next line, here; 'up' reaches the caller
+    backends = list(world._backends.values())
+    before = [backend.timeout for backend in backends]
+    try:
+        if timeout_s is not None:
+            for backend in backends:
+                backend.timeout = max(backend.timeout, float(timeout_s))
+        barrier(timeout=timeout_s)
+    finally:
+        for backend, timeout in zip(backends, before, strict=True):
+            backend.timeout = timeout

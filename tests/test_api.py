@@ -416,3 +416,48 @@ def test_device_id_without_cupy_says_what_to_install(monkeypatch):
         dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=0)
     assert not dist.is_initialized()
+
+
+BREAK_SCRIPT = """
+import sys, time
+import distcomm as dist
+
+rank = int(sys.argv[2])
+dist.init_process_group("tcp", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2,
+                        timeout=60)
+secret = 41 + rank
+dist.breakpoint(rank=0, timeout_s=120)  # rank 1 waits here until rank 0 continues
+dist.breakpoint(rank=1, skip=1)         # skipped: its first call
+print(f"rank {rank} done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_breakpoint_stops_one_rank_while_the_other_waits(tmp_path):
+    """Rank 0 stops in pdb and reads commands from its stdin; rank 1 waits in the barrier
+    until rank 0 continues; skip=1 passes the first call."""
+    import os
+    import subprocess
+
+    script = tmp_path / "break.py"
+    script.write_text(BREAK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCOMM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "rdzv"), str(r)],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out0, err0 = procs[0].communicate("up\np secret\nc\n", timeout=90)
+        out1, err1 = procs[1].communicate("", timeout=90)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, (err0, err1)
+    assert "!!! ATTENTION !!!" in out0 and "dist.breakpoint(rank=0)" in out0, out0
+    assert "(Pdb) 41\n" in out0, out0  # 'up', then `p secret` in the caller's frame
+    assert "rank 0 done" in out0 and "rank 1 done" in out1
+    assert "ATTENTION" not in out1  # rank 1 never stopped: its breakpoint was skipped
+    assert "skipped, call 1 of the 1 to skip" in err1, err1
