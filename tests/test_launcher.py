@@ -206,6 +206,27 @@ def test_flags_from_environment_and_precedence(tmp_path):
     assert len(records(out)) == 2
 
 
+def test_torchrun_pet_variables_are_read(monkeypatch):
+    """torchrun's PET_<FLAG> variables set flags as DISTCOMM_<FLAG> do; ours win over
+    them, and the command line over both."""
+    from distcomm.launch.run import parse_args
+
+    for name in list(os.environ):
+        if name.startswith(("DISTCOMM_", "PET_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "2")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "3")
+    args = parse_args(["train.py"])
+    assert (args.nproc_per_node, args.standalone, int(args.max_restarts)) == ("2", True, 3)
+    monkeypatch.setenv("DISTCOMM_NPROC_PER_NODE", "4")
+    assert parse_args(["train.py"]).nproc_per_node == "4"
+    assert parse_args(["--nproc-per-node=1", "train.py"]).nproc_per_node == "1"
+    monkeypatch.setenv("PET_STANDALONE", "maybe")
+    with pytest.raises(ValueError, match="PET_STANDALONE='maybe' is not a boolean"):
+        parse_args(["train.py"])
+
+
 def test_quickstart_main_job(tmp_path):
     res = run_launcher(
         ["--standalone", "--nproc_per_node=4", "-m", "distcomm.examples.quickstart"], tmp_path

@@ -2,8 +2,9 @@
 
 Parses the flags into a `LaunchConfig`, runs the elastic agent (`agent.py`) and exits
 with its status. Every flag is also read from a ``DISTCOMM_<FLAG>`` environment variable
-(``DISTCOMM_NPROC_PER_NODE=4``); a flag on the command line wins over the variable, which
-wins over the built-in default. Flags accept dashes and underscores alike.
+(``DISTCOMM_NPROC_PER_NODE=4``) or torchrun's ``PET_<FLAG>``; a flag on the command line
+wins over the variables (ours over torchrun's), which win over the built-in default.
+Flags accept dashes and underscores alike.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ DEFAULT_MASTER_PORT = 29500
 
 _EPILOG = """\
 Every flag can also be set with an environment variable named DISTCOMM_ and the flag's
-name in capitals with underscores (DISTCOMM_NPROC_PER_NODE=4, DISTCOMM_STANDALONE=1).
-Precedence: the command line, then the environment variable, then the default.
+name in capitals with underscores (DISTCOMM_NPROC_PER_NODE=4, DISTCOMM_STANDALONE=1), or
+with torchrun's name for it, PET_ and the same (PET_NPROC_PER_NODE=4). Precedence: the
+command line, then DISTCOMM_<FLAG>, then PET_<FLAG>, then the default.
 
 Workers get RANK, LOCAL_RANK, GROUP_RANK, ROLE_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE,
 ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT, DISTCOMM_RESTART_COUNT,
@@ -81,8 +83,18 @@ def _env_name(dest: str) -> str:
     return "DISTCOMM_" + dest.upper()
 
 
+def _env_value(dest: str) -> tuple[str, str | None]:
+    """(variable, value) of a flag's environment default: DISTCOMM_<FLAG>, else torchrun's
+    PET_<FLAG>; the value is None when neither is set."""
+    for name in (_env_name(dest), "PET_" + dest.upper()):
+        value = os.environ.get(name)
+        if value is not None:
+            return name, value
+    return _env_name(dest), None
+
+
 class _EnvDefault(argparse.Action):
-    """A flag whose default comes from DISTCOMM_<FLAG> when that is set."""
+    """A flag whose default comes from DISTCOMM_<FLAG> (or torchrun's PET_<FLAG>) when set."""
 
     def __init__(
         self,
@@ -92,7 +104,7 @@ class _EnvDefault(argparse.Action):
         required: bool = False,
         **kwargs: object,
     ) -> None:
-        env = os.environ.get(_env_name(dest))
+        _, env = _env_value(dest)
         if env is not None:
             default, required = env, False
         super().__init__(option_strings, dest, default=default, required=required, **kwargs)  # type: ignore[arg-type]
@@ -108,13 +120,15 @@ class _EnvDefault(argparse.Action):
 
 
 class _EnvFlag(argparse.Action):
-    """A store_true flag whose default comes from DISTCOMM_<FLAG> (1/true/yes/on)."""
+    """A store_true flag whose default comes from DISTCOMM_<FLAG> (or PET_<FLAG>):
+    1/true/yes/on."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
-        raw = os.environ.get(_env_name(dest), "")
+        name, value = _env_value(dest)
+        raw = value or ""
         lowered = raw.strip().lower()
         if lowered not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
-            raise ValueError(f"{_env_name(dest)}={raw!r} is not a boolean: use 1 or 0")
+            raise ValueError(f"{name}={raw!r} is not a boolean: use 1 or 0")
         default = lowered in ("1", "true", "yes", "on")
         super().__init__(option_strings, dest, nargs=0, default=default, **kwargs)  # type: ignore[arg-type]
 
@@ -488,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run distcomm-run with `argv` (default sys.argv[1:]); returns the exit status."""
     try:
         parser = get_args_parser()
-    except ValueError as exc:  # a DISTCOMM_<FLAG> variable holds a bad value
+    except ValueError as exc:  # a DISTCOMM_<FLAG> or PET_<FLAG> variable holds a bad value
         print(f"distcomm-run: error: {exc}", file=sys.stderr)
         return 2
     try:
