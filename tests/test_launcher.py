@@ -47,6 +47,10 @@ ENV_NAMES = (
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_TIMER_FILE",
+    "TORCHELASTIC_ERROR_FILE",
+    "GROUP_WORLD_SIZE",
     "OMP_NUM_THREADS",
     "DISTCOMM_TIMER_FILE",
     "DISTCOMM_ERROR_FILE",
@@ -120,6 +124,10 @@ def _check_env(recs: list[dict], nnodes: int, nproc: int, run_id: str | None = N
         assert int(r["LOCAL_WORLD_SIZE"]) == nproc
         assert int(r["LOCAL_RANK"]) == r["rank"] % nproc
         assert int(r["GROUP_RANK"]) == r["rank"] // nproc
+        assert int(r["GROUP_WORLD_SIZE"]) == nnodes
+        assert r["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert r["TORCHELASTIC_TIMER_FILE"] == (r["DISTCOMM_TIMER_FILE"] or None)
+        assert r["TORCHELASTIC_ERROR_FILE"] == r["DISTCOMM_ERROR_FILE"]
         assert r["ROLE_NAME"] == "default"
         assert r["DISTCOMM_RESTART_COUNT"] == r["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert r["DISTCOMM_MAX_RESTARTS"] == r["TORCHELASTIC_MAX_RESTARTS"]

@@ -519,14 +519,18 @@ class ElasticAgent:
                     "ROLE_NAME": c.role,
                     "LOCAL_WORLD_SIZE": str(nproc),
                     "WORLD_SIZE": str(world),
+                    "GROUP_WORLD_SIZE": str(info.world_size),
                     "ROLE_WORLD_SIZE": str(world),
                     "MASTER_ADDR": host,
                     "MASTER_PORT": str(port),
                     "DISTCOMM_USE_AGENT_STORE": "1",
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",  # torchrun's value
                     "DISTCOMM_STORE_PREFIX": f"/worker/round_{info.round}",
                     "DISTCOMM_TIMER_FILE": self._timer.file_path if self._timer else "",
                 }
             )
+            if self._timer:  # torchrun's name of the expiration timers' file
+                env["TORCHELASTIC_TIMER_FILE"] = self._timer.file_path
             for name, value in (
                 ("RESTART_COUNT", str(restarts)),
                 ("MAX_RESTARTS", str(c.max_restarts)),
