@@ -80,6 +80,8 @@ DEFAULT_TERMINATE_GRACE_S = 30.0
 KILL_WAIT_S = 30.0
 
 _ERROR_DIR_PREFIX = "distcomm-spawn-"
+#: the longest a join blocks before the main thread runs Python again (signals)
+_WAIT_SLICE_S = 1.0
 
 
 class ProcessException(DistError):
@@ -261,7 +263,14 @@ class ProcessContext:
             raise self._failure
         if not self.sentinels:
             return True
-        ready = multiprocessing.connection.wait(list(self.sentinels), timeout=wait_s)
+        # in slices: a SIGINT (Ctrl-C) the kernel hands to another thread of this process is
+        # raised by the main thread only when it runs Python again, at the next slice
+        deadline = Deadline(wait_s)
+        while True:
+            ready = multiprocessing.connection.wait(list(self.sentinels),
+                                                    timeout=deadline.slice(_WAIT_SLICE_S))
+            if ready or deadline.expired():
+                break
         error_index = None
         for sentinel in ready:
             index = self.sentinels.pop(sentinel)
