@@ -103,6 +103,10 @@ class StallClock:
             self._at *= 2
         return waited
 
+    def until_next(self) -> float:
+        """Seconds until the next warning is due (inf when it never is)."""
+        return max(0.0, self._at - (time.monotonic() - self._started))
+
     @property
     def next(self) -> float:
         """The wait, in seconds, at which the next warning is due."""

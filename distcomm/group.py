@@ -404,10 +404,14 @@ def default_group(where: str) -> ProcessGroup:
     return group
 
 
+def _is_sentinel(group: Any) -> bool:
+    """Whether `group` is GroupMember.NON_GROUP_MEMBER (what new_group gives a non-member)."""
+    return type(group) is int and group == GroupMember.NON_GROUP_MEMBER
+
+
 def _is_non_member(group: Any) -> bool:
-    """Whether `group` is what new_group returns to a rank outside it."""
-    return (type(group) is int and group == GroupMember.NON_GROUP_MEMBER) or (
-        isinstance(group, ProcessGroup) and not group.is_member)
+    """Whether this rank is outside `group`: the sentinel, or a handle with rank -1."""
+    return _is_sentinel(group) or (isinstance(group, ProcessGroup) and not group.is_member)
 
 
 _warned_outside: set[tuple[str, Any]] = set()
@@ -439,7 +443,7 @@ def resolve(group: ProcessGroup | None, where: str) -> ProcessGroup:
     if group is None:
         return default_group(where)
     if not isinstance(group, ProcessGroup):
-        if type(group) is int and group == GroupMember.NON_GROUP_MEMBER:
+        if _is_sentinel(group):
             world = default_group(where)
             raise ValueError(
                 f"{where}: this process (global rank {world.rank()}) is not a member of the "
@@ -586,7 +590,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """
     with _world.lock:
         default = default_group("destroy_process_group")
-        if type(group) is int and group == GroupMember.NON_GROUP_MEMBER:
+        if _is_sentinel(group):
             return  # a group this rank is not in: nothing of it lives here
         if group is not None and group is not default:
             log.info("destroying group %r", group.group_name)

@@ -72,6 +72,7 @@ from .hash import (
     check_keys,
     check_values,
     compare_set_value,
+    log_still_waiting,
     timeout_error,
 )
 
@@ -454,12 +455,9 @@ class FileStore(Store):
                     raise timeout_error(missing, timeout, f"the FileStore {self.path!r}")
             waited = stall.due()
             if waited is not None:
-                missing = [key for key in keys if key not in self._data]
-                log.warning(
-                    "a wait on the FileStore %r has waited %.1f s for %s, not set yet: the "
-                    "process that sets it may be late, stuck or gone (waiting up to %.1f s; "
-                    "next report at %.1f s; DISTCOMM_STALL_WARN_S=0 turns these warnings off)",
-                    self.path, waited, ", ".join(map(repr, missing[:8])), timeout, stall.next)
+                log_still_waiting(log, f"a wait on the FileStore {self.path!r}", waited,
+                                  [key for key in keys if key not in self._data], timeout,
+                                  stall.next)
             delay = deadline.nap(delay, _KEY_POLL_MOST)
 
     # -- the Store methods ----------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from ..deadline import Deadline, to_seconds
 from ..errors import DistStoreError, DistStoreTimeoutError
@@ -145,6 +146,19 @@ def timeout_error(missing: Sequence[str], seconds: float, where: str) -> DistSto
         f"{what} within {seconds:.1f} s in {where} (did the process that sets it fail, "
         "or does it need a longer timeout?)"
     )
+
+
+def log_still_waiting(logger: Any, what: str, waited: float, missing: Sequence[str],
+                      seconds: float, next_at: float) -> None:
+    """The warning of a store wait still waiting after DISTCOMM_STALL_WARN_S (`what`: the
+    request and the store), naming the keys still missing."""
+    shown = ", ".join(repr(key) for key in missing[:8]) + (
+        f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    logger.warning(
+        "%s has waited %.1f s for %s, not set yet: the process that sets it may be late, "
+        "stuck or gone (waiting up to %.1f s; next report at %.1f s; "
+        "DISTCOMM_STALL_WARN_S=0 turns these warnings off)",
+        what, waited, shown, seconds, next_at)
 
 
 def check_keys(keys: Sequence[str]) -> list[str]:

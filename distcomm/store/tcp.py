@@ -29,11 +29,11 @@ from datetime import timedelta
 
 from .. import auth, config
 from ..config import DEFAULT_STORE_TIMEOUT
-from ..deadline import FOREVER, Deadline, to_seconds
+from ..deadline import FOREVER, Deadline, StallClock, to_seconds
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from ..net import connect, format_address
 from .base import Store, check_key, to_bytes
-from .hash import check_amount, check_keys, check_values, timeout_error
+from .hash import check_amount, check_keys, check_values, log_still_waiting, timeout_error
 from .tcp_protocol import HEADER, SECONDS, Cmd, Limits, Status, decode_args, encode_frame
 from .tcp_server import StoreServer
 
@@ -478,12 +478,9 @@ class TCPStore(Store):
             return self._call(code, [SECONDS.pack(seconds), *names], what, wait=seconds,
                               keys=names)
         deadline = Deadline(seconds)
-        started = time.monotonic()
-        warn_at = warn
+        stall = StallClock(warn)
         while True:
-            left = deadline.remaining()
-            step = warn_at - (time.monotonic() - started)
-            step = max(0.0, step if left is None else min(step, left))
+            step = deadline.slice(stall.until_next())
             status, result = self._request(code, [SECONDS.pack(step), *names], what,
                                            wait=step, keys=names)
             if status != _TIMEOUT:
@@ -493,16 +490,10 @@ class TCPStore(Store):
             missing = [key.decode(errors="replace") for key in result]
             if deadline.expired():
                 raise timeout_error(missing, seconds, self._where)
-            waited = time.monotonic() - started
-            if waited >= warn_at:
-                warn_at *= 2
-                shown = ", ".join(repr(key) for key in missing[:8]) + (
-                    f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-                log.warning(
-                    "%s on %s has waited %.1f s for %s, not set yet: the process that sets "
-                    "it may be late, stuck or gone (waiting up to %.1f s; next report at "
-                    "%.1f s; DISTCOMM_STALL_WARN_S=0 turns these warnings off)",
-                    _describe(what), self._where, waited, shown, seconds, warn_at)
+            waited = stall.due()
+            if waited is not None:
+                log_still_waiting(log, f"{_describe(what)} on {self._where}", waited, missing,
+                                  seconds, stall.next)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set each key of `keys` to the value at the same position of `values`, atomically."""

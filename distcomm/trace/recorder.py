@@ -93,12 +93,10 @@ class Recorder:
         "_stacks",
         "done",
         "size",
-        "stack",
     )
 
     def __init__(self, size: int, stack: bool = False) -> None:
-        self.size = size
-        self.stack = stack
+        self.size = size  # `stack` picked the class (see __new__)
         self._ops: list[tuple[Any, ...] | None] = [None] * size
         #: the id of each slot's collective once it completed (ids are >= 0)
         self.done = [-1] * size
