@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .arrays import adapt, check_same, concatenate, empty
-from .collectives import _finish, _split_into
+from .collectives import _finish, _premultiplied, _split_into
 from .group import ProcessGroup, outside, resolve
 from .ops import ReduceOp, check_reduce_op
 from .work import Work
@@ -41,11 +41,12 @@ def all_reduce_coalesced(tensors: list[Any], op: ReduceOp = ReduceOp.SUM,
         return None
     pg = resolve(group, where)
     arrays = _arrays(tensors, where, "tensors", writable=True)
-    check_reduce_op(op, arrays[0].dtype, where)
+    op = check_reduce_op(op, arrays[0].dtype, where)
     backend = pg.backend_for(arrays[0], where)
     joined = concatenate(arrays, arrays[0])
     entry = pg._trace.record(where, joined, -1, op)
-    inner = backend.all_reduce(joined, op, async_op=async_op)
+    plain, joined = _premultiplied(op, joined, in_place=True)  # joined is our own copy
+    inner = backend.all_reduce(joined, plain, async_op=async_op)
     outputs = list(tensors)
     return _finish(pg._trace, entry, inner.chain(_split_into(arrays, joined), outputs),
                    async_op)

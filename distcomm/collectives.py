@@ -19,7 +19,7 @@ from .arrays import adapt, check_same, concatenate, empty, flat
 from .deadline import to_seconds
 from .errors import DistTimeoutError
 from .group import ProcessGroup, outside, resolve
-from .ops import ReduceOp, check_reduce_op
+from .ops import PremulSum, ReduceOp, check_reduce_op
 from .trace.recorder import NO_ARRAY, Recorder
 from .work import Work
 
@@ -127,6 +127,19 @@ def _split_into(outputs: list[Any], joined: np.ndarray) -> Callable[[], None]:
             at += out.size
 
     return copy_out
+
+
+def _premultiplied(op: ReduceOp | PremulSum, array: Any, in_place: bool
+                   ) -> tuple[ReduceOp, Any]:
+    """The (op, array) a backend runs: for `ReduceOp.PREMUL_SUM(f)`, SUM over `array` x f
+    (scaled in place, or a scaled copy when the array is an input the caller keeps); any
+    other op and the array unchanged."""
+    if not isinstance(op, PremulSum):
+        return op, array
+    if in_place:
+        array *= op.factor
+        return ReduceOp.SUM, array
+    return ReduceOp.SUM, array * op.factor
 
 
 def _finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,
@@ -314,10 +327,11 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     pg = resolve(group, "all_reduce")
     array = adapt(tensor, "all_reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "all_reduce")
-    check_reduce_op(op, array.dtype, "all_reduce")
-    return _finish(pg._trace, pg._trace.record("all_reduce", array, -1, op),
-                   backend.all_reduce(flat(array), op, async_op=async_op), async_op,
-                   [tensor])
+    op = check_reduce_op(op, array.dtype, "all_reduce")
+    entry = pg._trace.record("all_reduce", array, -1, op)
+    plain, array = _premultiplied(op, array, in_place=True)
+    return _finish(pg._trace, entry, backend.all_reduce(flat(array), plain, async_op=async_op),
+                   async_op, [tensor])
 
 
 def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
@@ -330,9 +344,13 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
     array = adapt(tensor, "reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "reduce")
     root = _rank_arg(pg, dst, group_dst, "reduce", "dst", default=0)
-    check_reduce_op(op, array.dtype, "reduce")
-    return _finish(pg._trace, pg._trace.record("reduce", array, root, op),
-                   backend.reduce(flat(array), root, op, async_op=async_op), async_op, [tensor])
+    op = check_reduce_op(op, array.dtype, "reduce")
+    entry = pg._trace.record("reduce", array, root, op)
+    plain, scaled = _premultiplied(op, array, in_place=False)  # non-roots keep their input
+    work = backend.reduce(flat(scaled), root, plain, async_op=async_op)
+    if scaled is not array and pg.rank() == root:
+        work = work.chain(_split_into([array], flat(scaled)), [tensor])
+    return _finish(pg._trace, entry, work, async_op, [tensor])
 
 
 def all_gather_single(output_tensor: Any, input_tensor: Any,
@@ -440,13 +458,15 @@ def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
     inp = adapt(input, where, "input", writable=False)
     check_same([out, inp], where, "output and input")
     backend = pg.backend_for(inp, where)
-    check_reduce_op(op, inp.dtype, where)
+    op = check_reduce_op(op, inp.dtype, where)
     if inp.size != pg.size() * out.size:
         raise ValueError(f"{where}: input must have group size x output elements "
                          f"({pg.size()} x {out.size} = {pg.size() * out.size}), "
                          f"got {inp.size}")
-    return _finish(pg._trace, pg._trace.record(where, out, -1, op),
-                   backend.reduce_scatter(flat(out), flat(inp), op, async_op=async_op),
+    entry = pg._trace.record(where, out, -1, op)
+    plain, inp = _premultiplied(op, inp, in_place=False)
+    return _finish(pg._trace, entry,
+                   backend.reduce_scatter(flat(out), flat(inp), plain, async_op=async_op),
                    async_op, [output])
 
 
@@ -463,11 +483,13 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     check_same([out, *inputs], "reduce_scatter", "input_list and output")
     _same_size(inputs, out.size, "reduce_scatter", "input_list")
     backend = pg.backend_for(out, "reduce_scatter")
-    check_reduce_op(op, out.dtype, "reduce_scatter")
+    op = check_reduce_op(op, out.dtype, "reduce_scatter")
     joined = concatenate(inputs, out)
-    return _finish(pg._trace, pg._trace.record("reduce_scatter", out, -1, op),
-                   backend.reduce_scatter(flat(out), joined, op, async_op=async_op), async_op,
-                   [output])
+    entry = pg._trace.record("reduce_scatter", out, -1, op)
+    plain, joined = _premultiplied(op, joined, in_place=True)  # joined is our own copy
+    return _finish(pg._trace, entry,
+                   backend.reduce_scatter(flat(out), joined, plain, async_op=async_op),
+                   async_op, [output])
 
 
 def all_gather_into_tensor(output_tensor: Any, input_tensor: Any,

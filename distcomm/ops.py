@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+import numbers
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -11,6 +14,7 @@ from .parallel import parallel_for
 __all__ = [
     "MPI_OP_NAMES",
     "NCCL_OP_NAMES",
+    "PremulSum",
     "ReduceOp",
     "check_reduce_op",
     "reduce_into",
@@ -36,6 +40,50 @@ class ReduceOp(enum.IntEnum):
 
     def __str__(self) -> str:
         return self.name
+
+
+@dataclass(frozen=True)
+class PremulSum:
+    """`ReduceOp.PREMUL_SUM(factor)`: each rank's array is multiplied by `factor`, then the
+    products are summed (NCCL's ncclPreMulSum; torch's `_make_nccl_premul_sum`). Every
+    backend runs it, as a scaling on the caller's device followed by SUM."""
+
+    factor: float | complex
+
+    @property
+    def name(self) -> str:
+        return "PREMUL_SUM"
+
+    def __str__(self) -> str:
+        return f"PREMUL_SUM({self.factor})"
+
+
+class _PremulSumOp:
+    """`ReduceOp.PREMUL_SUM`, which is called with its factor: `ReduceOp.PREMUL_SUM(0.5)`."""
+
+    name = "PREMUL_SUM"
+
+    def __call__(self, factor: Any) -> PremulSum:
+        """The op that sums `factor` x each rank's array; `factor` a real or complex number
+        (or a one-element array holding one)."""
+        value = factor
+        if hasattr(value, "size") and hasattr(value, "item"):  # numpy or CuPy scalar/array
+            if value.size != 1:
+                raise ValueError(f"ReduceOp.PREMUL_SUM: factor must be one number, got an "
+                                 f"array of {value.size} elements")
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Number):
+            raise TypeError(f"ReduceOp.PREMUL_SUM: factor must be a real or complex number, "
+                            f"got {factor!r}")
+        return PremulSum(value)
+
+    def __repr__(self) -> str:
+        return "ReduceOp.PREMUL_SUM"
+
+
+#: Not an enum member: it carries its factor, so it is made by a call; `list(ReduceOp)`
+#: stays the eight plain reductions.
+ReduceOp.PREMUL_SUM = _PremulSumOp()  # type: ignore[attr-defined]
 
 
 _UFUNCS = {
@@ -79,21 +127,33 @@ def supports_complex(reduceOp: ReduceOp) -> bool:  # torch's argument name
                             ReduceOp.BOR, ReduceOp.BXOR)
 
 
-def check_reduce_op(op: object, dtype: np.dtype, where: str) -> ReduceOp:
-    """Validate `op` for arrays of `dtype`; returns it as a ReduceOp.
+def check_reduce_op(op: object, dtype: np.dtype, where: str) -> ReduceOp | PremulSum:
+    """Validate `op` for arrays of `dtype`; returns it.
 
     Args:
         where: the calling function, for messages ("all_reduce").
 
     Raises:
-        TypeError: `op` is not a ReduceOp, or it is not defined for `dtype`.
+        TypeError: `op` is not a ReduceOp (or `ReduceOp.PREMUL_SUM(factor)`), or it is not
+            defined for `dtype`.
     """
+    kind = dtype.kind
+    if isinstance(op, PremulSum):
+        if kind not in "fc":
+            raise TypeError(f"{where}: ReduceOp.PREMUL_SUM needs a floating or complex "
+                            f"array, got {dtype}; scale integers and use ReduceOp.SUM")
+        if isinstance(op.factor, complex) and kind != "c":
+            raise TypeError(f"{where}: ReduceOp.PREMUL_SUM({op.factor}) has a complex "
+                            f"factor for a {dtype} array; use a real factor")
+        return op
+    if isinstance(op, _PremulSumOp):
+        raise TypeError(f"{where}: ReduceOp.PREMUL_SUM needs its factor: pass "
+                        "ReduceOp.PREMUL_SUM(factor)")
     if not isinstance(op, ReduceOp):
         raise TypeError(
             f"{where}: op must be a distcomm.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX, BAND, "
-            f"BOR, BXOR), got {op!r}"
+            f"BOR, BXOR, or PREMUL_SUM(factor)), got {op!r}"
         )
-    kind = dtype.kind
     if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and kind not in "biu":
         raise TypeError(
             f"{where}: ReduceOp.{op.name} needs an integer or bool array, got {dtype}; "

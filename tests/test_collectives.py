@@ -538,6 +538,67 @@ def test_coalesced(world, dtype):
     world.run(_coalesced, dtype)
 
 
+def _premul_sum(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    dt = np.dtype(dtype)
+    factor = 0.5 if dt.kind == "f" else 0.5 - 0.25j
+    op = ReduceOp.PREMUL_SUM(factor)
+    scaled = [(k + 1) * (np.arange(6) % 5 + 1).astype(dt) * dt.type(factor) for k in range(n)]
+    total = functools.reduce(np.add, scaled)
+
+    x = ((r + 1) * (np.arange(6) % 5 + 1)).astype(dt)
+    dist.all_reduce(x, op=op)
+    check(x, total, "all_reduce PREMUL_SUM")
+
+    mine = ((r + 1) * (np.arange(6) % 5 + 1)).astype(dt)
+    kept = mine.copy()
+    dist.reduce(mine, dst=0, op=op)
+    check(mine, total if r == 0 else kept, "reduce PREMUL_SUM (dst the sum, others unchanged)")
+
+    big = np.concatenate([((r + 1) * (np.arange(6) % 5 + 1)).astype(dt)] * n)
+    before = big.copy()
+    out = np.empty(6, dtype=dt)
+    dist.reduce_scatter_single(out, big, op=op)
+    check(out, total, "reduce_scatter_single PREMUL_SUM")
+    check(big, before, "reduce_scatter_single keeps its input")
+    pieces = [((r + 1) * (np.arange(6) % 5 + 1)).astype(dt) for _ in range(n)]
+    dist.reduce_scatter(out, pieces, op=op)
+    check(out, total, "reduce_scatter PREMUL_SUM")
+    check(pieces[0], before[:6], "reduce_scatter keeps its inputs")
+
+    parts = [((r + 1) * (np.arange(6) % 5 + 1)).astype(dt)[:k] for k in (2, 6)]
+    dist.all_reduce_coalesced(parts, op=op)
+    check(parts[0], total[:2], "all_reduce_coalesced PREMUL_SUM")
+    check(parts[1], total, "all_reduce_coalesced PREMUL_SUM")
+
+    work = dist.all_reduce(x, op=ReduceOp.PREMUL_SUM(np.array([2.0])), async_op=True)
+    work.wait()
+    check(x, total * dt.type(2 * n), "async all_reduce PREMUL_SUM with an array factor")
+
+    for bad_op, bad_array, words in [
+            (ReduceOp.PREMUL_SUM, x, "needs its factor"),
+            (ReduceOp.PREMUL_SUM(2.0), np.ones(2, dtype=np.int32), "floating or complex")]:
+        try:
+            dist.all_reduce(bad_array, op=bad_op)
+        except TypeError as exc:
+            assert words in str(exc), exc
+        else:
+            raise AssertionError(f"all_reduce accepted {bad_op!r} on {bad_array.dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "complex128"])
+def test_premul_sum(world, dtype):
+    world.run(_premul_sum, dtype)
+
+
+def test_premul_sum_factor_must_be_a_number():
+    for bad in ("2", None, True, np.ones(2)):
+        with pytest.raises((TypeError, ValueError), match="PREMUL_SUM"):
+            ReduceOp.PREMUL_SUM(bad)
+    assert str(ReduceOp.PREMUL_SUM(0.5)) == "PREMUL_SUM(0.5)"
+    assert len(list(ReduceOp)) == 8 and dist.supports_complex(ReduceOp.PREMUL_SUM(1.0))
+
+
 def _local_groups() -> None:
     r, n = dist.get_rank(), dist.get_world_size()
     members = [0, 1] if n > 1 else [0]
