@@ -122,6 +122,9 @@ class LaunchConfig:
     shutdown_timeout: float = 30.0
     exit_barrier_timeout: float = EXIT_BARRIER_TIMEOUT
     signals_to_handle: tuple[int, ...] = DEFAULT_SIGNALS_TO_HANDLE
+    #: where in `command` to insert ``--local-rank=<local rank>`` for each worker (the
+    #: legacy ``python -m distcomm.launch`` without --use-env); None: not passed
+    local_rank_argv_index: int | None = None
 
 
 class _Signal(Exception):
@@ -538,6 +541,8 @@ class ElasticAgent:
             ):
                 env[f"DISTCOMM_{name}"] = env[f"TORCHELASTIC_{name}"] = value
             commands[local_rank] = list(c.command)
+            if c.local_rank_argv_index is not None:
+                commands[local_rank].insert(c.local_rank_argv_index, f"--local-rank={local_rank}")
             envs[local_rank] = env
             template = c.log_line_prefix_template
             if template is None and c.tee.get(local_rank, Std.NONE) != Std.NONE:
