@@ -613,7 +613,7 @@ def test_record_env_fallback_and_unset(tmp_path, monkeypatch):
 def test_record_passes_on_a_nested_root_cause(tmp_path, monkeypatch):
     """An agent's @record writes its first failure's record (a launcher inside a launcher)."""
     inner = _recorded(tmp_path, "inner.json", "ValueError: deep down", 1_700_000_000 * 10**9)
-    failure = ProcessFailure(0, 3, 99, 1, inner)
+    failure = ProcessFailure(0, 99, 1, inner, rank=3)
 
     @record
     def agent_main() -> None:
@@ -622,7 +622,9 @@ def test_record_passes_on_a_nested_root_cause(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTCOMM_ERROR_FILE", str(tmp_path / "agent.json"))
     with pytest.raises(ChildFailedError):
         agent_main()
-    assert json.loads((tmp_path / "agent.json").read_text()) == failure.error_data
+    expected = json.loads(json.dumps(failure.error_data))
+    expected["message"]["errorCode"] = 1  # the child's exit status, as torch's record adds it
+    assert json.loads((tmp_path / "agent.json").read_text()) == expected
 
 
 def test_record_never_hides_the_exception(tmp_path, monkeypatch, caplog):
@@ -681,12 +683,12 @@ def test_process_failure_reads_the_error_file(tmp_path):
             }
         )
     )
-    assert ProcessFailure(0, 0, 1, 1, str(path)).timestamp == 1_700_000_000
+    assert ProcessFailure(0, 1, 1, str(path)).timestamp == 1_700_000_000
     path.write_text(json.dumps({"message": "c++ error", "timestamp": "1700000001"}))
-    failure = ProcessFailure(0, 0, 1, 1, str(path))
+    failure = ProcessFailure(0, 1, 1, str(path))
     assert failure.message == "c++ error" and failure.timestamp == 1_700_000_001
     path.write_text("{not json")
-    failure = ProcessFailure(0, 0, 1, 1, str(path))
+    failure = ProcessFailure(0, 1, 1, str(path))
     assert "unreadable" in failure.message and failure.traceback_text() == NO_TRACEBACK
 
 
@@ -697,7 +699,7 @@ def test_process_failure_without_a_record(tmp_path):
     assert killed.message == "process 7 ended with signal SIGKILL (-9)"
     assert killed.traceback_text() == NO_TRACEBACK
     assert killed.timestamp >= before
-    assert ProcessFailure(0, 0, 7, None).message == "process 7 was still running"
+    assert ProcessFailure(0, 7, None).message == "process 7 was still running"
 
     stderr = tmp_path / "stderr.log"
     stderr.write_bytes(b"".join(b"line %d\n" % i for i in range(30)) + b"Segfault \xff\n")
@@ -717,16 +719,22 @@ def test_child_failed_error_report(tmp_path):
     failures = {
         0: ProcessFailure(
             0,
-            0,
             100,
             -9,
+            rank=0,
             host="node-a",
             timestamp=t0 / 1e9 + 5,
             reason="expiration timer 'stuck' expired",
         ),
-        2: ProcessFailure(0, 2, 102, 1, recorded, host="node-b"),
+        2: ProcessFailure(0, 102, 1, recorded, rank=2, host="node-b"),
         3: ProcessFailure(
-            1, 3, 103, -11, host="node-b", timestamp=t0 / 1e9 + 9, log_files={"stderr": str(stderr)}
+            1,
+            103,
+            -11,
+            rank=3,
+            host="node-b",
+            timestamp=t0 / 1e9 + 9,
+            log_files={"stderr": str(stderr)},
         ),
     }
     error = ChildFailedError("train.py", failures)
@@ -748,7 +756,7 @@ def test_child_failed_error_report(tmp_path):
     assert str(copy) == text and copy.get_first_failure()[0] == 2
 
     # ties go to the smallest rank; one failure has no other failures
-    same = {r: ProcessFailure(r, r, 10 + r, 1, timestamp=5.0) for r in (3, 1, 2)}
+    same = {r: ProcessFailure(r, 10 + r, 1, rank=r, timestamp=5.0) for r in (3, 1, 2)}
     assert ChildFailedError("x", same).get_first_failure()[0] == 1
     assert "<NO_OTHER_FAILURES>" in ChildFailedError("x", {1: same[1]}).format_msg()
     with pytest.raises(ValueError):
@@ -787,7 +795,6 @@ def test_recorded_worker_failure_end_to_end(tmp_path):
         codes = _wait_exit(workers)
         failures = {
             lr: ProcessFailure(
-                lr,
                 lr,
                 workers.pids()[lr],
                 codes[lr],

@@ -1,6 +1,7 @@
 """Worker failures: `@record` writes a worker's exception down; `ChildFailedError` reports.
 
-`record` writes the exception of a worker's entrypoint to the worker's error file;
+`record` has an `ErrorHandler` (`error_handler.py`) write the exception of a worker's
+entrypoint to the worker's error file;
 `ProcessFailure` is one failed worker as the agent saw it (reading that file), and
 `ChildFailedError` the agent's report with one block per failed rank and the root cause.
 `share_failures` and `gather_failures` pass a round's failures between the nodes' agents
@@ -21,15 +22,12 @@ whose ``message`` is a plain string (torch's C++ error layout, with a top-level
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import functools
 import json
 import logging
 import os
 import tempfile
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,14 +37,17 @@ from typing import Any, TypeVar
 from ..errors import DistError
 from ..procutil import signal_name
 from ..store import Store
+from .error_handler import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV, ErrorHandler, get_error_handler
 
 __all__ = [
     "ERROR_FILE_ENV",
     "TORCH_ERROR_FILE_ENV",
     "ChildFailedError",
+    "ErrorHandler",
     "ProcessFailure",
     "exit_description",
     "gather_failures",
+    "get_error_handler",
     "record",
     "share_failures",
     "trace_dir",
@@ -54,11 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: where `@record` writes a worker's exception; the launcher sets it for every worker
-ERROR_FILE_ENV = "DISTCOMM_ERROR_FILE"
-#: torchelastic's name for the same file, read when ours is unset (and set by the launcher)
-TORCH_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 NO_TRACEBACK = (
     "(no traceback: decorate the entrypoint with @record to capture it, "
@@ -87,84 +83,87 @@ def exit_description(code: int | None) -> str:
     return f"exit code {code} (128+{name})" if name else f"exit code {code}"
 
 
-def _error_file_path() -> str:
-    return os.environ.get(ERROR_FILE_ENV) or os.environ.get(TORCH_ERROR_FILE_ENV) or ""
+_HANDLER_METHODS = ("initialize", "record_exception", "dump_error_file")
 
 
-def _write_error_file(path: str, data: dict[str, Any]) -> None:
-    """Write `data` as JSON to `path` atomically (a reader never sees half a file)."""
-    if os.path.exists(path):
-        log.warning("error file %s already exists; overwriting it with this process's error", path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fp:
-            json.dump(data, fp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def _exception_record(exc: BaseException, skip_frames: int = 0) -> dict[str, Any]:
-    """The error file's content for `exc`, leaving out its first `skip_frames` frames."""
-    now_ns = time.time_ns()
-    tb = exc.__traceback__
-    for _ in range(skip_frames):
-        tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
-    return {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
-                "timestamp": str(now_ns // 1_000_000_000),
-                "timestamp_ns": str(now_ns),
-            },
-        }
-    }
-
-
-def record(fn: _F) -> _F:
+def record(fn: _F, error_handler: ErrorHandler | None = None) -> _F:
     """Decorate a worker's entrypoint so that an exception it raises reaches the agent's report.
 
-    On an exception the wrapper writes the exception's message, traceback and time to the
-    file named by ``DISTCOMM_ERROR_FILE`` (or ``TORCHELASTIC_ERROR_FILE``), which the
-    launcher sets for each worker, then re-raises it unchanged. With neither variable set
-    it only re-raises. `SystemExit` and `KeyboardInterrupt` pass through unrecorded. A
-    `ChildFailedError` (a nested launcher's agent failing) records its root cause's error
-    file, so an outer launcher reports the real first failure. It also enables
-    `faulthandler`, so a crash in native code leaves a Python stack on stderr.
+    The wrapper calls ``error_handler.initialize()`` (the default handler enables
+    `faulthandler`) and runs `fn`. On an exception it calls
+    ``error_handler.record_exception(e)``, which writes the exception's message,
+    traceback and time to the file named by ``DISTCOMM_ERROR_FILE`` (or
+    ``TORCHELASTIC_ERROR_FILE``), set by the launcher for each worker, then re-raises it
+    unchanged. A `ChildFailedError` (a nested launcher's agent failing) is recorded as its
+    root cause instead: ``error_handler.dump_error_file(failure.error_file, exitcode)``,
+    so an outer launcher reports the real first failure. `SystemExit` and
+    `KeyboardInterrupt` pass through unrecorded, and a handler that fails is logged, never
+    raised in place of the exception.
 
     Args:
         fn: the function to wrap (usually ``main``).
+        error_handler: what records the exception; default: `get_error_handler()`'s,
+            made once, here. Anything with `ErrorHandler`'s `initialize`,
+            `record_exception` and `dump_error_file` methods will do.
 
     Returns:
         The wrapped function, with `fn`'s name and docstring.
+
+    Raises:
+        TypeError: `fn` is not callable, or `error_handler` lacks a handler's methods.
     """
+    if not callable(fn):
+        raise TypeError(
+            f"record() decorates a function (@record, or record(main, error_handler=...)), "
+            f"got {type(fn).__name__}"
+        )
+    handler = get_error_handler() if error_handler is None else error_handler
+    missing = [name for name in _HANDLER_METHODS if not callable(getattr(handler, name, None))]
+    if missing:
+        raise TypeError(
+            f"record(error_handler=...) needs an ErrorHandler (subclass "
+            f"distcomm.launch.errors.ErrorHandler); {type(handler).__name__} has no "
+            f"{', '.join(missing)}"
+        )
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not faulthandler.is_enabled():
-            faulthandler.enable(all_threads=True)
+        handler.initialize()
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            path = _error_file_path()
-            if path:
-                try:
-                    data = None
-                    if isinstance(exc, ChildFailedError):
-                        data = exc.get_first_failure()[1].error_data
-                    _write_error_file(path, data or _exception_record(exc, skip_frames=1))
-                except Exception as write_exc:
-                    log.warning(
-                        "could not write the error file %s (%s); the exception follows unrecorded",
-                        path,
-                        write_exc,
-                    )
+            try:
+                _record_with(handler, exc)
+            except Exception as handler_exc:
+                log.warning(
+                    "error handler %s failed (%s: %s); the exception follows unrecorded",
+                    type(handler).__name__,
+                    type(handler_exc).__name__,
+                    handler_exc,
+                )
             raise
 
     return wrapper  # type: ignore[return-value]
+
+
+def _record_with(handler: ErrorHandler, exc: Exception) -> None:
+    if isinstance(exc, ChildFailedError):
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode or 0
+        if failure.error_file and os.path.isfile(failure.error_file):
+            handler.dump_error_file(failure.error_file, code)
+            return
+        if failure.error_data is not None and isinstance(handler, ErrorHandler):
+            # read before its file went away, or shared by another node's agent
+            source = f"rank {rank} on {failure.host or 'this node'}"
+            handler._dump_error_data(source, failure.error_data, code)
+            return
+    tb = exc.__traceback__
+    exc.__traceback__ = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+    try:  # the record shows the traceback from `fn` down, not through the wrapper
+        handler.record_exception(exc)
+    finally:
+        exc.__traceback__ = tb
 
 
 @dataclass
@@ -172,15 +171,16 @@ class ProcessFailure:
     """One worker that failed (or that the agent had to end), as the agent observed it.
 
     The recorded error (message, traceback, time) is read from `error_file` once, when the
-    object is made, so the report survives the file's removal.
+    object is made, so the report survives the file's removal. The first four fields
+    are torch's, in torch's order.
 
     Attributes:
         local_rank: the worker's rank on this node.
-        rank: its global rank.
         pid: its process id.
         exitcode: its exit status as Popen reports it (negative: killed by that signal;
             None: still running when observed, e.g. ended by the agent afterwards).
         error_file: the file its `@record` writes to, or "".
+        rank: its global rank; default: `local_rank` (one node).
         host: the node's host name.
         role: the worker group's role.
         log_files: its kept output, by stream name ("stdout", "stderr") -> path.
@@ -191,10 +191,10 @@ class ProcessFailure:
     """
 
     local_rank: int
-    rank: int
     pid: int
     exitcode: int | None
     error_file: str = ""
+    rank: int = None  # type: ignore[assignment] - set to local_rank when not given
     host: str = ""
     role: str = "default"
     log_files: dict[str, str] = field(default_factory=dict)
@@ -204,6 +204,20 @@ class ProcessFailure:
     _error_problem: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.rank is None:
+            self.rank = self.local_rank
+        for name, value, types, what in (
+            ("local_rank", self.local_rank, int, "an int"),
+            ("rank", self.rank, int, "an int"),
+            ("pid", self.pid, int, "an int"),
+            ("exitcode", self.exitcode, (int, type(None)), "an int or None"),
+            ("error_file", self.error_file, str, "a str"),
+        ):
+            if isinstance(value, bool) or not isinstance(value, types):
+                raise TypeError(
+                    f"ProcessFailure.{name} must be {what}, got {value!r}; the fields are "
+                    f"(local_rank, pid, exitcode, error_file, rank, ...), torch's order first"
+                )
         recorded = self._read_error_file()
         if recorded is not None:
             self.timestamp = recorded
@@ -233,6 +247,11 @@ class ProcessFailure:
         except (TypeError, ValueError):
             pass
         return None
+
+    @property
+    def error_file_data(self) -> dict[str, Any]:
+        """The error file's content (torch's name), or torch's ``{"message": "<NONE>"}``."""
+        return self.error_data if self.error_data is not None else {"message": "<NONE>"}
 
     def signal_name(self) -> str:
         """The name of the signal that ended the worker ("SIGKILL"), or "<N/A>" (torch's)."""
@@ -359,15 +378,21 @@ class ChildFailedError(DistError):
         rank = min(self.failures, key=lambda r: (self.failures[r].timestamp or 0.0, r))
         return rank, self.failures[rank]
 
-    def format_msg(self, border: str = "=", section: str = "-") -> str:
-        """The failure report: a header, every other failed rank, then the root cause."""
+    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+        """The failure report: a header, every other failed rank, then the root cause.
+
+        Args:
+            boarder_delim: the character of the report's top and bottom rules (torch's
+                parameter name, spelling included).
+            section_delim: the character of the rules between its sections.
+        """
         root_rank, root = self.get_first_failure()
         others = [
             _format_failure(rank, self.failures[rank])
             for rank in sorted(self.failures)
             if rank != root_rank
         ]
-        rule, sep = border * _REPORT_WIDTH, section * _REPORT_WIDTH
+        rule, sep = boarder_delim * _REPORT_WIDTH, section_delim * _REPORT_WIDTH
         return "\n".join(
             [
                 rule,
