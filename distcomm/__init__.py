@@ -85,6 +85,7 @@ from .parallel import (
     set_num_threads,
     wait,
 )
+from .regroup import shrink_group, split_group
 from .store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
 from .subgroups import new_subgroups, new_subgroups_by_enumeration
 from .trace import dump_trace
@@ -177,6 +178,8 @@ __all__ = [
     "set_debug_level_from_env",
     "set_num_interop_threads",
     "set_num_threads",
+    "shrink_group",
+    "split_group",
     "supports_complex",
     "wait",
 ]

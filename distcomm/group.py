@@ -73,6 +73,7 @@ class ProcessGroup:
         self._spec = spec
         self.timeout = timedelta(seconds=timeout)
         self._global_rank = global_rank
+        self._splits = 0  # split_group/shrink_group calls on it so far (for their ids)
         cfg = config.load()
         #: the flight recorder of the group's operations (distcomm.trace)
         self._trace = Recorder(cfg.trace_buffer if group_rank >= 0 else 0,
@@ -153,6 +154,9 @@ class _World:
     #: groups made with use_local_synchronization, per hash of their ranks
     local_ids: dict[str, int] = field(default_factory=dict)
     spec: dict[str, str] = field(default_factory=dict)
+    #: each world rank's rank when the job started (they differ once shrink_group has
+    #: shrunk the default group); backends that address processes (mpi) get these
+    process_ranks: list[int] = field(default_factory=list)
 
 
 _world = _World()
@@ -364,6 +368,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         _world.next_id = 1
         _world.local_ids = {}
         _world.spec = spec
+        _world.process_ranks = list(range(rdzv.world_size))
         install_signal_handlers()
         cuda = backends.get("cuda")
         if device_id is not None and hasattr(cuda, "connect"):
@@ -528,18 +533,29 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
             group_id = str(_world.next_id)  # agreed by every rank calling in the same order
             _world.next_id += 1
         name = group_desc or group_id
-        backends: dict[str, Backend] = {}
         if not use_local_synchronization:
             _every_rank_is_there(world, members, name)
-        if group_rank >= 0:
-            backends = _create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
-                                        group_rank, len(members), seconds, name, members)
-        group = ProcessGroup(name, members, group_rank, backends, _spec_text(spec), seconds, me,
-                             store_key=group_id)
-        log.info("new_group %r: ranks %s, this rank %s", name, members,
-                 group_rank if group_rank >= 0 else "not a member")
+        group = _make_group(members, me, group_id, name, spec, seconds)
         _world.groups[f"{group_id}:{name}"] = group
         return group if group_rank >= 0 else GroupMember.NON_GROUP_MEMBER
+
+
+def _make_group(members: list[int], me: int, group_id: str, name: str, spec: dict[str, str],
+                seconds: float, process_ranks: list[int] | None = None) -> ProcessGroup:
+    """A group of the world ranks `members` as seen from world rank `me`, with backends
+    connected (members only) under the store prefix distcomm/<group_id>. `process_ranks`:
+    each world rank's rank at the job's start (default: the world's)."""
+    process_ranks = _world.process_ranks if process_ranks is None else process_ranks
+    group_rank = members.index(me) if me in members else -1
+    backends: dict[str, Backend] = {}
+    if group_rank >= 0:
+        backends = _create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
+                                    group_rank, len(members), seconds, name,
+                                    [process_ranks[m] for m in members])
+    log.info("group %r: ranks %s, this rank %s", name, members,
+             group_rank if group_rank >= 0 else "not a member")
+    return ProcessGroup(name, members, group_rank, backends, _spec_text(spec), seconds, me,
+                        store_key=group_id)
 
 
 def _local_group_id(members: list[int]) -> str:
@@ -610,6 +626,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         _world.default, _world.store, _world.owns_store = None, None, False
         _world.groups = {}
         _world.spec = {}
+        _world.process_ranks = []
 
 
 # -- queries ---------------------------------------------------------------------------------

@@ -599,6 +599,51 @@ def test_premul_sum_factor_must_be_a_number():
     assert len(list(ReduceOp)) == 8 and dist.supports_complex(ReduceOp.PREMUL_SUM(1.0))
 
 
+def _split_groups() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    if n == 1:
+        splits = [[0]]
+    elif n == 2:
+        splits = [[1, 0]]  # one group of both, given unsorted
+    else:
+        splits = [list(range(n // 2)), list(range(n // 2, n - 1))]  # the last rank: none
+    mine = next((sorted(s) for s in splits if r in s), None)
+    group = dist.split_group(split_ranks=splits)
+    if mine is None:
+        assert group is None, group
+    else:
+        assert dist.get_process_group_ranks(group) == mine, group
+        x = np.full(3, r + 1, dtype=np.int64)
+        dist.all_reduce(x, group=group)
+        check(x, np.full(3, sum(k + 1 for k in mine), dtype=np.int64), "all_reduce in a split")
+        dist.destroy_process_group(group)
+    # a split of a subgroup whose group ranks run backwards: group rank 0 is global n-1
+    backwards = dist.new_group(list(reversed(range(n))), sort_ranks=False)
+    last = dist.split_group(backwards, [[0]], group_desc="last")
+    if r == n - 1:
+        assert dist.get_process_group_ranks(last) == [n - 1] and last.group_name == "last"
+        y = np.ones(2)
+        dist.all_reduce(y, group=last)
+        check(y, np.ones(2), "all_reduce in a split of a subgroup")
+        dist.destroy_process_group(last)
+    else:
+        assert last is None
+    for bad, words in [([], "split_ranks must list"), ([[0], [0]], "must not overlap"),
+                       ([[n]], "out of range"), ([[]], "is empty"), ("01", "list of lists")]:
+        try:
+            dist.split_group(split_ranks=bad)
+        except (TypeError, ValueError) as exc:
+            assert words in str(exc), exc
+        else:
+            raise AssertionError(f"split_group accepted {bad!r}")
+    dist.destroy_process_group(backwards)
+    dist.barrier()
+
+
+def test_split_group(world):
+    world.run(_split_groups)
+
+
 def _local_groups() -> None:
     r, n = dist.get_rank(), dist.get_world_size()
     members = [0, 1] if n > 1 else [0]
