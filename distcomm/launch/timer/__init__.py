@@ -10,6 +10,7 @@ from .api import (
     configure,
     expires,
 )
+from .debug_info_logging import log_debug_info_for_expired_timers
 from .file_based_local_timer import FileTimerClient, FileTimerRequest, FileTimerServer
 from .local_timer import LocalTimerClient, LocalTimerServer, MultiprocessingRequestQueue
 
@@ -28,4 +29,5 @@ __all__ = [
     "TimerServerUnavailableError",
     "configure",
     "expires",
+    "log_debug_info_for_expired_timers",
 ]

@@ -50,8 +50,11 @@ TIMER_FILE_ENV = "DISTCOMM_TIMER_FILE"
 _STOP_JOIN_SLACK = 30.0
 
 
-class TimerServerUnavailableError(DistError, ConnectionError):
-    """A timer client could not reach its server (none is listening, or it went away)."""
+class TimerServerUnavailableError(DistError, BrokenPipeError):
+    """A timer client could not reach its server (none is listening, or it went away).
+
+    A `BrokenPipeError` (so a `ConnectionError`), as torch's `FileTimerClient` raises.
+    """
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,14 @@ class TimerServer(ABC):
         why it died by the time it sees it dead. Called again if a reap is retried.
         """
 
+    def _should_reap(self, worker_id: Any, expired: list[TimerRequest]) -> bool:
+        """Whether these expired timers call for reaping the worker (default: always).
+
+        A subclass that answers False must drop or move those timers itself, or they are
+        found expired again in the next step.
+        """
+        return True
+
     def _wake(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Interrupt a step waiting for requests so `stop()` returns promptly (optional)."""
 
@@ -196,6 +207,8 @@ class TimerServer(ABC):
             for worker_id, expired in self.get_expired_timers(time.time()).items():
                 scopes = ", ".join(repr(t.scope_id) for t in expired)
                 self._notify_expired(worker_id, expired)
+                if not self._should_reap(worker_id, expired):
+                    continue
                 if self._reap_worker(worker_id):
                     reaped.add(worker_id)
                     log.warning(
