@@ -1,7 +1,7 @@
 """distcomm: torch.distributed's model for numpy and CuPy arrays (public API, re-exported)."""
 
 from . import group
-from .backends.base import Backend
+from .backends.names import Backend, BackendConfig
 from .coalesced import all_gather_coalesced, all_reduce_coalesced
 from .collectives import (
     P2POp,
@@ -95,6 +95,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "BackendConfig",
     "BackendUnavailableError",
     "DebugLevel",
     "DistBackendError",

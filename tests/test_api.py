@@ -5,6 +5,7 @@ These run in the test process itself (a 1-rank group on a HashStore needs no soc
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import sys
@@ -219,11 +220,16 @@ def fresh_registry(monkeypatch):
     registry = backends._Registry()
     registry.records = dict(backends._registry.records)
     monkeypatch.setattr(backends, "_registry", registry)
+    for name in ("backend_list", "default_device_backend_map", "backend_capability"):
+        monkeypatch.setattr(dist.Backend, name, copy.copy(getattr(dist.Backend, name)))
     return registry
 
 
 def test_register_backend_and_use_it(fresh_registry):
     dist.Backend.register_backend("echo", EchoBackend, devices=["cpu"])
+    assert dist.Backend.ECHO == "echo" and "echo" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["echo"] == ["cpu"]
+    delattr(dist.Backend, "ECHO")
     with pytest.raises(ValueError, match="already registered"):
         backends.register_backend("echo", EchoBackend)
     with pytest.raises(ValueError, match="identifier"):
@@ -240,9 +246,33 @@ def test_register_backend_and_use_it(fresh_registry):
         dist.destroy_process_group()
 
 
+def test_backend_is_torchs_string_type():
+    assert dist.Backend("GLOO") == "gloo" == dist.Backend.GLOO and dist.Backend("mine") == "mine"
+    assert isinstance(dist.Backend("tcp"), str) and dist.Backend.NCCL == "nccl"
+    assert {"gloo", "nccl", "mpi", "tcp"} <= set(dist.Backend.backend_list)
+    assert dist.Backend.default_device_backend_map == {"cpu": "gloo", "cuda": "nccl"}
+    with pytest.raises(ValueError, match="string"):
+        dist.Backend(3)
+    config = dist.BackendConfig("cpu:tcp,cuda:nccl")
+    assert str(config) == "cpu:tcp,cuda:nccl"
+    assert config.get_device_backend_map() == {"cpu": "tcp", "cuda": "nccl"}
+    assert str(dist.BackendConfig("gloo")) == "cpu:gloo,cuda:gloo"
+    assert dist.Backend is not backends.Backend  # the plug-in base keeps its own name
+
+
+def test_backend_matches_torch():
+    torch_dist = pytest.importorskip("torch.distributed")
+    for name in ("gloo", "GLOO", "Nccl", "mpi", "custom"):
+        assert dist.Backend(name) == torch_dist.Backend(name), name
+    for attr in ("GLOO", "NCCL", "MPI", "UCC", "XCCL", "UNDEFINED"):
+        assert getattr(dist.Backend, attr) == getattr(torch_dist.Backend, attr), attr
+    assert str(dist.BackendConfig("cpu:gloo,cuda:nccl")) == \
+        str(torch_dist.distributed_c10d.BackendConfig("cpu:gloo,cuda:nccl"))
+
+
 def test_factory_must_return_a_backend(fresh_registry):
     backends.register_backend("liar", lambda store, rank, size, timeout: object())
-    with pytest.raises(TypeError, match=r"not a distcomm\.Backend"):
+    with pytest.raises(TypeError, match=r"not a distcomm\.backends\.Backend"):
         dist.init_process_group("liar", store=dist.HashStore(), rank=0, world_size=1)
 
 

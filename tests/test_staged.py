@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import distcomm as dist
+from distcomm import backends
 from distcomm.backends.gloo import GlooBackend
 from distcomm.backends.staged import StagedBackend
 from distcomm.errors import DistBackendError
@@ -149,4 +150,4 @@ def test_point_to_point_is_refused_clearly(cuda, solo):
 def test_groups_wrap_staging_backends_only(cuda, solo):
     record = dist.group.WORLD  # the solo group: tcp, CPU only
     assert set(record._backends) == {"cpu"}
-    assert GlooBackend.stages_device_arrays and not dist.Backend.stages_device_arrays
+    assert GlooBackend.stages_device_arrays and not backends.Backend.stages_device_arrays

@@ -99,7 +99,7 @@ def register_backend(name: str, func: Callable[..., Backend], extended_api: bool
     Args:
         name: the name `init_process_group(backend=...)` will accept (case-insensitive).
         func: `func(store, rank, size, timeout)` (optionally also `group_name=`)
-            returning a `distcomm.Backend`.
+            returning a `distcomm.backends.Backend`.
         extended_api: accepted for torch compatibility; distcomm always passes the store.
         devices: "cpu", "cuda" or both (default both).
 
@@ -189,7 +189,7 @@ def create_backend(name: str, store: Store, rank: int, size: int, timeout: float
     if not isinstance(backend, Backend):
         raise TypeError(
             f"backend {record.name!r} factory returned {type(backend).__name__}, "
-            "not a distcomm.Backend")
+            "not a distcomm.backends.Backend")
     return backend
 
 
