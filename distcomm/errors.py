@@ -9,7 +9,8 @@ each subclass also inherits the builtin exception a caller would catch anyway::
         │   └── BackendUnavailableError    (also ImportError) its library or device is missing
         ├── DistNetworkError               (also ConnectionError) a peer or store connection failed
         ├── DistStoreError                 a store request failed
-        │   └── DistStoreTimeoutError      (also DistTimeoutError) a key did not appear in time
+        │   ├── DistStoreTimeoutError      (also DistTimeoutError) a key did not appear in time
+        │   └── QueueEmptyError            (also queue.Empty) queue_pop(block=False) found none
         └── DistTimeoutError               (also TimeoutError) a blocking wait ran out of time
 
 The launcher and the multiprocessing module add their own branches under `DistError`:
@@ -24,6 +25,8 @@ Bad arguments raise plain `ValueError`/`TypeError`; using the API before
 
 from __future__ import annotations
 
+import queue
+
 __all__ = [
     "BackendUnavailableError",
     "DistBackendError",
@@ -32,6 +35,7 @@ __all__ = [
     "DistStoreError",
     "DistStoreTimeoutError",
     "DistTimeoutError",
+    "QueueEmptyError",
 ]
 
 
@@ -61,3 +65,10 @@ class DistStoreError(DistError):
 
 class DistStoreTimeoutError(DistStoreError, DistTimeoutError):
     """A store wait (a `get` of a missing key, `wait`) ran out of time."""
+
+
+class QueueEmptyError(DistStoreError, queue.Empty):
+    """`Store.queue_pop(key, block=False)` found the queue empty (torch's QueueEmptyError).
+
+    Also a `queue.Empty`, which is what a non-blocking get of a stdlib queue raises.
+    """

@@ -912,6 +912,7 @@ def test_store_package_exports():
         "FileStore",
         "HashStore",
         "PrefixStore",
+        "QueueEmptyError",
         "Store",
         "TCPStore",
     ]

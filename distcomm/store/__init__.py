@@ -1,5 +1,6 @@
 """Key-value stores: the Store interface and its TCP, file, etcd, in-memory and prefix stores."""
 
+from ..errors import QueueEmptyError
 from .base import Store
 from .etcd import EtcdStore
 from .file import FileStore
@@ -7,4 +8,12 @@ from .hash import HashStore
 from .prefix import PrefixStore
 from .tcp import TCPStore
 
-__all__ = ["EtcdStore", "FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
+__all__ = [
+    "EtcdStore",
+    "FileStore",
+    "HashStore",
+    "PrefixStore",
+    "QueueEmptyError",
+    "Store",
+    "TCPStore",
+]

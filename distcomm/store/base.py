@@ -8,8 +8,9 @@ from datetime import timedelta
 
 from ..config import DEFAULT_STORE_TIMEOUT
 from ..deadline import to_seconds
+from ..errors import DistError, DistStoreTimeoutError
 
-__all__ = ["Store", "check_key", "publish", "to_bytes"]
+__all__ = ["Store", "check_block", "check_key", "publish", "to_bytes"]
 
 
 def to_bytes(value: str | bytes | bytearray | memoryview, name: str = "value") -> bytes:
@@ -37,6 +38,17 @@ def check_key(key: str) -> str:
     if not key:
         raise ValueError("store key must be a non-empty string")
     return key
+
+
+def check_block(block: bool) -> bool:
+    """Validate queue_pop's `block` flag.
+
+    Raises:
+        TypeError: `block` is not a bool.
+    """
+    if not isinstance(block, bool):
+        raise TypeError(f"queue_pop block must be True or False, got {block!r}")
+    return block
 
 
 class Store(ABC):
@@ -115,6 +127,109 @@ class Store(ABC):
             )
         for key, value in zip(keys, values, strict=True):
             self.set(key, value)
+
+    # -- the extended API (torch's list_keys, queues, barrier) --------------------------------
+
+    def has_extended_api(self) -> bool:
+        """Whether this store implements `list_keys`, the queues and `append`/`multi_get`/
+        `multi_set`/`compare_set` natively (torch's has_extended_api). Every distcomm store
+        does; a Store subclass that only implements the abstract methods does not."""
+        return False
+
+    def list_keys(self) -> list[str]:
+        """Every key in the store (queues are not keys and are not listed), as `num_keys`
+        counts them.
+
+        Raises:
+            NotImplementedError: the store cannot list its keys.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement list_keys()")
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append `value` to the FIFO queue `key` (created empty).
+
+        Queues live beside the keys: a queue and a key of the same name are separate
+        (`get`, `delete_key`, `num_keys` and `list_keys` do not see queues), but `check`
+        and `wait` count a key as set while its queue holds an item.
+
+        Raises:
+            NotImplementedError: the store has no queues.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement queues")
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Remove and return the oldest item of queue `key`. Each item is popped exactly once,
+        by one caller, however many pop at the same time.
+
+        Args:
+            key: the queue.
+            block: wait up to the store timeout for an item when the queue is empty.
+
+        Raises:
+            QueueEmptyError: `block` is False and the queue is empty (or missing).
+            DistStoreTimeoutError: `block` is True and no item came within the timeout.
+            NotImplementedError: the store has no queues.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement queues")
+
+    def queue_len(self, key: str) -> int:
+        """The number of items in queue `key` (0 for a queue never pushed to).
+
+        Raises:
+            NotImplementedError: the store has no queues.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement queues")
+
+    def barrier(self, key: str, world_size: int,
+                timeout: float | timedelta | None = None) -> None:
+        """Block until `world_size` callers (any processes, threads or store objects on this
+        store) have called `barrier` with the same `key`.
+
+        As torch's default Store.barrier: it counts arrivals in the counter
+        f"{key}/num_members" and the last arrival sets f"{key}/last_member", which the
+        others wait for. The keys stay, so a key serves one barrier: once it has
+        completed, a later call with that key returns at once. Use a new key per round.
+
+        Args:
+            key: names this barrier.
+            world_size: how many callers it waits for (>= 1).
+            timeout: seconds or timedelta (default: the store's).
+
+        Raises:
+            TypeError: `key` is not a str or `world_size` is not an int.
+            ValueError: `key` is empty or `world_size` < 1.
+            DistStoreTimeoutError: fewer than `world_size` arrived in time (the message
+                says how many did).
+        """
+        check_key(key)
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"barrier world_size must be an int, got {type(world_size).__name__}")
+        if world_size < 1:
+            raise ValueError(
+                f"barrier world_size must be >= 1 (the number of callers to wait for), "
+                f"got {world_size}"
+            )
+        seconds = None if timeout is None else to_seconds(timeout)
+        count_key, last_key = f"{key}/num_members", f"{key}/last_member"
+        if self.add(count_key, 1) == world_size:
+            self.set(last_key, "1")
+        try:
+            self.wait([last_key], seconds)
+        except DistStoreTimeoutError:
+            if seconds is None:
+                try:
+                    seconds = self.timeout.total_seconds()
+                except OverflowError:
+                    seconds = float("inf")
+            try:
+                arrived = str(self.add(count_key, 0))
+            except DistError:
+                arrived = "an unknown number"
+            raise DistStoreTimeoutError(
+                f"barrier {key!r} on {self!r}: {arrived} of {world_size} callers arrived "
+                f"within {seconds:.1f} s (did a process fail before reaching it, or does "
+                "it need a longer timeout?)"
+            ) from None
 
     def clone(self) -> Store:
         """A store on the same data that another thread may use while this one is blocked in

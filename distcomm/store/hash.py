@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from ..deadline import Deadline, to_seconds
-from ..errors import DistStoreError, DistStoreTimeoutError
-from .base import Store, check_key, to_bytes
+from ..errors import DistStoreError, DistStoreTimeoutError, QueueEmptyError
+from .base import Store, check_block, check_key, to_bytes
 
 __all__ = [
     "HashStore",
+    "KeysOrQueues",
     "Values",
     "add_value",
     "check_amount",
     "check_keys",
     "check_values",
     "compare_set_value",
+    "queue_empty_error",
+    "queue_timeout_error",
     "timeout_error",
 ]
 
@@ -148,6 +152,22 @@ def timeout_error(missing: Sequence[str], seconds: float, where: str) -> DistSto
     )
 
 
+def queue_timeout_error(key: str, seconds: float, where: str) -> DistStoreTimeoutError:
+    """The error of a blocking queue_pop that got no item: names the queue and the time."""
+    return DistStoreTimeoutError(
+        f"queue {key!r} stayed empty for {seconds:.1f} s in {where}: queue_pop gave up "
+        "(did the process that pushes to it fail, or does it need a longer timeout?)"
+    )
+
+
+def queue_empty_error(key: str, where: str) -> QueueEmptyError:
+    """The error of queue_pop(block=False) on an empty queue."""
+    return QueueEmptyError(
+        f"queue {key!r} in {where} is empty: queue_pop(block=False) does not wait "
+        "(pass block=True to wait for an item, or look at queue_len first)"
+    )
+
+
 def log_still_waiting(logger: Any, what: str, waited: float, missing: Sequence[str],
                       seconds: float, next_at: float) -> None:
     """The warning of a store wait still waiting after DISTCOMM_STALL_WARN_S (`what`: the
@@ -204,23 +224,26 @@ def check_values(keys: list[str], values: Sequence[str | bytes]) -> list[bytes]:
 class HashStore(Store):
     """A store held in this process's memory, shared by its threads (torch's HashStore).
 
-    Waiting methods block on a condition variable and honour the store timeout.
+    Waiting methods block on a condition variable and honour the store timeout. Queues
+    are kept beside the keys, one deque per queue.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._data = Values()
+        self._queues: dict[str, deque[bytes]] = {}  # only non-empty queues
         self._cond = threading.Condition()
 
-    def _wait_for(self, keys: list[str], timeout: float) -> None:
+    def _wait_for(self, keys: list[str], timeout: float, queues: bool = False) -> None:
         """Wait (holding the condition) until every key is set; raise once `timeout` passes.
 
-        Keys found set are not looked at again until the last one is (then all are, once,
-        as one may have been deleted meanwhile): a wait for K keys costs O(K) lookups
+        With `queues` (wait, not get) a key also counts as set while its queue holds an
+        item. Keys found set are not looked at again until the last one is (then all are,
+        once, as one may have been deleted meanwhile): a wait for K keys costs O(K) lookups
         however many wake-ups it takes.
         """
         deadline = Deadline(timeout)
-        data, index = self._data, 0
+        data, index = (KeysOrQueues(self._data, self._queues) if queues else self._data), 0
         while True:
             while index < len(keys) and keys[index] in data:
                 index += 1
@@ -290,13 +313,13 @@ class HashStore(Store):
         names = check_keys(keys)
         seconds = self._timeout if timeout is None else to_seconds(timeout)
         with self._cond:
-            self._wait_for(names, seconds)
+            self._wait_for(names, seconds, queues=True)
 
     def check(self, keys: Sequence[str]) -> bool:
-        """Whether every key in `keys` is set, without waiting."""
+        """Whether every key in `keys` is set (or its queue holds an item), without waiting."""
         names = check_keys(keys)
         with self._cond:
-            return all(key in self._data for key in names)
+            return all(key in self._data or key in self._queues for key in names)
 
     def delete_key(self, key: str) -> bool:
         """Delete `key`; returns whether it existed."""
@@ -336,3 +359,69 @@ class HashStore(Store):
             for name, data in zip(names, datas, strict=True):
                 self._data[name] = data
             self._cond.notify_all()
+
+    # -- the extended API -----------------------------------------------------------------
+
+    def has_extended_api(self) -> bool:
+        """True: every extended operation is native here."""
+        return True
+
+    def list_keys(self) -> list[str]:
+        """Every key, in the order they were first set (queues are not keys)."""
+        with self._cond:
+            return list(self._data.keys())
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append `value` to the queue `key` (see Store.queue_push)."""
+        check_key(key)
+        data = to_bytes(value)
+        with self._cond:
+            self._queues.setdefault(key, deque()).append(data)
+            self._cond.notify_all()
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """The oldest item of queue `key`, removed (see Store.queue_pop).
+
+        Raises:
+            QueueEmptyError: `block` is False and the queue is empty.
+            DistStoreTimeoutError: no item came within the store timeout.
+        """
+        check_key(key)
+        check_block(block)
+        with self._cond:
+            if key not in self._queues:
+                if not block:
+                    raise queue_empty_error(key, "the HashStore")
+                deadline = Deadline(self._timeout)
+                while key not in self._queues:
+                    left = deadline.remaining()
+                    if left is not None and left <= 0:
+                        raise queue_timeout_error(key, self._timeout, "the HashStore")
+                    self._cond.wait(_MAX_NAP if left is None else min(left, _MAX_NAP))
+            items = self._queues[key]
+            value = items.popleft()
+            if not items:
+                del self._queues[key]
+            return value
+
+    def queue_len(self, key: str) -> int:
+        """The number of items in queue `key` (0 when it has none)."""
+        check_key(key)
+        with self._cond:
+            items = self._queues.get(key)
+            return 0 if items is None else len(items)
+
+    def __repr__(self) -> str:
+        return "HashStore()"
+
+
+class KeysOrQueues:
+    """`key in` a key table or a table of non-empty queues: what wait and check count as set."""
+
+    __slots__ = ("_data", "_queues")
+
+    def __init__(self, data: Values, queues: dict) -> None:
+        self._data, self._queues = data, queues
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data or key in self._queues

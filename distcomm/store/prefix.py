@@ -15,8 +15,10 @@ class PrefixStore(Store):
     """A view of `store` in which every key is stored as f"{prefix}/{key}" (torch's PrefixStore).
 
     The timeout is the underlying store's (reading and setting it both go there) and
-    `num_keys` counts every key of the underlying store, as torch does. `close()` leaves
-    the underlying store open: it usually serves other users too.
+    `num_keys` counts every key of the underlying store, as torch does, while `list_keys`
+    lists only the keys under f"{prefix}/", with that stripped (torch's strips the length
+    of the prefix from every key that merely starts with it). Queues are namespaced like
+    keys. `close()` leaves the underlying store open: it usually serves other users too.
 
     Args:
         prefix: the namespace.
@@ -96,6 +98,29 @@ class PrefixStore(Store):
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set each key of `keys` to the value at the same position of `values`."""
         self.underlying_store.multi_set(self._keys(keys), values)
+
+    def has_extended_api(self) -> bool:
+        """Whether the underlying store has the extended API."""
+        return self.underlying_store.has_extended_api()
+
+    def list_keys(self) -> list[str]:
+        """The keys under this prefix, without it (keys of other namespaces are left out)."""
+        head = f"{self.prefix}/"
+        size = len(head)
+        return [key[size:] for key in self.underlying_store.list_keys()
+                if key.startswith(head) and len(key) > size]
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append `value` to the queue `key` (see Store.queue_push)."""
+        self.underlying_store.queue_push(self._key(key), value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """The oldest item of queue `key`, removed (see Store.queue_pop)."""
+        return self.underlying_store.queue_pop(self._key(key), block)
+
+    def queue_len(self, key: str) -> int:
+        """The number of items in queue `key` (0 when it has none)."""
+        return self.underlying_store.queue_len(self._key(key))
 
     def clone(self) -> Store:
         """The same namespace on a clone of the underlying store (itself when the underlying
