@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from .. import auth, config
@@ -32,8 +32,16 @@ from ..config import DEFAULT_STORE_TIMEOUT
 from ..deadline import FOREVER, Deadline, StallClock, to_seconds
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from ..net import connect, format_address
-from .base import Store, check_key, to_bytes
-from .hash import check_amount, check_keys, check_values, log_still_waiting, timeout_error
+from .base import Store, check_block, check_key, to_bytes
+from .hash import (
+    check_amount,
+    check_keys,
+    check_values,
+    log_still_waiting,
+    queue_empty_error,
+    queue_timeout_error,
+    timeout_error,
+)
 from .tcp_protocol import HEADER, SECONDS, Cmd, Limits, Status, decode_args, encode_frame
 from .tcp_server import StoreServer
 
@@ -56,6 +64,87 @@ def _describe(what: str | tuple[str, object]) -> str:
     return what if isinstance(what, str) else f"{what[0]}({what[1]!r})"
 
 
+class _SharedServers:
+    """The servers of multi-tenant TCPStores in this process, by (host, port), with the
+    number of tenants using each: a server stops when its last tenant closes.
+
+    This is process-wide on purpose (torch keeps the same cache): it is how a second
+    `TCPStore(..., is_master=True, multi_tenant=True)` finds the first one's server.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._servers: dict[tuple[str, int], list] = {}  # (host, port) -> [server, tenants]
+
+    def acquire(self, host: str, port: int, make: Callable[[], StoreServer]) -> StoreServer:
+        """The running server of `host:port` (port 0: always a new one), with one more
+        tenant; `make()` starts one where there is none."""
+        with self._lock:
+            entry = self._servers.get((host, port)) if port else None
+            if entry is None or entry[0].stopped:
+                server = make()
+                entry = self._servers[(host, server.port)] = [server, 0]
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, host: str, server: StoreServer) -> bool:
+        """One tenant less; True when it was the last (the caller stops the server)."""
+        with self._lock:
+            entry = self._servers.get((host, server.port))
+            if entry is None or entry[0] is not server:
+                return True
+            entry[1] -= 1
+            if entry[1] > 0:
+                return False
+            del self._servers[(host, server.port)]
+            return True
+
+
+_SHARED = _SharedServers()
+
+
+def _listener_from_fd(fd: int, port: int) -> socket.socket:
+    """A socket on a duplicate of `fd`, checked to be a TCP socket bound to `port` (any
+    port when `port` is 0).
+
+    Raises:
+        TypeError: `fd` is not an int.
+        ValueError: `fd` is not an open TCP socket, is not bound, or is bound to another
+            port.
+    """
+    if isinstance(fd, bool) or not isinstance(fd, int):
+        raise TypeError(f"TCPStore master_listen_fd must be an int, got {type(fd).__name__}")
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError as exc:
+        raise ValueError(
+            f"TCPStore master_listen_fd {fd} is not an open socket ({exc.strerror}); pass "
+            "the fileno() of a TCP socket bound to the store's port"
+        ) from None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
+                                                                  socket.AF_INET6):
+            raise ValueError(
+                f"TCPStore master_listen_fd {fd} is not a TCP socket; pass the fileno() of "
+                "a TCP socket bound to the store's port"
+            )
+        bound = sock.getsockname()[1]
+        if bound == 0:
+            raise ValueError(
+                f"TCPStore master_listen_fd {fd} is not bound to a port; bind it first "
+                "(port 0 there picks a free one, which the store's port then reports)"
+            )
+        if port and bound != port:
+            raise ValueError(
+                f"TCPStore master_listen_fd {fd} is bound to port {bound}, but the store was "
+                f"given port {port}; pass port={bound}, or 0 to take the socket's"
+            )
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class TCPStore(Store):
     """A store served over TCP by the master process (torch.distributed.TCPStore).
 
@@ -70,6 +159,17 @@ class TCPStore(Store):
             (seconds or timedelta, of any length; default 300 s).
         wait_for_workers: with `is_master` and `world_size`, the constructor returns once
             `world_size` clients have connected.
+        multi_tenant: with `is_master`, share one server among every multi-tenant
+            TCPStore of this process on the same host and port: the first starts it, a
+            later one uses it instead of failing to bind, and it stops when the last of
+            them closes.
+        master_listen_fd: with `is_master`, serve on this socket (bound, listening or
+            not) instead of binding `host_name:port`; `port` must be its port, or 0 to
+            take it. The server uses a duplicate of the descriptor: the caller keeps its
+            own and closes it when it likes (torch's server takes the descriptor over).
+            Ignored by clients, as in torch.
+        use_libuv: accepted for torch's signature and ignored: distcomm has one server,
+            an epoll loop in a thread, which does what torch's libuv server does.
 
     Keys are limited to 8 KiB and values to 8 MiB by default, as in torch; the process
     that hosts the store sets other limits with DISTCOMM_STORE_MAX_KEY_BYTES and
@@ -90,12 +190,19 @@ class TCPStore(Store):
         is_master: bool = False,
         timeout: float | timedelta = timedelta(seconds=DEFAULT_STORE_TIMEOUT),
         wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
+        use_libuv: bool = True,
     ) -> None:
         self._closed = False
         self._pid = os.getpid()
         self._sock: socket.socket | None = None
         self._server: StoreServer | None = None
+        self._shared = False
         super().__init__(timeout)
+        for name, flag in (("multi_tenant", multi_tenant), ("use_libuv", use_libuv)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"TCPStore {name} must be True or False, got {flag!r}")
         if not isinstance(host_name, str) or not host_name:
             raise ValueError(f"TCPStore host_name must be a non-empty str, got {host_name!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -106,6 +213,10 @@ class TCPStore(Store):
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
         ):
             raise ValueError(f"TCPStore world_size must be None or an int >= 1, got {world_size!r}")
+        listener = None
+        if is_master and master_listen_fd is not None:
+            listener = _listener_from_fd(master_listen_fd, port)
+            port = listener.getsockname()[1]
         self._host = host_name
         self._port = port
         self.world_size = world_size
@@ -122,9 +233,24 @@ class TCPStore(Store):
         self._local_address = ""
         try:
             if is_master:
-                self._server = StoreServer(host_name, port, self._auth_key)
+                started: list[StoreServer] = []
+
+                def start() -> StoreServer:
+                    server = StoreServer(host_name, port, self._auth_key, listener=listener)
+                    started.append(server)
+                    server.start()
+                    return server
+
+                try:
+                    if multi_tenant:
+                        self._server = _SHARED.acquire(host_name, port, start)
+                        self._shared = True
+                    else:
+                        self._server = start()
+                finally:
+                    if listener is not None and not started:
+                        listener.close()  # not served on: a tenant's server serves already
                 self._port = self._server.port
-                self._server.start()
             deadline = Deadline(self._timeout)
             with self._lock:
                 self._connect(deadline)
@@ -371,6 +497,8 @@ class TCPStore(Store):
         """Raise for an answer that is not OK."""
         if status == _TIMEOUT:
             missing = [key.decode(errors="replace") for key in result]
+            if isinstance(what, tuple) and what[0] == "queue_pop":
+                raise queue_timeout_error(missing[0], wait or 0.0, self._where)
             raise timeout_error(missing, wait or 0.0, self._where)
         message = result[0].decode(errors="replace") if result else "unknown error"
         raise DistStoreError(f"{self._where} refused {_describe(what)}: {message}")
@@ -470,9 +598,9 @@ class TCPStore(Store):
 
     def _waiting(self, code: int, names: list[bytes], seconds: float,
                  what: str | tuple[str, object]) -> list[bytes]:
-        """A WAIT or MULTI_GET of up to `seconds`, which, when it is still waiting after
-        DISTCOMM_STALL_WARN_S, logs the keys still missing, then again after twice as long
-        each time (the server is asked in slices that end at each warning)."""
+        """A WAIT, MULTI_GET or QUEUE_POP of up to `seconds`, which, when it is still waiting
+        after DISTCOMM_STALL_WARN_S, logs the keys still missing, then again after twice as
+        long each time (the server is asked in slices that end at each warning)."""
         warn = self._stall_warn
         if not 0 < warn < seconds:
             return self._call(code, [SECONDS.pack(seconds), *names], what, wait=seconds,
@@ -489,6 +617,8 @@ class TCPStore(Store):
                 return result
             missing = [key.decode(errors="replace") for key in result]
             if deadline.expired():
+                if code == Cmd.QUEUE_POP:
+                    raise queue_timeout_error(missing[0], seconds, self._where)
                 raise timeout_error(missing, seconds, self._where)
             waited = stall.due()
             if waited is not None:
@@ -504,6 +634,52 @@ class TCPStore(Store):
         for name, data in zip(encoded, datas, strict=True):
             args += (name, data)
         self._call(Cmd.MULTI_SET, args, "multi_set", keys=encoded, values=datas, quiet=True)
+
+    # -- the extended API -----------------------------------------------------------------
+
+    def has_extended_api(self) -> bool:
+        """True: every extended operation is served by the server."""
+        return True
+
+    def list_keys(self) -> list[str]:
+        """Every key in the store (queues are not keys)."""
+        return [key.decode(errors="replace")
+                for key in self._call(Cmd.LIST_KEYS, [], "list_keys")]
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append `value` to the queue `key` (see Store.queue_push); returns once sent, as
+        `set` does."""
+        name, data = check_key(key).encode(), to_bytes(value)
+        self._call(Cmd.QUEUE_PUSH, [name, data], ("queue_push", key), keys=(name,),
+                   values=(data,), quiet=True)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """The oldest item of queue `key`, removed (see Store.queue_pop).
+
+        A blocking pop waits at the server, which hands it the next item pushed: it does
+        not poll, and pops waiting together are served in the order they arrived.
+
+        Raises:
+            QueueEmptyError: `block` is False and the queue is empty.
+            DistStoreTimeoutError: no item came within the store timeout.
+        """
+        name = check_key(key).encode()
+        what = ("queue_pop", key)
+        if not check_block(block):
+            result = self._call(Cmd.QUEUE_POP, [SECONDS.pack(0.0), name], what, wait=0.0,
+                                keys=(name,))
+            if not result:
+                raise queue_empty_error(key, self._where)
+            return result[0]
+        result = self._waiting(Cmd.QUEUE_POP, [name], self._timeout, what)
+        if not result:  # a store timeout of 0: asked without waiting
+            raise queue_timeout_error(key, self._timeout, self._where)
+        return result[0]
+
+    def queue_len(self, key: str) -> int:
+        """The number of items in queue `key` (0 when it has none)."""
+        name = check_key(key).encode()
+        return int(self._call(Cmd.QUEUE_LEN, [name], ("queue_len", key), keys=(name,))[0])
 
     # -- teardown -------------------------------------------------------------------------
 
@@ -531,7 +707,8 @@ class TCPStore(Store):
         self._closed = True
         self._drop()
         server, self._server = self._server, None
-        if server is not None and os.getpid() == self._pid:
+        if (server is not None and os.getpid() == self._pid
+                and (not self._shared or _SHARED.release(self._host, server))):
             server.stop()
 
     def __del__(self) -> None:

@@ -8,12 +8,16 @@ requests answered in order::
     body     = zero or more arguments, each a length (u32 LE) + bytes
 
 Keys and values are raw bytes; the server never unpickles or evaluates anything.
-SET, APPEND and MULTI_SET are quiet, as in torch: the server answers them only to refuse
+SET, APPEND, MULTI_SET and QUEUE_PUSH are quiet, as in torch: the server answers them only to refuse
 them (status LATE_ERROR), and the client reads that answer before the answer of its next
 request, so a client writes without waiting for a round trip. Waiting commands (GET,
 MULTI_GET, WAIT, WAIT_WORKERS) carry their timeout in seconds as their first argument
 (f64 LE; any size, `inf` for none). A REGISTER answer carries the server's `Limits`, so
 clients refuse an oversized request before sending it.
+
+QUEUE_POP (timeout, key) answers OK with the item, OK with no argument when the queue
+is empty and the timeout is 0, or TIMEOUT with the key; a pop that waits is parked at
+the server and handed the next item pushed, so several poppers never share one.
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ class Cmd(IntEnum):
     MULTI_SET = 11
     APPEND = 12
     WAIT_WORKERS = 13  # wait until N clients have registered
+    LIST_KEYS = 14
+    QUEUE_PUSH = 15
+    QUEUE_POP = 16
+    QUEUE_LEN = 17
 
 
 class Status(IntEnum):
@@ -74,7 +82,7 @@ class Status(IntEnum):
 
 
 #: Requests answered only when refused.
-QUIET = frozenset({Cmd.SET, Cmd.APPEND, Cmd.MULTI_SET})
+QUIET = frozenset({Cmd.SET, Cmd.APPEND, Cmd.MULTI_SET, Cmd.QUEUE_PUSH})
 
 
 class ProtocolError(DistStoreError):

@@ -20,6 +20,11 @@ read until it verifies). What a client, buggy or hostile, cannot do:
 - Make it work quadratically. `append` grows the value in place; a request waiting for
   K keys watches one missing key at a time and moves on, O(K) over its life.
 
+Queues are deques beside the keys. A `queue_pop` that finds its queue empty is parked
+in the queue's line of poppers; a push hands its item to the first of them, so no
+popper polls and no item is handed out twice. A WAIT counts a key with a non-empty queue
+as set (a GET does not).
+
 Warnings about misbehaving clients are rate-limited: one line per kind every 10 s, with
 the number left out.
 """
@@ -39,9 +44,9 @@ from collections import deque
 from collections.abc import Callable
 
 from .. import auth
-from ..errors import DistStoreError
+from ..errors import DistNetworkError, DistStoreError
 from ..net import listen, set_keepalive
-from .hash import Values, add_value, compare_set_value
+from .hash import KeysOrQueues, Values, add_value, compare_set_value
 from .tcp_protocol import (
     HEADER,
     QUIET,
@@ -148,6 +153,8 @@ class StoreServer:
         port: the port; 0 picks a free one (see `port`).
         auth_key: the key clients must prove they hold, or None.
         limits: what one request may carry (default: DISTCOMM_STORE_MAX_* or torch's).
+        listener: a bound TCP socket to serve on instead of binding `host:port` (it is
+            made to listen; the server closes it when it stops).
 
     Raises:
         DistNetworkError: the address cannot be bound.
@@ -165,12 +172,22 @@ class StoreServer:
     frames_per_turn = 32
 
     def __init__(self, host: str, port: int, auth_key: bytes | None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, listener: socket.socket | None = None) -> None:
         self._key = auth_key
         self.limits = limits or Limits.from_env()
         self._max_request = self.limits.max_request
-        self._listener = listen(host, port, authenticated=auth_key is not None,
-                                what="the TCPStore")
+        if listener is None:
+            listener = listen(host, port, authenticated=auth_key is not None,
+                              what="the TCPStore")
+        else:
+            try:
+                listener.listen(1024)
+            except OSError as exc:
+                listener.close()
+                raise DistNetworkError(
+                    f"cannot listen on the socket given to the TCPStore: {exc.strerror}"
+                ) from exc
+        self._listener = listener
         self.port: int = self._listener.getsockname()[1]
         _raise_file_limit()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -183,6 +200,9 @@ class StoreServer:
         self._conns: dict[int, _Conn] = {}
         self._pending: dict[_Conn, None] = {}  # oldest first
         self._data = Values()
+        self._queues: dict[bytes, deque[bytes]] = {}  # only non-empty queues
+        self._set_or_queued = KeysOrQueues(self._data, self._queues)  # what WAIT counts
+        self._poppers: dict[bytes, dict[_Waiter, None]] = {}  # parked pops, oldest first
         self._watchers: dict[bytes, dict[_Waiter, None]] = {}
         self._worker_waiters: dict[_Waiter, None] = {}
         self._workers = 0
@@ -205,6 +225,10 @@ class StoreServer:
             Cmd.MULTI_SET: self._do_multi_set,
             Cmd.APPEND: self._do_append,
             Cmd.WAIT_WORKERS: self._do_wait_workers,
+            Cmd.LIST_KEYS: self._do_list_keys,
+            Cmd.QUEUE_PUSH: self._do_queue_push,
+            Cmd.QUEUE_POP: self._do_queue_pop,
+            Cmd.QUEUE_LEN: self._do_queue_len,
         }
         self._stopping = False
         self._cleaned = False
@@ -217,6 +241,11 @@ class StoreServer:
     def start(self) -> None:
         """Run the event loop in its daemon thread."""
         self._thread.start()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether `stop` was called."""
+        return self._stopping
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop, close every socket and join the thread (idempotent)."""
@@ -373,7 +402,10 @@ class StoreServer:
     def _timeout_args(self, waiter: _Waiter) -> list[bytes]:
         if waiter.cmd == Cmd.WAIT_WORKERS:
             return [str(self._workers).encode()]
-        return [key for key in waiter.keys if key not in self._data]
+        if waiter.cmd == Cmd.QUEUE_POP:
+            return waiter.keys
+        present = self._set_or_queued if waiter.cmd == Cmd.WAIT else self._data
+        return [key for key in waiter.keys if key not in present]
 
     # -- connections ----------------------------------------------------------------------
 
@@ -684,8 +716,12 @@ class StoreServer:
         self._add_timer(time.monotonic() + seconds, waiter)  # inf: never fires
 
     def _watch(self, waiter: _Waiter) -> bool:
-        """Watch `waiter`'s first key not yet set; True when all are set (nothing watched)."""
-        data, keys = self._data, waiter.keys
+        """Watch `waiter`'s first key not yet set; True when all are set (nothing watched).
+
+        A WAIT counts a key whose queue holds an item as set.
+        """
+        data = self._set_or_queued if waiter.cmd == Cmd.WAIT else self._data
+        keys = waiter.keys
         index = waiter.next
         while True:
             while index < len(keys) and keys[index] in data:
@@ -705,6 +741,13 @@ class StoreServer:
         waiter.conn.parked = None
         if waiter.cmd == Cmd.WAIT_WORKERS:
             self._worker_waiters.pop(waiter, None)
+        elif waiter.cmd == Cmd.QUEUE_POP:
+            key = waiter.keys[0]
+            line = self._poppers.get(key)
+            if line is not None:
+                line.pop(waiter, None)
+                if not line:
+                    del self._poppers[key]
         elif waiter.next < len(waiter.keys):
             key = waiter.keys[waiter.next]
             waiting = self._watchers.get(key)
@@ -821,7 +864,7 @@ class StoreServer:
 
     def _do_check(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
         self._check_keys(args)
-        data = self._data
+        data = self._set_or_queued
         return [b"\x01" if all(key in data for key in args) else b"\x00"]
 
     def _do_delete_key(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
@@ -852,6 +895,47 @@ class StoreServer:
         self._data.append(key, value)
         if key in self._watchers:
             self._changed(key)
+
+    def _do_list_keys(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
+        return list(self._data.keys())
+
+    def _do_queue_push(self, conn: _Conn, args: list[bytes]) -> None:
+        key, value = args
+        self._check_keys([key])
+        self._check_value(value)
+        line = self._poppers.get(key)
+        if line:  # a pop is waiting: the item goes to the oldest, never into the queue
+            self._finish(next(iter(line)), _OK, [value])
+            return
+        items = self._queues.get(key)
+        if items is None:
+            items = self._queues[key] = deque()
+        items.append(value)
+        if key in self._watchers:
+            self._changed(key)
+
+    def _do_queue_pop(self, conn: _Conn, args: list[bytes]) -> list[bytes] | None:
+        raw, key = args
+        seconds = self._seconds(raw)
+        self._check_keys([key])
+        items = self._queues.get(key)
+        if items:
+            value = items.popleft()
+            if not items:
+                del self._queues[key]
+            return [value]
+        if seconds == 0:
+            return []  # empty
+        waiter = _Waiter(conn, Cmd.QUEUE_POP, [key])
+        self._poppers.setdefault(key, {})[waiter] = None
+        self._park(conn, waiter, seconds)
+        return None
+
+    def _do_queue_len(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
+        (key,) = args
+        self._check_keys([key])
+        items = self._queues.get(key)
+        return [str(0 if items is None else len(items)).encode()]
 
 
 def _raise_file_limit() -> None:
