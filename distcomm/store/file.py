@@ -7,7 +7,9 @@ records that every FileStore object replays incrementally from where it last sto
     header = op (u8) + key length (u32 LE) + value length (u32 LE)
              + CRC32 of key + value (u32 LE) + CRC32 of the 13 header bytes before it (u32 LE)
     op: 1 SET, 2 APPEND, 3 DELETE, 4 OPEN (a user registered), 5 CLOSE (a user left),
-        6 USERS (value: users open and users closed so far, two i64 LE; sets both counts)
+        6 USERS (value: users open and users closed so far, two i64 LE; sets both counts),
+        7 QUEUE_PUSH (the value joins the end of queue `key`),
+        8 QUEUE_POP (the oldest item of queue `key` leaves it; no value)
 
 Every access holds a lock on the whole file: a shared one to read, an exclusive one
 to append. Linux's open-file-description locks (F_OFD_SETLK) are used where the
@@ -31,6 +33,12 @@ still names the file it has open and otherwise reopens the path and replays the 
 file from the start. Compaction costs amortised O(1) per byte written, and a new opener
 reads at most about four times the live data.
 
+Queues come from the same log: a pop is a QUEUE_POP record written under the exclusive
+lock right after the replay that found the item, so each item goes to exactly one
+popper whichever process it runs in (torch's FileStore has no queues). A blocking pop
+polls with the shared lock, as `get` does, and takes the exclusive one once it sees an
+item.
+
 The OPEN/CLOSE records count users as torch does: once `world_size` users have
 closed and none remains open, the last one to close removes the file.
 """
@@ -43,6 +51,7 @@ import os
 import secrets
 import threading
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -50,7 +59,7 @@ from .. import config
 from ..config import DEFAULT_STORE_TIMEOUT
 from ..deadline import Deadline, StallClock, to_seconds
 from ..errors import DistStoreError, DistStoreTimeoutError
-from .base import Store, check_key, to_bytes
+from .base import Store, check_block, check_key, to_bytes
 from .filelog import (
     MAGIC,
     OLD_MAGICS,
@@ -58,6 +67,8 @@ from .filelog import (
     OP_CLOSE,
     OP_DELETE,
     OP_OPEN,
+    OP_QUEUE_POP,
+    OP_QUEUE_PUSH,
     OP_SET,
     OP_USERS,
     RECORD,
@@ -66,6 +77,7 @@ from .filelog import (
     pwrite_all,
 )
 from .hash import (
+    KeysOrQueues,
     Values,
     add_value,
     check_amount,
@@ -73,6 +85,8 @@ from .hash import (
     check_values,
     compare_set_value,
     log_still_waiting,
+    queue_empty_error,
+    queue_timeout_error,
     timeout_error,
 )
 
@@ -150,6 +164,7 @@ class FileStore(Store):
     def _reset(self) -> None:
         """Forget everything replayed: the next replay starts at the beginning of the file."""
         self._data = Values()
+        self._queues: dict[str, deque[bytes]] = {}  # only non-empty queues
         self._pos = 0  # how far the file has been replayed
         self._live = _LIVE_BASE  # the size a compaction would write now
         self._users = 0
@@ -352,6 +367,16 @@ class FileStore(Store):
         elif op == OP_CLOSE:
             self._users -= 1
             self._finished += 1
+        elif op == OP_QUEUE_PUSH:
+            self._queues.setdefault(key, deque()).append(value)
+            self._live += RECORD.size + key_size + len(value)
+        elif op == OP_QUEUE_POP:
+            items = self._queues.get(key)
+            if not items:
+                raise self._corrupt(where, f"a QUEUE_POP record pops the empty queue {key!r}")
+            self._live -= RECORD.size + key_size + len(items.popleft())
+            if not items:
+                del self._queues[key]
         elif op == OP_USERS and len(value) == USERS.size:
             self._users, self._finished = USERS.unpack(value)
         elif op == OP_USERS:
@@ -408,7 +433,8 @@ class FileStore(Store):
         self._pos = size
 
     def _write_state(self, fd: int) -> int:
-        """Write the magic line, a USERS record and one SET per key to `fd`; the bytes written."""
+        """Write the magic line, a USERS record, one SET per key and one QUEUE_PUSH per queued
+        item to `fd`; the bytes written."""
         users = USERS.pack(self._users, self._finished)
         out = bytearray(MAGIC)
         out += RECORD.pack(OP_USERS, 0, len(users), zlib.crc32(users)) + users
@@ -424,6 +450,17 @@ class FileStore(Store):
                 pwrite_all(fd, out, written)
                 written += len(out)
                 out = bytearray()
+        for key, items in self._queues.items():
+            key_bytes = key.encode()
+            for value in items:
+                crc = zlib.crc32(value, zlib.crc32(key_bytes))
+                out += RECORD.pack(OP_QUEUE_PUSH, len(key_bytes), len(value), crc)
+                out += key_bytes
+                out += value
+                if len(out) >= _WRITE_CHUNK:
+                    pwrite_all(fd, out, written)
+                    written += len(out)
+                    out = bytearray()
         pwrite_all(fd, out, written)
         return written + len(out)
 
@@ -432,12 +469,13 @@ class FileStore(Store):
             raise DistStoreError(f"FileStore {self.path!r} is closed")
         return _Locked(self, exclusive, deadline or Deadline(self._timeout))
 
-    def _wait_for(self, keys: list[str], timeout: float) -> list[bytes]:
+    def _wait_for(self, keys: list[str], timeout: float, queues: bool = False) -> list[bytes]:
         """The values of `keys` once all are set, polling with a growing sleep until `timeout`.
 
-        Each poll resumes at the first key found missing before, so a wait on many keys
-        does not look at every key each time; a full look confirms before returning,
-        since a key seen earlier may have been deleted since.
+        With `queues` (wait, not get) a key also counts as set while its queue holds an
+        item, and nothing is returned. Each poll resumes at the first key found missing
+        before, so a wait on many keys does not look at every key each time; a full look
+        confirms before returning, since a key seen earlier may have been deleted since.
         """
         deadline = Deadline(timeout)
         stall = StallClock(self._stall_warn)
@@ -445,18 +483,19 @@ class FileStore(Store):
         first = 0  # keys before it were set at the last look
         while True:
             with self._locked(False, deadline):
-                first = _first_missing(keys, first, self._data)
+                data = KeysOrQueues(self._data, self._queues) if queues else self._data
+                first = _first_missing(keys, first, data)
                 if first == len(keys):
-                    first = _first_missing(keys, 0, self._data)
+                    first = _first_missing(keys, 0, data)
                     if first == len(keys):
-                        return [self._data[key] for key in keys]
+                        return [] if queues else [self._data[key] for key in keys]
                 if deadline.expired():
-                    missing = [key for key in keys if key not in self._data]
+                    missing = [key for key in keys if key not in data]
                     raise timeout_error(missing, timeout, f"the FileStore {self.path!r}")
             waited = stall.due()
             if waited is not None:
                 log_still_waiting(log, f"a wait on the FileStore {self.path!r}", waited,
-                                  [key for key in keys if key not in self._data], timeout,
+                                  [key for key in keys if key not in data], timeout,
                                   stall.next)
             delay = deadline.nap(delay, _KEY_POLL_MOST)
 
@@ -510,13 +549,14 @@ class FileStore(Store):
             DistStoreTimeoutError: names the keys still missing.
         """
         names = check_keys(keys)
-        self._wait_for(names, self._timeout if timeout is None else to_seconds(timeout))
+        self._wait_for(names, self._timeout if timeout is None else to_seconds(timeout),
+                       queues=True)
 
     def check(self, keys: Sequence[str]) -> bool:
-        """Whether every key in `keys` is set, without waiting."""
+        """Whether every key in `keys` is set (or its queue holds an item), without waiting."""
         names = check_keys(keys)
         with self._locked(False):
-            return all(key in self._data for key in names)
+            return all(key in self._data or key in self._queues for key in names)
 
     def delete_key(self, key: str) -> bool:
         """Delete `key`; returns whether it existed."""
@@ -554,6 +594,68 @@ class FileStore(Store):
         with self._locked(True):
             for key, data in zip(names, datas, strict=True):
                 self._write(OP_SET, key, key.encode(), data)
+
+    # -- the extended API -----------------------------------------------------------------
+
+    def has_extended_api(self) -> bool:
+        """True: distcomm's FileStore has queues and lists its keys (torch's has neither)."""
+        return True
+
+    def list_keys(self) -> list[str]:
+        """Every key, in the order the log holds them (queues are not keys)."""
+        with self._locked(False):
+            return list(self._data.keys())
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append `value` to the queue `key` (see Store.queue_push)."""
+        check_key(key)
+        data = to_bytes(value)
+        with self._locked(True):
+            self._write(OP_QUEUE_PUSH, key, key.encode(), data)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """The oldest item of queue `key`, removed (see Store.queue_pop).
+
+        Several processes popping one queue each get distinct items: the pop is written to
+        the log under the exclusive lock, after the replay that found the item.
+
+        Raises:
+            QueueEmptyError: `block` is False and the queue is empty.
+            DistStoreTimeoutError: no item came within the store timeout.
+        """
+        check_key(key)
+        check_block(block)
+        where = f"the FileStore {self.path!r}"
+        deadline = Deadline(self._timeout)
+        stall = StallClock(self._stall_warn)
+        delay = _KEY_POLL_FIRST
+        while True:
+            with self._locked(False, deadline):
+                seen = key in self._queues
+            if seen:
+                with self._locked(True, deadline):
+                    items = self._queues.get(key)
+                    if items:
+                        value = items[0]
+                        self._write(OP_QUEUE_POP, key, key.encode(), b"")
+                        return value
+                continue  # another popper took it first: look again at once
+            if not block:
+                raise queue_empty_error(key, where)
+            if deadline.expired():
+                raise queue_timeout_error(key, self._timeout, where)
+            waited = stall.due()
+            if waited is not None:
+                log_still_waiting(log, f"queue_pop({key!r}) on {where}", waited, [key],
+                                  self._timeout, stall.next)
+            delay = deadline.nap(delay, _KEY_POLL_MOST)
+
+    def queue_len(self, key: str) -> int:
+        """The number of items in queue `key` (0 when it has none)."""
+        check_key(key)
+        with self._locked(False):
+            items = self._queues.get(key)
+            return 0 if items is None else len(items)
 
     def close(self) -> None:
         """Unregister from the file (removing it if this is the last of `world_size` users)."""

@@ -21,6 +21,8 @@ __all__ = [
     "OP_CLOSE",
     "OP_DELETE",
     "OP_OPEN",
+    "OP_QUEUE_POP",
+    "OP_QUEUE_PUSH",
     "OP_SET",
     "OP_USERS",
     "RECORD",
@@ -33,6 +35,7 @@ __all__ = [
 MAGIC = b"distcomm FileStore v2\n"
 OLD_MAGICS = {b"distcomm FileStore v1\n": "v1"}
 OP_SET, OP_APPEND, OP_DELETE, OP_OPEN, OP_CLOSE, OP_USERS = 1, 2, 3, 4, 5, 6
+OP_QUEUE_PUSH, OP_QUEUE_POP = 7, 8
 USERS = struct.Struct("<qq")  # the value of a USERS record: users open, users closed
 
 
