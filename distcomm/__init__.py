@@ -44,6 +44,7 @@ from .errors import (
 )
 from .group import (
     GroupMember,
+    GroupName,
     ProcessGroup,
     default_pg_timeout,
     destroy_process_group,
@@ -64,6 +65,7 @@ from .group import (
     is_mpi_available,
     is_nccl_available,
     is_ucc_available,
+    is_xccl_available,
     new_group,
 )
 from .launched import get_node_local_rank, is_torchelastic_launched
@@ -75,7 +77,7 @@ from .objects import (
     scatter_object_list,
     send_object_list,
 )
-from .ops import ReduceOp, supports_complex
+from .ops import ReduceOp, reduce_op, supports_complex
 from .parallel import (
     fork,
     get_num_interop_threads,
@@ -88,7 +90,7 @@ from .parallel import (
 from .regroup import shrink_group, split_group
 from .store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
 from .subgroups import new_subgroups, new_subgroups_by_enumeration
-from .trace import dump_trace
+from .trace import dump_trace, record_comm
 from .work import Work
 
 __version__ = "0.1.0"
@@ -107,6 +109,7 @@ __all__ = [
     "EtcdStore",
     "FileStore",
     "GroupMember",
+    "GroupName",
     "HashStore",
     "P2POp",
     "PrefixStore",
@@ -159,15 +162,18 @@ __all__ = [
     "is_nccl_available",
     "is_torchelastic_launched",
     "is_ucc_available",
+    "is_xccl_available",
     "isend",
     "monitored_barrier",
     "new_group",
     "new_subgroups",
     "new_subgroups_by_enumeration",
     "parallel_info",
+    "record_comm",
     "recv",
     "recv_object_list",
     "reduce",
+    "reduce_op",
     "reduce_scatter",
     "reduce_scatter_single",
     "reduce_scatter_tensor",

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NewType
 
 from . import config
 from .arrays import device_of
@@ -30,6 +30,7 @@ from .trace.recorder import NO_ARRAY, Recorder, install_signal_handlers
 
 __all__ = [
     "GroupMember",
+    "GroupName",
     "ProcessGroup",
     "default_pg_timeout",
     "destroy_process_group",
@@ -50,8 +51,12 @@ __all__ = [
     "is_mpi_available",
     "is_nccl_available",
     "is_ucc_available",
+    "is_xccl_available",
     "new_group",
 ]
+
+#: a process group's name, `group.group_name` (torch's NewType of str)
+GroupName = NewType("GroupName", str)
 
 
 class ProcessGroup:
@@ -692,6 +697,11 @@ def get_default_backend_for_device(device: Any) -> str:
 
 def is_ucc_available() -> bool:
     """Whether the UCC backend is available: never (distcomm has no UCC backend)."""
+    return False
+
+
+def is_xccl_available() -> bool:
+    """Whether the XCCL backend (Intel GPUs) is available: never (distcomm has none)."""
     return False
 
 

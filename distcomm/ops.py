@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "ReduceOp",
     "check_reduce_op",
     "reduce_into",
+    "reduce_op",
     "supports_complex",
 ]
 
@@ -117,6 +119,21 @@ NCCL_OP_NAMES = {
     ReduceOp.MIN: "NCCL_MIN",
     ReduceOp.MAX: "NCCL_MAX",
 }
+
+
+class _DeprecatedReduceOp:
+    """`reduce_op`, torch's deprecated name of ReduceOp: `reduce_op.SUM` warns and gives
+    `ReduceOp.SUM`."""
+
+    def __getattr__(self, name: str) -> ReduceOp:
+        if name not in ReduceOp.__members__:
+            raise AttributeError(f"reduce_op has no {name!r}; use distcomm.ReduceOp")
+        warnings.warn("distcomm.reduce_op is deprecated (as torch.distributed.reduce_op); "
+                      "use distcomm.ReduceOp", FutureWarning, stacklevel=2)
+        return ReduceOp[name]
+
+
+reduce_op = _DeprecatedReduceOp()
 
 
 def supports_complex(reduceOp: ReduceOp) -> bool:  # torch's argument name

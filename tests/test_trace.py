@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import distcomm as dist
-from distcomm.trace.analyze import analyze, render
+from distcomm.trace.analyze import analyze, describe_entry, render
 from tests.conftest import cpu_backends
 from tests.harness import LOOPBACK_ENV
 from tests.launchjobs import launcher_env, run_launcher, script
@@ -226,6 +226,22 @@ def test_ring_keeps_the_last_ops(solo, tmp_path, monkeypatch):
     assert by_name["default"]["entries"] == []
     report = analyze(str(tmp_path))
     assert "nothing looks wrong" in render(report)
+
+
+def test_record_comm_names_the_operations_of_its_block(solo, tmp_path):
+    x = np.zeros(2)
+    dist.all_reduce(x)
+    with dist.record_comm("FSDP::all_gather (layer1)"):
+        dist.all_reduce(x)
+        dist.broadcast(x, src=0)
+    dist.barrier()
+    with pytest.raises(TypeError, match="str"), dist.record_comm(3):
+        pass
+    data = json.loads(Path(dist.dump_trace(str(tmp_path))).read_text())
+    ring = {g["name"]: g for g in data["groups"]}["default"]["entries"]
+    assert [e["profiling_name"] for e in ring] == [
+        None, "FSDP::all_gather (layer1)", "FSDP::all_gather (layer1)", None]
+    assert "'FSDP::all_gather (layer1)'" in describe_entry(ring[1])
 
 
 def test_buffer_zero_records_nothing(solo, tmp_path, monkeypatch):

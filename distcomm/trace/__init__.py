@@ -6,6 +6,6 @@ a run up (`python -m distcomm.trace DIR`).
 
 from __future__ import annotations
 
-from .recorder import dump_trace
+from .recorder import dump_trace, record_comm
 
-__all__ = ["dump_trace"]
+__all__ = ["dump_trace", "record_comm"]

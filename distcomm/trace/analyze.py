@@ -89,6 +89,8 @@ def describe_entry(entry: dict[str, Any]) -> str:
         details.append(str(entry["reduce_op"]))
     if entry.get("root") is not None:
         details.append(f"root {entry['root']}")
+    if entry.get("profiling_name"):
+        details.append(repr(entry["profiling_name"]))
     text = entry["op"]
     if entry.get("seq") is not None:
         text = f"#{entry['seq']} {text}"

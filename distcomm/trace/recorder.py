@@ -16,6 +16,8 @@ entry still in the ring.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import itertools
 import json
 import logging
@@ -25,6 +27,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "dump_on_failure",
     "dump_trace",
     "install_signal_handlers",
+    "record_comm",
     "trace_file",
 ]
 
@@ -49,6 +53,31 @@ _clock = time.monotonic_ns
 
 def _stack() -> str:
     return "".join(traceback.format_stack()[:-3])
+
+
+_comm_name: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "distcomm_record_comm", default=None)
+#: how many record_comm blocks are open, in any thread: `record` reads the name only then
+_open_names = 0
+_names_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def record_comm(name: str) -> Iterator[None]:
+    """Name the operations issued inside the block (torch.distributed.record_comm): the
+    flight recorder's dumps give each one's `profiling_name`, e.g. "FSDP::all_gather"."""
+    global _open_names
+    if not isinstance(name, str):
+        raise TypeError(f"record_comm: name must be a str, got {name!r}")
+    token = _comm_name.set(name)
+    with _names_lock:
+        _open_names += 1
+    try:
+        yield
+    finally:
+        with _names_lock:
+            _open_names -= 1
+        _comm_name.reset(token)
 
 
 class _NoArray:
@@ -85,6 +114,7 @@ class Recorder:
         "_ends",
         "_errors",
         "_ids",
+        "_names",
         "_ops",
         "_p2p_done",
         "_p2p_ends",
@@ -105,6 +135,7 @@ class Recorder:
         self._p2p_done = [0] * size  # the ids of sends and receives are <= -1
         self._p2p_ends = [0] * size
         self._stacks: dict[int, str] = {}  # id -> stack, with `stack` only
+        self._names: dict[int, str] = {}  # id -> record_comm's name, inside its blocks
         self._errors: dict[int, str] = {}  # id -> message
         self._ids = itertools.count()  # next() is atomic under the GIL
         self._p2p_ids = itertools.count()
@@ -121,6 +152,8 @@ class Recorder:
         barrier); its id, the group's sequence number, or None when the recorder is off."""
         i = next(self._ids)
         self._ops[i % self.size] = (i, op, array.dtype, array.size, root, reduce_op, _clock())
+        if _open_names:
+            self._keep_name(i)
         return i
 
     def record_p2p(self, op: str, array: Any, peer: int) -> int | None:
@@ -128,7 +161,18 @@ class Recorder:
         k = next(self._p2p_ids)
         i = -1 - k
         self._p2p_ops[k % self.size] = (i, op, array.dtype, array.size, peer, None, _clock())
+        if _open_names:
+            self._keep_name(i)
         return i
+
+    def _keep_name(self, i: int) -> None:
+        name = _comm_name.get()
+        if name is None:  # a block is open in another thread or context
+            return
+        self._names[i] = name
+        if len(self._names) > 2 * self.size:
+            for old in sorted(self._names, key=abs)[: self.size]:
+                del self._names[old]
 
     def _keep_stack(self, i: int) -> None:
         self._stacks[i] = _stack()
@@ -244,7 +288,7 @@ class Recorder:
         """The entries in the rings, oldest first, as JSON data; roots and peers as global
         ranks (`ranks`: the group's); times as wall-clock ns."""
         to_wall = time.time_ns() - _clock()
-        errors, stacks = dict(self._errors), dict(self._stacks)
+        errors, stacks, names = dict(self._errors), dict(self._stacks), dict(self._names)
         out = []
         slots = self._slots()
         # a backend runs a group's collectives in order (and its sends and receives): the
@@ -266,6 +310,7 @@ class Recorder:
                     "id": i,
                     "seq": None if peer else i,
                     "op": name,
+                    "profiling_name": names.get(i),
                     "dtype": None if dtype is None else str(dtype),
                     "count": count,
                     "root": None if peer or not 0 <= rank < len(ranks) else ranks[rank],
