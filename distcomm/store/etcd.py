@@ -19,7 +19,16 @@ connections, each used by one request at a time. The methods map onto etcd as fo
                           + 1 on a dedicated streaming connection, so a key set at any
                           moment after the read is seen and nothing polls
     delete_key            deleterange
-    num_keys              count-only range over the prefix
+    num_keys, list_keys   count-only / keys-only range over the prefix's keys
+    queue_push            put of prefix + 0xff + key + 0xff + a random id (0xff never
+                          occurs in UTF-8, so no key collides with a queue item)
+    queue_pop             the queue's oldest item (a range sorted by create_revision,
+                          limit 1), then a txn that deletes it if it still exists: only one
+                          popper's txn succeeds; the others look again. An empty queue is
+                          watched from the range's revision + 1 for the next push.
+    queue_len             count-only range over the queue's items
+
+`wait` and `check` count a key as set while its queue holds an item (`get` does not).
 
 A stopped or unreachable server makes requests fail at once with `DistNetworkError`;
 a watch notices a vanished server host through TCP keep-alive.
@@ -32,6 +41,7 @@ import binascii
 import http.client
 import json
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -42,13 +52,15 @@ from ..config import DEFAULT_STORE_TIMEOUT
 from ..deadline import FOREVER, Deadline, to_seconds
 from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
 from ..net import format_address, set_keepalive
-from .base import Store, check_key, to_bytes
+from .base import Store, check_block, check_key, to_bytes
 from .hash import (
     add_value,
     check_amount,
     check_keys,
     check_values,
     compare_set_value,
+    queue_empty_error,
+    queue_timeout_error,
     timeout_error,
 )
 
@@ -63,6 +75,7 @@ MAX_TXN_OPS = 128
 #: Idle keep-alive connections kept per store; more are closed after use.
 _POOL_SIZE = 8
 _RESPONSE_MOST = 500  # characters of a non-JSON or error body quoted in messages
+_QUEUES = b"\xff"  # after the prefix: the queues' items (never in a UTF-8 key)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -172,7 +185,8 @@ class EtcdStore(Store):
     Args:
         endpoint: etcd's client address: "host:port", "[ipv6]:port" or
             "http://host:port" (port 2379 when left out).
-        prefix: prepended to every key (non-empty); `num_keys` counts the keys under it.
+        prefix: prepended to every key (non-empty); `num_keys` counts the keys under it
+            (queue items, also kept under it, aside).
         timeout: default timeout of `get`/`wait` (seconds or timedelta; default 300 s);
             a single request that gets no answer within it (+1 s) fails too.
 
@@ -230,6 +244,19 @@ class EtcdStore(Store):
 
     def _full(self, key: str) -> bytes:
         return self._raw_prefix + check_key(key).encode()
+
+    def _queue(self, key: str) -> tuple[bytes, bytes]:
+        """The key range (start, end) of queue `key`'s items."""
+        start = self._raw_prefix + _QUEUES + check_key(key).encode() + _QUEUES
+        return start, _prefix_end(start)
+
+    def _queue_name(self, full: bytes) -> str | None:
+        """The queue a stored key holds an item of, or None when it is not a queue item."""
+        head = len(self._raw_prefix) + 1
+        if full[head - 1 : head] != _QUEUES or not full.startswith(self._raw_prefix):
+            return None
+        end = full.find(_QUEUES, head)
+        return None if end < 0 else full[head:end].decode(errors="replace")
 
     # -- HTTP -----------------------------------------------------------------------------
 
@@ -363,9 +390,10 @@ class EtcdStore(Store):
         return self._post("kv/txn", body, what)
 
     def _count(self, what: str) -> int:
+        """The number of keys (queue items aside)."""
         body = {
             "key": _b64(self._raw_prefix),
-            "range_end": _b64(_prefix_end(self._raw_prefix)),
+            "range_end": _b64(self._raw_prefix + _QUEUES),
             "count_only": True,
         }
         return int(self._post("kv/range", body, what).get("count", 0))
@@ -375,13 +403,15 @@ class EtcdStore(Store):
     def _snapshot(self, names: list[str], values: bool, what: str) -> tuple[dict[str, bytes], int]:
         """The keys of `names` that exist (with their values if asked) and etcd's revision.
 
+        Without `values` (wait, check) a key whose queue holds an item counts as existing.
         Every chunk of the key list reads at the revision the first one read at, so the
         result is one consistent snapshot.
         """
         found: dict[str, bytes] = {}
         revision = 0
-        for start in range(0, len(names), MAX_TXN_OPS):
-            chunk = names[start : start + MAX_TXN_OPS]
+        step = MAX_TXN_OPS if values else MAX_TXN_OPS // 2  # a key and its queue each
+        for start in range(0, len(names), step):
+            chunk = names[start : start + step]
             ops = []
             for name in chunk:
                 read: dict[str, Any] = {"key": _b64(self._full(name))}
@@ -390,13 +420,25 @@ class EtcdStore(Store):
                 if revision:
                     read["revision"] = revision
                 ops.append({"request_range": read})
+                if not values:
+                    low, high = self._queue(name)
+                    count: dict[str, Any] = {"key": _b64(low), "range_end": _b64(high),
+                                             "count_only": True}
+                    if revision:
+                        count["revision"] = revision
+                    ops.append({"request_range": count})
             answer = self._txn([], ops, [], what)
             if not revision:
                 revision = int(answer["header"]["revision"])
-            for name, result in zip(chunk, answer.get("responses", []), strict=True):
-                kvs = result.get("response_range", {}).get("kvs")
+            results = answer.get("responses", [])
+            per = 1 if values else 2
+            for index, name in enumerate(chunk):
+                kvs = results[per * index].get("response_range", {}).get("kvs")
                 if kvs:
                     found[name] = _kv_value(kvs[0]) if values else b""
+                elif not values and int(
+                        results[2 * index + 1].get("response_range", {}).get("count", 0)):
+                    found[name] = b""
         return found, revision
 
     def _wait_for(
@@ -412,7 +454,7 @@ class EtcdStore(Store):
                 return found
             if deadline.expired():
                 raise timeout_error(missing, timeout, self._where)
-            if self._watch(unique, found, revision + 1, deadline, what):
+            if self._watch(unique, found, revision + 1, deadline, what, queues=not values):
                 return found
             # the deadline passed (the snapshot above names what is still missing), or
             # the revision was compacted away under the watch: read again
@@ -424,22 +466,62 @@ class EtcdStore(Store):
         start: int,
         deadline: Deadline,
         what: str,
+        queues: bool = False,
     ) -> bool:
         """Follow changes to `names` from revision `start`, updating `state`, until all exist.
 
         One watcher covers the key range from the smallest to the largest key; events for
-        other keys in between are skipped. The watch has its own connection, which the
-        server keeps streaming on (one JSON message per line); it is closed afterwards.
+        other keys in between are skipped. With `queues`, a push to the queue of a name
+        counts as setting it, and a pop from one ends the watch (the caller looks again:
+        the queue may be empty now). The watch has its own connection, which the server
+        keeps streaming on (one JSON message per line); it is closed afterwards.
 
         Returns:
-            True once every key exists; False when the deadline passed or etcd compacted
-            revision `start` away (the caller reads a fresh snapshot).
+            True once every key exists; False when the deadline passed, etcd compacted
+            revision `start` away or a watched queue lost an item (the caller reads a
+            fresh snapshot).
         """
         wanted = {self._full(name): name for name in names}
-        low, high = min(wanted), max(wanted)
-        create: dict[str, Any] = {"key": _b64(low), "start_revision": start}
-        if high != low:
-            create["range_end"] = _b64(high + b"\0")
+        low, end = min(wanted), max(wanted) + b"\0"
+        if queues:
+            ranges = [self._queue(name) for name in names]
+            low, end = min(low, *(r[0] for r in ranges)), max(end, *(r[1] for r in ranges))
+        return self._follow(low, end, start, deadline, what,
+                            lambda kv, deleted: self._seen(kv, deleted, wanted, names, state,
+                                                           queues))
+
+    def _seen(self, kv: dict[str, Any], deleted: bool, wanted: dict[bytes, str],
+              names: list[str], state: dict[str, bytes], queues: bool) -> bool | None:
+        """One event of `_watch`: True once every name is set, None to stop and look again."""
+        full = _unb64(kv.get("key", ""))
+        name = wanted.get(full)
+        if name is None:
+            queue = self._queue_name(full) if queues else None
+            if queue is None or queue not in names:
+                return False
+            if deleted:
+                return None
+            state[queue] = b""
+        elif deleted:
+            state.pop(name, None)
+        else:
+            state[name] = _kv_value(kv)
+        return all(name in state for name in names)
+
+    def _follow(
+        self,
+        low: bytes,
+        end: bytes,
+        start: int,
+        deadline: Deadline,
+        what: str,
+        on_event: Callable[[dict[str, Any], bool], bool | None],
+    ) -> bool:
+        """Watch the keys in [low, end) from revision `start`, calling
+        `on_event(kv, deleted)` for each change, until it returns True (then True) or None,
+        the deadline passes or etcd compacted `start` away (then False)."""
+        create: dict[str, Any] = {"key": _b64(low), "start_revision": start,
+                                  "range_end": _b64(end)}
         body = json.dumps({"create_request": create}).encode()
         # not a pooled connection: the stream holds it until the watch ends
         conn = http.client.HTTPConnection(self._host, self._port, self._request_timeout())
@@ -484,16 +566,11 @@ class EtcdStore(Store):
                         f"etcd at {self._endpoint} canceled the watch for {what}: {reason}"
                     )
                 for event in result.get("events", ()):
-                    kv = event.get("kv", {})
-                    name = wanted.get(_unb64(kv.get("key", "")))
-                    if name is None:
-                        continue
-                    if event.get("type") == "DELETE":
-                        state.pop(name, None)
-                    else:
-                        state[name] = _kv_value(kv)
-                if all(name in state for name in names):
-                    return True
+                    done = on_event(event.get("kv", {}), event.get("type") == "DELETE")
+                    if done is None:
+                        return False
+                    if done:
+                        return True
         except TimeoutError as exc:
             if sock is not None:
                 return False  # the stream's read waited out the deadline
@@ -669,6 +746,72 @@ class EtcdStore(Store):
         puts = [_put(self._full(name), data) for name, data in latest.items()]
         for start in range(0, len(puts), MAX_TXN_OPS):
             self._txn([], puts[start : start + MAX_TXN_OPS], [], "multi_set")
+
+    # -- the extended API -----------------------------------------------------------------
+
+    def has_extended_api(self) -> bool:
+        """True: every extended operation maps onto etcd requests."""
+        return True
+
+    def list_keys(self) -> list[str]:
+        """Every key under this store's prefix, without it, in etcd's (byte) order; queue
+        items are not keys."""
+        body = {
+            "key": _b64(self._raw_prefix),
+            "range_end": _b64(self._raw_prefix + _QUEUES),
+            "keys_only": True,
+        }
+        kvs = self._post("kv/range", body, "list_keys").get("kvs", ())
+        size = len(self._raw_prefix)
+        return [_unb64(kv["key"])[size:].decode(errors="replace") for kv in kvs]
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append `value` to the queue `key` (see Store.queue_push)."""
+        item = self._queue(key)[0] + secrets.token_hex(8).encode()
+        self._post("kv/put", {"key": _b64(item), "value": _b64(to_bytes(value))},
+                   f"queue_push({key!r})")
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """The oldest item of queue `key`, removed (see Store.queue_pop).
+
+        Each item is deleted by one txn that succeeds only while the item exists, so of
+        several processes popping at once exactly one gets it. An empty queue is watched
+        for the next push (nothing polls).
+
+        Raises:
+            QueueEmptyError: `block` is False and the queue is empty.
+            DistStoreTimeoutError: no item came within the store timeout.
+        """
+        low, high = self._queue(key)
+        check_block(block)
+        what = f"queue_pop({key!r})"
+        deadline = Deadline(self._timeout)
+        oldest = {"key": _b64(low), "range_end": _b64(high), "limit": 1,
+                  "sort_order": "ASCEND", "sort_target": "CREATE"}
+        while True:
+            answer = self._post("kv/range", oldest, what)
+            kvs = answer.get("kvs")
+            if kvs:
+                kv = kvs[0]
+                compare = {"key": kv["key"], "target": "CREATE", "result": "EQUAL",
+                           "create_revision": int(kv["create_revision"])}
+                delete = {"request_delete_range": {"key": kv["key"]}}
+                if self._txn([compare], [delete], [], what).get("succeeded"):
+                    return _kv_value(kv)
+                continue  # another popper took it: the next one
+            if not block:
+                raise queue_empty_error(key, self._where)
+            if deadline.expired():
+                raise queue_timeout_error(key, self._timeout, self._where)
+            revision = int(answer["header"]["revision"])
+            self._follow(low, high, revision + 1, deadline, what,
+                         lambda kv, deleted: None if not deleted else False)
+
+    def queue_len(self, key: str) -> int:
+        """The number of items in queue `key` (0 when it has none)."""
+        low, high = self._queue(key)
+        body = {"key": _b64(low), "range_end": _b64(high), "count_only": True}
+        return int(self._post("kv/range", body, f"queue_len({key!r})").get("count", 0))
 
     # -- teardown -------------------------------------------------------------------------
 
