@@ -18,8 +18,8 @@ from .run import config_from_args, get_args_parser
 __all__ = ["main"]
 
 NOTE = (
-    "distcomm.launch: this legacy launcher passes --local-rank=N to the script; the current "
-    "launcher is distcomm-run (LOCAL_RANK in the environment, no --local-rank)"
+    "distcomm.launch: legacy launcher, as torch.distributed.launch; the current one is "
+    "distcomm-run (no --local-rank argument: scripts read LOCAL_RANK from the environment)"
 )
 
 
