@@ -68,6 +68,17 @@ from .group import (
     is_xccl_available,
     new_group,
 )
+from .group_methods import (
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
 from .launched import get_node_local_rank, is_torchelastic_launched
 from .objects import (
     all_gather_object,
@@ -96,9 +107,14 @@ from .work import Work
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllToAllOptions",
+    "AllreduceCoalescedOptions",
+    "AllreduceOptions",
     "Backend",
     "BackendConfig",
     "BackendUnavailableError",
+    "BarrierOptions",
+    "BroadcastOptions",
     "DebugLevel",
     "DistBackendError",
     "DistError",
@@ -108,6 +124,7 @@ __all__ = [
     "DistTimeoutError",
     "EtcdStore",
     "FileStore",
+    "GatherOptions",
     "GroupMember",
     "GroupName",
     "HashStore",
@@ -115,6 +132,9 @@ __all__ = [
     "PrefixStore",
     "ProcessGroup",
     "ReduceOp",
+    "ReduceOptions",
+    "ReduceScatterOptions",
+    "ScatterOptions",
     "Store",
     "TCPStore",
     "Work",

@@ -24,6 +24,7 @@ from .backends.base import Backend
 from .backends.staged import StagedBackend
 from .deadline import to_seconds
 from .errors import DistError
+from .group_methods import GroupMethods
 from .store import HashStore, PrefixStore, Store
 from .trace import stall
 from .trace.recorder import NO_ARRAY, Recorder, install_signal_handlers
@@ -59,12 +60,13 @@ __all__ = [
 GroupName = NewType("GroupName", str)
 
 
-class ProcessGroup:
+class ProcessGroup(GroupMethods):
     """A set of ranks that run collectives together (torch.distributed.ProcessGroup).
 
     Obtained from `init_process_group` (the default group, `group.WORLD`) or
     `new_group` (which gives ranks outside the group `GroupMember.NON_GROUP_MEMBER`
-    instead, as torch does).
+    instead, as torch does). Its collectives are also methods, as torch's C++ layer has
+    them (`pg.allreduce([x], AllreduceOptions())`; see `distcomm.group_methods`).
     """
 
     def __init__(self, name: str, ranks: list[int], group_rank: int,

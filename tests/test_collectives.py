@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -642,6 +643,85 @@ def _split_groups() -> None:
 
 def test_split_group(world):
     world.run(_split_groups)
+
+
+def _group_methods() -> None:
+    """torch's method API of a group: both overloads of each, roots as group ranks."""
+    from distcomm.group_methods import AllgatherOptions
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    pg = dist.group.WORLD
+    total = n * (n - 1) / 2
+    x = np.full(3, float(r))
+    pg.allreduce([x]).wait()
+    check(x, np.full(3, total), "pg.allreduce([x])")
+    x = np.full(3, float(r + 1))
+    pg.allreduce(x, dist.ReduceOp.MAX, timedelta(seconds=60)).wait()
+    check(x, np.full(3, float(n)), "pg.allreduce(x, op, timeout)")
+    parts = [np.full(2, float(r)), np.full(1, float(r))]
+    pg.allreduce_coalesced(parts, dist.AllreduceCoalescedOptions()).wait()
+    check(parts[1], np.full(1, total), "pg.allreduce_coalesced")
+    root = n - 1
+    b = np.full(2, float(r))
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    pg.broadcast([b], opts).wait()
+    check(b, np.full(2, float(root)), "pg.broadcast([b], opts)")
+    b = np.full(2, float(r))
+    pg.broadcast(b, 0).wait()
+    check(b, np.zeros(2), "pg.broadcast(b, root)")
+    red = np.full(2, float(r))
+    ropts = dist.ReduceOptions()
+    ropts.rootRank, ropts.reduceOp = root, dist.ReduceOp.SUM
+    pg.reduce([red], ropts).wait()
+    if r == root:
+        check(red, np.full(2, total), "pg.reduce on the root")
+    outs = [np.empty(2) for _ in range(n)]
+    pg.allgather([outs], [np.full(2, float(r))], AllgatherOptions()).wait()
+    check(np.stack(outs), np.repeat(np.arange(n, dtype=float), 2).reshape(n, 2), "allgather")
+    flat = np.empty(2 * n)
+    pg.all_gather_single(flat, np.full(2, float(r))).wait()
+    check(flat, np.repeat(np.arange(n, dtype=float), 2), "pg.all_gather_single")
+    gathered = [np.empty(1) for _ in range(n)] if r == 0 else []
+    pg.gather([gathered], [np.full(1, float(r))], dist.GatherOptions()).wait()
+    if r == 0:
+        check(np.concatenate(gathered), np.arange(n, dtype=float), "pg.gather")
+    got = np.empty(1)
+    pg.scatter(got, [np.full(1, float(k)) for k in range(n)] if r == 0 else [], 0).wait()
+    check(got, np.full(1, float(r)), "pg.scatter(out, inputs, root)")
+    rs = np.empty(1)
+    pg.reduce_scatter([rs], [[np.full(1, float(k)) for k in range(n)]],
+                      dist.ReduceScatterOptions()).wait()
+    check(rs, np.full(1, float(n * r)), "pg.reduce_scatter")
+    rss = np.empty(1)
+    pg.reduce_scatter_single(rss, np.arange(n, dtype=float)).wait()
+    check(rss, np.full(1, float(n * r)), "pg.reduce_scatter_single")
+    a2a = [np.empty(1) for _ in range(n)]
+    pg.alltoall(a2a, [np.full(1, float(r * n + k)) for k in range(n)],
+                dist.AllToAllOptions()).wait()
+    check(np.concatenate(a2a), np.array([float(k * n + r) for k in range(n)]), "pg.alltoall")
+    base = np.empty(n)
+    pg.alltoall_base(base, np.array([float(r * n + k) for k in range(n)]), [], []).wait()
+    check(base, np.array([float(k * n + r) for k in range(n)]), "pg.alltoall_base")
+    pg.barrier(dist.BarrierOptions()).wait()
+    pg.barrier().wait()
+    if n > 1:
+        peer = (r + 1) % n
+        sent = pg.send([np.full(2, float(r))], peer, 7)
+        into = np.empty(2)
+        pg.recv([into], (r - 1) % n, 7).wait()
+        sent.wait()
+        check(into, np.full(2, float((r - 1) % n)), "pg.send/recv")
+    try:
+        pg.allreduce([x, x])
+    except ValueError as exc:
+        assert "one array" in str(exc), exc
+    else:
+        raise AssertionError("pg.allreduce took two arrays")
+
+
+def test_group_methods(world):
+    world.run(_group_methods)
 
 
 def _local_groups() -> None:
