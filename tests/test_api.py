@@ -393,6 +393,14 @@ def test_debug_level_from_either_variable_and_set(monkeypatch):
                                                            ("DETAIL", 2)]
 
 
+def test_small_torch_names():
+    assert dist.is_xccl_available() is False and dist.GroupName("g") == "g"
+    with pytest.warns(FutureWarning, match="reduce_op is deprecated"):
+        assert dist.reduce_op.MAX is dist.ReduceOp.MAX
+    with pytest.raises(AttributeError, match="ReduceOp"):
+        dist.reduce_op.NOPE  # noqa: B018
+
+
 def test_thread_controls_at_the_top_level():
     from distcomm import parallel
 
