@@ -41,6 +41,7 @@ from .errors import (
     DistStoreError,
     DistStoreTimeoutError,
     DistTimeoutError,
+    QueueEmptyError,
 )
 from .group import (
     GroupMember,
@@ -131,6 +132,7 @@ __all__ = [
     "P2POp",
     "PrefixStore",
     "ProcessGroup",
+    "QueueEmptyError",
     "ReduceOp",
     "ReduceOptions",
     "ReduceScatterOptions",
