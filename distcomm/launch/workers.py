@@ -10,6 +10,11 @@ Output follows torchrun's flags. For each worker and stream (stdout, stderr):
   stdout/stderr (no copying); with one, the agent copies it line by line, prefixed.
 - ``--local_ranks_filter``: ranks left out never reach the console (their streams go to
   /dev/null unless redirected or teed, which still write the files).
+- ``--duplicate_stdout_filters`` / ``--duplicate_stderr_filters`` (torchrun's): the lines
+  of teed streams shown on the console that contain any of the filter strings are also
+  written, prefixed, to ``<log_dir>/filtered_stdout.log`` (``filtered_stderr.log``), one
+  file for all the node's workers. As in torchrun, only teed streams are filtered: lines
+  of a stream that is not teed, or of a rank left out by ``--local_ranks_filter``, are not.
 
 Prefixed lines are written whole under one lock, so lines of different workers never mix
 within a line. A partial last line is written once the worker ends, or after
@@ -27,6 +32,8 @@ the agent, which ends the workers through `stop()`. On Linux each worker also ge
 PR_SET_PDEATHSIG=SIGKILL: if the agent dies, even by SIGKILL, its workers die with it.
 The kernel sends that signal when the *thread* that started the worker ends, so call
 `start()` from a thread that lives as long as the workers (the agent's main thread).
+With `affinity` (``--numa-binding``), a worker's CPU affinity is set between fork and exec,
+before it runs any code, so every thread it starts inherits it.
 Grandchildren do not get it: `stop()` reaches them through the process group and psutil.
 A grandchild that both made its own session and outlived its worker is out of reach.
 """
@@ -177,19 +184,58 @@ def parse_local_ranks_filter(spec: str, local_world_size: int) -> set[int] | Non
     return ranks
 
 
-def _child_setup(agent_pid: int) -> Callable[[], None] | None:
-    """The function run in each worker between fork and exec: die with the agent."""
+def _child_setup(agent_pid: int, cpus: frozenset[int] | None = None) -> Callable[[], None] | None:
+    """The function run in each worker between fork and exec: die with the agent, and
+    run on `cpus` when given."""
     prctl = load_prctl()
-    if prctl is None:
+    if prctl is None and cpus is None:
         return None
     kill = signal.SIGKILL
 
     def setup() -> None:
-        prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)
-        if os.getppid() != agent_pid:  # the agent died before prctl took effect
-            os.kill(os.getpid(), kill)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)
+            if os.getppid() != agent_pid:  # the agent died before prctl took effect
+                os.kill(os.getpid(), kill)
 
     return setup
+
+
+class _Duplicate:
+    """A ``filtered_<stream>.log`` file: the lines containing any of the filter strings."""
+
+    def __init__(self, path: str, needles: Iterable[str]) -> None:
+        self.path = path
+        self.needles = [needle.encode("utf-8", "surrogateescape") for needle in needles]
+        self.file: IO[bytes] | None = open(path, "wb")  # noqa: SIM115 (closed by close())
+        self.lock = threading.Lock()
+
+    def write(self, lines: list[bytes]) -> None:
+        """Write the (prefixed, newline-ended) lines that match."""
+        chosen = b"".join(line for line in lines if any(n in line for n in self.needles))
+        if not chosen:
+            return
+        with self.lock:
+            if self.file is None:
+                return
+            try:
+                self.file.write(chosen)
+                self.file.flush()
+            except (OSError, ValueError) as exc:
+                log.warning("writing %s failed (%s); no more lines go there", self.path, exc)
+                self.close_locked()
+
+    def close_locked(self) -> None:
+        file, self.file = self.file, None
+        if file is not None:
+            with contextlib.suppress(OSError, ValueError):
+                file.close()
+
+    def close(self) -> None:
+        with self.lock:
+            self.close_locked()
 
 
 def _gone(proc: psutil.Process) -> bool:
@@ -213,8 +259,10 @@ class _Pump:
         prefix: str,
         wake_fd: int,
         name: str,
+        duplicate: _Duplicate | None = None,
     ) -> None:
         self.source, self.file, self.console = source, file, console
+        self.duplicate = duplicate
         self.prefix = prefix.encode("utf-8", "surrogateescape")
         self.wake_fd, self.name = wake_fd, name
         self.thread = threading.Thread(target=self._run, name=f"distcomm-{name}", daemon=True)
@@ -241,7 +289,7 @@ class _Pump:
                     if not chunk:
                         break
                     self._save(chunk)
-                    if self.console is not None:
+                    if self.console is not None or self.duplicate is not None:
                         now = time.monotonic()
                         if not pending:
                             pending_since = now
@@ -282,11 +330,17 @@ class _Pump:
             self.file = None
 
     def _show(self, lines: bytes) -> None:
-        """Write complete lines (each ending in newline) to the console, prefixed, at once."""
-        if self.console is None or not lines:
+        """Write complete lines (each ending in newline) to the console, prefixed, at once;
+        and those that match to the duplicate file."""
+        if not lines:
             return
-        if self.prefix:
-            lines = b"".join(self.prefix + line + b"\n" for line in lines.split(b"\n")[:-1])
+        if self.prefix or self.duplicate is not None:
+            each = [self.prefix + line + b"\n" for line in lines.split(b"\n")[:-1]]
+            lines = b"".join(each)
+            if self.duplicate is not None:
+                self.duplicate.write(each)
+        if self.console is None:
+            return
         try:
             with _CONSOLE_LOCK:
                 stream = sys.stdout if self.console == "stdout" else sys.stderr
@@ -333,6 +387,10 @@ class WorkerProcesses:
         prefixes: local rank -> the text starting each of its console lines ("" or missing:
             the worker writes to the console directly, unprefixed; teed streams are always
             copied, and prefixed when a prefix is given).
+        duplicate_filters: stream ("stdout", "stderr") -> filter strings: the teed lines
+            shown on the console that contain one go, prefixed, to
+            ``<log_dir>/filtered_<stream>.log`` too (created when the list is not empty).
+        affinity: local rank -> the CPUs its worker runs on (missing: left alone).
 
     Raises:
         ValueError: `commands` is empty, has an empty argv, or its ranks differ from `envs`'.
@@ -348,6 +406,8 @@ class WorkerProcesses:
         tee: dict[int, Std],
         console_ranks: set[int] | None,
         prefixes: dict[int, str],
+        duplicate_filters: dict[str, list[str]] | None = None,
+        affinity: dict[int, frozenset[int]] | None = None,
     ) -> None:
         if not commands:
             raise ValueError("WorkerProcesses needs at least one worker command")
@@ -365,6 +425,14 @@ class WorkerProcesses:
         self._tee = {lr: Std(tee.get(lr, Std.NONE)) for lr in self._commands}
         self._console_ranks = None if console_ranks is None else set(console_ranks)
         self._prefixes = {lr: prefixes.get(lr, "") for lr in self._commands}
+        self._duplicate_filters = {
+            name: list(needles) for name, needles in (duplicate_filters or {}).items() if needles
+        }
+        unknown = sorted(set(self._duplicate_filters) - {"stdout", "stderr"})
+        if unknown:
+            raise ValueError(f"duplicate_filters: streams {unknown} are not 'stdout' or 'stderr'")
+        self._duplicates: dict[str, _Duplicate] = {}
+        self._affinity = {lr: frozenset(cpus) for lr, cpus in (affinity or {}).items()}
         self._requested_log_dir = log_dir
         self._log_dir: str | None = None
         self._temp_dir: str | None = None
@@ -398,9 +466,12 @@ class WorkerProcesses:
             self._started = True
             self._log_dir = self._make_log_dir()
             self._wake = os.pipe()
-            setup = _child_setup(os.getpid())
             try:
+                for name, needles in self._duplicate_filters.items():
+                    path = os.path.join(self._log_dir, f"filtered_{name}.log")
+                    self._duplicates[name] = _Duplicate(path, needles)
                 for local_rank in self._commands:
+                    setup = _child_setup(os.getpid(), self._affinity.get(local_rank))
                     self._start_one(local_rank, setup)
             except BaseException:
                 self.close(grace=0.0)
@@ -479,8 +550,15 @@ class WorkerProcesses:
         for name, (file, _) in pumps.items():
             source = proc.stdout if name == "stdout" else proc.stderr
             assert source is not None
+            teed = bool(self._tee[local_rank] & (Std.OUT if name == "stdout" else Std.ERR))
             pump = _Pump(
-                source, file, name, prefix, self._wake[0], f"local rank {local_rank} {name}"
+                source,
+                file,
+                name,
+                prefix,
+                self._wake[0],
+                f"local rank {local_rank} {name}",
+                self._duplicates.get(name) if teed else None,
             )
             self._pumps.append(pump)
             pump.thread.start()
@@ -578,6 +656,8 @@ class WorkerProcesses:
                 for fd in self._wake:
                     os.close(fd)
                 self._wake = None
+            for duplicate in self._duplicates.values():
+                duplicate.close()
             if self._temp_dir is not None:
                 self._remove_temp_dir_if_unused()
 
