@@ -186,7 +186,7 @@ def create_etcd_store(params: RendezvousParameters, settings: RendezvousSettings
     except ImportError as exc:
         raise RendezvousError(f"--rdzv_backend=etcd is not available: {exc}") from exc
     try:
-        return EtcdStore(params.endpoint, prefix=f"/distcomm/rdzv/{params.run_id}/",
+        return EtcdStore(params.endpoint, prefix=f"{settings.etcd_prefix}/{params.run_id}/",
                          timeout=settings.read_timeout)
     except ValueError as exc:
         raise ValueError(f"--rdzv_endpoint={params.endpoint!r}: {exc}") from exc
@@ -225,8 +225,12 @@ def _handler_over(store: Store, params: RendezvousParameters,
 
 
 def create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """The c10d backend: a dynamic rendezvous in a TCPStore one agent hosts."""
-    store, address, hosted = create_c10d_store(params, settings_from_params(params))
+    """The c10d backend: a dynamic rendezvous in a TCPStore one agent hosts (in a FileStore
+    at the path --rdzv_endpoint with --rdzv_conf store_type=file, as torch's c10d)."""
+    settings = settings_from_params(params)
+    if settings.store_type == "file":
+        return create_file_handler(params)
+    store, address, hosted = create_c10d_store(params, settings)
     return _handler_over(store, params, address, hosted)
 
 

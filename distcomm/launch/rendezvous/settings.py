@@ -1,4 +1,25 @@
-"""Rendezvous settings: the --rdzv_conf keys, their defaults and the checks of every flag."""
+"""Rendezvous settings: the --rdzv_conf keys, their defaults and the checks of every flag.
+
+Every key a torch rendezvous handler reads is accepted. Those with a meaning here:
+
+- ``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``read_timeout``,
+  ``is_host``, ``keep_alive_interval``, ``keep_alive_max_attempt``: as in torch's c10d
+  (dynamic) rendezvous, for every backend;
+- ``timeout``: the join timeout of the static and etcd backends when ``join_timeout`` is
+  not given (torch's static and etcd-v1 handlers read it so; its c10d handler ignores it,
+  and so does ours for c10d and file). torch's ``LaunchConfig`` always sets it (900 s);
+- ``rank``: the static backend's node rank when --node-rank is not given (torchrun passes
+  --node-rank this way);
+- ``store_type``: ``tcp`` (the default) or ``file`` for c10d; ``file`` makes it the file
+  backend, with --rdzv-endpoint the file's path;
+- ``etcd_prefix``: the etcd backend's key prefix (default ``/distcomm/rdzv``);
+- ``protocol``: ``http`` for etcd (``https`` is refused: TLS is not supported).
+
+Accepted with no effect (`IGNORED_KEYS`): ``heartbeat_timeout`` (the time torch gives one
+keep-alive write; ours take ``read_timeout``), ``use_libuv`` (a TCPStore server choice of
+torch's; ours has one server), and etcd's TLS files ``ssl_cert``, ``ssl_cert_key``,
+``ca_cert``, ``cert``, ``key``, ``cacert`` (refused when set: no TLS).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +27,17 @@ from dataclasses import dataclass
 
 from .api import RendezvousParameters
 
-__all__ = ["CONF_KEYS", "RendezvousSettings", "check_node_range", "settings_from_params"]
+__all__ = [
+    "CONF_KEYS",
+    "IGNORED_KEYS",
+    "RendezvousSettings",
+    "check_node_range",
+    "conf_node_rank",
+    "effective_backend",
+    "settings_from_params",
+]
 
-#: The --rdzv_conf keys every backend accepts.
+#: The --rdzv_conf keys with a meaning here (see the module's docstring).
 CONF_KEYS = (
     "join_timeout",
     "last_call_timeout",
@@ -17,7 +46,17 @@ CONF_KEYS = (
     "is_host",
     "keep_alive_interval",
     "keep_alive_max_attempt",
+    "timeout",
+    "rank",
+    "store_type",
+    "etcd_prefix",
+    "protocol",
 )
+#: torch's keys accepted without effect.
+IGNORED_KEYS = ("heartbeat_timeout", "use_libuv")
+#: torch's etcd TLS keys: refused when given, since TLS is not supported.
+TLS_KEYS = ("ssl_cert", "ssl_cert_key", "ca_cert", "cert", "key", "cacert")
+STORE_TYPES = ("tcp", "file")
 
 
 @dataclass(frozen=True)
@@ -35,6 +74,8 @@ class RendezvousSettings:
         is_host: whether this agent hosts the c10d store (None: decide from the endpoint).
         keep_alive_interval: seconds between this node's heartbeats.
         keep_alive_max_attempt: heartbeats a node may miss before the others drop it.
+        store_type: c10d's store: tcp, or file (the file backend).
+        etcd_prefix: the etcd backend's key prefix.
     """
 
     join_timeout: float = 600.0
@@ -44,6 +85,8 @@ class RendezvousSettings:
     is_host: bool | None = None
     keep_alive_interval: float = 5.0
     keep_alive_max_attempt: int = 3
+    store_type: str = "tcp"
+    etcd_prefix: str = "/distcomm/rdzv"
 
 
 def check_node_range(min_nodes: int, max_nodes: int) -> None:
@@ -66,6 +109,30 @@ def check_node_range(min_nodes: int, max_nodes: int) -> None:
         )
 
 
+def effective_backend(backend: str, config: dict[str, str]) -> str:
+    """The backend that runs: c10d with ``store_type=file`` is the file backend."""
+    store_type = str(config.get("store_type") or "tcp").strip().lower()
+    return "file" if backend == "c10d" and store_type == "file" else backend
+
+
+def conf_node_rank(params: RendezvousParameters) -> int | None:
+    """The --rdzv_conf ``rank`` (torch's static node rank), or None when not given.
+
+    Raises:
+        ValueError: it is not an integer >= 0.
+    """
+    raw = params.get("rank")
+    if raw is None:
+        return None
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"--rdzv_conf rank={raw!r} must be a node rank >= 0 (as --node-rank)")
+    return value
+
+
 def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
     """Check the parameters every backend shares and read the --rdzv_conf values.
 
@@ -76,15 +143,38 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
     check_node_range(params.min_nodes, params.max_nodes)
     if not isinstance(params.run_id, str) or not params.run_id:
         raise ValueError(f"--rdzv_id must be a non-empty string, got {params.run_id!r}")
-    unknown = sorted(set(params.config) - set(CONF_KEYS))
+    unknown = sorted(set(params.config) - set(CONF_KEYS) - set(IGNORED_KEYS) - set(TLS_KEYS))
     if unknown:
         raise ValueError(
             f"--rdzv_conf: unknown key(s) {', '.join(unknown)} for --rdzv_backend="
-            f"{params.backend}; the known keys are {', '.join(CONF_KEYS)}"
+            f"{params.backend}; the known keys are {', '.join(CONF_KEYS + IGNORED_KEYS)}"
         )
+    tls = sorted(set(params.config) & set(TLS_KEYS))
+    protocol = (params.get("protocol") or "http").strip().lower()
+    if tls or protocol != "http":
+        raise ValueError(
+            f"--rdzv_conf {', '.join(tls) or f'protocol={protocol}'}: TLS to etcd is not "
+            "supported; use protocol=http and no certificate keys (or a c10d rendezvous)"
+        )
+    store_type = (params.get("store_type") or "tcp").strip().lower()
+    if store_type not in STORE_TYPES:
+        raise ValueError(
+            f"--rdzv_conf store_type={store_type!r} is not one of {', '.join(STORE_TYPES)}"
+        )
+    conf_node_rank(params)
     defaults = RendezvousSettings()
+    join_default = defaults.join_timeout
+    if params.backend in ("static", "etcd"):  # torch's static and etcd handlers read it so
+        join_default = params.get_as_float("timeout", join_default)
+    elif params.get("timeout") is not None:
+        params.get_as_float("timeout", join_default)  # checked, though unused
+    prefix = (params.get("etcd_prefix") or defaults.etcd_prefix).strip().rstrip("/")
+    if not prefix.startswith("/"):
+        raise ValueError(f"--rdzv_conf etcd_prefix={prefix!r} must start with '/'")
     return RendezvousSettings(
-        join_timeout=params.get_as_float("join_timeout", defaults.join_timeout),
+        store_type=store_type,
+        etcd_prefix=prefix,
+        join_timeout=params.get_as_float("join_timeout", join_default),
         last_call_timeout=params.get_as_float("last_call_timeout", defaults.last_call_timeout),
         close_timeout=params.get_as_float("close_timeout", defaults.close_timeout),
         read_timeout=params.get_as_float("read_timeout", defaults.read_timeout),

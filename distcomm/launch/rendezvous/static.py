@@ -24,7 +24,7 @@ from .api import (
     RendezvousTimeoutError,
 )
 from .backends import host_tcp_store
-from .settings import settings_from_params
+from .settings import conf_node_rank, settings_from_params
 
 __all__ = ["DEFAULT_MASTER_ADDR", "StaticRendezvous", "create_static_handler"]
 
@@ -208,6 +208,11 @@ class StaticRendezvous(RendezvousHandler):
                 f"{self._nnodes}, master={self._address})")
 
 
+def _conf_rank(params: RendezvousParameters) -> int:
+    rank = conf_node_rank(params)
+    return -1 if rank is None else rank
+
+
 def create_static_handler(params: RendezvousParameters) -> StaticRendezvous:
     """The static backend for `params`.
 
@@ -224,7 +229,7 @@ def create_static_handler(params: RendezvousParameters) -> StaticRendezvous:
     return StaticRendezvous(
         run_id=params.run_id,
         nnodes=params.min_nodes,
-        node_rank=params.node_rank,
+        node_rank=params.node_rank if params.node_rank >= 0 else _conf_rank(params),
         master_addr=params.master_addr,
         master_port=params.master_port,
         join_timeout=settings.join_timeout,
