@@ -447,9 +447,9 @@ def test_tee_prefixes_console_and_writes_log_dir(tmp_path):
         tmp_path,
     )
     assert res.returncode == 0, res.stderr
-    for rank in (0, 1):
-        assert f"[{rank}]:hello from {rank}" in res.stdout
-        assert f"[{rank}]:oops from {rank}" in res.stderr
+    for rank in (0, 1):  # torchrun's prefix: role name and local rank
+        assert f"[default{rank}]:hello from {rank}" in res.stdout
+        assert f"[default{rank}]:oops from {rank}" in res.stderr
         assert f"hello from {rank}" in _log(logs, rank, "stdout")
         assert f"oops from {rank}" in _log(logs, rank, "stderr")
 

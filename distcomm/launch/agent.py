@@ -27,11 +27,16 @@ SIGHUP and SIGQUIT by default) stop the run: every worker's process tree gets th
 128 + the signal number. SIGUSR1 and SIGUSR2, unless listed there, are passed on to every
 worker process and the run goes on (Slurm's ``sbatch --signal=USR1@120``: the workers
 checkpoint before the job is pre-empted).
+
+The agent's events (rendezvous done, workers started, failed, restarted, the outcome) go to
+the handler `event_log_handler` names (see `events.py`). `AgentConfig` is what the agent
+runs; the torch-style `distcomm.launch.api.LaunchConfig` and the CLI's flags convert to it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -64,6 +69,9 @@ from .errors import (
     trace_dir,
     trace_hint,
 )
+from .events import Event, EventSource, record
+from .logs_specs import LogsSpecs
+from .numa import NumaOptions, numa_affinity
 from .rendezvous import (
     RendezvousClosedError,
     RendezvousError,
@@ -76,7 +84,15 @@ from .timer import FileTimerServer
 from .watch import SLOW_STORE_S, RoundWatch, RunResult, barrier_step, failed_round_key, next_step
 from .workers import Std, WorkerProcesses
 
-__all__ = ["DEFAULT_SIGNALS_TO_HANDLE", "FORWARDED_SIGNALS", "LaunchConfig", "RunResult", "launch"]
+__all__ = [
+    "DEFAULT_SIGNALS_TO_HANDLE",
+    "FORWARDED_SIGNALS",
+    "AgentConfig",
+    "ElasticAgent",
+    "RunResult",
+    "SignalException",
+    "launch",
+]
 
 log = logging.getLogger("distcomm.launch")
 
@@ -90,12 +106,18 @@ RDZV_CHECK_INTERVAL = 0.5
 DEFAULT_SIGNALS_TO_HANDLE = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: signals passed on to the workers without stopping the run, unless listed to stop it
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-DEFAULT_PREFIX_TEMPLATE = "[${rank}]:"
+#: torchrun's prefix of teed console lines: role name and *local* rank ("[default0]:")
+DEFAULT_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"
 
 
 @dataclass
-class LaunchConfig:
-    """What distcomm-run's flags ask for (see `run.py` for each flag's meaning)."""
+class AgentConfig:
+    """What the agent runs: distcomm-run's flags (see `run.py` for each flag's meaning).
+
+    `logs_specs`, when given, names each attempt's log directory (else `log_dir` does, in
+    torchrun's layout). `numa_binding` is --numa-binding. Workers started with
+    `virtual_local_rank` all see LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES set to their GPU.
+    """
 
     min_nodes: int
     max_nodes: int
@@ -125,6 +147,24 @@ class LaunchConfig:
     #: where in `command` to insert ``--local-rank=<local rank>`` for each worker (the
     #: legacy ``python -m distcomm.launch`` without --use-env); None: not passed
     local_rank_argv_index: int | None = None
+    logs_specs: LogsSpecs | None = None
+    event_log_handler: str = "null"
+    numa_binding: NumaOptions | None = None
+    duplicate_stdout_filters: list[str] = field(default_factory=list)
+    duplicate_stderr_filters: list[str] = field(default_factory=list)
+    virtual_local_rank: bool = False
+
+
+class SignalException(Exception):
+    """The agent got one of `signals_to_handle` (torch's ``SignalException``).
+
+    Attributes:
+        sigval: the signal.
+    """
+
+    def __init__(self, msg: str, sigval: signal.Signals) -> None:
+        super().__init__(msg)
+        self.sigval = sigval
 
 
 class _Signal(Exception):
@@ -184,8 +224,19 @@ def _resolve_ipv4(host: str) -> str:
 class ElasticAgent:
     """Runs one node's part of a launch; `run()` returns the exit status."""
 
-    def __init__(self, config: LaunchConfig) -> None:
+    def __init__(self, config: AgentConfig) -> None:
         self.config = config
+        #: after run(): the failures of the run's report (empty unless it failed)
+        self.failures: dict[int, ProcessFailure] = {}
+        #: after run(): the signal that stopped it, or None
+        self.signal: int | None = None
+        #: after run(): the error that ended it early (rendezvous, store, bad flag), or None
+        self.error: BaseException | None = None
+        #: local rank -> global rank of the workers last started here
+        self.ranks: dict[int, int] = {}
+        self._affinity: dict[int, frozenset[int]] | None = None
+        self._started_at = time.monotonic()
+        self._restarts = 0
         self._handler: RendezvousHandler | None = None
         self._workers: WorkerProcesses | None = None
         self._worker_store: Store | None = None
@@ -211,7 +262,11 @@ class ElasticAgent:
         _remove_stale_temp_dirs()
         self._tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
         try:
-            if config.log_dir:
+            if config.numa_binding is not None:
+                self._affinity, message = numa_affinity(config.numa_binding, config.nproc_per_node)
+                if message:
+                    print(message, file=sys.stderr, flush=True)
+            if config.logs_specs is None and config.log_dir:
                 os.makedirs(config.log_dir, exist_ok=True)
                 self._log_root = tempfile.mkdtemp(prefix=f"{config.run_id}_", dir=config.log_dir)
             else:
@@ -220,21 +275,27 @@ class ElasticAgent:
                 # one node: the agent's store and the workers share a fresh secret
                 os.environ["DISTCOMM_AUTH_KEY"] = secrets.token_hex(16)
             self._timer = FileTimerServer(
-                os.path.join(self._tmp, "timer.fifo"),
+                os.environ.get("TORCHELASTIC_TIMER_FILE") or os.path.join(self._tmp, "timer.fifo"),
                 config.run_id,
                 max_interval=1.0,
                 on_expired=self._on_timer_expired,
             )
             self._timer.start()
             self._handler = get_rendezvous_handler(self._rdzv_parameters())
-            return self._invoke_run()
+            code = self._invoke_run()
+            self._record_agent("SUCCEEDED" if code == 0 else "FAILED")
+            return code
         except _Signal as sig:
             log.warning("distcomm-run: got %s: stopping the workers with it", sig)
+            self.signal = sig.signum
             self._stop_workers(sig.signum)
             self._close_rendezvous()
+            self._record_agent("FAILED", f"signal {sig}")
             return 128 + sig.signum
         except (RendezvousError, DistError, ValueError, OSError) as exc:
+            self.error = exc
             print(f"distcomm-run: {exc}", file=sys.stderr, flush=True)
+            self._record_agent("FAILED", f"{type(exc).__name__}: {exc}")
             return 1
         finally:
             for sig in stopping:
@@ -282,12 +343,17 @@ class ElasticAgent:
         assert self._handler is not None
         handler, c = self._handler, self.config
         while True:
+            started = time.monotonic()
             try:
                 info = handler.next_rendezvous()
             except RendezvousClosedError:
                 return self._closed_outcome()
             self._last_info = info
+            self._record_agent(
+                "RENDEZVOUS", duration_ms=(time.monotonic() - started) * 1000, info=info
+            )
             restarts = int(info.run_store.add("restart_count", 0))
+            self._restarts = restarts
             log.info(
                 "distcomm-run: round %d: node %d of %d, %d worker(s) each, restart %d of %d",
                 info.round,
@@ -313,6 +379,7 @@ class ElasticAgent:
             finally:
                 watch.stop()
             if result is RunResult.SUCCEEDED:
+                self._record_workers(info, "SUCCEEDED", {})
                 self._stop_workers()
                 # read by check() once closed; a failure recorded first is kept
                 info.run_store.compare_set("outcome", b"", b"succeeded")
@@ -342,6 +409,7 @@ class ElasticAgent:
         left, else None (join the next round)."""
         c = self.config
         failures = self._failures(info)
+        self._record_workers(info, "FAILED", failures)
         if self._workers is not None:
             self._workers.terminate()  # the other workers end while the store is told
         with _slow_store("recording the failure"):
@@ -357,6 +425,7 @@ class ElasticAgent:
             self._print_report(info.run_store, info.round, info.world_size, failures, info.rank)
             self._depart(info)
             return 1
+        self._record_agent("RESTART", f"restart {count} of {c.max_restarts}", info=info)
         if failures:
             first = ChildFailedError(c.name, failures).get_first_failure()[1]
             log.warning(
@@ -432,6 +501,7 @@ class ElasticAgent:
                 exc,
             )
         failures.update(local)
+        self.failures = dict(failures)
         lines = []
         if failures:
             lines.append(ChildFailedError(self.config.name, failures).format_msg())
@@ -452,6 +522,78 @@ class ElasticAgent:
         if self._trace_dir:
             lines.append(trace_hint(self._trace_dir))
         print("\n".join(lines), file=sys.stderr, flush=True)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _event(
+        self,
+        state: str,
+        source: EventSource,
+        info: RendezvousInfo | None,
+        raw_error: str | None = None,
+        duration_ms: float | None = None,
+        worker: dict[str, object] | None = None,
+    ) -> Event:
+        """torch's event layout: ``torchelastic.worker.status.<state>`` and its metadata."""
+        c, info = self.config, info or self._last_info
+        md: dict[str, object] = {
+            "group_world_size": info.world_size if info else None,
+            "entry_point": c.name,
+        }
+        md.update(worker or {})
+        return Event(
+            f"torchelastic.worker.status.{state}",
+            source,
+            metadata={
+                "run_id": c.run_id,
+                "global_rank": (worker or {}).get("global_rank"),
+                "group_rank": info.rank if info else None,
+                "worker_id": (worker or {}).get("worker_pid"),
+                "role": c.role,
+                "hostname": socket.getfqdn(),
+                "state": state,
+                "total_run_time": int(time.monotonic() - self._started_at),
+                "rdzv_backend": c.rdzv_backend,
+                "raw_error": raw_error,
+                "metadata": json.dumps(md),
+                "agent_restarts": self._restarts,
+                "duration_ms": duration_ms,
+            },
+        )
+
+    def _record_agent(
+        self,
+        state: str,
+        raw_error: str | None = None,
+        duration_ms: float | None = None,
+        info: RendezvousInfo | None = None,
+    ) -> None:
+        record(
+            self._event(state, EventSource.AGENT, info, raw_error, duration_ms),
+            self.config.event_log_handler,
+        )
+
+    def _record_workers(
+        self, info: RendezvousInfo, state: str, failures: dict[int, ProcessFailure]
+    ) -> None:
+        """One event per local worker: `state` for those in `failures` (all when it is
+        SUCCEEDED or START), TERMINATED for the others of a failed group."""
+        pids = self._workers.pids() if self._workers is not None else {}
+        for local_rank, rank in sorted(self.ranks.items()):
+            failure = failures.get(rank)
+            each = state if state in ("SUCCEEDED", "START") or failure else "TERMINATED"
+            worker = {
+                "local_rank": local_rank,
+                "global_rank": rank,
+                "role_rank": rank,
+                "exit_code": failure.exitcode if failure else None,
+                "worker_pid": pids.get(local_rank),
+            }
+            raw = failure.message if failure else None
+            record(
+                self._event(each, EventSource.WORKER, info, raw, worker=worker),
+                self.config.event_log_handler,
+            )
 
     # -- one round ----------------------------------------------------------------------------
 
@@ -501,17 +643,32 @@ class ElasticAgent:
         self._check_homogeneous(info)
         host, port = self._master(info)
         nproc, world = c.nproc_per_node, c.nproc_per_node * info.world_size
-        attempt_dir = os.path.join(self._log_root, f"attempt_{self._attempt}")
+        attempt_dir = None
+        if c.logs_specs is not None:
+            attempt_dir = c.logs_specs.attempt_dir(c.run_id, self._attempt)
+            if attempt_dir is not None:
+                self._log_root = os.path.dirname(attempt_dir)
+        if attempt_dir is None:
+            attempt_dir = os.path.join(self._log_root, f"attempt_{self._attempt}")
+        logs_kept = bool(c.log_dir) or self._log_root != os.path.join(self._tmp, "logs")
         base = dict(os.environ)
         self._trace_dir = base.get("DISTCOMM_TRACE_DIR") or trace_dir(
-            self._log_root if c.log_dir else "", c.run_id, self._attempt
+            self._log_root if logs_kept else "", c.run_id, self._attempt
         )
         base["DISTCOMM_TRACE_DIR"] = self._trace_dir
         self._attempt += 1
         base.setdefault("OMP_NUM_THREADS", str(max(1, physical_cores() // nproc)))
+        # torchrun's: its agent exports the signals it handles; NCCL's error handling is on
+        base["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
+            signal.Signals(sig).name for sig in c.signals_to_handle
+        )
+        base.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        visible = base.get("CUDA_VISIBLE_DEVICES")
         commands, envs, prefixes = {}, {}, {}
+        self.ranks = {}
         for local_rank in range(nproc):
             rank = info.rank * nproc + local_rank
+            self.ranks[local_rank] = rank
             env = dict(base)  # WorkerProcesses adds the error-file variables
             env.update(
                 {
@@ -534,13 +691,20 @@ class ElasticAgent:
             )
             if self._timer:  # torchrun's name of the expiration timers' file
                 env["TORCHELASTIC_TIMER_FILE"] = self._timer.file_path
+            if c.virtual_local_rank:  # as torchrun: LOCAL_RANK 0, its own GPU as device 0
+                env["LOCAL_RANK"] = "0"
+                env["CUDA_VISIBLE_DEVICES"] = _visible_device(visible, local_rank)
             for name, value in (
                 ("RESTART_COUNT", str(restarts)),
                 ("MAX_RESTARTS", str(c.max_restarts)),
                 ("RUN_ID", c.run_id),
             ):
                 env[f"DISTCOMM_{name}"] = env[f"TORCHELASTIC_{name}"] = value
-            commands[local_rank] = list(c.command)
+            # torch's macro: ${local_rank} in an argument becomes the worker's local rank
+            commands[local_rank] = [
+                string.Template(arg).safe_substitute(local_rank=local_rank) if "$" in arg else arg
+                for arg in c.command
+            ]
             if c.local_rank_argv_index is not None:
                 commands[local_rank].insert(c.local_rank_argv_index, f"--local-rank={local_rank}")
             envs[local_rank] = env
@@ -560,8 +724,14 @@ class ElasticAgent:
             tee=c.tee,
             console_ranks=c.console_ranks,
             prefixes=prefixes,
+            duplicate_filters={
+                "stdout": list(c.duplicate_stdout_filters),
+                "stderr": list(c.duplicate_stderr_filters),
+            },
+            affinity=self._affinity,
         )
         self._workers.start()
+        self._record_workers(info, "START", {})
 
     def _monitor(self, watch: RoundWatch) -> RunResult:
         """Watch the workers every monitor_interval; never waits for the store."""
@@ -691,12 +861,36 @@ class ElasticAgent:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def launch(config: LaunchConfig) -> int:
+def _visible_device(visible: str | None, local_rank: int) -> str:
+    """torchrun's --virtual-local-rank: the `local_rank`-th entry of CUDA_VISIBLE_DEVICES,
+    or the local rank itself when it is unset.
+
+    Raises:
+        ValueError: CUDA_VISIBLE_DEVICES lists fewer devices than there are workers.
+    """
+    if visible is None:
+        return str(local_rank)
+    devices = visible.split(",")
+    if local_rank >= len(devices):
+        raise ValueError(
+            f"--virtual-local-rank: local rank {local_rank} has no device in "
+            f"CUDA_VISIBLE_DEVICES={visible!r} ({len(devices)} listed); list one per worker "
+            "or lower --nproc-per-node"
+        )
+    return devices[local_rank].strip()
+
+
+def launch(config: AgentConfig) -> int:
     """Run `config` on this node with an elastic agent; the exit status for the launcher."""
+    setup_logging()
+    return ElasticAgent(config).run()
+
+
+def setup_logging() -> None:
+    """Send the agent's log lines to stderr (INFO with DISTCOMM_LAUNCH_VERBOSE=1), once."""
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO if os.environ.get("DISTCOMM_LAUNCH_VERBOSE") else logging.WARNING)
         log.propagate = False
-    return ElasticAgent(config).run()

@@ -1,10 +1,11 @@
 """`distcomm-run` (also `python -m distcomm.run`): torchrun's command line, flag for flag.
 
-Parses the flags into a `LaunchConfig`, runs the elastic agent (`agent.py`) and exits
-with its status. Every flag is also read from a ``DISTCOMM_<FLAG>`` environment variable
-(``DISTCOMM_NPROC_PER_NODE=4``) or torchrun's ``PET_<FLAG>``; a flag on the command line
-wins over the variables (ours over torchrun's), which win over the built-in default.
-Flags accept dashes and underscores alike.
+Parses the flags into an `AgentConfig`, runs the elastic agent (`agent.py`) and exits
+with its status; `run(args)` does the same for parsed flags and raises on failure, as
+torch's ``torch.distributed.run.run``. Every flag is also read from a ``DISTCOMM_<FLAG>``
+environment variable (``DISTCOMM_NPROC_PER_NODE=4``) or torchrun's ``PET_<FLAG>``; a flag
+on the command line wins over the variables (ours over torchrun's), which win over the
+built-in default. Flags accept dashes and underscores alike.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import sys
 import uuid
 from collections.abc import Sequence
 
-from .agent import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS, LaunchConfig, launch
+from .agent import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS, AgentConfig, launch
+from .events import get_event_handler
+from .logs_specs import get_logs_specs_class
+from .numa import AFFINITY_MODES, NumaOptions
+from .rendezvous.settings import effective_backend
 from .workers import parse_local_ranks_filter, parse_std
 
 __all__ = [
@@ -27,6 +32,7 @@ __all__ = [
     "parse_args",
     "parse_min_max_nnodes",
     "parse_signals",
+    "run",
 ]
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "file")
@@ -41,10 +47,18 @@ with torchrun's name for it, PET_ and the same (PET_NPROC_PER_NODE=4). Precedenc
 command line, then DISTCOMM_<FLAG>, then PET_<FLAG>, then the default.
 
 Workers get RANK, LOCAL_RANK, GROUP_RANK, ROLE_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE,
-ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT, DISTCOMM_RESTART_COUNT,
-DISTCOMM_MAX_RESTARTS and DISTCOMM_RUN_ID (also as TORCHELASTIC_RESTART_COUNT,
-TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID), OMP_NUM_THREADS (cores / workers per
-node, unless set), and what distcomm.init_process_group() needs with no arguments.
+GROUP_WORLD_SIZE, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT,
+DISTCOMM_RESTART_COUNT, DISTCOMM_MAX_RESTARTS and DISTCOMM_RUN_ID (also as
+TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID),
+TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_ERROR_FILE (and DISTCOMM_ERROR_FILE),
+TORCHELASTIC_TIMER_FILE (and DISTCOMM_TIMER_FILE; the agent always serves expiration
+timers, so TORCHELASTIC_ENABLE_FILE_TIMER is not needed), TORCHELASTIC_SIGNALS_TO_HANDLE,
+TORCH_NCCL_ASYNC_ERROR_HANDLING (1 unless set), OMP_NUM_THREADS (cores / workers per node,
+unless set), and what distcomm.init_process_group() needs with no arguments.
+
+torchrun's variables read by the agent: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (the default
+of --log-line-prefix-template), TORCH_ELASTIC_SHUTDOWN_TIMEOUT (the default of
+--shutdown-timeout), TORCHELASTIC_TIMER_FILE (the path of the timers' pipe).
 """
 
 
@@ -142,6 +156,13 @@ class _EnvFlag(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
+def comma_separated_list(value: str) -> list[str]:
+    """torchrun's --duplicate-*-filters value: comma-separated strings, ",," for a comma."""
+    placeholder = "\x00"
+    items = str(value).replace(",,", placeholder).split(",")
+    return [item.replace(placeholder, ",") for item in items if item]
+
+
 def _names(flag: str) -> list[str]:
     """--flag_name and --flag-name, torchrun's two spellings."""
     under, dash = "--" + flag, "--" + flag.replace("_", "-")
@@ -210,7 +231,9 @@ def get_args_parser() -> argparse.ArgumentParser:
         "rdzv_conf",
         "rendezvous settings key=value,...: join_timeout, last_call_timeout, "
         "close_timeout, read_timeout, is_host, keep_alive_interval, "
-        "keep_alive_max_attempt",
+        "keep_alive_max_attempt, timeout (static/etcd join timeout), rank (static node "
+        "rank), store_type (tcp or file, for c10d), etcd_prefix, protocol (http); "
+        "torch's heartbeat_timeout and use_libuv are accepted and have no effect",
         default="",
     )
     flag(
@@ -233,10 +256,22 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     add(
         "start_method",
-        f"{', '.join(START_METHODS)}: accepted for torchrun compatibility; "
-        "workers are always started as new processes running the script",
+        f"{', '.join(START_METHODS)}: accepted for torchrun compatibility and has no "
+        "effect. torchrun applies it only to function entrypoints (its elastic_launch); a "
+        "script always runs in a new process, here as there. distcomm's elastic_launch "
+        "also runs a function in a fresh interpreter (spawn's way) whatever the method: "
+        "forking the agent, whose store, timer and output threads are running, could "
+        "leave a worker with a lock held by a thread that does not exist in it",
         default="spawn",
         choices=START_METHODS,
+    )
+    add(
+        "event_log_handler",
+        "where the agent's events go (rendezvous done, workers started, failed, "
+        "restarted, the outcome), as torchrun's JSON lines: console (stderr), null (dropped; "
+        "the default) or a handler registered in the distcomm.event_handlers entry-point "
+        "group",
+        default="null",
     )
     add("role", "the workers' role name (ROLE_NAME; default 'default')", default="default")
     flag("module", "run the script as a module, like 'python -m'", "-m")
@@ -266,7 +301,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         *_names("tee"),
         action=_EnvDefault,
         default="0",
-        help="like --redirects, but also to the console, each line prefixed with '[rank]:'",
+        help="like --redirects, but also to the console, each line prefixed with "
+        "torchrun's '[<role><local rank>]:' ('[default0]:')",
     )
     add(
         "local_ranks_filter",
@@ -275,11 +311,45 @@ def get_args_parser() -> argparse.ArgumentParser:
         default="",
     )
     add(
+        "duplicate_stdout_filters",
+        "also write the teed stdout lines (see --tee) that contain any of these "
+        "comma-separated strings (',,' for a comma) to <log_dir>/.../attempt_N/"
+        "filtered_stdout.log, prefixed, as torchrun does; nothing is filtered when empty",
+        default=[],
+        type=comma_separated_list,
+    )
+    add(
+        "duplicate_stderr_filters",
+        "the same for stderr, into filtered_stderr.log",
+        default=[],
+        type=comma_separated_list,
+    )
+    add(
         "log_line_prefix_template",
-        "prefix each console line of a worker with this "
-        "template (${rank}, ${local_rank}, ${role_name}); default '[${rank}]:' for teed "
-        "streams, none otherwise",
+        "prefix each console line of a worker with this template (${rank}, "
+        "${local_rank}, ${role_name}); default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE "
+        "(torchrun's variable), else '[${role_name}${local_rank}]:' for teed streams and "
+        "none otherwise. distcomm's flag: torchrun reads the variable only, and applies it "
+        "to teed streams only",
+        default=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+    )
+    add(
+        "logs_specs",
+        "the LogsSpecs (where each attempt's log files go) registered under this name: "
+        "'default' (torchrun's layout, the default), or one an installed package declares "
+        "in the distcomm.logs_specs entry-point group",
         default=None,
+    )
+    add(
+        "numa_binding",
+        f"{', '.join(AFFINITY_MODES)}: bind each worker's CPUs (sched_setaffinity) to "
+        "its NUMA node, that node's socket, an exclusive share of the node's cores, or one "
+        "core complex (cores sharing the last-level cache). Workers are spread over the "
+        "NUMA nodes in blocks by local rank (torchrun follows each worker's GPU). On a "
+        "machine whose topology is flat for the mode, a one-line message says so and "
+        "affinity is left alone",
+        default=None,
+        choices=AFFINITY_MODES,
     )
     add(
         "local_addr",
@@ -291,9 +361,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     add(
         "shutdown_timeout",
-        "seconds workers get after SIGTERM before SIGKILL when the group is stopped (default 30)",
+        "seconds workers get after SIGTERM before SIGKILL when the group is stopped "
+        "(default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torchrun's variable, else 30)",
         type=float,
-        default=30.0,
+        default=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"),
     )
     add(
         "signals_to_handle",
@@ -305,6 +376,12 @@ def get_args_parser() -> argparse.ArgumentParser:
         "job (sbatch --signal=USR1@120) can checkpoint before it is pre-empted; list them "
         "to make them stop the run instead",
         default=_signal_names(DEFAULT_SIGNALS_TO_HANDLE),
+    )
+    flag(
+        "virtual_local_rank",
+        "every worker sees LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES set to its own GPU "
+        "(the local-rank-th entry of the agent's CUDA_VISIBLE_DEVICES, or the local rank "
+        "when unset), so each uses device 0, as torchrun does",
     )
     parser.add_argument(
         "training_script",
@@ -402,7 +479,7 @@ def _command(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-u", script, *rest]
 
 
-def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """The launch configuration the parsed flags describe.
 
     Raises:
@@ -418,6 +495,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 f"--standalone and use --rdzv_backend=c10d for several nodes"
             )
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
+    rdzv_conf = _parse_rdzv_conf(args.rdzv_conf)
+    backend = effective_backend(backend, rdzv_conf)
     if backend not in RDZV_BACKENDS:
         raise ValueError(f"--rdzv_backend={backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
     if args.start_method not in START_METHODS:  # a DISTCOMM_START_METHOD default skips choices
@@ -430,9 +509,15 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     monitor = float(args.monitor_interval)
     if not monitor > 0:
         raise ValueError(f"--monitor_interval must be > 0 seconds, got {monitor}")
-    shutdown = float(args.shutdown_timeout)
+    try:
+        shutdown = float(args.shutdown_timeout)
+    except ValueError:
+        shutdown = float("nan")
     if not shutdown >= 0:
-        raise ValueError(f"--shutdown_timeout must be >= 0 seconds, got {shutdown}")
+        raise ValueError(
+            f"--shutdown_timeout (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) must be a number of "
+            f"seconds >= 0, got {args.shutdown_timeout!r}"
+        )
     node_rank = -1 if args.node_rank is None else int(args.node_rank)
     master_port = args.master_port
     if backend == "static":
@@ -470,7 +555,14 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     tee = parse_std(str(args.tee), nproc, "--tee")
     console = parse_local_ranks_filter(str(args.local_ranks_filter or ""), nproc)
     signals = parse_signals(args.signals_to_handle)
-    return LaunchConfig(
+    get_event_handler(str(getattr(args, "event_log_handler", "null")))  # a bad name, named
+    numa = getattr(args, "numa_binding", None)
+    if numa is not None and numa not in AFFINITY_MODES:  # from a variable: choices skipped
+        raise ValueError(f"--numa_binding={numa!r} is not one of {', '.join(AFFINITY_MODES)}")
+    logs_specs = get_logs_specs_class(getattr(args, "logs_specs", None))(
+        log_dir=args.log_dir, redirects=redirects, tee=tee, local_ranks_filter=console
+    )
+    return AgentConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=nproc,
@@ -480,7 +572,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         role=args.role,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
-        rdzv_configs=_parse_rdzv_conf(args.rdzv_conf),
+        rdzv_configs=rdzv_conf,
         max_restarts=max_restarts,
         monitor_interval=monitor,
         start_method=args.start_method,
@@ -495,7 +587,35 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         master_port=0 if master_port is None else int(master_port),
         shutdown_timeout=shutdown,
         signals_to_handle=signals,
+        logs_specs=logs_specs,
+        event_log_handler=str(getattr(args, "event_log_handler", "null")),
+        numa_binding=None if numa is None else NumaOptions(numa),
+        duplicate_stdout_filters=_filters(getattr(args, "duplicate_stdout_filters", [])),
+        duplicate_stderr_filters=_filters(getattr(args, "duplicate_stderr_filters", [])),
+        virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
     )
+
+
+def _filters(value: object) -> list[str]:
+    """A --duplicate-*-filters value: a list already, or a string from a variable."""
+    if isinstance(value, str):
+        return comma_separated_list(value)
+    return [str(item) for item in (value or []) if str(item)]
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run the job the parsed flags describe on this node (torch's ``run(args)``).
+
+    Returns once every worker succeeded.
+
+    Raises:
+        ChildFailedError: the run failed (its report names every failed rank).
+        SignalException: the agent was stopped by one of --signals-to-handle.
+        ValueError: a flag's value is invalid; DistError: the rendezvous failed.
+    """
+    from .api import run_agent  # api imports this module
+
+    run_agent(config_from_args(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
