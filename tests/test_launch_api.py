@@ -1,0 +1,164 @@
+"""The Python launch API (torch's launcher.api) and distcomm.run's run(args)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+
+import pytest
+
+from distcomm.launch import LaunchConfig, elastic_launch, launch_agent
+from distcomm.launch.errors import ChildFailedError
+from distcomm.launch.logs_specs import DefaultLogsSpecs
+from distcomm.run import get_args_parser, run
+from tests.launchjobs import launcher_env, script
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch, tmp_path):
+    """The agent runs in this process: give it the launcher tests' environment and temp dir."""
+    wanted = launcher_env()
+    for name in list(os.environ):
+        if name not in wanted:
+            monkeypatch.delenv(name)
+    for name, value in wanted.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+def _config(**kwargs: object) -> LaunchConfig:
+    options: dict[str, object] = {
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "nproc_per_node": 2,
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": "localhost:0",
+        "max_restarts": 0,
+        "monitor_interval": 0.05,
+    }
+    options.update(kwargs)
+    return LaunchConfig(**options)  # type: ignore[arg-type]
+
+
+def times_ten(offset: int) -> int:
+    return int(os.environ["RANK"]) * 10 + offset
+
+
+def fail_on_rank_one() -> None:
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one refuses")
+
+
+def fail_first_attempt() -> str:
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise RuntimeError("first attempt fails")
+    return f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}"
+
+
+def test_function_results_by_global_rank():
+    assert elastic_launch(_config(), times_ten)(0) == {0: 0, 1: 10}
+    assert launch_agent(_config(nproc_per_node=3), times_ten, [1]) == {0: 1, 1: 11, 2: 21}
+
+
+def test_raising_function_gives_child_failed_error_naming_the_rank():
+    with pytest.raises(ChildFailedError) as info:
+        elastic_launch(_config(), fail_on_rank_one)()
+    error = info.value
+    assert set(error.failures) == {1}
+    rank, failure = error.get_first_failure()
+    assert rank == 1 and "ValueError: rank one refuses" in failure.message
+    assert "fail_on_rank_one" in error.format_msg()
+
+
+def test_command_entrypoint(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    code = "import os, sys; open(os.path.join(sys.argv[1], sys.argv[2]), 'w').close()"
+    result = elastic_launch(_config(), sys.executable)("-c", code, str(out), "w${local_rank}")
+    assert result == {0: None, 1: None}
+    assert sorted(p.name for p in out.iterdir()) == ["w0", "w1"]
+    with pytest.raises(ChildFailedError) as info:
+        elastic_launch(_config(), sys.executable)("-c", "raise SystemExit(3)")
+    assert {f.exitcode for f in info.value.failures.values()} == {3}
+
+
+def test_max_restarts_retries_the_group():
+    assert elastic_launch(_config(max_restarts=1), fail_first_attempt)() == {
+        0: "attempt 1",
+        1: "attempt 1",
+    }
+    with pytest.raises(ChildFailedError):
+        elastic_launch(_config(max_restarts=0), fail_first_attempt)()
+
+
+def test_tee_and_log_dir_through_logs_specs(tmp_path, capfd):
+    logs = tmp_path / "logs"
+    specs = DefaultLogsSpecs(log_dir=str(logs), tee={0: 1})
+    code = "print('line from', __import__('os').environ['RANK'])"
+    elastic_launch(_config(logs_specs=specs), sys.executable)("-c", code)
+    out = capfd.readouterr().out
+    assert "[default_role0]:line from 0" in out  # LaunchConfig's role is torch's default_role
+    (log,) = logs.glob("*/attempt_0/0/stdout.log")
+    assert log.read_text() == "line from 0\n"
+
+
+def test_bad_configs_are_named():
+    with pytest.raises(ValueError, match="nproc_per_node"):
+        launch_agent(_config(nproc_per_node=0), times_ten, [0])
+    with pytest.raises(ValueError, match="min_nodes"):
+        launch_agent(_config(min_nodes=2, max_nodes=1), times_ten, [0])
+    with pytest.raises(ValueError, match=r"known ones are .*console.*null"):
+        launch_agent(_config(event_log_handler="nosuch"), times_ten, [0])
+    with pytest.raises(ValueError, match="shutdown_timeout"):
+        _config(shutdown_timeout=-1)
+    with pytest.raises(ValueError, match="needs rdzv_endpoint='HOST:PORT'"):
+        launch_agent(_config(rdzv_backend="static", rdzv_endpoint=""), times_ten, [0])
+    with pytest.raises(TypeError, match="pickled"):
+        launch_agent(_config(), lambda: None, [])
+
+
+def test_static_backend_and_rdzv_timeout():
+    config = _config(rdzv_backend="static", rdzv_endpoint="127.0.0.1:0", rdzv_timeout=30)
+    assert config.rdzv_configs["timeout"] == 30
+    assert elastic_launch(config, times_ten)(5) == {0: 5, 1: 15}
+    assert _config().rdzv_configs["timeout"] == 900  # torch's default, added as torch does
+
+
+def test_launch_config_matches_torch():
+    api = pytest.importorskip("torch.distributed.launcher.api")
+    ours = {f.name: f for f in dataclasses.fields(LaunchConfig)}
+    theirs = {f.name: f for f in dataclasses.fields(api.LaunchConfig)}
+    assert list(ours) == list(theirs)
+    for name, field in theirs.items():
+        if field.default is not dataclasses.MISSING:
+            assert ours[name].default == field.default, name
+        elif field.default_factory is not dataclasses.MISSING:
+            assert ours[name].default_factory() == field.default_factory(), name
+
+
+def test_run_args_succeeds_and_raises_like_torch(tmp_path):
+    good = script(tmp_path / "good.py", "import os; assert os.environ['WORLD_SIZE'] == '2'")
+    bad = script(
+        tmp_path / "bad.py",
+        """
+        import os
+        from distcomm.launch.errors import record
+
+        @record
+        def main():
+            if os.environ["RANK"] == "0":
+                raise KeyError("rank zero broke")
+
+        main()
+        """,
+    )
+    assert run(get_args_parser().parse_args(["--nproc-per-node=2", str(good)])) is None
+    with pytest.raises(ChildFailedError) as info:
+        run(get_args_parser().parse_args(["--nproc-per-node=2", str(bad)]))
+    assert set(info.value.failures) == {0}
+    assert "rank zero broke" in info.value.get_first_failure()[1].message
