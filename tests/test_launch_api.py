@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from distcomm.launch import LaunchConfig, elastic_launch, launch_agent
+from distcomm.launch.api import LaunchConfig, elastic_launch, launch_agent
 from distcomm.launch.errors import ChildFailedError
 from distcomm.launch.logs_specs import DefaultLogsSpecs
 from distcomm.run import get_args_parser, run

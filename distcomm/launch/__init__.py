@@ -1,9 +1,7 @@
 """distcomm-run, the elastic launcher: CLI (`run`), agent, rendezvous, workers, errors, timer.
 
 `distcomm.launch.errors.record` and `distcomm.launch.timer` are the parts a worker uses;
-`LaunchConfig`, `elastic_launch` and `launch_agent` are torch's Python launch API.
+`distcomm.launch.api` is torch's Python launch API (`LaunchConfig`, `elastic_launch`,
+`launch_agent`, as `torch.distributed.launcher.api`). Nothing is imported here, so that a
+worker importing `errors` or `timer` does not load the agent.
 """
-
-from .api import LaunchConfig, elastic_launch, launch_agent
-
-__all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]

@@ -3,7 +3,7 @@
 `elastic_launch(config, entrypoint)(*args)` runs this node's part of a job with an elastic
 agent and returns ``{global rank: return value}`` for the node's workers::
 
-    from distcomm.launch import LaunchConfig, elastic_launch
+    from distcomm.launch.api import LaunchConfig, elastic_launch
 
     def train(scale):                      # importable: a module, or the main script
         import os
