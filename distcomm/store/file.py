@@ -439,28 +439,19 @@ class FileStore(Store):
         out = bytearray(MAGIC)
         out += RECORD.pack(OP_USERS, 0, len(users), zlib.crc32(users)) + users
         written = 0
-        for key in list(self._data.keys()):
+        records = [(OP_SET, key, self._data[key]) for key in list(self._data.keys())]
+        records += [(OP_QUEUE_PUSH, key, value)
+                    for key, items in self._queues.items() for value in items]
+        for op, key, value in records:
             key_bytes = key.encode()
-            value = self._data[key]
             crc = zlib.crc32(value, zlib.crc32(key_bytes))
-            out += RECORD.pack(OP_SET, len(key_bytes), len(value), crc)
+            out += RECORD.pack(op, len(key_bytes), len(value), crc)
             out += key_bytes
             out += value
             if len(out) >= _WRITE_CHUNK:
                 pwrite_all(fd, out, written)
                 written += len(out)
                 out = bytearray()
-        for key, items in self._queues.items():
-            key_bytes = key.encode()
-            for value in items:
-                crc = zlib.crc32(value, zlib.crc32(key_bytes))
-                out += RECORD.pack(OP_QUEUE_PUSH, len(key_bytes), len(value), crc)
-                out += key_bytes
-                out += value
-                if len(out) >= _WRITE_CHUNK:
-                    pwrite_all(fd, out, written)
-                    written += len(out)
-                    out = bytearray()
         pwrite_all(fd, out, written)
         return written + len(out)
 
