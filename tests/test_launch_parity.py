@@ -398,3 +398,13 @@ def test_c10d_store_type_file_is_the_file_backend(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "rdzv").exists()
+
+
+def test_agent_reads_torchruns_timer_file_only_when_enabled(monkeypatch, tmp_path):
+    from distcomm.launch.agent import _timer_file
+
+    monkeypatch.setenv("TORCHELASTIC_TIMER_FILE", str(tmp_path / "timer"))
+    monkeypatch.delenv("TORCHELASTIC_ENABLE_FILE_TIMER", raising=False)
+    assert _timer_file() is None  # e.g. inherited by a launcher inside a worker
+    monkeypatch.setenv("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
+    assert _timer_file() == str(tmp_path / "timer")

@@ -167,6 +167,15 @@ class SignalException(Exception):
         self.sigval = sigval
 
 
+def _timer_file() -> str | None:
+    """The timers' pipe torchrun's variables ask for: TORCHELASTIC_TIMER_FILE, read only
+    with TORCHELASTIC_ENABLE_FILE_TIMER=1 as torch's agent does (a launcher started inside
+    a worker inherits the outer run's TORCHELASTIC_TIMER_FILE and must not serve it)."""
+    if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") != "1":
+        return None
+    return os.environ.get("TORCHELASTIC_TIMER_FILE") or None
+
+
 class _Signal(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -275,7 +284,7 @@ class ElasticAgent:
                 # one node: the agent's store and the workers share a fresh secret
                 os.environ["DISTCOMM_AUTH_KEY"] = secrets.token_hex(16)
             self._timer = FileTimerServer(
-                os.environ.get("TORCHELASTIC_TIMER_FILE") or os.path.join(self._tmp, "timer.fifo"),
+                _timer_file() or os.path.join(self._tmp, "timer.fifo"),
                 config.run_id,
                 max_interval=1.0,
                 on_expired=self._on_timer_expired,

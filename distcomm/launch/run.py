@@ -58,7 +58,8 @@ unless set), and what distcomm.init_process_group() needs with no arguments.
 
 torchrun's variables read by the agent: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (the default
 of --log-line-prefix-template), TORCH_ELASTIC_SHUTDOWN_TIMEOUT (the default of
---shutdown-timeout), TORCHELASTIC_TIMER_FILE (the path of the timers' pipe).
+--shutdown-timeout), TORCHELASTIC_TIMER_FILE (the path of the timers' pipe, with
+TORCHELASTIC_ENABLE_FILE_TIMER=1 as in torchrun; the pipe is served either way).
 """
 
 
