@@ -805,7 +805,8 @@ LATE_FAILURE_WORKER = """
             (out / f"done_r{rank}_a{attempt}").write_text("")
             return
         deadline = time.monotonic() + 60
-        while len(list(out.glob(f"done_r*_a{attempt}"))) < 2:
+        while (len(list(out.glob(f"done_r*_a{attempt}"))) < 2
+               or len(list(out.glob(f"start_r*_a{attempt}"))) < 4):  # every worker is up
             if time.monotonic() > deadline:
                 raise TimeoutError("node 0's workers never finished")
             time.sleep(0.05)

@@ -12,11 +12,21 @@ from distcomm.regroup import SHRINK_ABORT
 from tests.harness import run_ranks
 
 
+def _sync(name: str, count: int) -> None:
+    """A barrier of `count` ranks on the test's own store (the groups may be broken)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          timeout=60)
+    store.barrier(name, count)
+    store.close()
+
+
 def _survivors_shrink(victim: int) -> tuple[int, int, list[int]]:
     r = dist.get_rank()
     sub = dist.new_group(sorted({1, 3, victim}))
     if r == victim:
         os._exit(3)
+    # every survivor is out of new_group's barrier before one aborts the old world
+    _sync(f"made-sub-{victim}", 3)
     with pytest.raises(RuntimeError, match="only the remaining ranks call shrink_group"):
         dist.shrink_group([r])
     world = dist.shrink_group([victim], shrink_flags=SHRINK_ABORT)
@@ -31,8 +41,9 @@ def _survivors_shrink(victim: int) -> tuple[int, int, list[int]]:
             dist.all_reduce(np.ones(1), group=sub)
     # a group of the renumbered world, then a shrink of it by its two remaining members
     trio = dist.new_group([0, 1, 2])
+    _sync(f"made-trio-{victim}", 3)
     if me != 1:
-        duo = dist.shrink_group([1], group=trio)
+        duo = dist.shrink_group([1], group=trio, shrink_flags=SHRINK_ABORT)
         assert dist.get_process_group_ranks(duo) == [0, 2] and duo.rank() == me // 2
         y = np.full(2, me + 1.0)
         dist.all_reduce(y, group=duo)
