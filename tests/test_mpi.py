@@ -199,3 +199,39 @@ def test_a_process_without_launcher_leaves_no_shared_memory(tmp_path):
         assert any("/sm_segment." in path for path in report["mapped"]), report
     left = [path for path in report["mapped"] if os.path.exists(path)]
     assert not left, f"the singleton left {left} behind"
+
+
+def test_shrink_and_split_groups(tmp_path):
+    """split_group, and shrink_group of the default group by ranks that go on while the
+    excluded one (alive: MPI ends a job whose process dies) waits outside."""
+    script = _script(
+        tmp_path,
+        """
+        import numpy as np
+        from mpi4py import MPI
+        import distcomm as dist
+        from distcomm.regroup import SHRINK_DEFAULT
+        dist.init_process_group("mpi")
+        r = dist.get_rank()
+        halves = dist.split_group(split_ranks=[[0, 1], [2]])
+        x = np.full(2, r + 1.0)
+        dist.all_reduce(x, group=halves)
+        assert x.tolist() == ([3.0, 3.0] if r < 2 else [3.0, 3.0]), x
+        if r != 1:
+            world = dist.shrink_group([1], shrink_flags=SHRINK_DEFAULT)
+            assert (dist.get_rank(), dist.get_world_size()) == ({0: 0, 2: 1}[r], 2)
+            y = np.full(2, float(r))
+            dist.all_reduce(y, group=world)
+            assert y.tolist() == [2.0, 2.0], y
+            pair = dist.new_group([0, 1])  # in the renumbered world: old ranks 0 and 2
+            z = np.ones(1)
+            dist.all_reduce(z, group=pair)
+            assert z.tolist() == [2.0], z
+            print("shrunk", r, flush=True)
+        MPI.COMM_WORLD.Barrier()
+        dist.destroy_process_group()
+    """,
+    )
+    done = mpiexec(3, sys.executable, script, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("shrunk") == 2, done.stdout
