@@ -28,8 +28,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from typing import Any
+
+from .plugins import NamedPlugins
 
 __all__ = [
     "Event",
@@ -83,11 +84,11 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 _lock = threading.Lock()
-_factories: dict[str, Callable[[], logging.Handler]] = {
-    "console": _StderrHandler,
-    "null": logging.NullHandler,
-    "dynamic_rendezvous": logging.NullHandler,
-}
+_plugins: NamedPlugins[Callable[[], logging.Handler]] = NamedPlugins(
+    "--event-log-handler", "event handler", ENTRY_POINT_GROUP, "register_event_handler",
+    {"console": _StderrHandler, "null": logging.NullHandler,
+     "dynamic_rendezvous": logging.NullHandler},
+    callable, "callable (a factory of a logging.Handler)")
 _loggers: dict[str, logging.Logger] = {}
 
 
@@ -98,48 +99,12 @@ def register_event_handler(name: str, factory: Callable[[], logging.Handler]) ->
         ValueError: `name` is empty or already registered.
         TypeError: `factory` is not callable.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"an event handler needs a non-empty name, got {name!r}")
-    if not callable(factory):
-        raise TypeError(f"event handler {name!r}: the factory must be callable")
-    with _lock:
-        if name in _factories and _factories[name] is not factory:
-            raise ValueError(f"event handler {name!r} is already registered")
-        _factories[name] = factory
-
-
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    _plugins.register(name, factory)
 
 
 def registered_event_handlers() -> list[str]:
     """The names --event-log-handler accepts (built-in, registered, entry points)."""
-    with _lock:
-        names = set(_factories)
-    return sorted(names | set(_entry_points()))
-
-
-def _factory(name: str) -> Callable[[], logging.Handler]:
-    with _lock:
-        factory = _factories.get(name)
-    if factory is not None:
-        return factory
-    entry = _entry_points().get(name)
-    if entry is None:
-        raise ValueError(
-            f"--event-log-handler={name!r} is not a known event handler; the known ones are "
-            f"{', '.join(registered_event_handlers())} (add one with register_event_handler "
-            f"or the {ENTRY_POINT_GROUP!r} entry-point group)"
-        )
-    try:
-        loaded = entry.load()
-    except Exception as exc:  # a broken plug-in: say which
-        raise ValueError(
-            f"--event-log-handler={name!r}: loading entry point {entry.value!r} failed: {exc}"
-        ) from exc
-    if not callable(loaded):
-        raise ValueError(f"--event-log-handler={name!r}: {entry.value!r} is not callable")
-    return loaded  # type: ignore[no-any-return]
+    return _plugins.names()
 
 
 def get_event_handler(name: str = "null") -> logging.Logger:
@@ -152,7 +117,7 @@ def get_event_handler(name: str = "null") -> logging.Logger:
         logger = _loggers.get(name)
     if logger is not None:
         return logger
-    handler = _factory(name)()
+    handler = _plugins.get(name)()
     if not isinstance(handler, logging.Handler):
         raise ValueError(
             f"--event-log-handler={name!r} made a {type(handler).__name__}, not a logging.Handler"

@@ -16,8 +16,8 @@ import os
 import tempfile
 import threading
 from abc import ABC, abstractmethod
-from importlib import metadata
 
+from .plugins import NamedPlugins
 from .workers import Std
 
 __all__ = [
@@ -125,8 +125,11 @@ class DefaultLogsSpecs(LogsSpecs):
         )
 
 
-_lock = threading.Lock()
-_classes: dict[str, type[LogsSpecs]] = {DEFAULT_NAME: DefaultLogsSpecs}
+_plugins: NamedPlugins[type[LogsSpecs]] = NamedPlugins(
+    "--logs-specs", "LogsSpecs", ENTRY_POINT_GROUP, "register_logs_specs",
+    {DEFAULT_NAME: DefaultLogsSpecs},
+    lambda cls: isinstance(cls, type) and issubclass(cls, LogsSpecs),
+    "a subclass of distcomm.launch.logs_specs.LogsSpecs")
 
 
 def register_logs_specs(name: str, cls: type[LogsSpecs]) -> None:
@@ -136,25 +139,12 @@ def register_logs_specs(name: str, cls: type[LogsSpecs]) -> None:
         ValueError: `name` is empty or already registered with another class.
         TypeError: `cls` is not a subclass of `LogsSpecs`.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a LogsSpecs needs a non-empty name, got {name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, LogsSpecs)):
-        raise TypeError(f"--logs-specs={name!r}: {cls!r} is not a subclass of LogsSpecs")
-    with _lock:
-        if _classes.get(name, cls) is not cls:
-            raise ValueError(f"--logs-specs name {name!r} is already registered")
-        _classes[name] = cls
-
-
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    _plugins.register(name, cls)
 
 
 def registered_logs_specs() -> list[str]:
     """The names --logs-specs accepts."""
-    with _lock:
-        names = set(_classes)
-    return sorted(names | set(_entry_points()))
+    return _plugins.names()
 
 
 def get_logs_specs_class(name: str | None) -> type[LogsSpecs]:
@@ -164,28 +154,4 @@ def get_logs_specs_class(name: str | None) -> type[LogsSpecs]:
         ValueError: the name is unknown (the message lists the known ones), or its entry
             point does not load a `LogsSpecs` subclass.
     """
-    if name is None:
-        return DefaultLogsSpecs
-    with _lock:
-        cls = _classes.get(name)
-    if cls is not None:
-        return cls
-    entry = _entry_points().get(name)
-    if entry is None:
-        raise ValueError(
-            f"--logs-specs={name!r} is not a known LogsSpecs; the known ones are "
-            f"{', '.join(registered_logs_specs())} (add one with register_logs_specs or "
-            f"the {ENTRY_POINT_GROUP!r} entry-point group)"
-        )
-    try:
-        loaded = entry.load()
-    except Exception as exc:
-        raise ValueError(
-            f"--logs-specs={name!r}: loading entry point {entry.value!r} failed: {exc}"
-        ) from exc
-    if not (isinstance(loaded, type) and issubclass(loaded, LogsSpecs)):
-        raise ValueError(
-            f"--logs-specs={name!r}: entry point {entry.value!r} is not a subclass of "
-            "distcomm.launch.logs_specs.LogsSpecs"
-        )
-    return loaded
+    return DefaultLogsSpecs if name is None else _plugins.get(name)
