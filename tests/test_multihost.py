@@ -600,6 +600,7 @@ try:
         time.sleep(0.01)
 except dist.DistError as exc:
     print(f"rank {rank} raised {type(exc).__name__}: {exc}", flush=True)
+    time.sleep(2)  # the agent stops this host's other workers when one exits: let them say it
     sys.exit(1)
 """
 
