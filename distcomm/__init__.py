@@ -41,6 +41,7 @@ from .errors import (
     DistStoreError,
     DistStoreTimeoutError,
     DistTimeoutError,
+    GroupDestroyedError,
     QueueEmptyError,
 )
 from .group import (
@@ -132,6 +133,7 @@ __all__ = [
     "P2POp",
     "PrefixStore",
     "ProcessGroup",
+    "GroupDestroyedError",
     "QueueEmptyError",
     "ReduceOp",
     "ReduceOptions",

@@ -6,7 +6,8 @@ each subclass also inherits the builtin exception a caller would catch anyway::
     RuntimeError
     └── DistError
         ├── DistBackendError               a backend op failed: desync, aborted group, library error
-        │   └── BackendUnavailableError    (also ImportError) its library or device is missing
+        │   ├── BackendUnavailableError    (also ImportError) its library or device is missing
+        │   └── GroupDestroyedError        the group was destroyed (or shut down) before the op ran
         ├── DistNetworkError               (also ConnectionError) a peer or store connection failed
         ├── DistStoreError                 a store request failed
         │   ├── DistStoreTimeoutError      (also DistTimeoutError) a key did not appear in time
@@ -35,6 +36,7 @@ __all__ = [
     "DistStoreError",
     "DistStoreTimeoutError",
     "DistTimeoutError",
+    "GroupDestroyedError",
     "QueueEmptyError",
 ]
 
@@ -49,6 +51,10 @@ class DistBackendError(DistError):
 
 class BackendUnavailableError(DistBackendError, ImportError):
     """A backend cannot run here: its library is not installed or its device is absent."""
+
+
+class GroupDestroyedError(DistBackendError):
+    """An operation was issued on, or was still queued in, a destroyed process group."""
 
 
 class DistNetworkError(DistError, ConnectionError):
