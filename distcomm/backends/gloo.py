@@ -29,8 +29,8 @@ from ..store.base import Store
 from ..work import Work
 from . import algorithms as algo
 from .intranode import HostLayout, IntraNode, same_host_setup
+from .protocol import OP_CODES, Signature
 from .tcp import TcpBackend
-from .transport.base import OP_CODES, Signature
 from .transport.exchange import Exchange, diagnose
 
 __all__ = ["GlooBackend", "transport_mode"]

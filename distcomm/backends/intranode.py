@@ -33,7 +33,7 @@ from ..errors import DistBackendError, DistTimeoutError
 from ..ops import ReduceOp, reduce_into
 from ..parallel import parallel_for
 from ..store.base import Store
-from .transport.base import Signature, mismatch_message
+from .protocol import Signature, mismatch_message
 from .transport.exchange import ScratchPool
 from .transport.mailbox import Mailbox
 from .transport.shm import (

@@ -57,7 +57,7 @@ from ..store.prefix import PrefixStore
 from ..work import Work
 from .base import Backend
 from .nccl_watch import NcclSupervision, NcclWork
-from .transport.base import Signature, mismatch_message
+from .protocol import Signature, mismatch_message
 
 __all__ = ["NcclBackend", "NcclWork"]
 
@@ -184,9 +184,7 @@ class NcclBackend(NcclSupervision, Backend):
 
     def _check_signature(self, seq: int, signature: Signature, description: str) -> None:
         """DETAIL mode: compare this collective's signature with every rank's, by store."""
-        fields = (signature.op, signature.dtype, signature.redop, signature.root,
-                  signature.count)
-        self.store.set(f"sig/{seq}/{self.rank}", ",".join(map(str, fields)))
+        self.store.set(f"sig/{seq}/{self.rank}", signature.to_text())
         keys = [f"sig/{seq}/{r}" for r in range(self.size)]
         try:
             self.store.wait(keys, self.timeout)
@@ -202,7 +200,7 @@ class NcclBackend(NcclSupervision, Backend):
         if self._abort_notice():  # another rank gave up on this group meanwhile
             self._raise_if_failed(description)
         for peer, value in enumerate(self.store.multi_get(keys)):
-            theirs = Signature(*(int(v) for v in value.decode().split(",")))
+            theirs = Signature.from_text(value.decode())
             if theirs != signature:
                 raise DistBackendError(
                     mismatch_message(self.rank, self.size, seq, signature, peer, theirs))

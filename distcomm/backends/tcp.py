@@ -14,7 +14,7 @@ from ..store.base import Store
 from ..work import Work
 from . import algorithms as algo
 from .base import Backend, OpQueue
-from .transport.base import NO_REDOP, OP_CODES, P2P, Failure, Signature, as_bytes
+from .protocol import NO_REDOP, OP_CODES, P2P, Failure, Header, Signature, as_bytes
 from .transport.exchange import Exchange, ScratchPool, SubExchange, diagnose
 from .transport.mailbox import Mailbox
 from .transport.tcp import TcpTransport, link_timeout
@@ -260,21 +260,14 @@ class TcpBackend(Backend):
     def send(self, array: Any, dst: int, tag: int) -> Work:
         description = self.describe(f"send to rank {dst} (tag {tag})")
         payload = as_bytes(array)
-        fields = (
-            P2P,
-            OP_CODES["send"],
-            dtype_code(array.dtype),
-            NO_REDOP,
-            -1,
-            tag,
-            0,
-            array.size,
-            len(payload),
+        header = Header(
+            P2P, OP_CODES["send"], dtype_code(array.dtype), NO_REDOP, root=-1, seq=tag,
+            count=array.size, nbytes=len(payload),
         )
 
         def run() -> None:
             try:
-                self._transport.send(dst, fields, payload, Deadline(self.timeout))
+                self._transport.send(dst, header, payload, Deadline(self.timeout))
             except DistError as exc:
                 self._transport.abort(Failure(type(exc), f"{description}: {exc}"))
                 raise type(exc)(f"{description}: {exc}") from None

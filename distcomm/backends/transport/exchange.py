@@ -6,7 +6,8 @@ import numpy as np
 
 from ...deadline import Deadline
 from ...errors import DistError, DistNetworkError, DistTimeoutError
-from .base import COLL, SIG, Signature, Transport, as_bytes
+from ..protocol import COLL, SIG, Header, Signature, as_bytes
+from .base import Transport
 from .mailbox import Mailbox, Recv
 
 __all__ = ["Exchange", "ScratchPool", "SubExchange", "diagnose"]
@@ -68,11 +69,10 @@ class Exchange:
     def announce(self) -> None:
         """Send this collective's signature to the right-hand neighbour (see module doc)."""
         if self.size > 1:
-            s = self.signature
-            fields = (SIG, s.op, s.dtype, s.redop, s.root, self.seq, 0, s.count, 0)
+            header = Header.collective(SIG, self.signature, self.seq)
             peer = self._global((self.rank + 1) % self.size)
             try:
-                self.transport.send(peer, fields, memoryview(b""), self.deadline)
+                self.transport.send(peer, header, memoryview(b""), self.deadline)
             except DistNetworkError:
                 # a neighbour that already finished this collective and left the group
                 # (a late rank's last collective) has nothing left to compare
@@ -82,10 +82,9 @@ class Exchange:
     def send(self, peer: int, step: int, array: np.ndarray) -> None:
         """Send `array`'s bytes to `peer` as message `step` of this collective."""
         payload = as_bytes(array)
-        s = self.signature
-        fields = (COLL, s.op, s.dtype, s.redop, s.root, self.seq, step, s.count, len(payload))
+        header = Header.collective(COLL, self.signature, self.seq, step, len(payload))
         try:
-            self.transport.send(self._global(peer), fields, payload, self.deadline)
+            self.transport.send(self._global(peer), header, payload, self.deadline)
         except DistError as exc:
             raise type(exc)(f"{self.describe}: {exc}") from None
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from ...arrays import dtype_from_code
 from ...errors import DistBackendError, DistError
-from .base import COLL, P2P, PROGRESS, Failure, Signature, mismatch_message
+from ..protocol import COLL, P2P, PROGRESS, Failure, Header, Signature, mismatch_message
 
 __all__ = ["Mailbox", "Recv"]
 
@@ -101,9 +101,10 @@ class Mailbox:
         return (P2P, peer, tag)
 
     @staticmethod
-    def key_of(peer: int, fields: tuple) -> tuple:
-        kind, _op, _dtype, _redop, _root, seq, step, _count, _nbytes = fields
-        return (COLL, peer, seq, step) if kind == COLL else (P2P, peer, seq)
+    def key_of(peer: int, header: Header) -> tuple:
+        if header.kind == COLL:
+            return (COLL, peer, header.seq, header.step)
+        return (P2P, peer, header.seq)
 
     # -- posting ---------------------------------------------------------------------------
 
@@ -142,15 +143,15 @@ class Mailbox:
             recv._finish(-1, failure.error())
         return recv
 
-    def _take_unexpected(self, recv: Recv) -> tuple[int, tuple, bytearray] | None:
+    def _take_unexpected(self, recv: Recv) -> tuple[int, Header, bytearray] | None:
         if recv.peer is not None:
             queue = self._unexpected.get(recv.key)
             if not queue:
                 return None
-            _arrival, fields, payload = queue.popleft()
+            _arrival, header, payload = queue.popleft()
             if not queue:
                 del self._unexpected[recv.key]
-            return recv.peer, fields, payload
+            return recv.peer, header, payload
         tag = recv.key[2]
         best = None
         for key, queue in self._unexpected.items():
@@ -159,10 +160,10 @@ class Mailbox:
         if best is None:
             return None
         key, queue = best
-        _arrival, fields, payload = queue.popleft()
+        _arrival, header, payload = queue.popleft()
         if not queue:
             del self._unexpected[key]
-        return key[1], fields, payload
+        return key[1], header, payload
 
     def cancel(self, recv: Recv) -> bool:
         """Withdraw a receive nobody has matched yet; False if it is already matched."""
@@ -178,7 +179,7 @@ class Mailbox:
 
     # -- delivery (reader threads) ---------------------------------------------------------
 
-    def claim(self, peer: int, fields: tuple, wait: float = 0.0) -> Recv | None:
+    def claim(self, peer: int, header: Header, wait: float = 0.0) -> Recv | None:
         """The posted receive an incoming message from `peer` goes to, removed from the queue.
 
         With `wait` > 0, a collective message of the collective this rank is running (or
@@ -186,11 +187,11 @@ class Mailbox:
         payload lands in place instead of being buffered and copied. The bound keeps a
         message that is not needed soon from holding up the connection behind it.
         """
-        key = self.key_of(peer, fields)
+        key = self.key_of(peer, header)
         with self.lock:
-            self._check_collective(peer, fields)
+            self._check_collective(peer, header)
             recv = self._pop_posted(key)
-            if recv is not None or wait <= 0 or not self._expected_soon(fields):
+            if recv is not None or wait <= 0 or not self._expected_soon(header):
                 return recv
             end = time.monotonic() + wait
             self._waiting_readers += 1
@@ -205,11 +206,12 @@ class Mailbox:
                 self._waiting_readers -= 1
             return recv
 
-    def _expected_soon(self, fields: tuple) -> bool:
-        if fields[0] != COLL:
+    def _expected_soon(self, header: Header) -> bool:
+        if header.kind != COLL:
             return False
         current = self._current[0] if self._current is not None else -1
-        return fields[5] == current or (fields[5] == current + 1 and self._done_seq == current)
+        seq = header.seq
+        return seq == current or (seq == current + 1 and self._done_seq == current)
 
     def _pop_posted(self, key: tuple) -> Recv | None:
         queue = self._posted.get(key)
@@ -228,30 +230,30 @@ class Mailbox:
             del self._any[key[2]]
         return other
 
-    def stash(self, peer: int, fields: tuple, payload: bytearray) -> None:
+    def stash(self, peer: int, header: Header, payload: bytearray) -> None:
         """Keep a message nobody had posted for; deliver it if a receive was posted meanwhile."""
-        key = self.key_of(peer, fields)
+        key = self.key_of(peer, header)
         with self.lock:
             recv = self._pop_posted(key)
             if recv is None:
                 self._unexpected.setdefault(key, deque()).append(
-                    (next(self._arrivals), fields, payload)
+                    (next(self._arrivals), header, payload)
                 )
                 return
-        self.deliver(recv, peer, fields, payload)
+        self.deliver(recv, peer, header, payload)
 
-    def deliver(self, recv: Recv, peer: int, fields: tuple, payload: bytes | bytearray) -> None:
+    def deliver(self, recv: Recv, peer: int, header: Header, payload: bytes | bytearray) -> None:
         """Complete `recv` with an already-read payload."""
-        error = self.check(recv, peer, fields)
+        error = self.check(recv, peer, header)
         if error is None:
             recv.buffer[:] = payload
         recv._finish(peer, error)
 
-    def check(self, recv: Recv, peer: int, fields: tuple) -> DistError | None:
-        """The error a message from `peer` with header `fields` means for `recv`, if any."""
-        kind, op, dtype, redop, root, seq, _step, count, nbytes = fields
+    def check(self, recv: Recv, peer: int, header: Header) -> DistError | None:
+        """The error a message from `peer` with `header` means for `recv`, if any."""
+        kind, dtype, seq, nbytes = header.kind, header.dtype, header.seq, header.nbytes
         if kind == COLL:
-            theirs = Signature(op, dtype, redop, root, count)
+            theirs = header.signature()
             mine = recv.signature
             if mine is not None and theirs != mine:
                 return DistBackendError(
@@ -269,12 +271,11 @@ class Mailbox:
             )
         return None
 
-    def _check_collective(self, peer: int, fields: tuple) -> None:
+    def _check_collective(self, peer: int, header: Header) -> None:
         """Raise if a collective message cannot belong to what this rank is doing."""
-        kind, op, dtype, redop, root, seq, _step, count, _nbytes = fields
-        if kind != COLL:
+        if header.kind != COLL:
             return
-        theirs = Signature(op, dtype, redop, root, count)
+        seq, theirs = header.seq, header.signature()
         if seq <= self._done_seq:
             raise DistBackendError(self._late_message(peer, seq, theirs))
         current = self._current
@@ -296,14 +297,13 @@ class Mailbox:
 
     # -- collective bookkeeping -----------------------------------------------------------
 
-    def check_signature(self, peer: int, fields: tuple) -> None:
+    def check_signature(self, peer: int, header: Header) -> None:
         """Check a neighbour's SIG message now, or when this rank reaches its collective.
 
         Raises:
             DistBackendError: the neighbour's collective differs from this rank's.
         """
-        _kind, op, dtype, redop, root, seq, _step, count, _nbytes = fields
-        theirs = Signature(op, dtype, redop, root, count)
+        seq, theirs = header.seq, header.signature()
         with self.lock:
             current = self._current
             mine = (
@@ -347,8 +347,7 @@ class Mailbox:
             self._history.pop(seq - 64, None)
             for (kind, peer, msg_seq, *_), queue in self._unexpected.items():
                 if kind == COLL and msg_seq <= seq:
-                    fields = queue[0][1]
-                    theirs = Signature(fields[1], fields[2], fields[3], fields[4], fields[7])
+                    theirs = queue[0][1].signature()
                     raise DistBackendError(self._late_message(peer, msg_seq, theirs))
 
     # -- progress (timeout diagnosis) -----------------------------------------------------

@@ -36,18 +36,8 @@ from ...config import load as load_config
 from ...deadline import Deadline
 from ...errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
 from ...store.base import Store
-from .base import (
-    ABORT,
-    BYE,
-    COLL,
-    HEADER,
-    PROGRESS,
-    QUERY,
-    SIG,
-    STATUS,
-    Failure,
-    Transport,
-)
+from ..protocol import ABORT, BYE, COLL, PROGRESS, QUERY, SIG, STATUS, Failure, Header
+from .base import Transport
 from .mailbox import Mailbox
 
 __all__ = [
@@ -328,19 +318,19 @@ class TcpTransport(Transport):
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, peer: int, fields: tuple, payload: memoryview, deadline: Deadline) -> None:
+    def send(self, peer: int, header: Header, payload: memoryview, deadline: Deadline) -> None:
         failure = self.mailbox.failure
         if failure is not None:
             raise failure.error()
         conn = self._peers.get(peer)
         if conn is None or conn.gone:
             raise DistNetworkError(f"rank {peer} has left the group; cannot send to it")
-        header = HEADER.pack(*fields)
+        packed = header.pack()
         with conn.lock:
             if conn.dirty:
                 raise DistNetworkError(f"the connection to rank {peer} was cut mid-message")
             try:
-                self._send_views(conn, [memoryview(header), payload], deadline)
+                self._send_views(conn, [memoryview(packed), payload], deadline)
             except DistError:
                 conn.dirty = True
                 raise
@@ -381,7 +371,7 @@ class TcpTransport(Transport):
             if conn.dirty or conn.gone:
                 return
             payload = payload[:4096]
-            header = HEADER.pack(kind, code, 0, 0, 0, 0, 0, 0, len(payload))
+            header = Header(kind, code, nbytes=len(payload)).pack()
             try:
                 self._send_views(conn, [memoryview(header), memoryview(payload)], Deadline(1.0))
             except DistError:
@@ -392,15 +382,15 @@ class TcpTransport(Transport):
     # -- receiving -------------------------------------------------------------------------
 
     def _read_loop(self, conn: _Peer) -> None:
-        header = bytearray(HEADER.size)
-        view = memoryview(header)
+        raw = bytearray(Header.SIZE)
+        view = memoryview(raw)
         sock = conn.sock
         mailbox = self.mailbox
         try:
             while True:
                 _read_into(sock, view)
-                fields = HEADER.unpack(header)
-                kind, nbytes = fields[0], fields[8]
+                header = Header.unpack(raw)
+                kind, nbytes = header.kind, header.nbytes
                 if kind == BYE:
                     # the mailbox first: a sender that finds `gone` set can ask it why
                     mailbox.peer_gone(
@@ -415,7 +405,7 @@ class TcpTransport(Transport):
                     return
                 if kind == ABORT:
                     reason = _read_bytes(sock, nbytes).decode(errors="replace")
-                    code = fields[1] if fields[1] < len(_FAILURE_KINDS) else 1
+                    code = header.op if header.op < len(_FAILURE_KINDS) else 1
                     self.abort(
                         Failure(
                             _FAILURE_KINDS[code], f"rank {conn.rank} aborted the group: {reason}"
@@ -432,13 +422,13 @@ class TcpTransport(Transport):
                     continue
                 if kind == SIG:
                     try:
-                        mailbox.check_signature(conn.rank, fields)
+                        mailbox.check_signature(conn.rank, header)
                     except DistError as exc:
                         self.abort(Failure(type(exc), str(exc)))
                     continue
                 try:
                     recv = mailbox.claim(
-                        conn.rank, fields, _WAIT_FOR_POST if nbytes >= _WAIT_FOR_POST_MIN else 0.0
+                        conn.rank, header, _WAIT_FOR_POST if nbytes >= _WAIT_FOR_POST_MIN else 0.0
                     )
                 except DistError as exc:  # a message for a collective this rank finished
                     _read_bytes(sock, nbytes)
@@ -447,9 +437,9 @@ class TcpTransport(Transport):
                 if recv is None:
                     payload = bytearray(nbytes)
                     _read_into(sock, memoryview(payload))
-                    mailbox.stash(conn.rank, fields, payload)
+                    mailbox.stash(conn.rank, header, payload)
                     continue
-                error = mailbox.check(recv, conn.rank, fields)
+                error = mailbox.check(recv, conn.rank, header)
                 if error is not None:
                     _read_bytes(sock, nbytes)
                     recv._finish(conn.rank, error)

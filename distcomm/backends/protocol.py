@@ -1,0 +1,196 @@
+"""The collective protocol every backend speaks: op codes, signatures, failures, the header.
+
+A collective is identified across ranks by its `Signature` (op, dtype, reduce op, root,
+count): every rank of a group must issue the same signatures in the same order, and a
+backend that finds two ranks disagreeing reports both sides with `mismatch_message`. A
+group that stops records why as a `Failure`, which every later operation raises.
+
+Messages between ranks (the TCP transport's) start with a `Header`: what kind of message
+it is, the collective's signature, its sequence number (a tag for point-to-point
+messages), the step within the collective and the payload's length. The shared-memory
+engine keeps signatures in its slots and the nccl backend exchanges them through the
+store (`Signature.to_text`), so the three paths check collectives the same way.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..arrays import dtype_code, dtype_from_code
+from ..errors import DistError
+from ..ops import ReduceOp
+
+__all__ = [
+    "ABORT",
+    "BYE",
+    "COLL",
+    "NO_REDOP",
+    "OP_CODES",
+    "OP_NAMES",
+    "P2P",
+    "PROGRESS",
+    "QUERY",
+    "SIG",
+    "STATUS",
+    "Failure",
+    "Header",
+    "Signature",
+    "as_bytes",
+    "mismatch_message",
+]
+
+#: message kinds: collective data, point-to-point data, control, the signature check, and
+#: the progress query a timing-out rank sends (answered by the peers' reader threads)
+COLL, P2P, ABORT, BYE, SIG, QUERY, STATUS = 1, 2, 3, 4, 5, 6, 7
+#: a STATUS payload: the peer's current (last begun) and last finished collective
+PROGRESS = struct.Struct("<qq")
+
+OP_NAMES = (
+    "none",
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+    "send",
+)
+OP_CODES = {name: code for code, name in enumerate(OP_NAMES)}
+NO_REDOP = 255
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    """A flat contiguous array's memory as a writable-if-possible byte memoryview."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a group stopped: the exception type and message every later operation raises."""
+
+    kind: type[DistError]
+    message: str
+
+    def error(self, prefix: str = "") -> DistError:
+        return self.kind(f"{prefix}{self.message}")
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a collective is, as every rank must agree: op, dtype, reduce op, root, count."""
+
+    op: int
+    dtype: int = 0
+    redop: int = NO_REDOP
+    root: int = -1
+    count: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        op: str,
+        array: Any = None,
+        redop: ReduceOp | None = None,
+        root: int = -1,
+        count: int | None = None,
+    ) -> Signature:
+        """The signature of collective `op` on `array` (count: its size unless given)."""
+        return cls(
+            OP_CODES[op],
+            dtype_code(array.dtype) if array is not None else 0,
+            NO_REDOP if redop is None else int(redop),
+            root,
+            (array.size if array is not None else 0) if count is None else count,
+        )
+
+    def to_text(self) -> str:
+        """The signature as a store value ("op,dtype,redop,root,count")."""
+        return f"{self.op},{self.dtype},{self.redop},{self.root},{self.count}"
+
+    @classmethod
+    def from_text(cls, text: str) -> Signature:
+        """The inverse of `to_text`."""
+        return cls(*(int(v) for v in text.split(",")))
+
+    def describe(self) -> str:
+        name = OP_NAMES[self.op]
+        if self.op == OP_CODES["barrier"]:
+            return name
+        text = name
+        if self.redop != NO_REDOP:
+            text += f"({ReduceOp(self.redop).name})"
+        if self.count >= 0:
+            text += f" of {self.count} {dtype_from_code(self.dtype)}"
+        else:
+            text += f" of {dtype_from_code(self.dtype)}"
+        if self.root >= 0:
+            text += f" with root {self.root}"
+        return text
+
+
+#: the wire layout of a `Header`: kind, op, dtype, redop, root, seq, step, count, nbytes
+_HEADER = struct.Struct("<BBBBiqqqQ")
+
+
+class Header(NamedTuple):
+    """The fixed-size header in front of every message between two ranks.
+
+    Attributes:
+        kind: COLL, P2P, ABORT, BYE, SIG, QUERY or STATUS.
+        op, dtype, redop, root, count: the collective's `Signature` (for P2P: the send's
+            op and dtype, and the element count; for ABORT: `op` is the failure's code).
+        seq: the collective's sequence number in its group; for P2P, the tag.
+        step: which message of the collective this is (algorithms number their steps).
+        nbytes: the length of the payload that follows.
+    """
+
+    kind: int
+    op: int = 0
+    dtype: int = 0
+    redop: int = 0
+    root: int = 0
+    seq: int = 0
+    step: int = 0
+    count: int = 0
+    nbytes: int = 0
+
+    #: bytes on the wire
+    SIZE = _HEADER.size
+
+    @classmethod
+    def collective(
+        cls, kind: int, signature: Signature, seq: int, step: int = 0, nbytes: int = 0
+    ) -> Header:
+        """The header of message `step` of collective `seq` (kind COLL, or SIG: no payload)."""
+        s = signature
+        return cls(kind, s.op, s.dtype, s.redop, s.root, seq, step, s.count, nbytes)
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> Header:
+        return cls._make(_HEADER.unpack(data))
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(*self)
+
+    def signature(self) -> Signature:
+        """The collective this message belongs to, as its sender called it."""
+        return Signature(self.op, self.dtype, self.redop, self.root, self.count)
+
+
+def mismatch_message(
+    rank: int, size: int, seq: int, mine: Signature, peer: int, theirs: Signature
+) -> str:
+    """The error every path raises when ranks `rank` and `peer` called different collectives."""
+    return (
+        f"[rank {rank}/{size}] collective mismatch at collective #{seq}: this rank called "
+        f"{mine.describe()}, rank {peer} called {theirs.describe()}; every rank of a group "
+        "must issue the same collectives in the same order with the same size, dtype, op "
+        "and root"
+    )
