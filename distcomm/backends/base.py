@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
+from ..errors import GroupDestroyedError
 from ..ops import ReduceOp
 from ..store.base import Store
 from ..work import Work
@@ -39,7 +40,7 @@ class OpQueue:
         """
         with self._cond:
             if self._closed:
-                raise RuntimeError(f"{work.description}: the process group was destroyed")
+                raise GroupDestroyedError(f"{work.description}: the process group was destroyed")
             if async_op:
                 self._queue.append((fn, work))
                 if self._thread is None:
@@ -53,7 +54,9 @@ class OpQueue:
                 # queued operations carry their own deadlines, so this wait ends
                 self._cond.wait(1.0)
                 if self._closed:
-                    raise RuntimeError(f"{work.description}: the process group was destroyed")
+                    raise GroupDestroyedError(
+                        f"{work.description}: the process group was destroyed"
+                    )
             self._busy = True
         self._run(fn, work)
         return work

@@ -15,12 +15,14 @@ store (`Signature.to_text`), so the three paths check collectives the same way.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..arrays import dtype_code, dtype_from_code
+from ..deadline import Deadline
 from ..errors import DistError
 from ..ops import ReduceOp
 
@@ -36,6 +38,7 @@ __all__ = [
     "QUERY",
     "SIG",
     "STATUS",
+    "Call",
     "Failure",
     "Header",
     "Signature",
@@ -133,6 +136,27 @@ class Signature:
         if self.root >= 0:
             text += f" with root {self.root}"
         return text
+
+
+class Call(NamedTuple):
+    """One collective as a backend's path runs it, passed to every step that may wait.
+
+    Attributes:
+        seq: its number in the group (the shared-memory engine numbers its own steps).
+        signature: what every rank must have called.
+        describe: the collective, as its errors name it ("[rank 1/4] all_reduce ... #7").
+        deadline: when its waits give up; passed down, never re-derived.
+        explain: why it is late, in the group's terms, for a step of a collective that
+            spans hosts: a host's shared-memory counters number the host's own steps and
+            can only name the same-host ranks it waits for, not a late rank on another
+            host. None: the path that waits explains it.
+    """
+
+    seq: int
+    signature: Signature
+    describe: str
+    deadline: Deadline
+    explain: Callable[[], str] | None = None
 
 
 #: the wire layout of a `Header`: kind, op, dtype, redop, root, seq, step, count, nbytes

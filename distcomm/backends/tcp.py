@@ -1,8 +1,10 @@
-"""The `tcp` backend: every op over the TCP transport with the simple algorithms."""
+"""The `tcp` backend: every op over the TCP transport with the simple algorithms.
+
+The op set is written once here for both CPU message backends; `gloo` subclasses it
+with its tuned algorithms and its choice of path (`paths.py`)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -13,24 +15,27 @@ from ..ops import ReduceOp
 from ..store.base import Store
 from ..work import Work
 from . import algorithms as algo
-from .base import Backend, OpQueue
+from .base import Backend
+from .paths import TcpPath
 from .protocol import NO_REDOP, OP_CODES, P2P, Failure, Header, Signature, as_bytes
-from .transport.exchange import Exchange, ScratchPool, SubExchange, diagnose
+from .runner import Runner
+from .scratch import ScratchPool
 from .transport.mailbox import Mailbox
 from .transport.tcp import TcpTransport, link_timeout
 
 __all__ = ["TcpBackend"]
 
-log = logging.getLogger(__name__)
-
 
 class TcpBackend(Backend):
     """Portable baseline backend: TCP between every pair of ranks, CPU arrays.
 
-    Collectives run in issue order on one queue; sends are posted to a second queue
-    so a blocking `recv` never stops an earlier `isend`; receives are matched as
-    messages arrive. Each collective runs the algorithm `self.tuning` picks: the class's
-    `tuning_preset` with DISTCOMM_TUNING applied (a subclass sets its own preset).
+    The backend is three parts: the TCP transport (one connection per pair of ranks,
+    and the mailbox that matches incoming messages), the `Runner` (issue order,
+    sequence numbers, `Work`, timeouts, aborts) and the path its collectives take,
+    chosen once in `_choose_path`: here always `TcpPath`, the algorithm `self.tuning`
+    picks (the class's `tuning_preset` with DISTCOMM_TUNING applied) over TCP. A
+    subclass sets its own preset and may choose another path. Point-to-point messages
+    always use the TCP connections.
     """
 
     name = "tcp"
@@ -47,120 +52,38 @@ class TcpBackend(Backend):
         self._transport = TcpTransport(
             store, rank, size, Deadline(timeout), label, link_timeout=link_timeout(timeout)
         )
-        self._collectives = OpQueue(f"distcomm-{self.name}-ops")
-        self._sends = OpQueue(f"distcomm-{self.name}-send")
-        self._seq = 0
+        self._runner = Runner(self._transport, self.name, self.describe, timeout)
         self._scratch = ScratchPool()
         self._closed = False
+        self._tcp = TcpPath(self._transport, self.tuning, self._scratch)
+        try:
+            self._path = self._choose_path(store)
+        except BaseException:
+            self.shutdown()
+            raise
 
-    # -- running collectives ----------------------------------------------------------------
+    def _choose_path(self, store: Store) -> Any:
+        """The path every collective of this group takes (see `paths.py`)."""
+        return self._tcp
 
-    def _run_collective(
-        self,
-        op: str,
-        signature: Signature,
-        body: Callable[[int, str, Deadline], None],
-        outputs: list[Any],
-        async_op: bool,
-        why: Callable[[int], str],
-    ) -> Work:
-        """Run `body(seq, describe, deadline)` as the group's next collective, in issue order.
-
-        `why(seq)` explains a Work.wait timeout. Any error aborts the group.
-        """
-        description = self.describe(op)
-        running: list[int] = []  # the seq, once the collective starts
-
-        def explain() -> str:
-            if running:
-                return why(running[0])
-            return "it had not started: operations issued before it are still running"
-
-        work = Work(
-            description,
-            outputs,
-            on_timeout=self._abort_on_timeout(description, explain),
-            timeout=self.timeout,
-        )
-
-        def run() -> None:
-            seq = self._seq
-            running.append(seq)
-            self._seq += 1
-            describe = f"{description} #{seq}"
-            failure = self._transport.mailbox.failure
-            if failure is not None:
-                raise failure.kind(f"{describe}: the group was aborted earlier: {failure.message}")
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s: %s", describe, signature.describe())
-            try:
-                body(seq, describe, Deadline(self.timeout))
-            except DistError as exc:
-                self._transport.abort(Failure(type(exc), str(exc)))
-                raise
-            except BaseException as exc:
-                self._transport.abort(Failure(DistBackendError, f"{describe} failed: {exc!r}"))
-                raise
-
-        return self._collectives.submit(run, work, async_op)
-
-    def _exchange(
-        self,
-        seq: int,
-        signature: Signature,
-        describe: str,
-        deadline: Deadline,
-        body: Callable[[Exchange], None],
-        ranks: list[int] | None = None,
-    ) -> None:
-        """Run `body(ex)` over TCP among `ranks` (default: every rank of the group)."""
-        if ranks is None:
-            ex = Exchange(self._transport, seq, signature, deadline, describe, self._scratch)
-        else:
-            ex = SubExchange(
-                self._transport, seq, signature, deadline, describe, self._scratch, ranks
-            )
-        mailbox = self._transport.mailbox
-        mailbox.begin_collective(seq, signature)
-        ex.announce()
-        body(ex)
-        mailbox.finish_collective(seq, signature)
+    @property
+    def transport(self) -> str:
+        """How this group's collectives travel: "tcp", "shm" (one host) or "shm+tcp"
+        (shared memory within each host, TCP between them)."""
+        return self._path.name
 
     def _collective(
         self,
         op: str,
         signature: Signature,
-        body: Callable[[Exchange], None],
+        step: Callable[..., None],
+        args: tuple,
         outputs: list[Any],
         async_op: bool,
     ) -> Work:
-        return self._run_collective(
-            op,
-            signature,
-            lambda seq, describe, deadline: self._exchange(
-                seq, signature, describe, deadline, body
-            ),
-            outputs,
-            async_op,
-            lambda seq: diagnose(self._transport, seq),
+        return self._runner.collective(
+            op, signature, step, args, outputs, async_op, self._path.diagnose
         )
-
-    def _abort_on_timeout(
-        self, description: str, why: Callable[[], str]
-    ) -> Callable[[float], BaseException]:
-        """The Work.wait timeout handler of an operation that cannot be withdrawn."""
-
-        def on_timeout(seconds: float) -> BaseException:
-            failure = Failure(
-                DistTimeoutError,
-                f"{description} did not complete within {seconds:.1f} s (Work.wait timeout): "
-                f"{why()}; the group is aborted because the operation cannot be abandoned "
-                "half-way",
-            )
-            self._transport.abort(failure)
-            return failure.error()
-
-        return on_timeout
 
     # -- the op set ------------------------------------------------------------------------
 
@@ -168,7 +91,8 @@ class TcpBackend(Backend):
         return self._collective(
             "broadcast",
             Signature.of("broadcast", array, root=root),
-            lambda ex: algo.broadcast(ex, array, root, self.tuning),
+            self._path.broadcast,
+            (array, root),
             [array],
             async_op,
         )
@@ -177,7 +101,8 @@ class TcpBackend(Backend):
         return self._collective(
             "all_reduce",
             Signature.of("all_reduce", array, op),
-            lambda ex: algo.all_reduce(ex, array, op, self.tuning),
+            self._path.all_reduce,
+            (array, op),
             [array],
             async_op,
         )
@@ -186,7 +111,8 @@ class TcpBackend(Backend):
         return self._collective(
             "reduce",
             Signature.of("reduce", array, op, root),
-            lambda ex: algo.reduce(ex, array, root, op, self.tuning),
+            self._path.reduce,
+            (array, root, op),
             [array],
             async_op,
         )
@@ -195,7 +121,8 @@ class TcpBackend(Backend):
         return self._collective(
             "all_gather",
             Signature.of("all_gather", input),
-            lambda ex: algo.all_gather(ex, output, input, self.tuning),
+            self._path.all_gather,
+            (output, input),
             [output],
             async_op,
         )
@@ -204,7 +131,8 @@ class TcpBackend(Backend):
         return self._collective(
             "gather",
             Signature.of("gather", input, root=root),
-            lambda ex: algo.gather(ex, output, input, root, self.tuning),
+            self._path.gather,
+            (output, input, root),
             [output] if output is not None else [],
             async_op,
         )
@@ -213,7 +141,8 @@ class TcpBackend(Backend):
         return self._collective(
             "scatter",
             Signature.of("scatter", output, root=root),
-            lambda ex: algo.scatter(ex, output, input, root, self.tuning),
+            self._path.scatter,
+            (output, input, root),
             [output],
             async_op,
         )
@@ -224,7 +153,8 @@ class TcpBackend(Backend):
         return self._collective(
             "reduce_scatter",
             Signature.of("reduce_scatter", output, op),
-            lambda ex: algo.reduce_scatter(ex, output, input, op, self.tuning),
+            self._path.reduce_scatter,
+            (output, input, op),
             [output],
             async_op,
         )
@@ -241,18 +171,15 @@ class TcpBackend(Backend):
         return self._collective(
             "all_to_all",
             Signature.of("all_to_all", input, count=-1),
-            lambda ex: algo.all_to_all(ex, output, input, output_splits, input_splits, self.tuning),
+            self._path.all_to_all,
+            (output, input, output_splits, input_splits),
             [output],
             async_op,
         )
 
     def barrier(self, *, async_op: bool = False) -> Work:
         return self._collective(
-            "barrier",
-            Signature(OP_CODES["barrier"]),
-            lambda ex: algo.barrier(ex, self.tuning),
-            [],
-            async_op,
+            "barrier", Signature(OP_CODES["barrier"]), self._path.barrier, (), [], async_op
         )
 
     # -- point to point -------------------------------------------------------------------
@@ -270,7 +197,7 @@ class TcpBackend(Backend):
                 self._transport.send(dst, header, payload, Deadline(self.timeout))
             except DistError as exc:
                 self._transport.abort(Failure(type(exc), f"{description}: {exc}"))
-                raise type(exc)(f"{description}: {exc}") from None
+                raise type(exc)(f"{description}: {exc}") from exc
 
         def why() -> str:
             return (
@@ -281,10 +208,10 @@ class TcpBackend(Backend):
         work = Work(
             description,
             [array],
-            on_timeout=self._abort_on_timeout(description, why),
+            on_timeout=self._runner.abort_on_timeout(description, why),
             timeout=self.timeout,
         )
-        return self._sends.submit(run, work, async_op=True)
+        return self._runner.send(run, work)
 
     def recv(self, array: Any, src: int | None, tag: int) -> Work:
         peer = "any rank" if src is None else f"rank {src}"
@@ -333,8 +260,9 @@ class TcpBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        error = DistBackendError(f"{self.describe('operation')}: the process group was destroyed")
-        self._collectives.close(error)
-        self._sends.close(error)
+        self._runner.close()
         self._transport.close()
         self._scratch.clear()
+        path = getattr(self, "_path", None)  # None when choosing it failed
+        if path is not None:
+            path.close()

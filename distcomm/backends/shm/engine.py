@@ -21,32 +21,20 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from ..deadline import Deadline
-from ..errors import DistBackendError, DistTimeoutError
-from ..ops import ReduceOp, reduce_into
-from ..parallel import parallel_for
-from ..store.base import Store
-from .protocol import Signature, mismatch_message
-from .transport.exchange import ScratchPool
-from .transport.mailbox import Mailbox
-from .transport.shm import (
-    Segment,
-    allow_peer_access,
-    cma_read,
-    cma_write,
-    futex_wait,
-    futex_wake,
-    host_identity,
-)
+from ...errors import DistBackendError, DistTimeoutError
+from ...ops import ReduceOp, reduce_into
+from ...parallel import parallel_for
+from ..protocol import Call, Failure, Signature, mismatch_message
+from ..scratch import ScratchPool
+from .primitives import Segment, cma_read, cma_write, futex_wait, futex_wake
 
-__all__ = ["HostLayout", "IntraNode", "same_host_setup"]
+__all__ = ["FailureWatch", "IntraNode"]
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +48,6 @@ _SPINS = 40  # sched_yield rounds before sleeping on the futex
 _SLICE = 0.25  # longest single futex sleep (failures wake sooner)
 #: reads and writes of at least this many bytes are split over the intra-op threads
 _THREADED_MIN = 4 * 1024 * 1024
-#: its counters are published with plain stores, which these CPUs never reorder (TSO);
-#: weakly ordered CPUs (aarch64, ppc64) would need fences Python cannot issue
-_ORDERED_CPUS = ("x86_64", "amd64", "i386", "i686")
-_PROBE = np.frombuffer(b"distcomm", dtype=np.uint8).copy()
 
 
 def _u8(array: np.ndarray) -> np.ndarray:
@@ -78,90 +62,14 @@ def _reached(value: int, target: int) -> bool:
     return (value - target) % _MOD < _HALF
 
 
-@dataclass
-class HostLayout:
-    """Which ranks of a group share a host, and this rank's shared segment.
+class FailureWatch(Protocol):
+    """What stops a wait early: the group failed, or a peer left it (the TCP mailbox)."""
 
-    Attributes:
-        hosts: the group ranks on each host (hosts in order of their lowest rank).
-        local: the ranks on this rank's host (one of `hosts`).
-        segment: this host's shared segment; None when this rank is alone on its host.
-        pids: the process ids of `local`.
-    """
+    def failed(self, rank: int) -> Failure | None:
+        """Why the group, or group rank `rank`, cannot take part any more; None if it can."""
 
-    hosts: list[list[int]]
-    local: list[int]
-    segment: Segment | None
-    pids: list[int]
-
-
-def same_host_setup(
-    store: Store, rank: int, size: int, deadline: Deadline, mode: str
-) -> HostLayout | str:
-    """Agree with the peers which ranks share a host, and map each host's segment.
-
-    Returns the layout, or the reason shared memory is not used at all (every rank gets
-    the same answer). `mode` is "auto", or "tcp" to decline.
-    """
-    generation = (store.add("gloo/joined", 1) - 1) // size
-    key = f"gloo/{generation}"
-    allow_peer_access()
-    store.set(f"{key}/who/{rank}", f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}")
-
-    def gather(name: str) -> list[str]:
-        keys = [f"{key}/{name}/{r}" for r in range(size)]
-        store.wait(keys, deadline.remaining())
-        return [value.decode() for value in store.multi_get(keys)]
-
-    who = []
-    for text in gather("who"):
-        peer_mode, rest = text.split("|", 1)
-        who.append([peer_mode, *rest.rsplit("|", 2)])  # the host id may hold "|"
-    if any(w[0] != "auto" for w in who):
-        return "DISTCOMM_GLOO_TRANSPORT=tcp"
-    if platform.machine().lower() not in _ORDERED_CPUS:
-        return (
-            f"the shared-memory path needs a CPU that keeps stores in order (x86-64); "
-            f"this is {platform.machine()}"
-        )
-    by_host: dict[str, list[int]] = {}
-    for r, w in enumerate(who):
-        by_host.setdefault(w[1], []).append(r)
-    hosts = list(by_host.values())
-    if all(len(members) == 1 for members in hosts):
-        return "every rank is alone on its host"
-    local = by_host[who[rank][1]]
-    pids = [int(who[r][2]) for r in local]
-    segment: Segment | None = None
-    reason = ""
-    try:
-        if len(local) > 1:
-            nbytes = IntraNode.segment_bytes(len(local))
-            name = f"{key}/segment/{local[0]}"
-            if rank == local[0]:
-                segment = Segment(nbytes)
-                store.set(name, f"{os.getpid()} {segment.fd}")
-            else:
-                store.wait([name], deadline.remaining())
-                pid, fd = map(int, store.get(name).split())
-                segment = Segment(nbytes, owner=(pid, fd))
-            right = local[(local.index(rank) + 1) % len(local)]
-            probe = np.zeros_like(_PROBE)
-            cma_read(int(who[right][2]), probe.ctypes.data, int(who[right][3]), probe.nbytes)
-            if not np.array_equal(probe, _PROBE):
-                reason = f"rank {rank} read unexpected bytes from rank {right}"
-    except (OSError, DistBackendError) as exc:
-        reason = f"rank {rank}: {exc}"
-    store.set(f"{key}/ok/{rank}", reason)
-    reasons = gather("ok")
-    if segment is not None:
-        segment.release_fd()  # every rank has attached (or failed to) by now
-    failed = [r for r in reasons if r]
-    if failed:
-        if segment is not None:
-            segment.close()
-        return failed[0]
-    return HostLayout(hosts, local, segment, pids)
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (from any thread) whenever a failure is recorded."""
 
 
 class IntraNode:
@@ -171,7 +79,7 @@ class IntraNode:
         segment, pids: from `same_host_setup`.
         rank, size: this rank's index among the host's ranks, and their number.
         names: the group ranks of the host's ranks (for messages); group_size: the group's.
-        mailbox: the group's TCP mailbox; its failures interrupt waits here.
+        watch: reports the group's failures (the TCP mailbox); they interrupt waits here.
         inline_max: payloads up to this many bytes travel inline in the segment.
         chunk: bytes reduced per step of a large reduction.
     """
@@ -184,14 +92,14 @@ class IntraNode:
         size: int,
         names: list[int],
         group_size: int,
-        mailbox: Mailbox,
+        watch: FailureWatch,
         inline_max: int,
         chunk: int,
     ) -> None:
         self.rank, self.size = rank, size
         self.names, self.group_size = names, group_size
         self.inline_max, self.chunk = min(inline_max, self.INLINE_MAX), chunk
-        self._segment, self._pids, self._mailbox = segment, pids, mailbox
+        self._segment, self._pids, self._watch = segment, pids, watch
         self._words = segment.bytes[: self.slots_offset(size)].view(np.int32)
         # the slot layout, fixed by the group size
         self._slots_at = self.slots_offset(size)
@@ -200,13 +108,12 @@ class IntraNode:
         self._waiting = 0
         self._local = threading.local()
         self._pool = ScratchPool()  # a non-root owner's partial result in `reduce`
-        self._describe = ""
-        self._deadline = Deadline(None)
-        self._explain: Callable[[], str] | None = None
-        mailbox.add_listener(self._interrupt)
+        watch.add_listener(self._interrupt)
 
     # -- layout ----------------------------------------------------------------------------
 
+    #: how `GlooBackend.transport` names this path
+    name = "shm"
     #: the most `inline_max` may be (every slot has room for it)
     INLINE_MAX = 64 * 1024
 
@@ -248,7 +155,7 @@ class IntraNode:
         self._words[index] = value % _MOD
         futex_wake(self._segment.address + 4 * index)
 
-    def _wait(self, index: int, target: int, peer: int, what: str) -> None:
+    def _wait(self, call: Call, index: int, target: int, peer: int, what: str) -> None:
         words, address = self._words, self._segment.address + 4 * index
         spins = 0
         while True:
@@ -259,19 +166,19 @@ class IntraNode:
                 spins += 1
                 os.sched_yield()
                 continue
-            # `peer` counts this host's ranks; the mailbox knows the group's
-            failure = self._mailbox.failure or self._mailbox.gone(self.names[peer])
+            # `peer` counts this host's ranks; the watch knows the group's
+            failure = self._watch.failed(self.names[peer])
             if failure is not None:
-                raise failure.kind(f"{self._describe}: {failure.message}")
-            left = self._deadline.remaining()
+                raise failure.kind(f"{call.describe}: {failure.message}")
+            left = call.deadline.remaining()
             if left is not None and left <= 0:
                 why = (
-                    self._explain()
-                    if self._explain is not None
+                    call.explain()
+                    if call.explain is not None
                     else (self._lagging(target, what) or "the peers did not wake this rank")
                 )
                 raise DistTimeoutError(
-                    f"{self._describe} timed out after {self._deadline.seconds:.1f} s: {why}"
+                    f"{call.describe} timed out after {call.deadline.seconds:.1f} s: {why}"
                 )
             self._waiting = address
             try:
@@ -314,14 +221,14 @@ class IntraNode:
 
     def _arrive(
         self,
-        seq: int,
-        signature: Signature,
+        call: Call,
         in_addr: int = 0,
         out_addr: int = 0,
         inline: np.ndarray | None = None,
         offsets: Sequence[int] | None = None,
     ) -> None:
-        """Publish this rank's part of collective `seq`, wait for every peer's, compare."""
+        """Publish this rank's part of the collective, wait for every peer's, compare."""
+        seq, signature = call.seq, call.signature
         meta = self._meta(seq, self.rank)
         meta[:] = (
             signature.op,
@@ -339,7 +246,7 @@ class IntraNode:
             self._offsets(seq, self.rank)[:] = offsets
         self._set(self._word(self.rank, "arrive"), seq + 1)
         for peer in self._others():
-            self._wait(self._word(peer, "arrive"), seq + 1, peer, "arrive")
+            self._wait(call, self._word(peer, "arrive"), seq + 1, peer, "arrive")
         for peer in range(self.size):
             if peer != self.rank:
                 theirs = Signature(*(int(v) for v in self._meta(seq, peer)[:5]))
@@ -355,30 +262,16 @@ class IntraNode:
                         )
                     )
 
-    def _finish(self, seq: int, wait_for: Sequence[int]) -> None:
-        """Mark this rank done with `seq`'s arrays; wait until `wait_for` are done too."""
+    def _finish(self, call: Call, wait_for: Sequence[int]) -> None:
+        """Mark this rank done with the collective's arrays; wait until `wait_for` are too."""
+        seq = call.seq
         self._set(self._word(self.rank, "finish"), seq + 1)
         for peer in wait_for:
             if peer != self.rank:
-                self._wait(self._word(peer, "finish"), seq + 1, peer, "finish")
+                self._wait(call, self._word(peer, "finish"), seq + 1, peer, "finish")
 
     def _others(self) -> list[int]:
         return [p for p in range(self.size) if p != self.rank]
-
-    def begin(
-        self, describe: str, deadline: Deadline, explain: Callable[[], str] | None = None
-    ) -> None:
-        """Name and time the collective about to run (for errors).
-
-        Args:
-            describe: the collective, as its errors name it ("[rank 1/4] all_reduce ... #7").
-            deadline: when its waits give up.
-            explain: why it is late, in the group's terms, for a step of a collective that
-                spans hosts: this host's counters number the host's own steps and can only
-                name the same-host ranks it waits for, not a late rank on another host.
-                None: the counters explain it (the collective runs on this host alone).
-        """
-        self._describe, self._deadline, self._explain = describe, deadline, explain
 
     # -- data movement ---------------------------------------------------------------------
 
@@ -466,117 +359,123 @@ class IntraNode:
 
     # -- the collectives -------------------------------------------------------------------
 
-    def all_reduce(self, seq: int, sig: Signature, buf: np.ndarray, op: ReduceOp) -> None:
-        self._reduction(seq, sig, buf, op, None)
+    def all_reduce(self, call: Call, buf: np.ndarray, op: ReduceOp) -> None:
+        self._reduction(call, buf, op, None)
 
-    def reduce(self, seq: int, sig: Signature, buf: np.ndarray, root: int, op: ReduceOp) -> None:
-        self._reduction(seq, sig, buf, op, root)
+    def reduce(self, call: Call, buf: np.ndarray, root: int, op: ReduceOp) -> None:
+        self._reduction(call, buf, op, root)
 
     def _reduction(
-        self, seq: int, sig: Signature, buf: np.ndarray, op: ReduceOp, root: int | None
+        self, call: Call, buf: np.ndarray, op: ReduceOp, root: int | None
     ) -> None:
         """Reduce every rank's `buf` into `root`'s (None: into every rank's)."""
+        seq = call.seq
         avg = op is ReduceOp.AVG
         gets_result = root is None or self.rank == root
         if buf.nbytes <= self.inline_max:
-            self._arrive(seq, sig, inline=_u8(buf))
+            self._arrive(call, inline=_u8(buf))
             if gets_result:
                 self._reduce_inline(seq, buf, 0, op)
                 if avg:
                     np.divide(buf, self.size, out=buf)
             return
         address = buf.ctypes.data
-        self._arrive(seq, sig, address, address)
+        self._arrive(call, address, address)
         bounds = _bounds(buf.size, self.size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         acc = buf[lo:hi] if gets_result else self._pool.get(0, hi - lo, buf.dtype)
         targets = self._others() if root is None else [root] if root != self.rank else []
         self._owner_reduce(seq, acc, buf[lo:hi], lo * buf.itemsize, op, targets, avg)
-        self._finish(seq, range(self.size))
+        self._finish(call, range(self.size))
 
-    def broadcast(self, seq: int, sig: Signature, buf: np.ndarray, root: int) -> None:
+    def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None:
+        seq = call.seq
         is_root = self.rank == root
         if buf.nbytes <= self.inline_max:
-            self._arrive(seq, sig, inline=_u8(buf) if is_root else None)
+            self._arrive(call, inline=_u8(buf) if is_root else None)
             if not is_root:
                 self._fetch(seq, root, buf, 0)
             return
-        self._arrive(seq, sig, buf.ctypes.data if is_root else 0)
+        self._arrive(call, buf.ctypes.data if is_root else 0)
         if not is_root:
             self._fetch(seq, root, buf, 0)
-        self._finish(seq, self._others() if is_root else ())
+        self._finish(call, self._others() if is_root else ())
 
-    def all_gather(self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray) -> None:
+    def all_gather(self, call: Call, output: np.ndarray, input: np.ndarray) -> None:
+        seq = call.seq
         m = input.size
         inline = input.nbytes <= self.inline_max
-        self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None)
+        self._arrive(call, input.ctypes.data, inline=_u8(input) if inline else None)
         mine = output[self.rank * m : (self.rank + 1) * m]
         if mine.ctypes.data != input.ctypes.data:
             mine[...] = input
         for peer in self._others():
             self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
         if not inline:
-            self._finish(seq, range(self.size))
+            self._finish(call, range(self.size))
 
     def gather(
-        self, seq: int, sig: Signature, output: np.ndarray | None, input: np.ndarray, root: int
+        self, call: Call, output: np.ndarray | None, input: np.ndarray, root: int
     ) -> None:
+        seq = call.seq
         m = input.size
         inline = input.nbytes <= self.inline_max
-        self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None)
+        self._arrive(call, input.ctypes.data, inline=_u8(input) if inline else None)
         if self.rank == root:
             assert output is not None
             output[root * m : (root + 1) * m] = input
             for peer in self._others():
                 self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
         if not inline:
-            self._finish(seq, [root] if self.rank != root else ())
+            self._finish(call, [root] if self.rank != root else ())
 
     def scatter(
-        self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray | None, root: int
+        self, call: Call, output: np.ndarray, input: np.ndarray | None, root: int
     ) -> None:
+        seq = call.seq
         m = output.size
         inline = m * self.size * output.itemsize <= self.inline_max
         if self.rank == root:
             assert input is not None
-            self._arrive(seq, sig, input.ctypes.data, inline=_u8(input) if inline else None)
+            self._arrive(call, input.ctypes.data, inline=_u8(input) if inline else None)
             output[...] = input[root * m : (root + 1) * m]
         else:
-            self._arrive(seq, sig)
+            self._arrive(call)
             self._fetch(seq, root, output, self.rank * m * output.itemsize)
         if not inline:
-            self._finish(seq, self._others() if self.rank == root else ())
+            self._finish(call, self._others() if self.rank == root else ())
 
     def reduce_scatter(
-        self, seq: int, sig: Signature, output: np.ndarray, input: np.ndarray, op: ReduceOp
+        self, call: Call, output: np.ndarray, input: np.ndarray, op: ReduceOp
     ) -> None:
+        seq = call.seq
         m, r = output.size, self.rank
         avg = op is ReduceOp.AVG
         if input.nbytes <= self.inline_max:
-            self._arrive(seq, sig, inline=_u8(input))
+            self._arrive(call, inline=_u8(input))
             self._reduce_inline(seq, output, r * m * output.itemsize, op)
             if avg:
                 np.divide(output, self.size, out=output)
             return
-        self._arrive(seq, sig, input.ctypes.data)
+        self._arrive(call, input.ctypes.data)
         self._owner_reduce(
             seq, output, input[r * m : (r + 1) * m], r * m * output.itemsize, op, (), avg
         )
-        self._finish(seq, range(self.size))
+        self._finish(call, range(self.size))
 
     def all_to_all(
         self,
-        seq: int,
-        sig: Signature,
+        call: Call,
         output: np.ndarray,
         input: np.ndarray,
         output_splits: Sequence[int],
         input_splits: Sequence[int],
     ) -> None:
+        seq = call.seq
         offsets = np.concatenate(([0], np.cumsum(input_splits, dtype=np.int64)))
         inline = input.nbytes <= self.inline_max
         self._arrive(
-            seq, sig, input.ctypes.data, inline=_u8(input) if inline else None, offsets=offsets
+            call, input.ctypes.data, inline=_u8(input) if inline else None, offsets=offsets
         )
         out_at = np.concatenate(([0], np.cumsum(output_splits, dtype=np.int64)))
         isz = output.itemsize
@@ -598,10 +497,10 @@ class IntraNode:
             else:
                 self._fetch(seq, peer, target, start * isz)
         if not all(self._is_inline(seq, peer) for peer in range(self.size)):
-            self._finish(seq, range(self.size))
+            self._finish(call, range(self.size))
 
-    def barrier(self, seq: int, sig: Signature) -> None:
-        self._arrive(seq, sig)
+    def barrier(self, call: Call) -> None:
+        self._arrive(call)
 
     # -- lifecycle -------------------------------------------------------------------------
 

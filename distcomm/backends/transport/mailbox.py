@@ -393,6 +393,11 @@ class Mailbox:
         with self.lock:
             return self._gone.get(peer)
 
+    def failed(self, peer: int) -> Failure | None:
+        """Why the group failed, or why `peer` left it; None while both are well (the
+        shared-memory engine's `FailureWatch`)."""
+        return self.failure or self.gone(peer)
+
     def _notify(self) -> None:
         for fn in list(self._listeners):
             fn()

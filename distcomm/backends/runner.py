@@ -1,0 +1,135 @@
+"""Runs one group's operations for the CPU message backends (`tcp`, `gloo`).
+
+The runner owns what every collective needs whatever path its bytes take: the group's
+sequence numbers, the op queues (collectives in issue order; sends on a queue of their
+own so that a blocking `recv` never stops an earlier `isend`), the `Work` handed to the
+caller with its timeout, and the failure fan-out: any error of a collective aborts the
+group through the transport, which tells every peer, and every later operation raises
+the first failure. The front end (`collectives.py`) adds the flight recorder and the
+stall inspector around each call, for every backend alike; a backend's path only moves
+bytes (see `paths.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..deadline import Deadline
+from ..errors import DistBackendError, DistError, DistTimeoutError, GroupDestroyedError
+from ..work import Work
+from .base import OpQueue
+from .protocol import Call, Failure, Signature
+from .transport.base import Transport
+
+__all__ = ["Runner"]
+
+log = logging.getLogger(__name__)
+
+
+class Runner:
+    """Issues the collectives and sends of one group, in order, each with its `Work`.
+
+    Args:
+        transport: the group's transport; its mailbox records the group's failure.
+        name: the backend's name, for the queue threads' names.
+        describe: names an operation in messages (`Backend.describe`).
+        timeout: the group timeout in seconds: each operation's deadline and
+            `Work.wait`'s default.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        name: str,
+        describe: Callable[[str], str],
+        timeout: float,
+    ) -> None:
+        self._transport = transport
+        self._describe = describe
+        self.timeout = timeout
+        self._collectives = OpQueue(f"distcomm-{name}-ops")
+        self._sends = OpQueue(f"distcomm-{name}-send")
+        #: the number the next collective gets (the peers number theirs the same way)
+        self.seq = 0
+
+    def collective(
+        self,
+        op: str,
+        signature: Signature,
+        step: Callable[..., None],
+        args: tuple,
+        outputs: list[Any],
+        async_op: bool,
+        why: Callable[[int], str],
+    ) -> Work:
+        """Run `step(call, *args)` as the group's next collective, in issue order.
+
+        `call` is the `Call` (seq, signature, description, deadline) of the collective;
+        `why(seq)` explains a `Work.wait` timeout. Any error aborts the group.
+        """
+        description = self._describe(op)
+        running: list[int] = []  # the seq, once the collective starts
+
+        def explain() -> str:
+            if running:
+                return why(running[0])
+            return "it had not started: operations issued before it are still running"
+
+        work = Work(
+            description,
+            outputs,
+            on_timeout=self.abort_on_timeout(description, explain),
+            timeout=self.timeout,
+        )
+
+        def run() -> None:
+            seq = self.seq
+            running.append(seq)
+            self.seq += 1
+            describe = f"{description} #{seq}"
+            failure = self._transport.mailbox.failure
+            if failure is not None:
+                raise failure.kind(f"{describe}: the group was aborted earlier: {failure.message}")
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s: %s", describe, signature.describe())
+            try:
+                step(Call(seq, signature, describe, Deadline(self.timeout)), *args)
+            except DistError as exc:
+                self._transport.abort(Failure(type(exc), str(exc)))
+                raise
+            except BaseException as exc:
+                self._transport.abort(Failure(DistBackendError, f"{describe} failed: {exc!r}"))
+                raise
+
+        return self._collectives.submit(run, work, async_op)
+
+    def send(self, run: Callable[[], None], work: Work) -> Work:
+        """Post `run()` (a send) behind the sends issued before it."""
+        return self._sends.submit(run, work, async_op=True)
+
+    def abort_on_timeout(
+        self, description: str, why: Callable[[], str]
+    ) -> Callable[[float], BaseException]:
+        """The Work.wait timeout handler of an operation that cannot be withdrawn."""
+
+        def on_timeout(seconds: float) -> BaseException:
+            failure = Failure(
+                DistTimeoutError,
+                f"{description} did not complete within {seconds:.1f} s (Work.wait timeout): "
+                f"{why()}; the group is aborted because the operation cannot be abandoned "
+                "half-way",
+            )
+            self._transport.abort(failure)
+            return failure.error()
+
+        return on_timeout
+
+    def close(self) -> None:
+        """Fail what is still queued (the group was destroyed) and join the queue threads."""
+        error = GroupDestroyedError(
+            f"{self._describe('operation')}: the process group was destroyed"
+        )
+        self._collectives.close(error)
+        self._sends.close(error)
