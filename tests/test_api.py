@@ -270,6 +270,31 @@ def test_backend_matches_torch():
         str(torch_dist.distributed_c10d.BackendConfig("cpu:gloo,cuda:nccl"))
 
 
+def test_factories_are_called_as_torch_calls_them(fresh_registry):
+    seen = []
+
+    def plain(store, rank, size, timeout):
+        seen.append(("plain", rank, size, timeout))
+        return EchoBackend(store, rank, size, timeout)
+
+    def extended(options, pg_options):
+        seen.append(("extended", options, pg_options))
+        return EchoBackend.from_options(options)
+
+    backends.register_backend("plain", plain, devices="cpu")
+    backends.register_backend("extended", extended, extended_api=True, devices="cpu")
+    for name in ("plain", "extended"):
+        dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1, timeout=7)
+        dist.destroy_process_group()
+    assert seen[0] == ("plain", 0, 1, 7.0)
+    kind, options, pg_options = seen[1]
+    assert kind == "extended" and pg_options is None
+    assert isinstance(options, backends.BackendOptions)
+    assert (options.group_rank, options.group_size, options.timeout) == (0, 1, 7.0)
+    assert options.group_id == "default" and options.global_ranks_in_group == (0,)
+    assert isinstance(options.store, dist.Store)
+
+
 def test_factory_must_return_a_backend(fresh_registry):
     backends.register_backend("liar", lambda store, rank, size, timeout: object())
     with pytest.raises(TypeError, match=r"not a distcomm\.backends\.Backend"):

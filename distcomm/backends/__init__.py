@@ -20,10 +20,11 @@ from typing import Any
 
 from ..errors import BackendUnavailableError
 from ..store.base import Store
-from .base import Backend
+from .base import Backend, BackendOptions
 
 __all__ = [
     "Backend",
+    "BackendOptions",
     "BackendRecord",
     "create_backend",
     "get_backend_record",
@@ -44,15 +45,16 @@ class BackendRecord:
     Attributes:
         name: lower-case name ("tcp").
         factory: "module:Class" for a built-in (imported on first use) or a callable
-            `factory(store, rank, size, timeout[, group_name])` returning a Backend.
+            returning a Backend; a `Backend` subclass is made by its `from_options`.
         devices: the devices it serves ("cpu", "cuda").
-        builtin: whether distcomm ships it.
+        extended_api: how the factory is called, as in torch: with `BackendOptions` and
+            the group's `pg_options` (True), or with `(store, rank, size, timeout)`.
     """
 
     name: str
     factory: str | Callable[..., Backend]
     devices: tuple[str, ...]
-    builtin: bool = False
+    extended_api: bool = False
 
     def load(self) -> Callable[..., Backend]:
         """The factory, importing a built-in's module if needed."""
@@ -67,6 +69,15 @@ class BackendRecord:
         if inspect.isclass(factory) and issubclass(factory, Backend):
             return "" if factory.is_available() else factory.unavailable_reason()
         return ""
+
+    def create(self, options: BackendOptions, pg_options: Any = None) -> Backend:
+        """Call the factory for one group, the way it was registered."""
+        factory = self.load()
+        if inspect.isclass(factory) and issubclass(factory, Backend):  # built-ins, plug-ins
+            return factory.from_options(options, pg_options)
+        if self.extended_api:
+            return factory(options, pg_options)
+        return factory(options.store, options.group_rank, options.group_size, options.timeout)
 
 
 class _Registry:
@@ -98,21 +109,23 @@ def register_backend(name: str, func: Callable[..., Backend], extended_api: bool
 
     Args:
         name: the name `init_process_group(backend=...)` will accept (case-insensitive).
-        func: `func(store, rank, size, timeout)` (optionally also `group_name=`)
-            returning a `distcomm.backends.Backend`.
-        extended_api: accepted for torch compatibility; distcomm always passes the store.
+        func: returns a `distcomm.backends.Backend` for one group: called as
+            `func(store, rank, size, timeout)` (timeout in seconds), or with
+            `extended_api=True` as `func(options, pg_options)` where `options` is a
+            `BackendOptions` (store, group rank and size, timeout, group id, the group's
+            global ranks), as torch calls its backends.
+        extended_api: which of the two calls (torch's flag of the same name).
         devices: "cpu", "cuda" or both (default both).
 
     Raises:
         ValueError: the name is empty, malformed or already registered, or a device is unknown.
         TypeError: `func` is not callable.
     """
-    del extended_api
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"backend name must be an identifier such as 'mybackend', got {name!r}")
     if not callable(func):
         raise TypeError(f"backend factory for {name!r} must be callable, got {func!r}")
-    record = BackendRecord(name.lower(), func, _normalise_devices(devices))
+    record = BackendRecord(name.lower(), func, _normalise_devices(devices), bool(extended_api))
     with _registry.lock:
         if record.name in _registry.records:
             raise ValueError(f"a backend named {record.name!r} is already registered")
@@ -120,7 +133,7 @@ def register_backend(name: str, func: Callable[..., Backend], extended_api: bool
 
 
 def _register_builtin(name: str, factory: str, devices: tuple[str, ...]) -> None:
-    _registry.records[name] = BackendRecord(name, factory, devices, builtin=True)
+    _registry.records[name] = BackendRecord(name, factory, devices, extended_api=True)
 
 
 def _load_plugins() -> None:
@@ -163,10 +176,9 @@ def get_backend_record(name: str) -> BackendRecord:
 
 def create_backend(name: str, store: Store, rank: int, size: int, timeout: float,
                    group_name: str, global_ranks: Sequence[int] | None = None) -> Backend:
-    """Instantiate backend `name` for one group.
+    """Instantiate backend `name` for one group (`BackendRecord.create`).
 
-    `group_name` and `global_ranks` (the group's ranks in the world, in group-rank order)
-    are passed to factories whose signature takes them.
+    `global_ranks`: the group's ranks in the world, in group-rank order (default: 0..size-1).
 
     Raises:
         BackendUnavailableError: the backend cannot run here; says what to install.
@@ -175,17 +187,8 @@ def create_backend(name: str, store: Store, rank: int, size: int, timeout: float
     reason = record.availability()
     if reason:
         raise BackendUnavailableError(f"backend {record.name!r} is not available: {reason}")
-    factory = record.load()
-    kwargs: dict[str, Any] = {}
-    try:
-        parameters = inspect.signature(factory).parameters
-        if "group_name" in parameters:
-            kwargs["group_name"] = group_name
-        if "global_ranks" in parameters and global_ranks is not None:
-            kwargs["global_ranks"] = list(global_ranks)
-    except (TypeError, ValueError):
-        pass
-    backend = factory(store, rank, size, timeout, **kwargs)
+    ranks = tuple(global_ranks) if global_ranks is not None else tuple(range(size))
+    backend = record.create(BackendOptions(store, rank, size, timeout, group_name, ranks))
     if not isinstance(backend, Backend):
         raise TypeError(
             f"backend {record.name!r} factory returned {type(backend).__name__}, "

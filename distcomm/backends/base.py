@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import GroupDestroyedError
@@ -14,7 +15,7 @@ from ..ops import ReduceOp
 from ..store.base import Store
 from ..work import Work
 
-__all__ = ["Backend", "OpQueue"]
+__all__ = ["Backend", "BackendOptions", "OpQueue"]
 
 
 class OpQueue:
@@ -103,6 +104,30 @@ class OpQueue:
             self._thread.join(timeout)
 
 
+@dataclass(frozen=True)
+class BackendOptions:
+    """Everything a backend factory is given for one group, in one object (torch's
+    `_DistributedBackendOptions`, which it passes to backends registered with
+    `extended_api=True`).
+
+    Attributes:
+        store: the group's own store (a prefix of the job's).
+        group_rank, group_size: this rank within the group, and the group's size.
+        timeout: seconds every blocking wait of the group may take.
+        group_id: the group's name ("default" for the default group).
+        global_ranks_in_group: the group's ranks in the world, in group-rank order: the
+            processes' ranks when the job started (a shrunk world renumbers its groups,
+            not its processes).
+    """
+
+    store: Store
+    group_rank: int
+    group_size: int
+    timeout: float
+    group_id: str = ""
+    global_ranks_in_group: tuple[int, ...] = ()
+
+
 class Backend(ABC):
     """A communication backend for one process group.
 
@@ -111,8 +136,9 @@ class Backend(ABC):
     Work may already be complete. `send`/`recv` are always posted without blocking.
 
     Subclasses set `name` and `devices` and are constructed as
-    `factory(store, rank, size, timeout, group_name=...)`: `store` is private to the
-    group, `timeout` (seconds) bounds every blocking wait.
+    `cls(store, rank, size, timeout, group_name)`: `store` is private to the group,
+    `timeout` (seconds) bounds every blocking wait. The registry makes them with
+    `from_options`, which a subclass needing more of the `BackendOptions` overrides.
     """
 
     TCP: ClassVar[str] = "tcp"
@@ -132,6 +158,14 @@ class Backend(ABC):
         self.size = size
         self.timeout = timeout
         self.group_name = group_name or "default"
+
+    @classmethod
+    def from_options(cls, options: BackendOptions, pg_options: Any = None) -> Backend:
+        """The backend of one group (the registry's factory for a built-in backend)."""
+        return cls(
+            options.store, options.group_rank, options.group_size, options.timeout,
+            options.group_id,
+        )
 
     @classmethod
     def is_available(cls) -> bool:

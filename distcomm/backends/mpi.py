@@ -35,7 +35,7 @@ from ..mpiutil import abort, install_abort_hook
 from ..ops import MPI_OP_NAMES, ReduceOp, reduce_into
 from ..store.base import Store
 from ..work import Future, Work
-from .base import Backend, OpQueue
+from .base import Backend, BackendOptions, OpQueue
 
 __all__ = ["MpiBackend", "mpi"]
 
@@ -193,6 +193,14 @@ class MpiBackend(Backend):
         return (
             "mpi4py is not installed: pip install 'distcomm[mpi]' (mpi4py and the mpich "
             "wheel), or build mpi4py against your cluster's MPI library"
+        )
+
+    @classmethod
+    def from_options(cls, options: BackendOptions, pg_options: Any = None) -> MpiBackend:
+        """The group's communicator is made from its ranks in MPI.COMM_WORLD."""
+        return cls(
+            options.store, options.group_rank, options.group_size, options.timeout,
+            options.group_id, options.global_ranks_in_group or None,
         )
 
     def __init__(
