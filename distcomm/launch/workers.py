@@ -59,7 +59,8 @@ from typing import IO
 
 import psutil
 
-from ..procutil import PR_SET_PDEATHSIG, load_prctl
+from ..deadline import Deadline
+from ..procutil import PR_SET_PDEATHSIG, is_gone, load_prctl, wait_gone
 from .errors import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV
 
 __all__ = [
@@ -236,16 +237,6 @@ class _Duplicate:
     def close(self) -> None:
         with self.lock:
             self.close_locked()
-
-
-def _gone(proc: psutil.Process) -> bool:
-    """Whether a (non-child) process has ended; a zombie counts as ended."""
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.AccessDenied:
-        return False
 
 
 class _Pump:
@@ -587,7 +578,7 @@ class WorkerProcesses:
                 self.terminate(sig)
             assert self._terminated is not None
             started, sig, targets = self._terminated
-            deadline = started + max(grace, 0.0)
+            deadline = Deadline(max(0.0, started + max(grace, 0.0) - time.monotonic()))
             if sig != signal.SIGKILL:
                 targets = self._wait(targets, deadline)
                 if targets or self._running():
@@ -600,7 +591,7 @@ class WorkerProcesses:
                     )
                     targets = self._tree(targets)
                     self._signal(signal.SIGKILL, targets)
-            left = self._wait(targets, time.monotonic() + KILL_WAIT_S)
+            left = self._wait(targets, Deadline(KILL_WAIT_S))
             for proc in self._procs.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=0 if left else KILL_WAIT_S)
@@ -710,7 +701,7 @@ class WorkerProcesses:
         descendants of running workers and every member of the workers' process groups."""
         own = os.getpid()
         worker_pids = {proc.pid for proc in self._procs.values()}
-        found = {proc.pid: proc for proc in known if not _gone(proc)}
+        found = {proc.pid: proc for proc in known if not is_gone(proc)}
         for proc in self._running():
             try:
                 for child in psutil.Process(proc.pid).children(recursive=True):
@@ -767,12 +758,6 @@ class WorkerProcesses:
             sent.append(proc.pid)
         return sent
 
-    def _wait(self, targets: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+    def _wait(self, targets: list[psutil.Process], deadline: Deadline) -> list[psutil.Process]:
         """Wait until the workers and `targets` ended or `deadline`; those still alive."""
-        pause = 0.001
-        while True:
-            targets = [proc for proc in targets if not _gone(proc)]
-            if (not targets and not self._running()) or time.monotonic() >= deadline:
-                return targets
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, 0.05)
+        return wait_gone(targets, deadline, 0.001, 0.05, also=lambda: bool(self._running()))

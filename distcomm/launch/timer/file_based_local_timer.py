@@ -31,7 +31,9 @@ from typing import Any
 
 import psutil
 
-from ._workers import WorkerTimers, is_gone, kill_process_tree
+from ...deadline import Deadline
+from ...procutil import is_gone, kill_process_tree
+from ._workers import WorkerTimers
 from .api import (
     RequestQueue,
     TimerClient,
@@ -213,21 +215,19 @@ class FileTimerClient(TimerClient):
                 f"would be {len(data)} bytes, over the {MAX_REQUEST_BYTES} bytes (PIPE_BUF) one "
                 f"pipe write delivers atomically; use a shorter scope"
             )
-        deadline = time.monotonic() + self._timeout
+        deadline = Deadline(self._timeout)
         pause = 0.01
         while True:
             problem = self._try_write(data)
             if problem is None:
                 return
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if deadline.expired():
                 raise TimerServerUnavailableError(
                     f"timer request for scope {request.scope_id!r} not delivered to "
                     f"{self._path} within {self._timeout} s: {problem}; is the timer server "
                     f"(distcomm-run's agent or a FileTimerServer) running?"
                 )
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.2)
+            pause = deadline.nap(pause, 0.2)
 
     def _try_write(self, data: bytes) -> str | None:
         """Write `data` in one go; None on success, else why it could not (worth retrying)."""
