@@ -40,11 +40,11 @@ from ..errors import DistError
 from .agent import AgentConfig, ElasticAgent, SignalException, setup_logging
 from .errors import ChildFailedError
 from .events import get_event_handler
+from .flag_values import START_METHODS, parse_signals
 from .logs_specs import DefaultLogsSpecs, LogsSpecs
 from .numa import NumaOptions
 from .rendezvous.backends import parse_endpoint
 from .rendezvous.settings import effective_backend
-from .run import START_METHODS, parse_signals
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent", "run_agent"]
 
