@@ -50,7 +50,6 @@ class AgentConfig:
     rdzv_configs: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    start_method: str = "spawn"
     log_dir: str | None = None
     redirects: dict[int, Std] = field(default_factory=dict)
     tee: dict[int, Std] = field(default_factory=dict)

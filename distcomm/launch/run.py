@@ -416,7 +416,6 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         rdzv_configs=rdzv_conf,
         max_restarts=max_restarts,
         monitor_interval=monitor,
-        start_method=args.start_method,
         log_dir=args.log_dir,
         redirects=redirects,
         tee=tee,

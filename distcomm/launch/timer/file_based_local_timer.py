@@ -41,6 +41,7 @@ from .api import (
     TimerServer,
     TimerServerUnavailableError,
     _positive_seconds,
+    register_pipe_client,
 )
 from .debug_info_logging import log_debug_info_for_expired_timers
 
@@ -119,7 +120,7 @@ class FileTimerRequest(TimerRequest):
         try:
             fields = json.loads(line)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not JSON ({exc})") from None
+            raise ValueError(f"not JSON ({exc})") from exc
         if not isinstance(fields, dict):
             raise ValueError("not a JSON object")
         version = fields.get("version")
@@ -593,3 +594,6 @@ class FileTimerServer(TimerServer):
 
 def _reaps(request: TimerRequest) -> bool:
     return getattr(request, "signal", 0) > 0
+
+
+register_pipe_client(FileTimerClient)
