@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distcomm.launch import workers as workers_module
+from distcomm.launch import output as output_module
 from distcomm.launch.errors import (
     NO_TRACEBACK,
     ChildFailedError,
@@ -463,7 +463,7 @@ def _read_console_until(capfdbinary, text: bytes, seen: bytes) -> bytes:
 @pytest.mark.timeout(60)
 def test_partial_and_long_lines(tmp_path, capfdbinary, monkeypatch):
     """A partial line shows after a pause; an overlong partial line shows at once."""
-    monkeypatch.setattr(workers_module, "PARTIAL_LINE_FLUSH_S", 0.05)
+    monkeypatch.setattr(output_module, "PARTIAL_LINE_FLUSH_S", 0.05)
     go, go2 = tmp_path / "go", tmp_path / "go2"
     code = f"""
         import os, time
@@ -480,8 +480,8 @@ def test_partial_and_long_lines(tmp_path, capfdbinary, monkeypatch):
     with workers:
         workers.start()
         seen = _read_console_until(capfdbinary, b"progress", b"")
-        monkeypatch.setattr(workers_module, "PARTIAL_LINE_FLUSH_S", 600.0)
-        monkeypatch.setattr(workers_module, "MAX_LINE_BYTES", 10)
+        monkeypatch.setattr(output_module, "PARTIAL_LINE_FLUSH_S", 600.0)
+        monkeypatch.setattr(output_module, "MAX_LINE_BYTES", 10)
         go.touch()
         seen = _read_console_until(capfdbinary, b"x" * 25, seen)
         go2.touch()

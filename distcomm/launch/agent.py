@@ -30,48 +30,41 @@ checkpoint before the job is pre-empted).
 
 The agent's events (rendezvous done, workers started, failed, restarted, the outcome) go to
 the handler `event_log_handler` names (see `events.py`). `AgentConfig` is what the agent
-runs; the torch-style `distcomm.launch.api.LaunchConfig` and the CLI's flags convert to it.
+runs (`agent_config.py`); the workers' environment for a round is `worker_env.py`'s, the
+events and the failure report `agent_report.py`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
 import shutil
 import signal
 import socket
-import string
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from types import FrameType
 
 import psutil
 
-from ..deadline import Deadline
-from ..errors import DistError, DistStoreTimeoutError
+from ..errors import DistError
 from ..net import format_address
-from ..parallel import physical_cores
 from ..store import Store, TCPStore
 from ..store.base import publish
 from .address import advertised_address, endpoint_address
-from .errors import (
-    ChildFailedError,
-    ProcessFailure,
-    gather_failures,
-    share_failures,
-    trace_dir,
-    trace_hint,
+from .agent_config import (
+    DEFAULT_SIGNALS_TO_HANDLE,
+    FORWARDED_SIGNALS,
+    AgentConfig,
+    SignalException,
 )
-from .events import Event, EventSource, record
-from .logs_specs import LogsSpecs
-from .numa import NumaOptions, numa_affinity
+from .agent_report import AgentEvents, round_report
+from .errors import ChildFailedError, ProcessFailure, share_failures, trace_dir
+from .numa import numa_affinity
 from .rendezvous import (
     RendezvousClosedError,
     RendezvousError,
@@ -80,9 +73,17 @@ from .rendezvous import (
     RendezvousParameters,
     get_rendezvous_handler,
 )
+from .round_sync import (
+    RDZV_CHECK_INTERVAL,
+    check_homogeneous,
+    count_restart,
+    depart,
+    exit_barrier,
+)
 from .timer import FileTimerServer
-from .watch import SLOW_STORE_S, RoundWatch, RunResult, barrier_step, failed_round_key, next_step
-from .workers import Std, WorkerProcesses
+from .watch import RoundWatch, RunResult, next_step, slow_store
+from .worker_env import worker_specs
+from .workers import WorkerProcesses
 
 __all__ = [
     "DEFAULT_SIGNALS_TO_HANDLE",
@@ -95,76 +96,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("distcomm.launch")
-
-#: seconds an agent whose workers succeeded waits for the other nodes' workers (torch: 300)
-EXIT_BARRIER_TIMEOUT = 300.0
-#: seconds the nodes of a finished run wait for each other to stop using the stores
-DEPARTURE_TIMEOUT = 10.0
-#: seconds between checks of the rendezvous while workers run
-RDZV_CHECK_INTERVAL = 0.5
-#: signals that stop the run (torchrun's --signals_to_handle default)
-DEFAULT_SIGNALS_TO_HANDLE = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-#: signals passed on to the workers without stopping the run, unless listed to stop it
-FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-#: torchrun's prefix of teed console lines: role name and *local* rank ("[default0]:")
-DEFAULT_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"
-
-
-@dataclass
-class AgentConfig:
-    """What the agent runs: distcomm-run's flags (see `run.py` for each flag's meaning).
-
-    `logs_specs`, when given, names each attempt's log directory (else `log_dir` does, in
-    torchrun's layout). `numa_binding` is --numa-binding. Workers started with
-    `virtual_local_rank` all see LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES set to their GPU.
-    """
-
-    min_nodes: int
-    max_nodes: int
-    nproc_per_node: int
-    command: list[str]
-    name: str = "worker"
-    run_id: str = "none"
-    role: str = "default"
-    rdzv_backend: str = "static"
-    rdzv_endpoint: str = ""
-    rdzv_configs: dict[str, str] = field(default_factory=dict)
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    start_method: str = "spawn"
-    log_dir: str | None = None
-    redirects: dict[int, Std] = field(default_factory=dict)
-    tee: dict[int, Std] = field(default_factory=dict)
-    console_ranks: set[int] | None = None
-    log_line_prefix_template: str | None = None
-    local_addr: str | None = None
-    node_rank: int = -1
-    master_addr: str | None = "127.0.0.1"
-    master_port: int = 0
-    shutdown_timeout: float = 30.0
-    exit_barrier_timeout: float = EXIT_BARRIER_TIMEOUT
-    signals_to_handle: tuple[int, ...] = DEFAULT_SIGNALS_TO_HANDLE
-    #: where in `command` to insert ``--local-rank=<local rank>`` for each worker (the
-    #: legacy ``python -m distcomm.launch`` without --use-env); None: not passed
-    local_rank_argv_index: int | None = None
-    logs_specs: LogsSpecs | None = None
-    event_log_handler: str = "null"
-    numa_binding: NumaOptions | None = None
-    duplicate_stdout_filters: list[str] = field(default_factory=list)
-    duplicate_stderr_filters: list[str] = field(default_factory=list)
-    virtual_local_rank: bool = False
-
-
-class SignalException(Exception):
-    """The agent got one of `signals_to_handle` (torch's ``SignalException``).
-
-    Attributes:
-        sigval: the signal.
-    """
-
-    def __init__(self, msg: str, sigval: signal.Signals) -> None:
-        super().__init__(msg)
-        self.sigval = sigval
 
 
 def _timer_file() -> str | None:
@@ -206,23 +137,6 @@ def _remove_stale_temp_dirs() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _slow_store(what: str) -> Iterator[None]:
-    """Log a line when the store calls inside took longer than SLOW_STORE_S."""
-    started = time.monotonic()
-    try:
-        yield
-    finally:
-        took = time.monotonic() - started
-        if took > SLOW_STORE_S:
-            log.warning(
-                "distcomm-run: the rendezvous store took %.1f s for %s (is the link "
-                "to it slow or down?)",
-                took,
-                what,
-            )
-
-
 def _resolve_ipv4(host: str) -> str:
     try:
         return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
@@ -244,7 +158,7 @@ class ElasticAgent:
         #: local rank -> global rank of the workers last started here
         self.ranks: dict[int, int] = {}
         self._affinity: dict[int, frozenset[int]] | None = None
-        self._started_at = time.monotonic()
+        self._events = AgentEvents(config)
         self._restarts = 0
         self._handler: RendezvousHandler | None = None
         self._workers: WorkerProcesses | None = None
@@ -384,7 +298,7 @@ class ElasticAgent:
             try:
                 result = self._monitor(watch)
                 if result is RunResult.SUCCEEDED:
-                    result = self._exit_barrier(info, watch)
+                    result = exit_barrier(info, watch, c.exit_barrier_timeout)
             finally:
                 watch.stop()
             if result is RunResult.SUCCEEDED:
@@ -393,7 +307,7 @@ class ElasticAgent:
                 # read by check() once closed; a failure recorded first is kept
                 info.run_store.compare_set("outcome", b"", b"succeeded")
                 self._close_rendezvous()
-                self._depart(info)
+                depart(info)
                 return 0
             if result is RunResult.CLOSED:
                 self._stop_workers()
@@ -421,18 +335,18 @@ class ElasticAgent:
         self._record_workers(info, "FAILED", failures)
         if self._workers is not None:
             self._workers.terminate()  # the other workers end while the store is told
-        with _slow_store("recording the failure"):
+        with slow_store("recording the failure"):
             if failures:
                 share_failures(info.run_store, info.round, info.rank, failures)
-            count = self._count_restart(info)
+            count = count_restart(info)
         self._stop_workers()
         if count > c.max_restarts:
-            with _slow_store("recording the outcome"):
+            with slow_store("recording the outcome"):
                 publish(info.run_store, "report_round", f"{info.round} {info.world_size}")
                 publish(info.run_store, "outcome", "failed")  # read by check() once closed
             self._close_rendezvous()
             self._print_report(info.run_store, info.round, info.world_size, failures, info.rank)
-            self._depart(info)
+            depart(info)
             return 1
         self._record_agent("RESTART", f"restart {count} of {c.max_restarts}", info=info)
         if failures:
@@ -472,7 +386,7 @@ class ElasticAgent:
                         {},
                         info.rank if round_ == info.round else None,
                     )
-            self._depart(info)
+            depart(info)
         if outcome == b"succeeded":
             return 0
         print(
@@ -493,82 +407,14 @@ class ElasticAgent:
         local: dict[int, ProcessFailure],
         node: int | None,
     ) -> None:
-        """Print the failure report of a round: every node's failed workers, root cause.
-
-        Args:
-            local: this node's failures (also read from the store when it shared them).
-            node: this node's rank in that round, or None when it was not in it.
-        """
-        failures: dict[int, ProcessFailure] = {}
-        try:
-            with _slow_store("reading the other nodes' failures"):
-                failures = gather_failures(run_store, round_, world_size)
-        except (DistError, OSError) as exc:
-            log.warning(
-                "distcomm-run: the other nodes' failures cannot be read (%s); the "
-                "report shows this node's only",
-                exc,
-            )
-        failures.update(local)
-        self.failures = dict(failures)
-        lines = []
-        if failures:
-            lines.append(ChildFailedError(self.config.name, failures).format_msg())
-        else:
-            lines.append(
-                f"distcomm-run: the run failed in round {round_} on another node, "
-                "which recorded no worker failure (see that node's output)"
-            )
-        nodes = sorted(
-            {failure.rank // self.config.nproc_per_node for failure in failures.values()}
+        """Print the failure report of a round (see `round_report`); keep its failures."""
+        c = self.config
+        self.failures, text = round_report(
+            run_store, round_, world_size, local, node, c.name, c.nproc_per_node, self._trace_dir
         )
-        if node is not None and node not in nodes:
-            lines.append(
-                f"distcomm-run: the workers of this node (node {node} of round "
-                f"{round_}) did not fail; the run failed on node(s) "
-                f"{', '.join(map(str, nodes)) or 'unknown'}"
-            )
-        if self._trace_dir:
-            lines.append(trace_hint(self._trace_dir))
-        print("\n".join(lines), file=sys.stderr, flush=True)
+        print(text, file=sys.stderr, flush=True)
 
     # -- events -------------------------------------------------------------------------------
-
-    def _event(
-        self,
-        state: str,
-        source: EventSource,
-        info: RendezvousInfo | None,
-        raw_error: str | None = None,
-        duration_ms: float | None = None,
-        worker: dict[str, object] | None = None,
-    ) -> Event:
-        """torch's event layout: ``torchelastic.worker.status.<state>`` and its metadata."""
-        c, info = self.config, info or self._last_info
-        md: dict[str, object] = {
-            "group_world_size": info.world_size if info else None,
-            "entry_point": c.name,
-        }
-        md.update(worker or {})
-        return Event(
-            f"torchelastic.worker.status.{state}",
-            source,
-            metadata={
-                "run_id": c.run_id,
-                "global_rank": (worker or {}).get("global_rank"),
-                "group_rank": info.rank if info else None,
-                "worker_id": (worker or {}).get("worker_pid"),
-                "role": c.role,
-                "hostname": socket.getfqdn(),
-                "state": state,
-                "total_run_time": int(time.monotonic() - self._started_at),
-                "rdzv_backend": c.rdzv_backend,
-                "raw_error": raw_error,
-                "metadata": json.dumps(md),
-                "agent_restarts": self._restarts,
-                "duration_ms": duration_ms,
-            },
-        )
 
     def _record_agent(
         self,
@@ -577,32 +423,13 @@ class ElasticAgent:
         duration_ms: float | None = None,
         info: RendezvousInfo | None = None,
     ) -> None:
-        record(
-            self._event(state, EventSource.AGENT, info, raw_error, duration_ms),
-            self.config.event_log_handler,
-        )
+        self._events.agent(state, info or self._last_info, self._restarts, raw_error, duration_ms)
 
     def _record_workers(
         self, info: RendezvousInfo, state: str, failures: dict[int, ProcessFailure]
     ) -> None:
-        """One event per local worker: `state` for those in `failures` (all when it is
-        SUCCEEDED or START), TERMINATED for the others of a failed group."""
         pids = self._workers.pids() if self._workers is not None else {}
-        for local_rank, rank in sorted(self.ranks.items()):
-            failure = failures.get(rank)
-            each = state if state in ("SUCCEEDED", "START") or failure else "TERMINATED"
-            worker = {
-                "local_rank": local_rank,
-                "global_rank": rank,
-                "role_rank": rank,
-                "exit_code": failure.exitcode if failure else None,
-                "worker_pid": pids.get(local_rank),
-            }
-            raw = failure.message if failure else None
-            record(
-                self._event(each, EventSource.WORKER, info, raw, worker=worker),
-                self.config.event_log_handler,
-            )
+        self._events.workers(info, self._restarts, state, failures, self.ranks, pids)
 
     # -- one round ----------------------------------------------------------------------------
 
@@ -634,24 +461,10 @@ class ElasticAgent:
         port_text, _, host = info.store.get("worker_store").decode().partition(" ")
         return host, int(port_text)
 
-    def _check_homogeneous(self, info: RendezvousInfo) -> None:
-        nproc = self.config.nproc_per_node
-        info.store.set(f"nproc/{info.rank}", str(nproc))
-        values = info.store.multi_get([f"nproc/{rank}" for rank in range(info.world_size)])
-        counts = {rank: int(value) for rank, value in enumerate(values)}
-        if len(set(counts.values())) > 1:
-            raise RendezvousError(
-                f"the nodes of run {self.config.run_id!r} start different numbers of workers "
-                f"(node rank: --nproc_per_node): "
-                f"{', '.join(f'{r}: {n}' for r, n in sorted(counts.items()))}; every node must "
-                f"pass the same --nproc_per_node"
-            )
-
     def _start_workers(self, info: RendezvousInfo, restarts: int) -> None:
         c = self.config
-        self._check_homogeneous(info)
+        check_homogeneous(info, c.nproc_per_node, c.run_id)
         host, port = self._master(info)
-        nproc, world = c.nproc_per_node, c.nproc_per_node * info.world_size
         attempt_dir = None
         if c.logs_specs is not None:
             attempt_dir = c.logs_specs.attempt_dir(c.run_id, self._attempt)
@@ -666,63 +479,10 @@ class ElasticAgent:
         )
         base["DISTCOMM_TRACE_DIR"] = self._trace_dir
         self._attempt += 1
-        base.setdefault("OMP_NUM_THREADS", str(max(1, physical_cores() // nproc)))
-        # torchrun's: its agent exports the signals it handles; NCCL's error handling is on
-        base["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
-            signal.Signals(sig).name for sig in c.signals_to_handle
-        )
-        base.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        visible = base.get("CUDA_VISIBLE_DEVICES")
-        commands, envs, prefixes = {}, {}, {}
         self.ranks = {}
-        for local_rank in range(nproc):
-            rank = info.rank * nproc + local_rank
-            self.ranks[local_rank] = rank
-            env = dict(base)  # WorkerProcesses adds the error-file variables
-            env.update(
-                {
-                    "LOCAL_RANK": str(local_rank),
-                    "RANK": str(rank),
-                    "GROUP_RANK": str(info.rank),
-                    "ROLE_RANK": str(rank),
-                    "ROLE_NAME": c.role,
-                    "LOCAL_WORLD_SIZE": str(nproc),
-                    "WORLD_SIZE": str(world),
-                    "GROUP_WORLD_SIZE": str(info.world_size),
-                    "ROLE_WORLD_SIZE": str(world),
-                    "MASTER_ADDR": host,
-                    "MASTER_PORT": str(port),
-                    "DISTCOMM_USE_AGENT_STORE": "1",
-                    "TORCHELASTIC_USE_AGENT_STORE": "True",  # torchrun's value
-                    "DISTCOMM_STORE_PREFIX": f"/worker/round_{info.round}",
-                    "DISTCOMM_TIMER_FILE": self._timer.file_path if self._timer else "",
-                }
-            )
-            if self._timer:  # torchrun's name of the expiration timers' file
-                env["TORCHELASTIC_TIMER_FILE"] = self._timer.file_path
-            if c.virtual_local_rank:  # as torchrun: LOCAL_RANK 0, its own GPU as device 0
-                env["LOCAL_RANK"] = "0"
-                env["CUDA_VISIBLE_DEVICES"] = _visible_device(visible, local_rank)
-            for name, value in (
-                ("RESTART_COUNT", str(restarts)),
-                ("MAX_RESTARTS", str(c.max_restarts)),
-                ("RUN_ID", c.run_id),
-            ):
-                env[f"DISTCOMM_{name}"] = env[f"TORCHELASTIC_{name}"] = value
-            # torch's macro: ${local_rank} in an argument becomes the worker's local rank
-            commands[local_rank] = [
-                string.Template(arg).safe_substitute(local_rank=local_rank) if "$" in arg else arg
-                for arg in c.command
-            ]
-            if c.local_rank_argv_index is not None:
-                commands[local_rank].insert(c.local_rank_argv_index, f"--local-rank={local_rank}")
-            envs[local_rank] = env
-            template = c.log_line_prefix_template
-            if template is None and c.tee.get(local_rank, Std.NONE) != Std.NONE:
-                template = DEFAULT_PREFIX_TEMPLATE
-            prefixes[local_rank] = string.Template(template or "").safe_substitute(
-                rank=rank, local_rank=local_rank, role_name=c.role
-            )
+        commands, envs, prefixes, self.ranks = worker_specs(
+            c, info, restarts, base, (host, port), self._timer.file_path if self._timer else None
+        )
         with self._expired_lock:
             self._expired.clear()
         self._workers = WorkerProcesses(
@@ -780,58 +540,6 @@ class ElasticAgent:
             )
         return failures
 
-    def _count_restart(self, info: RendezvousInfo) -> int:
-        """Count round `info.round`'s failure once for the run; the run's restart count."""
-        store, key = info.run_store, f"restart_count_after_round_{info.round}"
-        if int(store.add(failed_round_key(info.round), 1)) == 1:
-            count = int(store.add("restart_count", 1))
-            store.set(key, str(count))
-            return count
-        return int(store.get(key))
-
-    def _exit_barrier(self, info: RendezvousInfo, watch: RoundWatch) -> RunResult:
-        """Wait until every node's workers are done, so no node's store leaves early.
-
-        Returns SUCCEEDED once all are (or after exit_barrier_timeout, as torch does), or
-        what `barrier_step` says ends the wait: the round failed on another node, the
-        rendezvous was closed, a node left the round.
-        """
-        store = info.store
-        with _slow_store("the exit barrier"):
-            if int(store.add("finished", 1)) == info.world_size:
-                publish(store, "all_finished", "1")
-                return RunResult.SUCCEEDED
-        deadline = Deadline(self.config.exit_barrier_timeout)
-        while not deadline.expired():
-            try:
-                store.wait(["all_finished"], timeout=deadline.slice(RDZV_CHECK_INTERVAL))
-                return RunResult.SUCCEEDED
-            except DistStoreTimeoutError:
-                pass
-            result = barrier_step(watch.latest())
-            if result is not None:
-                return RunResult.SUCCEEDED if store.check(["all_finished"]) else result
-            watch.check_stall()
-        log.warning(
-            "distcomm-run: not every node finished within %.0f s of this one; leaving",
-            self.config.exit_barrier_timeout,
-        )
-        return RunResult.SUCCEEDED
-
-    def _depart(self, info: RendezvousInfo) -> None:
-        """Leave together: a node that serves the store must not go while others use it.
-
-        Every node of the last round counts itself out, then waits (up to
-        DEPARTURE_TIMEOUT: a node that died never counts) until all have.
-        """
-        with contextlib.suppress(DistError, OSError):
-            store = info.store
-            if int(store.add("departed", 1)) >= info.world_size:
-                store.set("all_departed", "1")
-                return
-            with contextlib.suppress(DistError):
-                store.wait(["all_departed"], timeout=DEPARTURE_TIMEOUT)
-
     def _on_timer_expired(self, pid: int, scope: str, expiration_time: float) -> None:
         with self._expired_lock:
             self._expired[pid] = scope
@@ -868,25 +576,6 @@ class ElasticAgent:
             timer.stop()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-def _visible_device(visible: str | None, local_rank: int) -> str:
-    """torchrun's --virtual-local-rank: the `local_rank`-th entry of CUDA_VISIBLE_DEVICES,
-    or the local rank itself when it is unset.
-
-    Raises:
-        ValueError: CUDA_VISIBLE_DEVICES lists fewer devices than there are workers.
-    """
-    if visible is None:
-        return str(local_rank)
-    devices = visible.split(",")
-    if local_rank >= len(devices):
-        raise ValueError(
-            f"--virtual-local-rank: local rank {local_rank} has no device in "
-            f"CUDA_VISIBLE_DEVICES={visible!r} ({len(devices)} listed); list one per worker "
-            "or lower --nproc-per-node"
-        )
-    return devices[local_rank].strip()
 
 
 def launch(config: AgentConfig) -> int:

@@ -40,11 +40,11 @@ from ..errors import DistError
 from .agent import AgentConfig, ElasticAgent, SignalException, setup_logging
 from .errors import ChildFailedError
 from .events import get_event_handler
+from .flag_values import START_METHODS, parse_signals
 from .logs_specs import DefaultLogsSpecs, LogsSpecs
 from .numa import NumaOptions
 from .rendezvous.backends import parse_endpoint
 from .rendezvous.settings import effective_backend
-from .run import START_METHODS, parse_signals
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent", "run_agent"]
 
@@ -72,7 +72,8 @@ class LaunchConfig:
             (900 s unless `rdzv_timeout` is given) is added, as torch does.
         rdzv_timeout: torch's legacy rendezvous timeout (-1: unset).
         max_restarts, monitor_interval: as the flags (torch's default: 3 restarts).
-        start_method: spawn, fork or forkserver; accepted, no effect (see --start-method).
+        start_method: spawn, fork or forkserver: checked, then unused (torch's field, kept for
+            parity; a worker is always a new interpreter, see --start-method).
         log_line_prefix_template: the console prefix of worker lines.
         metrics_cfg: torch's metrics configuration; accepted and unused (no metrics).
         local_addr: as --local-addr.
@@ -123,10 +124,10 @@ class LaunchConfig:
             raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
             try:
                 self.shutdown_timeout = float(raw)
-            except ValueError:
+            except ValueError as exc:
                 raise ValueError(
                     f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw!r} is not a number of seconds"
-                ) from None
+                ) from exc
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
 
@@ -252,7 +253,6 @@ def to_agent_config(config: LaunchConfig, command: list[str], name: str) -> Agen
         rdzv_configs=conf,
         max_restarts=config.max_restarts,
         monitor_interval=float(config.monitor_interval),
-        start_method=config.start_method,
         log_dir=specs.root_log_dir or None,
         redirects=specs.redirects(nproc),
         tee=specs.tee(nproc),

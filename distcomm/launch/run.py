@@ -12,14 +12,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import signal
 import sys
 import uuid
 from collections.abc import Sequence
 
-from .agent import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS, AgentConfig, launch
+from .agent import DEFAULT_SIGNALS_TO_HANDLE, AgentConfig, launch
+from .api import run_agent
+from .env_flags import EnvDefault, EnvFlag, flag_names
 from .events import get_event_handler
+from .flag_values import (
+    RDZV_BACKENDS,
+    START_METHODS,
+    comma_separated_list,
+    determine_local_world_size,
+    parse_filters,
+    parse_min_max_nnodes,
+    parse_rdzv_conf,
+    parse_signals,
+    signal_names,
+)
 from .logs_specs import get_logs_specs_class
 from .numa import AFFINITY_MODES, NumaOptions
 from .rendezvous.settings import effective_backend
@@ -35,9 +46,6 @@ __all__ = [
     "run",
 ]
 
-RDZV_BACKENDS = ("static", "c10d", "etcd", "file")
-START_METHODS = ("spawn", "fork", "forkserver")
-DEFAULT_C10D_PORT = 29400
 DEFAULT_MASTER_PORT = 29500
 
 _EPILOG = """\
@@ -63,113 +71,6 @@ TORCHELASTIC_ENABLE_FILE_TIMER=1 as in torchrun; the pipe is served either way).
 """
 
 
-def _signal_names(signals: Sequence[int]) -> str:
-    return ",".join(signal.Signals(sig).name for sig in signals)
-
-
-def parse_signals(text: str) -> tuple[int, ...]:
-    """--signals_to_handle as signal numbers: "SIGTERM,SIGUSR1" (the SIG prefix and case
-    are optional).
-
-    Raises:
-        ValueError: an entry is not a signal name, or names one that cannot be caught.
-    """
-    signals: list[int] = []
-    for item in filter(None, (part.strip() for part in str(text).split(","))):
-        name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
-        sig = getattr(signal.Signals, name, None)
-        if sig is None:
-            raise ValueError(
-                f"--signals_to_handle: {item!r} is not a signal name; give "
-                f"names such as {_signal_names(DEFAULT_SIGNALS_TO_HANDLE)},"
-                f"{_signal_names(FORWARDED_SIGNALS)}"
-            )
-        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGCONT):
-            raise ValueError(
-                f"--signals_to_handle: {sig.name} cannot be handled to stop the "
-                "run (it cannot be caught, or the agent needs its default)"
-            )
-        if sig not in signals:
-            signals.append(sig)
-    return tuple(int(sig) for sig in signals)
-
-
-def _env_name(dest: str) -> str:
-    return "DISTCOMM_" + dest.upper()
-
-
-def _env_value(dest: str) -> tuple[str, str | None]:
-    """(variable, value) of a flag's environment default: DISTCOMM_<FLAG>, else torchrun's
-    PET_<FLAG>; the value is None when neither is set."""
-    for name in (_env_name(dest), "PET_" + dest.upper()):
-        value = os.environ.get(name)
-        if value is not None:
-            return name, value
-    return _env_name(dest), None
-
-
-class _EnvDefault(argparse.Action):
-    """A flag whose default comes from DISTCOMM_<FLAG> (or torchrun's PET_<FLAG>) when set."""
-
-    def __init__(
-        self,
-        option_strings: list[str],
-        dest: str,
-        default: object = None,
-        required: bool = False,
-        **kwargs: object,
-    ) -> None:
-        _, env = _env_value(dest)
-        if env is not None:
-            default, required = env, False
-        super().__init__(option_strings, dest, default=default, required=required, **kwargs)  # type: ignore[arg-type]
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, values)
-
-
-class _EnvFlag(argparse.Action):
-    """A store_true flag whose default comes from DISTCOMM_<FLAG> (or PET_<FLAG>):
-    1/true/yes/on."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
-        name, value = _env_value(dest)
-        raw = value or ""
-        lowered = raw.strip().lower()
-        if lowered not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
-            raise ValueError(f"{name}={raw!r} is not a boolean: use 1 or 0")
-        default = lowered in ("1", "true", "yes", "on")
-        super().__init__(option_strings, dest, nargs=0, default=default, **kwargs)  # type: ignore[arg-type]
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, True)
-
-
-def comma_separated_list(value: str) -> list[str]:
-    """torchrun's --duplicate-*-filters value: comma-separated strings, ",," for a comma."""
-    placeholder = "\x00"
-    items = str(value).replace(",,", placeholder).split(",")
-    return [item.replace(placeholder, ",") for item in items if item]
-
-
-def _names(flag: str) -> list[str]:
-    """--flag_name and --flag-name, torchrun's two spellings."""
-    under, dash = "--" + flag, "--" + flag.replace("_", "-")
-    return [dash, under] if dash != under else [dash]
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     """The argument parser of distcomm-run."""
     parser = argparse.ArgumentParser(
@@ -182,10 +83,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
 
     def add(flag: str, help: str, **kwargs: object) -> None:
-        parser.add_argument(*_names(flag), action=_EnvDefault, help=help, **kwargs)  # type: ignore[arg-type]
+        parser.add_argument(*flag_names(flag), action=EnvDefault, help=help, **kwargs)  # type: ignore[arg-type]
 
     def flag(flag: str, help: str, *short: str) -> None:
-        parser.add_argument(*short, *_names(flag), action=_EnvFlag, help=help)
+        parser.add_argument(*short, *flag_names(flag), action=EnvFlag, help=help)
 
     add(
         "nnodes",
@@ -290,8 +191,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "-r",
-        *_names("redirects"),
-        action=_EnvDefault,
+        *flag_names("redirects"),
+        action=EnvDefault,
         default="0",
         help="send workers' streams to log files only: 0 none, 1 stdout, 2 "
         "stderr, 3 both, for all local ranks ('3') or per local rank "
@@ -299,8 +200,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "-t",
-        *_names("tee"),
-        action=_EnvDefault,
+        *flag_names("tee"),
+        action=EnvDefault,
         default="0",
         help="like --redirects, but also to the console, each line prefixed with "
         "torchrun's '[<role><local rank>]:' ('[default0]:')",
@@ -372,11 +273,11 @@ def get_args_parser() -> argparse.ArgumentParser:
         "comma-separated signals that stop the run, as in torchrun: "
         "the agent sends the signal to every worker's process group, SIGKILL after "
         "--shutdown_timeout, and exits 128+signal (default "
-        f"{_signal_names(DEFAULT_SIGNALS_TO_HANDLE)}). SIGUSR1 and SIGUSR2, unless listed "
+        f"{signal_names(DEFAULT_SIGNALS_TO_HANDLE)}). SIGUSR1 and SIGUSR2, unless listed "
         "here, are passed on to every worker process and the run goes on, so that a Slurm "
         "job (sbatch --signal=USR1@120) can checkpoint before it is pre-empted; list them "
         "to make them stop the run instead",
-        default=_signal_names(DEFAULT_SIGNALS_TO_HANDLE),
+        default=signal_names(DEFAULT_SIGNALS_TO_HANDLE),
     )
     flag(
         "virtual_local_rank",
@@ -395,67 +296,6 @@ def get_args_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse distcomm-run's command line (default: sys.argv[1:])."""
     return get_args_parser().parse_args(argv)
-
-
-def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
-    """--nnodes as (min, max): "2" -> (2, 2), "1:4" -> (1, 4).
-
-    Raises:
-        ValueError: not N or MIN:MAX with 1 <= MIN <= MAX.
-    """
-    match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(nnodes))
-    if not match:
-        raise ValueError(f"--nnodes={nnodes!r} is not N or MIN:MAX (e.g. 2 or 1:4)")
-    low = int(match.group(1))
-    high = int(match.group(2)) if match.group(2) is not None else low
-    if not 1 <= low <= high:
-        raise ValueError(f"--nnodes={nnodes!r} needs 1 <= MIN <= MAX")
-    return low, high
-
-
-def _gpu_count() -> int:
-    from ..gpu import device_count  # imports CuPy, if installed, only when asked
-
-    return device_count()
-
-
-def determine_local_world_size(nproc_per_node: str) -> int:
-    """--nproc_per_node as a number of workers.
-
-    Raises:
-        ValueError: not a positive integer, cpu, gpu or auto; or gpu without a GPU.
-    """
-    value = str(nproc_per_node).strip()
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    if value == "cpu":
-        return os.cpu_count() or 1
-    if value in ("gpu", "auto"):
-        gpus = _gpu_count()
-        if gpus:
-            return gpus
-        if value == "gpu":
-            raise ValueError(
-                "--nproc_per_node=gpu but no CUDA device is usable here (needs "
-                "CuPy and a GPU): pass a number or 'cpu'"
-            )
-        return os.cpu_count() or 1
-    raise ValueError(
-        f"--nproc_per_node={nproc_per_node!r} is not a positive integer, 'cpu', 'gpu' or 'auto'"
-    )
-
-
-def _parse_rdzv_conf(text: str) -> dict[str, str]:
-    conf: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(
-                f"--rdzv_conf item {item!r} is not key=value "
-                f"(e.g. join_timeout=600,last_call_timeout=30)"
-            )
-        conf[key.strip()] = value.strip()
-    return conf
 
 
 def _command(args: argparse.Namespace) -> list[str]:
@@ -496,7 +336,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                 f"--standalone and use --rdzv_backend=c10d for several nodes"
             )
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
-    rdzv_conf = _parse_rdzv_conf(args.rdzv_conf)
+    rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
     backend = effective_backend(backend, rdzv_conf)
     if backend not in RDZV_BACKENDS:
         raise ValueError(f"--rdzv_backend={backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
@@ -576,7 +416,6 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         rdzv_configs=rdzv_conf,
         max_restarts=max_restarts,
         monitor_interval=monitor,
-        start_method=args.start_method,
         log_dir=args.log_dir,
         redirects=redirects,
         tee=tee,
@@ -591,17 +430,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         logs_specs=logs_specs,
         event_log_handler=str(getattr(args, "event_log_handler", "null")),
         numa_binding=None if numa is None else NumaOptions(numa),
-        duplicate_stdout_filters=_filters(getattr(args, "duplicate_stdout_filters", [])),
-        duplicate_stderr_filters=_filters(getattr(args, "duplicate_stderr_filters", [])),
+        duplicate_stdout_filters=parse_filters(getattr(args, "duplicate_stdout_filters", [])),
+        duplicate_stderr_filters=parse_filters(getattr(args, "duplicate_stderr_filters", [])),
         virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
     )
-
-
-def _filters(value: object) -> list[str]:
-    """A --duplicate-*-filters value: a list already, or a string from a variable."""
-    if isinstance(value, str):
-        return comma_separated_list(value)
-    return [str(item) for item in (value or []) if str(item)]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -614,8 +446,6 @@ def run(args: argparse.Namespace) -> None:
         SignalException: the agent was stopped by one of --signals-to-handle.
         ValueError: a flag's value is invalid; DistError: the rendezvous failed.
     """
-    from .api import run_agent  # api imports this module
-
     run_agent(config_from_args(args))
 
 

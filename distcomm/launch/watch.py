@@ -14,11 +14,12 @@ workers and the watch say, so they are tested without processes.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from ..errors import DistError
@@ -33,12 +34,31 @@ __all__ = [
     "barrier_step",
     "failed_round_key",
     "next_step",
+    "slow_store",
 ]
 
 log = logging.getLogger("distcomm.launch")
 
 #: seconds after which a store call counts as slow and is logged
 SLOW_STORE_S = 2.0
+
+
+@contextlib.contextmanager
+def slow_store(what: str) -> Iterator[None]:
+    """Log a line when the store calls inside took longer than SLOW_STORE_S."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        took = time.monotonic() - started
+        if took > SLOW_STORE_S:
+            log.warning(
+                "distcomm-run: the rendezvous store took %.1f s for %s (is the link "
+                "to it slow or down?)",
+                took,
+                what,
+            )
+
 
 
 def failed_round_key(round_: int) -> str:

@@ -1,25 +1,8 @@
-"""Start a node's worker processes, route their output, and tear down their process trees.
+"""Start a node's worker processes and tear down their process trees.
 
-Output follows torchrun's flags. For each worker and stream (stdout, stderr):
-
-- ``--redirects``: the stream goes to ``<log_dir>/<local_rank>/stdout.log`` (or
-  ``stderr.log``) only; the worker writes the file itself (no copying by the agent).
-- ``--tee``: the stream goes to that file and to the agent's console, each console line
-  starting with the worker's prefix (e.g. ``[default0]:``).
-- neither: the stream reaches the console. Without a prefix the worker inherits the agent's
-  stdout/stderr (no copying); with one, the agent copies it line by line, prefixed.
-- ``--local_ranks_filter``: ranks left out never reach the console (their streams go to
-  /dev/null unless redirected or teed, which still write the files).
-- ``--duplicate_stdout_filters`` / ``--duplicate_stderr_filters`` (torchrun's): the lines
-  of teed streams shown on the console that contain any of the filter strings are also
-  written, prefixed, to ``<log_dir>/filtered_stdout.log`` (``filtered_stderr.log``), one
-  file for all the node's workers. As in torchrun, only teed streams are filtered: lines
-  of a stream that is not teed, or of a rank left out by ``--local_ranks_filter``, are not.
-
-Prefixed lines are written whole under one lock, so lines of different workers never mix
-within a line. A partial last line is written once the worker ends, or after
-`PARTIAL_LINE_FLUSH_S` without more output, or once it reaches `MAX_LINE_BYTES`. Output
-is handled as bytes, so any encoding passes through unchanged.
+Where each worker's stdout and stderr go (``--redirects``, ``--tee``, ``--local_ranks_filter``,
+the duplicate filters) is `output.py`'s job; this module starts the workers with those
+streams, watches them and ends them.
 
 Every worker gets an error file ``<log_dir>/<local_rank>/error.json`` for `@record`
 (``DISTCOMM_ERROR_FILE`` and ``TORCHELASTIC_ERROR_FILE`` in its environment). With no
@@ -41,16 +24,12 @@ A grandchild that both made its own session and outlived its worker is out of re
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
-import re
-import select
 import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -59,12 +38,12 @@ from typing import IO
 
 import psutil
 
-from ..procutil import PR_SET_PDEATHSIG, load_prctl
+from ..deadline import Deadline
+from ..procutil import PR_SET_PDEATHSIG, is_gone, load_prctl, wait_gone
 from .errors import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV
+from .output import Duplicate, Pump, Std, parse_local_ranks_filter, parse_std
 
 __all__ = [
-    "MAX_LINE_BYTES",
-    "PARTIAL_LINE_FLUSH_S",
     "Std",
     "WorkerProcesses",
     "parse_local_ranks_filter",
@@ -73,115 +52,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: seconds a partial (unterminated) output line waits for its end before it is shown anyway
-PARTIAL_LINE_FLUSH_S = 1.0
-#: a prefixed line longer than this is shown in pieces
-MAX_LINE_BYTES = 64 * 1024
 #: seconds close() waits for the output pumps to reach end-of-file before ending them
 PUMP_JOIN_S = 5.0
 #: seconds stop() waits for SIGKILLed processes to disappear
 KILL_WAIT_S = 10.0
-
-_READ_SIZE = 64 * 1024
-
-#: serializes whole-line writes to the agent's console across all workers and instances
-_CONSOLE_LOCK = threading.Lock()
-
-_STD_FORMS = (
-    "one value for every local rank (e.g. 3) or local_rank:value pairs "
-    "(e.g. 0:3,1:1), where 0 = none, 1 = stdout, 2 = stderr, 3 = both"
-)
-
-
-class Std(enum.IntEnum):
-    """Which of a worker's streams a flag applies to (a bit set: OUT | ERR == ALL)."""
-
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
-
-
-def parse_std(
-    spec: str,
-    local_world_size: int,
-    flag: str = "--redirects/--tee",
-) -> dict[int, Std]:
-    """Parse a ``--redirects`` or ``--tee`` value into local rank -> Std.
-
-    Args:
-        spec: "3" (every local rank), "0:3,1:1" (those ranks; the others NONE) or ""
-            (NONE everywhere).
-        local_world_size: the number of workers on this node.
-        flag: the flag's name, for the error message.
-
-    Returns:
-        A Std for every local rank 0..local_world_size-1.
-
-    Raises:
-        ValueError: `spec` has another form, a value outside 0..3, a local rank outside
-            0..local_world_size-1, or a rank twice.
-    """
-    text = spec.strip()
-
-    def bad(problem: str) -> ValueError:
-        return ValueError(f"{flag}={spec!r}: {problem}; expected {_STD_FORMS}")
-
-    def value(token: str) -> Std:
-        if int(token) > Std.ALL:
-            raise bad(f"{token} is not a stream selection 0..3")
-        return Std(int(token))
-
-    result = dict.fromkeys(range(local_world_size), Std.NONE)
-    if not text:
-        return result
-    if re.fullmatch(r"\d+", text):
-        return dict.fromkeys(range(local_world_size), value(text))
-    seen: set[int] = set()
-    for item in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", item)
-        if match is None:
-            raise bad(f"cannot read {item.strip()!r}")
-        local_rank = int(match[1])
-        if local_rank >= local_world_size:
-            raise bad(
-                f"local rank {local_rank} is outside 0..{local_world_size - 1} "
-                f"({local_world_size} workers per node)"
-            )
-        if local_rank in seen:
-            raise bad(f"local rank {local_rank} appears twice")
-        seen.add(local_rank)
-        result[local_rank] = value(match[2])
-    return result
-
-
-def parse_local_ranks_filter(spec: str, local_world_size: int) -> set[int] | None:
-    """Parse ``--local_ranks_filter``: the local ranks whose output reaches the console.
-
-    Args:
-        spec: comma-separated local ranks ("0,2"), or "" for all.
-        local_world_size: the number of workers on this node.
-
-    Returns:
-        The set of local ranks, or None for all of them.
-
-    Raises:
-        ValueError: an entry is not a local rank in 0..local_world_size-1.
-    """
-    text = spec.strip()
-    if not text:
-        return None
-    ranks = set()
-    for item in text.split(","):
-        token = item.strip()
-        if not token.isdigit() or int(token) >= local_world_size:
-            raise ValueError(
-                f"--local_ranks_filter={spec!r}: {token!r} is not a local rank in "
-                f"0..{local_world_size - 1}; expected comma-separated local ranks "
-                f"(e.g. 0,2), or nothing for all ranks"
-            )
-        ranks.add(int(token))
-    return ranks
 
 
 def _child_setup(agent_pid: int, cpus: frozenset[int] | None = None) -> Callable[[], None] | None:
@@ -201,166 +75,6 @@ def _child_setup(agent_pid: int, cpus: frozenset[int] | None = None) -> Callable
                 os.kill(os.getpid(), kill)
 
     return setup
-
-
-class _Duplicate:
-    """A ``filtered_<stream>.log`` file: the lines containing any of the filter strings."""
-
-    def __init__(self, path: str, needles: Iterable[str]) -> None:
-        self.path = path
-        self.needles = [needle.encode("utf-8", "surrogateescape") for needle in needles]
-        self.file: IO[bytes] | None = open(path, "wb")  # noqa: SIM115 (closed by close())
-        self.lock = threading.Lock()
-
-    def write(self, lines: list[bytes]) -> None:
-        """Write the (prefixed, newline-ended) lines that match."""
-        chosen = b"".join(line for line in lines if any(n in line for n in self.needles))
-        if not chosen:
-            return
-        with self.lock:
-            if self.file is None:
-                return
-            try:
-                self.file.write(chosen)
-                self.file.flush()
-            except (OSError, ValueError) as exc:
-                log.warning("writing %s failed (%s); no more lines go there", self.path, exc)
-                self.close_locked()
-
-    def close_locked(self) -> None:
-        file, self.file = self.file, None
-        if file is not None:
-            with contextlib.suppress(OSError, ValueError):
-                file.close()
-
-    def close(self) -> None:
-        with self.lock:
-            self.close_locked()
-
-
-def _gone(proc: psutil.Process) -> bool:
-    """Whether a (non-child) process has ended; a zombie counts as ended."""
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.AccessDenied:
-        return False
-
-
-class _Pump:
-    """Copies one worker stream from its pipe to a log file and/or the agent's console."""
-
-    def __init__(
-        self,
-        source: IO[bytes],
-        file: IO[bytes] | None,
-        console: str | None,
-        prefix: str,
-        wake_fd: int,
-        name: str,
-        duplicate: _Duplicate | None = None,
-    ) -> None:
-        self.source, self.file, self.console = source, file, console
-        self.duplicate = duplicate
-        self.prefix = prefix.encode("utf-8", "surrogateescape")
-        self.wake_fd, self.name = wake_fd, name
-        self.thread = threading.Thread(target=self._run, name=f"distcomm-{name}", daemon=True)
-
-    def _run(self) -> None:
-        fd = self.source.fileno()
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        poller.register(self.wake_fd, select.POLLIN)
-        pending, pending_since = b"", 0.0
-        try:
-            while True:
-                timeout_ms = None
-                if pending:
-                    left = pending_since + PARTIAL_LINE_FLUSH_S - time.monotonic()
-                    timeout_ms = max(0, int(left * 1000) + 1)
-                ready = {ready_fd for ready_fd, _ in poller.poll(timeout_ms)}
-                if not ready:  # the partial line waited long enough
-                    self._show(pending + b"\n")
-                    pending = b""
-                    continue
-                if fd in ready:
-                    chunk = os.read(fd, _READ_SIZE)
-                    if not chunk:
-                        break
-                    self._save(chunk)
-                    if self.console is not None or self.duplicate is not None:
-                        now = time.monotonic()
-                        if not pending:
-                            pending_since = now
-                        pending += chunk
-                        cut = pending.rfind(b"\n") + 1
-                        if cut:
-                            self._show(pending[:cut])
-                            pending, pending_since = pending[cut:], now
-                        if len(pending) >= MAX_LINE_BYTES:
-                            self._show(pending + b"\n")
-                            pending = b""
-                if self.wake_fd in ready:  # close() gave up waiting for end-of-file
-                    break
-        except OSError as exc:
-            log.warning("%s: reading the worker's output failed: %s", self.name, exc)
-        finally:
-            if pending:
-                self._show(pending + b"\n")
-            self.source.close()
-            if self.file is not None:
-                self.file.close()
-
-    def _save(self, chunk: bytes) -> None:
-        if self.file is None:
-            return
-        try:
-            self.file.write(chunk)
-            self.file.flush()
-        except (OSError, ValueError) as exc:
-            log.warning(
-                "%s: writing %s failed (%s); its output reaches the file no more",
-                self.name,
-                getattr(self.file, "name", "the log file"),
-                exc,
-            )
-            with contextlib.suppress(OSError, ValueError):
-                self.file.close()
-            self.file = None
-
-    def _show(self, lines: bytes) -> None:
-        """Write complete lines (each ending in newline) to the console, prefixed, at once;
-        and those that match to the duplicate file."""
-        if not lines:
-            return
-        if self.prefix or self.duplicate is not None:
-            each = [self.prefix + line + b"\n" for line in lines.split(b"\n")[:-1]]
-            lines = b"".join(each)
-            if self.duplicate is not None:
-                self.duplicate.write(each)
-        if self.console is None:
-            return
-        try:
-            with _CONSOLE_LOCK:
-                stream = sys.stdout if self.console == "stdout" else sys.stderr
-                buffer = getattr(stream, "buffer", None)
-                stream.flush()
-                if buffer is not None:
-                    buffer.write(lines)
-                    buffer.flush()
-                else:
-                    stream.write(lines.decode("utf-8", "replace"))
-                    stream.flush()
-        except (OSError, ValueError, AttributeError) as exc:
-            log.warning(
-                "%s: the agent's %s is unusable (%s); this worker's output reaches "
-                "the console no more",
-                self.name,
-                self.console,
-                exc,
-            )
-            self.console = None
 
 
 class WorkerProcesses:
@@ -431,7 +145,7 @@ class WorkerProcesses:
         unknown = sorted(set(self._duplicate_filters) - {"stdout", "stderr"})
         if unknown:
             raise ValueError(f"duplicate_filters: streams {unknown} are not 'stdout' or 'stderr'")
-        self._duplicates: dict[str, _Duplicate] = {}
+        self._duplicates: dict[str, Duplicate] = {}
         self._affinity = {lr: frozenset(cpus) for lr, cpus in (affinity or {}).items()}
         self._requested_log_dir = log_dir
         self._log_dir: str | None = None
@@ -439,7 +153,7 @@ class WorkerProcesses:
         self._log_files: dict[int, dict[str, str]] = {}
         self._error_files: dict[int, str] = {}
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
-        self._pumps: list[_Pump] = []
+        self._pumps: list[Pump] = []
         self._wake: tuple[int, int] | None = None
         self._lock = threading.RLock()
         self._started = self._stopped = self._closed = False
@@ -469,7 +183,7 @@ class WorkerProcesses:
             try:
                 for name, needles in self._duplicate_filters.items():
                     path = os.path.join(self._log_dir, f"filtered_{name}.log")
-                    self._duplicates[name] = _Duplicate(path, needles)
+                    self._duplicates[name] = Duplicate(path, needles)
                 for local_rank in self._commands:
                     setup = _child_setup(os.getpid(), self._affinity.get(local_rank))
                     self._start_one(local_rank, setup)
@@ -551,7 +265,7 @@ class WorkerProcesses:
             source = proc.stdout if name == "stdout" else proc.stderr
             assert source is not None
             teed = bool(self._tee[local_rank] & (Std.OUT if name == "stdout" else Std.ERR))
-            pump = _Pump(
+            pump = Pump(
                 source,
                 file,
                 name,
@@ -587,7 +301,7 @@ class WorkerProcesses:
                 self.terminate(sig)
             assert self._terminated is not None
             started, sig, targets = self._terminated
-            deadline = started + max(grace, 0.0)
+            deadline = Deadline(max(0.0, started + max(grace, 0.0) - time.monotonic()))
             if sig != signal.SIGKILL:
                 targets = self._wait(targets, deadline)
                 if targets or self._running():
@@ -600,7 +314,7 @@ class WorkerProcesses:
                     )
                     targets = self._tree(targets)
                     self._signal(signal.SIGKILL, targets)
-            left = self._wait(targets, time.monotonic() + KILL_WAIT_S)
+            left = self._wait(targets, Deadline(KILL_WAIT_S))
             for proc in self._procs.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=0 if left else KILL_WAIT_S)
@@ -710,7 +424,7 @@ class WorkerProcesses:
         descendants of running workers and every member of the workers' process groups."""
         own = os.getpid()
         worker_pids = {proc.pid for proc in self._procs.values()}
-        found = {proc.pid: proc for proc in known if not _gone(proc)}
+        found = {proc.pid: proc for proc in known if not is_gone(proc)}
         for proc in self._running():
             try:
                 for child in psutil.Process(proc.pid).children(recursive=True):
@@ -767,12 +481,6 @@ class WorkerProcesses:
             sent.append(proc.pid)
         return sent
 
-    def _wait(self, targets: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+    def _wait(self, targets: list[psutil.Process], deadline: Deadline) -> list[psutil.Process]:
         """Wait until the workers and `targets` ended or `deadline`; those still alive."""
-        pause = 0.001
-        while True:
-            targets = [proc for proc in targets if not _gone(proc)]
-            if (not targets and not self._running()) or time.monotonic() >= deadline:
-                return targets
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, 0.05)
+        return wait_gone(targets, deadline, 0.001, 0.05, also=lambda: bool(self._running()))

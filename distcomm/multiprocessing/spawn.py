@@ -164,10 +164,10 @@ def _make_private_dir(path: str) -> None:
     """Create directory `path` (mode 0700), or accept it if we already own it."""
     try:
         os.mkdir(path, 0o700)
-    except FileExistsError:
+    except FileExistsError as exc:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            raise FileExistsError(f"{path} exists and is not a directory of ours") from None
+            raise FileExistsError(f"{path} exists and is not a directory of ours") from exc
 
 
 def _write_error_file(path: str, text: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from ...errors import DistError
+from ...errors import DistError, DistTimeoutError
 from ...store import PrefixStore, Store
 
 __all__ = [
@@ -35,8 +35,9 @@ class RendezvousClosedError(RendezvousError):
     """The rendezvous is closed: the run is over and no new round will form."""
 
 
-class RendezvousTimeoutError(RendezvousError, TimeoutError):
-    """A round did not complete within the join timeout."""
+class RendezvousTimeoutError(RendezvousError, DistTimeoutError):
+    """A round did not complete within the join timeout (also a `DistTimeoutError`, hence a
+    `TimeoutError`, like every timeout distcomm raises)."""
 
 
 class RendezvousConnectionError(RendezvousError, ConnectionError):

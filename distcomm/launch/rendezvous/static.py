@@ -144,7 +144,7 @@ class StaticRendezvous(RendezvousHandler):
                 try:
                     store.wait([f"{base}/done"], timeout=deadline.slice(_BARRIER_SLICE))
                     break
-                except DistStoreTimeoutError:
+                except DistStoreTimeoutError as exc:
                     self._check_closed(store)
                     if deadline.expired():
                         arrived = store.add(f"{base}/arrived", 0)
@@ -153,7 +153,7 @@ class StaticRendezvous(RendezvousHandler):
                             f"for round {round_} within join_timeout={self._join_timeout:g} s; "
                             "start every node with the same --nnodes, --master_addr and "
                             "--master_port, or raise join_timeout in --rdzv_conf"
-                        ) from None
+                        ) from exc
         except RendezvousError:
             raise
         except DistError as exc:

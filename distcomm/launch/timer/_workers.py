@@ -1,88 +1,23 @@
-"""What both timer servers share: a table of timers per worker pid, and process-tree reaping."""
+"""What both timer servers share: a table of timers per worker pid (process-tree reaping is
+`distcomm.procutil.kill_process_tree`)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import time
 from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 import psutil
 
+from ...procutil import is_gone
 from .api import TimerRequest
 
-__all__ = ["WorkerTimers", "is_gone", "kill_process_tree"]
+__all__ = ["WorkerTimers"]
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=TimerRequest)
-
-#: Seconds to wait for a SIGKILLed worker to disappear before reporting it survived.
-KILL_WAIT = 10.0
-
-
-def is_gone(proc: psutil.Process) -> bool:
-    """Whether the process has exited: no longer exists, was replaced (pid reuse) or is a zombie.
-
-    Never waits for the process: its parent (often the launcher) keeps its exit status.
-    """
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_gone(proc: psutil.Process, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    pause = 0.005
-    while not is_gone(proc):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 0.1)
-    return True
-
-
-def _send(proc: psutil.Process, sig: int) -> None:
-    try:
-        proc.send_signal(sig)
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.AccessDenied:
-        log.warning("not allowed to send %s to pid %d", signal.Signals(sig).name, proc.pid)
-
-
-def kill_process_tree(proc: psutil.Process, sig: int = signal.SIGKILL, grace: float = 5.0) -> bool:
-    """Signal a worker's descendants, then the worker; True once the worker has exited.
-
-    With a signal other than SIGKILL, whatever is still alive `grace` seconds later
-    (the worker or any descendant found at the start) gets SIGKILL.
-    """
-    if is_gone(proc):
-        return True
-    try:
-        tree = [*proc.children(recursive=True), proc]
-    except psutil.NoSuchProcess:
-        return True
-    for member in tree:
-        _send(member, sig)
-    if sig != signal.SIGKILL:
-        _wait_gone(proc, grace)
-        survivors = [member for member in tree if not is_gone(member)]
-        if survivors:
-            log.warning(
-                "pid(s) %s still alive %s s after %s; sending SIGKILL",
-                ", ".join(str(p.pid) for p in survivors),
-                grace,
-                signal.Signals(sig).name,
-            )
-        for member in survivors:
-            _send(member, signal.SIGKILL)
-    return _wait_gone(proc, KILL_WAIT)
-
 
 class WorkerTimers(Generic[R]):
     """Timers keyed by (worker pid, scope id), with the worker's process captured on first use.

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -288,6 +288,17 @@ def _positive_seconds(value: object, name: str) -> float:
 # DISTCOMM_TIMER_FILE on first use (torch keeps the same module-level default).
 _timer_client: TimerClient | None = None
 
+# Builds the client for the pipe DISTCOMM_TIMER_FILE names. file_based_local_timer registers
+# its FileTimerClient when it is imported (the package imports it), so that this module,
+# which holds the abstract types, imports no implementation.
+_pipe_client_factory: Callable[[str], TimerClient] | None = None
+
+
+def register_pipe_client(factory: Callable[[str], TimerClient]) -> None:
+    """Set how `expires` builds its default client from DISTCOMM_TIMER_FILE's path."""
+    global _pipe_client_factory
+    _pipe_client_factory = factory
+
 
 def configure(timer_client: TimerClient) -> None:
     """Make `timer_client` the client `expires` uses when none is passed.
@@ -318,9 +329,9 @@ def _default_client() -> TimerClient:
                 "distcomm.launch.timer.configure(client) first, pass client=..., or run "
                 f"under distcomm-run (which sets {TIMER_FILE_ENV} in every worker)"
             )
-        from .file_based_local_timer import FileTimerClient
-
-        _timer_client = FileTimerClient(path)
+        if _pipe_client_factory is None:  # only if the package was bypassed
+            raise RuntimeError("no pipe timer client: import distcomm.launch.timer")
+        _timer_client = _pipe_client_factory(path)
         log.info("timer client configured from %s=%s", TIMER_FILE_ENV, path)
     return _timer_client
 

@@ -31,7 +31,9 @@ from typing import Any
 
 import psutil
 
-from ._workers import WorkerTimers, is_gone, kill_process_tree
+from ...deadline import Deadline
+from ...procutil import is_gone, kill_process_tree
+from ._workers import WorkerTimers
 from .api import (
     RequestQueue,
     TimerClient,
@@ -39,6 +41,7 @@ from .api import (
     TimerServer,
     TimerServerUnavailableError,
     _positive_seconds,
+    register_pipe_client,
 )
 from .debug_info_logging import log_debug_info_for_expired_timers
 
@@ -117,7 +120,7 @@ class FileTimerRequest(TimerRequest):
         try:
             fields = json.loads(line)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not JSON ({exc})") from None
+            raise ValueError(f"not JSON ({exc})") from exc
         if not isinstance(fields, dict):
             raise ValueError("not a JSON object")
         version = fields.get("version")
@@ -213,21 +216,19 @@ class FileTimerClient(TimerClient):
                 f"would be {len(data)} bytes, over the {MAX_REQUEST_BYTES} bytes (PIPE_BUF) one "
                 f"pipe write delivers atomically; use a shorter scope"
             )
-        deadline = time.monotonic() + self._timeout
+        deadline = Deadline(self._timeout)
         pause = 0.01
         while True:
             problem = self._try_write(data)
             if problem is None:
                 return
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if deadline.expired():
                 raise TimerServerUnavailableError(
                     f"timer request for scope {request.scope_id!r} not delivered to "
                     f"{self._path} within {self._timeout} s: {problem}; is the timer server "
                     f"(distcomm-run's agent or a FileTimerServer) running?"
                 )
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.2)
+            pause = deadline.nap(pause, 0.2)
 
     def _try_write(self, data: bytes) -> str | None:
         """Write `data` in one go; None on success, else why it could not (worth retrying)."""
@@ -593,3 +594,6 @@ class FileTimerServer(TimerServer):
 
 def _reaps(request: TimerRequest) -> bool:
     return getattr(request, "signal", 0) > 0
+
+
+register_pipe_client(FileTimerClient)

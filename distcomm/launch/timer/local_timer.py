@@ -9,7 +9,8 @@ import signal
 import time
 from typing import Any
 
-from ._workers import WorkerTimers, kill_process_tree
+from ...procutil import kill_process_tree
+from ._workers import WorkerTimers
 from .api import RequestQueue, TimerClient, TimerRequest, TimerServer
 
 __all__ = ["LocalTimerClient", "LocalTimerServer", "MultiprocessingRequestQueue"]

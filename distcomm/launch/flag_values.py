@@ -1,0 +1,132 @@
+"""The values of distcomm-run's flags, parsed and checked: --nnodes, --nproc_per_node,
+--rdzv_conf, --signals_to_handle and the --duplicate-*-filters lists."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Sequence
+
+from .agent_config import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS
+
+__all__ = [
+    "RDZV_BACKENDS",
+    "START_METHODS",
+    "comma_separated_list",
+    "determine_local_world_size",
+    "parse_filters",
+    "parse_min_max_nnodes",
+    "parse_rdzv_conf",
+    "parse_signals",
+    "signal_names",
+]
+
+RDZV_BACKENDS = ("static", "c10d", "etcd", "file")
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def signal_names(signals: Sequence[int]) -> str:
+    return ",".join(signal.Signals(sig).name for sig in signals)
+
+
+def parse_signals(text: str) -> tuple[int, ...]:
+    """--signals_to_handle as signal numbers: "SIGTERM,SIGUSR1" (the SIG prefix and case
+    are optional).
+
+    Raises:
+        ValueError: an entry is not a signal name, or names one that cannot be caught.
+    """
+    signals: list[int] = []
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
+        sig = getattr(signal.Signals, name, None)
+        if sig is None:
+            raise ValueError(
+                f"--signals_to_handle: {item!r} is not a signal name; give "
+                f"names such as {signal_names(DEFAULT_SIGNALS_TO_HANDLE)},"
+                f"{signal_names(FORWARDED_SIGNALS)}"
+            )
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGCONT):
+            raise ValueError(
+                f"--signals_to_handle: {sig.name} cannot be handled to stop the "
+                "run (it cannot be caught, or the agent needs its default)"
+            )
+        if sig not in signals:
+            signals.append(sig)
+    return tuple(int(sig) for sig in signals)
+
+
+def comma_separated_list(value: str) -> list[str]:
+    """torchrun's --duplicate-*-filters value: comma-separated strings, ",," for a comma."""
+    placeholder = "\x00"
+    items = str(value).replace(",,", placeholder).split(",")
+    return [item.replace(placeholder, ",") for item in items if item]
+
+
+def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
+    """--nnodes as (min, max): "2" -> (2, 2), "1:4" -> (1, 4).
+
+    Raises:
+        ValueError: not N or MIN:MAX with 1 <= MIN <= MAX.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(nnodes))
+    if not match:
+        raise ValueError(f"--nnodes={nnodes!r} is not N or MIN:MAX (e.g. 2 or 1:4)")
+    low = int(match.group(1))
+    high = int(match.group(2)) if match.group(2) is not None else low
+    if not 1 <= low <= high:
+        raise ValueError(f"--nnodes={nnodes!r} needs 1 <= MIN <= MAX")
+    return low, high
+
+
+def _gpu_count() -> int:
+    from ..gpu import device_count  # imports CuPy, if installed, only when asked
+
+    return device_count()
+
+
+def determine_local_world_size(nproc_per_node: str) -> int:
+    """--nproc_per_node as a number of workers.
+
+    Raises:
+        ValueError: not a positive integer, cpu, gpu or auto; or gpu without a GPU.
+    """
+    value = str(nproc_per_node).strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value in ("gpu", "auto"):
+        gpus = _gpu_count()
+        if gpus:
+            return gpus
+        if value == "gpu":
+            raise ValueError(
+                "--nproc_per_node=gpu but no CUDA device is usable here (needs "
+                "CuPy and a GPU): pass a number or 'cpu'"
+            )
+        return os.cpu_count() or 1
+    raise ValueError(
+        f"--nproc_per_node={nproc_per_node!r} is not a positive integer, 'cpu', 'gpu' or 'auto'"
+    )
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"--rdzv_conf item {item!r} is not key=value "
+                f"(e.g. join_timeout=600,last_call_timeout=30)"
+            )
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def parse_filters(value: object) -> list[str]:
+    """A --duplicate-*-filters value: a list already, or a string from a variable."""
+    if isinstance(value, str):
+        return comma_separated_list(value)
+    return [str(item) for item in (value or []) if str(item)]
