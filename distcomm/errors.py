@@ -15,7 +15,8 @@ each subclass also inherits the builtin exception a caller would catch anyway::
         └── DistTimeoutError               (also TimeoutError) a blocking wait ran out of time
 
 The launcher and the multiprocessing module add their own branches under `DistError`:
-`launch.rendezvous.RendezvousError` (closed, timeout, connection),
+`launch.rendezvous.RendezvousError` (closed, connection, and timeout, which is also a
+`DistTimeoutError`),
 `launch.errors.ChildFailedError` (the failure report of a run), `launch.timer`'s
 `TimerServerUnavailableError`, `multiprocessing.ProcessException` (raised, exited) and
 `multiprocessing.shm_client.ShmManagerError`.
