@@ -5,30 +5,5 @@
 (``torch.distributed.rendezvous``). The code lives in `distcomm.bootstrap`.
 """
 
-from .bootstrap import (
-    EnvInfo,
-    InitMethod,
-    Rendezvous,
-    RendezvousHandler,
-    check_mpi_world_size,
-    detect_environment,
-    expand_nodelist,
-    parse_init_method,
-    register_rendezvous_handler,
-    rendezvous,
-    slurm_port,
-)
-
-__all__ = [
-    "EnvInfo",
-    "InitMethod",
-    "Rendezvous",
-    "RendezvousHandler",
-    "check_mpi_world_size",
-    "detect_environment",
-    "expand_nodelist",
-    "parse_init_method",
-    "register_rendezvous_handler",
-    "rendezvous",
-    "slurm_port",
-]
+from .bootstrap import *  # noqa: F403  (every name of distcomm.bootstrap.__all__)
+from .bootstrap import __all__  # noqa: F401

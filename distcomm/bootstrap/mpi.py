@@ -37,10 +37,10 @@ from .. import mpiutil
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistNetworkError
 from ..net import format_address, interface_address
-from ..store import Store, TCPStore
+from ..store import Store
 from .base import EnvInfo, Rendezvous, describe, launcher_of
 from .environment import detect, mpi_launcher
-from .stores import open_store
+from .stores import open_store, tcp_store
 
 __all__ = ["check_mpi_world_size"]
 
@@ -124,18 +124,7 @@ def bootstrap_over_mpi(
             host = str(info.master_addr) if fixed_addr else _host_address(one_host, ifname)
             port = int(info.master_port) if fixed_port else 0  # type: ignore[arg-type]
             context = f"{where}: hosting the store at {format_address(host, port)} ({origin})"
-            store = open_store(
-                lambda: TCPStore(
-                    host,
-                    port,
-                    world_size=size,
-                    is_master=True,
-                    timeout=seconds,
-                    wait_for_workers=False,
-                ),
-                context,
-                DistNetworkError,
-            )
+            store = tcp_store(host, port, size, seconds, hosting=True, context=context)
         except BaseException as exc:
             comm.bcast(("error", f"{type(exc).__name__}: {exc}"), root=root)
             raise
@@ -160,11 +149,8 @@ def bootstrap_over_mpi(
         if reply[0] != "ok":
             raise DistNetworkError(f"{where}: rank 0 could not host the store: {reply[1]}")
         host, port = reply[1], reply[2]
-        store = open_store(
-            lambda: TCPStore(host, port, world_size=size, is_master=False, timeout=seconds),
-            f"{where}: connecting to the store at {format_address(host, port)} ({origin})",
-            DistNetworkError,
-        )
+        context = f"{where}: connecting to the store at {format_address(host, port)} ({origin})"
+        store = tcp_store(host, port, size, seconds, hosting=False, context=context)
     return Rendezvous(
         store,
         rank,

@@ -52,14 +52,25 @@ def _given(
     return given
 
 
-def _place(info: EnvInfo, method: InitMethod) -> tuple[int, int, str]:
-    """This process's rank and world size, and who rendezvouses how, for messages.
+def _locate(
+    url: str,
+    rank: int | None,
+    world_size: int | None,
+    environ: Mapping[str, str],
+    with_master: bool,
+) -> tuple[InitMethod, EnvInfo, int, int, str]:
+    """The parsed URL, what it and the environment say, this process's rank and world
+    size, and who rendezvouses how, for messages ("[rank 1/4] env:// rendezvous").
 
     Raises:
-        ValueError: the rank or the world size is found nowhere.
+        ValueError: the URL is malformed, a value is malformed or out of range, or the
+            rank or the world size is found nowhere.
     """
-    rank, size = int(require(info, "rank")), int(require(info, "world_size"))  # type: ignore[call-overload]
-    return rank, size, f"[rank {rank}/{size}] {method.scheme}:// rendezvous"
+    method = parse_init_method(url)
+    info = detect(environ, _given(method, rank, world_size), with_master)
+    the_rank = int(require(info, "rank"))  # type: ignore[call-overload]
+    size = int(require(info, "world_size"))  # type: ignore[call-overload]
+    return method, info, the_rank, size, f"[rank {the_rank}/{size}] {method.scheme}:// rendezvous"
 
 
 def address_rendezvous(
@@ -77,9 +88,7 @@ def address_rendezvous(
         DistNetworkError, DistStoreError, DistTimeoutError: the store could not be
             hosted, opened or reached in time.
     """
-    method = parse_init_method(url)
-    info = detect(environ, _given(method, rank, world_size), with_master=True)
-    the_rank, size, where = _place(info, method)
+    method, info, the_rank, size, where = _locate(url, rank, world_size, environ, True)
     cfg = config.load(dict(environ))
     # an explicit tcp:// address is the script's own store, not the launcher's
     agent = cfg.use_agent_store and method.scheme == "env"
@@ -133,9 +142,7 @@ def file_rendezvous(
         ValueError: a value is missing, malformed or out of range.
         DistStoreError: the FileStore could not be opened.
     """
-    method = parse_init_method(url)
-    info = detect(environ, _given(method, rank, world_size), with_master=False)
-    the_rank, size, where = _place(info, method)
+    method, info, the_rank, size, where = _locate(url, rank, world_size, environ, False)
     path = str(method.path)
     opened = open_store(
         lambda: FileStore(path, size, timeout=timeout),

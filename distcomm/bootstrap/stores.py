@@ -113,6 +113,28 @@ def join(store: Store, rank: int, size: int, seconds: float, warn_after: float, 
             )
 
 
+def tcp_store(
+    host: str, port: int, size: int, seconds: float, *, hosting: bool, context: str
+) -> TCPStore:
+    """Host or connect to the TCPStore at `host`:`port`, without waiting for the workers.
+
+    Raises:
+        DistNetworkError, DistStoreError: as `open_store`, with `context`.
+    """
+    return open_store(  # type: ignore[return-value]
+        lambda: TCPStore(
+            host,
+            port,
+            world_size=size,
+            is_master=hosting,
+            timeout=seconds,
+            wait_for_workers=False,
+        ),
+        context,
+        DistNetworkError,
+    )
+
+
 def open_tcp_store(
     host: str,
     port: int,
@@ -145,18 +167,8 @@ def open_tcp_store(
         f"{where}: {'hosting' if hosting else 'connecting to'} the store at "
         f"{format_address(host, port)} ({origin})"
     )
-    opened = open_store(
-        lambda: TCPStore(
-            host,
-            port,
-            world_size=size,
-            is_master=hosting,
-            timeout=seconds,
-            wait_for_workers=False,  # join waits, naming the ranks still missing
-        ),
-        context,
-        DistNetworkError,
-    )
+    # join waits for the workers, naming the ranks still missing
+    opened = tcp_store(host, port, size, seconds, hosting=hosting, context=context)
     if agent and prefix:
         opened = _RoundStore(prefix, opened)
     if not agent:
