@@ -331,7 +331,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         ValueError: bad arguments or environment; the message lists what was looked for.
         DistError: rendezvous or connection setup failed or timed out.
     """
-    from .rendezvous import rendezvous
+    from .bootstrap import rendezvous
 
     del pg_options
     if device_id is not None:
@@ -390,7 +390,7 @@ def _mpi_world(rank: int, world_size: int) -> Any:
         ValueError: `rank` or `world_size` was given and disagrees with MPI's.
     """
     from .backends.mpi import mpi
-    from .rendezvous import Rendezvous
+    from .bootstrap import Rendezvous
 
     world = mpi().COMM_WORLD
     for name, given, actual in (("world_size", world_size, world.size),

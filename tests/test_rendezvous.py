@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 
 from distcomm import mpiutil
+from distcomm.bootstrap import urls
 from distcomm.errors import DistBackendError, DistError
 from distcomm.examples import quickstart
 from distcomm.rendezvous import (
@@ -19,6 +20,7 @@ from distcomm.rendezvous import (
     detect_environment,
     expand_nodelist,
     parse_init_method,
+    register_rendezvous_handler,
     rendezvous,
     slurm_port,
 )
@@ -550,6 +552,63 @@ def test_connect_failure_names_rank_and_address_sources() -> None:
         "MASTER_PORT",
     ):
         assert word in message
+
+
+# -- the scheme registry ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_registry(monkeypatch) -> None:
+    """Schemes registered by a test are forgotten after it."""
+    monkeypatch.setattr(urls, "_handlers", dict(urls._handlers))
+
+
+def test_registered_scheme_handler_gets_url_and_explicit_values(own_registry) -> None:
+    store, calls = HashStore(), []
+
+    def handler(url: str, **kwargs: object) -> Rendezvous:
+        calls.append((url, kwargs))
+        return Rendezvous(store, 1, 3, source="mine")
+
+    register_rendezvous_handler("Mine", handler)
+    env = {"RANK": "2"}
+    result = rendezvous("mine://x/y?a=b", world_size=3, timeout=7, environ=env)
+    assert result == Rendezvous(store, 1, 3, source="mine")
+    url, kwargs = calls[0]
+    assert url == "mine://x/y?a=b"
+    assert kwargs == {"rank": None, "world_size": 3, "timeout": 7.0, "environ": env}
+
+
+def test_registered_scheme_handler_may_yield_as_torchs_do(own_registry) -> None:
+    store = HashStore()
+
+    def handler(url: str, **kwargs: object):
+        yield store, 1, 2
+
+    register_rendezvous_handler("gen", handler)
+    result = rendezvous("gen://", environ={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    assert result == Rendezvous(store, 1, 2, 0, 1, None, None, "gen://")
+    register_rendezvous_handler("tuple", lambda url, **kwargs: (store, 0, 1))
+    assert rendezvous("tuple://", environ={}).world_size == 1
+    register_rendezvous_handler("junk", lambda url, **kwargs: (store, "0", 1))
+    with pytest.raises(TypeError, match="junk:// handler"):
+        rendezvous("junk://", environ={})
+
+
+def test_register_rendezvous_handler_rules(own_registry) -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register_rendezvous_handler("TCP", lambda url, **kwargs: None)
+    with pytest.raises(ValueError, match="URL scheme"):
+        register_rendezvous_handler("no scheme", lambda url, **kwargs: None)
+    with pytest.raises(TypeError, match="callable"):
+        register_rendezvous_handler("x", "not a function")  # type: ignore[arg-type]
+    register_rendezvous_handler("etcd", lambda url, **kwargs: None)
+    with pytest.raises(ValueError) as info:
+        rendezvous("udp://h:1", environ={})
+    assert str(info.value).endswith(
+        "use env:// (the default: MASTER_ADDR, MASTER_PORT), tcp://HOST:PORT, "
+        "file:///PATH or etcd://"
+    )
 
 
 # -- rendezvous across processes ------------------------------------------------------------

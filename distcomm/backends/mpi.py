@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import DistBackendError, DistTimeoutError
 from ..gpu.staging import is_cupy_array
-from ..mpiutil import abort, install_abort_hook
+from ..mpiutil import abort, install_abort_hook, load_mpi
 from ..ops import MPI_OP_NAMES, ReduceOp, reduce_into
 from ..store.base import Store
 from ..work import Future, Work
@@ -76,17 +76,19 @@ def mpi() -> Any:
         BackendUnavailableError: mpi4py is not installed.
         DistBackendError: MPI.COMM_WORLD's size is not the world size the launcher announced
             (plain srun without an MPI plugin: every task a world of one); the message
-            says what to do (`rendezvous.check_mpi_world_size`).
+            says what to do (`bootstrap.mpi.check_mpi_world_size`).
     """
     try:
-        from mpi4py import MPI
+        MPI = load_mpi()
     except ImportError as exc:
         from ..errors import BackendUnavailableError
 
+        # the import's own words, not load_mpi's summary of them
+        reason = exc.__cause__ if exc.__cause__ is not None else exc
         raise BackendUnavailableError(
-            f"the mpi backend needs mpi4py: {MpiBackend.unavailable_reason()} ({exc})"
+            f"the mpi backend needs mpi4py: {MpiBackend.unavailable_reason()} ({reason})"
         ) from None
-    from ..rendezvous import check_mpi_world_size
+    from ..bootstrap.mpi import check_mpi_world_size
 
     check_mpi_world_size(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
     return MPI

@@ -38,8 +38,8 @@ import time
 import numpy as np
 
 import distcomm as dist
+from distcomm.bootstrap import detect_environment
 from distcomm.procutil import set_pdeathsig
-from distcomm.rendezvous import detect_environment
 
 SEED = 0
 SAMPLES = 4096  # the whole dataset; rank r holds rows r, r + world_size, r + 2 world_size...

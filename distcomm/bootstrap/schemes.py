@@ -1,0 +1,159 @@
+"""The built-in init_method schemes, env://, tcp:// and file://, registered as handlers.
+
+For ``env://`` and ``tcp://`` rank 0 hosts a TCPStore at the address (the URL's, or the
+one the environment gives) and every rank waits until all have joined it; under an MPI
+launcher ``env://`` may get the address from rank 0 over MPI instead
+(`distcomm.bootstrap.mpi`), and under a launcher that serves the store itself
+(DISTCOMM_USE_AGENT_STORE=1) every rank connects to it (`distcomm.bootstrap.stores`).
+``file://`` opens a FileStore on the path. Rank and world size come from the caller's
+arguments, the URL's query, then the environment (`distcomm.bootstrap.environment`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .. import config
+from ..errors import DistStoreError
+from ..net import format_address
+from ..store import FileStore
+from .base import EnvInfo, InitMethod, Rendezvous, describe
+from .environment import detect, require
+from .mpi import bootstrap_if_launched
+from .stores import open_store, open_tcp_store
+from .urls import parse_init_method, register_rendezvous_handler
+
+__all__: list[str] = []
+
+
+def _given(
+    method: InitMethod, rank: int | None, world_size: int | None
+) -> dict[str, tuple[object, str]]:
+    """The values the caller and the URL give, each with where it came from.
+
+    Raises:
+        ValueError: an argument and the URL's query give a value twice, differently.
+    """
+    given: dict[str, tuple[object, str]] = {}
+    for name, arg in (("rank", rank), ("world_size", world_size)):
+        in_url = getattr(method, name)
+        if arg is not None and in_url is not None and arg != in_url:
+            raise ValueError(
+                f"{name} is given twice with different values: {name}={arg} and "
+                f"?{name}={in_url} in init_method {method.url!r}: give it once"
+            )
+        if arg is not None:
+            given[name] = (arg, f"{name}= argument")
+        elif in_url is not None:
+            given[name] = (in_url, f"?{name}= in the URL")
+    if method.scheme == "tcp":
+        given["master_addr"] = (method.host, "tcp:// URL")
+        given["master_port"] = (method.port, "tcp:// URL")
+    return given
+
+
+def _locate(
+    url: str,
+    rank: int | None,
+    world_size: int | None,
+    environ: Mapping[str, str],
+    with_master: bool,
+) -> tuple[InitMethod, EnvInfo, int, int, str]:
+    """The parsed URL, what it and the environment say, this process's rank and world
+    size, and who rendezvouses how, for messages ("[rank 1/4] env:// rendezvous").
+
+    Raises:
+        ValueError: the URL is malformed, a value is malformed or out of range, or the
+            rank or the world size is found nowhere.
+    """
+    method = parse_init_method(url)
+    info = detect(environ, _given(method, rank, world_size), with_master)
+    the_rank = int(require(info, "rank"))  # type: ignore[call-overload]
+    size = int(require(info, "world_size"))  # type: ignore[call-overload]
+    return method, info, the_rank, size, f"[rank {the_rank}/{size}] {method.scheme}:// rendezvous"
+
+
+def address_rendezvous(
+    url: str,
+    *,
+    rank: int | None,
+    world_size: int | None,
+    timeout: float,
+    environ: Mapping[str, str],
+) -> Rendezvous:
+    """The handler of env:// and tcp://: a TCPStore at an address, hosted by rank 0.
+
+    Raises:
+        ValueError: a value is missing, malformed or out of range.
+        DistNetworkError, DistStoreError, DistTimeoutError: the store could not be
+            hosted, opened or reached in time.
+    """
+    method, info, the_rank, size, where = _locate(url, rank, world_size, environ, True)
+    cfg = config.load(dict(environ))
+    # an explicit tcp:// address is the script's own store, not the launcher's
+    agent = cfg.use_agent_store and method.scheme == "env"
+    hint = ""
+    if method.scheme == "env" and not agent:
+        shared = bootstrap_if_launched(
+            environ, info, the_rank, size, timeout, where, cfg.socket_ifname
+        )
+        if isinstance(shared, Rendezvous):
+            return shared
+        hint = shared
+    host = str(require(info, "master_addr", hint))
+    port = int(require(info, "master_port", hint))  # type: ignore[call-overload]
+    origin = (
+        f"address from {describe(str(info.source_of('master_addr')))}, port from "
+        f"{describe(str(info.source_of('master_port')))}"
+    )
+    store = open_tcp_store(
+        host,
+        port,
+        the_rank,
+        size,
+        timeout,
+        where,
+        origin,
+        agent=agent,
+        prefix=cfg.store_prefix,
+        warn_after=cfg.stall_warn_s,
+    )
+    if method.scheme == "tcp":
+        source = f"tcp://{format_address(host, port)}"
+    else:
+        launcher = info.launcher
+        source = launcher if launcher not in (None, "torch style") else "env://"
+    return Rendezvous(
+        store, the_rank, size, info.local_rank, info.local_world_size, host, port, source
+    )
+
+
+def file_rendezvous(
+    url: str,
+    *,
+    rank: int | None,
+    world_size: int | None,
+    timeout: float,
+    environ: Mapping[str, str],
+) -> Rendezvous:
+    """The handler of file://: a FileStore on the URL's path.
+
+    Raises:
+        ValueError: a value is missing, malformed or out of range.
+        DistStoreError: the FileStore could not be opened.
+    """
+    method, info, the_rank, size, where = _locate(url, rank, world_size, environ, False)
+    path = str(method.path)
+    opened = open_store(
+        lambda: FileStore(path, size, timeout=timeout),
+        f"{where}: opening the FileStore {path!r}",
+        DistStoreError,
+    )
+    return Rendezvous(
+        opened, the_rank, size, info.local_rank, info.local_world_size, source=method.url
+    )
+
+
+register_rendezvous_handler("env", address_rendezvous)
+register_rendezvous_handler("tcp", address_rendezvous)
+register_rendezvous_handler("file", file_rendezvous)
