@@ -19,7 +19,6 @@ the producing stream is synchronised) and through pinned host memory otherwise.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import threading
@@ -31,7 +30,7 @@ import numpy as np
 
 from ..errors import DistBackendError, DistTimeoutError
 from ..gpu.staging import is_cupy_array
-from ..mpiutil import abort, install_abort_hook, load_mpi
+from ..mpiutil import abort, install_abort_hook, is_mpi4py_available, load_mpi
 from ..ops import MPI_OP_NAMES, ReduceOp, reduce_into
 from ..store.base import Store
 from ..work import Future, Work
@@ -188,7 +187,7 @@ class MpiBackend(Backend):
 
     @classmethod
     def is_available(cls) -> bool:
-        return importlib.util.find_spec("mpi4py") is not None
+        return is_mpi4py_available()
 
     @classmethod
     def unavailable_reason(cls) -> str:
