@@ -59,6 +59,12 @@ def stop(process: subprocess.Popen, grace: float) -> None:
         process.wait(grace)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now on `host` (the race until it is bound again
+    is accepted)."""
+    return free_ports(1, host)[0]
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct free TCP ports on `host` (bound together, then released)."""
     with contextlib.ExitStack() as stack:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,9 @@ import pytest
 
 import distcomm as dist
 from tests.harness import run_ranks
+from tests.processes import free_port
 
 REPO = str(Path(__file__).resolve().parent.parent)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init_and_reduce(backend: str | None, init_method: str | None, pass_ranks: bool) -> tuple:
@@ -48,14 +42,14 @@ def _clear_torch_vars(rank: int) -> dict[str, str]:
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_env_init_rank0_hosts_the_store(n):
-    port = _free_port()
+    port = free_port()
     # backend=None: the default for CPU arrays, gloo
     _check(run_ranks(_init_and_reduce, n, None, None, False, timeout=60,
                      env={"MASTER_PORT": str(port)}), n, backend="gloo")
 
 
 def test_tcp_url_with_explicit_ranks():
-    port = _free_port()
+    port = free_port()
     results = run_ranks(_init_and_reduce, 2, "tcp", f"tcp://127.0.0.1:{port}", True, timeout=60,
                         rank_env=lambda r: {"TEST_RANK": str(r), "TEST_SIZE": "2", "RANK": "",
                                             "WORLD_SIZE": ""})
@@ -69,7 +63,7 @@ def test_file_url(tmp_path):
 
 
 def test_open_mpi_environment():
-    port = _free_port()
+    port = free_port()
 
     def ompi(rank: int) -> dict[str, str]:
         env = _clear_torch_vars(rank)
@@ -81,7 +75,7 @@ def test_open_mpi_environment():
 
 
 def test_mpich_pmi_environment():
-    port = _free_port()
+    port = free_port()
 
     def pmi(rank: int) -> dict[str, str]:
         env = _clear_torch_vars(rank)
@@ -92,7 +86,7 @@ def test_mpich_pmi_environment():
 
 
 def test_slurm_environment_takes_master_from_the_nodelist():
-    port = _free_port()
+    port = free_port()
 
     def slurm(rank: int) -> dict[str, str]:
         env = _clear_torch_vars(rank)
@@ -185,7 +179,7 @@ def _start(script, url: str, rank: int, stall: str, backend: str) -> subprocess.
 def test_init_warns_which_ranks_are_missing_then_completes(tmp_path, stall, backend):
     script = tmp_path / "join.py"
     script.write_text(JOIN_SCRIPT)
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     procs = [_start(script, url, rank, stall, backend) for rank in (0, 1)]
     try:
         time.sleep(4)  # 0.5 s, then 1 s, then 2 s more: three warnings at least
@@ -219,7 +213,7 @@ def test_init_timeout_names_the_ranks_that_never_joined():
     from distcomm.rendezvous import rendezvous
 
     with pytest.raises(dist.DistTimeoutError) as caught:
-        rendezvous(f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=3, timeout=1.0,
+        rendezvous(f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=3, timeout=1.0,
                    environ={"DISTCOMM_STALL_WARN_S": "0"})
     message = str(caught.value)
     assert "[rank 0/3]" in message and "only 1 of 3 ranks joined the store" in message

@@ -44,6 +44,7 @@ from distcomm.launch.rendezvous.state import (
     withdraw,
 )
 from distcomm.store import TCPStore
+from tests.processes import free_port
 
 try:
     from tests.etcd_server import etcd_endpoint
@@ -73,12 +74,6 @@ WAIT = 30.0
 @pytest.fixture(autouse=True)
 def _no_auth_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DISTCOMM_AUTH_KEY", raising=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 # -- a run of dynamic handlers over one store -------------------------------------------------
@@ -467,7 +462,7 @@ def test_shutdown_leaves_the_state(run: Run) -> None:
 def test_c10d_first_agent_to_arrive_hosts() -> None:
     """is_host unset and a local endpoint: every agent tries to host; one binds, the rest
     find the port taken and connect."""
-    port = _free_port()
+    port = free_port(HOST)
     params = RendezvousParameters("c10d", f"{HOST}:{port}", "race", 2, 2, config=dict(FAST))
     handlers = [get_rendezvous_handler(params) for _ in range(2)]
     try:
@@ -526,7 +521,7 @@ def test_c10d_explicit_host_on_a_taken_port() -> None:
 def test_c10d_unreachable_store() -> None:
     params = RendezvousParameters(
         "c10d",
-        f"{HOST}:{_free_port()}",
+        f"{HOST}:{free_port(HOST)}",
         "nobody",
         1,
         1,
@@ -557,7 +552,7 @@ def test_static_one_node_on_a_free_port() -> None:
 
 @pytest.mark.timeout(60)
 def test_static_two_nodes() -> None:
-    port = _free_port()
+    port = free_port(HOST)
 
     def params(rank: int, **conf: str) -> RendezvousParameters:
         return RendezvousParameters(
@@ -603,7 +598,7 @@ def test_static_join_timeout() -> None:
         2,
         node_rank=0,
         master_addr=HOST,
-        master_port=_free_port(),
+        master_port=free_port(HOST),
         config={"join_timeout": "0.5"},
     )
     handler = get_rendezvous_handler(params)

@@ -27,6 +27,7 @@ from tests.launchjobs import (
     script,
     wait_for,
 )
+from tests.processes import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,12 +103,6 @@ ELASTIC_WORKER = """
         time.sleep(0.2)
     dist.destroy_process_group()
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env_worker(tmp_path: Path) -> Path:
@@ -619,7 +614,7 @@ def _two_nodes(
 
 
 def test_two_nodes_c10d(tmp_path):
-    _two_nodes(tmp_path, "c10d", f"127.0.0.1:{_free_port()}")
+    _two_nodes(tmp_path, "c10d", f"127.0.0.1:{free_port()}")
 
 
 def test_two_nodes_file(tmp_path):
@@ -646,7 +641,7 @@ def test_etcd_advertises_the_ip_that_routes_to_the_endpoint(tmp_path, etcd_endpo
 def test_two_nodes_static(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    port = _free_port()
+    port = free_port()
     worker = _env_worker(tmp_path)
     procs = [
         agent(
@@ -691,7 +686,7 @@ def test_scale_up_third_node_joins(tmp_path):
     out, stop = tmp_path / "out", tmp_path / "stop"
     out.mkdir()
     worker = script(tmp_path / "elastic.py", ELASTIC_WORKER)
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     procs = _nodes(
         tmp_path, "c10d", endpoint, "2:3", 2, worker, str(out), str(stop), extra=(FAST_RDZV,)
     )
@@ -729,7 +724,7 @@ def test_scale_down_killed_node_leaves(tmp_path):
     out, stop = tmp_path / "out", tmp_path / "stop"
     out.mkdir()
     worker = script(tmp_path / "elastic.py", ELASTIC_WORKER)
-    port = _free_port()
+    port = free_port()
     procs = _nodes(
         tmp_path,
         "c10d",
@@ -829,7 +824,7 @@ def test_failure_after_another_node_succeeded_fails_every_node(tmp_path, backend
     worker = script(tmp_path / "late.py", LATE_FAILURE_WORKER)
     restarts = f"--max_restarts={max_restarts}"
     if backend == "static":
-        port = _free_port()
+        port = free_port()
         procs = [
             agent(
                 [
@@ -847,7 +842,7 @@ def test_failure_after_another_node_succeeded_fails_every_node(tmp_path, backend
             for rank in (1, 0)
         ]
     else:
-        endpoint = f"127.0.0.1:{_free_port()}" if backend == "c10d" else str(tmp_path / "rdzv")
+        endpoint = f"127.0.0.1:{free_port()}" if backend == "c10d" else str(tmp_path / "rdzv")
         procs = _nodes(tmp_path, backend, endpoint, "2", 2, worker, str(out), extra=(restarts,))
     try:
         results = {proc.pid: finish(proc, 150) for proc in procs}
@@ -1037,7 +1032,7 @@ def test_agent_watches_its_workers_while_the_store_does_not_answer(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     worker = script(tmp_path / "triggered.py", TRIGGERED_WORKER)
-    port = _free_port()
+    port = free_port()
     endpoint = f"127.0.0.1:{port}"
     host = _nodes(tmp_path, "c10d", endpoint, "2", 1, worker, str(out), log=tmp_path / "host")[0]
     procs = [host]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -26,6 +25,7 @@ from tests.mpijobs import (  # noqa: F401 - the fixture applies to every test he
     no_mpi_segment_left,
     run,
 )
+from tests.processes import free_port
 
 #: hard limit of one mpiexec run, in seconds
 RUN_TIMEOUT = 120
@@ -70,12 +70,6 @@ def _script(tmp_path: Path, name: str, body: str) -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(REPORT) + textwrap.dedent(body))
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- init_process_group("gloo"/"tcp") under mpiexec, no MASTER_ADDR ---------------------------
@@ -536,7 +530,7 @@ def test_bootstrap_one_process(monkeypatch) -> None:
 
 def test_bootstrap_keeps_master_port(monkeypatch) -> None:
     _use_fake_mpi(monkeypatch)
-    port = _free_port()
+    port = free_port()
     result = rendezvous("env://", environ={**MPICH_ONE, "MASTER_PORT": str(port)}, timeout=10)
     try:
         assert (result.master_addr, result.master_port) == ("127.0.0.1", port)
@@ -554,7 +548,7 @@ def test_bootstrap_keeps_master_port(monkeypatch) -> None:
 )
 def test_no_bootstrap_when_the_address_is_given(monkeypatch, init_method, extra, source) -> None:
     _no_mpi_import(monkeypatch)
-    port = str(_free_port())
+    port = str(free_port())
     env = {**MPICH_ONE, **{key: value.format(port=port) for key, value in extra.items()}}
     url = None if init_method is None else init_method.format(port=port)
     result = rendezvous(url, environ=env, timeout=10)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from datetime import timedelta
 
@@ -26,15 +25,9 @@ from distcomm.rendezvous import (
 )
 from distcomm.store import FileStore, HashStore, TCPStore
 from tests.harness import run_ranks
+from tests.processes import free_port
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
-def free_port() -> int:
-    """A port nobody listens on right now (the race until it is bound again is accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- expand_nodelist ------------------------------------------------------------------------
