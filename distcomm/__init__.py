@@ -1,4 +1,8 @@
-"""distcomm: torch.distributed's model for numpy and CuPy arrays (public API, re-exported)."""
+"""distcomm: torch.distributed's model for numpy and CuPy arrays (public API, re-exported).
+
+The public modules are listed in the README ("Public modules", kept in step by
+tests/test_public_modules.py); every other module of the package is internal.
+"""
 
 from . import group
 from .backends.names import Backend, BackendConfig

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 #: what a torch name stays missing for, on purpose (shown in the table)
 NOT_MIRRORED = {
     "ProcessGroupGloo": "torch's C++ gloo backend class: distcomm's is made by "
-                        "init_process_group/new_group (distcomm.backends.gloo)",
+                        "init_process_group/new_group (backend='gloo')",
 }
 
 #: (torch module, distcomm module) of the elastic package's Python APIs

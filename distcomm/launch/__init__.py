@@ -5,3 +5,5 @@
 `launch_agent`, as `torch.distributed.launcher.api`). Nothing is imported here, so that a
 worker importing `errors` or `timer` does not load the agent.
 """
+
+__all__: list[str] = []  # the public parts are the submodules named above
