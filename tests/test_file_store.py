@@ -18,7 +18,7 @@ import pytest
 
 from distcomm.errors import DistStoreError
 from distcomm.store import FileStore
-from distcomm.store import file as file_module
+from distcomm.store import filelog as file_module
 from tests.harness import run_ranks
 
 MIB = 1 << 20
@@ -225,11 +225,11 @@ def test_compaction_keeps_user_accounting_and_cleanup(tmp_path):
     for i in range(8):
         first.set("big", bytes([i]) * MIB)
     assert _inode(path) != start
-    assert (first._users, first._finished) == (2, 0)
+    assert (first._state.users, first._state.finished) == (2, 0)
     first.close()
     assert path.exists()
     assert second.get("big") == bytes([7]) * MIB  # replays the compacted file
-    assert (second._users, second._finished) == (1, 1)
+    assert (second._state.users, second._state.finished) == (1, 1)
     second.close()
     assert not path.exists()
 

@@ -28,7 +28,7 @@ from distcomm.errors import (
     DistStoreTimeoutError,
     DistTimeoutError,
 )
-from distcomm.store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
+from distcomm.store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore, filelog
 from distcomm.store import file as file_module
 from distcomm.store.tcp_protocol import HEADER, Cmd, Status, encode_frame
 from distcomm.store.tcp_server import StoreServer
@@ -855,7 +855,7 @@ def test_file_store_survives_a_torn_record(tmp_path):
     first = FileStore(path, timeout=5)
     first.set("a", "1")
     with open(path, "ab") as f:  # a writer that died halfway through a record
-        f.write(file_module.RECORD.pack(file_module.OP_SET, 5, 5) + b"ab")
+        f.write(filelog.RECORD.pack(file_module.OP_SET, 5, 5) + b"ab")
     second = FileStore(path, timeout=5)
     assert second.get("a") == b"1"
     second.set("b", "2")
@@ -897,10 +897,10 @@ def test_file_record_format_is_length_prefixed(tmp_path):
     store.close()
     data = path.read_bytes()
     assert data.startswith(file_module.MAGIC)
-    offset = len(file_module.MAGIC) + file_module.RECORD.size  # after the OPEN record
+    offset = len(file_module.MAGIC) + filelog.RECORD.size  # after the OPEN record
     op, key_size, value_size = struct.unpack_from("<BII", data, offset)
     assert (op, key_size, value_size) == (file_module.OP_SET, 3, 5)
-    start = offset + file_module.RECORD.size
+    start = offset + filelog.RECORD.size
     assert data[start : start + 8] == b"keyvalue"
 
 

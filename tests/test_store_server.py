@@ -20,8 +20,9 @@ import pytest
 
 from distcomm.errors import DistStoreError, DistStoreTimeoutError
 from distcomm.store import TCPStore
+from distcomm.store.tcp_conn import Throttle as _Throttle
 from distcomm.store.tcp_protocol import HEADER, LENGTH, SECONDS, Cmd, Limits, Status
-from distcomm.store.tcp_server import StoreServer, _Throttle
+from distcomm.store.tcp_server import StoreServer
 from tests.store_wire import frame, raw_connection, read_response
 
 HOST = "127.0.0.1"

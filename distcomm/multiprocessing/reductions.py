@@ -4,7 +4,7 @@
 Pipe/Connection, Pool and spawned Process arguments pickle with -- to send arrays by
 reference:
 
-- An exact `numpy.ndarray` in one of our shared segments (see `sharing`) travels as the
+- An exact `numpy.ndarray` in one of our shared segments (see `segments`) travels as the
   segment's handle plus (byte offset of its first element, shape, strides, dtype,
   writeable): the receiver maps the same pages and builds the same view with
   `numpy.ndarray(shape, dtype, buffer=segment, offset=offset, strides=strides)`, so any
@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DistNetworkError
-from . import sharing
+from . import segments, sharing
 
 __all__ = [
     "SENDER_EXIT_TIMEOUT",
@@ -174,7 +174,7 @@ def _after_os_fork() -> None:
     _install_exit_wait()
 
 
-def _fd_handle(segment: sharing.SharedSegment) -> Any:
+def _fd_handle(segment: segments.SharedSegment) -> Any:
     popen = context.get_spawning_popen()
     try:
         if popen is None:
@@ -185,7 +185,7 @@ def _fd_handle(segment: sharing.SharedSegment) -> Any:
         # duplicate open until then (the segment itself may be a temporary copy)
         fd = os.dup(segment.fd)
     except OSError as exc:
-        raise sharing.fd_limit_error(exc, "send a shared array") from exc
+        raise segments.fd_limit_error(exc, "send a shared array") from exc
     util.Finalize(popen, os.close, (fd,))
     return reduction.DupFd(fd)
 
@@ -209,7 +209,7 @@ def reduce_ndarray(array: np.ndarray) -> tuple[Any, tuple[Any, ...]]:
     layout = (offset, array.shape, array.strides, _dtype_arg(array.dtype),
               bool(array.flags.writeable))
     if segment.name is not None:
-        manager = sharing.send_reference(segment)
+        manager = segments.send_reference(segment)
         return rebuild_ndarray_named, (segment.name, segment.size, manager, *layout)
     return rebuild_ndarray_fd, (_fd_handle(segment), segment.size, *layout)
 
@@ -219,7 +219,7 @@ def _detach(handle: Any) -> int:
         return handle.detach()
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise sharing.fd_limit_error(exc, "receive a shared array") from exc
+            raise segments.fd_limit_error(exc, "receive a shared array") from exc
         if isinstance(exc, _SENDER_GONE):
             raise _sender_gone(exc) from exc
         raise
@@ -227,7 +227,7 @@ def _detach(handle: Any) -> int:
         raise _sender_gone(exc) from exc
     except RuntimeError as exc:  # recvfds: the descriptor was dropped (MSG_CTRUNC)
         if "ancdata" in str(exc):
-            raise sharing.fd_limit_error(
+            raise segments.fd_limit_error(
                 OSError(errno.EMFILE, str(exc)), "receive a shared array") from exc
         raise
 
@@ -250,7 +250,7 @@ def rebuild_ndarray_fd(handle: Any, size: int, offset: int, shape: tuple[int, ..
         DistNetworkError: the sender exited before the descriptor could be handed over.
         OSError: too many open descriptors here (the message names the limit).
     """
-    segment = sharing.open_fd_segment(_detach(handle), size)
+    segment = segments.open_fd_segment(_detach(handle), size)
     return sharing.array_in(segment, offset, shape, strides, dtype, writeable)
 
 
@@ -262,7 +262,7 @@ def rebuild_ndarray_named(name: str, size: int, manager: str, offset: int,
     `manager` is the address of the shm manager that tracks the segment: a receiver not
     yet connected to one connects there.
     """
-    segment = sharing.open_named_segment(name, size, manager)
+    segment = segments.open_named_segment(name, size, manager)
     return sharing.array_in(segment, offset, shape, strides, dtype, writeable)
 
 

@@ -7,8 +7,9 @@ releases the ones it drops (what each means is described in `shm_manager`; the l
 protocol is in `shm_protocol`). `ManagerClient.instance` connects to the manager named
 by DISTCOMM_SHM_MANAGER, or starts one with `start_manager`, which runs ``python -m
 distcomm.multiprocessing.shm_manager ADDRESS --detach`` and waits for its ``READY <pid>``
-line (the daemon then is nobody's child in the job). Failures raise `ShmManagerError`
-and its subclasses `ShmManagerConnectionError` and `ShmManagerTimeoutError`.
+line (the daemon then is nobody's child in the job). The connection itself is
+`shm_channel`'s. Failures raise `ShmManagerError` and its subclasses
+`ShmManagerConnectionError` and `ShmManagerTimeoutError` (defined in `base`).
 
 This module is Linux-only (abstract unix sockets).
 """
@@ -19,23 +20,24 @@ import logging
 import os
 import secrets
 import selectors
-import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar
 
 from distcomm.deadline import Deadline
-from distcomm.errors import DistError, DistNetworkError, DistTimeoutError
+from distcomm.multiprocessing.base import (
+    ShmManagerConnectionError,
+    ShmManagerError,
+    ShmManagerTimeoutError,
+)
+from distcomm.multiprocessing.shm_channel import connect, require_linux
 from distcomm.multiprocessing.shm_protocol import (
     ADDRESS_ENV,
     DEFAULT_LINGER,
     DEFAULT_STARTUP_TIMEOUT,
-    MAX_LINE,
-    PROTOCOL_VERSION,
     _positive_seconds,
     _validate_address,
     validate_name,
@@ -58,18 +60,6 @@ DEFAULT_TIMEOUT = 30.0
 
 _MANAGER_MODULE = "distcomm.multiprocessing.shm_manager"  # run with ``python -m``
 _REAP_WAIT = 5.0  # seconds for the started process to exit after forking the daemon
-
-
-class ShmManagerError(DistError):
-    """The shared-memory manager refused a request or could not be used."""
-
-
-class ShmManagerConnectionError(ShmManagerError, DistNetworkError):
-    """No manager listens at the address, or the connection to it was lost (it died)."""
-
-
-class ShmManagerTimeoutError(ShmManagerError, DistTimeoutError):
-    """The manager did not start, accept or answer within the timeout."""
 
 
 # -- starting the daemon ------------------------------------------------------------------
@@ -115,7 +105,7 @@ def start_manager(
         ShmManagerError: the daemon could not start; its output is in the message.
         ShmManagerTimeoutError: it did not report readiness within `timeout`.
     """
-    _require_linux()
+    require_linux()
     deadline = Deadline(_positive_seconds(timeout, "timeout"))
     if not linger >= 0:
         raise ValueError(f"linger must be >= 0 seconds, got {linger!r}")
@@ -215,102 +205,6 @@ def _reap(proc: subprocess.Popen) -> None:
             return
 
 
-def _require_linux() -> None:
-    if not sys.platform.startswith("linux"):
-        raise ShmManagerError(
-            f"the shared-memory manager needs Linux (abstract unix sockets), not "
-            f"{sys.platform}; use the file_descriptor sharing strategy"
-        )
-
-
-# -- the connection -----------------------------------------------------------------------
-
-
-class _Channel:
-    """Line I/O on a connected socket under a deadline; socket errors pass through."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._rbuf = bytearray()
-
-    def send(self, data: bytes, deadline: Deadline) -> None:
-        self.sock.settimeout(_left(deadline))
-        self.sock.sendall(data)
-
-    def read_line(self, deadline: Deadline) -> str:
-        while True:
-            end = self._rbuf.find(b"\n")
-            if end >= 0:
-                line = bytes(self._rbuf[:end])
-                del self._rbuf[: end + 1]
-                return line.decode("ascii", "replace")
-            if len(self._rbuf) > MAX_LINE:
-                raise ConnectionError("answer line too long: not a distcomm manager")
-            self.sock.settimeout(_left(deadline))
-            chunk = self.sock.recv(4096)
-            if not chunk:
-                raise ConnectionError("connection closed by the manager")
-            self._rbuf += chunk
-
-
-def _left(deadline: Deadline) -> float:
-    left = deadline.remaining()
-    if not left:
-        raise TimeoutError("timed out")
-    return left
-
-
-def _connect(address: str, deadline: Deadline) -> tuple[socket.socket, _Channel, int]:
-    """Connect and greet; the socket, its channel and the manager's pid.
-
-    Raises:
-        ShmManagerConnectionError: nobody listens, or the manager hung up during the greeting
-            (it was exiting, or it serves another user).
-        ShmManagerTimeoutError: no answer within the deadline.
-        ShmManagerError: something else answers, or the manager speaks another version.
-    """
-    _require_linux()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    channel = _Channel(sock)
-    try:
-        while True:
-            try:
-                sock.settimeout(_left(deadline))
-                sock.connect("\0" + address)
-                break
-            except BlockingIOError:  # backlog full: retry
-                time.sleep(min(0.01, deadline.remaining() or 0.0))
-        channel.send(f"HELLO {PROTOCOL_VERSION} {os.getpid()}\n".encode(), deadline)
-        reply = channel.read_line(deadline)
-    except TimeoutError as exc:
-        sock.close()
-        raise ShmManagerTimeoutError(
-            f"the shared-memory manager at {address!r} did not answer within "
-            f"{deadline.seconds} s; it may be hung: find it with `pgrep -f {address}`"
-        ) from exc
-    except (ConnectionRefusedError, FileNotFoundError) as exc:
-        sock.close()
-        raise ShmManagerConnectionError(f"no shared-memory manager listens at {address!r}") from exc
-    except OSError as exc:
-        sock.close()
-        raise ShmManagerConnectionError(
-            f"the shared-memory manager at {address!r} hung up during the greeting "
-            f"({exc}): it is exiting, or serves another user"
-        ) from exc
-    parts = reply.split()
-    if len(parts) == 3 and parts[0] == "OK" and parts[1] == str(PROTOCOL_VERSION):
-        try:
-            return sock, channel, int(parts[2])
-        except ValueError:
-            pass
-    sock.close()
-    raise ShmManagerError(
-        f"the process at {address!r} answered {reply!r} to distcomm's greeting: it is not a "
-        f"distcomm shared-memory manager of protocol version {PROTOCOL_VERSION} (a different "
-        f"distcomm version?); unset {ADDRESS_ENV} to start a new manager"
-    )
-
-
 class ManagerClient:
     """This process's connection to its process tree's shared-memory manager.
 
@@ -349,7 +243,7 @@ class ManagerClient:
         self._address = _validate_address(address)
         self._timeout = _positive_seconds(timeout, "timeout")
         self._pid = os.getpid()
-        self._sock, self._channel, self._manager_pid = _connect(address, Deadline(self._timeout))
+        self._sock, self._channel, self._manager_pid = connect(address, Deadline(self._timeout))
         self._lock = threading.RLock()
         self._depth = 0  # how deep the owning thread is inside calls
         self._deferred: list[bytes] = []  # re-entrant claims and releases

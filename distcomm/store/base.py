@@ -215,7 +215,7 @@ class Store(ABC):
             self.set(last_key, "1")
         try:
             self.wait([last_key], seconds)
-        except DistStoreTimeoutError:
+        except DistStoreTimeoutError as exc:
             if seconds is None:
                 try:
                     seconds = self.timeout.total_seconds()
@@ -229,7 +229,7 @@ class Store(ABC):
                 f"barrier {key!r} on {self!r}: {arrived} of {world_size} callers arrived "
                 f"within {seconds:.1f} s (did a process fail before reaching it, or does "
                 "it need a longer timeout?)"
-            ) from None
+            ) from exc
 
     def clone(self) -> Store:
         """A store on the same data that another thread may use while this one is blocked in

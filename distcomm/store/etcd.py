@@ -7,8 +7,9 @@ holding their default value (false, 0, empty) are left out. Only the standard li
 run the store's etcd on a trusted network. DISTCOMM_AUTH_KEY does not apply here (etcd
 cannot take part in its handshake); the store never unpickles what it reads.
 
-Every key is stored as `prefix` + key. Requests go over a small pool of keep-alive
-connections, each used by one request at a time. The methods map onto etcd as follows::
+Every key is stored as `prefix` + key. Requests go through `etcd_client.EtcdClient`, over
+a small pool of keep-alive connections, each used by one request at a time. The methods
+map onto etcd as follows::
 
     set, multi_set        put; one txn of puts (in chunks of 128, etcd's --max-txn-ops)
     add, append           a compare-and-swap loop of txns: put if the key's mod_revision
@@ -36,23 +37,17 @@ a watch notices a vanished server host through TCP keep-alive.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import http.client
-import json
-import os
 import secrets
-import socket
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from ..config import DEFAULT_STORE_TIMEOUT
-from ..deadline import FOREVER, Deadline, to_seconds
-from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
-from ..net import format_address, set_keepalive
+from ..deadline import Deadline, to_seconds
+from ..errors import DistStoreTimeoutError
+from ..net import format_address
 from .base import Store, check_block, check_key, to_bytes
+from .etcd_client import EtcdClient, b64, kv_value, parse_endpoint, unb64
 from .hash import (
     add_value,
     check_amount,
@@ -66,74 +61,9 @@ from .hash import (
 
 __all__ = ["EtcdStore", "parse_endpoint"]
 
-#: etcd's client port, used when an endpoint gives none.
-DEFAULT_PORT = 2379
-#: Extra seconds a request may take beyond the store timeout before it counts as unanswered.
-SAFETY_MARGIN = 1.0
 #: Operations per txn: etcd's default --max-txn-ops; longer key lists go in several txns.
 MAX_TXN_OPS = 128
-#: Idle keep-alive connections kept per store; more are closed after use.
-_POOL_SIZE = 8
-_RESPONSE_MOST = 500  # characters of a non-JSON or error body quoted in messages
 _QUEUES = b"\xff"  # after the prefix: the queues' items (never in a UTF-8 key)
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """(host, port) of an etcd endpoint: "host:port", "[v6]:port" or "http://host:port".
-
-    The port defaults to 2379, etcd's client port.
-
-    Raises:
-        TypeError: `endpoint` is not a str.
-        ValueError: it is malformed, lists several endpoints, or asks for https (TLS is
-            not supported).
-    """
-    if not isinstance(endpoint, str):
-        raise TypeError(f"EtcdStore endpoint must be a str, got {type(endpoint).__name__}")
-    forms = "give host:port, [ipv6]:port or http://host:port"
-    text = endpoint.strip()
-    scheme, sep, rest = text.partition("://")
-    if sep:
-        if scheme.lower() == "https":
-            raise ValueError(
-                f"EtcdStore endpoint {endpoint!r} uses https, but TLS is not supported: "
-                "use an etcd client URL with http:// on a trusted network"
-            )
-        if scheme.lower() != "http":
-            raise ValueError(f"EtcdStore endpoint {endpoint!r} has scheme {scheme!r}; {forms}")
-        text = rest[:-1] if rest.endswith("/") else rest
-    if "," in text:
-        raise ValueError(f"EtcdStore takes one endpoint, got the list {endpoint!r}; {forms}")
-    if "/" in text or "@" in text or not text:
-        raise ValueError(f"EtcdStore endpoint {endpoint!r} is not an address; {forms}")
-    if text.startswith("["):
-        host, bracket, tail = text[1:].partition("]")
-        if not bracket or (tail and not tail.startswith(":")):
-            raise ValueError(f"EtcdStore endpoint {endpoint!r} is not an address; {forms}")
-        port_text = tail[1:] if tail else ""
-    elif text.count(":") > 1:
-        raise ValueError(
-            f"EtcdStore endpoint {endpoint!r}: an IPv6 address needs brackets, as in [::1]:2379"
-        )
-    else:
-        host, _, port_text = text.partition(":")
-    if not host:
-        raise ValueError(f"EtcdStore endpoint {endpoint!r} names no host; {forms}")
-    if not port_text:
-        return host, DEFAULT_PORT
-    if not port_text.isdigit() or not 0 < int(port_text) <= 65535:
-        raise ValueError(
-            f"EtcdStore endpoint {endpoint!r} has port {port_text!r}; a port is 1..65535"
-        )
-    return host, int(port_text)
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text, validate=True)
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -144,10 +74,6 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\0"  # a prefix of only 0xff bytes: every key from it on
 
 
-def _kv_value(kv: dict[str, Any]) -> bytes:
-    return _unb64(kv.get("value", ""))
-
-
 def _range_kv(response: dict[str, Any]) -> dict[str, Any] | None:
     """The key-value of a txn whose only (failure) operation was a range of one key."""
     kvs = response.get("responses", [{}])[0].get("response_range", {}).get("kvs")
@@ -155,12 +81,12 @@ def _range_kv(response: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _compare_missing(key: bytes) -> dict[str, Any]:
-    return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+    return {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
 
 
 def _compare_unchanged(key: bytes, kv: dict[str, Any]) -> dict[str, Any]:
     return {
-        "key": _b64(key),
+        "key": b64(key),
         "target": "MOD",
         "result": "EQUAL",
         "mod_revision": int(kv["mod_revision"]),
@@ -168,11 +94,11 @@ def _compare_unchanged(key: bytes, kv: dict[str, Any]) -> dict[str, Any]:
 
 
 def _put(key: bytes, value: bytes) -> dict[str, Any]:
-    return {"request_put": {"key": _b64(key), "value": _b64(value)}}
+    return {"request_put": {"key": b64(key), "value": b64(value)}}
 
 
 def _range(key: bytes) -> dict[str, Any]:
-    return {"request_range": {"key": _b64(key)}}
+    return {"request_range": {"key": b64(key)}}
 
 
 class EtcdStore(Store):
@@ -202,7 +128,7 @@ class EtcdStore(Store):
         prefix: str = "/distcomm/",
         timeout: float | timedelta = DEFAULT_STORE_TIMEOUT,
     ) -> None:
-        self._closed = True
+        self._client: EtcdClient | None = None
         super().__init__(timeout)
         self._host, self._port = parse_endpoint(endpoint)
         if not isinstance(prefix, str):
@@ -215,11 +141,7 @@ class EtcdStore(Store):
         self._prefix = prefix
         self._raw_prefix = prefix.encode()
         self._endpoint = format_address(self._host, self._port)
-        self._lock = threading.Lock()  # guards the pool and the set of open watches
-        self._idle: list[http.client.HTTPConnection] = []
-        self._watches: set[http.client.HTTPConnection] = set()
-        self._pid = os.getpid()
-        self._closed = False
+        self._client = EtcdClient(self._host, self._port, self._where)
         try:
             self._count("connect")  # fail now if etcd is not there or is not etcd
         except BaseException:
@@ -260,122 +182,9 @@ class EtcdStore(Store):
 
     # -- HTTP -----------------------------------------------------------------------------
 
-    def _request_timeout(self) -> float | None:
-        """The socket timeout of one request: None (none) for store timeouts beyond
-        `FOREVER`, which sockets refuse."""
-        seconds = self._timeout + SAFETY_MARGIN
-        return None if seconds > FOREVER else seconds
-
-    def _check_open(self, what: str) -> None:
-        """Raise if closed; forget a parent's connections after a fork. The lock is held."""
-        if self._closed:
-            raise DistStoreError(f"{self._where} is closed; {what} is not possible")
-        if os.getpid() != self._pid:  # forked: the pooled sockets are the parent's
-            self._idle.clear()
-            self._watches.clear()
-            self._pid = os.getpid()
-
-    def _checkout(self, what: str) -> tuple[http.client.HTTPConnection, bool]:
-        """A connection for one request, and whether it was used before (it may be stale)."""
-        with self._lock:
-            self._check_open(what)
-            if self._idle:
-                conn = self._idle.pop()
-                conn.timeout = self._request_timeout()
-                if conn.sock is not None:
-                    conn.sock.settimeout(conn.timeout)
-                return conn, True
-        return http.client.HTTPConnection(self._host, self._port, self._request_timeout()), False
-
-    def _checkin(self, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < _POOL_SIZE and os.getpid() == self._pid:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def _unreachable(self, what: str, exc: BaseException) -> DistError:
-        """The error for a failed connection: DistNetworkError, or DistStoreError once closed."""
-        if self._closed:
-            return DistStoreError(f"{self._where} was closed during {what}")
-        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        return DistNetworkError(
-            f"cannot reach etcd at {self._endpoint} for {what}: {reason} (is etcd running "
-            "and serving clients there? check the endpoint, e.g. --rdzv_endpoint)"
-        )
-
-    def _refused(self, what: str, status: int, body: bytes) -> DistStoreError:
-        try:
-            answer = json.loads(body)
-            message = answer.get("message") or answer.get("error") or str(answer)
-        except (ValueError, AttributeError):
-            message = body.decode(errors="replace").strip()[:_RESPONSE_MOST]
-        if "too large" in message or "larger than max" in message:
-            message += " (etcd takes requests up to about 1.5 MiB: its --max-request-bytes)"
-        elif status == 404:
-            message += (
-                f" (is {self._endpoint} an etcd >= 3.4 client port? older etcd and other "
-                "servers do not serve the v3 JSON API at /v3/)"
-            )
-        return DistStoreError(f"etcd at {self._endpoint} refused {what}: {message} (HTTP {status})")
-
-    def _decode(self, what: str, body: bytes) -> dict[str, Any]:
-        try:
-            answer = json.loads(body)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            shown = body[:_RESPONSE_MOST].decode(errors="replace")
-            raise DistStoreError(
-                f"{self._endpoint} answered {what} with {shown!r}, which is not etcd's JSON "
-                "(is the endpoint an etcd client port?)"
-            )
-        return answer
-
     def _post(self, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
-        """POST one JSON request to `/v3/<path>` and return the decoded answer.
-
-        A request on a pooled connection that fails before any answer arrives (reset,
-        broken pipe, closed without a response) is sent again on a fresh connection: the
-        usual cause is a connection the server, or a server since restarted, dropped while
-        it was idle, which never saw the request.
-
-        Raises:
-            DistNetworkError: etcd cannot be reached.
-            DistStoreTimeoutError: no answer within the store timeout (+1 s).
-            DistStoreError: etcd refused the request, or this store is closed.
-        """
-        data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        while True:
-            conn, reused = self._checkout(what)
-            try:
-                conn.request("POST", f"/v3/{path}", data, headers)
-                response = conn.getresponse()
-                answer = response.read()
-            except TimeoutError as exc:
-                connected = conn.sock is not None
-                conn.close()
-                if not connected or self._closed:
-                    raise self._unreachable(what, exc) from None
-                raise DistStoreTimeoutError(
-                    f"etcd at {self._endpoint} did not answer {what} within "
-                    f"{self._timeout + SAFETY_MARGIN:.1f} s (is the server overloaded or stopped?)"
-                ) from None
-            except (http.client.HTTPException, OSError) as exc:
-                conn.close()
-                if reused and isinstance(
-                    exc, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
-                ):
-                    continue  # the server dropped the idle connection: try a fresh one
-                raise self._unreachable(what, exc) from None
-            if response.will_close:
-                conn.close()
-            else:
-                self._checkin(conn)
-            if response.status != 200:
-                raise self._refused(what, response.status, answer)
-            return self._decode(what, answer)
+        """POST one request to etcd's `/v3/<path>` (see `EtcdClient.post`)."""
+        return self._client.post(path, body, what, self._timeout)
 
     def _txn(
         self,
@@ -392,8 +201,8 @@ class EtcdStore(Store):
     def _count(self, what: str) -> int:
         """The number of keys (queue items aside)."""
         body = {
-            "key": _b64(self._raw_prefix),
-            "range_end": _b64(self._raw_prefix + _QUEUES),
+            "key": b64(self._raw_prefix),
+            "range_end": b64(self._raw_prefix + _QUEUES),
             "count_only": True,
         }
         return int(self._post("kv/range", body, what).get("count", 0))
@@ -414,7 +223,7 @@ class EtcdStore(Store):
             chunk = names[start : start + step]
             ops = []
             for name in chunk:
-                read: dict[str, Any] = {"key": _b64(self._full(name))}
+                read: dict[str, Any] = {"key": b64(self._full(name))}
                 if not values:
                     read["keys_only"] = True
                 if revision:
@@ -422,7 +231,7 @@ class EtcdStore(Store):
                 ops.append({"request_range": read})
                 if not values:
                     low, high = self._queue(name)
-                    count: dict[str, Any] = {"key": _b64(low), "range_end": _b64(high),
+                    count: dict[str, Any] = {"key": b64(low), "range_end": b64(high),
                                              "count_only": True}
                     if revision:
                         count["revision"] = revision
@@ -435,7 +244,7 @@ class EtcdStore(Store):
             for index, name in enumerate(chunk):
                 kvs = results[per * index].get("response_range", {}).get("kvs")
                 if kvs:
-                    found[name] = _kv_value(kvs[0]) if values else b""
+                    found[name] = kv_value(kvs[0]) if values else b""
                 elif not values and int(
                         results[2 * index + 1].get("response_range", {}).get("count", 0)):
                     found[name] = b""
@@ -486,14 +295,16 @@ class EtcdStore(Store):
         if queues:
             ranges = [self._queue(name) for name in names]
             low, end = min(low, *(r[0] for r in ranges)), max(end, *(r[1] for r in ranges))
-        return self._follow(low, end, start, deadline, what,
-                            lambda kv, deleted: self._seen(kv, deleted, wanted, names, state,
-                                                           queues))
+        return self._client.follow(
+            low, end, start, deadline, what,
+            lambda kv, deleted: self._seen(kv, deleted, wanted, names, state, queues),
+            self._timeout,
+        )
 
     def _seen(self, kv: dict[str, Any], deleted: bool, wanted: dict[bytes, str],
               names: list[str], state: dict[str, bytes], queues: bool) -> bool | None:
         """One event of `_watch`: True once every name is set, None to stop and look again."""
-        full = _unb64(kv.get("key", ""))
+        full = unb64(kv.get("key", ""))
         name = wanted.get(full)
         if name is None:
             queue = self._queue_name(full) if queues else None
@@ -505,87 +316,8 @@ class EtcdStore(Store):
         elif deleted:
             state.pop(name, None)
         else:
-            state[name] = _kv_value(kv)
+            state[name] = kv_value(kv)
         return all(name in state for name in names)
-
-    def _follow(
-        self,
-        low: bytes,
-        end: bytes,
-        start: int,
-        deadline: Deadline,
-        what: str,
-        on_event: Callable[[dict[str, Any], bool], bool | None],
-    ) -> bool:
-        """Watch the keys in [low, end) from revision `start`, calling
-        `on_event(kv, deleted)` for each change, until it returns True (then True) or None,
-        the deadline passes or etcd compacted `start` away (then False)."""
-        create: dict[str, Any] = {"key": _b64(low), "start_revision": start,
-                                  "range_end": _b64(end)}
-        body = json.dumps({"create_request": create}).encode()
-        # not a pooled connection: the stream holds it until the watch ends
-        conn = http.client.HTTPConnection(self._host, self._port, self._request_timeout())
-        with self._lock:
-            self._check_open(what)
-            self._watches.add(conn)
-        sock: socket.socket | None = None  # set once the stream is open
-        try:
-            conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            if response.status != 200:
-                raise self._refused(what, response.status, response.read())
-            sock = conn.sock
-            if sock is None or self._closed:  # closed before close() could see the socket
-                raise self._unreachable(what, ConnectionResetError("connection closed"))
-            set_keepalive(sock)  # a vanished server host breaks the stream in ~25 s
-            while True:
-                left = deadline.remaining()
-                if left is not None and left <= 0:
-                    return False
-                sock.settimeout(left)  # None (no deadline) or > 0
-                line = response.readline()
-                if not line.endswith(b"\n"):  # every message ends with one; none: cut off
-                    raise self._unreachable(
-                        what, ConnectionResetError("etcd closed the watch stream")
-                    )
-                if not line.strip():
-                    continue
-                result = self._decode(what, line)
-                if "error" in result:
-                    error = result["error"]
-                    message = error.get("message", error) if isinstance(error, dict) else error
-                    raise DistStoreError(
-                        f"etcd at {self._endpoint} ended the watch for {what}: {message}"
-                    )
-                result = result.get("result", {})
-                if result.get("canceled"):
-                    if int(result.get("compact_revision", 0)):
-                        return False
-                    reason = result.get("cancel_reason") or "no reason given"
-                    raise DistStoreError(
-                        f"etcd at {self._endpoint} canceled the watch for {what}: {reason}"
-                    )
-                for event in result.get("events", ()):
-                    done = on_event(event.get("kv", {}), event.get("type") == "DELETE")
-                    if done is None:
-                        return False
-                    if done:
-                        return True
-        except TimeoutError as exc:
-            if sock is not None:
-                return False  # the stream's read waited out the deadline
-            if conn.sock is None or self._closed:
-                raise self._unreachable(what, exc) from None
-            raise DistStoreTimeoutError(
-                f"etcd at {self._endpoint} did not open the watch for {what} within "
-                f"{self._timeout + SAFETY_MARGIN:.1f} s (is the server overloaded or stopped?)"
-            ) from None
-        except (http.client.HTTPException, OSError, binascii.Error) as exc:
-            raise self._unreachable(what, exc) from None
-        finally:
-            with self._lock:
-                self._watches.discard(conn)
-            conn.close()
 
     # -- read-modify-write ----------------------------------------------------------------
 
@@ -617,13 +349,13 @@ class EtcdStore(Store):
             if kv is None:
                 compare, new = _compare_missing(full), change(None)
             else:
-                compare, new = _compare_unchanged(full, kv), change(_kv_value(kv))
+                compare, new = _compare_unchanged(full, kv), change(kv_value(kv))
 
     # -- the Store methods ----------------------------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
         """Store `value` under `key`, replacing any previous value."""
-        body = {"key": _b64(self._full(key)), "value": _b64(to_bytes(value))}
+        body = {"key": b64(self._full(key)), "value": b64(to_bytes(value))}
         self._post("kv/put", body, f"set({key!r})")
 
     def get(self, key: str) -> bytes:
@@ -661,10 +393,10 @@ class EtcdStore(Store):
         deadline = Deadline(self._timeout)
         if expected:
             compare = {
-                "key": _b64(full),
+                "key": b64(full),
                 "target": "VALUE",
                 "result": "EQUAL",
-                "value": _b64(expected),
+                "value": b64(expected),
             }
         else:
             compare = _compare_missing(full)
@@ -673,7 +405,7 @@ class EtcdStore(Store):
             if answer.get("succeeded"):
                 return desired
             kv = _range_kv(answer)
-            current = None if kv is None else _kv_value(kv)
+            current = None if kv is None else kv_value(kv)
             new, result = compare_set_value(current, expected, desired)
             if new is None:
                 return result
@@ -708,7 +440,7 @@ class EtcdStore(Store):
     def delete_key(self, key: str) -> bool:
         """Delete `key`; returns whether it existed."""
         answer = self._post(
-            "kv/deleterange", {"key": _b64(self._full(key))}, f"delete_key({key!r})"
+            "kv/deleterange", {"key": b64(self._full(key))}, f"delete_key({key!r})"
         )
         return int(answer.get("deleted", 0)) > 0
 
@@ -757,18 +489,18 @@ class EtcdStore(Store):
         """Every key under this store's prefix, without it, in etcd's (byte) order; queue
         items are not keys."""
         body = {
-            "key": _b64(self._raw_prefix),
-            "range_end": _b64(self._raw_prefix + _QUEUES),
+            "key": b64(self._raw_prefix),
+            "range_end": b64(self._raw_prefix + _QUEUES),
             "keys_only": True,
         }
         kvs = self._post("kv/range", body, "list_keys").get("kvs", ())
         size = len(self._raw_prefix)
-        return [_unb64(kv["key"])[size:].decode(errors="replace") for kv in kvs]
+        return [unb64(kv["key"])[size:].decode(errors="replace") for kv in kvs]
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """Append `value` to the queue `key` (see Store.queue_push)."""
         item = self._queue(key)[0] + secrets.token_hex(8).encode()
-        self._post("kv/put", {"key": _b64(item), "value": _b64(to_bytes(value))},
+        self._post("kv/put", {"key": b64(item), "value": b64(to_bytes(value))},
                    f"queue_push({key!r})")
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
@@ -786,7 +518,7 @@ class EtcdStore(Store):
         check_block(block)
         what = f"queue_pop({key!r})"
         deadline = Deadline(self._timeout)
-        oldest = {"key": _b64(low), "range_end": _b64(high), "limit": 1,
+        oldest = {"key": b64(low), "range_end": b64(high), "limit": 1,
                   "sort_order": "ASCEND", "sort_target": "CREATE"}
         while True:
             answer = self._post("kv/range", oldest, what)
@@ -797,20 +529,21 @@ class EtcdStore(Store):
                            "create_revision": int(kv["create_revision"])}
                 delete = {"request_delete_range": {"key": kv["key"]}}
                 if self._txn([compare], [delete], [], what).get("succeeded"):
-                    return _kv_value(kv)
+                    return kv_value(kv)
                 continue  # another popper took it: the next one
             if not block:
                 raise queue_empty_error(key, self._where)
             if deadline.expired():
                 raise queue_timeout_error(key, self._timeout, self._where)
             revision = int(answer["header"]["revision"])
-            self._follow(low, high, revision + 1, deadline, what,
-                         lambda kv, deleted: None if not deleted else False)
+            self._client.follow(low, high, revision + 1, deadline, what,
+                                lambda kv, deleted: None if not deleted else False,
+                                self._timeout)
 
     def queue_len(self, key: str) -> int:
         """The number of items in queue `key` (0 when it has none)."""
         low, high = self._queue(key)
-        body = {"key": _b64(low), "range_end": _b64(high), "count_only": True}
+        body = {"key": b64(low), "range_end": b64(high), "count_only": True}
         return int(self._post("kv/range", body, f"queue_len({key!r})").get("count", 0))
 
     # -- teardown -------------------------------------------------------------------------
@@ -820,24 +553,9 @@ class EtcdStore(Store):
 
         Waits blocked in other threads fail with `DistStoreError`.
         """
-        lock = getattr(self, "_lock", None)
-        if lock is None:
-            return
-        with lock:
-            if self._closed:
-                return
-            self._closed = True
-            idle, self._idle = self._idle, []
-            watches = list(self._watches) if os.getpid() == self._pid else []
-        for conn in idle:
-            conn.close()
-        for conn in watches:  # wake the threads reading them
-            sock = conn.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.close()
 
     def __del__(self) -> None:
         try:

@@ -1,15 +1,8 @@
 """FileStore: a store kept in a locked, append-only file on a (possibly shared) filesystem.
 
-The file is a log, as in torch's FileStore: a magic line, ``distcomm FileStore v2``, then
-records that every FileStore object replays incrementally from where it last stopped::
-
-    record = header (17 bytes) + key (UTF-8) + value
-    header = op (u8) + key length (u32 LE) + value length (u32 LE)
-             + CRC32 of key + value (u32 LE) + CRC32 of the 13 header bytes before it (u32 LE)
-    op: 1 SET, 2 APPEND, 3 DELETE, 4 OPEN (a user registered), 5 CLOSE (a user left),
-        6 USERS (value: users open and users closed so far, two i64 LE; sets both counts),
-        7 QUEUE_PUSH (the value joins the end of queue `key`),
-        8 QUEUE_POP (the oldest item of queue `key` leaves it; no value)
+The file is a log, as in torch's FileStore: a magic line, then checksummed records
+(`filelog` describes them) that every FileStore object replays incrementally from where it
+last stopped into a `filestate.LogState`.
 
 Every access holds a lock on the whole file: a shared one to read, an exclusive one
 to append. Linux's open-file-description locks (F_OFD_SETLK) are used where the
@@ -50,8 +43,6 @@ import logging
 import os
 import secrets
 import threading
-import zlib
-from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -62,7 +53,6 @@ from ..errors import DistStoreError, DistStoreTimeoutError
 from .base import Store, check_block, check_key, to_bytes
 from .filelog import (
     MAGIC,
-    OLD_MAGICS,
     OP_APPEND,
     OP_CLOSE,
     OP_DELETE,
@@ -70,12 +60,11 @@ from .filelog import (
     OP_QUEUE_POP,
     OP_QUEUE_PUSH,
     OP_SET,
-    OP_USERS,
-    RECORD,
-    USERS,
     FileLock,
+    not_a_store_file,
     pwrite_all,
 )
+from .filestate import LogState
 from .hash import (
     KeysOrQueues,
     Values,
@@ -96,8 +85,6 @@ log = logging.getLogger("distcomm.store")
 
 _COMPACT_MIN = 1 << 20  # bytes: smaller files are never compacted
 _COMPACT_RATIO = 4  # compact once the file is this many times larger than the live data
-_LIVE_BASE = len(MAGIC) + RECORD.size + USERS.size  # a compacted file without keys
-_WRITE_CHUNK = 1 << 20  # compaction writes the new file in pieces of about this size
 _KEY_POLL_FIRST = 0.001  # seconds between looks for a missing key: doubles up to _KEY_POLL_MOST
 _KEY_POLL_MOST = 0.05
 
@@ -163,12 +150,7 @@ class FileStore(Store):
 
     def _reset(self) -> None:
         """Forget everything replayed: the next replay starts at the beginning of the file."""
-        self._data = Values()
-        self._queues: dict[str, deque[bytes]] = {}  # only non-empty queues
-        self._pos = 0  # how far the file has been replayed
-        self._live = _LIVE_BASE  # the size a compaction would write now
-        self._users = 0
-        self._finished = 0
+        self._state = LogState(self.path)
 
     def _attach(self, fd: int) -> None:
         """Make `fd` the open file (the caller closes the previous one)."""
@@ -188,7 +170,7 @@ class FileStore(Store):
             self._acquire(True, deadline, create=True)
             written = False
             try:
-                self._write(OP_OPEN, "", b"", b"")
+                self._state.write(self._fd, OP_OPEN, "", b"", b"")
                 written = True
             finally:
                 self._unlock(compact=written)
@@ -251,7 +233,8 @@ class FileStore(Store):
         """Release the file lock, first compacting the log if `compact` and it is too large."""
         lock, fd = self._lock, self._fd
         try:
-            if compact and self._pos > max(self._compact_above, _COMPACT_RATIO * self._live):
+            state = self._state
+            if compact and state.pos > max(self._compact_above, _COMPACT_RATIO * state.live):
                 self._compact()
         finally:
             try:
@@ -264,7 +247,7 @@ class FileStore(Store):
 
     def _read_new(self, size: int) -> bytes:
         chunks = []
-        pos = self._pos
+        pos = self._state.pos
         while pos < size:
             chunk = os.pread(self._fd, size - pos, pos)
             if not chunk:
@@ -273,124 +256,32 @@ class FileStore(Store):
             pos += len(chunk)
         return b"".join(chunks)
 
-    def _corrupt(self, where: int, why: str) -> DistStoreError:
-        return DistStoreError(
-            f"FileStore file {self.path!r} is corrupt at byte {where}: {why} (was it written "
-            "by something else, or damaged?); the store's contents cannot be trusted: start "
-            "the job again with a new file"
-        )
-
-    def _not_ours(self, data: bytes) -> DistStoreError:
-        for magic, version in OLD_MAGICS.items():
-            if data.startswith(magic):
-                return DistStoreError(
-                    f"{self.path!r} is not a distcomm FileStore file of this version: it is a "
-                    f"FileStore {version} file from an older distcomm, and this one reads only "
-                    "v2 files; pass a new path (or remove the file once no job uses it)"
-                )
-        return DistStoreError(
-            f"{self.path!r} is not a distcomm FileStore file (v2): it starts with "
-            f"{data[: len(MAGIC)]!r}, not {MAGIC!r}; pass a new or unused path"
-        )
-
     def _replay(self, exclusive: bool) -> None:
         """Apply the records written since the last replay (the file lock is held).
 
         Under the exclusive lock a torn record at the end is cut off.
         """
         size = os.fstat(self._fd).st_size
-        if size < self._pos:
+        if size < self._state.pos:
             raise DistStoreError(
                 f"FileStore file {self.path!r} is {size} bytes long, but this FileStore "
-                f"already read {self._pos} bytes of it: it was truncated (by another program "
+                f"already read {self._state.pos} bytes of it: it was truncated (by another program "
                 "or a person?), so the store's contents are lost; start the job again with a "
                 "new file"
             )
         data = self._read_new(size)
         offset = 0
-        if self._pos == 0:
+        if self._state.pos == 0:
             if not data.startswith(MAGIC):
                 if not MAGIC.startswith(data):
-                    raise self._not_ours(data)
+                    raise not_a_store_file(self.path, data)
                 if exclusive:  # new, or its creator died while writing the magic line
                     pwrite_all(self._fd, MAGIC, 0)
-                    self._pos = len(MAGIC)
+                    self._state.pos = len(MAGIC)
                 return  # else being created by another process
             offset = len(MAGIC)
-        start = self._pos  # the file offset of data[0]
-        view = memoryview(data)
-        header = RECORD.size
-        try:
-            while len(data) - offset >= header:
-                fields = RECORD.unpack_from(data, offset)
-                if fields is None:
-                    raise self._corrupt(start + offset, "a record header fails its checksum")
-                op, key_size, value_size, data_crc = fields
-                end = offset + header + key_size + value_size
-                if end > len(data):
-                    break  # a torn record: a writer died mid-write
-                body = view[offset + header : end]
-                if zlib.crc32(body) != data_crc:
-                    raise self._corrupt(
-                        start + offset, "a record's key and value fail their checksum"
-                    )
-                try:
-                    key = str(body[:key_size], "utf-8")
-                except UnicodeDecodeError:
-                    raise self._corrupt(start + offset, "a record's key is not UTF-8") from None
-                self._apply(op, key, key_size, bytes(body[key_size:]), start + offset)
-                offset = end
-        finally:
-            self._pos = start + offset  # after the last record applied, even on error
-        if exclusive and offset < len(data):
-            os.ftruncate(self._fd, self._pos)
-
-    def _apply(self, op: int, key: str, key_size: int, value: bytes, where: int) -> None:
-        """Apply one record to the state, keeping the live size up to date."""
-        data = self._data
-        if op == OP_SET:
-            if key in data:
-                self._live -= RECORD.size + key_size + data.size(key)
-            data[key] = value
-            self._live += RECORD.size + key_size + len(value)
-        elif op == OP_APPEND:
-            if key not in data:
-                self._live += RECORD.size + key_size
-            data.append(key, value)
-            self._live += len(value)
-        elif op == OP_DELETE:
-            if key in data:
-                self._live -= RECORD.size + key_size + data.size(key)
-                data.delete(key)
-        elif op == OP_OPEN:
-            self._users += 1
-        elif op == OP_CLOSE:
-            self._users -= 1
-            self._finished += 1
-        elif op == OP_QUEUE_PUSH:
-            self._queues.setdefault(key, deque()).append(value)
-            self._live += RECORD.size + key_size + len(value)
-        elif op == OP_QUEUE_POP:
-            items = self._queues.get(key)
-            if not items:
-                raise self._corrupt(where, f"a QUEUE_POP record pops the empty queue {key!r}")
-            self._live -= RECORD.size + key_size + len(items.popleft())
-            if not items:
-                del self._queues[key]
-        elif op == OP_USERS and len(value) == USERS.size:
-            self._users, self._finished = USERS.unpack(value)
-        elif op == OP_USERS:
-            raise self._corrupt(where, f"a USERS record holds {len(value)} bytes, not 16")
-        else:
-            raise self._corrupt(where, f"unknown record type {op}")
-
-    def _write(self, op: int, key: str, key_bytes: bytes, value: bytes) -> None:
-        """Append one record after a replay under the exclusive lock, and apply it."""
-        crc = zlib.crc32(value, zlib.crc32(key_bytes))
-        record = RECORD.pack(op, len(key_bytes), len(value), crc) + key_bytes + value
-        pwrite_all(self._fd, record, self._pos)
-        self._apply(op, key, len(key_bytes), value, self._pos)
-        self._pos += len(record)
+        if self._state.replay(data, offset) and exclusive:  # cut off a torn record
+            os.ftruncate(self._fd, self._state.pos)
 
     def _compact(self) -> None:
         """Replace the file by one holding only the live state (the exclusive lock is held).
@@ -408,7 +299,7 @@ class FileStore(Store):
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             old = os.fstat(self._fd)
             os.fchmod(fd, old.st_mode & 0o777)  # a file shared on purpose stays shared
-            size = self._write_state(fd)
+            size = self._state.write_compacted(fd)
             os.fsync(fd)  # whole on the server before any client can open it by name
             os.replace(temp, target)
         except BaseException as exc:
@@ -420,7 +311,7 @@ class FileStore(Store):
                 pass
             if not isinstance(exc, OSError):
                 raise
-            self._compact_above = 2 * self._pos
+            self._compact_above = 2 * self._state.pos
             log.warning(
                 "could not compact FileStore file %r (%s); it keeps growing, next attempt "
                 "at %d bytes",
@@ -430,30 +321,7 @@ class FileStore(Store):
             )
             return
         self._attach(fd)
-        self._pos = size
-
-    def _write_state(self, fd: int) -> int:
-        """Write the magic line, a USERS record, one SET per key and one QUEUE_PUSH per queued
-        item to `fd`; the bytes written."""
-        users = USERS.pack(self._users, self._finished)
-        out = bytearray(MAGIC)
-        out += RECORD.pack(OP_USERS, 0, len(users), zlib.crc32(users)) + users
-        written = 0
-        records = [(OP_SET, key, self._data[key]) for key in list(self._data.keys())]
-        records += [(OP_QUEUE_PUSH, key, value)
-                    for key, items in self._queues.items() for value in items]
-        for op, key, value in records:
-            key_bytes = key.encode()
-            crc = zlib.crc32(value, zlib.crc32(key_bytes))
-            out += RECORD.pack(op, len(key_bytes), len(value), crc)
-            out += key_bytes
-            out += value
-            if len(out) >= _WRITE_CHUNK:
-                pwrite_all(fd, out, written)
-                written += len(out)
-                out = bytearray()
-        pwrite_all(fd, out, written)
-        return written + len(out)
+        self._state.pos = size
 
     def _locked(self, exclusive: bool, deadline: Deadline | None = None) -> _Locked:
         if self._fd < 0:
@@ -474,12 +342,13 @@ class FileStore(Store):
         first = 0  # keys before it were set at the last look
         while True:
             with self._locked(False, deadline):
-                data = KeysOrQueues(self._data, self._queues) if queues else self._data
+                state = self._state
+                data = KeysOrQueues(state.data, state.queues) if queues else state.data
                 first = _first_missing(keys, first, data)
                 if first == len(keys):
                     first = _first_missing(keys, 0, data)
                     if first == len(keys):
-                        return [] if queues else [self._data[key] for key in keys]
+                        return [] if queues else [self._state.data[key] for key in keys]
                 if deadline.expired():
                     missing = [key for key in keys if key not in data]
                     raise timeout_error(missing, timeout, f"the FileStore {self.path!r}")
@@ -497,7 +366,7 @@ class FileStore(Store):
         check_key(key)
         data = to_bytes(value)
         with self._locked(True):
-            self._write(OP_SET, key, key.encode(), data)
+            self._state.write(self._fd, OP_SET, key, key.encode(), data)
 
     def get(self, key: str) -> bytes:
         """The value of `key`, waiting up to the store timeout for it to be set.
@@ -516,8 +385,8 @@ class FileStore(Store):
         check_key(key)
         check_amount(amount)
         with self._locked(True):
-            value = add_value(key, self._data.get(key), amount)
-            self._write(OP_SET, key, key.encode(), value)
+            value = add_value(key, self._state.data.get(key), amount)
+            self._state.write(self._fd, OP_SET, key, key.encode(), value)
         return int(value)
 
     def compare_set(
@@ -528,9 +397,9 @@ class FileStore(Store):
         expected = to_bytes(expected_value, "expected_value")
         desired = to_bytes(desired_value, "desired_value")
         with self._locked(True):
-            new, result = compare_set_value(self._data.get(key), expected, desired)
+            new, result = compare_set_value(self._state.data.get(key), expected, desired)
             if new is not None:
-                self._write(OP_SET, key, key.encode(), new)
+                self._state.write(self._fd, OP_SET, key, key.encode(), new)
         return result
 
     def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
@@ -547,28 +416,28 @@ class FileStore(Store):
         """Whether every key in `keys` is set (or its queue holds an item), without waiting."""
         names = check_keys(keys)
         with self._locked(False):
-            return all(key in self._data or key in self._queues for key in names)
+            return all(key in self._state.data or key in self._state.queues for key in names)
 
     def delete_key(self, key: str) -> bool:
         """Delete `key`; returns whether it existed."""
         check_key(key)
         with self._locked(True):
-            if key not in self._data:
+            if key not in self._state.data:
                 return False
-            self._write(OP_DELETE, key, key.encode(), b"")
+            self._state.write(self._fd, OP_DELETE, key, key.encode(), b"")
             return True
 
     def num_keys(self) -> int:
         """The number of keys in the store."""
         with self._locked(False):
-            return len(self._data)
+            return len(self._state.data)
 
     def append(self, key: str, value: str | bytes) -> None:
         """Append `value` to the value of `key` (created empty)."""
         check_key(key)
         data = to_bytes(value)
         with self._locked(True):
-            self._write(OP_APPEND, key, key.encode(), data)
+            self._state.write(self._fd, OP_APPEND, key, key.encode(), data)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of `keys`, waiting up to the store timeout for all of them.
@@ -584,7 +453,7 @@ class FileStore(Store):
         datas = check_values(names, values)
         with self._locked(True):
             for key, data in zip(names, datas, strict=True):
-                self._write(OP_SET, key, key.encode(), data)
+                self._state.write(self._fd, OP_SET, key, key.encode(), data)
 
     # -- the extended API -----------------------------------------------------------------
 
@@ -595,14 +464,14 @@ class FileStore(Store):
     def list_keys(self) -> list[str]:
         """Every key, in the order the log holds them (queues are not keys)."""
         with self._locked(False):
-            return list(self._data.keys())
+            return list(self._state.data.keys())
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """Append `value` to the queue `key` (see Store.queue_push)."""
         check_key(key)
         data = to_bytes(value)
         with self._locked(True):
-            self._write(OP_QUEUE_PUSH, key, key.encode(), data)
+            self._state.write(self._fd, OP_QUEUE_PUSH, key, key.encode(), data)
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """The oldest item of queue `key`, removed (see Store.queue_pop).
@@ -622,13 +491,13 @@ class FileStore(Store):
         delay = _KEY_POLL_FIRST
         while True:
             with self._locked(False, deadline):
-                seen = key in self._queues
+                seen = key in self._state.queues
             if seen:
                 with self._locked(True, deadline):
-                    items = self._queues.get(key)
+                    items = self._state.queues.get(key)
                     if items:
                         value = items[0]
-                        self._write(OP_QUEUE_POP, key, key.encode(), b"")
+                        self._state.write(self._fd, OP_QUEUE_POP, key, key.encode(), b"")
                         return value
                 continue  # another popper took it first: look again at once
             if not block:
@@ -645,7 +514,7 @@ class FileStore(Store):
         """The number of items in queue `key` (0 when it has none)."""
         check_key(key)
         with self._locked(False):
-            items = self._queues.get(key)
+            items = self._state.queues.get(key)
             return 0 if items is None else len(items)
 
     def close(self) -> None:
@@ -659,8 +528,8 @@ class FileStore(Store):
             try:
                 self._acquire(True, Deadline(self._timeout))
                 try:
-                    self._write(OP_CLOSE, "", b"", b"")
-                    if self._users <= 0 and 0 < self.world_size <= self._finished:
+                    self._state.write(self._fd, OP_CLOSE, "", b"", b"")
+                    if self._state.users <= 0 and 0 < self.world_size <= self._state.finished:
                         try:
                             os.unlink(self.path)
                         except FileNotFoundError:

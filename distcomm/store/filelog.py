@@ -1,6 +1,16 @@
 """The FileStore's file: its magic line, its checksummed records, and its whole-file lock.
 
-See `file.FileStore` for the log these make up.
+The file is a log: a magic line, ``distcomm FileStore v2``, then records::
+
+    record = header (17 bytes) + key (UTF-8) + value
+    header = op (u8) + key length (u32 LE) + value length (u32 LE)
+             + CRC32 of key + value (u32 LE) + CRC32 of the 13 header bytes before it (u32 LE)
+    op: 1 SET, 2 APPEND, 3 DELETE, 4 OPEN (a user registered), 5 CLOSE (a user left),
+        6 USERS (value: users open and users closed so far, two i64 LE; sets both counts),
+        7 QUEUE_PUSH (the value joins the end of queue `key`),
+        8 QUEUE_POP (the oldest item of queue `key` leaves it; no value)
+
+See `file.FileStore` for how the log is locked, replayed and compacted.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ __all__ = [
     "USERS",
     "FileLock",
     "RecordHeader",
+    "not_a_store_file",
     "pwrite_all",
 ]
 
@@ -139,3 +150,18 @@ def pwrite_all(fd: int, data: bytes | bytearray, offset: int) -> None:
     written = 0
     while written < len(view):
         written += os.pwrite(fd, view[written:], offset + written)
+
+
+def not_a_store_file(path: str, data: bytes) -> DistStoreError:
+    """The error for a file at `path` that does not start with the magic line."""
+    for magic, version in OLD_MAGICS.items():
+        if data.startswith(magic):
+            return DistStoreError(
+                f"{path!r} is not a distcomm FileStore file of this version: it is a "
+                f"FileStore {version} file from an older distcomm, and this one reads only "
+                "v2 files; pass a new path (or remove the file once no job uses it)"
+            )
+    return DistStoreError(
+        f"{path!r} is not a distcomm FileStore file (v2): it starts with "
+        f"{data[: len(MAGIC)]!r}, not {MAGIC!r}; pass a new or unused path"
+    )

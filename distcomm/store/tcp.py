@@ -14,17 +14,17 @@ far (infinite included), so the connection stays in step; the client's kernel ti
 are a little longer, and if that safety net ever fires the connection is dropped and
 reopened on the next request. If the server goes away, requests raise
 `DistNetworkError` at once.
+
+The socket work of one connection is `tcp_client.Connection`'s; `tcp_master` finds or
+starts the master's server.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
-import struct
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 
 from .. import auth, config
@@ -42,107 +42,23 @@ from .hash import (
     queue_timeout_error,
     timeout_error,
 )
-from .tcp_protocol import HEADER, SECONDS, Cmd, Limits, Status, decode_args, encode_frame
+from .tcp_client import Connection, PeerClosed
+from .tcp_master import SHARED, listener_from_fd
+from .tcp_protocol import HEADER, SECONDS, Cmd, Limits, Status, encode_frame
 from .tcp_server import StoreServer
 
 __all__ = ["TCPStore"]
 
 #: Extra seconds the client waits beyond a request's own timeout before giving up on it.
 SAFETY_MARGIN = 1.0
-_TIMEVAL = struct.Struct("@ll")
 log = logging.getLogger(__name__)
 
-_ERROR, _TIMEOUT, _LATE_ERROR = int(Status.ERROR), int(Status.TIMEOUT), int(Status.LATE_ERROR)
-
-
-class _PeerClosed(Exception):
-    """The server closed the connection."""
+_ERROR, _TIMEOUT = int(Status.ERROR), int(Status.TIMEOUT)
 
 
 def _describe(what: str | tuple[str, object]) -> str:
     """A request for messages: "num_keys", or ("get", "k") as "get('k')" (made on error only)."""
     return what if isinstance(what, str) else f"{what[0]}({what[1]!r})"
-
-
-class _SharedServers:
-    """The servers of multi-tenant TCPStores in this process, by (host, port), with the
-    number of tenants using each: a server stops when its last tenant closes.
-
-    This is process-wide on purpose (torch keeps the same cache): it is how a second
-    `TCPStore(..., is_master=True, multi_tenant=True)` finds the first one's server.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._servers: dict[tuple[str, int], list] = {}  # (host, port) -> [server, tenants]
-
-    def acquire(self, host: str, port: int, make: Callable[[], StoreServer]) -> StoreServer:
-        """The running server of `host:port` (port 0: always a new one), with one more
-        tenant; `make()` starts one where there is none."""
-        with self._lock:
-            entry = self._servers.get((host, port)) if port else None
-            if entry is None or entry[0].stopped:
-                server = make()
-                entry = self._servers[(host, server.port)] = [server, 0]
-            entry[1] += 1
-            return entry[0]
-
-    def release(self, host: str, server: StoreServer) -> bool:
-        """One tenant less; True when it was the last (the caller stops the server)."""
-        with self._lock:
-            entry = self._servers.get((host, server.port))
-            if entry is None or entry[0] is not server:
-                return True
-            entry[1] -= 1
-            if entry[1] > 0:
-                return False
-            del self._servers[(host, server.port)]
-            return True
-
-
-_SHARED = _SharedServers()
-
-
-def _listener_from_fd(fd: int, port: int) -> socket.socket:
-    """A socket on a duplicate of `fd`, checked to be a TCP socket bound to `port` (any
-    port when `port` is 0).
-
-    Raises:
-        TypeError: `fd` is not an int.
-        ValueError: `fd` is not an open TCP socket, is not bound, or is bound to another
-            port.
-    """
-    if isinstance(fd, bool) or not isinstance(fd, int):
-        raise TypeError(f"TCPStore master_listen_fd must be an int, got {type(fd).__name__}")
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError as exc:
-        raise ValueError(
-            f"TCPStore master_listen_fd {fd} is not an open socket ({exc.strerror}); pass "
-            "the fileno() of a TCP socket bound to the store's port"
-        ) from None
-    try:
-        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
-                                                                  socket.AF_INET6):
-            raise ValueError(
-                f"TCPStore master_listen_fd {fd} is not a TCP socket; pass the fileno() of "
-                "a TCP socket bound to the store's port"
-            )
-        bound = sock.getsockname()[1]
-        if bound == 0:
-            raise ValueError(
-                f"TCPStore master_listen_fd {fd} is not bound to a port; bind it first "
-                "(port 0 there picks a free one, which the store's port then reports)"
-            )
-        if port and bound != port:
-            raise ValueError(
-                f"TCPStore master_listen_fd {fd} is bound to port {bound}, but the store was "
-                f"given port {port}; pass port={bound}, or 0 to take the socket's"
-            )
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 class TCPStore(Store):
@@ -196,7 +112,7 @@ class TCPStore(Store):
     ) -> None:
         self._closed = False
         self._pid = os.getpid()
-        self._sock: socket.socket | None = None
+        self._conn: Connection | None = None
         self._server: StoreServer | None = None
         self._shared = False
         super().__init__(timeout)
@@ -215,7 +131,7 @@ class TCPStore(Store):
             raise ValueError(f"TCPStore world_size must be None or an int >= 1, got {world_size!r}")
         listener = None
         if is_master and master_listen_fd is not None:
-            listener = _listener_from_fd(master_listen_fd, port)
+            listener = listener_from_fd(master_listen_fd, port)
             port = listener.getsockname()[1]
         self._host = host_name
         self._port = port
@@ -226,9 +142,6 @@ class TCPStore(Store):
         self._lock = threading.Lock()
         self._registered = False
         self._limits = Limits()
-        self._sock_timeout: float | None = -1.0  # the kernel timeouts set on the socket
-        self._bound_for: float | None = -1.0  # the seconds _bound was last given
-        self._pushback = b""  # bytes read past the last answer
         self._broken: str | None = None
         self._local_address = ""
         try:
@@ -243,7 +156,7 @@ class TCPStore(Store):
 
                 try:
                     if multi_tenant:
-                        self._server = _SHARED.acquire(host_name, port, start)
+                        self._server = SHARED.acquire(host_name, port, start)
                         self._shared = True
                     else:
                         self._server = start()
@@ -293,11 +206,8 @@ class TCPStore(Store):
         sock = connect(self._host, self._port, deadline, what="the TCPStore")
         try:
             auth.client_handshake(sock, self._auth_key, deadline, self._where)
-            sock.settimeout(None)  # blocking; requests bound each call with kernel timeouts
-            self._sock_timeout = self._bound_for = -1.0
-            self._pushback = b""
-            self._local_address = sock.getsockname()[0]
-            self._sock = sock
+            self._conn = Connection(sock)
+            self._local_address = self._conn.local_address
             if not self._registered:
                 left = deadline.remaining()
                 _, result = self._exchange(encode_frame(Cmd.REGISTER, []),
@@ -310,57 +220,9 @@ class TCPStore(Store):
             raise
 
     def _drop(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is None:
-            return
-        if os.getpid() == self._pid:  # wakes a thread blocked on it; in a forked child it
-            try:  # would also cut the parent's connection
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        sock.close()
-
-    def _bound(self, sock: socket.socket, seconds: float | None) -> None:
-        """Bound each send and receive on `sock` by `seconds` (None or huge: unbounded)."""
-        given = seconds
-        # 0 is the kernel's "no timeout"
-        seconds = 0.0 if seconds is None or seconds > FOREVER else max(seconds, 0.001)
-        if seconds != self._sock_timeout:
-            whole = int(seconds)
-            timeval = _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-            self._sock_timeout = seconds
-        self._bound_for = given
-
-    def _read_reply(self, sock: socket.socket, seconds: float) -> tuple[int, list[bytes]]:
-        data = sock.recv(1 << 16)
-        while len(data) < HEADER.size:
-            if not data:
-                raise _PeerClosed
-            more = sock.recv(1 << 16)
-            if not more:
-                raise _PeerClosed
-            data += more
-        size, status = HEADER.unpack_from(data)
-        end = HEADER.size + size
-        if len(data) < end:  # a large answer: receive the rest into place
-            buffer = bytearray(end)
-            buffer[: len(data)] = data
-            view = memoryview(buffer)
-            got = len(data)
-            end_time = time.monotonic() + seconds
-            while got < end:
-                if time.monotonic() > end_time:
-                    raise TimeoutError
-                count = sock.recv_into(view[got:])
-                if not count:
-                    raise _PeerClosed
-                got += count
-            data = buffer
-        elif len(data) > end:  # an answer refusing an earlier quiet request, then ours
-            self._pushback = data[end:]
-        return status, decode_args(data, HEADER.size, end)
+        conn, self._conn = self._conn, None
+        if conn is not None:  # a shutdown wakes a thread blocked on it; in a forked child
+            conn.close(shutdown=os.getpid() == self._pid)  # it would cut the parent's too
 
     def _exchange(
         self, frame: list[bytes], seconds: float, what: str | tuple[str, object],
@@ -371,25 +233,11 @@ class TCPStore(Store):
         An answer refusing an earlier quiet request is read first and raised as
         DistStoreError once this request's own answer is in.
         """
-        sock = self._sock
-        if sock is None:
+        conn = self._conn
+        if conn is None:
             raise DistStoreError(f"{self._where}: no connection (closed?)")
         try:
-            if seconds != self._bound_for:
-                self._bound(sock, seconds)
-            for part in frame:
-                sock.sendall(part)
-            if quiet:
-                return 0, []
-            late = None
-            while True:
-                if self._pushback:
-                    status, result = self._unpush(sock, time.monotonic() + seconds)
-                else:
-                    status, result = self._read_reply(sock, seconds)
-                if status != _LATE_ERROR:
-                    break
-                late = result[0].decode(errors="replace") if result else "unknown error"
+            status, result, late = conn.exchange(frame, seconds, quiet)
         except (TimeoutError, BlockingIOError):  # a kernel timeout surfaces as EAGAIN
             self._drop()
             if self._closed:
@@ -399,12 +247,12 @@ class TCPStore(Store):
                 f"{self._where} did not answer {_describe(what)} within {seconds:.1f} s; "
                 "the connection was reset and is reopened by the next request"
             ) from None
-        except (_PeerClosed, OSError) as exc:
+        except (PeerClosed, OSError) as exc:
             self._drop()
             if self._closed:
                 raise DistStoreError(
                     f"{self._where} was closed during {_describe(what)}") from None
-            reason = "" if isinstance(exc, _PeerClosed) else f" ({exc})"
+            reason = "" if isinstance(exc, PeerClosed) else f" ({exc})"
             self._broken = (
                 f"store at {format_address(self._host, self._port)} closed the connection"
                 f"{reason} (did the master process exit?)"
@@ -416,20 +264,6 @@ class TCPStore(Store):
                 f"{late} (reported by {_describe(what)}, which completed)"
             )
         return status, result
-
-    def _unpush(self, sock: socket.socket, end_time: float) -> tuple[int, list[bytes]]:
-        """Read an answer whose start came with the previous one."""
-        data, self._pushback = self._pushback, b""
-        while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
-            if time.monotonic() > end_time:
-                raise TimeoutError
-            more = sock.recv(1 << 16)
-            if not more:
-                raise _PeerClosed
-            data += more
-        end = HEADER.size + HEADER.unpack_from(data)[0]
-        self._pushback = data[end:]
-        return HEADER.unpack_from(data)[1], decode_args(data, HEADER.size, end)
 
     def _request(
         self, code: int, args: list[bytes], what: str | tuple[str, object],
@@ -464,7 +298,7 @@ class TCPStore(Store):
                 "of this process to finish its request on the shared connection"
             )
         try:
-            if self._sock is None or self._closed or self._broken is not None:
+            if self._conn is None or self._closed or self._broken is not None:
                 self._reopen(what)
             status, result = self._exchange(frame, budget, what, quiet)
         finally:
@@ -708,7 +542,7 @@ class TCPStore(Store):
         self._drop()
         server, self._server = self._server, None
         if (server is not None and os.getpid() == self._pid
-                and (not self._shared or _SHARED.release(self._host, server))):
+                and (not self._shared or SHARED.release(self._host, server))):
             server.stop()
 
     def __del__(self) -> None:

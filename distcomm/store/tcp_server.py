@@ -20,10 +20,13 @@ read until it verifies). What a client, buggy or hostile, cannot do:
 - Make it work quadratically. `append` grows the value in place; a request waiting for
   K keys watches one missing key at a time and moves on, O(K) over its life.
 
-Queues are deques beside the keys. A `queue_pop` that finds its queue empty is parked
-in the queue's line of poppers; a push hands its item to the first of them, so no
-popper polls and no item is handed out twice. A WAIT counts a key with a non-empty queue
-as set (a GET does not).
+This module is the loop: it accepts, reads, hands each request to the handlers of
+`tcp_state.ServerState` (the keys, the queues and the requests parked on them), and sends
+the answers; `tcp_conn` keeps its record of each connection and its timers. Queues are
+deques beside the keys. A `queue_pop` that finds its queue empty is parked in the queue's
+line of poppers; a push hands its item to the first of them, so no popper polls and no
+item is handed out twice. A WAIT counts a key with a non-empty queue as set (a GET does
+not).
 
 Warnings about misbehaving clients are rate-limited: one line per kind every 10 s, with
 the number left out.
@@ -31,26 +34,21 @@ the number left out.
 
 from __future__ import annotations
 
-import heapq
 import itertools
-import logging
-import math
 import resource
 import select
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 
 from .. import auth
 from ..errors import DistNetworkError, DistStoreError
 from ..net import listen, set_keepalive
-from .hash import KeysOrQueues, Values, add_value, compare_set_value
+from .tcp_conn import Conn, Throttle, Timers
 from .tcp_protocol import (
     HEADER,
     QUIET,
-    SECONDS,
     Cmd,
     Limits,
     ProtocolError,
@@ -58,91 +56,17 @@ from .tcp_protocol import (
     decode_args,
     encode_frame,
 )
+from .tcp_state import ServerState, Waiter
 
 __all__ = ["StoreServer"]
-
-log = logging.getLogger("distcomm.store")
 
 _RECV_SIZE = 1 << 16  # a read of more is mapped and unmapped by malloc: 3 more system calls
 _RECV_LARGE = 1 << 20  # the most read at once for the rest of a large request
 _MAX_SLEEP = 3600.0  # epoll takes at most ~24.8 days; wake up hourly whatever the timers say
 _IOV_MAX = 512  # buffers given to one sendmsg
 _IN, _OUT = select.EPOLLIN, select.EPOLLOUT
-_OK, _TIMEOUT = int(Status.OK), int(Status.TIMEOUT)
+_OK = int(Status.OK)
 _GONE = select.EPOLLHUP | select.EPOLLERR
-
-
-class _Conn:
-    """One client connection and what the loop knows of it."""
-
-    __slots__ = (
-        "accepted",
-        "authed",
-        "blocked",
-        "closed",
-        "closing",
-        "fd",
-        "inbuf",
-        "mask",
-        "name",
-        "nonce",
-        "out",
-        "out_bytes",
-        "out_since",
-        "parked",
-        "partial_since",
-        "pending",
-        "registered",
-        "sock",
-        "timer_at",
-    )
-
-    def __init__(self, sock: socket.socket, name: str, now: float) -> None:
-        self.sock, self.name, self.fd = sock, name, sock.fileno()
-        self.inbuf = bytearray()
-        self.out: deque[bytes | memoryview] = deque()
-        self.out_bytes = 0
-        self.authed = self.closed = self.closing = self.blocked = False
-        self.pending = True  # no complete request yet
-        self.registered = False
-        self.nonce = b""
-        self.parked: _Waiter | None = None
-        self.accepted = now
-        self.partial_since: float | None = None  # a request has been half-received since
-        self.out_since: float | None = None  # answers have waited unsent since
-        self.timer_at: float | None = None
-        self.mask = _IN
-
-
-class _Waiter:
-    """A parked request: the keys it waits for (or a worker count)."""
-
-    __slots__ = ("cmd", "conn", "done", "keys", "next", "workers")
-
-    def __init__(self, conn: _Conn, cmd: int, keys: list[bytes], workers: int = 0) -> None:
-        self.conn, self.cmd, self.keys, self.workers = conn, cmd, keys, workers
-        self.done = False
-        self.next = 0  # keys before this index were set when last looked at
-
-
-class _Throttle:
-    """Rate-limited warnings: each kind at most once per `every` seconds, with a count."""
-
-    def __init__(self, every: float = 10.0) -> None:
-        self.every = every
-        self._last: dict[str, float] = {}
-        self._left_out: dict[str, int] = {}
-
-    def warn(self, kind: str, message: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -math.inf) < self.every:
-            self._left_out[kind] = self._left_out.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        skipped = self._left_out.pop(kind, 0)
-        if skipped:
-            message += f" ({skipped} more like this in the last {self.every:.0f} s)"
-        log.warning(message, *args, exc_info=exc_info)
 
 
 class StoreServer:
@@ -197,39 +121,15 @@ class StoreServer:
         self._listen_fd, self._wake_fd = self._listener.fileno(), self._wake_r.fileno()
         self._epoll.register(self._listen_fd, _IN)
         self._epoll.register(self._wake_fd, _IN)
-        self._conns: dict[int, _Conn] = {}
-        self._pending: dict[_Conn, None] = {}  # oldest first
-        self._data = Values()
-        self._queues: dict[bytes, deque[bytes]] = {}  # only non-empty queues
-        self._set_or_queued = KeysOrQueues(self._data, self._queues)  # what WAIT counts
-        self._poppers: dict[bytes, dict[_Waiter, None]] = {}  # parked pops, oldest first
-        self._watchers: dict[bytes, dict[_Waiter, None]] = {}
-        self._worker_waiters: dict[_Waiter, None] = {}
-        self._workers = 0
-        self._timers: list[tuple[float, int, object]] = []
-        self._compact_at = 1024
-        self._seq = itertools.count()
-        self._runnable: deque[_Conn] = deque()
-        self._throttle = _Throttle()
-        self._handlers: dict[int, Callable[[_Conn, list[bytes]], list[bytes] | None]] = {
-            Cmd.REGISTER: self._do_register,
-            Cmd.SET: self._do_set,
-            Cmd.GET: self._do_get,
-            Cmd.ADD: self._do_add,
-            Cmd.COMPARE_SET: self._do_compare_set,
-            Cmd.WAIT: self._do_wait,
-            Cmd.CHECK: self._do_check,
-            Cmd.DELETE_KEY: self._do_delete_key,
-            Cmd.NUM_KEYS: self._do_num_keys,
-            Cmd.MULTI_GET: self._do_get,
-            Cmd.MULTI_SET: self._do_multi_set,
-            Cmd.APPEND: self._do_append,
-            Cmd.WAIT_WORKERS: self._do_wait_workers,
-            Cmd.LIST_KEYS: self._do_list_keys,
-            Cmd.QUEUE_PUSH: self._do_queue_push,
-            Cmd.QUEUE_POP: self._do_queue_pop,
-            Cmd.QUEUE_LEN: self._do_queue_len,
-        }
+        self._conns: dict[int, Conn] = {}
+        self._pending: dict[Conn, None] = {}  # oldest first
+        self._timers = Timers(self._live, _MAX_SLEEP)
+        self._runnable: deque[Conn] = deque()
+        self._throttle = Throttle()
+        self._state = ServerState(self.limits, self._reply, self._answered, self._timers.add)
+        self._handlers = self._state.handlers
+        # the state's own dicts, also reachable from the server for inspection
+        self._queues, self._poppers = self._state.queues, self._state.poppers
         self._stopping = False
         self._cleaned = False
         self._thread = threading.Thread(
@@ -291,7 +191,7 @@ class StoreServer:
     def _turn(self) -> None:
         """One turn: wait for events or the next timer, serve, fire timers, run the queue."""
         conns = self._conns
-        for fd, mask in self._epoll.poll(0.0 if self._runnable else self._sleep_time()):
+        for fd, mask in self._epoll.poll(0.0 if self._runnable else self._timers.sleep_time()):
             conn = conns.get(fd)
             if conn is None:
                 if fd == self._listen_fd:
@@ -308,7 +208,7 @@ class StoreServer:
                         self._flush(conn)
                 except Exception:
                     self._fault(conn)
-        if self._timers and self._timers[0][0] <= time.monotonic():
+        if self._timers.due():
             self._fire_timers()
         runnable = self._runnable
         for _ in range(len(runnable)):
@@ -326,7 +226,7 @@ class StoreServer:
         except OSError:
             pass
 
-    def _fault(self, conn: _Conn) -> None:
+    def _fault(self, conn: Conn) -> None:
         """Serving `conn` raised: close that connection, not the server (in an except)."""
         self._throttle.warn(
             "internal", "TCPStore server: closing %s after an internal error", conn.name,
@@ -336,49 +236,34 @@ class StoreServer:
 
     # -- timers: parked requests, connection watchdogs, a paused listener -----------------
 
-    def _add_timer(self, when: float, item: object) -> None:
-        heapq.heappush(self._timers, (when, next(self._seq), item))
-
-    def _sleep_time(self) -> float:
-        timers = self._timers
-        if len(timers) > self._compact_at:  # drop the timers of answered requests
-            self._timers = timers = [entry for entry in timers if self._live(entry[2])]
-            heapq.heapify(timers)
-            self._compact_at = max(1024, 2 * len(timers))
-        if not timers:
-            return _MAX_SLEEP
-        return min(_MAX_SLEEP, max(0.0, timers[0][0] - time.monotonic()))
-
     @staticmethod
     def _live(item: object) -> bool:
-        if isinstance(item, _Waiter):
+        if isinstance(item, Waiter):
             return not item.done
-        if isinstance(item, _Conn):
+        if isinstance(item, Conn):
             return not item.closed and item.timer_at is not None
         return True
 
     def _fire_timers(self) -> None:
         now = time.monotonic()
-        timers = self._timers
-        while timers and timers[0][0] <= now:
-            when, _, item = heapq.heappop(timers)
-            if isinstance(item, _Waiter):
-                if not item.done:
-                    self._finish(item, Status.TIMEOUT, self._timeout_args(item))
-            elif isinstance(item, _Conn):
+        while (due := self._timers.pop_due(now)) is not None:
+            when, item = due
+            if isinstance(item, Waiter):
+                self._state.expire(item)
+            elif isinstance(item, Conn):
                 if not item.closed and item.timer_at == when:
                     item.timer_at = None
                     self._watchdog(item, now)
             else:  # the listener, paused after running out of file descriptors
                 self._epoll.register(self._listen_fd, _IN)
 
-    def _arm(self, conn: _Conn, when: float) -> None:
+    def _arm(self, conn: Conn, when: float) -> None:
         """Make sure `conn`'s watchdog runs at `when` or earlier."""
         if conn.timer_at is None or when < conn.timer_at:
             conn.timer_at = when
-            self._add_timer(when, conn)
+            self._timers.add(when, conn)
 
-    def _watchdog(self, conn: _Conn, now: float) -> None:
+    def _watchdog(self, conn: Conn, now: float) -> None:
         """Drop `conn` if it overstayed a limit; else re-arm for the next one that applies."""
         checks = []
         if conn.pending:
@@ -399,14 +284,6 @@ class StoreServer:
         if checks:
             self._arm(conn, min(due for due, _ in checks))
 
-    def _timeout_args(self, waiter: _Waiter) -> list[bytes]:
-        if waiter.cmd == Cmd.WAIT_WORKERS:
-            return [str(self._workers).encode()]
-        if waiter.cmd == Cmd.QUEUE_POP:
-            return waiter.keys
-        present = self._set_or_queued if waiter.cmd == Cmd.WAIT else self._data
-        return [key for key in waiter.keys if key not in present]
-
     # -- connections ----------------------------------------------------------------------
 
     def _accept(self) -> None:
@@ -424,7 +301,7 @@ class StoreServer:
                 if self._pending:
                     self._close(next(iter(self._pending)))
                 self._epoll.unregister(self._listen_fd)
-                self._add_timer(time.monotonic() + 0.1, "listener")
+                self._timers.add(time.monotonic() + 0.1, "listener")
                 return
             try:
                 self._admit(sock, address)
@@ -443,7 +320,7 @@ class StoreServer:
                 "dropping the oldest, %s", self.max_pending, oldest.name,
             )
             self._close(oldest)
-        conn = _Conn(sock, f"store client {address[0]}:{address[1]}", now)
+        conn = Conn(sock, f"store client {address[0]}:{address[1]}", now)
         self._conns[conn.fd] = conn
         self._pending[conn] = None
         self._epoll.register(conn.fd, _IN)
@@ -453,14 +330,14 @@ class StoreServer:
         self._queue(conn, [hello])
         self._flush(conn)
 
-    def _close(self, conn: _Conn) -> None:
+    def _close(self, conn: Conn) -> None:
         if conn.closed:
             return
         conn.closed = True
         del self._conns[conn.fd]
         self._pending.pop(conn, None)
         if conn.parked is not None:
-            self._unpark(conn.parked)
+            self._state.unpark(conn.parked)
         try:
             self._epoll.unregister(conn.fd)
         except (KeyError, ValueError, OSError):
@@ -469,7 +346,7 @@ class StoreServer:
         conn.out.clear()
         conn.inbuf = bytearray()
 
-    def _on_readable(self, conn: _Conn) -> None:
+    def _on_readable(self, conn: Conn) -> None:
         inbuf = conn.inbuf
         if not conn.authed:
             want = auth.PROOF_SIZE - len(inbuf)
@@ -500,7 +377,7 @@ class StoreServer:
                 inbuf += memoryview(data)[used:]
         self._settle(conn)
 
-    def _on_proof(self, conn: _Conn, data: bytes) -> None:
+    def _on_proof(self, conn: Conn, data: bytes) -> None:
         conn.inbuf += data
         if len(conn.inbuf) < auth.PROOF_SIZE:
             return
@@ -517,7 +394,7 @@ class StoreServer:
         self._queue(conn, [accept])
         self._flush(conn)
 
-    def _process(self, conn: _Conn) -> None:
+    def _process(self, conn: Conn) -> None:
         """Serve what is buffered on `conn` (after a park ended or the queue drained)."""
         inbuf = conn.inbuf
         if inbuf:
@@ -526,7 +403,7 @@ class StoreServer:
                 del inbuf[:used]
         self._settle(conn)
 
-    def _settle(self, conn: _Conn) -> None:
+    def _settle(self, conn: Conn) -> None:
         """After serving: send the answers, then set the events and the watchdog to match."""
         if conn.closed:
             return
@@ -551,7 +428,7 @@ class StoreServer:
         # read no more until it is served
         self._want(conn, not complete and not conn.closing, bool(conn.out))
 
-    def _want(self, conn: _Conn, read: bool, write: bool) -> None:
+    def _want(self, conn: Conn, read: bool, write: bool) -> None:
         mask = (_IN if read else 0) | (_OUT if write else 0)
         if mask != conn.mask:
             conn.mask = mask
@@ -559,13 +436,13 @@ class StoreServer:
 
     # -- answers --------------------------------------------------------------------------
 
-    def _queue(self, conn: _Conn, parts: list[bytes]) -> None:
+    def _queue(self, conn: Conn, parts: list[bytes]) -> None:
         if not conn.closed:
             conn.out.extend(parts)
             for part in parts:
                 conn.out_bytes += len(part)
 
-    def _reply(self, conn: _Conn, status: int, args: list[bytes]) -> None:
+    def _reply(self, conn: Conn, status: int, args: list[bytes]) -> None:
         parts = encode_frame(status, args)
         if len(parts) == 1:
             conn.out.append(parts[0])
@@ -573,7 +450,14 @@ class StoreServer:
         else:
             self._queue(conn, parts)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _answered(self, conn: Conn) -> None:
+        """A parked request of `conn` got its answer: send it, or serve what came after."""
+        if conn.inbuf:
+            self._runnable.append(conn)  # requests came after it: serve them in turn
+        else:
+            self._settle(conn)  # answer now
+
+    def _flush(self, conn: Conn) -> None:
         """Send what `conn` has queued, in one system call where the kernel takes it all."""
         out = conn.out
         sock = conn.sock
@@ -632,7 +516,7 @@ class StoreServer:
             conn.blocked = False
             self._runnable.append(conn)
 
-    def _refuse(self, conn: _Conn, message: str) -> None:
+    def _refuse(self, conn: Conn, message: str) -> None:
         """Answer ERROR, then close once the answer is out (nothing more is read)."""
         self._throttle.warn("refuse", "TCPStore server: closing %s: %s", conn.name, message)
         self._reply(conn, Status.ERROR, [message.encode()])
@@ -641,7 +525,7 @@ class StoreServer:
 
     # -- requests -------------------------------------------------------------------------
 
-    def _serve(self, conn: _Conn, buf: bytes | bytearray) -> int:
+    def _serve(self, conn: Conn, buf: bytes | bytearray) -> int:
         """Serve the complete requests at the start of `buf`; returns the bytes used."""
         pos, size_buf, served = 0, len(buf), 0
         handlers, high_water, turn = self._handlers, self.out_high_water, self.frames_per_turn
@@ -683,259 +567,6 @@ class StoreServer:
             conn.pending = False
             del self._pending[conn]
         return pos
-
-    def _check_keys(self, keys: list[bytes]) -> None:
-        limits = self.limits
-        if len(keys) > limits.max_keys:
-            raise DistStoreError(f"{len(keys):,} keys in one request; the limit is "
-                                 f"{limits.max_keys:,}")
-        for key in keys:
-            if len(key) > limits.max_key:
-                raise DistStoreError(
-                    f"a key of {len(key):,} bytes is over the limit of {limits.max_key:,} "
-                    "(DISTCOMM_STORE_MAX_KEY_BYTES on the process hosting the store)"
-                )
-
-    def _check_value(self, value: bytes) -> None:
-        if len(value) > self.limits.max_value:
-            raise DistStoreError(
-                f"a value of {len(value):,} bytes is over the limit of "
-                f"{self.limits.max_value:,} (DISTCOMM_STORE_MAX_VALUE_BYTES on the process "
-                "hosting the store)"
-            )
-
-    @staticmethod
-    def _seconds(raw: bytes) -> float:
-        (seconds,) = SECONDS.unpack(raw)
-        if math.isnan(seconds) or seconds < 0:
-            raise ValueError(f"timeout must be >= 0 seconds (or inf), got {seconds}")
-        return seconds
-
-    def _park(self, conn: _Conn, waiter: _Waiter, seconds: float) -> None:
-        conn.parked = waiter
-        self._add_timer(time.monotonic() + seconds, waiter)  # inf: never fires
-
-    def _watch(self, waiter: _Waiter) -> bool:
-        """Watch `waiter`'s first key not yet set; True when all are set (nothing watched).
-
-        A WAIT counts a key whose queue holds an item as set.
-        """
-        data = self._set_or_queued if waiter.cmd == Cmd.WAIT else self._data
-        keys = waiter.keys
-        index = waiter.next
-        while True:
-            while index < len(keys) and keys[index] in data:
-                index += 1
-            if index < len(keys):
-                waiter.next = index
-                self._watchers.setdefault(keys[index], {})[waiter] = None
-                return False
-            # every key was set when passed; one may have been deleted since: look once more
-            index = next((i for i, key in enumerate(keys) if key not in data), len(keys))
-            if index == len(keys):
-                waiter.next = index
-                return True
-
-    def _unpark(self, waiter: _Waiter) -> None:
-        waiter.done = True
-        waiter.conn.parked = None
-        if waiter.cmd == Cmd.WAIT_WORKERS:
-            self._worker_waiters.pop(waiter, None)
-        elif waiter.cmd == Cmd.QUEUE_POP:
-            key = waiter.keys[0]
-            line = self._poppers.get(key)
-            if line is not None:
-                line.pop(waiter, None)
-                if not line:
-                    del self._poppers[key]
-        elif waiter.next < len(waiter.keys):
-            key = waiter.keys[waiter.next]
-            waiting = self._watchers.get(key)
-            if waiting is not None:
-                waiting.pop(waiter, None)
-                if not waiting:
-                    del self._watchers[key]
-
-    def _finish(self, waiter: _Waiter, status: int, args: list[bytes]) -> None:
-        self._unpark(waiter)
-        conn = waiter.conn
-        self._reply(conn, status, args)
-        if conn.inbuf:
-            self._runnable.append(conn)  # requests came after it: serve them in turn
-        else:
-            self._settle(conn)  # answer now
-
-    def _changed(self, key: bytes) -> None:
-        """Move on the requests watching `key`; answer those whose keys are all set."""
-        waiting = self._watchers.pop(key, None)
-        if waiting is None:
-            return
-        for waiter in waiting:
-            if not waiter.done and self._watch(waiter):
-                self._finish(waiter, Status.OK, self._results(waiter))
-
-    def _results(self, waiter: _Waiter) -> list[bytes]:
-        if waiter.cmd == Cmd.WAIT:
-            return []
-        data = self._data
-        return [data[key] for key in waiter.keys]
-
-    def _do_register(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
-        if not conn.registered:  # once per connection, however often it asks
-            conn.registered = True
-            self._workers += 1
-            for waiter in list(self._worker_waiters):
-                if self._workers >= waiter.workers:
-                    self._finish(waiter, Status.OK, [str(self._workers).encode()])
-        return [str(self._workers).encode(), *self.limits.encode()]
-
-    def _do_wait_workers(self, conn: _Conn, args: list[bytes]) -> list[bytes] | None:
-        raw, count = args
-        seconds, wanted = self._seconds(raw), int(count)
-        if self._workers >= wanted:
-            return [str(self._workers).encode()]
-        waiter = _Waiter(conn, Cmd.WAIT_WORKERS, [], wanted)
-        self._worker_waiters[waiter] = None
-        self._park(conn, waiter, seconds)
-        return None
-
-    def _do_set(self, conn: _Conn, args: list[bytes]) -> None:
-        key, value = args
-        if len(key) > self.limits.max_key:
-            self._check_keys([key])
-        self._check_value(value)
-        self._data[key] = value
-        if key in self._watchers:
-            self._changed(key)
-
-    def _do_get(self, conn: _Conn, args: list[bytes]) -> list[bytes] | None:
-        """GET and MULTI_GET: the values, or park until all are set."""
-        raw, *keys = args
-        seconds = self._seconds(raw)
-        data = self._data
-        if len(keys) == 1:
-            key = keys[0]
-            if len(key) > self.limits.max_key:
-                self._check_keys(keys)
-            if key in data:
-                return [data[key]]
-        else:
-            self._check_keys(keys)
-        return self._wait_for(conn, Cmd.MULTI_GET, keys, seconds)
-
-    def _do_wait(self, conn: _Conn, args: list[bytes]) -> list[bytes] | None:
-        raw, *keys = args
-        seconds = self._seconds(raw)
-        self._check_keys(keys)
-        return self._wait_for(conn, Cmd.WAIT, keys, seconds)
-
-    def _wait_for(self, conn: _Conn, cmd: int, keys: list[bytes],
-                  seconds: float) -> list[bytes] | None:
-        waiter = _Waiter(conn, cmd, keys)
-        if self._watch(waiter):
-            return self._results(waiter)
-        if seconds == 0:  # nothing to wait for: answer at once
-            self._unpark(waiter)
-            self._reply(conn, Status.TIMEOUT, self._timeout_args(waiter))
-            return None
-        self._park(conn, waiter, seconds)
-        return None
-
-    def _do_add(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
-        key, amount = args
-        if len(key) > self.limits.max_key:
-            self._check_keys([key])
-        value = add_value(key, self._data.get(key), int(amount))
-        self._data[key] = value
-        if key in self._watchers:
-            self._changed(key)
-        return [value]
-
-    def _do_compare_set(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
-        key, expected, desired = args
-        self._check_keys([key])
-        self._check_value(desired)
-        new, result = compare_set_value(self._data.get(key), expected, desired)
-        if new is not None:
-            self._data[key] = new
-            if key in self._watchers:
-                self._changed(key)
-        return [result]
-
-    def _do_check(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
-        self._check_keys(args)
-        data = self._set_or_queued
-        return [b"\x01" if all(key in data for key in args) else b"\x00"]
-
-    def _do_delete_key(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
-        (key,) = args
-        return [b"\x01" if self._data.delete(key) else b"\x00"]
-
-    def _do_num_keys(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
-        return [str(len(self._data)).encode()]
-
-    def _do_multi_set(self, conn: _Conn, args: list[bytes]) -> None:
-        if len(args) % 2:
-            raise ValueError("MULTI_SET needs key, value pairs")
-        keys, values = args[::2], args[1::2]
-        self._check_keys(keys)
-        for value in values:
-            self._check_value(value)
-        data = self._data
-        for key, value in zip(keys, values, strict=True):
-            data[key] = value
-        for key in keys:
-            if key in self._watchers:
-                self._changed(key)
-
-    def _do_append(self, conn: _Conn, args: list[bytes]) -> None:
-        key, value = args
-        self._check_keys([key])
-        self._check_value(value)
-        self._data.append(key, value)
-        if key in self._watchers:
-            self._changed(key)
-
-    def _do_list_keys(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
-        return list(self._data.keys())
-
-    def _do_queue_push(self, conn: _Conn, args: list[bytes]) -> None:
-        key, value = args
-        self._check_keys([key])
-        self._check_value(value)
-        line = self._poppers.get(key)
-        if line:  # a pop is waiting: the item goes to the oldest, never into the queue
-            self._finish(next(iter(line)), _OK, [value])
-            return
-        items = self._queues.get(key)
-        if items is None:
-            items = self._queues[key] = deque()
-        items.append(value)
-        if key in self._watchers:
-            self._changed(key)
-
-    def _do_queue_pop(self, conn: _Conn, args: list[bytes]) -> list[bytes] | None:
-        raw, key = args
-        seconds = self._seconds(raw)
-        self._check_keys([key])
-        items = self._queues.get(key)
-        if items:
-            value = items.popleft()
-            if not items:
-                del self._queues[key]
-            return [value]
-        if seconds == 0:
-            return []  # empty
-        waiter = _Waiter(conn, Cmd.QUEUE_POP, [key])
-        self._poppers.setdefault(key, {})[waiter] = None
-        self._park(conn, waiter, seconds)
-        return None
-
-    def _do_queue_len(self, conn: _Conn, args: list[bytes]) -> list[bytes]:
-        (key,) = args
-        self._check_keys([key])
-        items = self._queues.get(key)
-        return [str(0 if items is None else len(items)).encode()]
 
 
 def _raise_file_limit() -> None:
