@@ -31,6 +31,7 @@ from distcomm.store.etcd import parse_endpoint
 from tests import etcd_server
 from tests.etcd_server import EtcdServer, etcd_endpoint  # noqa: F401
 from tests.harness import run_ranks
+from tests.processes import free_port
 
 HOST = "127.0.0.1"
 
@@ -83,12 +84,6 @@ def _in_thread(fn, *args):
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, box
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def _etcd_post(endpoint: str, path: str, body: dict) -> dict:
@@ -343,7 +338,7 @@ def test_bad_arguments(etcd_endpoint):  # noqa: F811
 
 
 def test_nothing_listening_is_a_network_error():
-    port = _free_port()
+    port = free_port(HOST)
     with pytest.raises(DistNetworkError, match=rf"etcd at 127\.0\.0\.1:{port}.*is etcd running"):
         EtcdStore(f"127.0.0.1:{port}", timeout=5)
     with pytest.raises(ConnectionError):

@@ -34,6 +34,7 @@ from distcomm.store.tcp_protocol import HEADER, Cmd, Status, encode_frame
 from distcomm.store.tcp_server import StoreServer
 from tests.etcd_server import etcd_endpoint  # noqa: F401 - fixture of the etcd kind
 from tests.harness import run_ranks
+from tests.processes import free_port
 from tests.store_wire import read_response, recv_exact
 
 HOST = "127.0.0.1"
@@ -105,12 +106,6 @@ def store_pair(request, tmp_path):
     yield first, second
     for each in reversed(opened):
         each.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def _tcp_state(port: int) -> tuple[list, list]:
@@ -484,7 +479,7 @@ def test_tcp_close_unblocks_a_waiting_thread(master):
 
 
 def test_tcp_client_before_master_retries():
-    port = _free_port()
+    port = free_port(HOST)
     thread, box = _in_thread(lambda: TCPStore(HOST, port, timeout=10))
     time.sleep(0.3)
     late_master = TCPStore(HOST, port, is_master=True, world_size=2, timeout=10)
@@ -499,13 +494,13 @@ def test_tcp_client_before_master_retries():
 
 
 def test_tcp_client_without_master_names_the_address():
-    port = _free_port()
+    port = free_port(HOST)
     with pytest.raises(DistNetworkError, match=f"127.0.0.1:{port}"):
         TCPStore(HOST, port, timeout=0.3)
 
 
 def test_tcp_wait_for_workers():
-    port = _free_port()
+    port = free_port(HOST)
     clients = [_in_thread(lambda: TCPStore(HOST, port, timeout=10)) for _ in range(2)]
     store = TCPStore(HOST, port, world_size=3, is_master=True, timeout=10)
     try:

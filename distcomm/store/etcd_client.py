@@ -235,18 +235,18 @@ class EtcdClient:
                 connected = conn.sock is not None
                 conn.close()
                 if not connected or self.closed:
-                    raise self._unreachable(what, exc) from None
+                    raise self._unreachable(what, exc) from exc
                 raise DistStoreTimeoutError(
                     f"etcd at {self._endpoint} did not answer {what} within "
                     f"{timeout + SAFETY_MARGIN:.1f} s (is the server overloaded or stopped?)"
-                ) from None
+                ) from exc
             except (http.client.HTTPException, OSError) as exc:
                 conn.close()
                 if reused and isinstance(
                     exc, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
                 ):
                     continue  # the server dropped the idle connection: try a fresh one
-                raise self._unreachable(what, exc) from None
+                raise self._unreachable(what, exc) from exc
             if response.will_close:
                 conn.close()
             else:
@@ -324,13 +324,13 @@ class EtcdClient:
             if sock is not None:
                 return False  # the stream's read waited out the deadline
             if conn.sock is None or self.closed:
-                raise self._unreachable(what, exc) from None
+                raise self._unreachable(what, exc) from exc
             raise DistStoreTimeoutError(
                 f"etcd at {self._endpoint} did not open the watch for {what} within "
                 f"{timeout + SAFETY_MARGIN:.1f} s (is the server overloaded or stopped?)"
-            ) from None
+            ) from exc
         except (http.client.HTTPException, OSError, binascii.Error) as exc:
-            raise self._unreachable(what, exc) from None
+            raise self._unreachable(what, exc) from exc
         finally:
             with self._lock:
                 self._watches.discard(conn)

@@ -238,26 +238,26 @@ class TCPStore(Store):
             raise DistStoreError(f"{self._where}: no connection (closed?)")
         try:
             status, result, late = conn.exchange(frame, seconds, quiet)
-        except (TimeoutError, BlockingIOError):  # a kernel timeout surfaces as EAGAIN
+        except (TimeoutError, BlockingIOError) as exc:  # a kernel timeout surfaces as EAGAIN
             self._drop()
             if self._closed:
                 raise DistStoreError(
-                    f"{self._where} was closed during {_describe(what)}") from None
+                    f"{self._where} was closed during {_describe(what)}") from exc
             raise DistStoreTimeoutError(
                 f"{self._where} did not answer {_describe(what)} within {seconds:.1f} s; "
                 "the connection was reset and is reopened by the next request"
-            ) from None
+            ) from exc
         except (PeerClosed, OSError) as exc:
             self._drop()
             if self._closed:
                 raise DistStoreError(
-                    f"{self._where} was closed during {_describe(what)}") from None
+                    f"{self._where} was closed during {_describe(what)}") from exc
             reason = "" if isinstance(exc, PeerClosed) else f" ({exc})"
             self._broken = (
                 f"store at {format_address(self._host, self._port)} closed the connection"
                 f"{reason} (did the master process exit?)"
             )
-            raise DistNetworkError(f"{self._broken}; {_describe(what)} failed") from None
+            raise DistNetworkError(f"{self._broken}; {_describe(what)} failed") from exc
         if late is not None:
             raise DistStoreError(
                 f"{self._where} refused an earlier set, append or multi_set of this process: "

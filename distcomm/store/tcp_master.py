@@ -73,7 +73,7 @@ def listener_from_fd(fd: int, port: int) -> socket.socket:
         raise ValueError(
             f"TCPStore master_listen_fd {fd} is not an open socket ({exc.strerror}); pass "
             "the fileno() of a TCP socket bound to the store's port"
-        ) from None
+        ) from exc
     try:
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
                                                                   socket.AF_INET6):
