@@ -19,7 +19,7 @@ The launcher and the multiprocessing module add their own branches under `DistEr
 `DistTimeoutError`),
 `launch.errors.ChildFailedError` (the failure report of a run), `launch.timer`'s
 `TimerServerUnavailableError`, `multiprocessing.ProcessException` (raised, exited) and
-`multiprocessing.shm_client.ShmManagerError`.
+`multiprocessing.base.ShmManagerError`.
 
 Bad arguments raise plain `ValueError`/`TypeError`; using the API before
 `init_process_group` raises `RuntimeError`.
