@@ -20,6 +20,7 @@ __all__ = [
     "listen",
     "recv_exact",
     "set_keepalive",
+    "split_address",
 ]
 
 # Errors that mean "nobody listens there yet": a client retries them until its deadline.
@@ -37,6 +38,25 @@ _RETRY_ERRNOS = {
 def format_address(host: str, port: int) -> str:
     """`host:port`, with IPv6 hosts bracketed."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def split_address(text: str) -> tuple[str, str]:
+    """(host, port text) of "host:port", "[ipv6]:port", "host", "[ipv6]" or a bare IPv6
+    address (all host); the port text is "" when none is given. The inverse of
+    `format_address`; callers check the parts and word their own errors.
+
+    Raises:
+        ValueError: a "[" without its "]", or something other than ":port" after it.
+    """
+    if text.startswith("["):
+        host, bracket, tail = text[1:].partition("]")
+        if not bracket or (tail and not tail.startswith(":")):
+            raise ValueError(f"{text!r} is not [IPV6]:PORT")
+        return host, tail[1:]
+    if text.count(":") == 1:
+        host, _, port = text.partition(":")
+        return host, port
+    return text, ""
 
 
 def _family(host: str) -> socket.AddressFamily:

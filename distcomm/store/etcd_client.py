@@ -24,7 +24,7 @@ from typing import Any
 
 from ..deadline import FOREVER, Deadline
 from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
-from ..net import format_address, set_keepalive
+from ..net import format_address, set_keepalive, split_address
 
 __all__ = ["DEFAULT_PORT", "SAFETY_MARGIN", "EtcdClient", "b64", "kv_value", "parse_endpoint",
            "unb64"]
@@ -65,17 +65,14 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
         raise ValueError(f"EtcdStore takes one endpoint, got the list {endpoint!r}; {forms}")
     if "/" in text or "@" in text or not text:
         raise ValueError(f"EtcdStore endpoint {endpoint!r} is not an address; {forms}")
-    if text.startswith("["):
-        host, bracket, tail = text[1:].partition("]")
-        if not bracket or (tail and not tail.startswith(":")):
-            raise ValueError(f"EtcdStore endpoint {endpoint!r} is not an address; {forms}")
-        port_text = tail[1:] if tail else ""
-    elif text.count(":") > 1:
+    try:
+        host, port_text = split_address(text)
+    except ValueError:
+        raise ValueError(f"EtcdStore endpoint {endpoint!r} is not an address; {forms}") from None
+    if ":" in host and not text.startswith("["):
         raise ValueError(
             f"EtcdStore endpoint {endpoint!r}: an IPv6 address needs brackets, as in [::1]:2379"
         )
-    else:
-        host, _, port_text = text.partition(":")
     if not host:
         raise ValueError(f"EtcdStore endpoint {endpoint!r} names no host; {forms}")
     if not port_text:

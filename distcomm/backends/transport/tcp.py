@@ -248,8 +248,7 @@ class TcpTransport(Transport):
                 f"{deadline.seconds:.1f} s (did it call init_process_group/new_group?)"
             ) from exc
         address = store.get(key).decode()
-        host, _, port = address.rpartition(":")
-        host = host.strip("[]")
+        host, port = net.split_address(address)
         sock = net.connect(host, int(port), deadline, what=f"rank {peer} at {address}")
         try:
             auth.client_handshake(sock, self._key, deadline, f"rank {peer} at {address}")

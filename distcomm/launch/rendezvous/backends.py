@@ -26,7 +26,7 @@ import socket
 import psutil
 
 from ...errors import DistError, DistNetworkError
-from ...net import format_address
+from ...net import format_address, split_address
 from ...store import FileStore, Store, TCPStore
 from .api import RendezvousConnectionError, RendezvousError, RendezvousParameters
 from .dynamic import DynamicRendezvousHandler, create_handler
@@ -63,16 +63,12 @@ def parse_endpoint(endpoint: str | None, default_port: int) -> tuple[str, int]:
     text = (endpoint or "").strip()
     if not text:
         return "localhost", default_port
-    port_text = ""
-    if text.startswith("["):
-        host, bracket, tail = text[1:].partition("]")
-        if not bracket or (tail and not tail.startswith(":")):
-            raise ValueError(f"--rdzv_endpoint={endpoint!r} is not HOST[:PORT] or [IPV6]:PORT")
-        port_text = tail[1:]
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    else:
-        host = text  # a name, an IPv4 address or a bare IPv6 address: no port
+    try:
+        host, port_text = split_address(text)  # a bare IPv6 address is all host
+    except ValueError:
+        raise ValueError(
+            f"--rdzv_endpoint={endpoint!r} is not HOST[:PORT] or [IPV6]:PORT"
+        ) from None
     if not host or not _HOST_PATTERN.match(host):
         raise ValueError(f"--rdzv_endpoint={endpoint!r}: {host!r} is not a host name or address")
     if not port_text:
