@@ -72,10 +72,11 @@ class Deadline:
         left = self.remaining()
         return most if left is None else min(most, left)
 
-    def nap(self, delay: float, most: float) -> float:
-        """Sleep `delay` seconds (never past the deadline) between two polls; returns the
-        next delay: twice this one, at most `most` (exponential backoff)."""
-        time.sleep(self.slice(delay))
+    def nap(self, delay: float, most: float, cap: float | None = None) -> float:
+        """Sleep `delay` seconds (never past the deadline, nor past `cap` seconds when
+        given: an event the poller knows is due sooner) between two polls; returns the
+        next delay: twice `delay`, at most `most` (exponential backoff)."""
+        time.sleep(self.slice(delay if cap is None else min(delay, cap)))
         return min(delay * 2, most)
 
     def __repr__(self) -> str:

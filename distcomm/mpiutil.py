@@ -108,8 +108,7 @@ def wait_all(comm: Any, deadline: Deadline, what: str) -> None:
                 f"communicator arrived within {deadline.seconds:.1f} s; did every process "
                 f"call init_process_group?"
             )
-        time.sleep(deadline.slice(delay))
-        delay = min(delay * 2, _POLL_MOST)
+        delay = deadline.nap(delay, _POLL_MOST)
 
 
 # -- abort on an uncaught exception -----------------------------------------------------------

@@ -418,11 +418,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
             membership = state.membership()
             if membership != seen:
                 seen, delay = membership, _POLL_FIRST
-            pause = delay
+            due = None  # the round's own deadline, when this node waits in it
             if state.deadline is not None and self.node_id in state.participants:
-                pause = min(pause, max(0.0, state.deadline - time.time()) + 0.01)
-            time.sleep(deadline.slice(pause))
-            delay = min(delay * 2, _POLL_MOST)
+                due = max(0.0, state.deadline - time.time()) + 0.01
+            delay = deadline.nap(delay, _POLL_MOST, due)
 
     # -- the rest of the contract -----------------------------------------------------------
 
