@@ -1,4 +1,10 @@
-"""Deadlines on the monotonic clock, created once per blocking call and passed down."""
+"""Deadlines on the monotonic clock, created once per blocking call and passed down.
+
+Every layer below the call (a collective's steps, a socket write, a store wait) reads the
+one deadline it is given instead of starting a clock of its own, so a timeout means the
+same thing however deep the wait is. Keep it that way: take a `Deadline` argument, do
+not derive a new timeout from the group's.
+"""
 
 from __future__ import annotations
 

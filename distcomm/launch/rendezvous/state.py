@@ -3,7 +3,8 @@
 `RendezvousState` is what every node of a run reads and writes (one JSON blob in the
 store). `decide` says what a joining node does next; `apply`, `leave_round`, `withdraw`
 and `drop_dead` change a state in place and say whether they did. Nothing here touches
-a store, a clock or a thread: the handler (`dynamic.py`) passes the time in.
+a store, a clock or a thread: the handler (`dynamic.py`) passes the time in. Keep it
+so: it is what lets the tests drive every transition, race and failure without a process.
 """
 
 from __future__ import annotations
