@@ -79,20 +79,27 @@ def parse_bool(name: str, text: str, empty: bool | None = False) -> bool:
 
 
 def positive_seconds(
-    name: str, value: object, *, zero: bool = False, finite: bool = False, hint: str = ""
+    name: str,
+    value: object,
+    *,
+    zero: bool = False,
+    finite: bool = False,
+    text: bool = True,
+    hint: str = "",
 ) -> float:
     """A number of seconds > 0 (>= 0 with `zero`), given as a number or its text.
 
     Args:
-        name: what holds the value, for the message: `DISTCOMM_TIMEOUT`, `--flag`, `expires(after=...)`.
+        name: what holds the value, for the message: `DISTCOMM_TIMEOUT`, `--flag`, `timeout`.
         finite: also refuse infinity.
+        text: whether `value` may be the number's text (else only a number).
         hint: appended to the message, e.g. how to turn the feature off.
 
     Raises:
         TypeError: `value` is neither a number nor a text.
         ValueError: it is not a number of seconds in that range; the message names `name`.
     """
-    if isinstance(value, str):
+    if isinstance(value, str) and text:
         try:
             seconds = float(value)
         except ValueError:
@@ -117,6 +124,10 @@ def _flag(name: str, text: str) -> bool:
 
 def _timeout(name: str, text: str) -> float:
     return positive_seconds(name, text)
+
+
+def _non_negative(name: str, text: str) -> float:
+    return positive_seconds(name, text, zero=True)
 
 
 def _stall(name: str, text: str) -> float:
@@ -314,6 +325,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "30",
         "torchrun's default of `--shutdown_timeout`: seconds workers get after SIGTERM "
         "before SIGKILL",
+        parse=_non_negative,
     ),
     EnvVar(
         "DISTCOMM_GLOO_TRANSPORT",
