@@ -300,9 +300,7 @@ def _resolve_timeout(timeout: float | timedelta | None) -> float:
     seconds = to_seconds(timeout)
     if seconds is None:
         return config.load().timeout
-    if seconds <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {seconds}")
-    return seconds
+    return config.positive_seconds("timeout", seconds)
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,

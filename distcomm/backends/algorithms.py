@@ -18,7 +18,6 @@ either one adjusted through DISTCOMM_TUNING (`Tuning.from_env`).
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -26,6 +25,7 @@ from functools import partial
 
 import numpy as np
 
+from .. import config
 from ..config import parse_size
 from ..ops import ReduceOp, reduce_into
 from .transport.exchange import Exchange
@@ -135,15 +135,16 @@ class Tuning:
         )
 
     @classmethod
-    def from_env(cls, preset: Tuning, environ: Mapping[str, str] = os.environ) -> Tuning:
-        """`preset` with the overrides of DISTCOMM_TUNING in `environ` applied.
+    def from_env(cls, preset: Tuning, environ: Mapping[str, str] | None = None) -> Tuning:
+        """`preset` with the overrides of DISTCOMM_TUNING in `environ` (default: os.environ)
+        applied.
 
         Raises:
             ValueError: an entry is not `field=value`, names no field of Tuning, or holds a
                 value that is not a size; the message names the variable, the entry and the
                 valid fields.
         """
-        text = environ.get(ENV_VAR, "")
+        text = config.get(ENV_VAR, environ) or ""
         names = [f.name for f in fields(cls)]
         changes: dict[str, int] = {}
         for raw in text.split(","):

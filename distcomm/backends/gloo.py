@@ -19,9 +19,10 @@ back), as the original gloo did for CUDA tensors: the group wraps this backend i
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Mapping
 from typing import Any
 
+from .. import config
 from ..deadline import Deadline
 from ..gpu.staging import is_cupy_array
 from ..store.base import Store
@@ -35,22 +36,14 @@ __all__ = ["GlooBackend", "transport_mode"]
 
 log = logging.getLogger(__name__)
 
-_MODES = ("auto", "tcp")
-
-
-def transport_mode(environ: Any = os.environ) -> str:
-    """DISTCOMM_GLOO_TRANSPORT: "auto" (shared memory on one host, default) or "tcp".
+def transport_mode(environ: Mapping[str, str] | None = None) -> str:
+    """DISTCOMM_GLOO_TRANSPORT in `environ` (default: os.environ): "auto" (shared memory
+    on one host, the default) or "tcp".
 
     Raises:
         ValueError: another value.
     """
-    mode = environ.get("DISTCOMM_GLOO_TRANSPORT", "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(
-            f"DISTCOMM_GLOO_TRANSPORT={mode!r} is not valid: use 'auto' (shared memory between "
-            "ranks on one host, TCP otherwise) or 'tcp' (TCP for everything)"
-        )
-    return mode
+    return config.get("DISTCOMM_GLOO_TRANSPORT", environ)
 
 
 class GlooBackend(TcpBackend):

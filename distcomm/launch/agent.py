@@ -51,6 +51,7 @@ from types import FrameType
 
 import psutil
 
+from ..config import get as env_var
 from ..errors import DistError
 from ..net import format_address
 from ..store import Store, TCPStore
@@ -171,6 +172,7 @@ class ElasticAgent:
         self._tmp = ""
         self._log_root = ""
         self._trace_dir = ""  # DISTCOMM_TRACE_DIR of the latest workers
+        self._auth_key = ""  # the DISTCOMM_AUTH_KEY this agent made for its workers
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -194,9 +196,12 @@ class ElasticAgent:
                 self._log_root = tempfile.mkdtemp(prefix=f"{config.run_id}_", dir=config.log_dir)
             else:
                 self._log_root = os.path.join(self._tmp, "logs")
-            if config.max_nodes == 1 and not os.environ.get("DISTCOMM_AUTH_KEY"):
-                # one node: the agent's store and the workers share a fresh secret
-                os.environ["DISTCOMM_AUTH_KEY"] = secrets.token_hex(16)
+            if config.max_nodes == 1 and not env_var("DISTCOMM_AUTH_KEY"):
+                # one node: the agent's stores and the workers share a fresh secret. The
+                # workers get it in their environment (_start_workers); a TCPStore takes
+                # its key only from this process's environment, so it goes there too.
+                self._auth_key = secrets.token_hex(16)
+                os.environ["DISTCOMM_AUTH_KEY"] = self._auth_key
             self._timer = FileTimerServer(
                 _timer_file() or os.path.join(self._tmp, "timer.fifo"),
                 config.run_id,
@@ -474,10 +479,12 @@ class ElasticAgent:
             attempt_dir = os.path.join(self._log_root, f"attempt_{self._attempt}")
         logs_kept = bool(c.log_dir) or self._log_root != os.path.join(self._tmp, "logs")
         base = dict(os.environ)
-        self._trace_dir = base.get("DISTCOMM_TRACE_DIR") or trace_dir(
+        self._trace_dir = env_var("DISTCOMM_TRACE_DIR", base) or trace_dir(
             self._log_root if logs_kept else "", c.run_id, self._attempt
         )
         base["DISTCOMM_TRACE_DIR"] = self._trace_dir
+        if self._auth_key:
+            base["DISTCOMM_AUTH_KEY"] = self._auth_key
         self._attempt += 1
         self.ranks = {}
         commands, envs, prefixes, self.ranks = worker_specs(
@@ -590,5 +597,5 @@ def setup_logging() -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO if os.environ.get("DISTCOMM_LAUNCH_VERBOSE") else logging.WARNING)
+        log.setLevel(logging.INFO if env_var("DISTCOMM_LAUNCH_VERBOSE") else logging.WARNING)
         log.propagate = False

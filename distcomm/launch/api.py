@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import get as env_var
 from ..errors import DistError
 from .agent import AgentConfig, ElasticAgent, SignalException, setup_logging
 from .errors import ChildFailedError
@@ -121,13 +122,7 @@ class LaunchConfig:
         if self.logs_specs is None:
             self.logs_specs = DefaultLogsSpecs()
         if self.shutdown_timeout is None:
-            raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
-            try:
-                self.shutdown_timeout = float(raw)
-            except ValueError as exc:
-                raise ValueError(
-                    f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw!r} is not a number of seconds"
-                ) from exc
+            self.shutdown_timeout = env_var("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
 

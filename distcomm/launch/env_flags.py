@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..config import FLAG_PREFIX, parse_bool
+
 __all__ = ["EnvDefault", "EnvFlag", "flag_names"]
 
 
 def _env_name(dest: str) -> str:
-    return "DISTCOMM_" + dest.upper()
+    return FLAG_PREFIX + dest.upper()
 
 
 def _env_value(dest: str) -> tuple[str, str | None]:
@@ -55,11 +57,7 @@ class EnvFlag(argparse.Action):
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
         name, value = _env_value(dest)
-        raw = value or ""
-        lowered = raw.strip().lower()
-        if lowered not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
-            raise ValueError(f"{name}={raw!r} is not a boolean: use 1 or 0")
-        default = lowered in ("1", "true", "yes", "on")
+        default = parse_bool(name, value or "")
         super().__init__(option_strings, dest, nargs=0, default=default, **kwargs)  # type: ignore[arg-type]
 
     def __call__(

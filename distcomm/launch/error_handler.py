@@ -20,6 +20,8 @@ import time
 import traceback
 from typing import Any
 
+from ..config import get as env_var
+
 __all__ = ["ERROR_FILE_ENV", "TORCH_ERROR_FILE_ENV", "ErrorHandler", "get_error_handler"]
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class ErrorHandler:
 
     def _get_error_file_path(self) -> str | None:
         """The error file to write, or None to write nothing."""
-        return os.environ.get(ERROR_FILE_ENV) or os.environ.get(TORCH_ERROR_FILE_ENV) or None
+        return env_var(ERROR_FILE_ENV) or env_var(TORCH_ERROR_FILE_ENV)
 
     def initialize(self) -> None:
         """Prepare to capture errors; called before the recorded function runs.

@@ -16,6 +16,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from ..config import positive_seconds
 from .agent import DEFAULT_SIGNALS_TO_HANDLE, AgentConfig, launch
 from .api import run_agent
 from .env_flags import EnvDefault, EnvFlag, flag_names
@@ -347,18 +348,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     max_restarts = int(args.max_restarts)
     if max_restarts < 0:
         raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
-    monitor = float(args.monitor_interval)
-    if not monitor > 0:
-        raise ValueError(f"--monitor_interval must be > 0 seconds, got {monitor}")
-    try:
-        shutdown = float(args.shutdown_timeout)
-    except ValueError:
-        shutdown = float("nan")
-    if not shutdown >= 0:
-        raise ValueError(
-            f"--shutdown_timeout (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) must be a number of "
-            f"seconds >= 0, got {args.shutdown_timeout!r}"
-        )
+    monitor = positive_seconds("--monitor_interval", float(args.monitor_interval))
+    shutdown = positive_seconds(
+        "--shutdown_timeout (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT)", args.shutdown_timeout, zero=True
+    )
     node_rank = -1 if args.node_rank is None else int(args.node_rank)
     master_port = args.master_port
     if backend == "static":

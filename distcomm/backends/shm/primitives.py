@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from ... import config
 from ...errors import DistBackendError
 
 __all__ = [
@@ -138,7 +139,7 @@ def host_identity() -> str:
 
     `DISTCOMM_HOST_ID` overrides it (tests use it to place ranks on pretend hosts).
     """
-    override = os.environ.get("DISTCOMM_HOST_ID")
+    override = config.get("DISTCOMM_HOST_ID")
     if override:
         return override
     try:

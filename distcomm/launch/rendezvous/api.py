@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from ...config import parse_bool, positive_seconds
 from ...errors import DistError, DistTimeoutError
 from ...store import PrefixStore, Store
 
@@ -148,13 +149,7 @@ class RendezvousParameters:
         raw = self.config.get(key)
         if raw is None:
             return default
-        try:
-            value = float(raw)
-        except ValueError:
-            value = float("nan")
-        if not value > 0:
-            raise ValueError(f"--rdzv_conf {key}={raw!r} must be a positive number of seconds")
-        return value
+        return positive_seconds(f"--rdzv_conf {key}", raw)
 
     def get_as_int(self, key: str, default: int) -> int:
         """A --rdzv_conf whole number (>= 1).
@@ -182,12 +177,7 @@ class RendezvousParameters:
         raw = self.config.get(key)
         if raw is None:
             return default
-        lowered = raw.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"--rdzv_conf {key}={raw!r} is not a boolean: use true or false")
+        return parse_bool(f"--rdzv_conf {key}", raw, empty=None)
 
 
 class RendezvousHandler(ABC):

@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from ...config import positive_seconds
 from ...deadline import Deadline
 from ...errors import DistError
 from ...store import Store
@@ -99,9 +100,7 @@ _node_counter = itertools.count()
 
 
 def _check_seconds(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"--rdzv_conf {name}={value!r} must be a positive number of seconds")
-    return float(value)
+    return positive_seconds(f"--rdzv_conf {name}", value, text=False)
 
 
 class DynamicRendezvousHandler(RendezvousHandler):

@@ -17,8 +17,6 @@ the launcher exports in DISTCOMM_TIMER_FILE.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import sys
 import threading
 import time
@@ -28,6 +26,8 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ...config import get as env_var
+from ...config import positive_seconds
 from ...errors import DistError
 
 __all__ = [
@@ -276,12 +276,8 @@ class TimerServer(ABC):
 
 
 def _positive_seconds(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    seconds = float(value)
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return seconds
+    """A finite number (not its text) of seconds > 0, for the timers' arguments."""
+    return positive_seconds(name, value, finite=True, text=False)
 
 
 # The one client `expires` uses when none is passed: set by `configure`, or built from
@@ -322,7 +318,7 @@ def configure(timer_client: TimerClient) -> None:
 def _default_client() -> TimerClient:
     global _timer_client
     if _timer_client is None:
-        path = os.environ.get(TIMER_FILE_ENV)
+        path = env_var(TIMER_FILE_ENV)
         if not path:
             raise RuntimeError(
                 "expires() has no timer client: call "
@@ -357,7 +353,7 @@ def expires(
         ValueError: `after` is not finite and > 0.
         RuntimeError: no client was passed or configured, and DISTCOMM_TIMER_FILE is unset.
     """
-    seconds = _positive_seconds(after, "expires(after=...)")
+    seconds = _positive_seconds(after, "expires: after")
     if scope is None:
         caller = sys._getframe(1)
         scope = f"{caller.f_code.co_filename}:{caller.f_lineno}"
