@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 __all__ = [
@@ -87,7 +88,8 @@ def positive_seconds(
     text: bool = True,
     hint: str = "",
 ) -> float:
-    """A number of seconds > 0 (>= 0 with `zero`), given as a number or its text.
+    """A number of seconds > 0 (>= 0 with `zero`), given as a number, a `timedelta` or the
+    number's text.
 
     Args:
         name: what holds the value, for the message: `DISTCOMM_TIMEOUT`, `--flag`, `timeout`.
@@ -106,6 +108,8 @@ def positive_seconds(
             seconds = math.nan
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
+    elif isinstance(value, timedelta):
+        seconds = value.total_seconds()
     else:
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
     if not (seconds >= 0 if zero else seconds > 0) or (finite and math.isinf(seconds)):

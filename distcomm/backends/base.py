@@ -15,7 +15,7 @@ from ..ops import ReduceOp
 from ..store.base import Store
 from ..work import Work
 
-__all__ = ["Backend", "BackendOptions", "OpQueue"]
+__all__ = ["Backend", "BackendOptions", "OpQueue", "setup_round"]
 
 
 class OpQueue:
@@ -102,6 +102,14 @@ class OpQueue:
             work.fail(error)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+def setup_round(store: Store, name: str, size: int) -> int:
+    """The number of this set-up of a group's backend on `store`: every rank adds 1 to key
+    `name`, so the `size` ranks of one set-up share a number, and a later set-up on the
+    same store (a group made again under the same name) gets the next one and keys of
+    its own."""
+    return (store.add(name, 1) - 1) // size
 
 
 @dataclass(frozen=True)

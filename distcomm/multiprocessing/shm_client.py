@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar
 
+from distcomm import config
+from distcomm.config import positive_seconds
 from distcomm.deadline import Deadline
 from distcomm.multiprocessing.base import (
     ShmManagerConnectionError,
@@ -38,7 +40,6 @@ from distcomm.multiprocessing.shm_protocol import (
     ADDRESS_ENV,
     DEFAULT_LINGER,
     DEFAULT_STARTUP_TIMEOUT,
-    _positive_seconds,
     _validate_address,
     validate_name,
 )
@@ -106,10 +107,10 @@ def start_manager(
         ShmManagerTimeoutError: it did not report readiness within `timeout`.
     """
     require_linux()
-    deadline = Deadline(_positive_seconds(timeout, "timeout"))
+    deadline = Deadline(positive_seconds("timeout", timeout, text=False))
     if not linger >= 0:
         raise ValueError(f"linger must be >= 0 seconds, got {linger!r}")
-    _positive_seconds(startup_timeout, "startup_timeout")
+    positive_seconds("startup_timeout", startup_timeout, text=False)
     address = f"distcomm-shm-{os.getpid()}-{secrets.token_hex(8)}"
     command = [
         sys.executable,
@@ -241,7 +242,7 @@ class ManagerClient:
 
     def __init__(self, address: str, *, timeout: float | timedelta = DEFAULT_TIMEOUT) -> None:
         self._address = _validate_address(address)
-        self._timeout = _positive_seconds(timeout, "timeout")
+        self._timeout = positive_seconds("timeout", timeout, text=False)
         self._pid = os.getpid()
         self._sock, self._channel, self._manager_pid = connect(address, Deadline(self._timeout))
         self._lock = threading.RLock()
@@ -262,7 +263,7 @@ class ManagerClient:
             ShmManagerTimeoutError: that took longer than `timeout`.
             ValueError: DISTCOMM_SHM_MANAGER holds an invalid address.
         """
-        seconds = _positive_seconds(timeout, "timeout")
+        seconds = positive_seconds("timeout", timeout, text=False)
         with cls._lock_class(seconds):
             current = cls._instance
             if current is not None and current._pid == os.getpid() and not current._closed:
@@ -293,7 +294,7 @@ class ManagerClient:
 
     @classmethod
     def _connect_or_start(cls, seconds: float) -> ManagerClient:
-        address = os.environ.get(ADDRESS_ENV)
+        address = config.get(ADDRESS_ENV)
         if address:
             _validate_address(address)
             try:

@@ -50,12 +50,12 @@ import struct
 import sys
 import time
 
+from distcomm.config import positive_seconds
 from distcomm.multiprocessing.shm_protocol import (
     DEFAULT_LINGER,
     DEFAULT_STARTUP_TIMEOUT,
     MAX_LINE,
     PROTOCOL_VERSION,
-    _positive_seconds,
     _validate_address,
     validate_name,
 )
@@ -137,7 +137,7 @@ class ShmManager:
     ) -> None:
         if linger < 0:
             raise ValueError(f"linger must be >= 0 seconds, got {linger}")
-        self._startup_timeout = _positive_seconds(startup_timeout, "startup_timeout")
+        self._startup_timeout = positive_seconds("startup_timeout", startup_timeout, text=False)
         self._linger = float(linger)
         self._listener = listener
         listener.setblocking(False)

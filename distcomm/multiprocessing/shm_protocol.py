@@ -17,9 +17,6 @@ count is described in `shm_manager`.
 from __future__ import annotations
 
 import re
-from datetime import timedelta
-
-from distcomm.deadline import to_seconds
 
 __all__ = [
     "ADDRESS_ENV",
@@ -87,8 +84,3 @@ def _validate_address(address: str) -> str:
     return address
 
 
-def _positive_seconds(timeout: float | timedelta, name: str) -> float:
-    seconds = to_seconds(timeout, name=name)
-    if seconds is None or seconds <= 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {timeout!r}")
-    return seconds

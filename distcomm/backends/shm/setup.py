@@ -18,6 +18,7 @@ import numpy as np
 from ...deadline import Deadline
 from ...errors import DistBackendError
 from ...store.base import Store
+from ..base import setup_round
 from .engine import IntraNode
 from .primitives import Segment, allow_peer_access, cma_read, host_identity
 
@@ -54,7 +55,7 @@ def same_host_setup(
     Returns the layout, or the reason shared memory is not used at all (every rank gets
     the same answer). `mode` is "auto", or "tcp" to decline.
     """
-    generation = (store.add("gloo/joined", 1) - 1) // size
+    generation = setup_round(store, "gloo/joined", size)
     key = f"gloo/{generation}"
     allow_peer_access()
     store.set(f"{key}/who/{rank}", f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}")
