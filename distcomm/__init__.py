@@ -54,15 +54,7 @@ from .group import (
     ProcessGroup,
     default_pg_timeout,
     destroy_process_group,
-    get_backend,
-    get_backend_config,
     get_default_backend_for_device,
-    get_global_rank,
-    get_group_rank,
-    get_pg_count,
-    get_process_group_ranks,
-    get_rank,
-    get_world_size,
     init_process_group,
     is_available,
     is_backend_available,
@@ -103,6 +95,16 @@ from .parallel import (
     set_num_interop_threads,
     set_num_threads,
     wait,
+)
+from .queries import (
+    get_backend,
+    get_backend_config,
+    get_global_rank,
+    get_group_rank,
+    get_pg_count,
+    get_process_group_ranks,
+    get_rank,
+    get_world_size,
 )
 from .regroup import shrink_group, split_group
 from .store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore

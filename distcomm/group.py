@@ -19,9 +19,20 @@ from typing import Any, NewType
 
 from . import config
 from .arrays import device_of
-from .backends import create_backend, get_backend_record, registered_backends
+from .backend_spec import (
+    create_backends,
+    get_default_backend_for_device,
+    is_backend_available,
+    is_gloo_available,
+    is_mpi_available,
+    is_nccl_available,
+    is_ucc_available,
+    is_xccl_available,
+    parse_backend,
+    spec_text,
+)
+from .backends import registered_backends
 from .backends.base import Backend
-from .backends.staged import StagedBackend
 from .deadline import to_seconds
 from .errors import DistError
 from .group_methods import GroupMethods
@@ -35,15 +46,7 @@ __all__ = [
     "ProcessGroup",
     "default_pg_timeout",
     "destroy_process_group",
-    "get_backend",
-    "get_backend_config",
     "get_default_backend_for_device",
-    "get_global_rank",
-    "get_group_rank",
-    "get_pg_count",
-    "get_process_group_ranks",
-    "get_rank",
-    "get_world_size",
     "init_process_group",
     "is_available",
     "is_backend_available",
@@ -188,79 +191,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# -- backend specs -------------------------------------------------------------------------
-
-def _default_spec() -> dict[str, str]:
-    records = registered_backends()
-    spec: dict[str, str] = {}
-    for device, preferred in (("cpu", ("gloo", "tcp")), ("cuda", ("nccl", "gloo"))):
-        for name in preferred:
-            record = records.get(name)
-            if record is not None and device in record.devices and not record.availability():
-                spec[device] = name
-                break
-    return spec
-
-
-def parse_backend(backend: str | None) -> dict[str, str]:
-    """Map each device to a backend name: "tcp", "cpu:tcp,cuda:nccl", or None (defaults).
-
-    Raises:
-        ValueError: an unknown backend or device, or a backend that does not serve a device.
-    """
-    if backend is None:
-        return _default_spec()
-    if not isinstance(backend, str) or not backend.strip():
-        raise ValueError(f"backend must be a backend name such as 'tcp', got {backend!r}")
-    text = backend.strip().lower()
-    if ":" not in text:
-        return {device: text for device in get_backend_record(text).devices}
-    spec: dict[str, str] = {}
-    for part in text.split(","):
-        device, sep, name = (p.strip() for p in part.partition(":"))
-        if not sep or device not in ("cpu", "cuda") or not name:
-            raise ValueError(
-                f"backend {backend!r}: {part!r} is not 'device:backend' with device cpu or "
-                "cuda (example: 'cpu:tcp,cuda:nccl')")
-        if device in spec:
-            raise ValueError(f"backend {backend!r} names device {device!r} twice")
-        record = get_backend_record(name)
-        if device not in record.devices:
-            raise ValueError(
-                f"backend {backend!r}: backend {name!r} does not serve {device} arrays "
-                f"(it serves: {', '.join(record.devices)})")
-        spec[device] = name
-    return spec
-
-
-def _spec_text(spec: dict[str, str]) -> str:
-    names = set(spec.values())
-    if len(names) == 1:
-        return names.pop()
-    return ",".join(f"{device}:{name}" for device, name in spec.items())
-
-
-def _create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
-                     timeout: float, name: str, members: list[int]) -> dict[str, Backend]:
-    backends: dict[str, Backend] = {}
-    shared: dict[str, Backend] = {}
-    try:
-        for device, backend_name in spec.items():
-            if backend_name not in shared:
-                shared[backend_name] = create_backend(
-                    backend_name, PrefixStore(backend_name, store), rank, size, timeout, name,
-                    members)
-            backend = shared[backend_name]
-            if device == "cuda" and backend.stages_device_arrays:
-                backend = StagedBackend(backend)  # CuPy arrays through pinned host memory
-            backends[device] = backend
-    except BaseException:
-        for backend in shared.values():
-            backend.shutdown()
-        raise
-    return backends
-
-
 # -- initialisation and teardown --------------------------------------------------------------
 
 def is_available() -> bool:
@@ -271,29 +201,6 @@ def is_available() -> bool:
 def is_initialized() -> bool:
     """Whether `init_process_group` has been called (and not undone)."""
     return _world.default is not None
-
-
-def is_backend_available(backend: str) -> bool:
-    """Whether backend `backend` is registered and can run here."""
-    try:
-        return not get_backend_record(backend).availability()
-    except ValueError:
-        return False
-
-
-def is_gloo_available() -> bool:
-    """Whether the gloo backend can run here."""
-    return is_backend_available("gloo")
-
-
-def is_mpi_available() -> bool:
-    """Whether the mpi backend can run here."""
-    return is_backend_available("mpi")
-
-
-def is_nccl_available() -> bool:
-    """Whether the nccl backend can run here."""
-    return is_backend_available("nccl")
 
 
 def _resolve_timeout(timeout: float | timedelta | None) -> float:
@@ -357,7 +264,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         owns = store is None
         name = group_name or "default"
         try:
-            backends = _create_backends(spec, PrefixStore("distcomm/0", rdzv.store),
+            backends = create_backends(spec, PrefixStore("distcomm/0", rdzv.store),
                                         rdzv.rank, rdzv.world_size, seconds, name,
                                         list(range(rdzv.world_size)))
         except BaseException:
@@ -365,9 +272,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                 rdzv.store.close()
             raise
         group = ProcessGroup(name, list(range(rdzv.world_size)), rdzv.rank, backends,
-                             _spec_text(spec), seconds, rdzv.rank)
+                             spec_text(spec), seconds, rdzv.rank)
         log.info("initialised: rank %d of %d, backend %s, rendezvous %s, timeout %.0f s",
-                 rdzv.rank, rdzv.world_size, _spec_text(spec), rdzv.source, seconds)
+                 rdzv.rank, rdzv.world_size, spec_text(spec), rdzv.source, seconds)
         _world.default, _world.store, _world.owns_store = group, rdzv.store, owns
         _world.groups = {name: group}
         _world.next_id = 1
@@ -554,12 +461,12 @@ def _make_group(members: list[int], me: int, group_id: str, name: str, spec: dic
     group_rank = members.index(me) if me in members else -1
     backends: dict[str, Backend] = {}
     if group_rank >= 0:
-        backends = _create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
+        backends = create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
                                     group_rank, len(members), seconds, name,
                                     [process_ranks[m] for m in members])
     log.info("group %r: ranks %s, this rank %s", name, members,
              group_rank if group_rank >= 0 else "not a member")
-    return ProcessGroup(name, members, group_rank, backends, _spec_text(spec), seconds, me,
+    return ProcessGroup(name, members, group_rank, backends, spec_text(spec), seconds, me,
                         store_key=group_id)
 
 
@@ -634,106 +541,5 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         _world.process_ranks = []
 
 
-# -- queries ---------------------------------------------------------------------------------
-
-def get_rank(group: ProcessGroup | None = None) -> int:
-    """This process's rank in `group` (default: the world); -1 if not a member."""
-    if group is not None and _is_non_member(group):
-        default_group("get_rank")
-        return -1
-    return resolve(group, "get_rank").rank()
-
-
-def get_world_size(group: ProcessGroup | None = None) -> int:
-    """The number of ranks in `group` (default: the world); -1 if this rank is not a member."""
-    if group is not None and _is_non_member(group):
-        default_group("get_world_size")
-        return -1
-    return resolve(group, "get_world_size").size()
-
-
-def get_backend(group: ProcessGroup | None = None) -> str:
-    """The backend of `group` (default: the world), e.g. "tcp"."""
-    return resolve(group, "get_backend").name()
-
-
-def get_backend_config(group: ProcessGroup | None = None) -> str:
-    """The backend of each device of `group` (default: the world), as torch writes it:
-    "cpu:gloo" or "cpu:gloo,cuda:nccl"."""
-    text = resolve(group, "get_backend_config").name()
-    if ":" in text:
-        return text
-    return ",".join(f"{device}:{text}" for device in get_backend_record(text).devices)
-
-
-def get_pg_count() -> int:
-    """How many process groups were created since `init_process_group`, the default group
-    included (0 when not initialised)."""
-    return _world.next_id if _world.default is not None else 0
-
-
 #: torch's default_pg_timeout: the default timeout of a group's operations
 default_pg_timeout = timedelta(seconds=config.DEFAULT_TIMEOUT)
-
-#: the backend torch picks by default for each device type
-_DEVICE_DEFAULTS = {"cpu": "gloo", "cuda": "nccl"}
-
-
-def get_default_backend_for_device(device: Any) -> str:
-    """The backend torch uses by default for `device` ("cpu", "cuda", "cuda:1", or an
-    object with a `type` such as a torch.device): "gloo" or "nccl".
-
-    Raises:
-        ValueError: not a device type distcomm knows.
-    """
-    kind = getattr(device, "type", device)
-    name = _DEVICE_DEFAULTS.get(str(kind).split(":")[0])
-    if name is None:
-        raise ValueError(
-            f"get_default_backend_for_device: {device!r} is not a device distcomm serves; "
-            f"use one of {', '.join(_DEVICE_DEFAULTS)}")
-    return name
-
-
-def is_ucc_available() -> bool:
-    """Whether the UCC backend is available: never (distcomm has no UCC backend)."""
-    return False
-
-
-def is_xccl_available() -> bool:
-    """Whether the XCCL backend (Intel GPUs) is available: never (distcomm has none)."""
-    return False
-
-
-def get_process_group_ranks(group: ProcessGroup | None = None) -> list[int]:
-    """The global ranks of `group`'s members, in group-rank order."""
-    return list(resolve(group, "get_process_group_ranks").ranks)
-
-
-def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
-    """The global rank of `group`'s member number `group_rank`.
-
-    Raises:
-        ValueError: `group_rank` is not a rank of the group.
-    """
-    resolved = resolve(group, "get_global_rank")
-    if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not (
-            0 <= group_rank < resolved.size()):
-        raise ValueError(
-            f"get_global_rank: group rank {group_rank!r} is not in group "
-            f"'{resolved.group_name}' of size {resolved.size()}")
-    return resolved.ranks[group_rank]
-
-
-def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
-    """The rank within `group` of the process with global rank `global_rank`.
-
-    Raises:
-        ValueError: that process is not a member of the group.
-    """
-    resolved = resolve(group, "get_group_rank")
-    if global_rank not in resolved.ranks:
-        raise ValueError(
-            f"get_group_rank: global rank {global_rank!r} is not a member of group "
-            f"'{resolved.group_name}' (members: {resolved.ranks})")
-    return resolved.ranks.index(global_rank)

@@ -70,7 +70,7 @@ class BackendConfig:
     "device:backend,..." form `get_backend_config` returns."""
 
     def __init__(self, backend: str) -> None:
-        from ..group import parse_backend
+        from ..backend_spec import parse_backend
 
         text = str(backend)
         spec = parse_backend(None if text == Backend.UNDEFINED else text)

@@ -1,0 +1,154 @@
+"""Which backend serves which device: backend specs, the groups' backends, availability.
+
+`parse_backend` turns `init_process_group(backend=...)` ("gloo", "cpu:gloo,cuda:nccl" or
+None for the defaults) into one backend name per device; `create_backends` makes a
+group's backends from it (one instance per backend name, CuPy arrays staged for a CPU
+backend that asks for it). The `is_*_available` queries and torch's per-device defaults
+answer from the registry (`distcomm.backends`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends import create_backend, get_backend_record, registered_backends
+from .backends.base import Backend
+from .backends.staged import StagedBackend
+from .store import PrefixStore, Store
+
+__all__ = [
+    "create_backends",
+    "get_default_backend_for_device",
+    "is_backend_available",
+    "is_gloo_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_ucc_available",
+    "is_xccl_available",
+    "parse_backend",
+    "spec_text",
+]
+
+
+def _default_spec() -> dict[str, str]:
+    records = registered_backends()
+    spec: dict[str, str] = {}
+    for device, preferred in (("cpu", ("gloo", "tcp")), ("cuda", ("nccl", "gloo"))):
+        for name in preferred:
+            record = records.get(name)
+            if record is not None and device in record.devices and not record.availability():
+                spec[device] = name
+                break
+    return spec
+
+
+def parse_backend(backend: str | None) -> dict[str, str]:
+    """Map each device to a backend name: "tcp", "cpu:tcp,cuda:nccl", or None (defaults).
+
+    Raises:
+        ValueError: an unknown backend or device, or a backend that does not serve a device.
+    """
+    if backend is None:
+        return _default_spec()
+    if not isinstance(backend, str) or not backend.strip():
+        raise ValueError(f"backend must be a backend name such as 'tcp', got {backend!r}")
+    text = backend.strip().lower()
+    if ":" not in text:
+        return {device: text for device in get_backend_record(text).devices}
+    spec: dict[str, str] = {}
+    for part in text.split(","):
+        device, sep, name = (p.strip() for p in part.partition(":"))
+        if not sep or device not in ("cpu", "cuda") or not name:
+            raise ValueError(
+                f"backend {backend!r}: {part!r} is not 'device:backend' with device cpu or "
+                "cuda (example: 'cpu:tcp,cuda:nccl')")
+        if device in spec:
+            raise ValueError(f"backend {backend!r} names device {device!r} twice")
+        record = get_backend_record(name)
+        if device not in record.devices:
+            raise ValueError(
+                f"backend {backend!r}: backend {name!r} does not serve {device} arrays "
+                f"(it serves: {', '.join(record.devices)})")
+        spec[device] = name
+    return spec
+
+
+def spec_text(spec: dict[str, str]) -> str:
+    names = set(spec.values())
+    if len(names) == 1:
+        return names.pop()
+    return ",".join(f"{device}:{name}" for device, name in spec.items())
+
+
+def create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
+                     timeout: float, name: str, members: list[int]) -> dict[str, Backend]:
+    backends: dict[str, Backend] = {}
+    shared: dict[str, Backend] = {}
+    try:
+        for device, backend_name in spec.items():
+            if backend_name not in shared:
+                shared[backend_name] = create_backend(
+                    backend_name, PrefixStore(backend_name, store), rank, size, timeout, name,
+                    members)
+            backend = shared[backend_name]
+            if device == "cuda" and backend.stages_device_arrays:
+                backend = StagedBackend(backend)  # CuPy arrays through pinned host memory
+            backends[device] = backend
+    except BaseException:
+        for backend in shared.values():
+            backend.shutdown()
+        raise
+    return backends
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether backend `backend` is registered and can run here."""
+    try:
+        return not get_backend_record(backend).availability()
+    except ValueError:
+        return False
+
+
+def is_gloo_available() -> bool:
+    """Whether the gloo backend can run here."""
+    return is_backend_available("gloo")
+
+
+def is_mpi_available() -> bool:
+    """Whether the mpi backend can run here."""
+    return is_backend_available("mpi")
+
+
+def is_nccl_available() -> bool:
+    """Whether the nccl backend can run here."""
+    return is_backend_available("nccl")
+
+
+#: the backend torch picks by default for each device type
+_DEVICE_DEFAULTS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def get_default_backend_for_device(device: Any) -> str:
+    """The backend torch uses by default for `device` ("cpu", "cuda", "cuda:1", or an
+    object with a `type` such as a torch.device): "gloo" or "nccl".
+
+    Raises:
+        ValueError: not a device type distcomm knows.
+    """
+    kind = getattr(device, "type", device)
+    name = _DEVICE_DEFAULTS.get(str(kind).split(":")[0])
+    if name is None:
+        raise ValueError(
+            f"get_default_backend_for_device: {device!r} is not a device distcomm serves; "
+            f"use one of {', '.join(_DEVICE_DEFAULTS)}")
+    return name
+
+
+def is_ucc_available() -> bool:
+    """Whether the UCC backend is available: never (distcomm has no UCC backend)."""
+    return False
+
+
+def is_xccl_available() -> bool:
+    """Whether the XCCL backend (Intel GPUs) is available: never (distcomm has none)."""
+    return False
