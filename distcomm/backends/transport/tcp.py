@@ -1,9 +1,7 @@
 """The TCP transport: one persistent connection per pair of ranks, set up through the store.
 
-Each rank listens on an ephemeral port of the address its peers can reach, publishes
-it in the group's store, connects to every lower rank and accepts every higher one;
-the listener is closed once the mesh is complete. Every connection starts with the
-handshake of `distcomm.auth`. One reader thread per peer reads headers and receives
+The connections are made once, when the group is made (`mesh.connect_mesh`). One
+reader thread per peer reads headers and receives
 payloads straight into posted buffers (`recv_into` on memoryviews); senders use
 `sendmsg` on the header and the payload, so no message is copied or pickled.
 
@@ -31,7 +29,7 @@ import struct
 import threading
 import time
 
-from ... import auth, net
+from ... import net
 from ...config import load as load_config
 from ...deadline import Deadline
 from ...errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
@@ -39,6 +37,7 @@ from ...store.base import Store
 from ..protocol import ABORT, BYE, COLL, PROGRESS, QUERY, SIG, STATUS, Failure, Header
 from .base import Transport
 from .mailbox import Mailbox
+from .mesh import connect_mesh
 
 __all__ = [
     "LINK_TIMEOUT_MAX",
@@ -46,7 +45,6 @@ __all__ = [
     "STALL_AFTER",
     "TcpTransport",
     "link_timeout",
-    "local_address",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,34 +61,11 @@ _TCPI_PROBES, _TCPI_RETRANSMITS = 3, 2
 _TCPI_UNACKED, _TCPI_LAST_DATA_RECV, _TCPI_LAST_ACK_RECV, _TCPI_SND_WND = 24, 52, 56, 228
 _TCPI_BYTES = 232
 
-_HELLO = struct.Struct("<4siiq")  # magic, rank, size, generation
-_HELLO_MAGIC = b"DCTP"
 _FAILURE_KINDS: tuple[type[DistError], ...] = (DistNetworkError, DistBackendError, DistTimeoutError)
-_POLL_SLICE = 0.5
 _SEND_SLICE = 0.5
 #: collective payloads at least this large wait briefly for their receive (Mailbox.claim)
 _WAIT_FOR_POST_MIN = 64 * 1024
 _WAIT_FOR_POST = 0.25
-
-
-def local_address(store: Store) -> str:
-    """The local address peers can reach: DISTCOMM_SOCKET_IFNAME's, else the store route's.
-
-    Falls back to this host name's address, then 127.0.0.1, for stores without a socket.
-    """
-    ifname = load_config().socket_ifname
-    if ifname:
-        return net.interface_address(ifname)
-    inner = store
-    while inner is not None:
-        address = getattr(inner, "local_address", None)
-        if address:
-            return address
-        inner = getattr(inner, "underlying_store", None)
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def link_timeout(group_timeout: float | None) -> float:
@@ -171,10 +146,8 @@ class TcpTransport(Transport):
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
         if size > 1:
-            # successive groups on the same store keys (re-initialisation) never mix:
-            # every rank joins once per group, so the join count numbers the groups
-            generation = (store.add("tcp/joined", 1) - 1) // size
-            self._connect_mesh(store, generation, deadline)
+            sockets = connect_mesh(store, rank, size, deadline, label, self._key)
+            self._peers = {p: _Peer(p, sock, link_timeout) for p, sock in sockets.items()}
         for peer in self._peers.values():
             peer.thread = threading.Thread(
                 target=self._read_loop,
@@ -188,132 +161,6 @@ class TcpTransport(Transport):
                 target=self._watch_links, daemon=True, name=f"distcomm-links-{rank}"
             )
             self._watcher.start()
-
-    # -- setup -----------------------------------------------------------------------------
-
-    def _connect_mesh(self, store: Store, generation: int, deadline: Deadline) -> None:
-        host = local_address(store)
-        listener = net.listen(
-            host,
-            0,
-            backlog=max(16, self.size),
-            authenticated=self._key is not None,
-            what="the tcp transport",
-        )
-        port = listener.getsockname()[1]
-        store.set(f"tcp/{generation}/{self.rank}", f"{net.format_address(host, port)}")
-        accepted: dict[int, socket.socket] = {}
-        accept_error: list[BaseException] = []
-        acceptor = threading.Thread(
-            target=self._accept_loop,
-            args=(listener, generation, deadline, accepted, accept_error),
-            name=f"distcomm-accept-{self.rank}",
-            daemon=True,
-        )
-        acceptor.start()
-        try:
-            for peer in range(self.rank):
-                sock = self._connect_to(store, peer, generation, deadline)
-                self._peers[peer] = _Peer(peer, sock, self._link_timeout)
-            acceptor.join(deadline.remaining())
-            if acceptor.is_alive() or accept_error:
-                missing = sorted(set(range(self.rank + 1, self.size)) - set(accepted))
-                reason = f": {accept_error[0]}" if accept_error else ""
-                raise DistTimeoutError(
-                    f"{self._label}: rank(s) {', '.join(map(str, missing))} did not connect "
-                    f"within {deadline.seconds:.1f} s{reason} (did every rank call "
-                    "init_process_group/new_group, and can they reach this host?)"
-                )
-            for peer, sock in accepted.items():
-                self._peers[peer] = _Peer(peer, sock, self._link_timeout)
-        except BaseException:
-            listener.close()
-            acceptor.join(1.0)
-            for sock in [p.sock for p in self._peers.values()] + list(accepted.values()):
-                sock.close()
-            self._peers.clear()
-            raise
-        finally:
-            listener.close()
-
-    def _connect_to(
-        self, store: Store, peer: int, generation: int, deadline: Deadline
-    ) -> socket.socket:
-        key = f"tcp/{generation}/{peer}"
-        try:
-            store.wait([key], deadline.remaining())
-        except DistTimeoutError as exc:
-            raise DistTimeoutError(
-                f"{self._label}: rank {peer} did not publish its address within "
-                f"{deadline.seconds:.1f} s (did it call init_process_group/new_group?)"
-            ) from exc
-        address = store.get(key).decode()
-        host, port = net.split_address(address)
-        sock = net.connect(host, int(port), deadline, what=f"rank {peer} at {address}")
-        try:
-            auth.client_handshake(sock, self._key, deadline, f"rank {peer} at {address}")
-            sock.sendall(_HELLO.pack(_HELLO_MAGIC, self.rank, self.size, generation))
-        except (OSError, DistError) as exc:
-            sock.close()
-            raise DistNetworkError(f"{self._label}: connecting to rank {peer}: {exc}") from exc
-        sock.settimeout(None)  # the handshake's read timeout must not outlive it
-        return sock
-
-    def _accept_loop(
-        self,
-        listener: socket.socket,
-        generation: int,
-        deadline: Deadline,
-        accepted: dict[int, socket.socket],
-        errors: list[BaseException],
-    ) -> None:
-        expected = set(range(self.rank + 1, self.size))
-        try:
-            while expected - set(accepted):
-                left = deadline.remaining()
-                if left is not None and left <= 0:
-                    return
-                listener.settimeout(deadline.slice(_POLL_SLICE))
-                try:
-                    sock, _ = listener.accept()
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return  # the listener was closed: setup gave up
-                peer = self._admit(sock, generation, deadline, expected, accepted)
-                if peer is None:
-                    sock.close()
-                else:
-                    accepted[peer] = sock
-        except BaseException as exc:  # reported by the joining thread
-            errors.append(exc)
-
-    def _admit(
-        self,
-        sock: socket.socket,
-        generation: int,
-        deadline: Deadline,
-        expected: set[int],
-        accepted: dict[int, socket.socket],
-    ) -> int | None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        net.set_keepalive(sock)
-        step = Deadline(min(10.0, deadline.remaining() or 10.0))
-        if not auth.server_handshake(sock, self._key, step, "a connecting rank"):
-            return None
-        try:
-            data = net.recv_exact(sock, _HELLO.size, step, "a connecting rank")
-        except DistNetworkError:
-            return None
-        if len(data) != _HELLO.size:
-            return None
-        magic, peer, size, gen = _HELLO.unpack(data)
-        if magic != _HELLO_MAGIC or size != self.size or gen != generation:
-            return None
-        if peer not in expected or peer in accepted:
-            return None
-        sock.settimeout(None)
-        return peer
 
     # -- sending ---------------------------------------------------------------------------
 
