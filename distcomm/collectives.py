@@ -656,11 +656,11 @@ def _monitored_barrier(pg: ProcessGroup, backend: Any, deadline: Any,
         release = backend.recv(token, 0, _BARRIER_RELEASE_TAG)
         try:
             release.wait(grace)
-        except DistTimeoutError:
+        except DistTimeoutError as exc:
             raise DistTimeoutError(
                 f"monitored_barrier on group '{pg.group_name}': group rank 0 (global rank "
                 f"{pg.ranks[0]}) did not release this rank within {grace:.1f} s; is it alive "
-                "and in the barrier?") from None
+                "and in the barrier?") from exc
         return
     arrivals = {peer: backend.recv(token, peer, _BARRIER_ARRIVE_TAG)
                 for peer in range(1, pg.size())}

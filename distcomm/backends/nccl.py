@@ -48,7 +48,13 @@ from typing import Any
 
 from .. import config
 from ..deadline import Deadline
-from ..errors import BackendUnavailableError, DistBackendError, DistError, DistTimeoutError
+from ..errors import (
+    BackendUnavailableError,
+    DistBackendError,
+    DistError,
+    DistTimeoutError,
+    GroupDestroyedError,
+)
 from ..gpu import nccl as nccl_types
 from ..gpu import runtime
 from ..ops import ReduceOp
@@ -173,12 +179,12 @@ class NcclBackend(NcclSupervision, Backend):
     def _store_wait(self, keys: list[str], deadline: Deadline, what: str) -> None:
         try:
             self.store.wait(keys, deadline.remaining())
-        except DistTimeoutError:
+        except DistTimeoutError as exc:
             missing = [k for k in keys if not self.store.check([k])]
             raise DistTimeoutError(
                 f"{self.describe('init')}: timed out after {deadline.seconds:.0f} s waiting "
                 f"for {what} (missing: {', '.join(missing)}); did every rank of the group "
-                "issue the same first GPU operation?") from None
+                "issue the same first GPU operation?") from exc
 
     # -- issuing operations -------------------------------------------------------------------
 
@@ -188,7 +194,7 @@ class NcclBackend(NcclSupervision, Backend):
         keys = [f"sig/{seq}/{r}" for r in range(self.size)]
         try:
             self.store.wait(keys, self.timeout)
-        except DistTimeoutError:
+        except DistTimeoutError as exc:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             error = DistTimeoutError(
                 f"{description}: ranks {missing} did not reach collective #{seq} within "
@@ -196,7 +202,7 @@ class NcclBackend(NcclSupervision, Backend):
                 "is aborted, so a late rank cannot enter NCCL alone")
             self.store.delete_key(f"sig/{seq}/{self.rank}")  # a late rank waits, then fails
             self._fail(error)
-            raise error from None
+            raise error from exc
         if self._abort_notice():  # another rank gave up on this group meanwhile
             self._raise_if_failed(description)
         for peer, value in enumerate(self.store.multi_get(keys)):
@@ -531,8 +537,9 @@ class NcclBackend(NcclSupervision, Backend):
         self._comm = None
         for work in pending:
             try:
-                work.fail(RuntimeError(f"{work.description}: the process group was destroyed "
-                                       "before the operation finished"))
+                work.fail(GroupDestroyedError(
+                    f"{work.description}: the process group was destroyed before the "
+                    "operation finished"))
             except RuntimeError:  # it completed meanwhile
                 pass
         self._failed_works = []

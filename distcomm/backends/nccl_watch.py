@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..deadline import Deadline, to_seconds
-from ..errors import DistBackendError, DistError, DistTimeoutError
+from ..errors import DistBackendError, DistError, DistTimeoutError, GroupDestroyedError
 from ..work import Work
 
 if TYPE_CHECKING:
@@ -152,9 +152,9 @@ class NcclSupervision:
     def _raise_if_failed(self, description: str) -> None:
         failure = self._failure
         if failure is not None:
-            raise type(failure)(f"{description}: the group was aborted: {failure}")
+            raise type(failure)(f"{description}: the group was aborted: {failure}") from failure
         if self._closed:
-            raise RuntimeError(f"{description}: the process group was destroyed")
+            raise GroupDestroyedError(f"{description}: the process group was destroyed")
 
     @contextmanager
     def _launching_as(self, description: str) -> Iterator[None]:
