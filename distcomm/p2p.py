@@ -20,12 +20,34 @@ __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
 class _Posting:
-    """A validated point-to-point operation, ready to post on its backend."""
+    """A validated point-to-point operation, ready to post on its backend.
 
-    __slots__ = ("array", "backend", "post")
+    Args:
+        group: the operation's group.
+        kind: "send" or "recv", for the flight recorder.
+        tensor: the caller's array, which the Work's result holds.
+        array: `tensor` as an array a backend takes.
+        backend: the group's backend for the array's device.
+        peer: the other side's group rank (None: a receive from any rank).
+        issue: posts the operation on `backend`; its Work.
+    """
 
-    def __init__(self, array: Any, backend: Any, post: Callable[[], Work]) -> None:
-        self.array, self.backend, self.post = array, backend, post
+    __slots__ = ("_group", "_issue", "_kind", "_peer", "_tensor", "array", "backend")
+
+    def __init__(self, group: ProcessGroup, kind: str, tensor: Any, array: Any, backend: Any,
+                 peer: int | None, issue: Callable[[], Work]) -> None:
+        self._group, self._kind, self._tensor, self._peer = group, kind, tensor, peer
+        self.array, self.backend, self._issue = array, backend, issue
+
+    def post(self) -> Work:
+        """Record the operation in the group's flight recorder and post it; its Work."""
+        trace = self._group._trace
+        entry = trace.record_p2p(self._kind, self.array, -1 if self._peer is None else self._peer)
+        work = self._issue()
+        trace.settle_later(entry, work)
+        work.global_ranks = self._group.ranks
+        work.set_outputs([self._tensor])
+        return work
 
 
 def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
@@ -39,16 +61,8 @@ def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
     if peer == pg.rank():
         raise ValueError(f"isend: dst {pg.ranks[peer]} is this process itself; send to "
                          "another rank")
-
-    def post() -> Work:
-        entry = pg._trace.record_p2p("send", array, peer)
-        work = backend.send(flat(array), peer, tag)
-        pg._trace.settle_later(entry, work)
-        work.global_ranks = pg.ranks
-        work.set_outputs([tensor])
-        return work
-
-    return _Posting(array, backend, post)
+    return _Posting(pg, "send", tensor, array, backend, peer,
+                    lambda: backend.send(flat(array), peer, tag))
 
 
 def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: int,
@@ -64,16 +78,8 @@ def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: in
         if peer == pg.rank():
             raise ValueError(f"irecv: src {pg.ranks[peer]} is this process itself; receive "
                              "from another rank")
-
-    def post() -> Work:
-        entry = pg._trace.record_p2p("recv", array, -1 if peer is None else peer)
-        work = backend.recv(flat(array), peer, tag)
-        pg._trace.settle_later(entry, work)
-        work.global_ranks = pg.ranks
-        work.set_outputs([tensor])
-        return work
-
-    return _Posting(array, backend, post)
+    return _Posting(pg, "recv", tensor, array, backend, peer,
+                    lambda: backend.recv(flat(array), peer, tag))
 
 
 def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
