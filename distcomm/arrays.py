@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from .gpu.runtime import import_cupy, is_cupy_array
+
 __all__ = [
     "DTYPES",
     "adapt",
@@ -33,13 +35,9 @@ _DLPACK_CPU = 1
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 
-def _is_cupy(obj: Any) -> bool:
-    return type(obj).__module__.split(".", 1)[0] == "cupy" and hasattr(obj, "data")
-
-
 def device_of(array: Any) -> str:
     """'cpu' for numpy arrays, 'cuda' for CuPy arrays."""
-    return "cuda" if _is_cupy(array) else "cpu"
+    return "cuda" if is_cupy_array(array) else "cpu"
 
 
 def dtype_code(dtype: np.dtype) -> int:
@@ -63,8 +61,8 @@ def _from_dlpack(obj: Any, where: str, name: str) -> Any:
     if device_type == _DLPACK_CPU:
         return np.from_dlpack(obj)
     if device_type in _DLPACK_CUDA:
-        import cupy  # only reached for CUDA DLPack producers, which need CuPy anyway
-
+        # only reached for CUDA DLPack producers, which need CuPy anyway
+        cupy = import_cupy(f"{where}: {name} (a CUDA DLPack array)", need_device=False)
         return cupy.from_dlpack(obj)
     raise TypeError(
         f"{where}: {name} lives on DLPack device type {device_type}; distcomm takes CPU "
@@ -87,7 +85,7 @@ def adapt(obj: Any, where: str, name: str, *, writable: bool) -> Any:
         TypeError: not an array, or an unsupported dtype.
         ValueError: not C-contiguous, read-only where written, or not in native byte order.
     """
-    if isinstance(obj, np.ndarray) or _is_cupy(obj):
+    if isinstance(obj, np.ndarray) or is_cupy_array(obj):
         array = obj
     elif hasattr(obj, "__dlpack__"):
         array = _from_dlpack(obj, where, name)

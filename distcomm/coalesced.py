@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._calls import finish, premultiplied, split_into
 from .arrays import adapt, check_same, concatenate, empty
-from .collectives import _finish, _premultiplied, _split_into
 from .group import ProcessGroup, outside, resolve
 from .ops import ReduceOp, check_reduce_op
 from .work import Work
@@ -45,11 +45,11 @@ def all_reduce_coalesced(tensors: list[Any], op: ReduceOp = ReduceOp.SUM,
     backend = pg.backend_for(arrays[0], where)
     joined = concatenate(arrays, arrays[0])
     entry = pg._trace.record(where, joined, -1, op)
-    plain, joined = _premultiplied(op, joined, in_place=True)  # joined is our own copy
+    plain, joined = premultiplied(op, joined, in_place=True)  # joined is our own copy
     inner = backend.all_reduce(joined, plain, async_op=async_op)
     outputs = list(tensors)
-    return _finish(pg._trace, entry, inner.chain(_split_into(arrays, joined), outputs),
-                   async_op)
+    return finish(pg._trace, entry, inner.chain(split_into(arrays, joined), outputs),
+                  async_op)
 
 
 def all_gather_coalesced(output_tensor_lists: list[list[Any]], input_tensor_list: list[Any],
@@ -88,5 +88,5 @@ def all_gather_coalesced(output_tensor_lists: list[list[Any]], input_tensor_list
     entry = pg._trace.record(where, joined)
     inner = backend.all_gather(gathered, joined, async_op=async_op)
     results = [t for row in output_tensor_lists for t in row]
-    return _finish(pg._trace, entry, inner.chain(_split_into(outputs, gathered), results),
-                   async_op)
+    return finish(pg._trace, entry, inner.chain(split_into(outputs, gathered), results),
+                  async_op)

@@ -1,26 +1,28 @@
-"""Public point-to-point and collective functions: validate, then dispatch to the group's backend.
+"""Public collective functions: validate, then dispatch to the group's backend.
 
 Signatures, defaults and semantics follow torch.distributed with arrays in place of
-tensors. Roots and peers are global ranks (`src`, `dst`, `peer`) or ranks within the
-group (`group_src`, `group_dst`, `group_peer`). List-shaped variants are built here
-on the backend's single-array primitives.
+tensors. Roots are global ranks (`src`, `dst`) or ranks within the group (`group_src`,
+`group_dst`). List-shaped variants are built here on the backend's single-array
+primitives. The point-to-point functions live in `distcomm.p2p` and are importable from
+here too.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from ._calls import array_list, finish, output_list, premultiplied, rank_arg, same_size, split_into
 from .arrays import adapt, check_same, concatenate, empty, flat
 from .deadline import to_seconds
 from .errors import DistTimeoutError
 from .group import ProcessGroup, outside, resolve
-from .ops import PremulSum, ReduceOp, check_reduce_op
-from .trace.recorder import NO_ARRAY, Recorder
+from .ops import ReduceOp, check_reduce_op
+from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .trace.recorder import NO_ARRAY
 from .work import Work
 
 __all__ = [
@@ -50,257 +52,6 @@ __all__ = [
 #: tags reserved for monitored_barrier; user tags are >= 0
 _BARRIER_ARRIVE_TAG = -1
 _BARRIER_RELEASE_TAG = -2
-_MAX_TAG = 2**62
-
-
-# -- argument helpers -------------------------------------------------------------------------
-
-def _rank_arg(group: ProcessGroup, global_rank: int | None, group_rank: int | None,
-              where: str, name: str, default: int | None = None) -> int:
-    """The group rank meant by `name` (a global rank) or `group_name` (a group rank)."""
-    if global_rank is not None and group_rank is not None:
-        raise ValueError(f"{where}: pass {name} (a global rank) or group_{name} (a rank "
-                         "within the group), not both")
-    if global_rank is None and group_rank is None:
-        if default is None:
-            raise ValueError(f"{where}: {name} is required: pass {name} (a global rank) or "
-                             f"group_{name} (a rank within the group)")
-        global_rank = default
-    value = group_rank if group_rank is not None else global_rank
-    label = f"group_{name}" if group_rank is not None else name
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: {label} must be an int, got {value!r}")
-    value = int(value)
-    if group_rank is not None:
-        if not 0 <= value < group.size():
-            raise ValueError(f"{where}: group_{name}={value} is out of range for group "
-                             f"'{group.group_name}' of size {group.size()}")
-        return value
-    ranks = group.ranks
-    if len(ranks) > value >= 0 and ranks[value] == value and ranks[-1] == len(ranks) - 1:
-        return value  # a group of ranks 0..n-1 (the world): global rank == group rank
-    if value not in ranks:
-        raise ValueError(f"{where}: {name}={value} is not a member of group "
-                         f"'{group.group_name}' (members: {ranks})")
-    return ranks.index(value)
-
-
-def _tag(tag: int, where: str) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not (
-            0 <= tag < _MAX_TAG):
-        raise ValueError(f"{where}: tag must be an int from 0 to 2**62 - 1, got {tag!r}")
-    return int(tag)
-
-
-def _list(value: Any, where: str, name: str, length: int) -> list[Any]:
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{where}: {name} must be a list of arrays, got {type(value).__name__}")
-    if len(value) != length:
-        raise ValueError(f"{where}: {name} must hold one array per rank of the group "
-                         f"({length}), got {len(value)}")
-    return list(value)
-
-
-def _same_size(arrays: Sequence[Any], size: int, where: str, name: str) -> None:
-    for i, array in enumerate(arrays):
-        if array.size != size:
-            raise ValueError(f"{where}: {name}[{i}] has {array.size} elements but must have "
-                             f"{size}, like the input array")
-
-
-def _output_list(arrays: Any, input: Any, n: int, where: str, name: str) -> list[Any]:
-    """Validate a list of `n` writable output arrays shaped like `input` (same dtype, size)."""
-    outputs = [adapt(t, where, f"{name}[{i}]", writable=True)
-               for i, t in enumerate(_list(arrays, where, name, n))]
-    check_same([input, *outputs], where, f"{name} and the input array")
-    _same_size(outputs, input.size, where, name)
-    return outputs
-
-
-def _split_into(outputs: list[Any], joined: np.ndarray) -> Callable[[], None]:
-    """A finalizer copying consecutive pieces of `joined` into each of `outputs`."""
-
-    def copy_out() -> None:
-        at = 0
-        for out in outputs:
-            flat(out)[...] = joined[at:at + out.size]
-            at += out.size
-
-    return copy_out
-
-
-def _premultiplied(op: ReduceOp | PremulSum, array: Any, in_place: bool
-                   ) -> tuple[ReduceOp, Any]:
-    """The (op, array) a backend runs: for `ReduceOp.PREMUL_SUM(f)`, SUM over `array` x f
-    (scaled in place, or a scaled copy when the array is an input the caller keeps); any
-    other op and the array unchanged."""
-    if not isinstance(op, PremulSum):
-        return op, array
-    if in_place:
-        array *= op.factor
-        return ReduceOp.SUM, array
-    return ReduceOp.SUM, array * op.factor
-
-
-def _finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,
-            outputs: list[Any] | None = None) -> Work | None:
-    """Wait for `work` unless `async_op`; settle its flight-recorder `entry` either way."""
-    if outputs is not None:
-        work.set_outputs(outputs)  # the caller's arrays, not the flat views the backend saw
-    if async_op:
-        trace.settle_later(entry, work)
-        return work
-    try:
-        work.wait()
-    except BaseException as exc:
-        trace.settle(entry, exc)
-        raise
-    if entry is not None:
-        if work.finished_on_wait:  # trace.settle(entry) without an end time, inlined:
-            trace.done[entry % trace.size] = entry  # this is every op's path
-        else:  # the op may still run on the device: settled when it completes there
-            trace.settle_later(entry, work)
-    return None
-
-
-# -- point to point ---------------------------------------------------------------------------
-
-class _Posting:
-    """A validated point-to-point operation, ready to post on its backend."""
-
-    __slots__ = ("array", "backend", "post")
-
-    def __init__(self, array: Any, backend: Any, post: Callable[[], Work]) -> None:
-        self.array, self.backend, self.post = array, backend, post
-
-
-def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
-             group_dst: int | None) -> _Posting:
-    """Validate an isend (its messages say "isend")."""
-    pg = resolve(group, "isend")
-    tag = _tag(tag, "isend")
-    array = adapt(tensor, "isend", "tensor", writable=False)
-    peer = _rank_arg(pg, dst, group_dst, "isend", "dst")
-    backend = pg.backend_for(array, "isend")
-    if peer == pg.rank():
-        raise ValueError(f"isend: dst {pg.ranks[peer]} is this process itself; send to "
-                         "another rank")
-
-    def post() -> Work:
-        entry = pg._trace.record_p2p("send", array, peer)
-        work = backend.send(flat(array), peer, tag)
-        pg._trace.settle_later(entry, work)
-        work.global_ranks = pg.ranks
-        work.set_outputs([tensor])
-        return work
-
-    return _Posting(array, backend, post)
-
-
-def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: int,
-               group_src: int | None) -> _Posting:
-    """Validate an irecv (its messages say "irecv")."""
-    pg = resolve(group, "irecv")
-    tag = _tag(tag, "irecv")
-    array = adapt(tensor, "irecv", "tensor", writable=True)
-    backend = pg.backend_for(array, "irecv")
-    peer = None
-    if src is not None or group_src is not None:
-        peer = _rank_arg(pg, src, group_src, "irecv", "src")
-        if peer == pg.rank():
-            raise ValueError(f"irecv: src {pg.ranks[peer]} is this process itself; receive "
-                             "from another rank")
-
-    def post() -> Work:
-        entry = pg._trace.record_p2p("recv", array, -1 if peer is None else peer)
-        work = backend.recv(flat(array), peer, tag)
-        pg._trace.settle_later(entry, work)
-        work.global_ranks = pg.ranks
-        work.set_outputs([tensor])
-        return work
-
-    return _Posting(array, backend, post)
-
-
-def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_dst: int | None = None) -> Work:
-    """Send `tensor` to `dst` without blocking; returns the Work to wait on (None on a
-    rank outside `group`)."""
-    if outside(group, "isend"):
-        return None
-    return _sending(tensor, dst, group, tag, group_dst).post()
-
-
-def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_src: int | None = None) -> Work:
-    """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells
-    (None on a rank outside `group`)."""
-    if outside(group, "irecv"):
-        return None
-    return _receiving(tensor, src, group, tag, group_src).post()
-
-
-def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-         group_dst: int | None = None) -> None:
-    """Send `tensor` to `dst`, blocking until it is handed to the transport."""
-    if outside(group, "isend"):  # torch's send is an isend, and warns so
-        return
-    _sending(tensor, dst, group, tag, group_dst).post().wait()
-
-
-def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-         group_src: int | None = None) -> int:
-    """Receive into `tensor` from `src` (None: any rank); returns the sender's global rank
-    (-1 on a rank outside `group`)."""
-    if outside(group, "irecv"):  # torch's recv is an irecv, and warns so
-        return -1
-    work = _receiving(tensor, src, group, tag, group_src).post()
-    work.wait()
-    return work.source_rank()
-
-
-class P2POp:
-    """One point-to-point operation for `batch_isend_irecv` (torch.distributed.P2POp).
-
-    Args:
-        op: `distcomm.isend` or `distcomm.irecv`.
-        tensor: the array to send or receive into.
-        peer: the other side's global rank (or `group_peer`, its rank within `group`).
-    """
-
-    def __init__(self, op: Callable[..., Work], tensor: Any, peer: int | None = None,
-                 group: ProcessGroup | None = None, tag: int = 0,
-                 group_peer: int | None = None) -> None:
-        if op not in (isend, irecv):
-            raise ValueError("P2POp: op must be distcomm.isend or distcomm.irecv, got "
-                             f"{getattr(op, '__name__', op)!r}")
-        if peer is None and group_peer is None:
-            raise ValueError("P2POp: peer (a global rank) or group_peer is required")
-        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
-        self.tag, self.group_peer = tag, group_peer
-
-    def __repr__(self) -> str:
-        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
-
-
-def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
-    """Post every operation of the list in order; returns their Works.
-
-    On a backend that groups operations (nccl), the list is issued as one group, so
-    sends and receives between the same ranks cannot block one another.
-    """
-    if not isinstance(p2p_op_list, (list, tuple)) or not all(
-            isinstance(p, P2POp) for p in p2p_op_list):
-        raise TypeError("batch_isend_irecv: p2p_op_list must be a list of P2POp")
-    if not p2p_op_list:
-        raise ValueError("batch_isend_irecv: p2p_op_list must not be empty")
-    postings = [(_sending if p.op is isend else _receiving)(p.tensor, p.peer, p.group, p.tag,
-                                                            p.group_peer)
-                for p in p2p_op_list]
-    first = postings[0]
-    together = all(p.backend is first.backend for p in postings)
-    with first.backend.coalesce(first.array) if together else nullcontext():
-        return [p.post() for p in postings]
 
 
 # -- collectives ----------------------------------------------------------------------------
@@ -313,10 +64,10 @@ def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = 
     pg = resolve(group, "broadcast")
     array = adapt(tensor, "broadcast", "tensor", writable=True)
     backend = pg.backend_for(array, "broadcast")
-    root = _rank_arg(pg, src, group_src, "broadcast", "src")
-    return _finish(pg._trace, pg._trace.record("broadcast", array, root),
-                   backend.broadcast(flat(array), root, async_op=async_op), async_op,
-                   [tensor])
+    root = rank_arg(pg, src, group_src, "broadcast", "src")
+    return finish(pg._trace, pg._trace.record("broadcast", array, root),
+                  backend.broadcast(flat(array), root, async_op=async_op), async_op,
+                  [tensor])
 
 
 def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
@@ -329,9 +80,9 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     backend = pg.backend_for(array, "all_reduce")
     op = check_reduce_op(op, array.dtype, "all_reduce")
     entry = pg._trace.record("all_reduce", array, -1, op)
-    plain, array = _premultiplied(op, array, in_place=True)
-    return _finish(pg._trace, entry, backend.all_reduce(flat(array), plain, async_op=async_op),
-                   async_op, [tensor])
+    plain, array = premultiplied(op, array, in_place=True)
+    return finish(pg._trace, entry, backend.all_reduce(flat(array), plain, async_op=async_op),
+                  async_op, [tensor])
 
 
 def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
@@ -343,14 +94,14 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
     pg = resolve(group, "reduce")
     array = adapt(tensor, "reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "reduce")
-    root = _rank_arg(pg, dst, group_dst, "reduce", "dst", default=0)
+    root = rank_arg(pg, dst, group_dst, "reduce", "dst", default=0)
     op = check_reduce_op(op, array.dtype, "reduce")
     entry = pg._trace.record("reduce", array, root, op)
-    plain, scaled = _premultiplied(op, array, in_place=False)  # non-roots keep their input
+    plain, scaled = premultiplied(op, array, in_place=False)  # non-roots keep their input
     work = backend.reduce(flat(scaled), root, plain, async_op=async_op)
     if scaled is not array and pg.rank() == root:
-        work = work.chain(_split_into([array], flat(scaled)), [tensor])
-    return _finish(pg._trace, entry, work, async_op, [tensor])
+        work = work.chain(split_into([array], flat(scaled)), [tensor])
+    return finish(pg._trace, entry, work, async_op, [tensor])
 
 
 def all_gather_single(output_tensor: Any, input_tensor: Any,
@@ -372,9 +123,9 @@ def all_gather_single(output_tensor: Any, input_tensor: Any,
         raise ValueError(f"{where}: output_tensor must have group size x input elements "
                          f"({pg.size()} x {input.size} = {pg.size() * input.size}), "
                          f"got {output.size}")
-    return _finish(pg._trace, pg._trace.record(where, input),
-                   backend.all_gather(flat(output), flat(input), async_op=async_op), async_op,
-                   [output_tensor])
+    return finish(pg._trace, pg._trace.record(where, input),
+                  backend.all_gather(flat(output), flat(input), async_op=async_op), async_op,
+                  [output_tensor])
 
 
 def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None = None,
@@ -384,12 +135,12 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
         return None
     pg = resolve(group, "all_gather")
     input = adapt(tensor, "all_gather", "tensor", writable=False)
-    outputs = _output_list(tensor_list, input, pg.size(), "all_gather", "tensor_list")
+    outputs = output_list(tensor_list, input, pg.size(), "all_gather", "tensor_list")
     backend = pg.backend_for(input, "all_gather")
     gathered = empty(pg.size() * input.size, input)
     entry = pg._trace.record("all_gather", input)
     inner = backend.all_gather(gathered, flat(input), async_op=async_op)
-    return _finish(pg._trace, entry, inner.chain(_split_into(outputs, gathered), outputs), async_op)
+    return finish(pg._trace, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
 
 
 def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
@@ -401,20 +152,20 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     pg = resolve(group, "gather")
     input = adapt(tensor, "gather", "tensor", writable=False)
     backend = pg.backend_for(input, "gather")
-    root = _rank_arg(pg, dst, group_dst, "gather", "dst", default=0)
+    root = rank_arg(pg, dst, group_dst, "gather", "dst", default=0)
     if pg.rank() != root:
         if gather_list:
             raise ValueError("gather: gather_list must be None (or empty) on ranks other "
                              "than dst")
-        return _finish(pg._trace, pg._trace.record("gather", input, root),
-                       backend.gather(None, flat(input), root, async_op=async_op), async_op, [])
+        return finish(pg._trace, pg._trace.record("gather", input, root),
+                      backend.gather(None, flat(input), root, async_op=async_op), async_op, [])
     if gather_list is None:
         raise ValueError("gather: gather_list is required on dst: one array per rank")
-    outputs = _output_list(gather_list, input, pg.size(), "gather", "gather_list")
+    outputs = output_list(gather_list, input, pg.size(), "gather", "gather_list")
     gathered = empty(pg.size() * input.size, input)
     entry = pg._trace.record("gather", input, root)
     inner = backend.gather(gathered, flat(input), root, async_op=async_op)
-    return _finish(pg._trace, entry, inner.chain(_split_into(outputs, gathered), outputs), async_op)
+    return finish(pg._trace, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
 
 
 def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
@@ -426,24 +177,24 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
     pg = resolve(group, "scatter")
     output = adapt(tensor, "scatter", "tensor", writable=True)
     backend = pg.backend_for(output, "scatter")
-    root = _rank_arg(pg, src, group_src, "scatter", "src", default=0)
+    root = rank_arg(pg, src, group_src, "scatter", "src", default=0)
     if pg.rank() != root:
         if scatter_list:
             raise ValueError("scatter: scatter_list must be None (or empty) on ranks other "
                              "than src")
-        return _finish(pg._trace, pg._trace.record("scatter", output, root),
-                       backend.scatter(flat(output), None, root, async_op=async_op), async_op,
-                       [tensor])
+        return finish(pg._trace, pg._trace.record("scatter", output, root),
+                      backend.scatter(flat(output), None, root, async_op=async_op), async_op,
+                      [tensor])
     if scatter_list is None:
         raise ValueError("scatter: scatter_list is required on src: one array per rank")
     inputs = [adapt(t, "scatter", f"scatter_list[{i}]", writable=False)
-              for i, t in enumerate(_list(scatter_list, "scatter", "scatter_list", pg.size()))]
+              for i, t in enumerate(array_list(scatter_list, "scatter", "scatter_list", pg.size()))]
     check_same([output, *inputs], "scatter", "scatter_list and tensor")
-    _same_size(inputs, output.size, "scatter", "scatter_list")
+    same_size(inputs, output.size, "scatter", "scatter_list")
     joined = concatenate(inputs, output)
-    return _finish(pg._trace, pg._trace.record("scatter", output, root),
-                   backend.scatter(flat(output), joined, root, async_op=async_op), async_op,
-                   [tensor])
+    return finish(pg._trace, pg._trace.record("scatter", output, root),
+                  backend.scatter(flat(output), joined, root, async_op=async_op), async_op,
+                  [tensor])
 
 
 def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
@@ -464,10 +215,10 @@ def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
                          f"({pg.size()} x {out.size} = {pg.size() * out.size}), "
                          f"got {inp.size}")
     entry = pg._trace.record(where, out, -1, op)
-    plain, inp = _premultiplied(op, inp, in_place=False)
-    return _finish(pg._trace, entry,
-                   backend.reduce_scatter(flat(out), flat(inp), plain, async_op=async_op),
-                   async_op, [output])
+    plain, inp = premultiplied(op, inp, in_place=False)
+    return finish(pg._trace, entry,
+                  backend.reduce_scatter(flat(out), flat(inp), plain, async_op=async_op),
+                  async_op, [output])
 
 
 def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.SUM,
@@ -478,18 +229,18 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     pg = resolve(group, "reduce_scatter")
     out = adapt(output, "reduce_scatter", "output", writable=True)
     inputs = [adapt(t, "reduce_scatter", f"input_list[{i}]", writable=False)
-              for i, t in enumerate(_list(input_list, "reduce_scatter", "input_list",
-                                          pg.size()))]
+              for i, t in enumerate(array_list(input_list, "reduce_scatter", "input_list",
+                                               pg.size()))]
     check_same([out, *inputs], "reduce_scatter", "input_list and output")
-    _same_size(inputs, out.size, "reduce_scatter", "input_list")
+    same_size(inputs, out.size, "reduce_scatter", "input_list")
     backend = pg.backend_for(out, "reduce_scatter")
     op = check_reduce_op(op, out.dtype, "reduce_scatter")
     joined = concatenate(inputs, out)
     entry = pg._trace.record("reduce_scatter", out, -1, op)
-    plain, joined = _premultiplied(op, joined, in_place=True)  # joined is our own copy
-    return _finish(pg._trace, entry,
-                   backend.reduce_scatter(flat(out), joined, plain, async_op=async_op),
-                   async_op, [output])
+    plain, joined = premultiplied(op, joined, in_place=True)  # joined is our own copy
+    return finish(pg._trace, entry,
+                  backend.reduce_scatter(flat(out), joined, plain, async_op=async_op),
+                  async_op, [output])
 
 
 def all_gather_into_tensor(output_tensor: Any, input_tensor: Any,
@@ -548,8 +299,8 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
     n = pg.size()
     out_splits = _splits(output_split_sizes, out, n, where, "output_split_sizes")
     in_splits = _splits(input_split_sizes, inp, n, where, "input_split_sizes")
-    return _finish(pg._trace, pg._trace.record(where, inp),
-                   backend.all_to_all(flat(out), flat(inp), out_splits, in_splits,
+    return finish(pg._trace, pg._trace.record(where, inp),
+                  backend.all_to_all(flat(out), flat(inp), out_splits, in_splits,
                                       async_op=async_op), async_op, [output])
 
 
@@ -561,11 +312,11 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
     pg = resolve(group, "all_to_all")
     n = pg.size()
     outputs = [adapt(t, "all_to_all", f"output_tensor_list[{i}]", writable=True)
-               for i, t in enumerate(_list(output_tensor_list, "all_to_all",
-                                           "output_tensor_list", n))]
+               for i, t in enumerate(array_list(output_tensor_list, "all_to_all",
+                                                "output_tensor_list", n))]
     inputs = [adapt(t, "all_to_all", f"input_tensor_list[{i}]", writable=False)
-              for i, t in enumerate(_list(input_tensor_list, "all_to_all",
-                                          "input_tensor_list", n))]
+              for i, t in enumerate(array_list(input_tensor_list, "all_to_all",
+                                               "input_tensor_list", n))]
     check_same([*outputs, *inputs], "all_to_all", "output_tensor_list and input_tensor_list")
     backend = pg.backend_for(inputs[0], "all_to_all")
     joined = concatenate(inputs, inputs[0])
@@ -573,7 +324,7 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
     entry = pg._trace.record("all_to_all", inputs[0])
     inner = backend.all_to_all(received, joined, [t.size for t in outputs],
                                [t.size for t in inputs], async_op=async_op)
-    return _finish(pg._trace, entry, inner.chain(_split_into(outputs, received), outputs), async_op)
+    return finish(pg._trace, entry, inner.chain(split_into(outputs, received), outputs), async_op)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
@@ -597,7 +348,7 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
         backend = pg.default_backend("barrier")
         work = backend.barrier(async_op=async_op or bool(seconds))
     if async_op or not seconds:
-        return _finish(pg._trace, entry, work, async_op)
+        return finish(pg._trace, entry, work, async_op)
     try:
         work.wait(seconds)
     except BaseException as exc:
@@ -656,11 +407,11 @@ def _monitored_barrier(pg: ProcessGroup, backend: Any, deadline: Any,
         release = backend.recv(token, 0, _BARRIER_RELEASE_TAG)
         try:
             release.wait(grace)
-        except DistTimeoutError:
+        except DistTimeoutError as exc:
             raise DistTimeoutError(
                 f"monitored_barrier on group '{pg.group_name}': group rank 0 (global rank "
                 f"{pg.ranks[0]}) did not release this rank within {grace:.1f} s; is it alive "
-                "and in the barrier?") from None
+                "and in the barrier?") from exc
         return
     arrivals = {peer: backend.recv(token, peer, _BARRIER_ARRIVE_TAG)
                 for peer in range(1, pg.size())}

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import collectives as c
+from ._calls import rank_arg
 from .group import ProcessGroup, outside, resolve
 
 __all__ = [
@@ -61,7 +62,7 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
         return None
     pg = resolve(group, "broadcast_object_list")
     _check_list(object_list, "broadcast_object_list", "object_list")
-    root = c._rank_arg(pg, src, group_src, "broadcast_object_list", "src", default=0)
+    root = rank_arg(pg, src, group_src, "broadcast_object_list", "src", default=0)
     sizes = np.zeros(len(object_list), dtype=np.int64)
     if pg.rank() == root:
         pieces = [_dump(obj) for obj in object_list]
@@ -103,7 +104,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None,
     if outside(group, "gather_object"):
         return None
     pg = resolve(group, "gather_object")
-    root = c._rank_arg(pg, dst, group_dst, "gather_object", "dst", default=0)
+    root = rank_arg(pg, dst, group_dst, "gather_object", "dst", default=0)
     n = pg.size()
     if pg.rank() == root:
         if object_gather_list is None or len(_check_list(
@@ -135,7 +136,7 @@ def scatter_object_list(scatter_object_output_list: list[Any],
     if not out:
         raise ValueError("scatter_object_list: scatter_object_output_list must have at least "
                          "one slot (the result goes in slot 0)")
-    root = c._rank_arg(pg, src, group_src, "scatter_object_list", "src", default=0)
+    root = rank_arg(pg, src, group_src, "scatter_object_list", "src", default=0)
     n = pg.size()
     sizes = np.zeros(n, dtype=np.int64)
     pieces: list[np.ndarray] = []

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from .errors import GroupDestroyedError
 from .group import (
     ProcessGroup,
     _is_sentinel,
@@ -37,7 +38,7 @@ def _parent(group: ProcessGroup | None, where: str) -> ProcessGroup:
         raise ValueError(f"{where}: this process (global rank {world.rank()}) is not a member "
                          f"of the group {parent!r}; only its members call {where}")
     if not parent._backends:
-        raise ValueError(f"{where}: group '{parent.group_name}' was destroyed")
+        raise GroupDestroyedError(f"{where}: group '{parent.group_name}' was destroyed")
     return parent
 
 

@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from .deadline import to_seconds
+from .errors import DistTimeoutError
 
 __all__ = ["Future", "Work"]
 
@@ -43,14 +44,26 @@ class Future:
         """Whether a result or an error has been set."""
         return self._done.is_set()
 
+    def exception(self) -> BaseException | None:
+        """The error the future completed with; None if it succeeded or is not done yet."""
+        return self._error if self._done.is_set() else None
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until done, up to `timeout` seconds (None: no limit); whether it is done.
+
+        Unlike `wait()` it neither raises the error nor returns the value.
+        """
+        return self._done.wait(timeout)
+
     def wait(self, timeout: float | timedelta | None = None) -> Any:
         """Block until done and return the value (raise the error), up to `timeout`.
 
         Raises:
-            TimeoutError: not done within `timeout`.
+            DistTimeoutError: not done within `timeout` (also a `TimeoutError`).
         """
-        if not self._done.wait(to_seconds(timeout)):
-            raise TimeoutError(f"future not completed within {to_seconds(timeout)} s")
+        seconds = to_seconds(timeout)
+        if not self._done.wait(seconds):
+            raise DistTimeoutError(f"future not completed within {seconds} s")
         return self.value()
 
     def value(self) -> Any:
@@ -176,13 +189,11 @@ class Work:
         seconds = to_seconds(timeout)
         if not seconds:  # None or 0: no explicit timeout, as in torch
             seconds = self._default_timeout
-        if not self._future._done.wait(seconds):
+        if not self._future.wait_done(seconds):
             if self._on_timeout is None:
-                from .errors import DistTimeoutError
-
                 raise DistTimeoutError(f"{self.description} did not complete within {seconds} s")
             error = self._on_timeout(seconds)
-            if not self._future._done.wait(0) or self._future._error is not None:
+            if not self._future.done() or self._future.exception() is not None:
                 raise error
         self._future.value()
         return True
@@ -199,11 +210,11 @@ class Work:
         """
         if not self._future.done():
             raise RuntimeError(f"{self.description} has not completed yet; call wait() first")
-        return self._future._error is None
+        return self._future.exception() is None
 
     def exception(self) -> BaseException | None:
         """The error the operation failed with, or None."""
-        return self._future._error if self._future.done() else None
+        return self._future.exception()
 
     def get_future(self) -> Future:
         """A Future whose value is the list of output arrays."""
@@ -228,10 +239,9 @@ class Work:
         """A Future completed with torch's WorkResult code once the operation finished:
         0 (SUCCESS), 1 (TIMEOUT: it, or the abort of its group that failed it, timed out)
         or 2 (COMM_ERROR: any other failure); it never completes with an error."""
-        from .errors import DistTimeoutError
 
         def code(future: Future) -> int:
-            error = future._error
+            error = future.exception()
             if error is None:
                 return WORK_SUCCESS
             return WORK_TIMEOUT if isinstance(error, DistTimeoutError) else WORK_COMM_ERROR
@@ -246,8 +256,9 @@ class Work:
                      timeout=self._default_timeout)
 
         def done(future: Future) -> None:
-            if future._error is not None:
-                outer.fail(future._error)
+            error = future.exception()
+            if error is not None:
+                outer.fail(error)
                 return
             try:
                 finalize()
@@ -268,5 +279,5 @@ class Work:
     def __repr__(self) -> str:
         state = "pending"
         if self._future.done():
-            state = "ok" if self._future._error is None else "failed"
+            state = "ok" if self._future.exception() is None else "failed"
         return f"<Work {self.description} [{state}]>"

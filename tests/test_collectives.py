@@ -20,6 +20,7 @@ import pytest
 import distcomm as dist
 from distcomm.arrays import DTYPES
 from distcomm.ops import ReduceOp
+from distcomm.work import Future
 
 ALL_DTYPES = [str(d) for d in DTYPES]
 INT_DTYPES = [d for d in ALL_DTYPES if d == "bool" or d.startswith(("int", "uint"))]
@@ -141,6 +142,19 @@ def _all_reduce_async() -> None:
 
 def test_all_reduce_async(world):
     world.run(_all_reduce_async)
+
+
+def test_future_timeout_is_a_dist_timeout_error_and_its_state_is_public():
+    future = Future()
+    assert not future.done() and future.exception() is None
+    assert future.wait_done(0.01) is False
+    with pytest.raises(dist.DistTimeoutError, match=r"within 0\.01 s") as info:
+        future.wait(0.01)
+    assert isinstance(info.value, TimeoutError)
+    error = ValueError("boom")
+    future.set_exception(error)
+    assert future.done() and future.wait_done(0) and future.exception() is error
+    assert Future.completed([1]).exception() is None
 
 
 def _broadcast(dtype: str) -> None:

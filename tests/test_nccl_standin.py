@@ -703,10 +703,12 @@ def test_abort_fails_pending_and_later_operations(cuda, make_cluster):
 
 
 def _after_shutdown(me: Rank) -> None:
-    with pytest.raises(RuntimeError, match="destroyed"):
+    with pytest.raises(RuntimeError, match="destroyed") as info:
         me.backend.all_reduce(me.cp.ones(1, me.cp.float32), SUM)
-    with pytest.raises(RuntimeError, match="destroyed"):
+    assert isinstance(info.value, dist.GroupDestroyedError)
+    with pytest.raises(RuntimeError, match="destroyed") as info:
         me.backend.barrier()
+    assert isinstance(info.value, dist.GroupDestroyedError)
 
 
 @pytest.mark.timeout(60)
@@ -733,6 +735,9 @@ def test_shutdown_with_hung_work_aborts(cuda, make_cluster):
     for _, work in issued:
         assert isinstance(work.exception(), RuntimeError)
         assert "destroy" in str(work.exception()) or "within" in str(work.exception())
+        expected = (dist.GroupDestroyedError if "was destroyed" in str(work.exception())
+                    else DistTimeoutError)
+        assert isinstance(work.exception(), expected), repr(work.exception())
     assert all(c.aborted for c in cuda.communicators())
 
 

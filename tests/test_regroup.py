@@ -71,6 +71,10 @@ def _bad_shrinks() -> None:
             (([1], None, 7), ValueError, "SHRINK_DEFAULT")]:
         with pytest.raises(error, match=words):
             dist.shrink_group(*args)
+    pair = dist.new_group([0, 1])
+    dist.destroy_process_group(pair)
+    with pytest.raises(dist.GroupDestroyedError, match="was destroyed"):
+        dist.shrink_group([1], group=pair)
 
 
 def test_bad_shrink_arguments_are_refused_before_anything_changes():

@@ -17,7 +17,8 @@ the timeout expires aborts the communicator (ncclCommAbort) and raises
 `DistTimeoutError` naming the op and its sequence number. `barrier()` blocks the host.
 Arrays an operation uses are kept alive by its Work until the event has passed.
 
-Watchdog (`nccl_watch.py`, with the Work): while operations are pending, a thread polls
+Watchdog (`nccl_watch.py`, with the Work; the backend owns one `NcclWatchdog` per group
+and passes it what it watches): while operations are pending, a thread polls
 their events (completing their futures), `check_async_error()` (a failed peer or
 network error becomes `DistBackendError` and aborts the communicator instead of a
 hang), the group timeout, and an abort notice other ranks leave in the store. After an
@@ -48,7 +49,13 @@ from typing import Any
 
 from .. import config
 from ..deadline import Deadline
-from ..errors import BackendUnavailableError, DistBackendError, DistError, DistTimeoutError
+from ..errors import (
+    BackendUnavailableError,
+    DistBackendError,
+    DistError,
+    DistTimeoutError,
+    GroupDestroyedError,
+)
 from ..gpu import nccl as nccl_types
 from ..gpu import runtime
 from ..ops import ReduceOp
@@ -56,7 +63,7 @@ from ..store.base import Store
 from ..store.prefix import PrefixStore
 from ..work import Work
 from .base import Backend
-from .nccl_watch import NcclSupervision, NcclWork
+from .nccl_watch import NcclWatchdog, NcclWork
 from .protocol import Signature, mismatch_message
 
 __all__ = ["NcclBackend", "NcclWork"]
@@ -64,7 +71,7 @@ __all__ = ["NcclBackend", "NcclWork"]
 log = logging.getLogger(__name__)
 
 
-class NcclBackend(NcclSupervision, Backend):
+class NcclBackend(Backend):
     """Collectives on CuPy arrays through NCCL, one communicator and CUDA stream per group."""
 
     name = "nccl"
@@ -97,7 +104,8 @@ class NcclBackend(NcclSupervision, Backend):
         if runtime.chosen_device() is None and os.environ.get("LOCAL_RANK", "").strip():
             runtime.set_device(runtime.current_device())  # one GPU per launcher worker
         self._issue = threading.RLock()  # operations are issued one at a time, in order
-        self._init_supervision()
+        self._watch = NcclWatchdog(self.store, rank, timeout, self.describe, self.group_name,
+                                   self._detail)
         self._comm: Any = None
         self._device: Any = None
         self._stream: Any = None
@@ -136,7 +144,7 @@ class NcclBackend(NcclSupervision, Backend):
                 raise DistBackendError(self._init_failure(exc, bus)) from exc
             stream = cupy.cuda.Stream(non_blocking=True)
         self._comm, self._device, self._stream = comm, device, stream
-        self._start_watchdog()
+        self._watch.start(comm, device)
         log.info("%s: NCCL %s communicator of %d ranks on GPU %d (%s)",
                  self.describe("init"), ".".join(map(str, self._version)), self.size,
                  device_id, bus)
@@ -173,12 +181,12 @@ class NcclBackend(NcclSupervision, Backend):
     def _store_wait(self, keys: list[str], deadline: Deadline, what: str) -> None:
         try:
             self.store.wait(keys, deadline.remaining())
-        except DistTimeoutError:
+        except DistTimeoutError as exc:
             missing = [k for k in keys if not self.store.check([k])]
             raise DistTimeoutError(
                 f"{self.describe('init')}: timed out after {deadline.seconds:.0f} s waiting "
                 f"for {what} (missing: {', '.join(missing)}); did every rank of the group "
-                "issue the same first GPU operation?") from None
+                "issue the same first GPU operation?") from exc
 
     # -- issuing operations -------------------------------------------------------------------
 
@@ -188,17 +196,17 @@ class NcclBackend(NcclSupervision, Backend):
         keys = [f"sig/{seq}/{r}" for r in range(self.size)]
         try:
             self.store.wait(keys, self.timeout)
-        except DistTimeoutError:
+        except DistTimeoutError as exc:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             error = DistTimeoutError(
                 f"{description}: ranks {missing} did not reach collective #{seq} within "
                 f"{self.timeout:.0f} s (DISTCOMM_DEBUG=DETAIL signature check); the group "
                 "is aborted, so a late rank cannot enter NCCL alone")
             self.store.delete_key(f"sig/{seq}/{self.rank}")  # a late rank waits, then fails
-            self._fail(error)
-            raise error from None
-        if self._abort_notice():  # another rank gave up on this group meanwhile
-            self._raise_if_failed(description)
+            self._watch.fail(error)
+            raise error from exc
+        if self._watch.abort_notice():  # another rank gave up on this group meanwhile
+            self._watch.raise_if_failed(description)
         for peer, value in enumerate(self.store.multi_get(keys)):
             theirs = Signature.from_text(value.decode())
             if theirs != signature:
@@ -226,18 +234,17 @@ class NcclBackend(NcclSupervision, Backend):
         with self._issue:
             self._seq += 1
             description = self.describe(f"{op} #{self._seq}")
-            self._raise_if_failed(description)
+            self._watch.raise_if_failed(description)
             comm = self._ensure(device_id, op)
             if signature is not None:
                 self._coll_seq += 1
                 if self._detail:
                     self._check_signature(self._coll_seq, signature, description)
-            work = NcclWork(self, description, outputs, keep, host_wait=host_wait,
-                            source_rank=source_rank)
+            work = self._work(description, outputs, keep, host_wait, source_rank)
             with self._device:
                 if self._grouped is None:
                     self._follow_caller()
-                with self._launching_as(description):
+                with self._watch.launching(description):
                     try:
                         launch(comm, self._stream.ptr)
                     except Exception as exc:
@@ -246,8 +253,16 @@ class NcclBackend(NcclSupervision, Backend):
                     self._grouped.append(work)
                 else:
                     work._record(self._stream)
-                    self._track([work])
+                    self._watch.track([work])
             return work
+
+    def _work(self, description: str, outputs: list[Any], keep: list[Any],
+              host_wait: bool = False, source_rank: int = -1) -> NcclWork:
+        """The Work of an operation being issued (`host_wait`: its wait() blocks the host,
+        as every one does with DISTCOMM_NCCL_BLOCKING_WAIT=1)."""
+        return NcclWork(self._watch, self._cupy, description, outputs, keep,
+                        host_wait=host_wait or self._blocking_wait, source_rank=source_rank,
+                        then=self._then)
 
     def _follow_caller(self) -> None:
         """Make the group's stream wait for the work queued so far on the caller's stream."""
@@ -257,24 +272,23 @@ class NcclBackend(NcclSupervision, Backend):
         self._stream.wait_event(event)
 
     def _launch_failed(self, description: str, exc: BaseException) -> DistError:
-        failure = self._failure
+        failure = self._watch.failure
         if failure is not None:  # aborted meanwhile (watchdog): that is the reason
             return type(failure)(f"{description}: the group was aborted: {failure}")
         error = DistBackendError(f"{description}: NCCL refused the operation: {exc}")
-        self._fail(error)
+        self._watch.fail(error)
         return error
 
     def _then(self, inner: NcclWork, finalize: Callable[[], None],
               outputs: list[Any]) -> NcclWork:
         with self._issue:
-            self._raise_if_failed(inner.description)
+            self._watch.raise_if_failed(inner.description)
             # `finalize` holds the buffers it copies from: they live until the copies ran
-            work = NcclWork(self, inner.description, outputs,
-                            [*(inner._keep or []), finalize])
+            work = self._work(inner.description, outputs, [*(inner._keep or []), finalize])
             with self._device, self._stream:
                 finalize()
                 work._record(self._stream)
-            self._track([work])
+            self._watch.track([work])
             return work
 
     @contextmanager
@@ -285,7 +299,7 @@ class NcclBackend(NcclSupervision, Backend):
             if self._grouped is not None:
                 yield
                 return
-            self._raise_if_failed(self.describe("batch_isend_irecv"))
+            self._watch.raise_if_failed(self.describe("batch_isend_irecv"))
             self._ensure(self._device_id(array, "batch_isend_irecv"), "batch_isend_irecv")
             with self._device:
                 self._follow_caller()
@@ -296,14 +310,14 @@ class NcclBackend(NcclSupervision, Backend):
                 finally:
                     works, self._grouped = self._grouped, None
                     try:
-                        with self._launching_as(self.describe("batch_isend_irecv")):
+                        with self._watch.launching(self.describe("batch_isend_irecv")):
                             self._nccl.groupEnd()
                     except Exception as exc:
                         raise self._launch_failed(self.describe("batch_isend_irecv"),
                                                   exc) from exc
                     for work in works:
                         work._record(self._stream)
-                    self._track(works)
+                    self._watch.track(works)
 
     # -- the op set -----------------------------------------------------------------------------
 
@@ -520,21 +534,22 @@ class NcclBackend(NcclSupervision, Backend):
     # -- teardown -----------------------------------------------------------------------------
 
     def abort(self, reason: str) -> None:
-        self._fail(DistBackendError(reason))
+        self._watch.fail(DistBackendError(reason))
 
     def shutdown(self) -> None:
-        pending = self._stop_supervision()
+        pending = self._watch.stop()
         if pending is None:  # shut down already
             return
         # ncclCommDestroy would wait for stuck operations: abort those instead
-        self._release(abort=bool(pending) or self._failure is not None)
+        self._watch.release(abort=bool(pending) or self._watch.failure is not None)
         self._comm = None
         for work in pending:
             try:
-                work.fail(RuntimeError(f"{work.description}: the process group was destroyed "
-                                       "before the operation finished"))
+                work.fail(GroupDestroyedError(
+                    f"{work.description}: the process group was destroyed before the "
+                    "operation finished"))
             except RuntimeError:  # it completed meanwhile
                 pass
-        self._failed_works = []
+        self._watch.forget()
         self._barrier_buffer = None
         self._stream = None

@@ -1,12 +1,12 @@
 """The nccl backend's supervision: its Work, the watchdog, failures and aborts.
 
-`NcclWork` completes on a CUDA event. `NcclSupervision` is the part of `NcclBackend`
-that watches operations after they were issued: it tracks pending Works, runs the
-watchdog thread (events, the group timeout, NCCL calls that block the host,
-`check_async_error`, other ranks' abort notices), and fails the group (ncclCommAbort,
-every pending Work failed, a notice in the store). It uses these attributes of the
-backend: `_comm`, `_device`, `_cupy`, `store`, `rank`, `timeout`, `_detail` and
-`describe()`.
+`NcclWork` completes on a CUDA event. `NcclWatchdog` watches a group's operations after
+they were issued: it tracks pending Works, runs the watchdog thread (events, the group
+timeout, NCCL calls that block the host, `check_async_error`, other ranks' abort
+notices), and fails the group (ncclCommAbort, every pending Work failed, a notice in the
+store). `NcclBackend` owns one per group and hands it everything it uses: the store,
+rank, timeout and `describe` when it is made, the communicator and its device when
+`start()` is called, once the communicator exists. It knows nothing else of the backend.
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..deadline import Deadline, to_seconds
-from ..errors import DistBackendError, DistError, DistTimeoutError
+from ..errors import DistBackendError, DistError, DistTimeoutError, GroupDestroyedError
+from ..store.base import Store
 from ..work import Work
 
-if TYPE_CHECKING:
-    from .nccl import NcclBackend
-
-__all__ = ["NcclSupervision", "NcclWork"]
+__all__ = ["NcclWatchdog", "NcclWork"]
 
 log = logging.getLogger("distcomm.backends.nccl")
 
@@ -38,23 +36,40 @@ _NOTICE_AFTER = 1.0
 _ABORT_KEY = "abort"
 _UNBOUNDED = Deadline(None)  # the watchdog's naps have no end of their own
 
+#: queues, after an operation, the GPU work `Work.chain` asks for; returns its Work
+Then = Callable[["NcclWork", Callable[[], None], list[Any]], Work]
+
 
 class NcclWork(Work):
-    """The Work of an NCCL operation: completes on a CUDA event recorded after it."""
+    """The Work of an NCCL operation: completes on a CUDA event recorded after it.
 
-    def __init__(self, backend: NcclBackend, description: str, outputs: list[Any],
-                 keep: list[Any], *, host_wait: bool = False, source_rank: int = -1) -> None:
-        super().__init__(description, outputs, timeout=backend.timeout)
+    Args:
+        watch: the group's watchdog (its device, failure state and timeout).
+        cupy: the `cupy` module.
+        description: what the operation is, for messages.
+        outputs: the arrays `result()` returns.
+        keep: the arrays the GPU may still touch, kept alive until the event has passed.
+        host_wait: `wait()` blocks the host until the operation finished (a barrier, or
+            every op with DISTCOMM_NCCL_BLOCKING_WAIT=1).
+        source_rank: for a receive, the rank it names.
+        then: queues `chain()`'s GPU work after this operation.
+    """
+
+    def __init__(self, watch: NcclWatchdog, cupy: Any, description: str, outputs: list[Any],
+                 keep: list[Any], *, host_wait: bool, source_rank: int, then: Then) -> None:
+        super().__init__(description, outputs, timeout=watch.timeout)
         self._source_rank = source_rank
-        self._backend = backend
+        self._watch = watch
+        self._cupy = cupy
+        self._then = then
         self._event: Any = None
         self._keep: list[Any] | None = keep  # the arrays the GPU may still touch
         self._host_wait = host_wait
-        self.finished_on_wait = host_wait or backend._blocking_wait
+        self.finished_on_wait = host_wait
         self._issued = time.monotonic()
 
     def _record(self, stream: Any) -> None:
-        event = self._backend._cupy.cuda.Event(disable_timing=True)
+        event = self._cupy.cuda.Event(disable_timing=True)
         event.record(stream)
         self._event = event
 
@@ -64,12 +79,11 @@ class NcclWork(Work):
             return True
         if self._event is None:
             return False
-        backend = self._backend
         try:
-            with backend._device:  # never make another GPU current in this thread
+            with self._watch.device:  # never make another GPU current in this thread
                 done = self._event.done
         except Exception as exc:  # CUDARuntimeError: a sticky error (illegal address, ...)
-            backend._fail(DistBackendError(f"{self.description}: CUDA failed: {exc}"))
+            self._watch.fail(DistBackendError(f"{self.description}: CUDA failed: {exc}"))
             return True
         if not done:
             return False
@@ -89,30 +103,31 @@ class NcclWork(Work):
 
         Raises:
             DistTimeoutError: `timeout` expired; the group's communicator was aborted.
+            GroupDestroyedError: the group was destroyed.
             DistError: the operation failed, or the group was aborted.
         """
         seconds = to_seconds(timeout)
-        backend = self._backend
+        watch = self._watch
         done = self._future.done()
         if done:
             self._future.value()  # raises the operation's failure
         else:
-            backend._raise_if_failed(self.description)
-        if seconds is None and not (self._host_wait or backend._blocking_wait):
+            watch.raise_if_failed(self.description)
+        if seconds is None and not self._host_wait:
             # torch orders the caller's stream even when the watchdog already saw the
             # event complete: the same calls either way
             if self._event is not None:
-                with backend._device:
-                    backend._cupy.cuda.get_current_stream().wait_event(self._event)
+                with watch.device:
+                    self._cupy.cuda.get_current_stream().wait_event(self._event)
             return True
         if done:
             return True
         deadline = Deadline(self._default_timeout if seconds is None else seconds)
         delay = _WATCH_FIRST
         while not self._poll():
-            backend._raise_if_failed(self.description)
+            watch.raise_if_failed(self.description)
             if deadline.expired():
-                raise backend._timed_out(self, deadline.seconds or 0.0)
+                raise watch.timed_out(self, deadline.seconds or 0.0)
             delay = deadline.nap(delay, _POLL_MOST)
         self._future.value()
         return True
@@ -128,13 +143,33 @@ class NcclWork(Work):
     def chain(self, finalize: Callable[[], None], outputs: list[Any]) -> Work:
         """A Work that completes after this one and `finalize()`, which queues GPU work
         (copies out of a joined buffer) on the group's stream, after this operation."""
-        return self._backend._then(self, finalize, outputs)
+        return self._then(self, finalize, outputs)
 
 
-class NcclSupervision:
-    """Pending operations, the watchdog and failure handling of an `NcclBackend`."""
+class NcclWatchdog:
+    """Pending operations, the watchdog thread and failure handling of one nccl group.
 
-    def _init_supervision(self) -> None:
+    Args:
+        store: the group's store, where an abort leaves its notice for the other ranks.
+        rank: this rank in the group (the notice names it).
+        timeout: the group timeout, in seconds: what a pending operation or a blocking
+            NCCL call may take before the group is aborted.
+        describe: the backend's `describe(op)`, which heads every message.
+        name: the group's name, for the thread's name.
+        detail: DISTCOMM_DEBUG=DETAIL checks every collective's signature (a timeout's
+            message says so).
+    """
+
+    def __init__(self, store: Store, rank: int, timeout: float, describe: Callable[[str], str],
+                 name: str, detail: bool) -> None:
+        self.store = store
+        self.rank = rank
+        self.timeout = timeout
+        self.describe = describe
+        self._name = name
+        self._detail = detail
+        self._comm: Any = None  # the communicator and its device, from start()
+        self.device: Any = None
         self._cond = threading.Condition()  # guards the state below; wakes the watchdog
         self._pending: list[NcclWork] = []
         self._failure: DistError | None = None
@@ -144,20 +179,33 @@ class NcclSupervision:
         self._failed_works: list[NcclWork] = []  # their arrays live until shutdown
         self._released = False  # the communicator was aborted or destroyed
 
-    def _start_watchdog(self) -> None:
-        self._watchdog = threading.Thread(target=self._watch, daemon=True,
-                                          name=f"distcomm-nccl-watchdog-{self.group_name}")
+    @property
+    def failure(self) -> DistError | None:
+        """The error the group failed with (it was aborted), or None."""
+        return self._failure
+
+    def start(self, comm: Any, device: Any) -> None:
+        """Watch `comm` (a `NcclCommunicator` on the `cupy.cuda.Device` `device`) from now."""
+        self._comm, self.device = comm, device
+        self._watchdog = threading.Thread(target=self._run, daemon=True,
+                                          name=f"distcomm-nccl-watchdog-{self._name}")
         self._watchdog.start()
 
-    def _raise_if_failed(self, description: str) -> None:
+    def raise_if_failed(self, description: str) -> None:
+        """Raise if the group was aborted (its failure's type) or destroyed.
+
+        Raises:
+            DistError: the group was aborted; the failure is the cause.
+            GroupDestroyedError: the group was destroyed.
+        """
         failure = self._failure
         if failure is not None:
-            raise type(failure)(f"{description}: the group was aborted: {failure}")
+            raise type(failure)(f"{description}: the group was aborted: {failure}") from failure
         if self._closed:
-            raise RuntimeError(f"{description}: the process group was destroyed")
+            raise GroupDestroyedError(f"{description}: the process group was destroyed")
 
     @contextmanager
-    def _launching_as(self, description: str) -> Iterator[None]:
+    def launching(self, description: str) -> Iterator[None]:
         """Mark an NCCL call in progress: one that blocks the host (NCCL connects to peers
         lazily, inside the first operations) is then bounded by the watchdog too."""
         with self._cond:  # no wake-up: the watchdog looks within a second anyway
@@ -168,22 +216,24 @@ class NcclSupervision:
             with self._cond:
                 self._launching = None
 
-    def _track(self, works: list[NcclWork]) -> None:
+    def track(self, works: list[NcclWork]) -> None:
+        """Watch `works`, just issued, until they complete."""
         with self._cond:
             self._pending.extend(works)
             self._cond.notify_all()
 
-    def _timed_out(self, work: NcclWork, seconds: float) -> DistTimeoutError:
+    def timed_out(self, work: NcclWork, seconds: float) -> DistTimeoutError:
+        """Fail the group because `work` did not finish in `seconds`; the error to raise."""
         check = ("every rank issued it (DISTCOMM_DEBUG=DETAIL checked)" if self._detail else
                  "set DISTCOMM_DEBUG=DETAIL to check that every rank issued it with the "
                  "same arguments")
         error = DistTimeoutError(
             f"{work.description} did not complete within {seconds:g} s; {check}. The "
             "group's NCCL communicator was aborted: destroy the group and create a new one")
-        self._fail(error)
+        self.fail(error)
         return error
 
-    def _fail(self, error: DistError, notify: bool = True) -> None:
+    def fail(self, error: DistError, notify: bool = True) -> None:
         """Abort the communicator, fail every pending operation, and (`notify`) leave a
         notice for the other ranks unless one is there already."""
         with self._cond:
@@ -193,7 +243,7 @@ class NcclSupervision:
             pending, self._pending = self._pending, []
             self._cond.notify_all()
         log.error("%s: aborting the NCCL communicator: %s", self.describe("abort"), error)
-        self._release(abort=True)
+        self.release(abort=True)
         # kernels queued behind the aborted ones may still run: keep their arrays until
         # the group is destroyed
         self._failed_works = pending
@@ -208,12 +258,12 @@ class NcclSupervision:
         except Exception:  # the store may be gone with the failed rank
             pass
 
-    def _watch(self) -> None:
+    def _run(self) -> None:
         try:
-            self._device.use()  # a new thread's device is 0: never make a context there
+            self.device.use()  # a new thread's device is 0: never make a context there
             self._watch_loop()
         except Exception as exc:  # a watchdog that died silently would hide every failure
-            self._fail(DistBackendError(f"{self.describe('watchdog')} failed: {exc!r}"))
+            self.fail(DistBackendError(f"{self.describe('watchdog')} failed: {exc!r}"))
 
     def _watch_loop(self) -> None:
         delay = _WATCH_FIRST
@@ -228,7 +278,7 @@ class NcclSupervision:
                     return
                 pending, launching = list(self._pending), self._launching
             if launching is not None and time.monotonic() - launching[1] > self.timeout:
-                self._fail(DistTimeoutError(
+                self.fail(DistTimeoutError(
                     f"{launching[0]}: NCCL did not return within {self.timeout:g} s (it "
                     "waits for a peer that never connected?); the communicator was "
                     "aborted: destroy the group and create a new one"))
@@ -240,13 +290,13 @@ class NcclSupervision:
             if oldest is not None:
                 waited = time.monotonic() - oldest._issued
                 if waited > self.timeout:
-                    self._timed_out(oldest, self.timeout)
+                    self.timed_out(oldest, self.timeout)
                     return
                 if self._async_error():
                     return
                 if waited > _NOTICE_AFTER and time.monotonic() - last_notice > _NOTICE_AFTER:
                     last_notice = time.monotonic()
-                    if self._abort_notice():
+                    if self.abort_notice():
                         return
             delay = _UNBOUNDED.nap(delay, _WATCH_MOST)
 
@@ -254,25 +304,26 @@ class NcclSupervision:
         try:
             self._comm.check_async_error()
         except Exception as exc:  # NcclError
-            self._fail(DistBackendError(
+            self.fail(DistBackendError(
                 f"{self.describe('watchdog')}: NCCL reported an asynchronous error ({exc}); "
                 "a peer rank probably failed or its connection broke"))
             return True
         return False
 
-    def _abort_notice(self) -> bool:
+    def abort_notice(self) -> bool:
+        """Whether another rank left an abort notice in the store; fails the group if so."""
         try:
             if not self.store.check([_ABORT_KEY]):
                 return False
             reason = self.store.get(_ABORT_KEY).decode(errors="replace")
         except Exception:  # an unreachable store is no notice
             return False
-        self._fail(DistBackendError(
+        self.fail(DistBackendError(
             f"{self.describe('watchdog')}: another rank aborted the group ({reason})"),
             notify=False)
         return True
 
-    def _release(self, abort: bool) -> None:
+    def release(self, abort: bool) -> None:
         """Abort or destroy the communicator, once, whichever thread asks first."""
         with self._cond:
             if self._released or self._comm is None:
@@ -287,7 +338,7 @@ class NcclSupervision:
             log.warning("%s: %s of the NCCL communicator failed: %s",
                         self.describe("shutdown"), "abort" if abort else "destroy", exc)
 
-    def _stop_supervision(self) -> list[NcclWork] | None:
+    def stop(self) -> list[NcclWork] | None:
         """Stop the watchdog; the operations still pending after up to 10 s (at most the
         group timeout) of waiting for them, or None if it was stopped already."""
         with self._cond:
@@ -304,3 +355,9 @@ class NcclSupervision:
             if pending:
                 time.sleep(0.001)
         return pending
+
+    def forget(self) -> None:
+        """Let go of the communicator and of the arrays of the operations a failure failed
+        (once `stop()` and `release()` are done: the group is gone)."""
+        self._comm = None
+        self._failed_works = []

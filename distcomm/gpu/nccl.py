@@ -135,8 +135,7 @@ def comm_id(data: bytes, form: type) -> bytes | tuple[int, ...]:
 
 
 def _cupy_form() -> type:
-    import cupy
-
+    cupy = import_cupy("the nccl backend", need_device=False)
     try:
         major = int(cupy.__version__.split(".", 1)[0])
     except ValueError:

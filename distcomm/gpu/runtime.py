@@ -42,7 +42,11 @@ _chosen: int | None = None  # set by set_device
 
 
 def is_cupy_array(obj: Any) -> bool:
-    """Whether `obj` is a `cupy.ndarray`; never imports CuPy (False if it is not imported)."""
+    """Whether `obj` is a `cupy.ndarray`; never imports CuPy (False if it is not imported).
+
+    The one test of "is this a GPU array" in distcomm: an instance of the loaded CuPy's
+    ndarray (a subclass too), never a guess from the type's module name.
+    """
     cupy = sys.modules.get("cupy")
     ndarray = getattr(cupy, "ndarray", None)
     return isinstance(ndarray, type) and isinstance(obj, ndarray)

@@ -210,7 +210,7 @@ class Recorder:
         """Settle operation `i` when the (asynchronous) `work` finishes."""
         if i is None:
             return
-        work.get_future().add_done_callback(lambda future: self.settle(i, future._error))
+        work.get_future().add_done_callback(lambda future: self.settle(i, future.exception()))
         expire = getattr(work, "_on_timeout", None)
         if expire is not None:
             # a Work.wait(timeout) that expires raises before the abort fails the work:

@@ -1,0 +1,163 @@
+"""Public point-to-point functions: isend, irecv, send, recv and batch_isend_irecv.
+
+Peers are global ranks (`dst`, `src`, `peer`) or ranks within the group (`group_dst`,
+`group_src`, `group_peer`); a receive may name no source. Each is validated, recorded in
+the group's flight recorder and posted on the backend of its array's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+from ._calls import check_tag, rank_arg
+from .arrays import adapt, flat
+from .group import ProcessGroup, outside, resolve
+from .work import Work
+
+__all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
+
+
+class _Posting:
+    """A validated point-to-point operation, ready to post on its backend.
+
+    Args:
+        group: the operation's group.
+        kind: "send" or "recv", for the flight recorder.
+        tensor: the caller's array, which the Work's result holds.
+        array: `tensor` as an array a backend takes.
+        backend: the group's backend for the array's device.
+        peer: the other side's group rank (None: a receive from any rank).
+        issue: posts the operation on `backend`; its Work.
+    """
+
+    __slots__ = ("_group", "_issue", "_kind", "_peer", "_tensor", "array", "backend")
+
+    def __init__(self, group: ProcessGroup, kind: str, tensor: Any, array: Any, backend: Any,
+                 peer: int | None, issue: Callable[[], Work]) -> None:
+        self._group, self._kind, self._tensor, self._peer = group, kind, tensor, peer
+        self.array, self.backend, self._issue = array, backend, issue
+
+    def post(self) -> Work:
+        """Record the operation in the group's flight recorder and post it; its Work."""
+        trace = self._group._trace
+        entry = trace.record_p2p(self._kind, self.array, -1 if self._peer is None else self._peer)
+        work = self._issue()
+        trace.settle_later(entry, work)
+        work.global_ranks = self._group.ranks
+        work.set_outputs([self._tensor])
+        return work
+
+
+def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
+             group_dst: int | None) -> _Posting:
+    """Validate an isend (its messages say "isend")."""
+    pg = resolve(group, "isend")
+    tag = check_tag(tag, "isend")
+    array = adapt(tensor, "isend", "tensor", writable=False)
+    peer = rank_arg(pg, dst, group_dst, "isend", "dst")
+    backend = pg.backend_for(array, "isend")
+    if peer == pg.rank():
+        raise ValueError(f"isend: dst {pg.ranks[peer]} is this process itself; send to "
+                         "another rank")
+    return _Posting(pg, "send", tensor, array, backend, peer,
+                    lambda: backend.send(flat(array), peer, tag))
+
+
+def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: int,
+               group_src: int | None) -> _Posting:
+    """Validate an irecv (its messages say "irecv")."""
+    pg = resolve(group, "irecv")
+    tag = check_tag(tag, "irecv")
+    array = adapt(tensor, "irecv", "tensor", writable=True)
+    backend = pg.backend_for(array, "irecv")
+    peer = None
+    if src is not None or group_src is not None:
+        peer = rank_arg(pg, src, group_src, "irecv", "src")
+        if peer == pg.rank():
+            raise ValueError(f"irecv: src {pg.ranks[peer]} is this process itself; receive "
+                             "from another rank")
+    return _Posting(pg, "recv", tensor, array, backend, peer,
+                    lambda: backend.recv(flat(array), peer, tag))
+
+
+def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work:
+    """Send `tensor` to `dst` without blocking; returns the Work to wait on (None on a
+    rank outside `group`)."""
+    if outside(group, "isend"):
+        return None
+    return _sending(tensor, dst, group, tag, group_dst).post()
+
+
+def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_src: int | None = None) -> Work:
+    """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells
+    (None on a rank outside `group`)."""
+    if outside(group, "irecv"):
+        return None
+    return _receiving(tensor, src, group, tag, group_src).post()
+
+
+def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Send `tensor` to `dst`, blocking until it is handed to the transport."""
+    if outside(group, "isend"):  # torch's send is an isend, and warns so
+        return
+    _sending(tensor, dst, group, tag, group_dst).post().wait()
+
+
+def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Receive into `tensor` from `src` (None: any rank); returns the sender's global rank
+    (-1 on a rank outside `group`)."""
+    if outside(group, "irecv"):  # torch's recv is an irecv, and warns so
+        return -1
+    work = _receiving(tensor, src, group, tag, group_src).post()
+    work.wait()
+    return work.source_rank()
+
+
+class P2POp:
+    """One point-to-point operation for `batch_isend_irecv` (torch.distributed.P2POp).
+
+    Args:
+        op: `distcomm.isend` or `distcomm.irecv`.
+        tensor: the array to send or receive into.
+        peer: the other side's global rank (or `group_peer`, its rank within `group`).
+    """
+
+    def __init__(self, op: Callable[..., Work], tensor: Any, peer: int | None = None,
+                 group: ProcessGroup | None = None, tag: int = 0,
+                 group_peer: int | None = None) -> None:
+        if op not in (isend, irecv):
+            raise ValueError("P2POp: op must be distcomm.isend or distcomm.irecv, got "
+                             f"{getattr(op, '__name__', op)!r}")
+        if peer is None and group_peer is None:
+            raise ValueError("P2POp: peer (a global rank) or group_peer is required")
+        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+        self.tag, self.group_peer = tag, group_peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+    """Post every operation of the list in order; returns their Works.
+
+    On a backend that groups operations (nccl), the list is issued as one group, so
+    sends and receives between the same ranks cannot block one another.
+    """
+    if not isinstance(p2p_op_list, (list, tuple)) or not all(
+            isinstance(p, P2POp) for p in p2p_op_list):
+        raise TypeError("batch_isend_irecv: p2p_op_list must be a list of P2POp")
+    if not p2p_op_list:
+        raise ValueError("batch_isend_irecv: p2p_op_list must not be empty")
+    postings = [(_sending if p.op is isend else _receiving)(p.tensor, p.peer, p.group, p.tag,
+                                                            p.group_peer)
+                for p in p2p_op_list]
+    first = postings[0]
+    together = all(p.backend is first.backend for p in postings)
+    with first.backend.coalesce(first.array) if together else nullcontext():
+        return [p.post() for p in postings]
