@@ -34,7 +34,7 @@ from .backend_spec import (
 from .backends import registered_backends
 from .backends.base import Backend
 from .deadline import to_seconds
-from .errors import DistError
+from .errors import DistError, GroupDestroyedError
 from .group_methods import GroupMethods
 from .store import HashStore, PrefixStore, Store
 from .trace import stall
@@ -111,7 +111,7 @@ class ProcessGroup(GroupMethods):
 
         Raises:
             ValueError: this rank is not a member.
-            RuntimeError: the group was destroyed.
+            GroupDestroyedError: the group was destroyed (also a RuntimeError).
             ValueError: no backend of the group serves the array's device.
         """
         if not self.is_member:
@@ -119,7 +119,7 @@ class ProcessGroup(GroupMethods):
                 f"{where}: this process (global rank {self._global_rank}) is not a member of "
                 f"group '{self.group_name}' (ranks {self.ranks}); only members may use it")
         if not self._backends:
-            raise RuntimeError(
+            raise GroupDestroyedError(
                 f"{where}: group '{self.group_name}' was destroyed; create a new one")
         device = device_of(array)
         backend = self._backends.get(device)

@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import config
 from ..deadline import Deadline
-from ..gpu.staging import is_cupy_array
+from ..gpu.runtime import is_cupy_array
 from ..store.base import Store
 from ..work import Work
 from . import algorithms as algo

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DistBackendError, DistTimeoutError
-from ..gpu.staging import is_cupy_array
+from ..errors import DistBackendError, DistTimeoutError, GroupDestroyedError
+from ..gpu.runtime import is_cupy_array
 from ..mpiutil import abort, install_abort_hook, is_mpi4py_available, load_mpi
 from ..ops import MPI_OP_NAMES, ReduceOp, reduce_into
 from ..store.base import Store
@@ -296,7 +296,7 @@ class MpiBackend(Backend):
     def _check(self, what: str) -> str:
         description = self.describe(what)
         if self._closed:
-            raise DistBackendError(f"{description}: the process group was destroyed")
+            raise GroupDestroyedError(f"{description}: the process group was destroyed")
         if self._broken:
             raise DistBackendError(f"{description}: the group is unusable: {self._broken}")
         return description
@@ -559,7 +559,7 @@ class MpiBackend(Backend):
             return
         self._closed = True
         self._queue.close(
-            DistBackendError(f"{self.describe('operation')}: the process group was destroyed")
+            GroupDestroyedError(f"{self.describe('operation')}: the process group was destroyed")
         )
         self._watch_stop.set()
         if self._watchdog is not None:

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from ..gpu.staging import is_cupy_array
+from ..gpu.runtime import is_cupy_array
 from .segments import (
     FILE_DESCRIPTOR,
     FILE_SYSTEM,

@@ -60,7 +60,7 @@ class Exchange:
         try:
             self.transport.send(self._global(peer), header, payload, self.deadline)
         except DistError as exc:
-            raise type(exc)(f"{self.describe}: {exc}") from None
+            raise type(exc)(f"{self.describe}: {exc}") from exc
 
     def post(self, peer: int, step: int, array: np.ndarray) -> Recv:
         """Post the receive of message `step` from `peer` into `array`."""
@@ -88,7 +88,7 @@ class Exchange:
             )
         if recv.error is not None:
             error = recv.error
-            raise type(error)(_prefixed(self.describe, str(error))) from None
+            raise type(error)(_prefixed(self.describe, str(error))) from error
 
     def recv(self, peer: int, step: int, array: np.ndarray) -> None:
         """Receive message `step` from `peer` into `array` (post, then wait)."""

@@ -32,7 +32,13 @@ import time
 from ... import net
 from ...config import load as load_config
 from ...deadline import Deadline
-from ...errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
+from ...errors import (
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistTimeoutError,
+    GroupDestroyedError,
+)
 from ...store.base import Store
 from ..protocol import ABORT, BYE, COLL, PROGRESS, QUERY, SIG, STATUS, Failure, Header
 from .base import Transport
@@ -455,7 +461,7 @@ class TcpTransport(Transport):
             if conn.thread is not None and conn.thread is not threading.current_thread():
                 conn.thread.join(5.0)
             conn.sock.close()
-        self.mailbox.fail(Failure(DistBackendError, "the process group was destroyed"))
+        self.mailbox.fail(Failure(GroupDestroyedError, "the process group was destroyed"))
 
 
 def _read_into(sock: socket.socket, view: memoryview) -> None:
