@@ -62,7 +62,7 @@ from ..ops import ReduceOp
 from ..store.base import Store
 from ..store.prefix import PrefixStore
 from ..work import Work
-from .base import Backend
+from .base import Backend, setup_round
 from .nccl_watch import NcclWatchdog, NcclWork
 from .protocol import Signature, mismatch_message
 
@@ -95,8 +95,7 @@ class NcclBackend(Backend):
         self._nccl, self._version = nccl_types.import_nccl()
         # a group re-created on the same store (re-initialisation) gets keys of its own:
         # every rank joins once per group, so the join count numbers the groups
-        generation = (store.add("joined", 1) - 1) // size
-        self.store = PrefixStore(f"g{generation}", store)
+        self.store = PrefixStore(f"g{setup_round(store, 'joined', size)}", store)
         self._cupy = sys.modules["cupy"]
         cfg = config.load()
         self._blocking_wait = cfg.nccl_blocking_wait

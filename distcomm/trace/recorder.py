@@ -30,6 +30,8 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from .. import config
+
 __all__ = [
     "FORMAT_VERSION",
     "Recorder",
@@ -367,7 +369,7 @@ FAILURE_DUMP_INTERVAL_S = 1.0
 
 
 def _trace_dir() -> str | None:
-    return os.environ.get("DISTCOMM_TRACE_DIR") or None  # as config.load() reads it
+    return config.get("DISTCOMM_TRACE_DIR")
 
 
 def trace_file(directory: str, rank: int) -> str:
