@@ -60,6 +60,19 @@ def fail_first_attempt() -> str:
     return f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}"
 
 
+def job_key() -> str:
+    return os.environ.get("DISTCOMM_AUTH_KEY", "")
+
+
+def test_a_one_node_job_has_its_own_key_and_leaves_this_environment_alone():
+    assert "DISTCOMM_AUTH_KEY" not in os.environ
+    first = elastic_launch(_config(), job_key)()
+    second = elastic_launch(_config(rdzv_backend="static", rdzv_endpoint="localhost:0"), job_key)()
+    assert first[0] and first[0] == first[1], first
+    assert second[0] and second[0] == second[1] and second[0] != first[0], second
+    assert "DISTCOMM_AUTH_KEY" not in os.environ
+
+
 def test_function_results_by_global_rank():
     assert elastic_launch(_config(), times_ten)(0) == {0: 0, 1: 10}
     assert launch_agent(_config(nproc_per_node=3), times_ten, [1]) == {0: 1, 1: 11, 2: 21}

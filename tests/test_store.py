@@ -749,6 +749,27 @@ def test_auth_unauthenticated_raw_requests_are_not_served(keyed_master):
     assert keyed_master.num_keys() == 0
 
 
+def test_auth_key_argument_instead_of_the_environment():
+    store = TCPStore(HOST, 0, is_master=True, timeout=10, auth_key=b"given-key")
+    try:
+        with pytest.raises(DistNetworkError, match="requires authentication"):
+            TCPStore(HOST, store.port, timeout=2)
+        with pytest.raises(DistNetworkError, match="refused this process's DISTCOMM_AUTH_KEY"):
+            TCPStore(HOST, store.port, timeout=2, auth_key="another-key")
+        client = TCPStore(HOST, store.port, timeout=5, auth_key="given-key")
+        twin = client.clone()  # a clone proves the same key
+        client.set("k", "v")
+        assert twin.get("k") == b"v"
+        twin.close()
+        client.close()
+    finally:
+        store.close()
+    with pytest.raises(TypeError, match="auth_key must be bytes, str or None"):
+        TCPStore(HOST, 0, is_master=True, auth_key=123)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="auth_key must not be empty"):
+        TCPStore(HOST, 0, is_master=True, auth_key=b"")
+
+
 def test_auth_stalled_handshake_is_dropped(monkeypatch):
     monkeypatch.setenv("DISTCOMM_AUTH_KEY", "the-right-key")
     monkeypatch.setattr(StoreServer, "handshake_timeout", 0.3)

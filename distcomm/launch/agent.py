@@ -172,7 +172,7 @@ class ElasticAgent:
         self._tmp = ""
         self._log_root = ""
         self._trace_dir = ""  # DISTCOMM_TRACE_DIR of the latest workers
-        self._auth_key = ""  # the DISTCOMM_AUTH_KEY this agent made for its workers
+        self._auth_key: bytes | None = None  # the job's key, when this agent made one
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -197,11 +197,9 @@ class ElasticAgent:
             else:
                 self._log_root = os.path.join(self._tmp, "logs")
             if config.max_nodes == 1 and not env_var("DISTCOMM_AUTH_KEY"):
-                # one node: the agent's stores and the workers share a fresh secret. The
-                # workers get it in their environment (_start_workers); a TCPStore takes
-                # its key only from this process's environment, so it goes there too.
-                self._auth_key = secrets.token_hex(16)
-                os.environ["DISTCOMM_AUTH_KEY"] = self._auth_key
+                # one node: the agent's stores and the workers share a fresh secret, given
+                # to the stores as auth_key and to the workers in their environment
+                self._auth_key = secrets.token_hex(16).encode()
             self._timer = FileTimerServer(
                 _timer_file() or os.path.join(self._tmp, "timer.fifo"),
                 config.run_id,
@@ -265,6 +263,7 @@ class ElasticAgent:
             node_rank=c.node_rank,
             master_addr=c.master_addr,
             master_port=c.master_port,
+            auth_key=self._auth_key,
         )
 
     def _invoke_run(self) -> int:
@@ -458,7 +457,8 @@ class ElasticAgent:
         if info.rank == 0:
             host = self._advertised_host()
             self._worker_store = TCPStore(
-                _resolve_ipv4(host), 0, is_master=True, wait_for_workers=False
+                _resolve_ipv4(host), 0, is_master=True, wait_for_workers=False,
+                auth_key=self._auth_key,
             )
             port = self._worker_store.port  # type: ignore[attr-defined]
             info.store.set("worker_store", f"{port} {host}")
@@ -483,8 +483,8 @@ class ElasticAgent:
             self._log_root if logs_kept else "", c.run_id, self._attempt
         )
         base["DISTCOMM_TRACE_DIR"] = self._trace_dir
-        if self._auth_key:
-            base["DISTCOMM_AUTH_KEY"] = self._auth_key
+        if self._auth_key is not None:
+            base["DISTCOMM_AUTH_KEY"] = self._auth_key.decode()
         self._attempt += 1
         self.ranks = {}
         commands, envs, prefixes, self.ranks = worker_specs(

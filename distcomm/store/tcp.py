@@ -86,6 +86,9 @@ class TCPStore(Store):
             Ignored by clients, as in torch.
         use_libuv: accepted for torch's signature and ignored: distcomm has one server,
             an epoll loop in a thread, which does what torch's libuv server does.
+        auth_key: the job's key (bytes or str): a client proves it holds it and a master
+            admits only clients that do; None (the default) takes DISTCOMM_AUTH_KEY, and no
+            key at all means no authentication. A distcomm extension; keyword only.
 
     Keys are limited to 8 KiB and values to 8 MiB by default, as in torch; the process
     that hosts the store sets other limits with DISTCOMM_STORE_MAX_KEY_BYTES and
@@ -109,6 +112,8 @@ class TCPStore(Store):
         multi_tenant: bool = False,
         master_listen_fd: int | None = None,
         use_libuv: bool = True,
+        *,
+        auth_key: bytes | str | None = None,
     ) -> None:
         self._closed = False
         self._pid = os.getpid()
@@ -137,7 +142,14 @@ class TCPStore(Store):
         self._port = port
         self.world_size = world_size
         cfg = config.load()
-        self._auth_key = cfg.auth_key
+        if isinstance(auth_key, str):
+            auth_key = auth_key.encode()
+        elif auth_key is not None and not isinstance(auth_key, bytes):
+            raise TypeError(f"TCPStore auth_key must be bytes, str or None, got {auth_key!r}")
+        if auth_key == b"":
+            raise ValueError("TCPStore auth_key must not be empty: give a key, or None for "
+                             "DISTCOMM_AUTH_KEY")
+        self._auth_key = auth_key if auth_key is not None else cfg.auth_key
         self._stall_warn = cfg.stall_warn_s  # a wait still waiting after this says so
         self._lock = threading.Lock()
         self._registered = False
@@ -529,7 +541,7 @@ class TCPStore(Store):
         if self._closed:
             raise DistStoreError(f"{self._where} is closed; it cannot be cloned")
         return TCPStore(self._host, self._port, is_master=False, timeout=self._timeout,
-                        wait_for_workers=False)
+                        wait_for_workers=False, auth_key=self._auth_key)
 
     def close(self) -> None:
         """Close the connection and, on the master, stop the server (idempotent).

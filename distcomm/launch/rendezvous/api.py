@@ -123,6 +123,8 @@ class RendezvousParameters:
         node_rank: --node_rank (static only; -1 when not given).
         master_addr, master_port: --master_addr/--master_port (static only; port 0 when not
             given).
+        auth_key: the key of the TCPStores a backend hosts or reaches (static, c10d), or
+            None for DISTCOMM_AUTH_KEY (see TCPStore).
     """
 
     backend: str
@@ -135,6 +137,7 @@ class RendezvousParameters:
     node_rank: int = -1
     master_addr: str | None = None
     master_port: int = 0
+    auth_key: bytes | None = None
 
     def get(self, key: str, default: str | None = None) -> str | None:
         """The --rdzv_conf value of `key`, or `default`."""

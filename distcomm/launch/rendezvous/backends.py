@@ -110,14 +110,16 @@ def bind_address(host: str) -> str:
     return "::" if ":" in host else "0.0.0.0"
 
 
-def host_tcp_store(host: str, port: int, timeout: float) -> TCPStore:
-    """A TCPStore served by this process for clients that reach it at `host:port`.
+def host_tcp_store(host: str, port: int, timeout: float,
+                   auth_key: bytes | None = None) -> TCPStore:
+    """A TCPStore served by this process for clients that reach it at `host:port`, with
+    `auth_key` (None: DISTCOMM_AUTH_KEY).
 
     Raises:
         DistNetworkError: the port cannot be bound (in use, not local).
     """
     return TCPStore(bind_address(host), port, is_master=True, timeout=timeout,
-                    wait_for_workers=False)
+                    wait_for_workers=False, auth_key=auth_key)
 
 
 def _address_in_use(exc: DistNetworkError) -> bool:
@@ -144,7 +146,7 @@ def create_c10d_store(params: RendezvousParameters,
         )
     if is_host:
         try:
-            store = host_tcp_store(host, port, settings.read_timeout)
+            store = host_tcp_store(host, port, settings.read_timeout, params.auth_key)
         except DistNetworkError as exc:
             if settings.is_host is not None or not _address_in_use(exc):
                 raise RendezvousConnectionError(
@@ -157,7 +159,8 @@ def create_c10d_store(params: RendezvousParameters,
                      format_address(host, store.port))
             return store, (host, store.port), True
     try:
-        store = TCPStore(host, port, is_master=False, timeout=settings.read_timeout)
+        store = TCPStore(host, port, is_master=False, timeout=settings.read_timeout,
+                         auth_key=params.auth_key)
     except DistError as exc:
         raise RendezvousConnectionError(
             f"--rdzv_backend=c10d: cannot reach the store at {address} within "

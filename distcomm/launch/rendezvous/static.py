@@ -45,6 +45,7 @@ class StaticRendezvous(RendezvousHandler):
         master_port: --master_port; 0 picks a free port, allowed only when nnodes is 1.
         join_timeout: seconds a round (connecting to node 0 included) may take.
         close_timeout: seconds `set_closed` may take to reach the store.
+        auth_key: the key of node 0's store, or None for DISTCOMM_AUTH_KEY.
 
     Raises:
         ValueError: a bad parameter; the message names the flag.
@@ -59,6 +60,7 @@ class StaticRendezvous(RendezvousHandler):
         master_port: int = 0,
         join_timeout: float = 600.0,
         close_timeout: float = 30.0,
+        auth_key: bytes | None = None,
     ) -> None:
         if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
             raise ValueError(f"--nnodes must be an integer >= 1, got {nnodes!r}")
@@ -82,6 +84,7 @@ class StaticRendezvous(RendezvousHandler):
         self._master_port = master_port
         self._join_timeout = join_timeout
         self._close_timeout = close_timeout
+        self._auth_key = auth_key
         self._store: TCPStore | None = None
         self._round = 0
         self._closed_key = f"/rdzv/{run_id}/closed"
@@ -100,9 +103,11 @@ class StaticRendezvous(RendezvousHandler):
         left = deadline.remaining() or 0.0
         try:
             if self._node_rank == 0:
-                store = host_tcp_store(self._master_addr, self._master_port, self._join_timeout)
+                store = host_tcp_store(self._master_addr, self._master_port, self._join_timeout,
+                                       self._auth_key)
             else:
-                store = TCPStore(self._master_addr, self._master_port, timeout=left)
+                store = TCPStore(self._master_addr, self._master_port, timeout=left,
+                                 auth_key=self._auth_key)
                 store.set_timeout(self._join_timeout)
         except DistError as exc:
             if self._node_rank == 0:
@@ -234,4 +239,5 @@ def create_static_handler(params: RendezvousParameters) -> StaticRendezvous:
         master_port=params.master_port,
         join_timeout=settings.join_timeout,
         close_timeout=settings.close_timeout,
+        auth_key=params.auth_key,
     )
