@@ -267,6 +267,8 @@ def rebuild_ndarray_named(name: str, size: int, manager: str, offset: int,
 
 
 def _reducer_override(self: Any, obj: Any) -> Any:
+    # the exact type, as the dispatch table matches np.ndarray: a subclass pickles its own
+    # way (gpu.runtime.is_cupy_array, which takes subclasses, is the test elsewhere)
     cupy = sys.modules.get("cupy")
     if cupy is not None and type(obj) is getattr(cupy, "ndarray", None):
         from ..gpu import ipc
