@@ -92,9 +92,11 @@ ELASTIC_WORKER = """
     out, stop = Path(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group()
     rank, size = dist.get_rank(), dist.get_world_size()
-    (out / f"w{size}_r{rank}.json").write_text(json.dumps(
+    record = out / f"w{size}_r{rank}.json"  # written whole: the test polls these
+    record.with_suffix(".part").write_text(json.dumps(
         {"rank": rank, "size": size, "pid": os.getpid(),
          "restart": os.environ["DISTCOMM_RESTART_COUNT"]}))
+    os.replace(record.with_suffix(".part"), record)
     while True:
         flag = np.array([1 if stop.exists() else 0], dtype=np.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -682,19 +684,25 @@ LONG_LAST_CALL = (
 )
 
 
+def _with_agent_logs(tmp_path: Path, exc: AssertionError) -> AssertionError:
+    """`exc` with the end of every agent log under `tmp_path` (what each node saw)."""
+    logs = "".join(f"\n== {path.name}\n{path.read_text(errors='replace')[-6000:]}"
+                   for path in sorted(tmp_path.glob("*.log")))
+    return AssertionError(f"{exc}{logs}")
+
+
 def test_scale_up_third_node_joins(tmp_path):
     out, stop = tmp_path / "out", tmp_path / "stop"
     out.mkdir()
     worker = script(tmp_path / "elastic.py", ELASTIC_WORKER)
     endpoint = f"127.0.0.1:{free_port()}"
-    procs = _nodes(
-        tmp_path, "c10d", endpoint, "2:3", 2, worker, str(out), str(stop), extra=(FAST_RDZV,)
-    )
+    args = (worker, str(out), str(stop))
+    procs = _nodes(tmp_path, "c10d", endpoint, "2:3", 2, *args, extra=(FAST_RDZV,),
+                   log=tmp_path / "node")
     try:
         wait_for(lambda: _sizes(out).get(4) == {0, 1, 2, 3}, 90, "a 2-node group")
-        procs += _nodes(
-            tmp_path, "c10d", endpoint, "2:3", 1, worker, str(out), str(stop), extra=(FAST_RDZV,)
-        )
+        procs += _nodes(tmp_path, "c10d", endpoint, "2:3", 1, *args, extra=(FAST_RDZV,),
+                        log=tmp_path / "third")
         wait_for(lambda: _sizes(out).get(6) == set(range(6)), 90, "a 3-node group")
         stop.write_text("")
         for proc in procs:
@@ -702,6 +710,8 @@ def test_scale_up_third_node_joins(tmp_path):
             assert code == 0, err
         # a membership change is not a failure: the restart count stays 0
         assert {r["restart"] for r in records(out)} == {"0"}
+    except AssertionError as exc:
+        raise _with_agent_logs(tmp_path, exc) from None
     finally:
         for proc in procs:
             kill_tree(proc.pid)
@@ -735,6 +745,7 @@ def test_scale_down_killed_node_leaves(tmp_path):
         str(out),
         str(stop),
         extra=(LONG_LAST_CALL, "--max_restarts=3"),
+        log=tmp_path / "node",
     )
     try:
         wait_for(lambda: _sizes(out).get(6) == set(range(6)), 90, "a 3-node group")
@@ -750,6 +761,8 @@ def test_scale_down_killed_node_leaves(tmp_path):
             if proc is not victim:
                 code, _, err = finish(proc)
                 assert code == 0, err
+    except AssertionError as exc:
+        raise _with_agent_logs(tmp_path, exc) from None
     finally:
         for proc in procs:
             kill_tree(proc.pid)
