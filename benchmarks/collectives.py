@@ -61,6 +61,7 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
+import plots  # benchmarks/plots.py, beside this script
 
 from distcomm.launch.errors import exit_description
 
@@ -253,6 +254,12 @@ recorder: --trace on (default) times with the flight recorder on, as users run; 
     )
     parser.add_argument("--csv", metavar="PATH", help="also write every row to this CSV file")
     parser.add_argument(
+        "--png",
+        metavar="PATH",
+        help="also plot time and bus bandwidth against size, ours and the peer's, per op "
+        "(needs matplotlib; benchmarks/plots.py draws several runs' CSV files together)",
+    )
+    parser.add_argument(
         "--timeout",
         type=positive_float,
         default=300.0,
@@ -264,6 +271,8 @@ recorder: --trace on (default) times with the flight recorder on, as users run; 
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.png:
+        plots.require_matplotlib(parser)
     if args.trace_rounds < 1:
         parser.error(f"--trace_rounds must be >= 1, got {args.trace_rounds}")
     launcher = launched_by(parser)
@@ -988,6 +997,12 @@ class Report:
                 writer.writeheader()
                 writer.writerows(self.rows)
             print(f"# wrote {len(self.rows)} rows to {self.args.csv}", flush=True)
+        if self.args.png and self.rows:
+            a = self.args
+            peer = f" beside {self.peer_label}" if a.compare else ""
+            plots.collectives(
+                self.rows, a.png, f"distcomm {a.backend}{peer}: {self.nprocs} ranks, {a.dtype}"
+            )
         return bad
 
 
