@@ -343,3 +343,77 @@ def test_timeout_across_hosts_names_the_stopped_rank():
             assert f"rank(s) {other} " not in message, results
         assert "collective #4" not in message, results  # h1's own step count
     assert results[3][0] != "ok" and "aborted" in results[3][1], results
+
+
+# -- the shared-memory engine's wake-ups --------------------------------------------------------
+
+
+class _NoFailures:
+    """The engine's FailureWatch where nothing fails (the TCP mailbox's place)."""
+
+    def failed(self, rank: int) -> None:
+        return None
+
+    def add_listener(self, callback) -> None:
+        pass
+
+
+def _two_engines():
+    from distcomm.backends.shm.engine import IntraNode
+    from distcomm.backends.shm.primitives import Segment
+
+    segment = Segment(IntraNode.segment_bytes(2))
+    pids = [os.getpid()] * 2
+    engines = [IntraNode(segment, pids, rank, 2, [0, 1], 2, _NoFailures(), 4096, 1 << 20)
+               for rank in (0, 1)]
+    return segment, engines
+
+
+def _call(seq: int):
+    from distcomm.backends.protocol import Call, Signature
+    from distcomm.deadline import Deadline
+
+    return Call(seq, Signature.of("barrier"), f"barrier #{seq}", Deadline(60))
+
+
+def test_a_counter_raise_wakes_only_when_a_peer_sleeps(monkeypatch):
+    """No futex_wake system call while nobody sleeps; a sleeping peer raises its flag
+    first, is woken, and lowers it again."""
+    import threading
+
+    from distcomm.backends.shm import engine
+
+    wakes: list[int] = []
+    real_wake = engine.futex_wake
+    monkeypatch.setattr(engine, "futex_wake", lambda address: (wakes.append(address),
+                                                               real_wake(address)))
+    monkeypatch.setattr(engine, "_SLICE", 120.0)  # a sleep ends by a wake-up, not a timeout
+    segment, (zero, one) = _two_engines()
+    try:
+        arrive = zero._arrive_at[0]
+        zero._set(arrive, 1)  # nobody waits: no system call
+        assert wakes == []
+        one._wait(_call(0), arrive, 1, 0, "arrive")  # reached already: returns at once
+        done = threading.Event()
+
+        def wait_for_two() -> None:
+            one._wait(_call(1), arrive, 2, 0, "arrive")
+            done.set()
+
+        waiter = threading.Thread(target=wait_for_two, daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not one._flags[1] and time.monotonic() < deadline:  # polls, yields, sleeps
+            time.sleep(0.001)
+        assert one._flags[1] == 1, "the waiting rank never said it sleeps"
+        zero._set(arrive, 2)
+        waiter.join(60)
+        assert done.is_set() and not waiter.is_alive()
+        assert wakes == [segment.address + 4 * arrive]
+        assert one._flags[1] == 0  # lowered after the wake-up
+        zero._set(arrive, 3)  # nobody sleeps any more: no system call
+        assert len(wakes) == 1
+    finally:
+        zero.release_views()
+        one.release_views()
+        segment.close()

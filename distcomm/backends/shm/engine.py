@@ -15,12 +15,20 @@ others touch then wait at a completion barrier before returning.
 Slots come in two generations (by sequence parity). A rank reuses a slot two collectives
 later, after every peer has arrived at the collective in between, that is after every
 peer has finished reading it.
+
+The small-message path allocates nothing per call: the slots' offsets, the counters and
+the payload views are computed when the group is made, metadata is packed with `struct`
+straight into the segment, and signatures are compared as bytes (decoded only for the
+error message). A waiting rank polls without system calls while the host's ranks have a
+core each, yields the CPU when they do not, and then sleeps on the futex; a rank wakes
+sleepers only when one has said it sleeps (see `primitives`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -32,18 +40,20 @@ from ...ops import ReduceOp, reduce_into
 from ...parallel import parallel_for
 from ..protocol import Call, Failure, Signature, mismatch_message
 from ..scratch import ScratchPool
-from .primitives import Segment, cma_read, cma_write, futex_wait, futex_wake
+from .primitives import Segment, cma_read, cma_write, futex_wait, futex_wake, store_load_fence
 
 __all__ = ["FailureWatch", "IntraNode"]
 
 log = logging.getLogger(__name__)
 
 _MOD, _HALF = 1 << 31, 1 << 30  # counters are 31-bit and compared modulo
-_CTRL = 64  # header bytes before the per-rank counters
 _STRIDE = 128  # bytes per rank of counters: arrival and completion on separate lines
 _META = 64  # per-slot header: op, dtype, redop, root, count, in, out, flags (int64)
+_META_FORMAT = struct.Struct("=8q")
+_SIGNATURE_BYTES = 5 * 8  # the first five fields: the collective's Signature
 _IN, _OUT, _FLAGS = 5, 6, 7
 _INLINE = 1
+_POLLS = 200  # reads of a counter before yielding, when every local rank has a core
 _SPINS = 40  # sched_yield rounds before sleeping on the futex
 _SLICE = 0.25  # longest single futex sleep (failures wake sooner)
 #: reads and writes of at least this many bytes are split over the intra-op threads
@@ -60,6 +70,11 @@ def _bounds(count: int, parts: int) -> list[int]:
 
 def _reached(value: int, target: int) -> bool:
     return (value - target) % _MOD < _HALF
+
+
+def _ctrl_bytes(size: int) -> int:
+    """The control header: one sleep flag byte per rank, in whole 64-byte lines."""
+    return max(1, -(-size // 64)) * 64
 
 
 class FailureWatch(Protocol):
@@ -100,11 +115,25 @@ class IntraNode:
         self.names, self.group_size = names, group_size
         self.inline_max, self.chunk = min(inline_max, self.INLINE_MAX), chunk
         self._segment, self._pids, self._watch = segment, pids, watch
-        self._words = segment.bytes[: self.slots_offset(size)].view(np.int32)
-        # the slot layout, fixed by the group size
+        # the layout, fixed by the group size, and views of it made once
+        self._ctrl = _ctrl_bytes(size)
         self._slots_at = self.slots_offset(size)
         self._header = self._header_bytes(size)
         self._stride = self._header + self.INLINE_MAX
+        self._mem = memoryview(segment.bytes)  # the whole segment, bytes
+        self._words = self._mem[: self._slots_at].cast("i")  # the counters
+        self._flags = self._mem[: self._ctrl]  # byte r: rank r may sleep on a futex
+        self._flag_words = self._flags.cast("q")
+        self._arrive_at = [self._word(r, "arrive") for r in range(size)]
+        self._finish_at = [self._word(r, "finish") for r in range(size)]
+        self._slot_at = [[self._slot_offset(g, r) for r in range(size)] for g in (0, 1)]
+        self._payloads = [
+            [segment.bytes[at + self._header : at + self._header + self.INLINE_MAX]
+             for at in slots]
+            for slots in self._slot_at
+        ]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self._polls = _POLLS if size <= cores else 0  # never poll on a shared core
         self._waiting = 0
         self._local = threading.local()
         self._pool = ScratchPool()  # a non-root owner's partial result in `reduce`
@@ -123,26 +152,25 @@ class IntraNode:
 
     @staticmethod
     def slots_offset(size: int) -> int:
-        return -(-(_CTRL + size * _STRIDE) // 4096) * 4096
+        return -(-(_ctrl_bytes(size) + size * _STRIDE) // 4096) * 4096
 
     @classmethod
     def segment_bytes(cls, size: int) -> int:
         return cls.slots_offset(size) + 2 * size * (cls._header_bytes(size) + cls.INLINE_MAX)
 
-    def _slot(self, seq: int, rank: int) -> int:
-        return self._slots_at + ((seq % 2) * self.size + rank) * self._stride
+    def _slot_offset(self, generation: int, rank: int) -> int:
+        return self._slots_at + (generation * self.size + rank) * self._stride
 
     def _meta(self, seq: int, rank: int) -> np.ndarray:
-        at = self._slot(seq, rank)
+        at = self._slot_at[seq & 1][rank]
         return self._segment.bytes[at : at + _META].view(np.int64)
 
     def _offsets(self, seq: int, rank: int) -> np.ndarray:
-        at = self._slot(seq, rank) + _META
+        at = self._slot_at[seq & 1][rank] + _META
         return self._segment.bytes[at : at + 8 * (self.size + 1)].view(np.int64)
 
     def _payload(self, seq: int, rank: int, nbytes: int) -> np.ndarray:
-        at = self._slot(seq, rank) + self._header
-        return self._segment.bytes[at : at + nbytes]
+        return self._payloads[seq & 1][rank][:nbytes]
 
     # -- synchronisation -------------------------------------------------------------------
 
@@ -152,15 +180,22 @@ class IntraNode:
             futex_wake(address)
 
     def _set(self, index: int, value: int) -> None:
+        """Raise this rank's counter `index` to `value`; wake the peers that may sleep."""
         self._words[index] = value % _MOD
-        futex_wake(self._segment.address + 4 * index)
+        store_load_fence()  # the counter is visible before the flags are read
+        if any(self._flag_words):
+            futex_wake(self._segment.address + 4 * index)
 
     def _wait(self, call: Call, index: int, target: int, peer: int, what: str) -> None:
-        words, address = self._words, self._segment.address + 4 * index
+        words, goal = self._words, target % _MOD
+        for _ in range(self._polls + 1):  # no system call while the peer is running
+            if (words[index] - goal) % _MOD < _HALF:
+                return
+        address = self._segment.address + 4 * index
         spins = 0
         while True:
-            value = int(words[index])
-            if _reached(value, target % _MOD):
+            value = words[index]
+            if _reached(value, goal):
                 return
             if spins < _SPINS:
                 spins += 1
@@ -181,9 +216,12 @@ class IntraNode:
                     f"{call.describe} timed out after {call.deadline.seconds:.1f} s: {why}"
                 )
             self._waiting = address
+            self._flags[self.rank] = 1
+            store_load_fence()  # the flag is visible before the kernel reads the counter
             try:
                 futex_wait(address, value, _SLICE if left is None else min(left, _SLICE))
             finally:
+                self._flags[self.rank] = 0
                 self._waiting = 0
 
     def _lagging(self, target: int, what: str) -> str:
@@ -206,10 +244,9 @@ class IntraNode:
         )
         return f"rank(s) {ranks} have not called collective #{target - 1} ({where})"
 
-    @staticmethod
-    def _word(rank: int, what: str) -> int:
+    def _word(self, rank: int, what: str) -> int:
         """Index of `rank`'s arrival or completion counter among the int32 words."""
-        return (_CTRL + rank * _STRIDE) // 4 + (16 if what == "finish" else 0)
+        return (self._ctrl + rank * _STRIDE) // 4 + (16 if what == "finish" else 0)
 
     def diagnose(self, seq: int) -> str:
         """Why collective `seq` has not completed: the peers that have not reached it."""
@@ -228,9 +265,12 @@ class IntraNode:
         offsets: Sequence[int] | None = None,
     ) -> None:
         """Publish this rank's part of the collective, wait for every peer's, compare."""
-        seq, signature = call.seq, call.signature
-        meta = self._meta(seq, self.rank)
-        meta[:] = (
+        seq, signature, rank, mem = call.seq, call.signature, self.rank, self._mem
+        slots = self._slot_at[seq & 1]
+        at = slots[rank]
+        _META_FORMAT.pack_into(
+            mem,
+            at,
             signature.op,
             signature.dtype,
             signature.redop,
@@ -241,14 +281,18 @@ class IntraNode:
             _INLINE if inline is not None else 0,
         )
         if inline is not None and inline.size:
-            self._payload(seq, self.rank, inline.nbytes)[:] = inline
+            start = at + self._header
+            mem[start : start + inline.nbytes] = inline
         if offsets is not None:
-            self._offsets(seq, self.rank)[:] = offsets
-        self._set(self._word(self.rank, "arrive"), seq + 1)
-        for peer in self._others():
-            self._wait(call, self._word(peer, "arrive"), seq + 1, peer, "arrive")
+            self._offsets(seq, rank)[:] = offsets
+        self._set(self._arrive_at[rank], seq + 1)
+        mine = mem[at : at + _SIGNATURE_BYTES]
         for peer in range(self.size):
-            if peer != self.rank:
+            if peer != rank:
+                self._wait(call, self._arrive_at[peer], seq + 1, peer, "arrive")
+        for peer in range(self.size):
+            theirs_at = slots[peer]
+            if peer != rank and mem[theirs_at : theirs_at + _SIGNATURE_BYTES] != mine:
                 theirs = Signature(*(int(v) for v in self._meta(seq, peer)[:5]))
                 if theirs != signature:
                     raise DistBackendError(
@@ -265,10 +309,10 @@ class IntraNode:
     def _finish(self, call: Call, wait_for: Sequence[int]) -> None:
         """Mark this rank done with the collective's arrays; wait until `wait_for` are too."""
         seq = call.seq
-        self._set(self._word(self.rank, "finish"), seq + 1)
+        self._set(self._finish_at[self.rank], seq + 1)
         for peer in wait_for:
             if peer != self.rank:
-                self._wait(call, self._word(peer, "finish"), seq + 1, peer, "finish")
+                self._wait(call, self._finish_at[peer], seq + 1, peer, "finish")
 
     def _others(self) -> list[int]:
         return [p for p in range(self.size) if p != self.rank]
@@ -504,6 +548,12 @@ class IntraNode:
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    def release_views(self) -> None:
+        """Let go of every view of the segment (they keep it mapped)."""
+        for view in (self._flag_words, self._flags, self._words, self._mem):
+            view.release()
+        self._payloads = []
+
     def close(self) -> None:
-        self._words = np.empty(0, np.int32)
+        self.release_views()
         self._segment.close()

@@ -13,10 +13,14 @@ within a node). That needs ptrace permission between the ranks; where Yama restr
 ptrace to descendants, each rank allows its peers with `PR_SET_PTRACER` (as Open MPI
 does), and where that is not enough `probe` reports why and the backend uses TCP.
 
-Waits block in the kernel on futex words (after a short `sched_yield` loop): four ranks
-on two cores never spin. Counters have a single writer each (their rank), which stores
-and then wakes, so no atomic read-modify-write is needed and no wake-up is lost. That
-relies on the CPU keeping plain stores in order (x86-64); the backend uses TCP elsewhere.
+Waits block in the kernel on futex words (after a short poll): four ranks on two cores
+never spin for long. Counters have a single writer each (their rank), so no atomic
+read-modify-write is needed. That relies on the CPU keeping plain stores in order
+(x86-64); the backend uses TCP elsewhere. A rank about to sleep raises a flag of its own
+first, and a rank that raises a counter wakes sleepers only when a flag is up: both
+sides put a `store_load_fence` between their store and their load, so one of them always
+sees the other's (no lost wake-up) and the common case, nobody asleep, costs no system
+call.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import ctypes
 import mmap
 import os
 import platform
+import threading
 import time
 
 import numpy as np
@@ -40,6 +45,7 @@ __all__ = [
     "futex_wait",
     "futex_wake",
     "host_identity",
+    "store_load_fence",
 ]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -101,6 +107,21 @@ def futex_wait(address: int, expected: int, timeout: float) -> None:
         None,
         0,
     )
+
+
+_fence_lock = threading.Lock()
+
+
+def store_load_fence() -> None:
+    """Make this thread's earlier stores visible to other CPUs before its later loads.
+
+    x86-64 may satisfy a load before an earlier store to another address leaves the store
+    buffer; a locked instruction is a full fence. An uncontended lock's acquire and
+    release each run one (glibc's semaphores and CPython's own locks both take and give
+    with atomic compare-exchange or fetch-add), with no system call.
+    """
+    _fence_lock.acquire()
+    _fence_lock.release()
 
 
 def futex_wake(address: int) -> None:
