@@ -62,6 +62,22 @@ class OpQueue:
         self._run(fn, work)
         return work
 
+    def claim(self) -> bool:
+        """Mark the queue busy for a synchronous call its caller runs at once, if nothing
+        runs or waits ahead of it (then `release` when done); False, with nothing changed,
+        otherwise: `submit` it instead."""
+        with self._cond:
+            if self._busy or self._queue or self._closed:
+                return False
+            self._busy = True
+            return True
+
+    def release(self) -> None:
+        """End a call run under `claim`."""
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
     def idle(self) -> bool:
         """Whether nothing is running or queued (a synchronous call may then run at once)."""
         return not (self._busy or self._queue or self._closed)

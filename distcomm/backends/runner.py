@@ -70,6 +70,18 @@ class Runner:
         `why(seq)` explains a `Work.wait` timeout. Any error aborts the group.
         """
         description = self._describe(op)
+        if not async_op and self._collectives.claim():
+            # nothing runs or waits ahead: run it here and now, its waits bounded by the
+            # call's deadline, and hand back a finished Work (nothing to wait on)
+            try:
+                self._run(description, signature, step, args)
+            except BaseException as exc:
+                work = Work(description, outputs, timeout=self.timeout)
+                work.fail(exc)
+                return work
+            finally:
+                self._collectives.release()
+            return Work.completed(description, outputs)
         running: list[int] = []  # the seq, once the collective starts
 
         def explain() -> str:
@@ -85,25 +97,30 @@ class Runner:
         )
 
         def run() -> None:
-            seq = self.seq
-            running.append(seq)
-            self.seq += 1
-            describe = f"{description} #{seq}"
-            failure = self._transport.mailbox.failure
-            if failure is not None:
-                raise failure.kind(f"{describe}: the group was aborted earlier: {failure.message}")
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s: %s", describe, signature.describe())
-            try:
-                step(Call(seq, signature, describe, Deadline(self.timeout)), *args)
-            except DistError as exc:
-                self._transport.abort(Failure(type(exc), str(exc)))
-                raise
-            except BaseException as exc:
-                self._transport.abort(Failure(DistBackendError, f"{describe} failed: {exc!r}"))
-                raise
+            running.append(self.seq)
+            self._run(description, signature, step, args)
 
         return self._collectives.submit(run, work, async_op)
+
+    def _run(self, description: str, signature: Signature, step: Callable[..., None],
+             args: tuple) -> None:
+        """Number the collective and run its step (the op queue is this caller's)."""
+        seq = self.seq
+        self.seq += 1
+        describe = f"{description} #{seq}"
+        failure = self._transport.mailbox.failure
+        if failure is not None:
+            raise failure.kind(f"{describe}: the group was aborted earlier: {failure.message}")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s", describe, signature.describe())
+        try:
+            step(Call(seq, signature, describe, Deadline(self.timeout)), *args)
+        except DistError as exc:
+            self._transport.abort(Failure(type(exc), str(exc)))
+            raise
+        except BaseException as exc:
+            self._transport.abort(Failure(DistBackendError, f"{describe} failed: {exc!r}"))
+            raise
 
     def send(self, run: Callable[[], None], work: Work) -> Work:
         """Post `run()` (a send) behind the sends issued before it."""
