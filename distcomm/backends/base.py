@@ -78,10 +78,6 @@ class OpQueue:
             self._busy = False
             self._cond.notify_all()
 
-    def idle(self) -> bool:
-        """Whether nothing is running or queued (a synchronous call may then run at once)."""
-        return not (self._busy or self._queue or self._closed)
-
     def _run(self, fn: Callable[[], Any], work: Work) -> None:
         """Run one operation (the queue is marked busy) and complete its Work."""
         try:

@@ -315,9 +315,12 @@ class MpiBackend(Backend):
     ) -> Work:
         """Run the blocking MPI call `blocking()` in issue order (on the worker thread when
         `async_op`), then `finish()`."""
-        if not async_op and not self._broken and self._queue.idle():
+        if not async_op and not self._broken and self._queue.claim():
             # the common synchronous call: nothing queued before it, so run it right here
-            self._call(what, blocking, finish)
+            try:
+                self._call(what, blocking, finish)
+            finally:
+                self._queue.release()
             return Work.completed(what, outputs)
         description = self._check(what)
 

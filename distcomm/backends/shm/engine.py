@@ -188,15 +188,15 @@ class IntraNode:
 
     def _wait(self, call: Call, index: int, target: int, peer: int, what: str) -> None:
         words, goal = self._words, target % _MOD
-        for _ in range(self._polls + 1):  # no system call while the peer is running
-            if (words[index] - goal) % _MOD < _HALF:
-                return
         address = self._segment.address + 4 * index
-        spins = 0
+        polls, spins = self._polls, 0
         while True:
             value = words[index]
             if _reached(value, goal):
                 return
+            if polls:  # no system call while the peer runs on a core of its own
+                polls -= 1
+                continue
             if spins < _SPINS:
                 spins += 1
                 os.sched_yield()
