@@ -225,6 +225,28 @@ def test_state_machine_complete_round_left_empty_opens_the_next() -> None:
     assert not state.complete and state.round == 1
 
 
+def test_state_machine_complete_round_keeps_a_dead_members_rank() -> None:
+    """Every member of a complete round reads the same ranks and world size, however late:
+    a member that dies (or looks dead under load) keeps its rank; only its heartbeat goes,
+    and a node on the wait list counts as waiting beside the live members."""
+    state = RendezvousState()
+    for node in ("a", "b", "c"):
+        _step(state, node, 0.0)
+    assert state.complete and state.participants == {"a": 0, "b": 1, "c": 2}
+    state.last_heartbeats.update(a=10.0, b=10.0)
+    apply(state, decide(state, "d", LIMITS, 10.0, False), "d", LIMITS, 10.0)
+    assert num_waiting(state, LIMITS) == 0  # three live members of max 3
+    assert drop_dead(state, "a", LIMITS, 10.0) == ["c"]
+    assert state.complete and state.participants == {"a": 0, "b": 1, "c": 2}
+    assert "c" not in state.last_heartbeats
+    assert drop_dead(state, "a", LIMITS, 11.0) == []  # dropped once: nothing changes again
+    assert _step(state, "b", 11.0) is Action.FINISH
+    assert num_waiting(state, LIMITS) == 1  # d fits beside the two live members
+    state.last_heartbeats.update(d=20.0)
+    assert drop_dead(state, "d", LIMITS, 20.0) == ["a", "b"]  # the last members: next round
+    assert not state.complete and state.round == 1 and state.participants == {}
+
+
 def test_state_machine_next_round_completes_once_every_live_node_is_back() -> None:
     """A round after a complete one does not wait its last call once every node of the
     previous round that is alive, and every waiting node, has joined."""
@@ -447,8 +469,9 @@ def test_shutdown_leaves_the_state(run: Run) -> None:
     assert handlers[1].shutdown() is True
     assert handlers[1].shutdown() is True  # idempotent
     state = handlers[0].state()
-    assert handlers[1].node_id not in state.participants
+    assert handlers[1].node_id in state.participants  # the complete round's ranks stay
     assert handlers[1].node_id not in state.last_heartbeats
+    assert handlers[0].watch().round_over  # but its member is gone
     with pytest.raises(Exception, match="shut down"):
         handlers[1].next_rendezvous()
     # alone now, the other node forms the next round by itself (min 1)

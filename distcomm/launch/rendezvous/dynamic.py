@@ -180,7 +180,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()  # one state transaction of this handler at a time
         self._initialized = False
         self._round: int | None = None  # the round this node last completed
-        self._round_size = 0  # how many nodes that round had
         self._joined_any = False  # whether this handler ever completed a round
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -387,7 +386,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             leaving = False
             if action is Action.FINISH:
                 self._round, self._joined_any = state.round, True
-                self._round_size = len(state.participants)
                 log.info(
                     "%s: round %d complete: node %s is rank %d of %d",
                     self._where(),
@@ -467,8 +465,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """How many nodes wait for a round to form: the wait list (when a new round could
         take one of them) plus the participants of a gathering round; at least 1 once this
-        node's own round is over (a newer round began, or a node, this one included, was
-        dropped from it or left it), so that the agent rejoins.
+        node's own round is over (a newer round began, this node was dropped from it, or a
+        member of it died or left), so that the agent rejoins.
 
         Raises:
             RendezvousConnectionError: the store failed.
@@ -488,7 +486,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         over = mine is not None and (
             state.round != mine
             or self.node_id not in state.participants
-            or len(state.participants) < self._round_size
+            or not all(member in state.last_heartbeats for member in state.participants)
         )
         return RoundView(
             closed=state.closed, nodes_waiting=max(1, count) if over else count, round_over=over

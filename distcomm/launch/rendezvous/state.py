@@ -174,41 +174,53 @@ def leave_round(state: RendezvousState, node: str) -> bool:
     return False
 
 
-def withdraw(state: RendezvousState, node: str, limits: Limits, now: float) -> bool:
-    """Take `node` out of the participants and the wait list (its heartbeat stays).
+def _members_gone(state: RendezvousState) -> bool:
+    """Whether a complete round has no live member left (none keeps a heartbeat)."""
+    return state.complete and not any(n in state.last_heartbeats for n in state.participants)
 
-    A complete round left without participants opens the next one, so waiting nodes can
-    form it; a gathering round that drops below min_nodes ends its last call.
-    Returns whether the state changed.
+
+def withdraw(state: RendezvousState, node: str, limits: Limits, now: float) -> bool:
+    """Take `node` out of the wait list and out of the round.
+
+    A gathering round loses the participant (and ends its last call if it drops below
+    min_nodes). A complete round keeps it: its ranks and world size were handed out, and
+    every member must read the same ones however late it looks; the member loses its
+    heartbeat instead, and once no member has one the next round opens, so waiting nodes
+    can form it. Returns whether the state changed.
     """
     changed = False
     if node in state.wait_list:
         state.wait_list.remove(node)
         changed = True
-    if node in state.participants:
-        del state.participants[node]
-        changed = True
-        if state.complete and not state.participants:
+    if node not in state.participants:
+        return changed
+    if state.complete:
+        if state.last_heartbeats.pop(node, None) is not None:
+            changed = True
+        if _members_gone(state):
             _open_next_round(state)
-        _refresh_deadline(state, limits, now)
-    return changed
+            changed = True
+        return changed
+    del state.participants[node]
+    _refresh_deadline(state, limits, now)
+    return True
 
 
 def drop_dead(state: RendezvousState, node: str, limits: Limits, now: float) -> list[str]:
-    """Remove every node but `node` whose last heartbeat is older than `limits.dead_after`.
+    """Withdraw every node but `node` whose last heartbeat is older than `limits.dead_after`
+    (and forget the heartbeat).
 
-    Returns the nodes removed (empty: the state did not change).
+    Returns the nodes dropped now (empty: the state did not change).
     """
     known = set(state.participants) | set(state.wait_list) | set(state.last_heartbeats)
-    dead = [
-        other
-        for other in sorted(known - {node})
-        if now - state.last_heartbeats.get(other, float("-inf")) > limits.dead_after
-    ]
-    for other in dead:
-        withdraw(state, other, limits, now)
-        state.last_heartbeats.pop(other, None)
-    return dead
+    dropped = []
+    for other in sorted(known - {node}):
+        if now - state.last_heartbeats.get(other, float("-inf")) <= limits.dead_after:
+            continue
+        changed = withdraw(state, other, limits, now)
+        if state.last_heartbeats.pop(other, None) is not None or changed:
+            dropped.append(other)
+    return dropped
 
 
 def decide(state: RendezvousState, node: str, limits: Limits, now: float, expired: bool) -> Action:
@@ -263,7 +275,9 @@ def apply(state: RendezvousState, action: Action, node: str, limits: Limits, now
 
 def num_waiting(state: RendezvousState, limits: Limits) -> int:
     """Nodes waiting for a round to form: the wait list (when a new round could take
-    one of them), plus the participants of a gathering round."""
+    one of them beside the complete round's live members), plus the participants of a
+    gathering round."""
     if state.complete:
-        return len(state.wait_list) if len(state.participants) < limits.max_nodes else 0
+        live = sum(1 for member in state.participants if member in state.last_heartbeats)
+        return len(state.wait_list) if live < limits.max_nodes else 0
     return len(state.participants) + len(state.wait_list)
