@@ -2,221 +2,84 @@
 
 The public modules are listed in the README ("Public modules", kept in step by
 tests/test_public_modules.py); every other module of the package is internal.
+
+The names below are imported on first use (PEP 562), not at `import distcomm`: a process
+that only needs a store or the launcher (`distcomm-run`'s agent) does not pay for numpy and
+the collectives, and a worker pays for them once, when it first touches them.
 """
 
-from . import group
-from .backends.names import Backend, BackendConfig
-from .coalesced import all_gather_coalesced, all_reduce_coalesced
-from .collectives import (
-    P2POp,
-    all_gather,
-    all_gather_into_tensor,
-    all_gather_single,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    batch_isend_irecv,
-    broadcast,
-    gather,
-    irecv,
-    isend,
-    monitored_barrier,
-    recv,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_single,
-    reduce_scatter_tensor,
-    scatter,
-    send,
-)
-from .debug import (
-    DebugLevel,
-    breakpoint,
-    get_debug_level,
-    set_debug_level,
-    set_debug_level_from_env,
-)
-from .errors import (
-    BackendUnavailableError,
-    DistBackendError,
-    DistError,
-    DistNetworkError,
-    DistStoreError,
-    DistStoreTimeoutError,
-    DistTimeoutError,
-    GroupDestroyedError,
-    QueueEmptyError,
-)
-from .group import (
-    GroupMember,
-    GroupName,
-    ProcessGroup,
-    default_pg_timeout,
-    destroy_process_group,
-    get_default_backend_for_device,
-    init_process_group,
-    is_available,
-    is_backend_available,
-    is_gloo_available,
-    is_initialized,
-    is_mpi_available,
-    is_nccl_available,
-    is_ucc_available,
-    is_xccl_available,
-    new_group,
-)
-from .group_methods import (
-    AllreduceCoalescedOptions,
-    AllreduceOptions,
-    AllToAllOptions,
-    BarrierOptions,
-    BroadcastOptions,
-    GatherOptions,
-    ReduceOptions,
-    ReduceScatterOptions,
-    ScatterOptions,
-)
-from .launched import get_node_local_rank, is_torchelastic_launched
-from .objects import (
-    all_gather_object,
-    broadcast_object_list,
-    gather_object,
-    recv_object_list,
-    scatter_object_list,
-    send_object_list,
-)
-from .ops import ReduceOp, reduce_op, supports_complex
-from .parallel import (
-    fork,
-    get_num_interop_threads,
-    get_num_threads,
-    parallel_info,
-    set_num_interop_threads,
-    set_num_threads,
-    wait,
-)
-from .queries import (
-    get_backend,
-    get_backend_config,
-    get_global_rank,
-    get_group_rank,
-    get_pg_count,
-    get_process_group_ranks,
-    get_rank,
-    get_world_size,
-)
-from .regroup import shrink_group, split_group
-from .store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
-from .subgroups import new_subgroups, new_subgroups_by_enumeration
-from .trace import dump_trace, record_comm
-from .work import Work
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AllToAllOptions",
-    "AllreduceCoalescedOptions",
-    "AllreduceOptions",
-    "Backend",
-    "BackendConfig",
-    "BackendUnavailableError",
-    "BarrierOptions",
-    "BroadcastOptions",
-    "DebugLevel",
-    "DistBackendError",
-    "DistError",
-    "DistNetworkError",
-    "DistStoreError",
-    "DistStoreTimeoutError",
-    "DistTimeoutError",
-    "EtcdStore",
-    "FileStore",
-    "GatherOptions",
-    "GroupDestroyedError",
-    "GroupMember",
-    "GroupName",
-    "HashStore",
-    "P2POp",
-    "PrefixStore",
-    "ProcessGroup",
-    "QueueEmptyError",
-    "ReduceOp",
-    "ReduceOptions",
-    "ReduceScatterOptions",
-    "ScatterOptions",
-    "Store",
-    "TCPStore",
-    "Work",
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_gather_single",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "batch_isend_irecv",
-    "breakpoint",
-    "broadcast",
-    "broadcast_object_list",
-    "default_pg_timeout",
-    "destroy_process_group",
-    "dump_trace",
-    "fork",
-    "gather",
-    "gather_object",
-    "get_backend",
-    "get_backend_config",
-    "get_debug_level",
-    "get_default_backend_for_device",
-    "get_global_rank",
-    "get_group_rank",
-    "get_node_local_rank",
-    "get_num_interop_threads",
-    "get_num_threads",
-    "get_pg_count",
-    "get_process_group_ranks",
-    "get_rank",
-    "get_world_size",
-    "group",
-    "init_process_group",
-    "irecv",
-    "is_available",
-    "is_backend_available",
-    "is_gloo_available",
-    "is_initialized",
-    "is_mpi_available",
-    "is_nccl_available",
-    "is_torchelastic_launched",
-    "is_ucc_available",
-    "is_xccl_available",
-    "isend",
-    "monitored_barrier",
-    "new_group",
-    "new_subgroups",
-    "new_subgroups_by_enumeration",
-    "parallel_info",
-    "record_comm",
-    "recv",
-    "recv_object_list",
-    "reduce",
-    "reduce_op",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "send_object_list",
-    "set_debug_level",
-    "set_debug_level_from_env",
-    "set_num_interop_threads",
-    "set_num_threads",
-    "shrink_group",
-    "split_group",
-    "supports_complex",
-    "wait",
-]
+#: where each public name lives: module (relative to this package) -> names
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    ".backends.names": ("Backend", "BackendConfig"),
+    ".coalesced": ("all_gather_coalesced", "all_reduce_coalesced"),
+    ".collectives": (
+        "P2POp", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce",
+        "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "gather",
+        "irecv", "isend", "monitored_barrier", "recv", "reduce", "reduce_scatter",
+        "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "send",
+    ),
+    ".debug": (
+        "DebugLevel", "breakpoint", "get_debug_level", "set_debug_level",
+        "set_debug_level_from_env",
+    ),
+    ".errors": (
+        "BackendUnavailableError", "DistBackendError", "DistError", "DistNetworkError",
+        "DistStoreError", "DistStoreTimeoutError", "DistTimeoutError", "GroupDestroyedError",
+        "QueueEmptyError",
+    ),
+    ".group": (
+        "GroupMember", "GroupName", "ProcessGroup", "default_pg_timeout", "destroy_process_group",
+        "get_default_backend_for_device", "init_process_group", "is_available",
+        "is_backend_available", "is_gloo_available", "is_initialized", "is_mpi_available",
+        "is_nccl_available", "is_ucc_available", "is_xccl_available", "new_group",
+    ),
+    ".group_methods": (
+        "AllreduceCoalescedOptions", "AllreduceOptions", "AllToAllOptions", "BarrierOptions",
+        "BroadcastOptions", "GatherOptions", "ReduceOptions", "ReduceScatterOptions",
+        "ScatterOptions",
+    ),
+    ".launched": ("get_node_local_rank", "is_torchelastic_launched"),
+    ".objects": (
+        "all_gather_object", "broadcast_object_list", "gather_object", "recv_object_list",
+        "scatter_object_list", "send_object_list",
+    ),
+    ".ops": ("ReduceOp", "reduce_op", "supports_complex"),
+    ".parallel": (
+        "fork", "get_num_interop_threads", "get_num_threads", "parallel_info",
+        "set_num_interop_threads", "set_num_threads", "wait",
+    ),
+    ".queries": (
+        "get_backend", "get_backend_config", "get_global_rank", "get_group_rank", "get_pg_count",
+        "get_process_group_ranks", "get_rank", "get_world_size",
+    ),
+    ".regroup": ("shrink_group", "split_group"),
+    ".store": ("EtcdStore", "FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"),
+    ".subgroups": ("new_subgroups", "new_subgroups_by_enumeration"),
+    ".trace": ("dump_trace", "record_comm"),
+    ".work": ("Work",),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted([*_HOME, "group"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        if name == "group":  # the submodule (torch's dist.group namespace)
+            return importlib.import_module(".group", __name__)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

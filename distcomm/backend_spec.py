@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backends import create_backend, get_backend_record, registered_backends
+from .backends import create_backend, get_backend_record
 from .backends.base import Backend
 from .backends.staged import StagedBackend
 from .store import PrefixStore, Store
@@ -31,12 +31,11 @@ __all__ = [
 
 
 def _default_spec() -> dict[str, str]:
-    records = registered_backends()
     spec: dict[str, str] = {}
     for device, preferred in (("cpu", ("gloo", "tcp")), ("cuda", ("nccl", "gloo"))):
-        for name in preferred:
-            record = records.get(name)
-            if record is not None and device in record.devices and not record.availability():
+        for name in preferred:  # built-ins: a plug-in cannot take their names
+            record = get_backend_record(name)
+            if device in record.devices and not record.availability():
                 spec[device] = name
                 break
     return spec

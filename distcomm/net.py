@@ -7,8 +7,6 @@ import ipaddress
 import socket
 import warnings
 
-import psutil
-
 from .deadline import Deadline
 from .errors import DistNetworkError
 
@@ -227,6 +225,8 @@ def interface_address(ifname: str) -> str:
     Raises:
         ValueError: no such interface, or it has no IP address; lists the interfaces.
     """
+    import psutil  # its import costs every process ~20 ms: only where an interface is named
+
     addresses = psutil.net_if_addrs()
     if ifname not in addresses:
         raise ValueError(

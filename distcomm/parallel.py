@@ -19,8 +19,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import psutil
-
 from .work import Future
 
 __all__ = [
@@ -94,6 +92,8 @@ def _env_count(name: str) -> int | None:
 
 def physical_cores() -> int:
     """This machine's physical CPU cores (logical ones where that is unknown)."""
+    import psutil  # ~20 ms of imports: not at `import distcomm`
+
     return psutil.cpu_count(logical=False) or psutil.cpu_count(logical=True) or 1
 
 
@@ -177,7 +177,7 @@ def _default_num_threads() -> int:
     counts = [c for c in map(_env_count, _THREAD_VARS) if c is not None]
     if counts:
         return counts[-1]
-    logical = psutil.cpu_count(logical=True) or physical_cores()
+    logical = os.cpu_count() or physical_cores()
     mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(logical))
     allowed = len((_allowed_cpus() or set(range(logical))) | mask)
     usable = max(1, len(mask) * physical_cores() // max(logical, len(mask)))
@@ -412,8 +412,7 @@ def parallel_info() -> str:
         f"\tget_num_interop_threads() : {get_num_interop_threads()}",
         "Environment variables:",
         env.rstrip("\n"),
-        f"CPU cores : {psutil.cpu_count(logical=False) or '?'} physical, "
-        f"{psutil.cpu_count(logical=True) or '?'} logical",
+        f"CPU cores : {physical_cores()} physical, {os.cpu_count() or '?'} logical",
         "CPU affinity : "
         + (
             "[unknown on this platform]" if affinity is None else f"{len(affinity)} CPUs {affinity}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,27 @@ def test_the_readme_reaches_distcomm_only_through_public_modules():
         f"the README names internal modules {internal}: use a public module "
         "(README 'Public modules'), or add the module to that list with an __all__"
     )
+
+
+def _loaded_after(code: str, watched: list[str]) -> list[str]:
+    """Which of `watched` a fresh interpreter has imported after running `code`."""
+    probe = f"import sys\n{code}\nprint(' '.join(m for m in {watched!r} if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    return out.stdout.split()
+
+
+def test_the_launcher_and_a_store_client_do_not_import_the_collectives():
+    """`import distcomm` is lazy: distcomm-run's agent and a store client start without
+    numpy, the collectives, the entry-point scan or the etcd HTTP client."""
+    heavy = ["numpy", "distcomm.group", "importlib.metadata", "http.client"]
+    assert _loaded_after("import distcomm.run", heavy) == []
+    assert _loaded_after("import distcomm; distcomm.TCPStore", heavy) == []
+
+
+def test_a_worker_pays_only_for_what_it_uses():
+    code = "import distcomm; distcomm.init_process_group; distcomm.all_reduce; distcomm.barrier"
+    watched = ["numpy", "importlib.metadata", "http.client", "psutil"]
+    assert _loaded_after(code, watched) == ["numpy"]
+    assert _loaded_after("import distcomm; distcomm.EtcdStore", ["http.client"]) == ["http.client"]

@@ -15,7 +15,6 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any
 
 from ..errors import BackendUnavailableError
@@ -141,6 +140,8 @@ def _load_plugins() -> None:
         if _registry.plugins_loaded:
             return
         _registry.plugins_loaded = True
+    from importlib.metadata import entry_points  # ~40 ms of imports: only when needed
+
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         try:
             target = entry.load()
@@ -166,8 +167,13 @@ def get_backend_record(name: str) -> BackendRecord:
     Raises:
         ValueError: no backend has that name; lists the registered ones.
     """
+    key = name.lower() if isinstance(name, str) else None
+    with _registry.lock:
+        record = _registry.records.get(key)  # a built-in or already registered: no plug-in scan
+    if record is not None:
+        return record
     records = registered_backends()
-    record = records.get(name.lower()) if isinstance(name, str) else None
+    record = records.get(key)
     if record is None:
         raise ValueError(
             f"unknown backend {name!r}; registered backends: {', '.join(sorted(records))}")

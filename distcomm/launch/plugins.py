@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from importlib import metadata
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from importlib import metadata
 
 __all__ = ["NamedPlugins"]
 
@@ -55,6 +57,8 @@ class NamedPlugins(Generic[T]):
             self._items[name] = value
 
     def _entry_points(self) -> dict[str, metadata.EntryPoint]:
+        from importlib import metadata  # ~40 ms of imports: only when a name is looked up
+
         return {ep.name: ep for ep in metadata.entry_points(group=self.group)}
 
     def names(self) -> list[str]:

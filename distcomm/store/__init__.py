@@ -2,7 +2,6 @@
 
 from ..errors import QueueEmptyError
 from .base import Store
-from .etcd import EtcdStore
 from .file import FileStore
 from .hash import HashStore
 from .prefix import PrefixStore
@@ -17,3 +16,11 @@ __all__ = [
     "Store",
     "TCPStore",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "EtcdStore":  # its HTTP client's imports cost ~40 ms: only when used
+        from .etcd import EtcdStore
+
+        return EtcdStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
