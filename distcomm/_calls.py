@@ -123,9 +123,9 @@ def premultiplied(op: ReduceOp | PremulSum, array: Any, in_place: bool
 def finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,
            outputs: list[Any] | None = None) -> Work | None:
     """Wait for `work` unless `async_op`; settle its flight-recorder `entry` either way."""
-    if outputs is not None:
-        work.set_outputs(outputs)  # the caller's arrays, not the flat views the backend saw
     if async_op:
+        if outputs is not None:
+            work.set_outputs(outputs)  # the caller's arrays, not the flat views the backend saw
         trace.settle_later(entry, work)
         return work
     try:
@@ -137,5 +137,7 @@ def finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,
         if work.finished_on_wait:  # trace.settle(entry) without an end time, inlined:
             trace.done[entry % trace.size] = entry  # this is every op's path
         else:  # the op may still run on the device: settled when it completes there
+            if outputs is not None:
+                work.set_outputs(outputs)
             trace.settle_later(entry, work)
     return None

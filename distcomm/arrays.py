@@ -37,6 +37,8 @@ _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 def device_of(array: Any) -> str:
     """'cpu' for numpy arrays, 'cuda' for CuPy arrays."""
+    if type(array) is np.ndarray:  # the common case, without looking for CuPy
+        return "cpu"
     return "cuda" if is_cupy_array(array) else "cpu"
 
 
@@ -147,8 +149,8 @@ def check_same(arrays: list[Any], where: str, name: str) -> tuple[str, np.dtype]
 
 
 def flat(array: Any) -> Any:
-    """A 1-D view of a C-contiguous array (no copy)."""
-    return array.reshape(-1)
+    """A 1-D view of a C-contiguous array (no copy; a 1-D array itself)."""
+    return array if array.ndim == 1 else array.reshape(-1)
 
 
 def empty(size: int, like: Any) -> Any:

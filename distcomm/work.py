@@ -152,8 +152,14 @@ class Work:
 
     @classmethod
     def completed(cls, description: str, outputs: list[Any] | None = None) -> Work:
-        """The Work of an operation that already finished successfully (a synchronous call)."""
-        return cls(description, outputs, done=True)
+        """The Work of an operation that already finished successfully (a synchronous call;
+        every synchronous collective makes one, so it is built without `__init__`)."""
+        work = cls.__new__(cls)
+        work.description, work._default_timeout, work._on_timeout = description, None, None
+        work._outputs = outputs = outputs if outputs is not None else []
+        work._future = Future.completed(outputs)
+        work._source_rank, work.global_ranks = -1, None
+        return work
 
     # -- completion, called by backends -----------------------------------------------------
 
@@ -186,6 +192,9 @@ class Work:
         Raises:
             DistError: the operation failed; the error names the op, the group and the peers.
         """
+        future = self._future
+        if future._done is _SET and future._error is None:  # made completed: nothing to wait
+            return True
         seconds = to_seconds(timeout)
         if not seconds:  # None or 0: no explicit timeout, as in torch
             seconds = self._default_timeout

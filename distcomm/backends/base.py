@@ -28,7 +28,8 @@ class OpQueue:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # taken directly on the synchronous path (claim,
+        self._cond = threading.Condition(self._lock)  # release): cheaper than the Condition
         self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
         self._busy = False
         self._closed = False
@@ -66,7 +67,7 @@ class OpQueue:
         """Mark the queue busy for a synchronous call its caller runs at once, if nothing
         runs or waits ahead of it (then `release` when done); False, with nothing changed,
         otherwise: `submit` it instead."""
-        with self._cond:
+        with self._lock:
             if self._busy or self._queue or self._closed:
                 return False
             self._busy = True
@@ -74,9 +75,10 @@ class OpQueue:
 
     def release(self) -> None:
         """End a call run under `claim`."""
-        with self._cond:
+        with self._lock:
             self._busy = False
-            self._cond.notify_all()
+            if self._queue or self._cond._waiters:  # anyone to wake (submit, the worker)
+                self._cond.notify_all()
 
     def _run(self, fn: Callable[[], Any], work: Work) -> None:
         """Run one operation (the queue is marked busy) and complete its Work."""
