@@ -131,7 +131,6 @@ class Work:
         on_timeout: called with the seconds waited when `wait(timeout)` expires; it
             cancels or aborts the operation and returns the exception to raise.
         timeout: what `wait()` without a timeout waits at most (the group's timeout).
-        done: the operation already succeeded (`Work.completed`).
     """
 
     #: `wait()` returns once the operation finished; False where it only orders a device
@@ -140,12 +139,12 @@ class Work:
 
     def __init__(self, description: str, outputs: list[Any] | None = None,
                  on_timeout: Callable[[float], BaseException] | None = None,
-                 timeout: float | None = None, *, done: bool = False) -> None:
+                 timeout: float | None = None) -> None:
         self.description = description
         self._default_timeout = timeout
         self._outputs = outputs if outputs is not None else []
         self._on_timeout = on_timeout
-        self._future = Future.completed(self._outputs) if done else Future()
+        self._future = Future()
         self._source_rank = -1
         #: the group's global ranks, set by the caller so `source_rank` can translate
         self.global_ranks: list[int] | None = None
@@ -193,7 +192,7 @@ class Work:
             DistError: the operation failed; the error names the op, the group and the peers.
         """
         future = self._future
-        if future._done is _SET and future._error is None:  # made completed: nothing to wait
+        if timeout is None and future._done is _SET:  # `completed`: nothing to wait for
             return True
         seconds = to_seconds(timeout)
         if not seconds:  # None or 0: no explicit timeout, as in torch

@@ -323,7 +323,6 @@ class MpiBackend(Backend):
                 if self._watchdog is None:
                     self._watch(what)
                 blocking()
-                self._inflight = None
                 if finish is not None:
                     finish()
             except self._MPI.Exception as exc:
