@@ -72,6 +72,8 @@ _SEND_SLICE = 0.5
 #: collective payloads at least this large wait briefly for their receive (Mailbox.claim)
 _WAIT_FOR_POST_MIN = 64 * 1024
 _WAIT_FOR_POST = 0.25
+#: how long leaving the group waits for the peers to answer its goodbye (`close`)
+_GOODBYE_WAIT = 5.0
 
 
 def link_timeout(group_timeout: float | None) -> float:
@@ -215,20 +217,30 @@ class TcpTransport(Transport):
                         f"{deadline.seconds:.1f} s (is it alive and reading?)"
                     )
 
-    def _send_control(self, conn: _Peer, kind: int, payload: bytes = b"", code: int = 0) -> None:
-        """Best-effort ABORT/BYE/QUERY/STATUS: never blocks long, never interleaves a message."""
+    def _send_control(
+        self, conn: _Peer, kind: int, payload: bytes = b"", code: int = 0, *, last: bool = False
+    ) -> bool:
+        """Best-effort ABORT/BYE/QUERY/STATUS: never blocks long, never interleaves a message.
+
+        With `last`, nothing more is sent on the connection after this (it is marked gone
+        under the send lock). Returns whether the message was sent.
+        """
         if not conn.lock.acquire(timeout=1.0):
-            return
+            return False
         try:
             if conn.dirty or conn.gone:
-                return
+                return False
             payload = payload[:4096]
             header = Header(kind, code, nbytes=len(payload)).pack()
             try:
                 self._send_views(conn, [memoryview(header), memoryview(payload)], Deadline(1.0))
             except DistError:
                 conn.dirty = True
+                return False
+            return True
         finally:
+            if last:
+                conn.gone = True
             conn.lock.release()
 
     # -- receiving -------------------------------------------------------------------------
@@ -243,6 +255,13 @@ class TcpTransport(Transport):
                 _read_into(sock, view)
                 header = Header.unpack(raw)
                 kind, nbytes = header.kind, header.nbytes
+                if self._closing:
+                    # this rank said goodbye: read and drop what still comes until the
+                    # peer's BYE (its answer, or its own goodbye) or its close (`close`)
+                    if kind == BYE:
+                        return
+                    _skip(sock, nbytes)
+                    continue
                 if kind == BYE:
                     # the mailbox first: a sender that finds `gone` set can ask it why
                     mailbox.peer_gone(
@@ -252,7 +271,8 @@ class TcpTransport(Transport):
                             f"rank {conn.rank} has left the group (destroy_process_group or exit)",
                         ),
                     )
-                    conn.gone = True
+                    # answer with the last message sent to it: everything it sent is read
+                    self._send_control(conn, BYE, last=True)
                     _drain(sock)
                     return
                 if kind == ABORT:
@@ -449,9 +469,8 @@ class TcpTransport(Transport):
         self._stop_watch.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(5.0)
-        for conn in self._peers.values():
-            if not conn.gone:
-                self._send_control(conn, BYE)
+        told = [conn for conn in self._peers.values() if self._send_control(conn, BYE)]
+        self._await_answers(told)
         for conn in self._peers.values():
             try:
                 conn.sock.shutdown(socket.SHUT_RDWR)
@@ -462,6 +481,54 @@ class TcpTransport(Transport):
                 conn.thread.join(5.0)
             conn.sock.close()
         self.mailbox.fail(Failure(GroupDestroyedError, "the process group was destroyed"))
+
+
+    def _await_answers(self, told: list[_Peer]) -> None:
+        """Wait (at most `_GOODBYE_WAIT` s) until each peer told BYE has answered it.
+
+        A peer answers once its reader reached the BYE, so everything sent to it before
+        has been read. Closing earlier would lose some of that: a socket closed with
+        unread bytes, or one that receives more after it closed (a peer's next
+        signature), resets the connection, and the reset discards what the peer had not
+        read yet, such as this rank's last broadcast.
+        """
+        deadline = time.monotonic() + _GOODBYE_WAIT
+        logged = False
+        for conn in told:
+            thread = conn.thread
+            if thread is None or thread is threading.current_thread():
+                continue
+            thread.join(max(0.0, min(deadline, time.monotonic() + 1.0) - time.monotonic()))
+            if thread.is_alive() and not logged:
+                logged = True
+                late = [c.rank for c in told if c.thread is not None and c.thread.is_alive()]
+                log.info(
+                    "%s: leaving the group: waiting up to %.0f s for rank(s) %s to read what "
+                    "was sent to them",
+                    self._label,
+                    max(0.0, deadline - time.monotonic()),
+                    late,
+                )
+            thread.join(max(0.0, deadline - time.monotonic()))
+        late = [c.rank for c in told if c.thread is not None and c.thread.is_alive()]
+        if late:
+            log.warning(
+                "%s: rank(s) %s did not answer this rank's goodbye within %.0f s (busy, "
+                "stopped or hung?); closing anyway: what they had not read yet may be lost",
+                self._label,
+                late,
+                _GOODBYE_WAIT,
+            )
+
+
+def _skip(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop `nbytes` bytes."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+    while nbytes:
+        received = sock.recv_into(scratch[: min(nbytes, len(scratch))])
+        if not received:
+            raise EOFError
+        nbytes -= received
 
 
 def _read_into(sock: socket.socket, view: memoryview) -> None:
