@@ -12,7 +12,11 @@ from ...arrays import dtype_from_code
 from ...errors import DistBackendError, DistError
 from ..protocol import COLL, P2P, PROGRESS, Failure, Header, Signature, mismatch_message
 
-__all__ = ["Mailbox", "Recv"]
+__all__ = ["P2P_STREAM", "Mailbox", "Recv"]
+
+#: seconds after taking a point-to-point message from a peer during which that peer's
+#: next large one waits briefly for its receive (`Mailbox.claim`)
+P2P_STREAM = 0.05
 
 
 class Recv:
@@ -89,6 +93,8 @@ class Mailbox:
         self._gone: dict[int, Failure] = {}
         self._listeners: list[Callable[[], None]] = []
         self._statuses: dict[int, tuple[int, int]] = {}
+        #: peer -> when this rank last took a point-to-point message from it (`claim`)
+        self.p2p_taken: dict[int, float] = {}
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -138,6 +144,8 @@ class Mailbox:
                             self._posted_cond.notify_all()
                         return recv
         if found is not None:
+            if key[0] == P2P:
+                self.p2p_taken[found[0]] = time.monotonic()
             self.deliver(recv, *found)
         else:
             recv._finish(-1, failure.error())
@@ -182,17 +190,28 @@ class Mailbox:
     def claim(self, peer: int, header: Header, wait: float = 0.0) -> Recv | None:
         """The posted receive an incoming message from `peer` goes to, removed from the queue.
 
-        With `wait` > 0, a collective message of the collective this rank is running (or
-        will run next) waits up to `wait` seconds for its receive to be posted, so a large
-        payload lands in place instead of being buffered and copied. The bound keeps a
-        message that is not needed soon from holding up the connection behind it.
+        With `wait` > 0, a message that is needed soon waits up to `wait` seconds for its
+        receive to be posted, so a large payload lands in place instead of being buffered
+        and copied: a message of the collective this rank is running (or will run next),
+        or a point-to-point message from a peer whose last one this rank took less than
+        `P2P_STREAM` seconds ago (it is receiving a stream; the wait ends with that
+        window). The bounds keep a message that is not needed soon from holding up the
+        connection behind it.
         """
         key = self.key_of(peer, header)
         with self.lock:
             self._check_collective(peer, header)
             recv = self._pop_posted(key)
-            if recv is not None or wait <= 0 or not self._expected_soon(header):
+            if recv is not None or wait <= 0:
                 return recv
+            if header.kind == COLL:
+                if not self._expected_soon(header):
+                    return None
+            else:
+                wait = min(wait, self.p2p_taken.get(peer, -P2P_STREAM) + P2P_STREAM
+                           - time.monotonic())
+                if wait <= 0:
+                    return None
             end = time.monotonic() + wait
             self._waiting_readers += 1
             try:
@@ -207,11 +226,11 @@ class Mailbox:
             return recv
 
     def _expected_soon(self, header: Header) -> bool:
-        if header.kind != COLL:
-            return False
+        # the next collective too while this one still runs: a peer's reader is usually
+        # done with this rank's message before this rank has closed the collective, and
+        # everything the peer sent for this one came before on the connection
         current = self._current[0] if self._current is not None else -1
-        seq = header.seq
-        return seq == current or (seq == current + 1 and self._done_seq == current)
+        return current <= header.seq <= current + 1
 
     def _pop_posted(self, key: tuple) -> Recv | None:
         queue = self._posted.get(key)

@@ -40,7 +40,7 @@ from ...errors import (
     GroupDestroyedError,
 )
 from ...store.base import Store
-from ..protocol import ABORT, BYE, COLL, PROGRESS, QUERY, SIG, STATUS, Failure, Header
+from ..protocol import ABORT, BYE, COLL, P2P, PROGRESS, QUERY, SIG, STATUS, Failure, Header
 from .base import Transport
 from .mailbox import Mailbox
 from .mesh import connect_mesh
@@ -69,7 +69,7 @@ _TCPI_BYTES = 232
 
 _FAILURE_KINDS: tuple[type[DistError], ...] = (DistNetworkError, DistBackendError, DistTimeoutError)
 _SEND_SLICE = 0.5
-#: collective payloads at least this large wait briefly for their receive (Mailbox.claim)
+#: payloads at least this large wait briefly for their receive (Mailbox.claim)
 _WAIT_FOR_POST_MIN = 64 * 1024
 _WAIT_FOR_POST = 0.25
 #: how long leaving the group waits for the peers to answer its goodbye (`close`)
@@ -320,6 +320,8 @@ class TcpTransport(Transport):
                     continue
                 _read_into(sock, recv.buffer)
                 recv._finish(conn.rank, None)
+                if kind == P2P:  # the next one waits briefly for its receive (`claim`)
+                    mailbox.p2p_taken[conn.rank] = time.monotonic()
         except (OSError, EOFError) as exc:
             conn.gone = True
             if self._closing:
