@@ -663,3 +663,17 @@ def test_benchmark_runs_as_the_launchers_ranks(backend, tmp_path):
     assert f"# op all_gather, nprocs {2 * NPROC}, dtype float32, backend {backend}" in text, text
     assert "# 4 rows, 0 with wrong results: all checks passed" in text, text
     print(f"\n{text}")
+
+
+def test_hosts_benchmark_runs_and_reports_every_kind():
+    # benchmarks/hosts.py makes its own two namespaces (and removes them)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "hosts.py"), "--sizes", "64K", "--iters",
+         "3", "--warmup", "1", "--repeat", "2"],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = [line for line in done.stdout.splitlines() if line.startswith("| 64 KiB |")]
+    assert len(row) == 1, done.stdout
+    figures = [float(cell) for cell in row[0].strip("|").split("|")[1:]]
+    assert len(figures) == 5 and all(f > 0 for f in figures), done.stdout
