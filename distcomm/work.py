@@ -260,6 +260,15 @@ class Work:
         """A Work over `outputs` that completes after this one and then `finalize()` (the
         copy of results out of a joined buffer); it fails with this one's error, or
         `finalize`'s. A device Work queues `finalize` on its stream instead."""
+        future = self._future
+        if future._done is _SET:  # a synchronous call (`Work.completed`): finalize now
+            try:
+                finalize()
+            except BaseException as exc:
+                outer = Work(self.description, outputs)
+                outer.fail(exc)
+                return outer
+            return Work.completed(self.description, outputs)
         outer = Work(self.description, outputs, on_timeout=self._on_timeout,
                      timeout=self._default_timeout)
 
