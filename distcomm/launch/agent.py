@@ -325,11 +325,29 @@ class ElasticAgent:
                     if seen is None or seen.view.round_over
                     else f"{seen.view.nodes_waiting} node(s) waiting to join",
                 )
+                # the other nodes' workers fail once these stop, maybe before their agents
+                # see the change: tell them first that the round ends for it
+                with contextlib.suppress(DistError, OSError), slow_store("ending the round"):
+                    publish(info.run_store, _membership_key(info.round), "1")
+                self._stop_workers()
+                continue
+            if self._ended_for_membership(info):
+                log.warning(
+                    "distcomm-run: workers ended while another node restarts this round for a "
+                    "membership change: restarting the workers in a new round"
+                )
                 self._stop_workers()
                 continue
             code = self._round_failed(info)
             if code is not None:
                 return code
+
+    def _ended_for_membership(self, info: RendezvousInfo) -> bool:
+        """Whether another node ended this round for a membership change (so a failure of
+        this node's workers followed from its workers stopping, and counts as no failure)."""
+        with contextlib.suppress(DistError, OSError), slow_store("checking the round"):
+            return bool(info.run_store.check([_membership_key(info.round)]))
+        return False
 
     def _round_failed(self, info: RendezvousInfo) -> int | None:
         """Handle a failed round: record, count, stop; the exit status once no restart is
@@ -583,6 +601,11 @@ class ElasticAgent:
             timer.stop()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _membership_key(round_: int) -> str:
+    """The run-store key set when a node ends round `round_` for a membership change."""
+    return f"membership_change/{round_}"
 
 
 def launch(config: AgentConfig) -> int:
