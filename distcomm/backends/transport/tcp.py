@@ -273,6 +273,7 @@ class TcpTransport(Transport):
                     )
                     # answer with the last message sent to it: everything it sent is read
                     self._send_control(conn, BYE, last=True)
+                    conn.gone = True  # also when the answer could not be sent
                     _drain(sock)
                     return
                 if kind == ABORT:
