@@ -485,7 +485,6 @@ class TcpTransport(Transport):
             conn.sock.close()
         self.mailbox.fail(Failure(GroupDestroyedError, "the process group was destroyed"))
 
-
     def _await_answers(self, told: list[_Peer]) -> None:
         """Wait (at most `_GOODBYE_WAIT` s) until each peer told BYE has answered it.
 
