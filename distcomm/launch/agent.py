@@ -331,13 +331,6 @@ class ElasticAgent:
                     publish(info.run_store, _membership_key(info.round), "1")
                 self._stop_workers()
                 continue
-            if self._ended_for_membership(info):
-                log.warning(
-                    "distcomm-run: workers ended while another node restarts this round for a "
-                    "membership change: restarting the workers in a new round"
-                )
-                self._stop_workers()
-                continue
             code = self._round_failed(info)
             if code is not None:
                 return code
@@ -351,12 +344,20 @@ class ElasticAgent:
 
     def _round_failed(self, info: RendezvousInfo) -> int | None:
         """Handle a failed round: record, count, stop; the exit status once no restart is
-        left, else None (join the next round)."""
+        left, else None (join the next round). A round another node ended for a membership
+        change is no failure: its workers' failures followed from that."""
         c = self.config
         failures = self._failures(info)
-        self._record_workers(info, "FAILED", failures)
         if self._workers is not None:
-            self._workers.terminate()  # the other workers end while the store is told
+            self._workers.terminate()  # the other workers end while the store is asked
+        if self._ended_for_membership(info):
+            log.warning(
+                "distcomm-run: workers ended while another node restarts this round for a "
+                "membership change: restarting the workers in a new round"
+            )
+            self._stop_workers()
+            return None
+        self._record_workers(info, "FAILED", failures)
         with slow_store("recording the failure"):
             if failures:
                 share_failures(info.run_store, info.round, info.rank, failures)
