@@ -317,18 +317,9 @@ class MpiBackend(Backend):
         `async_op`), then `finish()`."""
         if not async_op and not self._broken and self._queue.claim():
             # the common synchronous call: nothing queued before it, so run it right here
-            # (`_call` inlined: this is every synchronous operation's path)
             try:
-                self._inflight = (time.monotonic(), what)  # what `_watch` does, once started
-                if self._watchdog is None:
-                    self._watch(what)
-                blocking()
-                if finish is not None:
-                    finish()
-            except self._MPI.Exception as exc:
-                raise DistBackendError(f"{self.describe(what)}: {_mpi_error(exc)}") from None
+                self._call(what, blocking, finish)
             finally:
-                self._inflight = None
                 self._queue.release()
             return Work.completed(what, outputs)
         description = self._check(what)

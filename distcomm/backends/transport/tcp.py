@@ -304,7 +304,7 @@ class TcpTransport(Transport):
                         conn.rank, header, _WAIT_FOR_POST if nbytes >= _WAIT_FOR_POST_MIN else 0.0
                     )
                 except DistError as exc:  # a message for a collective this rank finished
-                    _read_bytes(sock, nbytes)
+                    _skip(sock, nbytes)
                     self.abort(Failure(type(exc), str(exc)))
                     continue
                 if recv is None:
@@ -314,7 +314,7 @@ class TcpTransport(Transport):
                     continue
                 error = mailbox.check(recv, conn.rank, header)
                 if error is not None:
-                    _read_bytes(sock, nbytes)
+                    _skip(sock, nbytes)
                     recv._finish(conn.rank, error)
                     if kind == COLL:
                         self.abort(Failure(type(error), str(error)))
