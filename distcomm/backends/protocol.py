@@ -85,9 +85,15 @@ class Failure:
         return self.kind(f"{prefix}{self.message}")
 
 
-@dataclass(frozen=True)
-class Signature:
-    """What a collective is, as every rank must agree: op, dtype, reduce op, root, count."""
+_new_tuple = tuple.__new__  # builds a NamedTuple without its argument-binding __new__
+
+
+class Signature(NamedTuple):
+    """What a collective is, as every rank must agree: op, dtype, reduce op, root, count.
+
+    A tuple, not a dataclass: every collective makes one, and a frozen dataclass costs
+    twice as much to build.
+    """
 
     op: int
     dtype: int = 0
@@ -105,13 +111,11 @@ class Signature:
         count: int | None = None,
     ) -> Signature:
         """The signature of collective `op` on `array` (count: its size unless given)."""
-        return cls(
-            OP_CODES[op],
-            dtype_code(array.dtype) if array is not None else 0,
-            NO_REDOP if redop is None else int(redop),
-            root,
-            (array.size if array is not None else 0) if count is None else count,
-        )
+        code = NO_REDOP if redop is None else int(redop)
+        if array is None:
+            return _new_tuple(cls, (OP_CODES[op], 0, code, root, 0 if count is None else count))
+        return _new_tuple(cls, (OP_CODES[op], dtype_code(array.dtype), code, root,
+                                array.size if count is None else count))
 
     def to_text(self) -> str:
         """The signature as a store value ("op,dtype,redop,root,count")."""

@@ -47,7 +47,9 @@ class Runner:
         timeout: float,
     ) -> None:
         self._transport = transport
+        self._mailbox = transport.mailbox
         self._describe = describe
+        self._descriptions: dict[str, str] = {}  # op -> describe(op), made once
         self.timeout = timeout
         self._collectives = OpQueue(f"distcomm-{name}-ops")
         self._sends = OpQueue(f"distcomm-{name}-send")
@@ -69,7 +71,9 @@ class Runner:
         `call` is the `Call` (seq, signature, description, deadline) of the collective;
         `why(seq)` explains a `Work.wait` timeout. Any error aborts the group.
         """
-        description = self._describe(op)
+        description = self._descriptions.get(op)
+        if description is None:
+            description = self._descriptions[op] = self._describe(op)
         if not async_op and self._collectives.claim():
             # nothing runs or waits ahead: run it here and now, its waits bounded by the
             # call's deadline, and hand back a finished Work (nothing to wait on)
@@ -108,7 +112,7 @@ class Runner:
         seq = self.seq
         self.seq += 1
         describe = f"{description} #{seq}"
-        failure = self._transport.mailbox.failure
+        failure = self._mailbox.failure
         if failure is not None:
             raise failure.kind(f"{describe}: the group was aborted earlier: {failure.message}")
         if log.isEnabledFor(logging.DEBUG):
