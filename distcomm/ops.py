@@ -15,6 +15,7 @@ from .parallel import parallel_for
 __all__ = [
     "MPI_OP_NAMES",
     "NCCL_OP_NAMES",
+    "UFUNCS",
     "PremulSum",
     "ReduceOp",
     "check_reduce_op",
@@ -91,7 +92,7 @@ class _PremulSumOp:
 ReduceOp.PREMUL_SUM = _PremulSumOp()  # type: ignore[attr-defined]
 
 
-_UFUNCS = {
+UFUNCS = {
     ReduceOp.SUM: np.add,
     ReduceOp.AVG: np.add,
     ReduceOp.PRODUCT: np.multiply,
@@ -208,7 +209,7 @@ def reduce_into(acc: np.ndarray, incoming: np.ndarray, op: ReduceOp) -> None:
     From PARALLEL_REDUCE_BYTES on, contiguous pieces are reduced on the intra-op threads
     (see distcomm.parallel.set_num_threads); elementwise, so the result is the same.
     """
-    ufunc = _UFUNCS[op]
+    ufunc = UFUNCS[op]
     if (acc.nbytes < PARALLEL_REDUCE_BYTES or acc.shape != incoming.shape
             or not (acc.flags.c_contiguous and incoming.flags.c_contiguous)):
         ufunc(acc, incoming, out=acc)

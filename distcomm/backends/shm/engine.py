@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -36,7 +37,7 @@ from typing import Protocol
 import numpy as np
 
 from ...errors import DistBackendError, DistTimeoutError
-from ...ops import ReduceOp, reduce_into
+from ...ops import UFUNCS, ReduceOp, reduce_into
 from ...parallel import parallel_for
 from ..protocol import Call, Failure, Signature, mismatch_message
 from ..scratch import ScratchPool
@@ -53,6 +54,7 @@ _META_FORMAT = struct.Struct("=8q")
 _SIGNATURE_BYTES = 5 * 8  # the first five fields: the collective's Signature
 _IN, _OUT, _FLAGS = 5, 6, 7
 _INLINE = 1
+_FLAGS_LOW_BYTE = 8 * _FLAGS + (0 if sys.byteorder == "little" else 7)
 _POLLS = 200  # reads of a counter before yielding, when every local rank has a core
 _SPINS = 40  # sched_yield rounds before sleeping on the futex
 _SLICE = 0.25  # longest single futex sleep (failures wake sooner)
@@ -132,6 +134,7 @@ class IntraNode:
              for at in slots]
             for slots in self._slot_at
         ]
+        self._typed: dict[np.dtype, list[list[np.ndarray]]] = {}  # _payloads as a dtype
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self._polls = _POLLS if size <= cores else 0  # never poll on a shared core
         self._waiting = 0
@@ -169,8 +172,16 @@ class IntraNode:
         at = self._slot_at[seq & 1][rank] + _META
         return self._segment.bytes[at : at + 8 * (self.size + 1)].view(np.int64)
 
-    def _payload(self, seq: int, rank: int, nbytes: int) -> np.ndarray:
-        return self._payloads[seq & 1][rank][:nbytes]
+    def _inline_views(self, seq: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's inline payload area for collective `seq`, as `dtype` arrays."""
+        views = self._typed.get(dtype)
+        if views is None:
+            views = self._typed[dtype] = [[p.view(dtype) for p in g] for g in self._payloads]
+        return views[seq & 1]
+
+    def _put_inline(self, seq: int, array: np.ndarray) -> None:
+        """Write `array` into this rank's inline payload for collective `seq`."""
+        self._inline_views(seq, array.dtype)[self.rank][: array.size] = array
 
     # -- synchronisation -------------------------------------------------------------------
 
@@ -261,10 +272,12 @@ class IntraNode:
         call: Call,
         in_addr: int = 0,
         out_addr: int = 0,
-        inline: np.ndarray | None = None,
+        inline: bool = False,
         offsets: Sequence[int] | None = None,
     ) -> None:
-        """Publish this rank's part of the collective, wait for every peer's, compare."""
+        """Publish this rank's part of the collective, wait for every peer's, compare.
+
+        `inline`: this rank's payload is in its slot already (`_put_inline`)."""
         seq, signature, rank, mem = call.seq, call.signature, self.rank, self._mem
         slots = self._slot_at[seq & 1]
         at = slots[rank]
@@ -278,11 +291,8 @@ class IntraNode:
             signature.count,
             in_addr,
             out_addr,
-            _INLINE if inline is not None else 0,
+            _INLINE if inline else 0,
         )
-        if inline is not None and inline.size:
-            start = at + self._header
-            mem[start : start + inline.nbytes] = inline
         if offsets is not None:
             self._offsets(seq, rank)[:] = offsets
         self._set(self._arrive_at[rank], seq + 1)
@@ -320,7 +330,7 @@ class IntraNode:
     # -- data movement ---------------------------------------------------------------------
 
     def _is_inline(self, seq: int, peer: int) -> bool:
-        return bool(self._meta(seq, peer)[_FLAGS] & _INLINE)
+        return bool(self._mem[self._slot_at[seq & 1][peer] + _FLAGS_LOW_BYTE] & _INLINE)
 
     def _fetch(self, seq: int, peer: int, dst: np.ndarray, offset: int) -> None:
         """Copy `dst.nbytes` bytes of `peer`'s published input, from byte `offset`, to `dst`."""
@@ -328,7 +338,8 @@ class IntraNode:
         if not nbytes:
             return
         if self._is_inline(seq, peer):
-            _u8(dst)[:] = self._payload(seq, peer, offset + nbytes)[offset:]
+            start = offset // dst.itemsize
+            dst[...] = self._inline_views(seq, dst.dtype)[peer][start : start + dst.size]
             return
         pid, src, base = self._pids[peer], int(self._meta(seq, peer)[_IN]) + offset, _u8(dst)
         if nbytes < _THREADED_MIN:
@@ -391,15 +402,16 @@ class IntraNode:
         else:
             parallel_for(acc.size, run, min_chunk=max(step, _THREADED_MIN // 2 // isz))
 
-    def _reduce_inline(self, seq: int, out: np.ndarray, offset: int, op: ReduceOp) -> None:
-        """out <- every rank's inline payload from byte `offset`, reduced in rank order."""
-        nbytes = out.nbytes
-        if not nbytes:
+    def _reduce_inline(self, seq: int, out: np.ndarray, start: int, op: ReduceOp) -> None:
+        """out <- every rank's inline payload from element `start`, reduced in rank order."""
+        views, stop = self._inline_views(seq, out.dtype), start + out.size
+        if self.size == 1:
+            out[...] = views[0][start:stop]
             return
-        view = _u8(out)
-        view[:] = self._payload(seq, 0, offset + nbytes)[offset:]
-        for peer in range(1, self.size):
-            reduce_into(out, self._payload(seq, peer, offset + nbytes)[offset:].view(out.dtype), op)
+        ufunc = UFUNCS[op]
+        ufunc(views[0][start:stop], views[1][start:stop], out=out)
+        for peer in range(2, self.size):
+            ufunc(out, views[peer][start:stop], out=out)
 
     # -- the collectives -------------------------------------------------------------------
 
@@ -417,7 +429,8 @@ class IntraNode:
         avg = op is ReduceOp.AVG
         gets_result = root is None or self.rank == root
         if buf.nbytes <= self.inline_max:
-            self._arrive(call, inline=_u8(buf))
+            self._put_inline(seq, buf)
+            self._arrive(call, inline=True)
             if gets_result:
                 self._reduce_inline(seq, buf, 0, op)
                 if avg:
@@ -436,7 +449,9 @@ class IntraNode:
         seq = call.seq
         is_root = self.rank == root
         if buf.nbytes <= self.inline_max:
-            self._arrive(call, inline=_u8(buf) if is_root else None)
+            if is_root:
+                self._put_inline(seq, buf)
+            self._arrive(call, inline=is_root)
             if not is_root:
                 self._fetch(seq, root, buf, 0)
             return
@@ -449,7 +464,9 @@ class IntraNode:
         seq = call.seq
         m = input.size
         inline = input.nbytes <= self.inline_max
-        self._arrive(call, input.ctypes.data, inline=_u8(input) if inline else None)
+        if inline:
+            self._put_inline(seq, input)
+        self._arrive(call, input.ctypes.data, inline=inline)
         mine = output[self.rank * m : (self.rank + 1) * m]
         if mine.ctypes.data != input.ctypes.data:
             mine[...] = input
@@ -464,7 +481,9 @@ class IntraNode:
         seq = call.seq
         m = input.size
         inline = input.nbytes <= self.inline_max
-        self._arrive(call, input.ctypes.data, inline=_u8(input) if inline else None)
+        if inline:
+            self._put_inline(seq, input)
+        self._arrive(call, input.ctypes.data, inline=inline)
         if self.rank == root:
             assert output is not None
             output[root * m : (root + 1) * m] = input
@@ -481,7 +500,9 @@ class IntraNode:
         inline = m * self.size * output.itemsize <= self.inline_max
         if self.rank == root:
             assert input is not None
-            self._arrive(call, input.ctypes.data, inline=_u8(input) if inline else None)
+            if inline:
+                self._put_inline(seq, input)
+            self._arrive(call, input.ctypes.data, inline=inline)
             output[...] = input[root * m : (root + 1) * m]
         else:
             self._arrive(call)
@@ -496,8 +517,9 @@ class IntraNode:
         m, r = output.size, self.rank
         avg = op is ReduceOp.AVG
         if input.nbytes <= self.inline_max:
-            self._arrive(call, inline=_u8(input))
-            self._reduce_inline(seq, output, r * m * output.itemsize, op)
+            self._put_inline(seq, input)
+            self._arrive(call, inline=True)
+            self._reduce_inline(seq, output, r * m, op)
             if avg:
                 np.divide(output, self.size, out=output)
             return
@@ -518,9 +540,9 @@ class IntraNode:
         seq = call.seq
         offsets = np.concatenate(([0], np.cumsum(input_splits, dtype=np.int64)))
         inline = input.nbytes <= self.inline_max
-        self._arrive(
-            call, input.ctypes.data, inline=_u8(input) if inline else None, offsets=offsets
-        )
+        if inline:
+            self._put_inline(seq, input)
+        self._arrive(call, input.ctypes.data, inline=inline, offsets=offsets)
         out_at = np.concatenate(([0], np.cumsum(output_splits, dtype=np.int64)))
         isz = output.itemsize
         for peer in range(self.size):
@@ -552,7 +574,7 @@ class IntraNode:
         """Let go of every view of the segment (they keep it mapped)."""
         for view in (self._flag_words, self._flags, self._words, self._mem):
             view.release()
-        self._payloads = []
+        self._payloads, self._typed = [], {}
 
     def close(self) -> None:
         self.release_views()
