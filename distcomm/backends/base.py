@@ -23,15 +23,16 @@ class OpQueue:
 
     A synchronous call runs in the calling thread once everything issued before it has
     finished (no thread hand-off on the common path); asynchronous calls are queued for
-    a worker thread started on first use.
+    a worker thread started on first use. Whoever runs an operation holds `_running`; the
+    worker takes it before it takes an operation off the queue, so a caller that finds
+    the queue empty and takes the lock runs after everything queued before it.
     """
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._lock = threading.RLock()  # taken directly on the synchronous path (claim,
-        self._cond = threading.Condition(self._lock)  # release): cheaper than the Condition
+        self._running = threading.Lock()  # held while an operation runs
+        self._cond = threading.Condition()  # guards the queue, `_closed` and `_thread`
         self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
-        self._busy = False
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -41,8 +42,7 @@ class OpQueue:
         `fn` returns the source rank for `work.complete` (or None).
         """
         with self._cond:
-            if self._closed:
-                raise GroupDestroyedError(f"{work.description}: the process group was destroyed")
+            self._refuse_if_closed(work)
             if async_op:
                 self._queue.append((fn, work))
                 if self._thread is None:
@@ -52,36 +52,33 @@ class OpQueue:
                     self._thread.start()
                 self._cond.notify_all()
                 return work
-            while self._busy or self._queue:
-                # queued operations carry their own deadlines, so this wait ends
+            while self._queue:
+                # queued operations carry their own deadlines, so these waits end
                 self._cond.wait(1.0)
-                if self._closed:
-                    raise GroupDestroyedError(
-                        f"{work.description}: the process group was destroyed"
-                    )
-            self._busy = True
+                self._refuse_if_closed(work)
+        while not self._running.acquire(timeout=1.0):  # the operation running now
+            self._refuse_if_closed(work)
         self._run(fn, work)
         return work
 
+    def _refuse_if_closed(self, work: Work) -> None:
+        if self._closed:
+            raise GroupDestroyedError(f"{work.description}: the process group was destroyed")
+
     def claim(self) -> bool:
-        """Mark the queue busy for a synchronous call its caller runs at once, if nothing
-        runs or waits ahead of it (then `release` when done); False, with nothing changed,
+        """Take the queue for a synchronous call its caller runs at once, if nothing runs
+        or waits ahead of it (then `release` when done); False, with nothing changed,
         otherwise: `submit` it instead."""
-        with self._lock:
-            if self._busy or self._queue or self._closed:
-                return False
-            self._busy = True
-            return True
+        if self._queue or self._closed:
+            return False
+        return self._running.acquire(False)
 
     def release(self) -> None:
         """End a call run under `claim`."""
-        with self._lock:
-            self._busy = False
-            if self._queue or self._cond._waiters:  # anyone to wake (submit, the worker)
-                self._cond.notify_all()
+        self._running.release()
 
     def _run(self, fn: Callable[[], Any], work: Work) -> None:
-        """Run one operation (the queue is marked busy) and complete its Work."""
+        """Run one operation (`_running` is held) and complete its Work."""
         try:
             source = fn()
         except BaseException as exc:
@@ -89,19 +86,23 @@ class OpQueue:
         else:
             work.complete(-1 if source is None else source)
         finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+            self._running.release()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (self._busy or not self._queue):
+                while not self._closed and not self._queue:
                     self._cond.wait()
                 if self._closed and not self._queue:
                     return
+            while not self._running.acquire(timeout=1.0):
+                pass  # a synchronous call runs now; its own deadline ends it
+            with self._cond:
+                if not self._queue:  # failed and cleared by close() meanwhile
+                    self._running.release()
+                    continue
                 fn, work = self._queue.popleft()
-                self._busy = True
+                self._cond.notify_all()  # synchronous callers wait for an empty queue
             self._run(fn, work)
 
     def close(self, error: BaseException | None = None, timeout: float = 10.0) -> None:
