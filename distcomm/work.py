@@ -149,15 +149,14 @@ class Work:
         #: the group's global ranks, set by the caller so `source_rank` can translate
         self.global_ranks: list[int] | None = None
 
-    @classmethod
-    def completed(cls, description: str, outputs: list[Any] | None = None) -> Work:
+    @staticmethod
+    def completed(description: str, outputs: list[Any] | None = None) -> Work:
         """The Work of an operation that already finished successfully (a synchronous call;
-        every synchronous collective makes one, so it is built without `__init__`)."""
-        work = cls.__new__(cls)
-        work.description, work._default_timeout, work._on_timeout = description, None, None
-        work._outputs = outputs = outputs if outputs is not None else []
-        work._future = Future.completed(outputs)
-        work._source_rank, work.global_ranks = -1, None
+        every synchronous collective makes one, so it is built without `__init__`, and its
+        Future only if asked for)."""
+        work = _Completed.__new__(_Completed)
+        work.description = description
+        work._outputs = outputs if outputs is not None else []
         return work
 
     # -- completion, called by backends -----------------------------------------------------
@@ -191,9 +190,6 @@ class Work:
         Raises:
             DistError: the operation failed; the error names the op, the group and the peers.
         """
-        future = self._future
-        if timeout is None and future._done is _SET:  # `completed`: nothing to wait for
-            return True
         seconds = to_seconds(timeout)
         if not seconds:  # None or 0: no explicit timeout, as in torch
             seconds = self._default_timeout
@@ -260,15 +256,6 @@ class Work:
         """A Work over `outputs` that completes after this one and then `finalize()` (the
         copy of results out of a joined buffer); it fails with this one's error, or
         `finalize`'s. A device Work queues `finalize` on its stream instead."""
-        future = self._future
-        if future._done is _SET:  # a synchronous call (`Work.completed`): finalize now
-            try:
-                finalize()
-            except BaseException as exc:
-                outer = Work(self.description, outputs)
-                outer.fail(exc)
-                return outer
-            return Work.completed(self.description, outputs)
         outer = Work(self.description, outputs, on_timeout=self._on_timeout,
                      timeout=self._default_timeout)
 
@@ -298,3 +285,33 @@ class Work:
         if self._future.done():
             state = "ok" if self._future.exception() is None else "failed"
         return f"<Work {self.description} [{state}]>"
+
+
+class _Completed(Work):
+    """A Work made finished (`Work.completed`): nothing to wait for, and its Future is
+    made the first time something asks for it."""
+
+    _default_timeout = None
+    _on_timeout = None
+    _source_rank = -1
+    global_ranks = None
+    _made: Future | None = None
+
+    @property
+    def _future(self) -> Future:  # type: ignore[override]
+        if self._made is None:
+            self._made = Future.completed(self._outputs)
+        return self._made
+
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        to_seconds(timeout)  # the argument is still checked
+        return True
+
+    def chain(self, finalize: Callable[[], None], outputs: list[Any]) -> Work:
+        try:
+            finalize()
+        except BaseException as exc:
+            outer = Work(self.description, outputs)
+            outer.fail(exc)
+            return outer
+        return Work.completed(self.description, outputs)
