@@ -33,6 +33,11 @@ MAX_TAG = 2**62
 def rank_arg(group: ProcessGroup, global_rank: int | None, group_rank: int | None,
              where: str, name: str, default: int | None = None) -> int:
     """The group rank meant by `name` (a global rank) or `group_name` (a group rank)."""
+    if group_rank is None and type(global_rank) is int:  # the common case, checked first
+        ranks = group.ranks
+        if len(ranks) > global_rank >= 0 and ranks[global_rank] == global_rank \
+                and ranks[-1] == len(ranks) - 1:
+            return global_rank  # a group of ranks 0..n-1 (the world): global == group rank
     if global_rank is not None and group_rank is not None:
         raise ValueError(f"{where}: pass {name} (a global rank) or group_{name} (a rank "
                          "within the group), not both")

@@ -127,6 +127,12 @@ def check_same(arrays: list[Any], where: str, name: str) -> tuple[str, np.dtype]
         ValueError: devices differ.
         TypeError: dtypes differ.
     """
+    dtype = arrays[0].dtype
+    for array in arrays:  # the common case first: numpy arrays of one dtype
+        if type(array) is not np.ndarray or array.dtype != dtype:
+            break
+    else:
+        return "cpu", dtype
     devices = {device_of(a) for a in arrays}
     if len(devices) > 1:
         raise ValueError(

@@ -38,6 +38,8 @@ from .base import Backend, BackendOptions, OpQueue
 
 __all__ = ["MpiBackend", "mpi"]
 
+_AVG = ReduceOp.AVG  # a module global: faster to reach than the enum's attribute
+
 _DTYPES = {
     "bool": "C_BOOL",
     "int8": "INT8_T",
@@ -341,7 +343,9 @@ class MpiBackend(Backend):
         self, what: str, blocking: Callable[[], None], finish: Callable[[], None] | None
     ) -> None:
         """Make the blocking MPI call under the watchdog's eye, then `finish()`."""
-        self._watch(what)
+        self._inflight = (time.monotonic(), what)
+        if self._watchdog is None:
+            self._start_watchdog()
         try:
             blocking()
         except self._MPI.Exception as exc:
@@ -377,8 +381,7 @@ class MpiBackend(Backend):
 
     # -- the watchdog of blocking calls ---------------------------------------------------------
 
-    def _watch(self, description: str) -> None:
-        self._inflight = (time.monotonic(), description)
+    def _start_watchdog(self) -> None:
         if self._watchdog is None:
             self._watchdog = threading.Thread(
                 target=self._watch_loop, daemon=True, name="distcomm-mpi-watchdog"
@@ -424,7 +427,7 @@ class MpiBackend(Backend):
         )
 
     def _averaged(self, op: ReduceOp, array: Any) -> Callable[[], None] | None:
-        if op is not ReduceOp.AVG:
+        if op is not _AVG:
             return None
         return lambda: np.divide(array, self.size, out=array)
 
