@@ -16,6 +16,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from .. import __version__
 from ..config import positive_seconds
 from .agent import DEFAULT_SIGNALS_TO_HANDLE, AgentConfig, launch
 from .api import run_agent
@@ -81,6 +82,9 @@ def get_args_parser() -> argparse.ArgumentParser:
         "of the run, restarts the group on failures and membership changes.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"distcomm-run (distcomm {__version__})"
     )
 
     def add(flag: str, help: str, **kwargs: object) -> None:
