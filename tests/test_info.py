@@ -1,0 +1,79 @@
+"""python -m distcomm.info: the report a bug report starts with, in a shell and under mpiexec."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import distcomm
+from tests.mpijobs import LAUNCHER, SKIP_REASON, job_env, no_mpi_segment_left, run  # noqa: F401
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _info(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in job_env().items() if not k.startswith("DISTCOMM_")}
+    environ.update(env)
+    return subprocess.run([sys.executable, "-m", "distcomm.info", *args], capture_output=True,
+                          text=True, timeout=120, env=environ, cwd=REPO)
+
+
+def test_the_text_report_names_versions_backends_and_the_environment():
+    done = _info(DISTCOMM_GLOO_TRANSPORT="tcp")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert f"distcomm version: {distcomm.__version__}" in text
+    assert f"Python version: {sys.version.split()[0]}" in text
+    assert "numpy version: " in text
+    assert "  tcp (cpu): available" in text
+    assert "/dev/shm: " in text and "GiB free" in text
+    assert "Launcher: a shell (no launcher detected)" in text
+    assert "  DISTCOMM_GLOO_TRANSPORT=tcp" in text
+
+
+def test_json_holds_the_same_facts():
+    done = _info("--json", DISTCOMM_GLOO_TRANSPORT="tcp")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["distcomm"]["version"] == distcomm.__version__
+    assert info["backends"]["tcp"] == {"devices": ["cpu"], "available": True, "why_not": None}
+    assert info["backends"]["gloo"]["available"] is True
+    nccl = info["backends"]["nccl"]
+    assert nccl["available"] is (info["gpu"]["cupy"] is not None and bool(info["gpu"]["devices"]))
+    if not nccl["available"]:
+        assert "pip install" in nccl["why_not"]
+    assert info["distcomm_variables"] == {"DISTCOMM_GLOO_TRANSPORT": "tcp"}
+    assert info["shm"]["total_bytes"] >= info["shm"]["free_bytes"] > 0
+    assert info["threads"]["num_threads"] >= 1
+    if info["mpi"]["mpi4py"] is not None:
+        assert info["mpi"]["library"]  # asked without initialising MPI
+        assert info["mpi"]["initialized"] is False
+
+
+def test_a_bad_flag_is_a_usage_error():
+    done = _info("--jsn")
+    assert done.returncode == 2
+    assert "unrecognized arguments: --jsn" in done.stderr
+
+
+@pytest.mark.skipif(LAUNCHER is None, reason=f"needs mpiexec: {SKIP_REASON}")
+def test_under_mpiexec_every_rank_reports_its_mpi_launcher(tmp_path):
+    # each rank writes its own file: two ranks' output could interleave on mpiexec's stdout
+    code = (
+        "import os, sys, distcomm.info as info; "
+        "rank = next(os.environ[v] for v in ('PMI_RANK', 'OMPI_COMM_WORLD_RANK', 'PMIX_RANK') "
+        "if v in os.environ); "
+        "sys.stdout = open(f'info-{rank}.json', 'w'); info.main(['--json']); sys.stdout.close()"
+    )
+    done = run(LAUNCHER.command(2, sys.executable, "-c", code), cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("info-*.json"))]
+    assert len(reports) == 2
+    for report in reports:
+        assert report["mpi"]["library"]
+        (started_by,) = report["launcher"]["started_by"]
+        assert "mpiexec/mpirun" in started_by, started_by
