@@ -387,7 +387,7 @@ def test_threaded_reduce_into_equals_numpy(dtype, monkeypatch):
             check_reduce_op(op, dtype, "test")
         except TypeError:
             continue
-        expected = ops._UFUNCS[op](a, b)
+        expected = ops.UFUNCS[op](a, b)
         for nthreads in (2, 3):
             parallel.set_num_threads(nthreads)
             acc = a.copy()
