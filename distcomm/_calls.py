@@ -57,8 +57,6 @@ def rank_arg(group: ProcessGroup, global_rank: int | None, group_rank: int | Non
                              f"'{group.group_name}' of size {group.size()}")
         return value
     ranks = group.ranks
-    if len(ranks) > value >= 0 and ranks[value] == value and ranks[-1] == len(ranks) - 1:
-        return value  # a group of ranks 0..n-1 (the world): global rank == group rank
     if value not in ranks:
         raise ValueError(f"{where}: {name}={value} is not a member of group "
                          f"'{group.group_name}' (members: {ranks})")

@@ -180,10 +180,6 @@ class IntraNode:
             views = self._typed[dtype] = [[p.view(dtype) for p in g] for g in self._payloads]
         return views[seq & 1]
 
-    def _put_inline(self, seq: int, array: np.ndarray) -> None:
-        """Write `array` into this rank's inline payload for collective `seq`."""
-        self._inline_views(seq, array.dtype)[self.rank][: array.size] = array
-
     # -- synchronisation -------------------------------------------------------------------
 
     def _interrupt(self) -> None:
@@ -273,12 +269,13 @@ class IntraNode:
         call: Call,
         in_addr: int = 0,
         out_addr: int = 0,
-        inline: bool = False,
+        inline: np.ndarray | None = None,
         offsets: Sequence[int] | None = None,
     ) -> None:
         """Publish this rank's part of the collective, wait for every peer's, compare.
 
-        `inline`: this rank's payload is in its slot already (`_put_inline`)."""
+        `inline`: the payload the peers read from this rank's slot, if any.
+        """
         seq, signature, rank, mem = call.seq, call.signature, self.rank, self._mem
         slots = self._slot_at[seq & 1]
         at = slots[rank]
@@ -292,8 +289,10 @@ class IntraNode:
             signature.count,
             in_addr,
             out_addr,
-            _INLINE if inline else 0,
+            _INLINE if inline is not None else 0,
         )
+        if inline is not None:
+            self._inline_views(seq, inline.dtype)[rank][: inline.size] = inline
         if offsets is not None:
             self._offsets(seq, rank)[:] = offsets
         self._set(self._arrive_at[rank], seq + 1)
@@ -430,8 +429,7 @@ class IntraNode:
         avg = op is _AVG
         gets_result = root is None or self.rank == root
         if buf.nbytes <= self.inline_max:
-            self._put_inline(seq, buf)
-            self._arrive(call, inline=True)
+            self._arrive(call, inline=buf)
             if gets_result:
                 self._reduce_inline(seq, buf, 0, op)
                 if avg:
@@ -450,9 +448,7 @@ class IntraNode:
         seq = call.seq
         is_root = self.rank == root
         if buf.nbytes <= self.inline_max:
-            if is_root:
-                self._put_inline(seq, buf)
-            self._arrive(call, inline=is_root)
+            self._arrive(call, inline=buf if is_root else None)
             if not is_root:
                 self._fetch(seq, root, buf, 0)
             return
@@ -465,9 +461,7 @@ class IntraNode:
         seq = call.seq
         m = input.size
         inline = input.nbytes <= self.inline_max
-        if inline:
-            self._put_inline(seq, input)
-        self._arrive(call, input.ctypes.data, inline=inline)
+        self._arrive(call, input.ctypes.data, inline=input if inline else None)
         mine = output[self.rank * m : (self.rank + 1) * m]
         if mine.ctypes.data != input.ctypes.data:
             mine[...] = input
@@ -482,9 +476,7 @@ class IntraNode:
         seq = call.seq
         m = input.size
         inline = input.nbytes <= self.inline_max
-        if inline:
-            self._put_inline(seq, input)
-        self._arrive(call, input.ctypes.data, inline=inline)
+        self._arrive(call, input.ctypes.data, inline=input if inline else None)
         if self.rank == root:
             assert output is not None
             output[root * m : (root + 1) * m] = input
@@ -501,9 +493,7 @@ class IntraNode:
         inline = m * self.size * output.itemsize <= self.inline_max
         if self.rank == root:
             assert input is not None
-            if inline:
-                self._put_inline(seq, input)
-            self._arrive(call, input.ctypes.data, inline=inline)
+            self._arrive(call, input.ctypes.data, inline=input if inline else None)
             output[...] = input[root * m : (root + 1) * m]
         else:
             self._arrive(call)
@@ -518,8 +508,7 @@ class IntraNode:
         m, r = output.size, self.rank
         avg = op is _AVG
         if input.nbytes <= self.inline_max:
-            self._put_inline(seq, input)
-            self._arrive(call, inline=True)
+            self._arrive(call, inline=input)
             self._reduce_inline(seq, output, r * m, op)
             if avg:
                 np.divide(output, self.size, out=output)
@@ -541,9 +530,7 @@ class IntraNode:
         seq = call.seq
         offsets = np.concatenate(([0], np.cumsum(input_splits, dtype=np.int64)))
         inline = input.nbytes <= self.inline_max
-        if inline:
-            self._put_inline(seq, input)
-        self._arrive(call, input.ctypes.data, inline=inline, offsets=offsets)
+        self._arrive(call, input.ctypes.data, inline=input if inline else None, offsets=offsets)
         out_at = np.concatenate(([0], np.cumsum(output_splits, dtype=np.int64)))
         isz = output.itemsize
         for peer in range(self.size):
