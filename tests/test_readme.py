@@ -1,0 +1,347 @@
+"""The README's code runs as written.
+
+Every ```python block runs in a directory of its own, as a file. A block whose first line
+reads ``# NAME.py: run with  COMMAND`` is saved as NAME.py and started with COMMAND (under
+``distcomm-run``, ``mpiexec`` or ``python``); any other block runs as ``python block.py``.
+A block that imports CuPy runs only where CuPy has a device (and fails instead of skipping
+when DISTCOMM_TEST_REQUIRE_GPU=1). Each must exit 0 and leave no process or shared-memory
+file behind.
+
+The shell blocks (plain ``` fences; ```text marks output) name hosts, clusters and GPUs
+this machine may not have, so each of their commands is checked instead: a `distcomm-run`
+line parses with the launcher's own parser and describes a valid configuration, every
+``python -m MODULE`` names an importable module and every ``python FILE`` a file of the
+repository (or one a Python block above defines), every ``--flag`` given to one of this
+repository's programs is one of its flags, and every ``pip install`` extra exists. The
+commands that can run on one host run for real (`RUN_HERE`), and `.ci/run` runs the
+install, main-job and test lines exactly as the README gives them.
+"""
+
+from __future__ import annotations
+
+import configparser
+import functools
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from distcomm import run as launcher_cli
+from tests import mpijobs
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+CI = REPO / ".ci" / "run"
+
+#: how a block says what starts it: "# first.py: run with  distcomm-run ... first.py"
+HEADER = re.compile(r"#\s*(?P<file>[\w.-]+\.py):\s*run with\s+(?P<command>.+?)\s*$")
+#: placeholders the README's multi-host commands use, and what stands in for them here
+PLACEHOLDERS = {
+    "HOST": "127.0.0.1",
+    "ETCD_HOST": "127.0.0.1",
+    "$head": "127.0.0.1",
+    "$SLURM_JOB_ID": "1",
+    "N": "2",
+}
+#: shell commands of the README that one host can run, run for real (each must be in it)
+RUN_HERE = [
+    "distcomm-run --standalone --nproc_per_node=4 -m distcomm.examples.quickstart --steps 300",
+    "mpiexec -n 4 python -m distcomm.examples.quickstart --backend mpi",
+    "HYDRA_IFACE=lo UCX_NET_DEVICES=lo mpiexec -n 4 python -m distcomm.examples.quickstart",
+]
+#: programs that wrap the command to check: their options come before it
+WRAPPERS = {"srun", "mpiexec", "mpirun", "exec", "sh", "unshare"}
+TIMEOUT = 240.0
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # of the opening fence, 1-based
+    info: str  # the fence's language ("" for shell commands)
+    text: str
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}"
+
+
+def read_blocks() -> list[Block]:
+    found, opened, info, lines = [], None, "", []
+    for number, line in enumerate(README.read_text().splitlines(), 1):
+        if not line.startswith("```"):
+            if opened is not None:
+                lines.append(line)
+            continue
+        if opened is None:
+            opened, info, lines = number, line[3:].strip(), []
+        else:
+            found.append(Block(opened, info, "\n".join(lines) + "\n"))
+            opened = None
+    assert opened is None, f"README.md:{opened}: a code fence is never closed"
+    return found
+
+
+BLOCKS = read_blocks()
+PYTHON = [b for b in BLOCKS if b.info == "python"]
+SHELL = [b for b in BLOCKS if b.info in ("", "sh", "bash")]
+
+
+def test_the_readme_has_only_known_kinds_of_block():
+    kinds = {b.info for b in BLOCKS}
+    assert kinds <= {"", "sh", "bash", "python", "text"}, kinds
+
+
+def test_the_first_example_uses_the_launcher():
+    first = PYTHON[0]
+    header = HEADER.match(first.text.splitlines()[0])
+    assert header and header["command"].startswith("distcomm-run "), first.text
+    assert "init_process_group()" in first.text, first.text
+
+
+# -- Python blocks ------------------------------------------------------------------------------
+
+
+def _program(argv: list[str]) -> list[str]:
+    """`argv` as this test runs it: python is this interpreter, distcomm-run its module."""
+    if argv[0] in ("python", "python3"):
+        return [sys.executable, *argv[1:]]
+    if argv[0] == "distcomm-run":
+        return [sys.executable, "-m", "distcomm.run", *argv[1:]]
+    return argv
+
+
+def _command_of(block: Block, where: Path) -> list[str]:
+    header = HEADER.match(block.text.splitlines()[0])
+    name = header["file"] if header else "block.py"
+    (where / name).write_text(block.text)
+    if header is None:
+        return [sys.executable, name]
+    argv = shlex.split(header["command"])
+    assert name in argv, f"{block.id}: the header's command does not run {name}"
+    if argv[0] in ("mpiexec", "mpirun"):
+        if mpijobs.LAUNCHER is None:
+            pytest.skip(mpijobs.SKIP_REASON)
+        assert argv[1] == "-n", f"{block.id}: write the rank count as `-n N`"
+        return mpijobs.LAUNCHER.command(int(argv[2]), *_program(argv[3:]))
+    return _program(argv)
+
+
+def _needs_a_gpu(block: Block) -> None:
+    if not re.search(r"^import cupy|^from cupy", block.text, re.M):
+        return
+    from distcomm.gpu import device_count
+
+    if device_count() > 0:
+        return
+    reason = f"{block.id} needs CuPy and a GPU"
+    if os.environ.get("DISTCOMM_TEST_REQUIRE_GPU") == "1":
+        pytest.fail(f"DISTCOMM_TEST_REQUIRE_GPU=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.id)
+def test_python_block_runs_as_written(block, tmp_path):
+    _needs_a_gpu(block)
+    command = _command_of(block, tmp_path)
+    env = mpijobs.job_env(TMPDIR=str(tmp_path))
+    done = mpijobs.run(command, timeout=TIMEOUT, cwd=tmp_path, env=env, merge_output=True)
+    assert done.returncode == 0, f"{block.id} exited {done.returncode}:\n{done.stdout}"
+
+
+# -- shell blocks ---------------------------------------------------------------------------------
+
+
+def _lines(block: Block) -> list[str]:
+    """The block's command lines: continuations joined, comments and blank lines dropped."""
+    joined, current = [], ""
+    for line in block.text.splitlines():
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        current += line
+        if current.strip() and not current.lstrip().startswith("#"):
+            joined.append(current.strip())
+        current = ""
+    return joined
+
+
+def _commands(line: str) -> list[list[str]]:
+    """The simple commands of a line (split at && ; |), each without its VAR=value prefix,
+    a wrapper's own `sh -c 'LINE'` expanded into LINE's commands."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars="&;|")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    found, current = [], []
+    for token in lexer:
+        if token in ("&&", ";", "|", "||", "&"):
+            found.append(current)
+            current = []
+        else:
+            current.append(token)
+    found.append(current)
+    commands = []
+    for argv in found:
+        while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", argv[0]):
+            argv = argv[1:]
+        if argv[:1] == ["unshare"] and "-c" in argv:
+            commands += _commands(argv[argv.index("-c") + 1])
+        elif argv:
+            commands.append(argv)
+    return commands
+
+
+def _program_argv(argv: list[str]) -> list[str] | None:
+    """From a command, the part that runs one of ours (python/distcomm-run/pytest/pip),
+    past the options of srun, mpiexec or exec before it; None when it runs none."""
+    ours = ("python", "python3", "distcomm-run", "pytest", "pip")
+    for at, token in enumerate(argv):
+        if os.path.basename(token) in ours:
+            return [os.path.basename(token), *argv[at + 1:]]
+        if at == 0 and token not in WRAPPERS:
+            return None
+    return None
+
+
+def _substituted(argv: list[str]) -> list[str]:
+    out = []
+    for token in argv:
+        for name, value in PLACEHOLDERS.items():
+            token = re.sub(rf"(?<![\w$]){re.escape(name)}(?!\w)", value, token)
+        out.append(token)
+    return out
+
+
+@functools.cache
+def _flags_of(program: tuple[str, ...]) -> frozenset[str]:
+    """The option strings `program --help` lists."""
+    done = subprocess.run(
+        [sys.executable, *program, "--help"],
+        cwd=REPO,
+        env=mpijobs.job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"{' '.join(program)} --help failed:\n{done.stderr}"
+    return frozenset(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", done.stdout))
+
+
+def _check_flags(program: tuple[str, ...], args: list[str], where: str) -> None:
+    known = _flags_of(program)
+    for arg in args:
+        if arg.startswith("-") and not re.fullmatch(r"-\d.*", arg):
+            flag = arg.split("=", 1)[0]
+            assert flag in known, f"{where}: {' '.join(program)} has no flag {flag}"
+
+
+def _defined_files() -> set[str]:
+    """The file names the README's Python blocks declare (first.py, worker.py, ...)."""
+    names = set()
+    for block in PYTHON:
+        header = HEADER.match(block.text.splitlines()[0])
+        if header:
+            names.add(header["file"])
+    return names
+
+
+def _check_python(args: list[str], where: str) -> None:
+    if args[:1] == ["-m"]:
+        module = args[1]
+        if module in ("venv", "pytest", "pip"):
+            return
+        assert importlib.util.find_spec(module) is not None, f"{where}: no module {module}"
+        if module.startswith(("distcomm.", "benchmarks.")):
+            _check_flags(("-m", module), args[2:], where)
+        return
+    script = args[0]
+    if script in _defined_files():
+        return
+    assert (REPO / script).is_file(), f"{where}: no file {script} in the repository"
+    _check_flags((script,), args[1:], where)
+
+
+def _check_launcher(args: list[str], where: str) -> None:
+    try:
+        parsed = launcher_cli.parse_args(args)
+        launcher_cli.config_from_args(parsed)
+    except SystemExit:
+        pytest.fail(f"{where}: distcomm-run does not accept {' '.join(args)}")
+    except ValueError as exc:
+        pytest.fail(f"{where}: distcomm-run {' '.join(args)}: {exc}")
+    target = [parsed.training_script, *parsed.training_script_args]
+    _check_python(["-m", *target] if parsed.module else target, where)
+
+
+def _check_pip(args: list[str], where: str) -> None:
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    extras = set(cfg["options.extras_require"])
+    for arg in args:
+        found = re.fullmatch(r"\.\[([\w,-]+)\]", arg)
+        if found:
+            missing = set(found[1].split(",")) - extras
+            assert not missing, f"{where}: setup.cfg has no extra {missing}"
+
+
+def _checked(block: Block) -> int:
+    count = 0
+    for line in _lines(block):
+        for argv in _commands(line):
+            ours = _program_argv(_substituted(argv))
+            if ours is None:
+                continue
+            where = f"{block.id}: {line}"
+            name, args = ours[0], ours[1:]
+            if name == "distcomm-run":
+                _check_launcher(args, where)
+            elif name in ("python", "python3"):
+                _check_python(args, where)
+            elif name == "pip":
+                _check_pip(args, where)
+            elif name == "pytest":
+                for arg in args:
+                    if not arg.startswith("-"):
+                        path = arg.split("::")[0]
+                        assert (REPO / path).exists(), f"{where}: no {path}"
+            count += 1
+    return count
+
+
+@pytest.mark.parametrize("block", SHELL, ids=lambda b: b.id)
+def test_shell_block_names_real_programs_and_flags(block):
+    assert _checked(block) > 0, f"{block.id} runs none of this repository's programs"
+
+
+def test_ci_runs_the_readme_install_main_job_and_tests():
+    install, tests = SHELL[0], SHELL[1]
+    ci = CI.read_text()
+    setup, _, job = install.text.strip().partition(" && ")
+    for line in (setup, job, tests.text.strip()):
+        assert re.search(rf"^{re.escape(line)}$", ci, re.M), f".ci/run does not run `{line}`"
+
+
+@pytest.mark.parametrize("line", RUN_HERE)
+def test_shell_command_runs_here(line, tmp_path):
+    assert any(line in _lines(b) for b in SHELL), f"the README no longer has `{line}`"
+    env = mpijobs.job_env(TMPDIR=str(tmp_path))
+    argv = shlex.split(line)
+    while "=" in argv[0]:
+        name, _, value = argv.pop(0).partition("=")
+        env[name] = value
+    if argv[0] == "mpiexec":
+        if mpijobs.LAUNCHER is None:
+            pytest.skip(mpijobs.SKIP_REASON)
+        if "HYDRA_IFACE" in line and mpijobs.LAUNCHER.kind != "mpich":
+            pytest.skip(f"an MPICH command; the MPI under test is {mpijobs.LAUNCHER.name}")
+        command = mpijobs.LAUNCHER.command(int(argv[2]), *_program(argv[3:]))
+    else:
+        command = _program(argv)
+    done = mpijobs.run(command, timeout=TIMEOUT, cwd=tmp_path, env=env, merge_output=True)
+    assert done.returncode == 0, f"`{line}` exited {done.returncode}:\n{done.stdout}"
+    assert "OK" in done.stdout, done.stdout
