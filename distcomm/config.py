@@ -230,6 +230,13 @@ VARIABLES: tuple[EnvVar, ...] = (
         "the interface that reaches the store)",
     ),
     EnvVar(
+        "GLOO_SOCKET_IFNAME",
+        "text",
+        "",
+        "torch's name for `DISTCOMM_SOCKET_IFNAME`, read when ours is unset (of a "
+        "comma-separated list, the first interface)",
+    ),
+    EnvVar(
         "DISTCOMM_TIMEOUT",
         "seconds",
         f"{DEFAULT_TIMEOUT:g}",
@@ -473,8 +480,9 @@ class Config:
     Attributes:
         auth_key: DISTCOMM_AUTH_KEY as bytes, or None: when set, every store and
             backend connection must prove it holds the same key.
-        socket_ifname: DISTCOMM_SOCKET_IFNAME: the network interface whose IPv4
-            address backend connections bind (default: the route to the store).
+        socket_ifname: DISTCOMM_SOCKET_IFNAME (or torch's GLOO_SOCKET_IFNAME, the first
+            of its list): the network interface whose IPv4 address backend connections
+            bind (default: the route to the store).
         timeout: DISTCOMM_TIMEOUT: default process-group timeout in seconds.
         stall_warn_s: DISTCOMM_STALL_WARN_S (default 30; 0: off): seconds after which
             `init_process_group`, still waiting for ranks, warns which ranks are missing,
@@ -535,7 +543,9 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         debug = read("DISTCOMM_DEBUG") or read("TORCH_DISTRIBUTED_DEBUG") or "OFF"
     return Config(
         auth_key=key.encode() if key else None,
-        socket_ifname=read("DISTCOMM_SOCKET_IFNAME"),
+        socket_ifname=read("DISTCOMM_SOCKET_IFNAME")
+        or (read("GLOO_SOCKET_IFNAME") or "").split(",")[0].strip()
+        or None,
         timeout=read("DISTCOMM_TIMEOUT"),
         stall_warn_s=read("DISTCOMM_STALL_WARN_S"),
         debug=debug,

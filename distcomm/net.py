@@ -230,7 +230,8 @@ def interface_address(ifname: str) -> str:
     addresses = psutil.net_if_addrs()
     if ifname not in addresses:
         raise ValueError(
-            f"network interface {ifname!r} (DISTCOMM_SOCKET_IFNAME) does not exist; "
+            f"network interface {ifname!r} (DISTCOMM_SOCKET_IFNAME or GLOO_SOCKET_IFNAME) "
+            f"does not exist; "
             f"this host has: {', '.join(sorted(addresses))}"
         )
     for family in (socket.AF_INET, socket.AF_INET6):

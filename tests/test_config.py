@@ -75,6 +75,14 @@ def test_load_reads_through_the_declaration():
     assert config.load({}) == config.Config()
 
 
+def test_torch_socket_ifname_is_read_when_ours_is_unset():
+    assert config.load({"GLOO_SOCKET_IFNAME": "lo"}).socket_ifname == "lo"
+    assert config.load({"GLOO_SOCKET_IFNAME": " lo , eth0"}).socket_ifname == "lo"
+    both = {"GLOO_SOCKET_IFNAME": "lo", "DISTCOMM_SOCKET_IFNAME": "eth0"}
+    assert config.load(both).socket_ifname == "eth0"
+    assert config.load({"GLOO_SOCKET_IFNAME": " "}).socket_ifname is None
+
+
 def test_get_refuses_an_undeclared_name():
     with pytest.raises(KeyError):
         config.get("DISTCOMM_NOT_DECLARED", {})
