@@ -45,7 +45,8 @@ def connect_mesh(
 
 
 def local_address(store: Store) -> str:
-    """The local address peers can reach: DISTCOMM_SOCKET_IFNAME's, else the store route's.
+    """The local address peers can reach: DISTCOMM_SOCKET_IFNAME's (or GLOO_SOCKET_IFNAME's),
+    else the store route's.
 
     Falls back to this host name's address, then 127.0.0.1, for stores without a socket.
     """
