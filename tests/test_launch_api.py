@@ -175,3 +175,16 @@ def test_run_args_succeeds_and_raises_like_torch(tmp_path):
         run(get_args_parser().parse_args(["--nproc-per-node=2", str(bad)]))
     assert set(info.value.failures) == {0}
     assert "rank zero broke" in info.value.get_first_failure()[1].message
+
+
+def test_run_args_error_keeps_the_stderr_tail_of_removed_logs(tmp_path):
+    """ChildFailedError is raised after the agent removed its temporary directory: the
+    report still has the tail of the worker's stderr log and names none of its files."""
+    bad = script(tmp_path / "bad.py", "raise SystemExit('stopped: no data in shard 3')")
+    with pytest.raises(ChildFailedError) as info:
+        run(get_args_parser().parse_args(["--nproc-per-node=1", "--redirects=2", str(bad)]))
+    (failure,) = info.value.failures.values()
+    assert not failure.files_kept and not os.path.exists(failure.log_files["stderr"])
+    text = str(info.value)
+    assert "stopped: no data in shard 3" in text
+    assert failure.log_files["stderr"] not in text and "error_file: <N/A>" in text

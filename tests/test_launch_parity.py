@@ -114,7 +114,7 @@ DUMP = """
 def test_worker_environment_has_every_name_torchrun_sets(tmp_path):
     pytest.importorskip("torch")
     worker = script(tmp_path / "dump.py", DUMP)
-    env = launcher_env()
+    env = launcher_env(TMPDIR=str(tmp_path))  # torchrun leaves its temporary directory
     seen = {}
     for name, module in (("torch", "torch.distributed.run"), ("ours", "distcomm.run")):
         out = tmp_path / name

@@ -6,6 +6,7 @@ last-call and keep-alive settings; nothing asserts how long a step took.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -323,6 +324,41 @@ def test_last_call_completes_with_min_nodes(run: Run) -> None:
     handlers = [run.handler(2, 4) for _ in range(2)]
     infos = _together(*(h.next_rendezvous for h in handlers))
     _check_round(infos, 2)
+
+
+class _Lines(logging.Handler):
+    """Keeps the messages logged to it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.timeout(60)
+def test_last_call_is_logged_when_the_wait_starts(run: Run) -> None:
+    """A round with min_nodes but not max_nodes says once that it waits out its last call,
+    for how long and how to avoid it; the restart round that follows (every node back)
+    completes at once and says nothing."""
+    lines = _Lines()
+    logger = logging.getLogger("distcomm.launch.rendezvous")
+    logger.addHandler(lines)
+    try:
+        handler = run.handler(1, 3, last_call_timeout="0.5")
+        first = handler.next_rendezvous()
+        said = [line for line in lines.lines if "last_call_timeout" in line]
+        handler.next_rendezvous()  # a restart: its only node is back
+    finally:
+        logger.removeHandler(lines)
+    assert first.world_size == 1
+    (line,) = said
+    assert f"{run.run_id!r} ({run.backend}): 1 node(s) joined round {first.round} " in line
+    assert "(--nnodes=1:3); waiting up to " in line
+    assert "(--rdzv_conf last_call_timeout=0.5) for more before starting the workers" in line
+    assert "pass --nnodes=1 to start at once" in line
+    assert [line for line in lines.lines if "last_call_timeout" in line] == said
 
 
 @pytest.mark.timeout(90)

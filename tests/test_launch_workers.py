@@ -25,7 +25,9 @@ import pytest
 
 from distcomm.launch import output as output_module
 from distcomm.launch.errors import (
+    NO_RECORDED_TRACEBACK,
     NO_TRACEBACK,
+    NOT_KEPT,
     ChildFailedError,
     ProcessFailure,
     exit_description,
@@ -687,15 +689,20 @@ def test_process_failure_reads_the_error_file(tmp_path):
     path.write_text(json.dumps({"message": "c++ error", "timestamp": "1700000001"}))
     failure = ProcessFailure(0, 1, 1, str(path))
     assert failure.message == "c++ error" and failure.timestamp == 1_700_000_001
+    assert failure.traceback_text() == NO_RECORDED_TRACEBACK  # a file, so no @record hint
     path.write_text("{not json")
     failure = ProcessFailure(0, 1, 1, str(path))
-    assert "unreadable" in failure.message and failure.traceback_text() == NO_TRACEBACK
+    assert "unreadable" in failure.message
+    assert failure.traceback_text() == NO_RECORDED_TRACEBACK and failure.error_file == str(path)
 
 
 def test_process_failure_without_a_record(tmp_path):
     before = time.time()
     killed = ProcessFailure(local_rank=0, rank=0, pid=7, exitcode=-9)
     assert killed.signal_name() == "SIGKILL"
+    unwritten = ProcessFailure(0, 7, 1, str(tmp_path / "error.json"))
+    assert unwritten.error_file == ""  # torch's "<N/A>": nothing was recorded there
+    assert "error_file: <N/A>" in ChildFailedError("x", {0: unwritten}).format_msg()
     assert killed.message == "process 7 ended with signal SIGKILL (-9)"
     assert killed.traceback_text() == NO_TRACEBACK
     assert killed.timestamp >= before
@@ -761,6 +768,38 @@ def test_child_failed_error_report(tmp_path):
     assert "<NO_OTHER_FAILURES>" in ChildFailedError("x", {1: same[1]}).format_msg()
     with pytest.raises(ValueError):
         ChildFailedError("x", {})
+
+
+def test_report_names_no_file_that_is_not_kept(tmp_path):
+    """With files_kept=False (the files are in the agent's temporary directory) the report
+    names none of them, and the stderr tail read by capture_logs outlives the log."""
+    recorded = _recorded(tmp_path, "r0.json", "ValueError: first", 1_700_000_000 * 10**9)
+    stderr = tmp_path / "stderr.log"
+    stderr.write_text("".join(f"line {i}\n" for i in range(30)))
+    failures = {
+        0: ProcessFailure(0, 100, 1, recorded, files_kept=False),
+        1: ProcessFailure(
+            1, 101, -11, rank=1, log_files={"stderr": str(stderr)}, files_kept=False
+        ),
+    }
+    failures[1].capture_logs()
+    stderr.unlink()
+    os.remove(recorded)
+    text = ChildFailedError("train.py", failures).format_msg()
+    assert str(tmp_path) not in text
+    assert f"error_file: {NOT_KEPT}" in text and f"stderr    : {NOT_KEPT}" in text
+    assert "ValueError: first" in text and "Traceback" in text
+    assert "(no recorded traceback; last 20 lines of its stderr)" in text
+    assert "line 29" in text and "line 9\n" not in text
+    assert "@record" not in text
+    assert failures[1].traceback_text(tail=2).endswith("line 28\nline 29")
+
+    # another node's report keeps the choice; kept files are named
+    remote = ProcessFailure.from_record(json.loads(json.dumps(failures[1].to_record())))
+    assert not remote.files_kept and "line 29" in remote.traceback_text()
+    assert str(tmp_path) not in ChildFailedError("x", {1: remote}).format_msg()
+    kept = ProcessFailure(0, 7, 1, _recorded(tmp_path, "k.json", "KeyError: 'k'", 10**18))
+    assert f"error_file: {kept.error_file}" in ChildFailedError("x", {0: kept}).format_msg()
 
 
 @pytest.mark.timeout(60)

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from distcomm.launch.errors import NOT_KEPT
 from tests.etcd_server import etcd_endpoint  # noqa: F401 - fixture
 from tests.launchjobs import (
     agent,
@@ -684,6 +685,28 @@ LONG_LAST_CALL = (
 )
 
 
+def test_elastic_range_says_it_waits_for_the_last_call(tmp_path):
+    """--nnodes=1:4 with one node: the agent says, when it starts waiting, that it waits
+    last_call_timeout for more nodes and how to start at once; then the job runs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = _env_worker(tmp_path)
+    (proc,) = _nodes(
+        tmp_path, "c10d", f"127.0.0.1:{free_port()}", "1:4", 1, worker, str(out),
+        extra=("--rdzv_conf=last_call_timeout=1",), run_id="lonely",
+    )
+    try:
+        code, _, err = finish(proc)
+    finally:
+        kill_tree(proc.pid)
+    assert code == 0, err
+    _check_env(records(out), 1, 2, run_id="lonely")
+    (line,) = [line for line in err.splitlines() if "last_call_timeout" in line]
+    assert "rendezvous of run 'lonely' (c10d): 1 node(s) joined round 0 (--nnodes=1:4)" in line
+    assert re.search(r"waiting up to [\d.]+ s \(--rdzv_conf last_call_timeout=1\) for more", line)
+    assert "pass --nnodes=1 to start at once" in line
+
+
 def _with_agent_logs(tmp_path: Path, exc: AssertionError) -> AssertionError:
     """`exc` with the end of every agent log under `tmp_path` (what each node saw)."""
     logs = "".join(f"\n== {path.name}\n{path.read_text(errors='replace')[-6000:]}"
@@ -792,6 +815,91 @@ def test_agent_records_error_file_json(tmp_path):
     assert "missing-thing" in data["message"]["message"]
     assert "Traceback" in data["message"]["extraInfo"]["py_callstack"]
     assert "missing-thing" in res.stderr
+
+
+#: a decorated worker that raises, and one that fails without recording anything
+RECORDED_FAILURE = """
+    from distcomm.launch.errors import record
+
+    @record
+    def main():
+        raise ValueError("bad input 42")
+
+    main()
+"""
+UNRECORDED_FAILURE = """
+    raise ValueError("bad input 43")
+"""
+
+
+def _failure_report(stderr: str, name: str) -> str:
+    """The agent's failure report in `stderr`: from its top rule to its bottom rule."""
+    start = stderr.index(f"{name} FAILED\n")
+    start = stderr.rfind("\n", 0, start - 1) + 1  # the top rule
+    end = stderr.index("Root Cause (first observed failure):", start)
+    end = stderr.index("=" * 20, end)
+    return stderr[start : stderr.index("\n", end)]
+
+
+def _named_paths(report: str) -> list[str]:
+    """The file paths the report names: its error_file, stdout and stderr rows and the
+    log its stderr tail comes from."""
+    rows = re.findall(r"^  (?:error_file|stdout|stderr)\s*: (.*)$", report, re.M)
+    tails = re.findall(r"\(no recorded traceback; last \d+ lines of (.*)\)$", report, re.M)
+    return [value for value in rows + tails if not value.startswith("<") and value != "its stderr"]
+
+
+@pytest.mark.parametrize(
+    "worker, flags",
+    [
+        (RECORDED_FAILURE, []),
+        (RECORDED_FAILURE, ["--log_dir=logs"]),
+        (RECORDED_FAILURE, ["--log_dir=logs", "--redirects=3"]),
+        (UNRECORDED_FAILURE, []),
+        (UNRECORDED_FAILURE, ["--redirects=3"]),
+    ],
+    ids=["recorded", "recorded-log-dir", "recorded-log-dir-redirects", "unrecorded",
+         "unrecorded-redirects"],
+)
+def test_failure_report_names_only_files_that_outlive_the_launcher(tmp_path, worker, flags):
+    """The report of a failed run: the recorded exception and no @record hint for a
+    decorated worker, the hint for one that wrote no error file, and only paths that
+    still exist once distcomm-run has exited (those under --log_dir); the agent leaves
+    nothing else in the directories the test gave it."""
+    path = script(tmp_path / "fails.py", worker)
+    res = run_launcher(["--standalone", "--nproc_per_node=1", *flags, path.name], tmp_path)
+    assert res.returncode == 1, res.stderr
+    report = _failure_report(res.stderr, path.name)
+    kept = any(flag.startswith("--log_dir") for flag in flags)
+    redirected = any(flag.startswith("--redirects") for flag in flags)
+    recorded = worker is RECORDED_FAILURE
+    if recorded:
+        assert "message   : ValueError: bad input 42" in report
+        assert 'raise ValueError("bad input 42")' in report  # the recorded traceback
+        assert "@record" not in report
+    elif redirected:
+        assert "ValueError: bad input 43" in report  # the tail of its stderr log
+        assert "@record" not in report
+    else:
+        assert "ValueError: bad input 43" not in report
+        assert "decorate its entrypoint with @record" in report
+    assert ("error_file: <N/A>" in report) is not recorded
+    assert (NOT_KEPT in report) is ((recorded or redirected) and not kept)
+    named = _named_paths(report)
+    # error_file when recorded; stdout, stderr and the stderr tail's source when redirected
+    expected = recorded + (2 + (not recorded)) * redirected if kept else 0
+    assert len(named) == expected, report
+    for name in named:
+        assert os.path.isfile(name), f"the report names {name}, gone after exit:\n{report}"
+    if kept and recorded:
+        (error_file,) = (tmp_path / "logs").glob("*/attempt_0/0/error.json")
+        assert f"error_file: {error_file}" in report
+        data = json.loads(error_file.read_text())
+        assert data["message"]["message"] == "ValueError: bad input 42"
+    # the agent's temporary directory (TMPDIR is tmp_path) is gone; --log_dir's remains
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["fails.py", *(["logs"] if kept else [])]
+    )
 
 
 # -- a failure on one node ends the run on every node ---------------------------------------------

@@ -138,6 +138,14 @@ def _remove_stale_temp_dirs() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _inside(path: str, directory: str) -> bool:
+    """Whether `path` is `directory` or under it."""
+    if not directory:
+        return False
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([path, directory]) == directory
+
+
 def _resolve_ipv4(host: str) -> str:
     try:
         return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
@@ -172,6 +180,7 @@ class ElasticAgent:
         self._tmp = ""
         self._log_root = ""
         self._trace_dir = ""  # DISTCOMM_TRACE_DIR of the latest workers
+        self._logs_kept = False  # whether the latest workers' files outlive the agent
         self._auth_key: bytes | None = None  # the job's key, when this agent made one
 
     # -- the run ------------------------------------------------------------------------------
@@ -193,7 +202,9 @@ class ElasticAgent:
                     print(message, file=sys.stderr, flush=True)
             if config.logs_specs is None and config.log_dir:
                 os.makedirs(config.log_dir, exist_ok=True)
-                self._log_root = tempfile.mkdtemp(prefix=f"{config.run_id}_", dir=config.log_dir)
+                self._log_root = os.path.abspath(
+                    tempfile.mkdtemp(prefix=f"{config.run_id}_", dir=config.log_dir)
+                )
             else:
                 self._log_root = os.path.join(self._tmp, "logs")
             if config.max_nodes == 1 and not env_var("DISTCOMM_AUTH_KEY"):
@@ -436,6 +447,9 @@ class ElasticAgent:
             run_store, round_, world_size, local, node, c.name, c.nproc_per_node, self._trace_dir
         )
         print(text, file=sys.stderr, flush=True)
+        for failure in self.failures.values():
+            if not failure.files_kept:  # its logs go with the temporary directory
+                failure.capture_logs()
 
     # -- events -------------------------------------------------------------------------------
 
@@ -493,13 +507,16 @@ class ElasticAgent:
         if c.logs_specs is not None:
             attempt_dir = c.logs_specs.attempt_dir(c.run_id, self._attempt)
             if attempt_dir is not None:
+                # absolute: the report names its files, and a worker may change directory
+                attempt_dir = os.path.abspath(attempt_dir)
                 self._log_root = os.path.dirname(attempt_dir)
         if attempt_dir is None:
             attempt_dir = os.path.join(self._log_root, f"attempt_{self._attempt}")
-        logs_kept = bool(c.log_dir) or self._log_root != os.path.join(self._tmp, "logs")
+        # files in the agent's temporary directory are removed when it exits
+        self._logs_kept = not _inside(attempt_dir, self._tmp)
         base = dict(os.environ)
         self._trace_dir = env_var("DISTCOMM_TRACE_DIR", base) or trace_dir(
-            self._log_root if logs_kept else "", c.run_id, self._attempt
+            self._log_root if self._logs_kept else "", c.run_id, self._attempt
         )
         base["DISTCOMM_TRACE_DIR"] = self._trace_dir
         if self._auth_key is not None:
@@ -563,6 +580,7 @@ class ElasticAgent:
                 role=c.role,
                 log_files=self._workers.log_files(local_rank),
                 reason=reason,
+                files_kept=self._logs_kept,
             )
         return failures
 

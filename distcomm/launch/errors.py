@@ -56,10 +56,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: the lines of a worker's stderr log the report shows when it recorded no traceback
+_TAIL_LINES = 20
+#: the traceback shown for a worker that wrote no error file and has no stderr log
 NO_TRACEBACK = (
-    "(no traceback: decorate the entrypoint with @record to capture it, "
-    "or pass --log_dir/--redirects to keep its output)"
+    "(no traceback: the worker wrote no error file; decorate its entrypoint with @record "
+    "from distcomm.launch.errors to record an exception it raises, or pass --redirects=2 "
+    "or --tee=2 to show the end of its stderr here)"
 )
+#: the traceback shown for a worker whose error file holds a message but no traceback
+NO_RECORDED_TRACEBACK = "(the worker's error file holds no traceback; see message)"
+#: the report's value for a log or error file in the launcher's temporary directory
+NOT_KEPT = "<not kept: pass --log_dir to keep it>"
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -188,6 +196,12 @@ class ProcessFailure:
             "expiration timer 'stuck' expired").
         timestamp: seconds since the epoch: the recorded failure time if the error file
             has one, else the given time of observation, else the time this was made.
+        files_kept: whether `error_file` and `log_files` outlive the launcher. False when
+            they are in its temporary directory (no --log_dir), which it removes on exit:
+            the report then names none of them.
+
+    An `error_file` that does not exist when the object is made (the worker recorded
+    nothing) is set to "" (torch sets ``"<N/A>"``).
     """
 
     local_rank: int
@@ -200,8 +214,10 @@ class ProcessFailure:
     log_files: dict[str, str] = field(default_factory=dict)
     reason: str = ""
     timestamp: float | None = None
+    files_kept: bool = True
     error_data: dict[str, Any] | None = field(default=None, init=False, repr=False)
     _error_problem: str = field(default="", init=False, repr=False)
+    _stderr_lines: list[str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.rank is None:
@@ -218,6 +234,8 @@ class ProcessFailure:
                     f"ProcessFailure.{name} must be {what}, got {value!r}; the fields are "
                     f"(local_rank, pid, exitcode, error_file, rank, ...), torch's order first"
                 )
+        if self.error_file and not os.path.isfile(self.error_file):
+            self.error_file = ""
         recorded = self._read_error_file()
         if recorded is not None:
             self.timestamp = recorded
@@ -270,14 +288,28 @@ class ProcessFailure:
             text = f"process {self.pid} was still running"
         return f"{text}; {self._error_problem}" if self._error_problem else text
 
-    def traceback_text(self, tail: int = 20) -> str:
+    def capture_logs(self, tail: int = _TAIL_LINES) -> None:
+        """Read the last `tail` lines of the stderr log now, for `traceback_text` to show
+        once the log is removed (the agent calls it before it removes its temporary
+        directory). Nothing happens when there is no such log or it cannot be read."""
+        stderr = self.log_files.get("stderr", "")
+        if not stderr or not os.path.isfile(stderr):
+            return
+        try:
+            with open(stderr, encoding="utf-8", errors="replace") as fp:
+                self._stderr_lines = list(deque(fp, maxlen=max(tail, 1)))
+        except OSError:
+            pass  # traceback_text tries again, and says why it cannot
+
+    def traceback_text(self, tail: int = _TAIL_LINES) -> str:
         """The traceback the worker recorded; else the last `tail` lines of its stderr log.
 
         Args:
             tail: how many lines of the stderr log to show when nothing was recorded.
 
         Returns:
-            The text, or a line saying how to get a traceback next time.
+            The text; when there is neither, a line saying so, with how to get a
+            traceback next time if the worker wrote no error file.
         """
         if self.error_data is not None:
             message = self.error_data["message"]
@@ -286,16 +318,22 @@ class ProcessFailure:
                 if stack:
                     return str(stack).rstrip("\n")
         stderr = self.log_files.get("stderr", "")
-        if stderr and os.path.isfile(stderr):
+        lines: list[str] | deque[str] = []
+        if self._stderr_lines is not None:
+            lines = self._stderr_lines[-max(tail, 1) :]
+        elif stderr and os.path.isfile(stderr):
             try:
                 with open(stderr, encoding="utf-8", errors="replace") as fp:
                     lines = deque(fp, maxlen=max(tail, 1))
             except OSError as exc:
                 return f"(could not read {stderr}: {exc})"
-            if lines:
-                return f"(no recorded traceback; last {len(lines)} lines of {stderr})\n" + "".join(
-                    lines
-                ).rstrip("\n")
+        if lines:
+            where = stderr if self.files_kept else "its stderr"
+            return f"(no recorded traceback; last {len(lines)} lines of {where})\n" + "".join(
+                lines
+            ).rstrip("\n")
+        if self.error_data is not None or self._error_problem:
+            return NO_RECORDED_TRACEBACK
         return NO_TRACEBACK
 
     def to_record(self, tail: int = 20) -> dict[str, Any]:
@@ -315,6 +353,7 @@ class ProcessFailure:
             "log_files": dict(self.log_files),
             "reason": self.reason,
             "timestamp": self.timestamp,
+            "files_kept": self.files_kept,
             "message": self.message,
             "traceback": self.traceback_text(tail)[-_RECORD_TRACEBACK_CHARS:],
         }
@@ -339,6 +378,7 @@ class ProcessFailure:
         # set after __post_init__: the files are on the other node, not to be read here
         failure.error_file = str(data["error_file"])
         failure.log_files = {str(k): str(v) for k, v in data["log_files"].items()}
+        failure.files_kept = bool(data.get("files_kept", True))
         failure.error_data = {
             "message": {
                 "message": str(data["message"]),
@@ -431,8 +471,10 @@ def _format_failure(rank: int, failure: ProcessFailure) -> str:
     rows += [("pid", str(failure.pid)), ("exitcode", status)]
     if failure.reason:
         rows.append(("reason", failure.reason))
-    rows += [("message", failure.message), ("error_file", failure.error_file or "<N/A>")]
-    rows += sorted(failure.log_files.items())
+    kept = failure.files_kept
+    error_file = (failure.error_file if kept else NOT_KEPT) if failure.error_file else "<N/A>"
+    rows += [("message", failure.message), ("error_file", error_file)]
+    rows += sorted((name, path if kept else NOT_KEPT) for name, path in failure.log_files.items())
     lines = [f"[{rank}]:"]
     for name, value in rows:
         first, *rest = value.splitlines() or [""]
@@ -467,8 +509,9 @@ def trace_hint(directory: str) -> str:
             f"  see which collective each rank was in: python -m distcomm.trace {directory}"
         )
     return (
-        f"distcomm-run: no worker of this node wrote a flight-recorder trace to {directory} "
-        "(a worker writes one on a collective timeout or failure, SIGTERM or SIGUSR1)"
+        "distcomm-run: no worker of this node wrote a flight-recorder trace (a worker "
+        "writes one into DISTCOMM_TRACE_DIR on a collective timeout or failure, SIGTERM or "
+        "SIGUSR1)"
     )
 
 

@@ -378,6 +378,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         deadline = Deadline(self._join_timeout)
         self._start_heartbeats()
         leaving, seen, delay = True, None, _POLL_FIRST
+        told: tuple[int, float | None] | None = None  # the last call this node logged
         while True:
             expired = deadline.expired()
             step = functools.partial(self._join_step, leaving=leaving, expired=expired)
@@ -415,10 +416,45 @@ class DynamicRendezvousHandler(RendezvousHandler):
             membership = state.membership()
             if membership != seen:
                 seen, delay = membership, _POLL_FIRST
+            if self._in_last_call(state) and told != (state.round, state.deadline):
+                told = (state.round, state.deadline)
+                self._log_last_call(state)
             due = None  # the round's own deadline, when this node waits in it
             if state.deadline is not None and self.node_id in state.participants:
                 due = max(0.0, state.deadline - time.time()) + 0.01
             delay = deadline.nap(delay, _POLL_MOST, due)
+
+    def _in_last_call(self, state: RendezvousState) -> bool:
+        """Whether this node waits in a gathering round only for its last call to end:
+        min_nodes have joined, fewer than max_nodes, and no live node of the previous
+        round is still to come back (that round completes when it does)."""
+        if state.complete or state.deadline is None or self.node_id not in state.participants:
+            return False
+        if len(state.participants) >= self._limits.max_nodes:
+            return False
+        return not any(
+            node in state.last_heartbeats and node not in state.participants
+            for node in state.previous
+        )
+
+    def _log_last_call(self, state: RendezvousState) -> None:
+        limits, joined = self._limits, len(state.participants)
+        assert state.deadline is not None
+        left = max(0.0, state.deadline - time.time())
+        log.warning(
+            "%s: %d node(s) joined round %d (--nnodes=%d:%d); waiting up to %s s "
+            "(--rdzv_conf last_call_timeout=%g) for more before starting the workers; "
+            "pass --nnodes=%d to start at once with these nodes, or a shorter "
+            "last_call_timeout",
+            self._where(),
+            joined,
+            state.round,
+            limits.min_nodes,
+            limits.max_nodes,
+            f"{left:.0f}" if left >= 10 else f"{left:.1f}",
+            limits.last_call_timeout,
+            joined,
+        )
 
     # -- the rest of the contract -----------------------------------------------------------
 
