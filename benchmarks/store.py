@@ -24,6 +24,8 @@ Examples::
     python benchmarks/store.py
     python benchmarks/store.py --quick
     python benchmarks/store.py --clients 64,256 --processes 2 --impl ours --json store.json
+    python benchmarks/store.py --csv store.csv --png store.png
+    python benchmarks/plots.py store store.csv --png store.png   # redrawn from the CSV
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import date, timedelta
 from typing import Any
+
+import plots  # benchmarks/plots.py, beside this script
 
 from distcomm.launch.errors import exit_description
 from distcomm.procutil import set_pdeathsig
@@ -129,6 +133,12 @@ clocks: the barrier's start and end times are time.monotonic() in different proc
                         help="seconds any one step may take: a store call, a child's answer, "
                              "connecting the clients of one barrier (default 60)")
     parser.add_argument("--json", metavar="PATH", help="also write the raw numbers here")
+    parser.add_argument("--csv", metavar="PATH",
+                        help="also write every run of every measurement here, one row each "
+                             "(benchmarks/plots.py store redraws the picture from it)")
+    parser.add_argument("--png", metavar="PATH",
+                        help="also plot each store's runs side by side: calls/s, barrier "
+                             "time, CPU per call, connect time (needs matplotlib)")
     return parser
 
 
@@ -147,6 +157,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], s
     if args.warmup < 0 or not args.timeout > 0:
         parser.error(f"need --warmup >= 0 and --timeout > 0, got {args.warmup} and "
                      f"{args.timeout}")
+    if args.png:
+        plots.require_matplotlib(parser)  # before the run, not after minutes of it
     impls = list(IMPLS) if args.impl == "both" else [args.impl]
     torch_version = None
     if "torch" in impls:
@@ -652,6 +664,49 @@ def print_table(report: dict[str, Any], impls: list[str], args: argparse.Namespa
               f"{os.environ.get('RES_OPTIONS', '')!r} here).", flush=True)
 
 
+def store_label(impl: str, info: dict[str, Any]) -> str:
+    """The store as the CSV and the plot name it: its library and version."""
+    return f"{LABELS[impl]} {info['distcomm' if impl == 'ours' else 'torch']} TCPStore"
+
+
+def csv_rows(report: dict[str, Any], impls: list[str]) -> list[dict[str, Any]]:
+    """The report as rows of plots.STORE_FIELDS: one per run of each measurement and store
+    (the single client's repeats, the barrier's rounds, one connect per barrier size)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(impl: str, measurement: str, op: str, clients: int, values: list[float]) -> None:
+        label = store_label(impl, report["machine"])
+        rows.extend(dict(impl=impl, label=label, measurement=measurement, op=op,
+                         clients=clients, run=run, value=value)
+                    for run, value in enumerate(values))
+
+    for impl in impls:
+        for op, row in report["single"].get(impl, {}).items():
+            add(impl, "calls_per_s", op, 1, row["ops_per_s"])
+            add(impl, "server_cpu_us_per_call", op, 1, row["server_cpu_us_per_call"])
+            add(impl, "client_cpu_us_per_call", op, 1, row["client_cpu_us_per_call"])
+    for total, result in report["barrier"].items():
+        for impl in impls:
+            row = result[impl]
+            add(impl, "barrier_ms", "barrier", int(total), [1e3 * s for s in row["seconds"]])
+            add(impl, "barrier_server_cpu_us_per_client", "barrier", int(total),
+                row["server_cpu_us_per_client"])
+            add(impl, "barrier_client_cpu_us_per_client", "barrier", int(total),
+                row["client_cpu_us_per_client"])
+            add(impl, "connect_ms", "connect", int(total), [1e3 * row["connect_s"]])
+    return rows
+
+
+def plot_title(report: dict[str, Any], args: argparse.Namespace) -> str:
+    """The line under the plot's heading: the machine, the day and the run's sizes."""
+    info = report["machine"]
+    return (f"{date.today().isoformat()}, {info['cpus']} CPUs ({info['usable_cpus']} usable), "
+            f"Python {info['python']}, load average at start "
+            + " ".join(f"{x:.2f}" for x in info["load_average"])
+            + f"; one client: {args.count} calls per run, {args.repeat} runs; barrier: "
+            f"clients over {args.processes} processes, {args.rounds} rounds")
+
+
 def main(argv: list[str] | None = None) -> int:
     args, impls, torch_version = parse_args(argv)
     # torch's clients warn about every unresolvable peer name ("hostname ... cannot be retrieved")
@@ -662,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     _raise_fd_limit()
     children = Children(args.timeout)
     report: dict[str, Any] = {"machine": machine(torch_version),
-                              "args": {k: v for k, v in vars(args).items() if k != "json"},
+                              "args": {k: v for k, v in vars(args).items()
+                                       if k not in ("json", "csv", "png")},
                               "single": {}, "barrier": {}}
     servers: dict[str, Server] = {}
     began = time.monotonic()
@@ -692,6 +748,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
         print(f"# wrote the raw numbers to {args.json}", flush=True)
+    if args.csv or args.png:
+        rows = csv_rows(report, impls)
+        if args.csv:
+            plots.write_csv(rows, args.csv, plots.STORE_FIELDS)
+        if args.png:
+            plots.store(rows, args.png, plot_title(report, args))
     return 0
 
 

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import numpy as np
+import plots  # benchmarks/plots.py, beside this script
 from collectives import parse_bytes  # this folder's benchmark: one size syntax
 
 DTYPES = ("float32", "float64", "float16", "int8", "uint8", "int32", "int64")
@@ -82,12 +83,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.min_chunk is not None and args.min_chunk < 1:
         parser.error(f"--min-chunk must be >= 1 byte, got {args.min_chunk}")
     if args.png:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(f"--png needs matplotlib, which is not importable in this Python "
-                         f"({sys.executable}); install it (pip install matplotlib, or the "
-                         "'bench' extra) or run without --png")
+        plots.require_matplotlib(parser)
 
 
 def pieces(ops: Any, nbytes: int, itemsize: int, threads: int) -> int:
