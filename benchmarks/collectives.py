@@ -43,7 +43,6 @@ There `--nprocs` is the launcher's business (given, it must match the world size
 from __future__ import annotations
 
 import argparse
-import csv
 import ctypes
 import math
 import multiprocessing
@@ -992,11 +991,7 @@ class Report:
         )
         print(f"# {len(self.rows)} rows, {bad} with wrong results: {verdict}", flush=True)
         if self.args.csv:
-            with open(self.args.csv, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=FIELDS)
-                writer.writeheader()
-                writer.writerows(self.rows)
-            print(f"# wrote {len(self.rows)} rows to {self.args.csv}", flush=True)
+            plots.write_csv(self.rows, self.args.csv, FIELDS)
         if self.args.png and self.rows:
             a = self.args
             peer = f" beside {self.peer_label}" if a.compare else ""

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import BackendUnavailableError
+
 __all__ = ["collect", "main", "render"]
 
 
@@ -45,11 +47,15 @@ def _mpi() -> dict[str, Any]:
 
 
 def _gpu() -> dict[str, Any]:
+    from .gpu.runtime import INSTALL_HINT, import_cupy
+
     try:
-        import cupy
-    except Exception as exc:  # ImportError, or a CUDA library that fails to load
-        return {"cupy": None, "why_not": f"CuPy is not importable ({type(exc).__name__}: "
-                f"{exc}); pip install 'distcomm[gpu]' (CUDA 12) or 'distcomm[gpu13]' (CUDA 13)"}
+        cupy = import_cupy("distcomm's GPU support", need_device=False)
+    except BackendUnavailableError as exc:  # not installed: the message says what to install
+        return {"cupy": None, "why_not": str(exc)}
+    except Exception as exc:  # a CUDA library that fails to load
+        return {"cupy": None, "why_not": f"CuPy failed to import ({type(exc).__name__}: "
+                f"{exc}); {INSTALL_HINT}"}
     info: dict[str, Any] = {"cupy": cupy.__version__}
     runtime = cupy.cuda.runtime
     try:

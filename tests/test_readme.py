@@ -108,7 +108,13 @@ def test_the_first_example_uses_the_launcher():
 
 
 def _program(argv: list[str]) -> list[str]:
-    """`argv` as this test runs it: python is this interpreter, distcomm-run its module."""
+    """`argv` as this test runs it: python is this interpreter, distcomm-run its module,
+    `mpiexec -n N` the MPI under test (the test skips without one)."""
+    if argv[0] in ("mpiexec", "mpirun"):
+        if mpijobs.LAUNCHER is None:
+            pytest.skip(mpijobs.SKIP_REASON)
+        assert argv[1] == "-n", f"write the rank count as `-n N`: {' '.join(argv)}"
+        return mpijobs.LAUNCHER.command(int(argv[2]), *_program(argv[3:]))
     if argv[0] in ("python", "python3"):
         return [sys.executable, *argv[1:]]
     if argv[0] == "distcomm-run":
@@ -124,11 +130,6 @@ def _command_of(block: Block, where: Path) -> list[str]:
         return [sys.executable, name]
     argv = shlex.split(header["command"])
     assert name in argv, f"{block.id}: the header's command does not run {name}"
-    if argv[0] in ("mpiexec", "mpirun"):
-        if mpijobs.LAUNCHER is None:
-            pytest.skip(mpijobs.SKIP_REASON)
-        assert argv[1] == "-n", f"{block.id}: write the rank count as `-n N`"
-        return mpijobs.LAUNCHER.command(int(argv[2]), *_program(argv[3:]))
     return _program(argv)
 
 
@@ -338,14 +339,9 @@ def test_shell_command_runs_here(line, tmp_path):
     while "=" in argv[0]:
         name, _, value = argv.pop(0).partition("=")
         env[name] = value
-    if argv[0] == "mpiexec":
-        if mpijobs.LAUNCHER is None:
-            pytest.skip(mpijobs.SKIP_REASON)
-        if "HYDRA_IFACE" in line and mpijobs.LAUNCHER.kind != "mpich":
-            pytest.skip(f"an MPICH command; the MPI under test is {mpijobs.LAUNCHER.name}")
-        command = mpijobs.LAUNCHER.command(int(argv[2]), *_program(argv[3:]))
-    else:
-        command = _program(argv)
-    done = mpijobs.run(command, timeout=TIMEOUT, cwd=tmp_path, env=env, merge_output=True)
+    if "HYDRA_IFACE" in line and mpijobs.LAUNCHER and mpijobs.LAUNCHER.kind != "mpich":
+        pytest.skip(f"an MPICH command; the MPI under test is {mpijobs.LAUNCHER.name}")
+    done = mpijobs.run(_program(argv), timeout=TIMEOUT, cwd=tmp_path, env=env,
+                       merge_output=True)
     assert done.returncode == 0, f"`{line}` exited {done.returncode}:\n{done.stdout}"
     assert "OK" in done.stdout, done.stdout

@@ -288,18 +288,28 @@ class ProcessFailure:
             text = f"process {self.pid} was still running"
         return f"{text}; {self._error_problem}" if self._error_problem else text
 
+    def _stderr_tail(self, tail: int) -> list[str]:
+        """The last `tail` lines of the stderr log ([] without one).
+
+        Raises:
+            OSError: the log exists but cannot be read.
+        """
+        stderr = self.log_files.get("stderr", "")
+        if not stderr or not os.path.isfile(stderr):
+            return []
+        with open(stderr, encoding="utf-8", errors="replace") as fp:
+            return list(deque(fp, maxlen=max(tail, 1)))
+
     def capture_logs(self, tail: int = _TAIL_LINES) -> None:
         """Read the last `tail` lines of the stderr log now, for `traceback_text` to show
         once the log is removed (the agent calls it before it removes its temporary
         directory). Nothing happens when there is no such log or it cannot be read."""
-        stderr = self.log_files.get("stderr", "")
-        if not stderr or not os.path.isfile(stderr):
-            return
         try:
-            with open(stderr, encoding="utf-8", errors="replace") as fp:
-                self._stderr_lines = list(deque(fp, maxlen=max(tail, 1)))
+            lines = self._stderr_tail(tail)
         except OSError:
-            pass  # traceback_text tries again, and says why it cannot
+            return  # traceback_text tries again, and says why it cannot
+        if lines:
+            self._stderr_lines = lines
 
     def traceback_text(self, tail: int = _TAIL_LINES) -> str:
         """The traceback the worker recorded; else the last `tail` lines of its stderr log.
@@ -318,13 +328,11 @@ class ProcessFailure:
                 if stack:
                     return str(stack).rstrip("\n")
         stderr = self.log_files.get("stderr", "")
-        lines: list[str] | deque[str] = []
         if self._stderr_lines is not None:
             lines = self._stderr_lines[-max(tail, 1) :]
-        elif stderr and os.path.isfile(stderr):
+        else:
             try:
-                with open(stderr, encoding="utf-8", errors="replace") as fp:
-                    lines = deque(fp, maxlen=max(tail, 1))
+                lines = self._stderr_tail(tail)
             except OSError as exc:
                 return f"(could not read {stderr}: {exc})"
         if lines:

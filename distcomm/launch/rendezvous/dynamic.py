@@ -78,6 +78,7 @@ from .state import (
     apply,
     decide,
     drop_dead,
+    in_last_call,
     leave_round,
     num_waiting,
     withdraw,
@@ -416,26 +417,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
             membership = state.membership()
             if membership != seen:
                 seen, delay = membership, _POLL_FIRST
-            if self._in_last_call(state) and told != (state.round, state.deadline):
-                told = (state.round, state.deadline)
+            last_call = (state.round, state.deadline)
+            if told != last_call and in_last_call(state, self.node_id, self._limits):
+                told = last_call
                 self._log_last_call(state)
             due = None  # the round's own deadline, when this node waits in it
             if state.deadline is not None and self.node_id in state.participants:
                 due = max(0.0, state.deadline - time.time()) + 0.01
             delay = deadline.nap(delay, _POLL_MOST, due)
-
-    def _in_last_call(self, state: RendezvousState) -> bool:
-        """Whether this node waits in a gathering round only for its last call to end:
-        min_nodes have joined, fewer than max_nodes, and no live node of the previous
-        round is still to come back (that round completes when it does)."""
-        if state.complete or state.deadline is None or self.node_id not in state.participants:
-            return False
-        if len(state.participants) >= self._limits.max_nodes:
-            return False
-        return not any(
-            node in state.last_heartbeats and node not in state.participants
-            for node in state.previous
-        )
 
     def _log_last_call(self, state: RendezvousState) -> None:
         limits, joined = self._limits, len(state.participants)

@@ -21,6 +21,7 @@ __all__ = [
     "decide",
     "drop_dead",
     "everyone_back",
+    "in_last_call",
     "leave_round",
     "num_waiting",
     "withdraw",
@@ -159,8 +160,25 @@ def everyone_back(state: RendezvousState, limits: Limits) -> bool:
     lost node once the dead one is dropped)."""
     if state.complete or not state.previous or len(state.participants) < limits.min_nodes:
         return False
-    alive = {node for node in state.previous if node in state.last_heartbeats}
-    return not state.wait_list and alive <= state.participants.keys()
+    return not state.wait_list and not _previous_still_coming(state)
+
+
+def _previous_still_coming(state: RendezvousState) -> bool:
+    """Whether a participant of the previous round that is still alive (has a heartbeat)
+    has not joined the current round yet."""
+    return any(
+        node in state.last_heartbeats and node not in state.participants
+        for node in state.previous
+    )
+
+
+def in_last_call(state: RendezvousState, node: str, limits: Limits) -> bool:
+    """Whether `node` waits in a gathering round only for its last call to end: min_nodes
+    have joined it, `node` among them, fewer than max_nodes, and no live node of the
+    previous round is still to come back (the round completes when it does)."""
+    if state.complete or state.deadline is None or node not in state.participants:
+        return False
+    return len(state.participants) < limits.max_nodes and not _previous_still_coming(state)
 
 
 def leave_round(state: RendezvousState, node: str) -> bool:
