@@ -160,7 +160,8 @@ def collect(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """Bytes in GiB, or MiB below 1 GiB (a container's 64 MiB /dev/shm reads as such)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def render(info: Mapping[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ def test_the_text_report_names_versions_backends_and_the_environment():
     assert f"Python version: {sys.version.split()[0]}" in text
     assert "numpy version: " in text
     assert "  tcp (cpu): available" in text
-    assert "/dev/shm: " in text and "GiB free" in text
+    assert "/dev/shm: " in text and re.search(r"\d (GiB|MiB) free", text)
     assert "Launcher: a shell (no launcher detected)" in text
     assert "  DISTCOMM_GLOO_TRANSPORT=tcp" in text
 
@@ -77,3 +78,14 @@ def test_under_mpiexec_every_rank_reports_its_mpi_launcher(tmp_path):
         assert report["mpi"]["library"]
         (started_by,) = report["launcher"]["started_by"]
         assert "mpiexec/mpirun" in started_by, started_by
+
+
+def test_small_shm_is_shown_in_mib():
+    """A container's 64 MiB /dev/shm must not read as "0.1 GiB"."""
+    from distcomm import info
+
+    report = info.collect()
+    report["shm"] = {"path": "/dev/shm", "total_bytes": 64 << 20, "free_bytes": 3 << 20}
+    assert "/dev/shm: 64 MiB total, 3 MiB free" in info.render(report)
+    report["shm"] = {"path": "/dev/shm", "total_bytes": 12 << 30, "free_bytes": 11 << 30}
+    assert "/dev/shm: 12.0 GiB total, 11.0 GiB free" in info.render(report)
