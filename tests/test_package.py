@@ -39,3 +39,13 @@ def test_the_licence_file_is_the_one_the_metadata_names():
 def test_the_changelog_has_an_entry_for_this_version():
     text = (ROOT / "CHANGELOG.md").read_text()
     assert re.search(rf"^## {re.escape(distcomm.__version__)}\b", text, re.MULTILINE)
+
+
+def test_every_folder_of_modules_is_a_package():
+    # setup.cfg's `packages = find:` ships only folders with an __init__.py: one without
+    # it (distcomm/backends/transport once) is missing from every wheel and sdist
+    package = ROOT / "distcomm"
+    missing = sorted(str(d.relative_to(ROOT)) for d in [package, *package.rglob("*")]
+                     if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
+                     and not (d / "__init__.py").exists())
+    assert not missing, f"folders of modules without __init__.py: {missing}"
