@@ -12,48 +12,58 @@ from .errors import DistTimeoutError
 
 __all__ = ["Future", "Work"]
 
-# what a future completed at creation shares instead of making its own (set once, never
-# cleared; such a future is never completed again)
-_SET = threading.Event()
-_SET.set()
+# what a future completed at creation shares instead of making its own lock (set once,
+# never cleared; such a future is never completed again)
 _SHARED_LOCK = threading.Lock()
 
 
 class Future:
     """The eventual result of an operation (the subset of torch.futures.Future it offers).
 
-    `value()` of a collective's future is the list of its output arrays.
+    `value()` of a collective's future is the list of its output arrays. A future costs a
+    lock and a flag; the condition a waiter sleeps on is made by the first one that has
+    to wait (most futures are done before anyone looks, or are never waited on).
     """
 
+    __slots__ = ("_callbacks", "_cond", "_done", "_error", "_lock", "_value")
+
     def __init__(self) -> None:
-        self._done = threading.Event()
         self._lock = threading.Lock()
+        self._done = False
+        self._cond: threading.Condition | None = None
         self._value: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Future], None]] = []
 
     @classmethod
     def completed(cls, value: Any) -> Future:
-        """A future already completed with `value` (cheap: shares its event and lock)."""
+        """A future already completed with `value` (cheap: shares its lock)."""
         future = cls.__new__(cls)
-        future._done, future._lock = _SET, _SHARED_LOCK
+        future._lock, future._done, future._cond = _SHARED_LOCK, True, None
         future._value, future._error, future._callbacks = value, None, []
         return future
 
     def done(self) -> bool:
         """Whether a result or an error has been set."""
-        return self._done.is_set()
+        return self._done
 
     def exception(self) -> BaseException | None:
         """The error the future completed with; None if it succeeded or is not done yet."""
-        return self._error if self._done.is_set() else None
+        return self._error if self._done else None
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Block until done, up to `timeout` seconds (None: no limit); whether it is done.
 
         Unlike `wait()` it neither raises the error nor returns the value.
         """
-        return self._done.wait(timeout)
+        if self._done:
+            return True
+        with self._lock:
+            if self._done:
+                return True
+            if self._cond is None:
+                self._cond = threading.Condition(self._lock)
+            return self._cond.wait_for(lambda: self._done, timeout)
 
     def wait(self, timeout: float | timedelta | None = None) -> Any:
         """Block until done and return the value (raise the error), up to `timeout`.
@@ -62,7 +72,7 @@ class Future:
             DistTimeoutError: not done within `timeout` (also a `TimeoutError`).
         """
         seconds = to_seconds(timeout)
-        if not self._done.wait(seconds):
+        if not self.wait_done(seconds):
             raise DistTimeoutError(f"future not completed within {seconds} s")
         return self.value()
 
@@ -72,7 +82,7 @@ class Future:
         Raises:
             RuntimeError: called before the future is done.
         """
-        if not self._done.is_set():
+        if not self._done:
             raise RuntimeError("Future.value() called before the future completed; call wait()")
         if self._error is not None:
             raise self._error
@@ -94,7 +104,7 @@ class Future:
     def add_done_callback(self, callback: Callable[[Future], None]) -> None:
         """Call `callback(self)` when done (at once if already done)."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._done:
                 self._callbacks.append(callback)
                 return
         callback(self)
@@ -109,10 +119,12 @@ class Future:
 
     def _finish(self, value: Any, error: BaseException | None) -> None:
         with self._lock:
-            if self._done.is_set():
+            if self._done:
                 raise RuntimeError("this Future is already completed")
             self._value, self._error = value, error
-            self._done.set()
+            self._done = True  # after the value: done() readers take no lock
+            if self._cond is not None:
+                self._cond.notify_all()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)

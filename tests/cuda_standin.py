@@ -48,7 +48,9 @@ What is modelled
   that never complete (their data is not written, events after them stay not done,
   and the stream stays blocked) until `abort()`; `inject_async_error(rank)` makes
   `check_async_error()` raise; `fail_init(rank)` makes `NcclCommunicator` raise;
-  `pause(stream)` / `resume(stream)` hold a stream's queue (to check ordering).
+  `pause(stream)` / `resume(stream)` hold a stream's queue (to check ordering);
+  `hold_aborts()` / `release_aborts()` keep `abort()` from returning (after it ended
+  the hung operations), as NCCL's abort waits for the device's other kernels.
 * Every call is logged (`calls()`), every blocking wait ends after `wait_timeout`
   seconds (or at once after `interrupt(reason)`, which a test harness calls when one
   rank failed so the others stop waiting for it), and misuse that a real GPU would
@@ -337,6 +339,23 @@ class _NdArray:
         operand = other._host if isinstance(other, _NdArray) else other
         self._w._kernel(arrays, lambda: np.add(self._host, operand, out=self._host))
         return self
+
+    def __imul__(self, other: Any) -> _NdArray:
+        if isinstance(other, _NdArray):
+            raise NotImplementedError("the stand-in multiplies by a scalar only")
+        np.multiply(self._host[:0], other, out=self._host[:0])  # CuPy's casting errors
+        self._w._kernel([self], lambda: np.multiply(self._host, other, out=self._host))
+        return self
+
+    def __mul__(self, other: Any) -> _NdArray:
+        """A scaled copy (ReduceOp.PREMUL_SUM on an input the caller keeps)."""
+        if isinstance(other, _NdArray):
+            raise NotImplementedError("the stand-in multiplies by a scalar only")
+        dtype = np.result_type(self.dtype, other)
+        out = self._w._alloc(self.shape, dtype)
+        source = self._host
+        self._w._kernel([self], lambda: np.multiply(source, other, out=out._host))
+        return out
 
     def fill(self, value: Any) -> None:
         self[...] = value
@@ -654,6 +673,7 @@ class _NcclCommunicator:
         with w.nccl_cond:
             w.nccl_cond.notify_all()  # wake this rank's waits: they fail
         w._pump()  # hung operations end (without writing data)
+        w._abort_gate(self.rank)  # then, as NCCL's, it waits for the device's other work
 
     def destroy(self) -> None:
         w = self._w
@@ -804,6 +824,9 @@ class CudaStandin:
         self._allocs: dict[int, tuple[int, weakref.ref, int]] = {}
         self._cliques: dict[bytes, _Clique] = {}
         self._hang: set[int] | None = set()  # None: every rank
+        self._aborts_held = threading.Event()  # set: aborts return at once
+        self._aborts_held.set()
+        self.aborts_in_progress = 0  # aborts called that have not returned (hold_aborts)
         self._init_failures: dict[int, NcclError] = {}
         self._interrupted: str | None = None
         self._build_modules(cupy_version)
@@ -902,6 +925,26 @@ class CudaStandin:
     def fail_init(self, rank: int, status: int = SYSTEM_ERROR) -> None:
         """Make the next `NcclCommunicator` of `rank` fail (after the ranks rendezvous)."""
         self._init_failures[rank] = NcclError(status, "injected by the test")
+
+    def hold_aborts(self) -> None:
+        """From now on `abort()` does not return until `release_aborts()`: NCCL's abort
+        frees device memory, which waits for the kernels queued on the GPU (other
+        streams' too) to end. Hung operations still end at once."""
+        self._aborts_held.clear()
+
+    def release_aborts(self) -> None:
+        """Let held aborts return."""
+        self._aborts_held.set()
+
+    def _abort_gate(self, rank: int) -> None:
+        with self.lock:
+            self.aborts_in_progress += 1
+        try:
+            if not self._aborts_held.wait(self.wait_timeout):
+                self._violation(f"rank {rank}: abort held for {self.wait_timeout} s")
+        finally:
+            with self.lock:
+                self.aborts_in_progress -= 1
 
     def pause(self, stream: Any) -> None:
         """Hold `stream`'s queue: work submitted to it waits until `resume`."""

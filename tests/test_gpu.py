@@ -181,6 +181,16 @@ def test_avg_before_nccl_2_10_is_sum_then_divide(dtype):
     assert nt.reduction(np.dtype(dtype), ReduceOp.AVG, (2, 10, 0), "x").op == "NCCL_AVG"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int64", "complex64"])
+def test_avg_on_one_rank_is_sum(dtype):
+    # NCCL's one-rank AVG kernel left the tail of an out-of-place result unwritten before
+    # 2.29.7 (NVIDIA/nccl#1950; seen on a GPU with 2.28.9): one rank's average is a copy
+    for version in (NEW, OLD):
+        plan = nt.reduction(np.dtype(dtype), ReduceOp.AVG, version, "reduce_scatter", 1)
+        assert (plan.op, plan.post) == ("NCCL_SUM", ""), plan
+    assert nt.reduction(np.dtype("float32"), ReduceOp.AVG, NEW, "x", 2).op == "NCCL_AVG"
+
+
 def test_reduction_messages_say_what_to_do():
     with pytest.raises(TypeError, match=r"all_reduce: NCCL has no bitwise .*BAND on int32.*"
                                         r"cpu:gloo,cuda:nccl"):

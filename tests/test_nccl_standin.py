@@ -30,6 +30,7 @@ from distcomm.gpu import runtime
 from distcomm.group import ProcessGroup
 from distcomm.ops import ReduceOp
 from tests.cuda_standin import Call, CudaStandin, NcclError
+from tests.harness import LOOPBACK_ENV
 from tests.test_collectives import OP_DTYPES, expected_reduction, values
 
 SIZES = (1, 2, 3, 4)
@@ -600,6 +601,14 @@ def _issue_hung(me: Rank) -> Any:
     return x, me.backend.all_reduce(x, SUM, async_op=True)
 
 
+def _hung(cuda: CudaStandin, cluster: Cluster) -> list:
+    """Every rank's (array, Work) of an all_reduce that never completes, issued after a
+    first operation made the communicators."""
+    cluster.run(_first_op)
+    cuda.hang()
+    return cluster.run(_issue_hung)
+
+
 def _wait_timeout(me: Rank, issued: list) -> None:
     b, cp = me.backend, me.cp
     x, work = issued[me.rank]
@@ -608,6 +617,7 @@ def _wait_timeout(me: Rank, issued: list) -> None:
                                                r"not complete within 0\.2 s") as info:
         work.wait(timeout=0.2)
     assert "aborted" in str(info.value)
+    _wait_for_aborts(me.standin, {me.rank}, of=[me.rank])  # on a thread of its own
     assert [c.name for c in me.standin.calls("abort", rank=me.rank)] == ["abort"]
     same(x.get(), np.full(3, 7.0), "a hung operation wrote no data")
     assert work.is_completed() and isinstance(work.exception(), DistTimeoutError)
@@ -624,9 +634,7 @@ def _wait_timeout(me: Rank, issued: list) -> None:
 @pytest.mark.timeout(60)
 def test_wait_timeout_aborts_the_communicator(cuda, make_cluster):
     cluster = make_cluster(2)
-    cluster.run(_first_op)
-    cuda.hang()
-    issued = cluster.run(_issue_hung)
+    issued = _hung(cuda, cluster)
     ops = len(cuda.calls(NCCL_CALLS))
     cluster.run(_wait_timeout, issued)
     assert len(cuda.calls(NCCL_CALLS)) == ops, "an aborted group reached NCCL"
@@ -648,9 +656,7 @@ def _wait_for_failure(me: Rank, issued: list, error: type, text: str | None) -> 
 @pytest.mark.timeout(60)
 def test_async_error_fails_the_group_on_every_rank(cuda, make_cluster):
     cluster = make_cluster(2)
-    cluster.run(_first_op)
-    cuda.hang()
-    issued = cluster.run(_issue_hung)
+    issued = _hung(cuda, cluster)
     cuda.inject_async_error(rank=0)
     # rank 0's watchdog sees the error; rank 1's sees rank 0's abort notice in the store
     (said0, exc0), (said1, exc1) = cluster.outcomes(_wait_for_failure, issued,
@@ -664,18 +670,18 @@ def test_async_error_fails_the_group_on_every_rank(cuda, make_cluster):
 @pytest.mark.timeout(60)
 def test_watchdog_enforces_the_group_timeout(cuda, make_cluster):
     cluster = make_cluster(2, timeout=0.5)
-    cluster.run(_first_op)
-    cuda.hang()
-    issued = cluster.run(_issue_hung)
+    issued = _hung(cuda, cluster)
     cluster.run(_wait_for_failure, issued, DistTimeoutError, r"all_reduce #2 .*within 0\.5 s")
     _wait_for_aborts(cuda, {0, 1})
 
 
-def _wait_for_aborts(cuda: Any, ranks: set[int], timeout: float = 10.0) -> None:
-    """Both communicators get aborted; a watchdog may abort its one just after wait() saw
-    the group fail."""
+def _wait_for_aborts(cuda: Any, ranks: set[int], timeout: float = 10.0,
+                     of: list[int] | None = None) -> None:
+    """The communicators of `ranks` get aborted (the abort runs on a thread of its own, and
+    a watchdog may abort its one just after wait() saw the group fail); `of`: look only
+    at the aborts of these ranks."""
     deadline = time.monotonic() + timeout
-    while {c.rank for c in cuda.calls("abort")} != ranks:
+    while {c.rank for c in cuda.calls("abort") if of is None or c.rank in of} != ranks:
         assert time.monotonic() < deadline, [c.rank for c in cuda.calls("abort")]
         time.sleep(0.01)
 
@@ -694,12 +700,41 @@ def _abort(me: Rank, issued: list) -> None:
 @pytest.mark.timeout(60)
 def test_abort_fails_pending_and_later_operations(cuda, make_cluster):
     cluster = make_cluster(2)
-    cluster.run(_first_op)
-    cuda.hang()
-    issued = cluster.run(_issue_hung)
+    issued = _hung(cuda, cluster)
     cluster.run(_abort, issued)
+    _wait_for_aborts(cuda, {0, 1})
     assert sorted(c.rank for c in cuda.calls("abort")) == [0, 1]
     assert cluster.store.check(["nccl/g0/abort"])
+
+
+def _timeout_while_the_abort_waits(me: Rank, issued: list) -> None:
+    x, work = issued[me.rank]
+    with pytest.raises(DistTimeoutError, match=r"all_reduce #2 .* within 0\.2 s"):
+        work.wait(timeout=0.2)
+    # raised while ncclCommAbort is still waiting for the device (the stand-in holds it)
+    assert me.standin.aborts_in_progress == 1
+    with pytest.raises(DistTimeoutError, match="aborted"):
+        me.backend.all_reduce(x, SUM)
+    assert isinstance(work.exception(), DistTimeoutError)
+
+
+@pytest.mark.timeout(60)
+def test_a_timed_out_wait_raises_while_the_abort_waits_for_the_device(cuda, make_cluster):
+    # seen on an H200 (NCCL 2.28.9): ncclCommAbort returned only when a kernel queued on
+    # the GPU before the op ended, and wait(timeout=1) raised after 8 s instead of 1 s
+    cluster = make_cluster(1)
+    issued = _hung(cuda, cluster)
+    cuda.hold_aborts()
+    safety = threading.Timer(20.0, cuda.release_aborts)  # the old code blocks in wait()
+    safety.start()
+    try:
+        cluster.run(_timeout_while_the_abort_waits, issued)
+    finally:
+        cuda.release_aborts()
+        safety.cancel()
+    cluster.shutdown()  # waits for the abort to return
+    assert cuda.aborts_in_progress == 0
+    assert [c.name for c in cuda.calls("abort")] == ["abort"]
 
 
 def _after_shutdown(me: Rank) -> None:
@@ -726,9 +761,7 @@ def test_shutdown_destroys_once(cuda, make_cluster):
 @pytest.mark.timeout(60)
 def test_shutdown_with_hung_work_aborts(cuda, make_cluster):
     cluster = make_cluster(2, timeout=1.0)
-    cluster.run(_first_op)
-    cuda.hang()
-    issued = cluster.run(_issue_hung)
+    issued = _hung(cuda, cluster)
     cluster.shutdown()
     assert not cuda.calls("destroy")
     assert {c.rank for c in cuda.calls("abort")} == {0, 1}
@@ -1151,9 +1184,7 @@ def test_an_old_abort_notice_does_not_abort_a_new_group(cuda, make_cluster):
     new.store = old.store
     new.backends = [NcclBackend(dist.PrefixStore("nccl", old.store), r, 2, 30.0,
                                 group_name="g") for r in range(2)]
-    new.run(_first_op)
-    cuda.hang()
-    issued = new.run(_issue_hung)
+    issued = _hung(cuda, new)
     new.run(_hung_wait, issued)
 
 
@@ -1275,3 +1306,32 @@ def test_init_with_device_id_creates_the_communicator_there(cuda, monkeypatch):
         assert x.get().tolist() == [1.0, 1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+def test_split_group_and_premul_sum_on_one_rank(cuda, monkeypatch):
+    # the body tests/test_gpu_device.py runs on a GPU, here on the stand-in
+    from tests import test_gpu_device
+
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    got = test_gpu_device._split_and_premul()
+    assert got == {"x": [k * 0.5 for k in range(8)],
+                   "z": [complex(2 * k, 2 * k) for k in range(6)],
+                   "out": [0.0, 3.0, 6.0, 9.0], "h": [k * 0.5 for k in range(5)], "sub": 1}
+
+
+def test_avg_on_one_rank_runs_as_a_sum(cuda, monkeypatch):
+    # NCCL's one-rank AVG kernel left the tail of an out-of-place result unwritten before
+    # 2.29.7 (NVIDIA/nccl#1950; seen on an H200 with 2.28.9): one rank's average is a copy
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    cp = cuda.cupy
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=30)
+    try:
+        out = cp.empty(9001, cp.float32)
+        dist.reduce_scatter_single(out, cp.asarray(np.arange(9001, dtype=np.float32)),
+                                   ReduceOp.AVG)
+        same(out.get(), np.arange(9001, dtype=np.float32), "one rank's AVG")
+    finally:
+        dist.destroy_process_group()
+    assert [c.args["op"] for c in cuda.calls("reduceScatter")] == [NCCL_SUM]

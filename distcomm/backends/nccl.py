@@ -112,6 +112,8 @@ class NcclBackend(Backend):
         self._coll_seq = 0  # collectives issued, for the DETAIL signature check
         self._grouped: list[NcclWork] | None = None  # Works of an open coalesced batch
         self._barrier_buffer: Any = None
+        self._caller_event: Any = None  # records the caller's stream for _follow_caller
+        self._plans: dict[tuple[Any, ReduceOp], tuple[Any, int, Any, str]] = {}
 
     # -- the communicator ---------------------------------------------------------------------
 
@@ -224,11 +226,13 @@ class NcclBackend(Backend):
         return runtime.device_of(array)
 
     def _issue_op(self, op: str, device_id: int, launch: Callable[[Any, int], None],
-                  outputs: list[Any], keep: list[Any], signature: Signature | None = None,
+                  outputs: list[Any], keep: list[Any],
+                  signature: Callable[[], Signature] | None = None,
                   host_wait: bool = False, source_rank: int = -1) -> NcclWork:
         """Queue `launch(comm, stream_ptr)` on the group's stream; the Work of the operation.
 
-        `signature` (collectives) is checked against every rank's in DETAIL mode.
+        `signature` (collectives) makes the op's signature, which is checked against every
+        rank's in DETAIL mode (made only then: it costs a microsecond per op).
         """
         with self._issue:
             self._seq += 1
@@ -238,16 +242,18 @@ class NcclBackend(Backend):
             if signature is not None:
                 self._coll_seq += 1
                 if self._detail:
-                    self._check_signature(self._coll_seq, signature, description)
+                    self._check_signature(self._coll_seq, signature(), description)
             work = self._work(description, outputs, keep, host_wait, source_rank)
             with self._device:
                 if self._grouped is None:
                     self._follow_caller()
-                with self._watch.launching(description):
-                    try:
-                        launch(comm, self._stream.ptr)
-                    except Exception as exc:
-                        raise self._launch_failed(description, exc) from exc
+                self._watch.launch_started(description)
+                try:
+                    launch(comm, self._stream.ptr)
+                except Exception as exc:
+                    raise self._launch_failed(description, exc) from exc
+                finally:
+                    self._watch.launch_ended()
                 if self._grouped is not None:
                     self._grouped.append(work)
                 else:
@@ -266,9 +272,12 @@ class NcclBackend(Backend):
     def _follow_caller(self) -> None:
         """Make the group's stream wait for the work queued so far on the caller's stream."""
         cupy = self._cupy
-        event = cupy.cuda.Event(disable_timing=True)
-        event.record(cupy.cuda.get_current_stream())
-        self._stream.wait_event(event)
+        if self._caller_event is None:
+            # one event serves every op: cudaStreamWaitEvent waits for the record made
+            # just before it, whatever is recorded on the event afterwards
+            self._caller_event = cupy.cuda.Event(disable_timing=True)
+        self._caller_event.record(cupy.cuda.get_current_stream())
+        self._stream.wait_event(self._caller_event)
 
     def _launch_failed(self, description: str, exc: BaseException) -> DistError:
         failure = self._watch.failure
@@ -308,12 +317,14 @@ class NcclBackend(Backend):
                     yield
                 finally:
                     works, self._grouped = self._grouped, None
+                    self._watch.launch_started(self.describe("batch_isend_irecv"))
                     try:
-                        with self._watch.launching(self.describe("batch_isend_irecv")):
-                            self._nccl.groupEnd()
+                        self._nccl.groupEnd()
                     except Exception as exc:
                         raise self._launch_failed(self.describe("batch_isend_irecv"),
                                                   exc) from exc
+                    finally:
+                        self._watch.launch_ended()
                     for work in works:
                         work._record(self._stream)
                     self._watch.track(works)
@@ -334,12 +345,19 @@ class NcclBackend(Backend):
 
         return self._issue_op("broadcast", self._device_id(array, "broadcast"),
                               launch, [array], [array],
-                              Signature.of("broadcast", array, root=root))
+                              lambda: Signature.of("broadcast", array, root=root))
 
     def _reduction(self, op: ReduceOp, array: Any, where: str) -> tuple[Any, int, Any, str]:
-        plan = nccl_types.reduction(array.dtype, op, self._version, where)
-        return (getattr(self._nccl, plan.dtype), plan.factor, getattr(self._nccl, plan.op),
-                plan.post)
+        """(NCCL type, elements per array element, NCCL op, post step) of a reduction,
+        worked out once per dtype and op (a refused one raises each time)."""
+        key = (array.dtype, op)
+        found = self._plans.get(key)
+        if found is None:
+            plan = nccl_types.reduction(array.dtype, op, self._version, where, self.size)
+            found = (getattr(self._nccl, plan.dtype), plan.factor,
+                     getattr(self._nccl, plan.op), plan.post)
+            self._plans[key] = found
+        return found
 
     def _post(self, post: str, array: Any) -> None:
         """Finish a reduction on the group's stream: divide (AVG), keep the parity bit, or
@@ -364,7 +382,7 @@ class NcclBackend(Backend):
 
         return self._issue_op("all_reduce", self._device_id(array, "all_reduce"),
                               launch, [array], [array],
-                              Signature.of("all_reduce", array, op))
+                              lambda: Signature.of("all_reduce", array, op))
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
         dt, factor, nop, post = self._reduction(op, array, "reduce")
@@ -377,7 +395,7 @@ class NcclBackend(Backend):
                     self._post(post, array)
 
         return self._issue_op("reduce", self._device_id(array, "reduce"), launch, [array], [array],
-                              Signature.of("reduce", array, op, root))
+                              lambda: Signature.of("reduce", array, op, root))
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         dt, count = self._moved(input)
@@ -387,7 +405,7 @@ class NcclBackend(Backend):
                 comm.allGather(input.data.ptr, output.data.ptr, count, dt, stream)
 
         return self._issue_op("all_gather", self._device_id(input, "all_gather"), launch, [output],
-                              [output, input], Signature.of("all_gather", input))
+                              [output, input], lambda: Signature.of("all_gather", input))
 
     def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
                        async_op: bool = False) -> Work:
@@ -401,7 +419,7 @@ class NcclBackend(Backend):
 
         return self._issue_op("reduce_scatter", self._device_id(output, "reduce_scatter"),
                               launch, [output],
-                              [output, input], Signature.of("reduce_scatter", output, op))
+                              [output, input], lambda: Signature.of("reduce_scatter", output, op))
 
     def _copy(self, dst: Any, src: Any) -> None:
         """Copy `src` into `dst` (same size) on the group's stream."""
@@ -441,7 +459,7 @@ class NcclBackend(Backend):
 
         outputs = [output] if output is not None else []
         return self._issue_op("gather", self._device_id(input, "gather"), launch, outputs,
-                              [*outputs, input], Signature.of("gather", input, root=root))
+                              [*outputs, input], lambda: Signature.of("gather", input, root=root))
 
     def scatter(self, output: Any, input: Any | None, root: int, *,
                 async_op: bool = False) -> Work:
@@ -457,7 +475,7 @@ class NcclBackend(Backend):
 
         keep = [output] if input is None else [output, input]
         return self._issue_op("scatter", self._device_id(output, "scatter"), launch, [output], keep,
-                              Signature.of("scatter", output, root=root))
+                              lambda: Signature.of("scatter", output, root=root))
 
     def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
                    input_splits: Sequence[int], *, async_op: bool = False) -> Work:
@@ -483,7 +501,7 @@ class NcclBackend(Backend):
 
         return self._issue_op("all_to_all", self._device_id(input, "all_to_all"), launch, [output],
                               [output, input],
-                              Signature.of("all_to_all", input, count=-1))
+                              lambda: Signature.of("all_to_all", input, count=-1))
 
     def send(self, array: Any, dst: int, tag: int) -> Work:
         dt, count = self._moved(array)
@@ -528,7 +546,7 @@ class NcclBackend(Backend):
             comm.allReduce(buffer.data.ptr, buffer.data.ptr, 1, dt, op, stream)
 
         return self._issue_op("barrier", self._device_id(buffer, "barrier"), launch, [], [buffer],
-                              Signature.of("barrier"), host_wait=True)
+                              lambda: Signature.of("barrier"), host_wait=True)
 
     # -- teardown -----------------------------------------------------------------------------
 
@@ -541,6 +559,7 @@ class NcclBackend(Backend):
             return
         # ncclCommDestroy would wait for stuck operations: abort those instead
         self._watch.release(abort=bool(pending) or self._watch.failure is not None)
+        self._watch.finish_abort(60.0)
         self._comm = None
         for work in pending:
             try:
@@ -551,4 +570,5 @@ class NcclBackend(Backend):
                 pass
         self._watch.forget()
         self._barrier_buffer = None
+        self._caller_event = None
         self._stream = None

@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from ..deadline import Deadline, to_seconds
@@ -29,6 +28,10 @@ log = logging.getLogger("distcomm.backends.nccl")
 
 #: how often the watchdog looks at pending operations: from the first to the last, doubling
 _WATCH_FIRST, _WATCH_MOST = 0.0005, 0.02
+#: how long the watchdog, woken by a first operation, lets more be issued before it looks:
+#: ops issued back to back then share one look (each look takes the GIL from the thread
+#: issuing them); what waits on the watchdog (future callbacks) learns of completion later
+_WAKE_GRACE = 0.002
 #: a host wait polls the event this often at most
 _POLL_MOST = 0.001
 #: pending work older than this makes the watchdog look for other ranks' abort notices
@@ -87,6 +90,13 @@ class NcclWork(Work):
             return True
         if not done:
             return False
+        failure = self._watch.failure
+        if failure is not None:  # ended by the abort, not by finishing: no result there
+            try:
+                self.fail(failure)
+            except RuntimeError:  # failed (or completed) by another thread meanwhile
+                pass
+            return True
         self._keep = None
         try:
             self.complete(self._source_rank)
@@ -178,6 +188,7 @@ class NcclWatchdog:
         self._launching: tuple[str, float] | None = None  # an NCCL call in progress, since
         self._failed_works: list[NcclWork] = []  # their arrays live until shutdown
         self._released = False  # the communicator was aborted or destroyed
+        self._aborter: threading.Thread | None = None  # runs the abort `fail` started
 
     @property
     def failure(self) -> DistError | None:
@@ -204,23 +215,28 @@ class NcclWatchdog:
         if self._closed:
             raise GroupDestroyedError(f"{description}: the process group was destroyed")
 
-    @contextmanager
-    def launching(self, description: str) -> Iterator[None]:
+    def launch_started(self, description: str) -> None:
         """Mark an NCCL call in progress: one that blocks the host (NCCL connects to peers
-        lazily, inside the first operations) is then bounded by the watchdog too."""
-        with self._cond:  # no wake-up: the watchdog looks within a second anyway
-            self._launching = (description, time.monotonic())
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._launching = None
+        lazily, inside the first operations) is then bounded by the watchdog too. One
+        attribute store, so no lock, and no wake-up: the watchdog looks within a second."""
+        self._launching = (description, time.monotonic())
+
+    def launch_ended(self) -> None:
+        """The NCCL call `launch_started` marked has returned."""
+        self._launching = None
 
     def track(self, works: list[NcclWork]) -> None:
-        """Watch `works`, just issued, until they complete."""
+        """Watch `works`, just issued, until they complete.
+
+        Only the first of a run of operations wakes the watchdog: while any is pending it
+        looks at all of them on its own schedule, so ops issued back to back cost no
+        thread switch each (a wake per op took the GIL from the issuing thread).
+        """
         with self._cond:
+            idle = not self._pending
             self._pending.extend(works)
-            self._cond.notify_all()
+            if idle:
+                self._cond.notify_all()
 
     def timed_out(self, work: NcclWork, seconds: float) -> DistTimeoutError:
         """Fail the group because `work` did not finish in `seconds`; the error to raise."""
@@ -243,7 +259,14 @@ class NcclWatchdog:
             pending, self._pending = self._pending, []
             self._cond.notify_all()
         log.error("%s: aborting the NCCL communicator: %s", self.describe("abort"), error)
-        self.release(abort=True)
+        # ncclCommAbort frees the communicator's device memory, which waits for the GPU
+        # to finish what is queued before it, other streams' kernels included (seen with
+        # NCCL 2.28.9: a wait(timeout=1) raised only after 8 s, when a kernel ahead of
+        # the op ended). It runs on a thread of its own, so the caller and the watchdog
+        # report the failure at once; destroying the group waits for it.
+        self._aborter = threading.Thread(target=self.release, args=(True,), daemon=True,
+                                         name=f"distcomm-nccl-abort-{self._name}")
+        self._aborter.start()
         # kernels queued behind the aborted ones may still run: keep their arrays until
         # the group is destroyed
         self._failed_works = pending
@@ -270,10 +293,15 @@ class NcclWatchdog:
         last_notice = 0.0
         while True:
             with self._cond:
+                woken = False
                 while (not self._closed and self._failure is None and not self._pending
                        and self._launching is None):
                     delay = _WATCH_FIRST
+                    woken = True
                     self._cond.wait(1.0)
+            if woken:  # let a run of operations be issued before looking at them
+                _UNBOUNDED.nap(_WAKE_GRACE, _WATCH_MOST)
+            with self._cond:
                 if self._closed or self._failure is not None:
                     return
                 pending, launching = list(self._pending), self._launching
@@ -326,17 +354,31 @@ class NcclWatchdog:
     def release(self, abort: bool) -> None:
         """Abort or destroy the communicator, once, whichever thread asks first."""
         with self._cond:
-            if self._released or self._comm is None:
+            comm = self._comm
+            if self._released or comm is None:
                 return
             self._released = True
         try:
             if abort:
-                self._comm.abort()
+                comm.abort()
             else:
-                self._comm.destroy()
+                comm.destroy()
         except Exception as exc:  # an NcclError while releasing changes nothing
             log.warning("%s: %s of the NCCL communicator failed: %s",
                         self.describe("shutdown"), "abort" if abort else "destroy", exc)
+
+    def finish_abort(self, timeout: float) -> None:
+        """Wait up to `timeout` s for an abort under way (`fail`) to return; say so if it
+        does not (the GPU is still busy with work queued before the aborted ops: their
+        arrays then stay referenced until it returns)."""
+        aborter = self._aborter
+        if aborter is None or aborter is threading.current_thread():
+            return
+        aborter.join(timeout)
+        if aborter.is_alive():
+            log.warning("%s: ncclCommAbort has not returned after %g s: it waits for the "
+                        "kernels queued on this GPU before the aborted operations to end; "
+                        "the communicator is left to it", self.describe("shutdown"), timeout)
 
     def stop(self) -> list[NcclWork] | None:
         """Stop the watchdog; the operations still pending after up to 10 s (at most the
@@ -358,6 +400,8 @@ class NcclWatchdog:
 
     def forget(self) -> None:
         """Let go of the communicator and of the arrays of the operations a failure failed
-        (once `stop()` and `release()` are done: the group is gone)."""
+        (once `stop()` and `release()` are done: the group is gone); an abort still under
+        way keeps them until it returns."""
         self._comm = None
-        self._failed_works = []
+        if self._aborter is None or not self._aborter.is_alive():
+            self._failed_works = []

@@ -9,8 +9,8 @@ Types: NCCL moves int8/uint8/int32/uint32/int64/uint64/float16/float32/float64 n
 Data movement (broadcast, gathers, all_to_all, send/recv) of any other dtype goes as
 bytes. Reductions: bool as uint8 (SUM and MAX are OR, PRODUCT and MIN are AND, BXOR is a
 SUM whose parity is kept), complex SUM/AVG as (real, imaginary) float pairs, AVG as SUM
-then a division where NCCL predates ncclAvg (2.10). NCCL has no bitwise reductions and
-no 16-bit integers; those raise `TypeError` saying what to do instead.
+then a division where NCCL predates ncclAvg (2.10), and as SUM on one rank. NCCL has no
+bitwise reductions and no 16-bit integers; those raise `TypeError` saying what to do.
 """
 
 from __future__ import annotations
@@ -198,8 +198,9 @@ def movement(dtype: np.dtype) -> Movement:
 
 
 def reduction(dtype: np.dtype, op: ReduceOp, version: tuple[int, int, int],
-              where: str) -> Reduction:
-    """How NCCL reduces arrays of `dtype` with `op` (already validated by check_reduce_op).
+              where: str, ranks: int = 2) -> Reduction:
+    """How NCCL reduces arrays of `dtype` with `op` (already validated by check_reduce_op)
+    in a communicator of `ranks` ranks.
 
     Raises:
         TypeError: NCCL cannot do it (bitwise ops on integers, 16-bit integers, complex
@@ -221,16 +222,22 @@ def reduction(dtype: np.dtype, op: ReduceOp, version: tuple[int, int, int],
                 "has no complex type (SUM and AVG work, as sums of the real and imaginary "
                 "parts); multiply on a CPU backend instead")
         part = _NATIVE["float32" if dt.itemsize == 8 else "float64"]
-        return _with_avg(Reduction(part, 2, NCCL_OP_NAMES[op]), version)
+        return _with_avg(Reduction(part, 2, NCCL_OP_NAMES[op]), version, ranks)
     name = _NATIVE.get(dt.name)
     if name is None:
         raise TypeError(
             f"{where}: NCCL cannot reduce {dt} arrays (it has no 16-bit integer type); "
             "cast to int32 (array.astype(cupy.int32)) and back")
-    return _with_avg(Reduction(name, 1, NCCL_OP_NAMES[op]), version)
+    return _with_avg(Reduction(name, 1, NCCL_OP_NAMES[op]), version, ranks)
 
 
-def _with_avg(plan: Reduction, version: tuple[int, int, int]) -> Reduction:
+def _with_avg(plan: Reduction, version: tuple[int, int, int], ranks: int) -> Reduction:
+    if plan.op == "NCCL_AVG" and ranks == 1:
+        # the average of one rank's array is that array. NCCL's AVG on one rank runs a
+        # kernel of its own, which before 2.29.7 leaves the last (count % blocks) elements
+        # of an out-of-place result unwritten (NVIDIA/nccl#1950, seen with 2.28.9 on an
+        # H200); SUM on one rank is a plain copy
+        return Reduction(plan.dtype, plan.factor, "NCCL_SUM")
     if plan.op == "NCCL_AVG" and version < AVG_VERSION:
         return Reduction(plan.dtype, plan.factor, "NCCL_SUM", "divide")
     return plan
