@@ -989,6 +989,7 @@ def _gpu_child(inbox, outbox):
     arrays = inbox.get(timeout=TIMEOUT)
     outbox.put([(a.dtype.str, a.shape, a.strides, cupy.asnumpy(a).tobytes().hex())
                 for a in arrays])
+    inbox.get(timeout=TIMEOUT)  # the parent has compared what this process saw
     arrays[0][0] = 99  # written through the IPC mapping
     cupy.cuda.Device(arrays[0].device.id).synchronize()
     outbox.put("written")
@@ -1013,6 +1014,7 @@ def test_gpu_round_trip(cupy, method):
             assert (dtype, tuple(shape)) == (array.dtype.str, array.shape)
             assert tuple(strides) == array.strides or array.size == 0
             assert data == host.tobytes().hex()
+        inbox.put("write")
         assert outbox.get(timeout=TIMEOUT) == "written"
         assert float(base[0, 0, 0]) == 99  # the child's write, seen here
         inbox.put(None)
@@ -1029,3 +1031,78 @@ def test_gpu_same_process_pipe(cupy):
     view[0, 0] = -1
     assert float(array[1, 3]) == -1
     assert mp.is_shared(array) and mp.share_memory(array) is array
+
+
+def _gpu_holder(inbox, outbox):
+    import cupy
+
+    array = inbox.get(timeout=TIMEOUT)  # opens the IPC mapping
+    outbox.put(float(array[0]))
+    inbox.get(timeout=TIMEOUT)  # the parent has written through its own array since
+    outbox.put(float(array[1]))
+    array[2] = 42  # and this process writes through the mapping
+    cupy.cuda.Device(array.device.id).synchronize()
+    outbox.put(os.getpid())
+    inbox.get(timeout=10 * TIMEOUT)  # holds the mapping until it is killed
+
+
+def _gpu_pids(cupy) -> set[int] | None:
+    """The pids NVML lists on this process's GPU, or None where NVML cannot say."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            bus = cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id)
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode())
+            return {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+
+
+@pytest.mark.timeout(180)
+def test_gpu_writes_both_ways_and_kill_9_leaves_nothing(cupy):
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    cupy.cuda.Device().synchronize()
+    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    array = cupy.arange(1 << 20, dtype=cupy.float32)  # its own 4 MiB allocation
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_gpu_holder, args=(inbox, outbox))
+    with _reaped(proc):
+        proc.start()
+        inbox.put(array)
+        assert outbox.get(timeout=TIMEOUT) == 0.0
+        array[1] = -7  # the parent writes after the child mapped the memory
+        cupy.cuda.Device().synchronize()
+        inbox.put("look")
+        assert outbox.get(timeout=TIMEOUT) == -7.0  # seen there
+        pid = outbox.get(timeout=TIMEOUT)
+        assert float(array[2]) == 42  # the child's write, seen here
+        on_gpu = _gpu_pids(cupy)
+        os.kill(pid, signal.SIGKILL)
+        proc.join(TIMEOUT)
+        assert proc.exitcode == -signal.SIGKILL
+    # the exporter's array outlives the killed importer, unchanged and usable
+    array += 1
+    assert cupy.asnumpy(array[:4]).tolist() == [1.0, -6.0, 43.0, 4.0]
+    if on_gpu is not None and pid in on_gpu:  # NVML sees this machine's processes
+        deadline = time.monotonic() + TIMEOUT
+        while pid in (_gpu_pids(cupy) or set()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid not in (_gpu_pids(cupy) or set()), "the killed child still holds the GPU"
+    del array
+    gc.collect()
+    pool.free_all_blocks()
+    cupy.cuda.Device().synchronize()
+    deadline = time.monotonic() + TIMEOUT  # the driver reclaims a killed context by itself
+    while cupy.cuda.runtime.memGetInfo()[0] < free_before - (2 << 20):
+        assert time.monotonic() < deadline, (
+            f"device memory not returned after the child was killed: "
+            f"{free_before - cupy.cuda.runtime.memGetInfo()[0]} bytes less free than before")
+        time.sleep(0.1)

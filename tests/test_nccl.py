@@ -252,20 +252,31 @@ class GpuWorld:
     """`n` spawned ranks on `SPEC`, one GPU each when there are enough GPUs."""
 
     def __init__(self, n: int, gpus: int, env: dict[str, str] | None = None) -> None:
-        per_rank = (lambda r: {"CUDA_VISIBLE_DEVICES": str(r)}) if gpus >= n else None
+        self.nprocs = n
         self.shared = gpus < n
         self.refused = ""  # why NCCL refused ranks sharing a GPU, once it did
-        self.pool = RankPool(n, SPEC, env={"NCCL_SOCKET_IFNAME": "lo", **(env or {})},
-                             rank_env=per_rank, init_timeout=120.0)
+        self._rank_env = (lambda r: {"CUDA_VISIBLE_DEVICES": str(r)}) if gpus >= n else None
+        self._env = {"NCCL_SOCKET_IFNAME": "lo", **(env or {})}
+        self.pool = self._start()
+
+    def _start(self) -> RankPool:
+        return RankPool(self.nprocs, SPEC, env=self._env, rank_env=self._rank_env,
+                        init_timeout=120.0)
 
     def run(self, fn, *args, timeout: float = 240.0):
         if self.refused:
             pytest.skip(self.refused)
+        if self.pool.broken:  # a failed test took its ranks down: the next one gets new ones
+            self.pool = self._start()
         try:
             return self.pool.run(fn, *args, timeout=timeout)
         except RankFailure as exc:
             if self.shared and "use the same GPU" in str(exc):
-                self.refused = f"NCCL refuses ranks sharing a GPU here: {str(exc)[:400]}"
+                # the error's own line (NCCL's words and the ranks named), not a traceback
+                said = [line.strip() for line in str(exc).splitlines()
+                        if "ncclCommInitRank failed" in line]
+                self.refused = ("NCCL refuses ranks sharing a GPU here: "
+                                f"{(said or [str(exc)])[0][:600]}")
                 pytest.skip(self.refused)
             raise
 
@@ -326,7 +337,7 @@ def test_cpu_and_gpu_in_one_group(world):
 
 
 def test_subgroup(world):
-    n = world.pool.nprocs
+    n = world.nprocs
     results = world.run(_subgroup)
     total = float(sum(k + 1 for k in range(n) if k % 2 == 0))
     for r, got in enumerate(results):
