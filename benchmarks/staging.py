@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import plots  # benchmarks/plots.py, beside this script
+from collectives import parse_bytes  # this folder's benchmark: one size syntax
 
 import distcomm as dist
 
@@ -38,29 +39,21 @@ FIELDS = ("bytes", "distcomm_us", "plain_us", "pinned_us", "distcomm_GBps", "pla
 
 
 def parse_sizes(text: str) -> list[int]:
-    """'8,1M,64M' -> byte counts (suffixes K, M, G: powers of 1024)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    sizes = []
-    for part in text.split(","):
-        part = part.strip().upper()
-        scale = units.get(part[-1:], 1)
-        number = part[:-1] if scale != 1 else part
-        if not number.isdigit() or int(number) * scale < 4:
-            raise argparse.ArgumentTypeError(f"{part!r} is not a size of at least 4 bytes "
-                                             "(a number with an optional K/M/G suffix)")
-        sizes.append(int(number) * scale)
+    """'8,1M,64M' -> byte counts, each at least one float32 (collectives.py's syntax)."""
+    sizes = [parse_bytes(part) for part in text.split(",") if part.strip()]
+    if not sizes or min(sizes) < 4:
+        raise argparse.ArgumentTypeError(f"need one or more sizes of at least 4 bytes, got "
+                                         f"{text!r}")
     return sizes
 
 
-def _median_us(fn: Callable[[], None], sync: Callable[[], None], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+def _time_us(fn: Callable[[], None], sync: Callable[[], None]) -> float:
+    """Microseconds `fn()` takes, the device synchronised before and after."""
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return (time.perf_counter() - start) * 1e6
 
 
 def _one_size(cupy: Any, size: int, repeat: int) -> dict[str, Any]:
@@ -87,7 +80,7 @@ def _one_size(cupy: Any, size: int, repeat: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeat):  # interleaved, so a slow moment hits every case
         for name, fn in cases.items():
-            times[name].append(_median_us(fn, sync, 1))
+            times[name].append(_time_us(fn, sync))
     if not (cupy.asnumpy(x) == want).all():
         raise AssertionError(f"{size} B: the array changed during the round trips")
     row: dict[str, Any] = {"bytes": size}

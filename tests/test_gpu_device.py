@@ -6,10 +6,11 @@ Every test here skips without CuPy and a GPU (nccl tests: without the nccl backe
 fails instead when DISTCOMM_TEST_REQUIRE_GPU=1. The nccl checks run one rank each, in a
 fresh spawned process, so that an aborted communicator or a CUDA fault stays out of the
 next test. A GPU kernel that spins until the host releases it (`Hold`) keeps a stream busy
-for exactly as long as a check needs: what is asserted never depends on timing (an
-operation queued behind a held stream cannot have completed; a blocking wait cannot return
-before its operation completed). The same bodies without a device are covered by
-tests/test_nccl_standin.py; tests/gpu_staged_job.py's checks also run there on numpy.
+for as long as a check needs (an operation queued behind a held stream cannot have
+completed; a blocking wait cannot return before its operation completed). The abort checks
+hold the stream for a fixed 8 s instead, since an abort waits for the device, against
+timeouts of 1 and 3 s. The logic without a device is covered by tests/test_nccl_standin.py
+(which runs `_split_and_premul` too); tests/gpu_staged_job.py's checks also run on numpy.
 """
 
 from __future__ import annotations
@@ -145,13 +146,20 @@ def _warm(cp: Any) -> tuple[Any, Any]:
     return x, producer
 
 
+def _held(cp: Any, cap: float = 60.0) -> tuple[Hold, Any, Any]:
+    """A Hold, then `_warm`'s array and producer stream, the producer held: (hold, x,
+    producer)."""
+    hold = Hold(cp, cap=cap)
+    x, producer = _warm(cp)
+    hold.block(producer)
+    return hold, x, producer
+
+
 def _work_semantics() -> dict[str, Any]:
     cp = _cupy()
     _init_nccl(60)
     try:
-        hold = Hold(cp)
-        x, producer = _warm(cp)
-        hold.block(producer)
+        hold, x, producer = _held(cp)
         with producer:
             x *= 3  # a producer kernel behind the held one
             work = dist.all_reduce(x, async_op=True)
@@ -174,9 +182,7 @@ def _blocking_wait() -> dict[str, Any]:
     cp = _cupy()
     _init_nccl(60)
     try:
-        hold = Hold(cp)
-        x, producer = _warm(cp)
-        hold.block(producer)
+        hold, x, producer = _held(cp)
         with producer:
             work = dist.all_reduce(x, async_op=True)
         releaser = threading.Timer(0.5, hold.release)
@@ -209,9 +215,7 @@ def _raised(fn) -> str:
 def _wait_timeout_aborts() -> dict[str, Any]:
     cp = _cupy()
     _init_nccl(60)
-    hold = Hold(cp, cap=_HELD_FOR)
-    x, producer = _warm(cp)
-    hold.block(producer)
+    hold, x, producer = _held(cp, cap=_HELD_FOR)
     held = cp.cuda.Event(disable_timing=True)
     held.record(producer)  # done once the held kernel ended
     try:
@@ -239,9 +243,7 @@ def _wait_timeout_aborts() -> dict[str, Any]:
 def _watchdog_times_out() -> dict[str, Any]:
     cp = _cupy()
     _init_nccl(3)
-    hold = Hold(cp, cap=_HELD_FOR)
-    x, producer = _warm(cp)
-    hold.block(producer)
+    hold, x, producer = _held(cp, cap=_HELD_FOR)
     try:
         with producer:
             work = dist.all_reduce(x, async_op=True)

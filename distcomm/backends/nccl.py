@@ -70,6 +70,9 @@ __all__ = ["NcclBackend", "NcclWork"]
 
 log = logging.getLogger(__name__)
 
+#: how long destroying a group waits for an abort under way (it waits for the GPU)
+_ABORT_WAIT = 60.0
+
 
 class NcclBackend(Backend):
     """Collectives on CuPy arrays through NCCL, one communicator and CUDA stream per group."""
@@ -559,7 +562,7 @@ class NcclBackend(Backend):
             return
         # ncclCommDestroy would wait for stuck operations: abort those instead
         self._watch.release(abort=bool(pending) or self._watch.failure is not None)
-        self._watch.finish_abort(60.0)
+        self._watch.finish_abort(_ABORT_WAIT)
         self._comm = None
         for work in pending:
             try:

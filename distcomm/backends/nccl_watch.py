@@ -300,7 +300,7 @@ class NcclWatchdog:
                     woken = True
                     self._cond.wait(1.0)
             if woken:  # let a run of operations be issued before looking at them
-                _UNBOUNDED.nap(_WAKE_GRACE, _WATCH_MOST)
+                time.sleep(_WAKE_GRACE)
             with self._cond:
                 if self._closed or self._failure is not None:
                     return
