@@ -524,3 +524,16 @@ def test_breakpoint_stops_one_rank_while_the_other_waits(tmp_path):
     assert "rank 0 done" in out0 and "rank 1 done" in out1
     assert "ATTENTION" not in out1  # rank 1 never stopped: its breakpoint was skipped
     assert "skipped, call 1 of the 1 to skip" in err1, err1
+
+
+def test_a_backend_whose_module_is_missing_is_unavailable_and_says_why(monkeypatch):
+    # a wheel that lacked distcomm.backends.transport once made is_gloo_available() raise
+    # ModuleNotFoundError instead of answering
+    monkeypatch.setitem(sys.modules, "distcomm.backends.gloo", None)
+    assert dist.is_gloo_available() is False
+    why = backends.get_backend_record("gloo").availability()
+    assert "distcomm.backends.gloo:GlooBackend cannot be imported" in why, why
+    assert "reinstall" in why, why
+    with pytest.raises(dist.BackendUnavailableError, match="cannot be imported"):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert not dist.is_initialized()

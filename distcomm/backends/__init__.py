@@ -64,7 +64,12 @@ class BackendRecord:
 
     def availability(self) -> str:
         """'' when the backend can run here, else why not and what to install."""
-        factory = self.load()
+        try:
+            factory = self.load()
+        except ImportError as exc:  # a module of the backend is missing: a broken install
+            return (f"its factory {self.factory} cannot be imported ({type(exc).__name__}: "
+                    f"{exc}): the package that provides it is installed incompletely; "
+                    f"reinstall it (`pip install --force-reinstall distcomm` for a built-in)")
         if inspect.isclass(factory) and issubclass(factory, Backend):
             return "" if factory.is_available() else factory.unavailable_reason()
         return ""
