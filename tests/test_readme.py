@@ -345,3 +345,21 @@ def test_shell_command_runs_here(line, tmp_path):
                        merge_output=True)
     assert done.returncode == 0, f"`{line}` exited {done.returncode}:\n{done.stdout}"
     assert "OK" in done.stdout, done.stdout
+
+
+def test_the_first_mpiexec_example_says_how_to_keep_a_job_on_loopback():
+    # MPICH picks a network interface by itself; a first run on a laptop or in a container
+    # needs the hint where the first mpiexec command is, not hundreds of lines later
+    lines = README.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if re.match(r"(mpiexec|mpirun) ", line))
+    nearby = "\n".join(lines[first:first + 15])
+    assert "HYDRA_IFACE=lo UCX_NET_DEVICES=lo" in nearby, nearby
+
+
+def test_the_readme_says_how_to_write_the_loop_without_ddp_or_a_sampler():
+    section = README.read_text().split("### Data parallelism without DDP or DistributedSampler", 1)
+    assert len(section) == 2, "README lacks the section on data parallelism without DDP"
+    body = section[1].split("\n## ", 1)[0]
+    block = next(b for b in PYTHON if b.text in body)
+    for call in ("dist.broadcast(", "dist.all_reduce(", "ReduceOp.AVG", "permutation("):
+        assert call in block.text, call
