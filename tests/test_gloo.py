@@ -7,6 +7,7 @@ shared-memory path and with DISTCOMM_GLOO_TRANSPORT=tcp.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 import distcomm as dist
 from distcomm import parallel
+from distcomm.multiprocessing.shm_protocol import NAME_PREFIX
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,16 +33,62 @@ def _segments_mapped() -> int:
         return sum("distcomm-gloo" in line for line in maps)
 
 
-#: what a Python rank of ours could leave in /dev/shm: distcomm's own segments, Python's
-#: SharedMemory and semaphores (the gloo segment itself is a memfd, which has no name);
-#: names of other programs (an MPI job running beside the tests) are not this test's
-_OURS = ("distcomm", "psm_", "sem.")
+_SHM = "/dev/shm/"
 
 
-def _dev_shm() -> set[str]:
-    if not os.path.isdir("/dev/shm"):
-        return set()
-    return {name for name in os.listdir("/dev/shm") if name.startswith(_OURS)}
+def _shm_held() -> dict:
+    """What this process holds in shared memory now: the inodes of the /dev/shm files it
+    maps or has open, and whether it maps the gloo segment (a memfd, which has no name).
+
+    Inodes, not names: a named semaphore is mapped under the temporary name it was made
+    with (glibc links it to its real name, then removes the first). A leak check compares
+    these, taken in the ranks, with /dev/shm afterwards, so files of other programs on
+    the host (an MPI job, another test run) are never judged."""
+    inodes, gloo = set(), False
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6:
+                gloo = gloo or "distcomm-gloo" in fields[5]
+                if fields[5].startswith(_SHM):
+                    inodes.add(int(fields[4]))
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(_SHM):
+                inodes.add(os.fstat(int(fd)).st_ino)
+        except OSError:  # the descriptor listdir itself used, closed since
+            continue
+    return {"pid": os.getpid(), "inodes": sorted(inodes), "gloo": gloo}
+
+
+def _merge(*held: dict) -> dict:
+    """One process's `_shm_held` snapshots taken at different times, as one."""
+    inodes = {inode for h in held for inode in h["inodes"]}
+    return {"pid": held[0]["pid"], "inodes": sorted(inodes), "gloo": any(h["gloo"] for h in held)}
+
+
+def _left_behind(reports: list[dict]) -> list[str]:
+    """What the processes of `reports` left in /dev/shm: a file one of them mapped or held
+    open (its inode), or a distcomm segment named with one of their pids."""
+    if not os.path.isdir(_SHM):
+        return []
+    inodes = {inode for report in reports for inode in report["inodes"]}
+    prefixes = tuple(f"{NAME_PREFIX}{report['pid']}_" for report in reports)
+    with os.scandir(_SHM) as entries:
+        return sorted(
+            entry.name
+            for entry in entries
+            if entry.inode() in inodes or entry.name.startswith(prefixes)
+        )
+
+
+def _nothing_left_behind(reports: list[dict], timeout: float = 15.0) -> list[str]:
+    """`_left_behind(reports)` once empty, or what is still there after `timeout` s (a
+    dead process's files may be removed by a cleaner that runs after it)."""
+    end = time.monotonic() + timeout
+    while (left := _left_behind(reports)) and time.monotonic() < end:
+        time.sleep(0.1)
+    return left
 
 
 def _check_ops() -> str:
@@ -165,7 +213,7 @@ def test_inconsistent_all_to_all_splits_are_reported():
     assert any("output_split_sizes" in message for _, message in results), results
 
 
-def _mapped_then_destroyed(path: str) -> tuple[int, int]:
+def _mapped_then_destroyed(path: str) -> tuple[int, int, dict]:
     dist.init_process_group(
         "gloo",
         init_method=f"file://{path}",
@@ -178,51 +226,75 @@ def _mapped_then_destroyed(path: str) -> tuple[int, int]:
     dist.all_reduce(x)
     if dist.get_rank() < 2:
         dist.all_reduce(x, group=sub)
-    during = _segments_mapped()
+    during, held = _segments_mapped(), _shm_held()
     dist.destroy_process_group()
-    return during, _segments_mapped()
+    return during, _segments_mapped(), held
 
 
 def test_destroy_unmaps_every_segment(tmp_path):
-    before = _dev_shm()
     results = run_ranks(_mapped_then_destroyed, 3, str(tmp_path / "rdzv"), timeout=60)
-    assert [during for during, _ in results] == [2, 2, 1], results
-    assert [after for _, after in results] == [0, 0, 0], results
-    assert _dev_shm() <= before
+    assert [during for during, _, _ in results] == [2, 2, 1], results
+    assert [after for _, after, _ in results] == [0, 0, 0], results
+    left = _nothing_left_behind([held for _, _, held in results])
+    assert not left, left
 
 
-def _raise_or_die(how: str) -> None:
+def _raise_or_die(how: str, report_dir: str) -> None:
+    """Fails mid-job (every rank raises, or rank 1 is killed); each rank first writes what
+    it holds in shared memory (`_shm_held`) to `report_dir`, the killed one just before."""
+    held = []
+
+    def record() -> None:
+        held.append(_shm_held())
+        with open(os.path.join(report_dir, f"rank-{dist.get_rank()}.json"), "w") as f:
+            json.dump(_merge(*held), f)
+
     x = np.ones(500_000)
-    try:  # a survivor may still be finishing this one when the killed rank dies
-        dist.all_reduce(x)
-    except dist.DistNetworkError:
-        return
-    if how == "raise":  # a mismatch: every rank raises out of the collective, mid-job
-        if dist.get_rank() == 1:
-            dist.broadcast(x, src=0)
-        else:
-            dist.all_reduce(x)
-        return
-    if dist.get_rank() == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
     try:
-        dist.all_reduce(x)
-    except dist.DistNetworkError:
-        pass
+        try:  # a survivor may still be finishing this one when the killed rank dies
+            dist.all_reduce(x)
+        except dist.DistNetworkError:
+            return
+        record()
+        if how == "raise":  # a mismatch: every rank raises out of the collective, mid-job
+            if dist.get_rank() == 1:
+                dist.broadcast(x, src=0)
+            else:
+                dist.all_reduce(x)
+            return
+        if dist.get_rank() == 1:
+            record()
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            dist.all_reduce(x)
+        except dist.DistNetworkError:
+            pass
+    finally:
+        record()
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
-def test_nothing_left_in_dev_shm_after_exception_or_kill(how):
-    before = _dev_shm()
+def test_nothing_left_in_dev_shm_after_exception_or_kill(how, tmp_path):
     outcomes = run_ranks(
-        _raise_or_die, 3, how, backend="gloo", timeout=60, check=False, may_die={1}
+        _raise_or_die,
+        3,
+        how,
+        str(tmp_path),
+        backend="gloo",
+        timeout=60,
+        check=False,
+        may_die={1},
     )
     if how == "raise":
         assert all("DistBackendError" in o.error for o in outcomes), outcomes
     else:
         assert outcomes[0].ok and outcomes[2].ok, [o.describe() for o in outcomes]
         assert outcomes[1].exitcode == -signal.SIGKILL, outcomes[1]
-    assert _dev_shm() <= before, sorted(_dev_shm() - before)
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank-*.json"))]
+    assert len(reports) == 3, reports
+    assert any(report["gloo"] for report in reports), reports  # the shared-memory path ran
+    left = _nothing_left_behind(reports)
+    assert not left, left
 
 
 # -- groups across (pretend) hosts: the hierarchical path fails as loudly as the others --------
