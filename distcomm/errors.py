@@ -23,11 +23,19 @@ The launcher and the multiprocessing module add their own branches under `DistEr
 
 Bad arguments raise plain `ValueError`/`TypeError`; using the API before
 `init_process_group` raises `RuntimeError`.
+
+An error that follows from another rank's failure (it exited, crashed, left the group or
+aborted it) says so in ``peer_ranks``: the ranks of the group it names as the cause, or
+``()`` when it cannot tell which. `peer_failure` finds that mark on an exception or on the
+exceptions it was raised from, so a launcher can tell such a rank from the one that failed
+first (distcomm-run's failure report does).
 """
 
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterable
+from typing import TypeVar
 
 __all__ = [
     "BackendUnavailableError",
@@ -39,11 +47,23 @@ __all__ = [
     "DistTimeoutError",
     "GroupDestroyedError",
     "QueueEmptyError",
+    "caused_by_peers",
+    "peer_failure",
 ]
+
+_E = TypeVar("_E", bound=BaseException)
 
 
 class DistError(RuntimeError):
-    """Base class of every distcomm error."""
+    """Base class of every distcomm error.
+
+    Attributes:
+        peer_ranks: None, or, when this error follows from other ranks' failure (a peer
+            closed its connection, left the group or aborted it), those ranks of the
+            group, () when unknown. Set with `caused_by_peers`.
+    """
+
+    peer_ranks: tuple[int, ...] | None = None
 
 
 class DistBackendError(DistError):
@@ -79,3 +99,26 @@ class QueueEmptyError(DistStoreError, queue.Empty):
 
     Also a `queue.Empty`, which is what a non-blocking get of a stdlib queue raises.
     """
+
+
+def caused_by_peers(error: _E, ranks: Iterable[int] = ()) -> _E:
+    """Mark `error` as following from the failure of the group ranks `ranks` (() when
+    unknown) and return it: ``raise caused_by_peers(DistNetworkError(...), [peer])``."""
+    error.peer_ranks = tuple(ranks)  # type: ignore[attr-defined]
+    return error
+
+
+def peer_failure(exc: BaseException | None) -> tuple[int, ...] | None:
+    """The ranks whose failure `exc` follows from (() when unknown), or None when it does
+    not: the mark `caused_by_peers` left on `exc` or on an exception it was raised from
+    or during (``__cause__``, ``__context__``)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        ranks = getattr(exc, "peer_ranks", None)
+        if ranks is not None:
+            return tuple(ranks)
+        if exc.__cause__ is None and exc.__suppress_context__:
+            return None  # `raise ... from None`: not a consequence of what it handled
+        exc = exc.__cause__ or exc.__context__
+    return None

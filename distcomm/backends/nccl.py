@@ -285,7 +285,9 @@ class NcclBackend(Backend):
     def _launch_failed(self, description: str, exc: BaseException) -> DistError:
         failure = self._watch.failure
         if failure is not None:  # aborted meanwhile (watchdog): that is the reason
-            return type(failure)(f"{description}: the group was aborted: {failure}")
+            error = type(failure)(f"{description}: the group was aborted: {failure}")
+            error.peer_ranks = failure.peer_ranks
+            return error
         error = DistBackendError(f"{description}: NCCL refused the operation: {exc}")
         self._watch.fail(error)
         return error

@@ -18,7 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ..deadline import Deadline, to_seconds
-from ..errors import DistBackendError, DistError, DistTimeoutError, GroupDestroyedError
+from ..errors import (
+    DistBackendError,
+    DistError,
+    DistTimeoutError,
+    GroupDestroyedError,
+    caused_by_peers,
+)
 from ..store.base import Store
 from ..work import Work
 
@@ -346,8 +352,8 @@ class NcclWatchdog:
             reason = self.store.get(_ABORT_KEY).decode(errors="replace")
         except Exception:  # an unreachable store is no notice
             return False
-        self.fail(DistBackendError(
-            f"{self.describe('watchdog')}: another rank aborted the group ({reason})"),
+        self.fail(caused_by_peers(DistBackendError(
+            f"{self.describe('watchdog')}: another rank aborted the group ({reason})")),
             notify=False)
         return True
 

@@ -76,13 +76,17 @@ def as_bytes(array: np.ndarray) -> memoryview:
 
 @dataclass(frozen=True)
 class Failure:
-    """Why a group stopped: the exception type and message every later operation raises."""
+    """Why a group stopped: the exception type and message every later operation raises,
+    and `peers`: the group ranks whose failure caused it (() unknown), None if none did."""
 
     kind: type[DistError]
     message: str
+    peers: tuple[int, ...] | None = None
 
     def error(self, prefix: str = "") -> DistError:
-        return self.kind(f"{prefix}{self.message}")
+        error = self.kind(f"{prefix}{self.message}")
+        error.peer_ranks = self.peers
+        return error
 
 
 _new_tuple = tuple.__new__  # builds a NamedTuple without its argument-binding __new__

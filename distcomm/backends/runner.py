@@ -114,13 +114,14 @@ class Runner:
         describe = f"{description} #{seq}"
         failure = self._mailbox.failure
         if failure is not None:
-            raise failure.kind(f"{describe}: the group was aborted earlier: {failure.message}")
+            raise failure.error(f"{describe}: the group was aborted earlier: ")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: %s", describe, signature.describe())
         try:
             step(Call(seq, signature, describe, Deadline(self.timeout)), *args)
         except DistError as exc:
-            self._transport.abort(Failure(type(exc), str(exc)))
+            self._mailbox.blame(exc)  # a path may re-raise a peer's failure by its message
+            self._transport.abort(Failure(type(exc), str(exc), exc.peer_ranks))
             raise
         except BaseException as exc:
             self._transport.abort(Failure(DistBackendError, f"{describe} failed: {exc!r}"))

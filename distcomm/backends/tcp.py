@@ -196,7 +196,7 @@ class TcpBackend(Backend):
             try:
                 self._transport.send(dst, header, payload, Deadline(self.timeout))
             except DistError as exc:
-                self._transport.abort(Failure(type(exc), f"{description}: {exc}"))
+                self._transport.abort(Failure(type(exc), f"{description}: {exc}", exc.peer_ranks))
                 raise type(exc)(f"{description}: {exc}") from exc
 
         def why() -> str:

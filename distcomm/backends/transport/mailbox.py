@@ -417,6 +417,19 @@ class Mailbox:
         shared-memory engine's `FailureWatch`)."""
         return self.failure or self.gone(peer)
 
+    def blame(self, error: DistError) -> None:
+        """Mark `error`, raised with the message of a failure recorded here (the group's,
+        or a departed peer's), with that failure's peers (see `errors.caused_by_peers`)."""
+        if error.peer_ranks is not None:
+            return
+        with self.lock:
+            failures = [self.failure, *self._gone.values()]
+        text = str(error)
+        for failure in failures:
+            if failure is not None and failure.peers is not None and failure.message in text:
+                error.peer_ranks = failure.peers
+                return
+
     def _notify(self) -> None:
         for fn in list(self._listeners):
             fn()

@@ -38,6 +38,7 @@ from ...errors import (
     DistNetworkError,
     DistTimeoutError,
     GroupDestroyedError,
+    caused_by_peers,
 )
 from ...store.base import Store
 from ..protocol import ABORT, BYE, COLL, P2P, PROGRESS, QUERY, SIG, STATUS, Failure, Header
@@ -178,7 +179,9 @@ class TcpTransport(Transport):
             raise failure.error()
         conn = self._peers.get(peer)
         if conn is None or conn.gone:
-            raise DistNetworkError(f"rank {peer} has left the group; cannot send to it")
+            raise caused_by_peers(
+                DistNetworkError(f"rank {peer} has left the group; cannot send to it"), [peer]
+            )
         packed = header.pack()
         with conn.lock:
             if conn.dirty:
@@ -269,6 +272,7 @@ class TcpTransport(Transport):
                         Failure(
                             DistNetworkError,
                             f"rank {conn.rank} has left the group (destroy_process_group or exit)",
+                            (conn.rank,),
                         ),
                     )
                     # answer with the last message sent to it: everything it sent is read
@@ -281,7 +285,9 @@ class TcpTransport(Transport):
                     code = header.op if header.op < len(_FAILURE_KINDS) else 1
                     self.abort(
                         Failure(
-                            _FAILURE_KINDS[code], f"rank {conn.rank} aborted the group: {reason}"
+                            _FAILURE_KINDS[code],
+                            f"rank {conn.rank} aborted the group: {reason}",
+                            (conn.rank,),
                         ),
                         tell=conn.rank,
                     )
@@ -358,14 +364,17 @@ class TcpTransport(Transport):
                 DistNetworkError,
                 f"the link to rank {peer}{where} failed: {why}; it was dropped after the link "
                 f"timeout of {limit}",
+                (peer,),
             )
         if isinstance(exc, EOFError) or code in (
             errno.ECONNRESET,
             errno.EPIPE,
             errno.ECONNABORTED,
         ):
-            return Failure(DistNetworkError, f"rank {peer} closed the connection (exit or crash?)")
-        return Failure(DistNetworkError, f"the connection to rank {peer} failed: {exc}")
+            return Failure(
+                DistNetworkError, f"rank {peer} closed the connection (exit or crash?)", (peer,)
+            )
+        return Failure(DistNetworkError, f"the connection to rank {peer} failed: {exc}", (peer,))
 
     # -- link watching ---------------------------------------------------------------------
 
