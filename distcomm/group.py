@@ -36,6 +36,7 @@ from .backends.base import Backend
 from .deadline import to_seconds
 from .errors import DistError, GroupDestroyedError
 from .group_methods import GroupMethods
+from .launch.excepthook import install as install_exception_hook
 from .store import HashStore, PrefixStore, Store
 from .trace import stall
 from .trace.recorder import NO_ARRAY, Recorder, install_signal_handlers
@@ -217,6 +218,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        device_id: Any = None) -> None:
     """Initialise the default process group (torch.distributed.init_process_group).
 
+    Under distcomm-run (or torchrun) it also installs an exception hook: from then on an
+    uncaught exception is written to the worker's error file for the failure report, as
+    `@record` would (`distcomm.launch.excepthook`).
+
     Args:
         backend: "tcp", another registered backend, "cpu:tcp,cuda:nccl" (one backend per
             device), or None for the default of each device.
@@ -282,6 +287,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         _world.spec = spec
         _world.process_ranks = list(range(rdzv.world_size))
         install_signal_handlers()
+        # last, in front of any hook a backend installed (mpi's aborts the job)
+        install_exception_hook()
         cuda = backends.get("cuda")
         if device_id is not None and hasattr(cuda, "connect"):
             cuda.connect()  # nccl: the communicator now, on the chosen GPU

@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 from ..config import get as env_var
+from ..errors import peer_failure
 
 __all__ = ["ERROR_FILE_ENV", "TORCH_ERROR_FILE_ENV", "ErrorHandler", "get_error_handler"]
 
@@ -33,18 +34,18 @@ TORCH_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 def exception_record(exc: BaseException) -> dict[str, Any]:
-    """The error file's content for `exc`: message, traceback and time (see `errors.py`)."""
+    """The error file's content for `exc`: message, traceback and time (see `errors.py`),
+    and ``peer_ranks`` when it follows from a peer's failure (`distcomm.errors.peer_failure`)."""
     now_ns = time.time_ns()
-    return {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(exc)),
-                "timestamp": str(now_ns // 1_000_000_000),
-                "timestamp_ns": str(now_ns),
-            },
-        }
+    info: dict[str, Any] = {
+        "py_callstack": "".join(traceback.format_exception(exc)),
+        "timestamp": str(now_ns // 1_000_000_000),
+        "timestamp_ns": str(now_ns),
     }
+    peers = peer_failure(exc)
+    if peers is not None:
+        info["peer_ranks"] = list(peers)
+    return {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": info}}
 
 
 class ErrorHandler:
