@@ -374,7 +374,33 @@ def test_redirects_write_files_only(tmp_path, capfd):
     assert workers.error_file(1) == str(tmp_path / "1" / "error.json")
     out, err = capfd.readouterr()
     assert "out-0" not in out and "out-1" not in out and "err-0" not in err
-    assert err.splitlines() == ["err-1"]  # inherited, unprefixed
+    assert err.splitlines() == ["err-1"]  # through the agent, unprefixed
+    assert workers.stderr_tail(0) is None  # its log holds it
+    assert workers.stderr_tail(1).lines() == ["err-1"]
+
+
+@pytest.mark.timeout(60)
+def test_stderr_tail_is_kept_whatever_reaches_the_console(tmp_path, capfd):
+    """The agent keeps the end of every worker's stderr that does not go only to its log:
+    shown or left out by the console filter, prefixed or not; and when it saw each end."""
+    code = "import sys; print('line', file=sys.stderr); sys.exit({0})"
+    workers = _workers(
+        {0: code.format(0), 1: code.format(1), 2: code.format(2)},
+        tmp_path,
+        console_ranks={0, 2},
+        prefixes={2: "[2]:"},
+    )
+    with workers:
+        workers.start()
+        assert workers.exit_time(0) is None
+        before = time.time()
+        _wait_exit(workers)
+        for local_rank in range(3):
+            tail = workers.stderr_tail(local_rank, time.monotonic() + 30)
+            assert tail.lines() == ["line"], local_rank
+            assert tail.failure_time() is None  # no traceback
+            assert workers.exit_time(local_rank) >= before
+    assert sorted(capfd.readouterr().err.splitlines()) == ["[2]:line", "line"]
 
 
 @pytest.mark.timeout(60)

@@ -7,9 +7,11 @@ Output follows torchrun's flags. For each worker and stream (stdout, stderr):
 - ``--tee``: the stream goes to that file and to the agent's console, each console line
   starting with the worker's prefix (e.g. ``[default0]:``).
 - neither: the stream reaches the console. Without a prefix the worker inherits the agent's
-  stdout/stderr (no copying); with one, the agent copies it line by line, prefixed.
-- ``--local_ranks_filter``: ranks left out never reach the console (their streams go to
-  /dev/null unless redirected or teed, which still write the files).
+  stdout (no copying); with one, the agent copies it line by line, prefixed. The agent
+  copies stderr line by line in either case (see below).
+- ``--local_ranks_filter``: ranks left out never reach the console (their stdout goes to
+  /dev/null, their stderr only to the agent's tail, unless redirected or teed, which
+  still write the files).
 - ``--duplicate_stdout_filters`` / ``--duplicate_stderr_filters`` (torchrun's): the lines
   of teed streams shown on the console that contain any of the filter strings are also
   written, prefixed, to ``<log_dir>/filtered_stdout.log`` (``filtered_stderr.log``), one
@@ -20,6 +22,13 @@ Prefixed lines are written whole under one lock, so lines of different workers n
 within a line. A partial last line is written once the worker ends, or after
 `PARTIAL_LINE_FLUSH_S` without more output, or once it reaches `MAX_LINE_BYTES`. Output
 is handled as bytes, so any encoding passes through unchanged.
+
+A worker's stderr always passes through the agent, except where it goes only to its log
+file (then the report reads that file): the pump keeps its last lines (a `StderrTail`,
+for the failure report) and shows a Python traceback on the console as one unit, from
+its ``Traceback (most recent call last):`` line to its exception line
+(`TracebackGrouper`), so that the tracebacks of workers failing at once do not interleave.
+A traceback is shown as it stands after `PARTIAL_LINE_FLUSH_S` without more output.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ import threading
 import time
 from collections.abc import Iterable
 from typing import IO
+
+from .tracebacks import StderrTail, TracebackGrouper
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -191,7 +202,11 @@ class Duplicate:
 
 
 class Pump:
-    """Copies one worker stream from its pipe to a log file and/or the agent's console."""
+    """Copies one worker stream from its pipe to a log file and/or the agent's console.
+
+    With `tail`, it also keeps the stream's last lines there; with `group_tracebacks`,
+    tracebacks reach the console (and the duplicate file) whole (see the module doc).
+    """
 
     def __init__(
         self,
@@ -202,9 +217,14 @@ class Pump:
         wake_fd: int,
         name: str,
         duplicate: Duplicate | None = None,
+        *,
+        tail: StderrTail | None = None,
+        group_tracebacks: bool = False,
     ) -> None:
         self.source, self.file, self.console = source, file, console
         self.duplicate = duplicate
+        self.tail = tail
+        self.grouper = TracebackGrouper() if group_tracebacks else None
         self.prefix = prefix.encode("utf-8", "surrogateescape")
         self.wake_fd, self.name = wake_fd, name
         self.thread = threading.Thread(target=self._run, name=f"distcomm-{name}", daemon=True)
@@ -217,31 +237,38 @@ class Pump:
         pending, pending_since = b"", 0.0
         try:
             while True:
+                due = [pending_since + PARTIAL_LINE_FLUSH_S] if pending else []
+                held = self.grouper.idle_since if self.grouper is not None else None
+                if held is not None:
+                    due.append(held + PARTIAL_LINE_FLUSH_S)
                 timeout_ms = None
-                if pending:
-                    left = pending_since + PARTIAL_LINE_FLUSH_S - time.monotonic()
-                    timeout_ms = max(0, int(left * 1000) + 1)
+                if due:
+                    timeout_ms = max(0, int((min(due) - time.monotonic()) * 1000) + 1)
                 ready = {ready_fd for ready_fd, _ in poller.poll(timeout_ms)}
-                if not ready:  # the partial line waited long enough
-                    self._show(pending + b"\n")
-                    pending = b""
+                if not ready:  # a partial line, or a traceback held back, waited long enough
+                    now = time.monotonic()
+                    if pending and now >= pending_since + PARTIAL_LINE_FLUSH_S:
+                        self._lines(pending + b"\n")
+                        pending = b""
+                    if held is not None and now >= held + PARTIAL_LINE_FLUSH_S:
+                        self._show(self.grouper.flush())  # type: ignore[union-attr]
                     continue
                 if fd in ready:
                     chunk = os.read(fd, _READ_SIZE)
                     if not chunk:
                         break
                     self._save(chunk)
-                    if self.console is not None or self.duplicate is not None:
+                    if any(x is not None for x in (self.console, self.duplicate, self.tail)):
                         now = time.monotonic()
                         if not pending:
                             pending_since = now
                         pending += chunk
                         cut = pending.rfind(b"\n") + 1
                         if cut:
-                            self._show(pending[:cut])
+                            self._lines(pending[:cut])
                             pending, pending_since = pending[cut:], now
                         if len(pending) >= MAX_LINE_BYTES:
-                            self._show(pending + b"\n")
+                            self._lines(pending + b"\n")
                             pending = b""
                 if self.wake_fd in ready:  # close() gave up waiting for end-of-file
                     break
@@ -249,7 +276,9 @@ class Pump:
             log.warning("%s: reading the worker's output failed: %s", self.name, exc)
         finally:
             if pending:
-                self._show(pending + b"\n")
+                self._lines(pending + b"\n")
+            if self.grouper is not None:
+                self._show(self.grouper.flush())
             self.source.close()
             if self.file is not None:
                 self.file.close()
@@ -271,28 +300,37 @@ class Pump:
                 self.file.close()
             self.file = None
 
-    def _show(self, lines: bytes) -> None:
-        """Write complete lines (each ending in newline) to the console, prefixed, at once;
-        and those that match to the duplicate file."""
-        if not lines:
+    def _lines(self, data: bytes) -> None:
+        """Take complete lines (each ending in newline): keep them in the tail, and show
+        them (a traceback once it is whole)."""
+        lines = data.split(b"\n")[:-1]
+        if self.tail is not None:
+            self.tail.add(lines, time.time())
+        if self.grouper is not None:
+            lines = self.grouper.feed(lines, time.monotonic())
+        self._show(lines)
+
+    def _show(self, lines: list[bytes]) -> None:
+        """Write lines (without their newlines) to the console, prefixed, at once; and
+        those that match to the duplicate file."""
+        if not lines or (self.console is None and self.duplicate is None):
             return
-        if self.prefix or self.duplicate is not None:
-            each = [self.prefix + line + b"\n" for line in lines.split(b"\n")[:-1]]
-            lines = b"".join(each)
-            if self.duplicate is not None:
-                self.duplicate.write(each)
+        each = [self.prefix + line + b"\n" for line in lines]
+        if self.duplicate is not None:
+            self.duplicate.write(each)
         if self.console is None:
             return
+        data = b"".join(each)
         try:
             with _CONSOLE_LOCK:
                 stream = sys.stdout if self.console == "stdout" else sys.stderr
                 buffer = getattr(stream, "buffer", None)
                 stream.flush()
                 if buffer is not None:
-                    buffer.write(lines)
+                    buffer.write(data)
                     buffer.flush()
                 else:
-                    stream.write(lines.decode("utf-8", "replace"))
+                    stream.write(data.decode("utf-8", "replace"))
                     stream.flush()
         except (OSError, ValueError, AttributeError) as exc:
             log.warning(

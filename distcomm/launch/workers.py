@@ -2,7 +2,9 @@
 
 Where each worker's stdout and stderr go (``--redirects``, ``--tee``, ``--local_ranks_filter``,
 the duplicate filters) is `output.py`'s job; this module starts the workers with those
-streams, watches them and ends them.
+streams, watches them and ends them. A worker's stderr passes through the agent unless it
+goes only to its log file, so that the agent keeps its last lines for the failure report
+(`stderr_tail`); `poll` notes when it first saw each worker end (`exit_time`).
 
 Every worker gets an error file ``<log_dir>/<local_rank>/error.json`` for `@record`
 (``DISTCOMM_ERROR_FILE`` and ``TORCHELASTIC_ERROR_FILE`` in its environment). With no
@@ -42,6 +44,7 @@ from ..deadline import Deadline
 from ..procutil import PR_SET_PDEATHSIG, is_gone, load_prctl, wait_gone
 from .errors import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV
 from .output import Duplicate, Pump, Std, parse_local_ranks_filter, parse_std
+from .tracebacks import StderrTail
 
 __all__ = [
     "Std",
@@ -99,8 +102,9 @@ class WorkerProcesses:
         tee: local rank -> streams sent to its log files and the console (missing: NONE).
         console_ranks: the local ranks whose output may reach the console; None for all.
         prefixes: local rank -> the text starting each of its console lines ("" or missing:
-            the worker writes to the console directly, unprefixed; teed streams are always
-            copied, and prefixed when a prefix is given).
+            the worker writes its stdout to the console directly, and the agent copies its
+            stderr, unprefixed; teed streams are always copied, and prefixed when a prefix
+            is given).
         duplicate_filters: stream ("stdout", "stderr") -> filter strings: the teed lines
             shown on the console that contain one go, prefixed, to
             ``<log_dir>/filtered_<stream>.log`` too (created when the list is not empty).
@@ -154,6 +158,9 @@ class WorkerProcesses:
         self._error_files: dict[int, str] = {}
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._pumps: list[Pump] = []
+        self._stderr_pumps: dict[int, Pump] = {}
+        self._tails: dict[int, StderrTail] = {}
+        self._exit_times: dict[int, float] = {}
         self._wake: tuple[int, int] | None = None
         self._lock = threading.RLock()
         self._started = self._stopped = self._closed = False
@@ -233,6 +240,9 @@ class WorkerProcesses:
                     pumps[name] = (file, True)
                 elif file is not None:
                     targets[name] = file
+                elif name == "stderr":  # through the agent, which keeps its tail
+                    targets[name] = subprocess.PIPE
+                    pumps[name] = (None, to_console)
                 elif to_console:
                     targets[name] = None  # inherited: the worker writes to our console
                 else:
@@ -261,20 +271,25 @@ class WorkerProcesses:
         for file in opened:  # the worker holds its own copy; pumps keep theirs
             if all(file is not pump_file for pump_file, _ in pumps.values()):
                 file.close()
-        for name, (file, _) in pumps.items():
+        for name, (file, to_console) in pumps.items():
             source = proc.stdout if name == "stdout" else proc.stderr
             assert source is not None
             teed = bool(self._tee[local_rank] & (Std.OUT if name == "stdout" else Std.ERR))
+            tail = self._tails[local_rank] = StderrTail() if name == "stderr" else None
             pump = Pump(
                 source,
                 file,
-                name,
+                name if to_console else None,
                 prefix,
                 self._wake[0],
                 f"local rank {local_rank} {name}",
                 self._duplicates.get(name) if teed else None,
+                tail=tail,
+                group_tracebacks=name == "stderr",
             )
             self._pumps.append(pump)
+            if name == "stderr":
+                self._stderr_pumps[local_rank] = pump
             pump.thread.start()
 
     def stop(self, grace: float = 30.0, sig: int = signal.SIGTERM) -> None:
@@ -399,7 +414,30 @@ class WorkerProcesses:
         """local rank -> exit code (None while running; negative: ended by that signal)."""
         if not self._started:
             raise RuntimeError("WorkerProcesses.poll() before start()")
-        return {lr: proc.poll() for lr, proc in self._procs.items()}
+        codes = {lr: proc.poll() for lr, proc in self._procs.items()}
+        now = time.time()
+        for lr, code in codes.items():
+            if code is not None:
+                self._exit_times.setdefault(lr, now)
+        return codes
+
+    def exit_time(self, local_rank: int) -> float | None:
+        """When `poll` first saw this worker ended (`time.time()`), or None."""
+        return self._exit_times.get(local_rank)
+
+    def stderr_tail(self, local_rank: int, deadline: float | None = None) -> StderrTail | None:
+        """The last lines of this worker's stderr the agent kept; None when its stderr goes
+        only to its log file (`log_files`).
+
+        Args:
+            deadline: `time.monotonic()` until which to wait for the worker's stderr to
+                end (it has ended, but the agent may not have read all of it yet); None:
+                do not wait.
+        """
+        pump = self._stderr_pumps.get(local_rank)
+        if pump is not None and deadline is not None:
+            pump.thread.join(max(0.0, deadline - time.monotonic()))
+        return self._tails.get(local_rank)
 
     @property
     def log_dir(self) -> str | None:
