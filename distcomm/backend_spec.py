@@ -3,8 +3,9 @@
 `parse_backend` turns `init_process_group(backend=...)` ("gloo", "cpu:gloo,cuda:nccl" or
 None for the defaults) into one backend name per device; `create_backends` makes a
 group's backends from it (one instance per backend name, CuPy arrays staged for a CPU
-backend that asks for it). The `is_*_available` queries and torch's per-device defaults
-answer from the registry (`distcomm.backends`).
+backend that asks for it), once `check_same_backends` has made sure that every rank of
+the group asked for the same ones. The `is_*_available` queries and torch's
+per-device defaults answer from the registry (`distcomm.backends`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from typing import Any
 from .backends import create_backend, get_backend_record
 from .backends.base import Backend
 from .backends.staged import StagedBackend
-from .store import PrefixStore, Store
+from .deadline import Deadline
+from .store import HashStore, PrefixStore, Store
+from .store.ranks import roll_call
 
 __all__ = [
+    "check_same_backends",
     "create_backends",
     "get_default_backend_for_device",
     "is_backend_available",
@@ -80,7 +84,17 @@ def spec_text(spec: dict[str, str]) -> str:
 
 
 def create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
-                     timeout: float, name: str, members: list[int]) -> dict[str, Backend]:
+                    timeout: float, name: str, members: list[int]) -> dict[str, Backend]:
+    """A group's backends, one per device of `spec`, once every rank of the group has
+    asked for the same ones (`check_same_backends`).
+
+    Raises:
+        ValueError: the ranks asked for different backends.
+        DistError: a backend could not be made.
+    """
+    if _shared(store):
+        check_same_backends(store, rank, size, spec, Deadline(timeout),
+                            f"[rank {rank}/{size}] group {name!r}")
     backends: dict[str, Backend] = {}
     shared: dict[str, Backend] = {}
     try:
@@ -98,6 +112,47 @@ def create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
             backend.shutdown()
         raise
     return backends
+
+
+def _shared(store: Store) -> bool:
+    """Whether other processes can see `store`: not a HashStore (MPI.COMM_WORLD's
+    rendezvous gives each process one of its own), under any number of prefixes."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return not isinstance(store, HashStore)
+
+
+def check_same_backends(store: Store, rank: int, size: int, spec: dict[str, str],
+                        deadline: Deadline, where: str) -> None:
+    """Check that every rank asked for the same backends, before any backend waits for
+    its peers: a roll call (`distcomm.store.ranks.roll_call`) of the spec, compared with
+    rank 0's device by device (a device one of the two does not serve, CuPy missing on one
+    host say, is left out). Each rank numbers its checks on `store`, so a later one (the
+    group made again) gets keys of its own.
+
+    Raises:
+        ValueError: a device's backend differs between this rank or another and rank 0;
+            the message names both.
+        DistTimeoutError: some ranks did not come in time; the message names them.
+    """
+
+    def differs(host: dict[str, Any]) -> str | None:
+        theirs = host.get("backends", {})
+        for device, backend in spec.items():
+            if theirs.get(device, backend) != backend:
+                return (
+                    f"rank {rank} asked for backend {spec_text(spec)!r} ({backend!r} for "
+                    f"{device} arrays), but rank 0 for {spec_text(theirs)!r} "
+                    f"({theirs[device]!r}): pass the same backend to init_process_group "
+                    f"(or new_group) on every rank"
+                )
+        return None
+
+    base = f"backends/{store.add(f'backends/round/{rank}', 1) - 1}"  # its n-th check here
+    roll_call(store, base, rank, size, deadline, where, record={"backends": spec},
+              differs=differs, arrived="reached the backends' set-up",
+              hint="did every rank of the group call init_process_group (or new_group)? "
+              "Look at the missing ranks' output for an error")
 
 
 def is_backend_available(backend: str) -> bool:

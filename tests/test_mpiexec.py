@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import psutil
 import pytest
 
 from distcomm import mpiutil, parallel
+from distcomm.bootstrap.stores import join
 from distcomm.errors import DistNetworkError
 from distcomm.rendezvous import rendezvous
 from distcomm.store import TCPStore
@@ -614,7 +616,9 @@ def test_foreign_mpi_library_is_named(monkeypatch) -> None:
 def test_foreign_mpi_library_falls_back_to_slurm(monkeypatch, caplog) -> None:
     _use_fake_mpi(monkeypatch, size=1)
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=10)
-    server.set("distcomm/rendezvous/joined/0", "1")  # rank 0 has joined: rank 1 waits for it
+    # rank 0 joins its store in a thread: the lone rank 1 waits for it
+    rank0 = threading.Thread(target=join, args=(server, 0, 2, 10.0, 0.0, "rank 0"), daemon=True)
+    rank0.start()
     try:
         env = {
             "PMI_RANK": "1",
@@ -629,6 +633,7 @@ def test_foreign_mpi_library_falls_back_to_slurm(monkeypatch, caplog) -> None:
         assert (result.master_addr, result.master_port) == ("127.0.0.1", server.port)
         assert "not bootstrapping the store over MPI" in caplog.text
     finally:
+        rank0.join(10)
         server.close()
 
 

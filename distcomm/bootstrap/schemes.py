@@ -117,6 +117,7 @@ def address_rendezvous(
         agent=agent,
         prefix=cfg.store_prefix,
         warn_after=cfg.stall_warn_s,
+        size_from=describe(str(info.source_of("world_size"))),
     )
     if method.scheme == "tcp":
         source = f"tcp://{format_address(host, port)}"

@@ -7,30 +7,26 @@ DISTCOMM_STORE_PREFIX when that is set (the launcher sets one per round, so rest
 workers never see the keys of an earlier round). An explicit ``tcp://`` init_method (or a
 store=) wins over the launcher's store: rank 0 hosts it as without a launcher.
 
-Then (when rank 0 hosts the store) every rank sets a key of its own in it and waits for the
-others' keys, as torch's TCPStore master waits for its workers. While ranks are missing,
-each waiting rank warns after DISTCOMM_STALL_WARN_S seconds (default 30; 0: none), then
-after 60, 120, ... more, how many ranks joined and which did not; at the timeout the error
-names them.
+Then (when rank 0 hosts the store) every rank joins it (`join`) and waits for the others,
+as torch's TCPStore master waits for its workers. Each rank records the world size it was
+started with; one that differs from rank 0's, or a second process with the same rank,
+makes every rank fail at once with a `ValueError` naming both sides, instead of waiting
+for ranks that will never come. While ranks are missing, each waiting rank warns after
+DISTCOMM_STALL_WARN_S seconds (default 30; 0: none), then after 60, 120, ... more, how
+many ranks joined and which did not; at the timeout the error names them.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
-import time
 from collections.abc import Callable
 
 from ..deadline import Deadline
-from ..errors import DistError, DistNetworkError, DistStoreTimeoutError, DistTimeoutError
+from ..errors import DistError, DistNetworkError
 from ..net import format_address
 from ..store import PrefixStore, Store, TCPStore
+from ..store.ranks import roll_call
 
 __all__: list[str] = []
-
-log = logging.getLogger("distcomm.rendezvous")  # the name users and tests filter on
-
 
 class _RoundStore(PrefixStore):
     """The workers' namespace in a launcher's store; closing it closes the connection."""
@@ -53,64 +49,41 @@ def open_store(make: Callable[[], Store], context: str, os_error: type[DistError
         raise os_error(f"{context}: {exc}") from exc
 
 
-_JOINED = "distcomm/rendezvous/joined/"
-_STALL_BACKOFF = 2.0
+_JOINED = "distcomm/rendezvous/joined"  # the roll call's keys: /<rank>, /count, /outcome
 
 
-def join(store: Store, rank: int, size: int, seconds: float, warn_after: float, where: str) -> None:
-    """Set this rank's key in `store` and wait for every rank's, for at most `seconds`.
+def join(store: Store, rank: int, size: int, seconds: float, warn_after: float, where: str,
+         size_from: str = "world_size") -> None:
+    """Join the store as `rank` of `size` and wait until every rank has, for at most `seconds`.
 
-    While some are missing, warn after `warn_after` seconds (0: never), then after twice
-    as long as the previous wait each time, naming the ranks that joined and those missing.
+    A roll call (`distcomm.store.ranks.roll_call`) of the world size: a rank started with
+    another one than rank 0's, or a second process with a rank already taken, makes every
+    rank fail at once. While some are missing, warn after `warn_after` seconds (0: never),
+    then after twice as long as the previous wait each time, naming the ranks that joined
+    and those missing.
+
+    Args:
+        size_from: where `size` came from, for messages ("WORLD_SIZE (torch style)").
 
     Raises:
+        ValueError: this rank's world size differs from rank 0's, its rank is taken, or
+            another rank found one of these; the message names both sides.
         DistTimeoutError: some ranks did not join in time; the message names them.
         DistStoreError: the store failed.
     """
-    keys = [f"{_JOINED}{r}" for r in range(size)]
-    store.set(keys[rank], str(os.getpid()))
-    deadline = Deadline(seconds)
-    started = time.monotonic()
-    interval = warn_after
-    warn_at = warn_after if warn_after > 0 else math.inf
-    while True:
-        left = deadline.remaining()
-        left = math.inf if left is None else max(left, 0.0)
-        step = min(left, max(warn_at - (time.monotonic() - started), 0.001))
-        if warn_after > 0:  # a store wait longer than that would warn on its own
-            step = min(step, warn_after)
-        try:
-            store.wait(keys, step)
-            return
-        except DistStoreTimeoutError:
-            pass
-        waited = time.monotonic() - started
-        missing = [r for r in range(size) if not store.check([keys[r]])]
-        if not missing:
-            return
-        joined = size - len(missing)
-        shown = ", ".join(map(str, missing[:32])) + (" ..." if len(missing) > 32 else "")
-        if deadline.expired():
-            raise DistTimeoutError(
-                f"{where}: only {joined} of {size} ranks joined the store within "
-                f"{seconds:.1f} s; rank(s) {shown} never did: start every rank with the same "
-                f"store address and world size, or look at the missing ranks' output for an "
-                f"error"
-            )
-        if waited >= warn_at:
-            interval *= _STALL_BACKOFF
-            warn_at = waited + interval
-            log.warning(
-                "%s: still waiting after %.0f s: %d of %d ranks joined the store; missing "
-                "rank(s) %s. Start them, or check their output for an error (waiting up to "
-                "the timeout, %.0f s; DISTCOMM_STALL_WARN_S=0 turns this warning off)",
-                where,
-                waited,
-                joined,
-                size,
-                shown,
-                seconds,
-            )
+    roll_call(
+        store,
+        _JOINED,
+        rank,
+        size,
+        Deadline(seconds),
+        where,
+        arrived="joined the store",
+        hint="start them with the same store address and world size, or look at their "
+        "output for an error",
+        size_from=size_from,
+        warn_after=warn_after,
+    )
 
 
 def tcp_store(
@@ -147,6 +120,7 @@ def open_tcp_store(
     agent: bool,
     prefix: str,
     warn_after: float,
+    size_from: str = "world_size",
 ) -> Store:
     """Host (rank 0) or connect to the TCPStore at `host`:`port`, then wait for every rank.
 
@@ -157,8 +131,10 @@ def open_tcp_store(
         where: who rendezvouses how, for messages ("[rank 1/4] env:// rendezvous").
         origin: where the address came from, for messages.
         warn_after: seconds before the first warning about missing ranks (0: none).
+        size_from: where `size` came from, for messages ("WORLD_SIZE (torch style)").
 
     Raises:
+        ValueError: the ranks disagree on the world size, or two have the same rank.
         DistNetworkError, DistStoreError: the store could not be hosted or reached.
         DistTimeoutError: some ranks did not join in time; the message names them.
     """
@@ -175,7 +151,7 @@ def open_tcp_store(
         try:
             # every rank waits for all to join: any rank still waiting says which are missing
             store_at = f"{where} (the store at {format_address(host, port)})"
-            join(opened, rank, size, seconds, warn_after, store_at)
+            join(opened, rank, size, seconds, warn_after, store_at, size_from)
         except BaseException:
             opened.close()
             raise
