@@ -63,7 +63,8 @@ class GlooBackend(TcpBackend):
     def _choose_path(self, store: Store) -> Any:
         if self.size == 1:
             return self._tcp
-        layout = same_host_setup(store, self.rank, self.size, Deadline(self.timeout), self._mode)
+        layout = same_host_setup(store, self.rank, self.size, Deadline(self.timeout), self._mode,
+                                 self.describe("setup"))
         if isinstance(layout, str):
             log.info("%s: collectives over TCP: %s", self.describe("setup"), layout)
             return self._tcp

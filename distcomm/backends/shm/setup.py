@@ -18,6 +18,7 @@ import numpy as np
 from ...deadline import Deadline
 from ...errors import DistBackendError
 from ...store.base import Store
+from ...store.ranks import wait_for_ranks
 from ..base import setup_round
 from .engine import IntraNode
 from .primitives import Segment, allow_peer_access, cma_read, host_identity
@@ -48,25 +49,32 @@ class HostLayout:
 
 
 def same_host_setup(
-    store: Store, rank: int, size: int, deadline: Deadline, mode: str
+    store: Store, rank: int, size: int, deadline: Deadline, mode: str, label: str = ""
 ) -> HostLayout | str:
     """Agree with the peers which ranks share a host, and map each host's segment.
 
     Returns the layout, or the reason shared memory is not used at all (every rank gets
-    the same answer). `mode` is "auto", or "tcp" to decline.
+    the same answer). `mode` is "auto", or "tcp" to decline; `label` says who sets up
+    what, for messages ("[rank 1/4] setup on 'gloo' (group 'default')").
+
+    Raises:
+        DistTimeoutError: a peer did not take its part in time; the message names it.
     """
     generation = setup_round(store, "gloo/joined", size)
     key = f"gloo/{generation}"
+    label = label or f"[rank {rank}/{size}] gloo set-up"
+    hint = ("did every rank of the group call init_process_group (or new_group) with the "
+            "gloo backend? Look at the missing ranks' output for an error")
     allow_peer_access()
     store.set(f"{key}/who/{rank}", f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}")
 
-    def gather(name: str) -> list[str]:
-        keys = [f"{key}/{name}/{r}" for r in range(size)]
-        store.wait(keys, deadline.remaining())
-        return [value.decode() for value in store.multi_get(keys)]
+    def gather(name: str, arrived: str) -> list[str]:
+        keys = {r: f"{key}/{name}/{r}" for r in range(size)}
+        wait_for_ranks(store, keys, deadline, label, arrived=arrived, hint=hint)
+        return [value.decode() for value in store.multi_get(list(keys.values()))]
 
     who = []
-    for text in gather("who"):
+    for text in gather("who", "said which host they are on"):
         peer_mode, rest = text.split("|", 1)
         who.append([peer_mode, *rest.rsplit("|", 2)])  # the host id may hold "|"
     if any(w[0] != "auto" for w in who):
@@ -94,7 +102,8 @@ def same_host_setup(
                 segment = Segment(nbytes)
                 store.set(name, f"{os.getpid()} {segment.fd}")
             else:
-                store.wait([name], deadline.remaining())
+                wait_for_ranks(store, {local[0]: name}, deadline, label, hint=hint,
+                               arrived="created this host's shared-memory segment")
                 pid, fd = map(int, store.get(name).split())
                 segment = Segment(nbytes, owner=(pid, fd))
             right = local[(local.index(rank) + 1) % len(local)]
@@ -105,7 +114,7 @@ def same_host_setup(
     except (OSError, DistBackendError) as exc:
         reason = f"rank {rank}: {exc}"
     store.set(f"{key}/ok/{rank}", reason)
-    reasons = gather("ok")
+    reasons = gather("ok", "mapped their host's shared-memory segment")
     if segment is not None:
         segment.release_fd()  # every rank has attached (or failed to) by now
     failed = [r for r in reasons if r]

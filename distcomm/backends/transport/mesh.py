@@ -16,9 +16,10 @@ import threading
 
 from ... import auth, net
 from ...config import load as load_config
-from ...deadline import Deadline
+from ...deadline import Deadline, StallClock
 from ...errors import DistError, DistNetworkError, DistTimeoutError
 from ...store.base import Store
+from ...store.ranks import log_missing, show_ranks, wait_for_ranks
 from ..base import setup_round
 
 __all__ = ["connect_mesh", "local_address"]
@@ -26,6 +27,9 @@ __all__ = ["connect_mesh", "local_address"]
 _HELLO = struct.Struct("<4siiq")  # magic, rank, size, set-up round
 _HELLO_MAGIC = b"DCTP"
 _POLL_SLICE = 0.5
+_JOIN_SLICE = 3600.0  # a thread join takes no infinite timeout
+_HINT = ("did every rank of the group call init_process_group (or new_group) with this "
+         "backend? Look at the missing ranks' output for an error")
 
 
 def connect_mesh(
@@ -95,15 +99,18 @@ class _MeshSetup:
         )
         acceptor.start()
         try:
+            lower = {peer: f"tcp/{generation}/{peer}" for peer in range(self.rank)}
+            wait_for_ranks(store, lower, deadline, self._label, hint=_HINT,
+                           arrived="published their address")
             for peer in range(self.rank):
                 sock = self._connect_to(store, peer, generation, deadline)
                 peers[peer] = sock
-            acceptor.join(deadline.remaining())
+            self._await_acceptor(acceptor, deadline, accepted)
             if acceptor.is_alive() or accept_error:
                 missing = sorted(set(range(self.rank + 1, self.size)) - set(accepted))
                 reason = f": {accept_error[0]}" if accept_error else ""
                 raise DistTimeoutError(
-                    f"{self._label}: rank(s) {', '.join(map(str, missing))} did not connect "
+                    f"{self._label}: rank(s) {show_ranks(missing)} did not connect "
                     f"within {deadline.seconds:.1f} s{reason} (did every rank call "
                     "init_process_group/new_group, and can they reach this host?)"
                 )
@@ -118,18 +125,25 @@ class _MeshSetup:
             listener.close()
         return peers
 
+    def _await_acceptor(
+        self, acceptor: threading.Thread, deadline: Deadline, accepted: dict[int, socket.socket]
+    ) -> None:
+        """Wait for the accepting thread to finish or give up, saying after
+        DISTCOMM_STALL_WARN_S (then twice as long each time) which ranks have not connected."""
+        higher = self.size - self.rank - 1
+        stall = StallClock(load_config().stall_warn_s)
+        while acceptor.is_alive() and not deadline.expired():
+            acceptor.join(deadline.slice(min(stall.until_next(), _JOIN_SLICE)))
+            waited = stall.due()
+            if waited is not None and acceptor.is_alive():
+                missing = sorted(set(range(self.rank + 1, self.size)) - set(accepted))
+                log_missing(self._label, waited, missing, higher, "connected to this rank",
+                            _HINT, deadline, stall.next)
+
     def _connect_to(
         self, store: Store, peer: int, generation: int, deadline: Deadline
     ) -> socket.socket:
-        key = f"tcp/{generation}/{peer}"
-        try:
-            store.wait([key], deadline.remaining())
-        except DistTimeoutError as exc:
-            raise DistTimeoutError(
-                f"{self._label}: rank {peer} did not publish its address within "
-                f"{deadline.seconds:.1f} s (did it call init_process_group/new_group?)"
-            ) from exc
-        address = store.get(key).decode()
+        address = store.get(f"tcp/{generation}/{peer}").decode()
         host, port = net.split_address(address)
         sock = net.connect(host, int(port), deadline, what=f"rank {peer} at {address}")
         try:

@@ -1,0 +1,151 @@
+"""A first run's mistakes fail at once and say what to fix, instead of waiting in silence.
+
+Ranks started with different world sizes, the same rank twice, or different backends fail
+every rank at once, naming both sides; a set-up wait for a rank that does not come says
+which rank while it waits and when it gives up, never only an internal key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+import distcomm as dist
+from distcomm.backends.shm.setup import same_host_setup
+from distcomm.backends.transport.mesh import connect_mesh
+from distcomm.deadline import Deadline
+from distcomm.store import PrefixStore, TCPStore
+from tests.harness import run_ranks
+from tests.processes import free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+INIT_TIMEOUT = 20.0  # a hang shows as a timeout error, not as a passing test
+
+
+def _init(backend: str = "gloo") -> tuple[str, str]:
+    """init_process_group from the environment: ("ok", "") or (error type, message)."""
+    backend = os.environ.get("TEST_BACKEND", backend)
+    try:
+        dist.init_process_group(backend, timeout=INIT_TIMEOUT)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    dist.destroy_process_group()
+    return "ok", ""
+
+
+def _init_rank1_last() -> tuple[str, str]:
+    """`_init`, on rank 1 once the join's outcome is in the store: it comes last."""
+    if os.environ["RANK"] == "1":
+        probe = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
+        try:
+            probe.wait(["distcomm/rendezvous/joined/outcome"])
+        finally:
+            probe.close()
+    return _init()
+
+
+def _sizes(sizes: dict[int, int], **more: str):
+    return lambda rank: {"WORLD_SIZE": str(sizes[rank]), **more}
+
+
+def test_a_rank_with_another_world_size_fails_every_rank_at_once():
+    port = str(free_port())
+    results = run_ranks(_init, 3, timeout=120, env={"MASTER_PORT": port},
+                        rank_env=_sizes({0: 3, 1: 2, 2: 3}))
+    for kind, message in results:
+        assert kind == "ValueError", results
+        assert ("rank 1 was started with world size 2 (from WORLD_SIZE (torch style)), but "
+                "rank 0 with world size 3 (from WORLD_SIZE (torch style)): set the same "
+                "WORLD_SIZE on every rank") in message, results
+        assert "distcomm/" not in message, results  # no internal key
+    assert [message.split("]")[0] for _, message in results] == [
+        "[rank 0/3", "[rank 1/2", "[rank 2/3"]
+
+
+def test_an_extra_rank_with_a_larger_world_size_is_named_to_every_rank():
+    # ranks 0 and 1 are a job of two; a third process thinks the job has three. Rank 1
+    # comes last, after the third was refused: it learns why too, not "missing rank 2"
+    port = str(free_port())
+    results = run_ranks(_init_rank1_last, 3, timeout=120, env={"MASTER_PORT": port},
+                        rank_env=_sizes({0: 2, 1: 2, 2: 3}))
+    for kind, message in results:
+        assert kind == "ValueError", results
+        assert ("rank 2 was started with world size 3 (from WORLD_SIZE (torch style)), but "
+                "rank 0 with world size 2") in message, results
+        assert "missing rank" not in message, results
+
+
+def test_the_same_rank_twice_fails_every_rank_at_once():
+    port = str(free_port())
+    results = run_ranks(_init, 3, timeout=120, env={"MASTER_PORT": port},
+                        rank_env=lambda r: {"RANK": str(min(r, 1))})
+    for kind, message in results:
+        assert kind == "ValueError", results
+        assert "rank 1 was started twice (pid " in message, results
+        assert "give every process its own rank" in message, results
+
+
+def test_ranks_asking_for_different_backends_fail_at_once():
+    port = str(free_port())
+    results = run_ranks(_init, 2, timeout=120, env={"MASTER_PORT": port},
+                        rank_env=lambda r: {"TEST_BACKEND": "gloo" if r == 0 else "tcp"})
+    for kind, message in results:
+        assert kind == "ValueError", results
+        assert ("rank 1 asked for backend 'tcp' ('tcp' for cpu arrays), but rank 0 for "
+                "'gloo' ('gloo'): pass the same backend") in message, results
+
+
+# -- set-up waits name ranks, not keys ----------------------------------------------------
+
+
+@pytest.fixture
+def server():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=30)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def warnings(monkeypatch, caplog):
+    monkeypatch.setenv("DISTCOMM_STALL_WARN_S", "0.3")
+    caplog.set_level(logging.WARNING)
+    return caplog
+
+
+def _still_waiting(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+
+
+def test_the_shared_memory_setup_names_the_rank_it_waits_for(server, warnings):
+    store = PrefixStore("distcomm/0/gloo", server)
+    with pytest.raises(dist.DistTimeoutError) as caught:
+        same_host_setup(store, 0, 2, Deadline(1.5), "auto", "[rank 0/2] setup on 'gloo'")
+    message = str(caught.value)
+    assert message.startswith("[rank 0/2] setup on 'gloo': only 1 of 2 ranks"), message
+    assert "rank(s) 1 never did" in message and "gloo backend?" in message, message
+    assert "distcomm/" not in message and "who" not in message, message
+    lines = _still_waiting(warnings)
+    assert lines and all("missing rank(s) 1." in line for line in lines), lines
+    assert not [r for r in warnings.records if "has waited" in r.getMessage()]  # no raw key
+
+
+def test_the_tcp_mesh_names_the_ranks_it_waits_for(server, warnings):
+    store = PrefixStore("distcomm/0/tcp", server)
+    # rank 1 of 3: rank 0 never publishes its address
+    with pytest.raises(dist.DistTimeoutError) as caught:
+        connect_mesh(store, 1, 3, Deadline(1.5), "[rank 1/3] tcp backend", None)
+    message = str(caught.value)
+    assert "[rank 1/3] tcp backend: only 0 of 1 ranks published their address" in message
+    assert "rank(s) 0 never did" in message and "distcomm/" not in message, message
+    assert any("missing rank(s) 0." in line for line in _still_waiting(warnings))
+    warnings.clear()
+    # rank 0 of 3: ranks 1 and 2 never connect
+    with pytest.raises(dist.DistTimeoutError) as caught:
+        connect_mesh(PrefixStore("again", store), 0, 3, Deadline(1.5), "[rank 0/3] tcp", None)
+    assert "rank(s) 1, 2 did not connect" in str(caught.value)
+    lines = _still_waiting(warnings)
+    assert lines and all("connected to this rank; missing rank(s) 1, 2." in line
+                         for line in lines), lines
