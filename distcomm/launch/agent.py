@@ -63,8 +63,8 @@ from .agent_config import (
     AgentConfig,
     SignalException,
 )
-from .agent_report import AgentEvents, round_report
-from .errors import ChildFailedError, ProcessFailure, share_failures, trace_dir
+from .agent_report import AgentEvents, round_report, share_failures, trace_dir
+from .errors import ChildFailedError, ProcessFailure
 from .numa import numa_affinity
 from .rendezvous import (
     RendezvousClosedError,

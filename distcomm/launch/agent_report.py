@@ -1,21 +1,35 @@
-"""What the elastic agent tells: its events in torch's layout, and a round's failure report."""
+"""What the elastic agent tells: its events in torch's layout, and a round's failure report.
+
+`share_failures` and `gather_failures` pass a round's failures between the nodes' agents
+through the run's store, so that every node reports every node's failures; `trace_dir`
+and `trace_hint` say where the workers' flight-recorder traces go.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+import tempfile
 import time
 
 from ..errors import DistError
 from ..store import Store
 from .agent_config import AgentConfig
-from .errors import ChildFailedError, ProcessFailure, gather_failures, trace_hint
+from .errors import ChildFailedError, ProcessFailure
 from .events import Event, EventSource, record
 from .rendezvous import RendezvousInfo
 from .watch import slow_store
 
-__all__ = ["AgentEvents", "round_report"]
+__all__ = [
+    "AgentEvents",
+    "gather_failures",
+    "round_report",
+    "share_failures",
+    "trace_dir",
+    "trace_hint",
+]
 
 log = logging.getLogger("distcomm.launch")
 
@@ -160,3 +174,79 @@ def round_report(
     if trace_dir:
         lines.append(trace_hint(trace_dir))
     return failures, "\n".join(lines)
+
+
+def trace_dir(log_root: str, run_id: str, attempt: int) -> str:
+    """The DISTCOMM_TRACE_DIR the agent gives an attempt's workers when none is set.
+
+    Under the agent's --log_dir directory (`<log_root>/traces/attempt_<k>`) when there is
+    one; else `distcomm-traces-<run id>-<agent pid>/attempt_<k>` in the temporary
+    directory, which outlives the run (the agent's own temporary directory does not).
+    Nothing is created until a worker writes a trace.
+    """
+    if log_root:
+        root = os.path.join(log_root, "traces")
+    else:
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run_id)
+        root = os.path.join(tempfile.gettempdir(), f"distcomm-traces-{safe}-{os.getpid()}")
+    return os.path.join(root, f"attempt_{attempt}")
+
+
+def trace_hint(directory: str) -> str:
+    """The failure report's line naming the workers' flight-recorder traces."""
+    if os.path.isdir(directory) and any(n.endswith(".json") for n in os.listdir(directory)):
+        return (
+            f"distcomm-run: flight-recorder traces of this node's workers: {directory}\n"
+            f"  see which collective each rank was in: python -m distcomm.trace {directory}"
+        )
+    return (
+        "distcomm-run: no worker of this node wrote a flight-recorder trace (a worker "
+        "writes one into DISTCOMM_TRACE_DIR on a collective timeout or failure, SIGTERM or "
+        "SIGUSR1)"
+    )
+
+
+def _failures_key(round_: int, node: int) -> str:
+    return f"failures/round_{round_}/node_{node}"
+
+
+def share_failures(
+    store: Store, round_: int, node: int, failures: dict[int, ProcessFailure]
+) -> None:
+    """Put node `node`'s failures of round `round_` in the run's `store` for the other
+    nodes' reports (`gather_failures`).
+
+    Raises:
+        DistError: the store failed.
+    """
+    records = [failure.to_record() for _, failure in sorted(failures.items())]
+    store.set(_failures_key(round_, node), json.dumps(records))
+
+
+def gather_failures(store: Store, round_: int, world_size: int) -> dict[int, ProcessFailure]:
+    """Every failure the `world_size` nodes of round `round_` shared, by global rank.
+
+    A node whose record is missing (it did not fail, or has not written yet) adds nothing;
+    an unreadable record is left out with a warning.
+
+    Raises:
+        DistError: the store failed.
+    """
+    failures: dict[int, ProcessFailure] = {}
+    for node in range(world_size):
+        key = _failures_key(round_, node)
+        if not store.check([key]):
+            continue
+        try:
+            for data in json.loads(store.get(key)):
+                failure = ProcessFailure.from_record(data)
+                failures[failure.rank] = failure
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning(
+                "the failures node %d shared for round %d are unreadable (%s); the "
+                "report leaves them out",
+                node,
+                round_,
+                exc,
+            )
+    return failures
