@@ -116,6 +116,11 @@ class _Signal(Exception):
 
 #: the agent's temporary directory (timer pipe, logs without --log_dir): PREFIX<pid>-xxxx
 TEMP_PREFIX = "distcomm-run-"
+#: seconds the agent waits for a failed worker's stderr to end before it reads its tail
+STDERR_END_WAIT_S = 2.0
+#: seconds the agent waits, while a peer caused every failure seen, for the failure that
+#: caused them: a worker still running then is usually about to end with it
+PEER_FAILURE_WAIT_S = 3.0
 
 
 def _remove_stale_temp_dirs() -> None:
@@ -556,9 +561,27 @@ class ElasticAgent:
             watch.check_stall()
 
     def _failures(self, info: RendezvousInfo) -> dict[int, ProcessFailure]:
+        """The failed workers; while a peer caused every one of them and others still run,
+        observed again until those end or PEER_FAILURE_WAIT_S passes (the worker whose
+        failure caused them may be ending now: then it is in the report, as root cause)."""
+        assert self._workers is not None
+        failures = self._observe_failures(info)
+        deadline = time.monotonic() + PEER_FAILURE_WAIT_S
+        while (
+            failures
+            and all(failure.peer_ranks is not None for failure in failures.values())
+            and None in self._workers.poll().values()
+            and time.monotonic() < deadline
+        ):
+            time.sleep(self.config.monitor_interval)
+            failures = self._observe_failures(info)
+        return failures
+
+    def _observe_failures(self, info: RendezvousInfo) -> dict[int, ProcessFailure]:
         assert self._workers is not None
         c, host = self.config, socket.gethostname()
         codes, pids = self._workers.poll(), self._workers.pids()
+        stderr_end = time.monotonic() + STDERR_END_WAIT_S
         with self._expired_lock:
             expired = dict(self._expired)
         failures = {}
@@ -570,6 +593,7 @@ class ElasticAgent:
             reason = ""
             if pid in expired:
                 reason = f"expiration timer scope {expired[pid]!r} expired; the worker was killed"
+            tail = self._workers.stderr_tail(local_rank, stderr_end)
             failures[rank] = ProcessFailure(
                 local_rank=local_rank,
                 rank=rank,
@@ -580,7 +604,10 @@ class ElasticAgent:
                 role=c.role,
                 log_files=self._workers.log_files(local_rank),
                 reason=reason,
+                # the error file's time, when it has one; else when the worker said why
+                timestamp=(tail and tail.failure_time()) or self._workers.exit_time(local_rank),
                 files_kept=self._logs_kept,
+                stderr_tail=None if tail is None else tail.lines(),
             )
         return failures
 

@@ -3,7 +3,9 @@
 `record` has an `ErrorHandler` (`error_handler.py`) write the exception of a worker's
 entrypoint to the worker's error file;
 `ProcessFailure` is one failed worker as the agent saw it (reading that file), and
-`ChildFailedError` the agent's report with one block per failed rank and the root cause.
+`ChildFailedError` the agent's report with one block per failed rank and the root cause
+(the first failure not caused by a peer's; `ProcessFailure.peer_ranks`). A worker that
+recorded nothing is reported from the tail of its stderr (`tracebacks.py`).
 
 The error file is the one torchelastic uses, so a script decorated with torch's
 `@record` works under distcomm-run and ours under torchrun::
@@ -34,6 +36,13 @@ from typing import Any, TypeVar
 from ..errors import DistError
 from ..procutil import signal_name
 from .error_handler import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV, ErrorHandler, get_error_handler
+from .tracebacks import (
+    TAIL_LINES,
+    exception_lines,
+    last_traceback,
+    peer_failure_in,
+    peer_failure_in_traceback,
+)
 
 __all__ = [
     "ERROR_FILE_ENV",
@@ -48,14 +57,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: the lines of a worker's stderr log the report shows when it recorded no traceback
+#: the lines of a worker's stderr the report shows when it recorded no traceback and
+#: its stderr holds none either
 _TAIL_LINES = 20
-#: the traceback shown for a worker that wrote no error file and has no stderr log
-NO_TRACEBACK = (
-    "(no traceback: the worker wrote no error file; decorate its entrypoint with @record "
-    "from distcomm.launch.errors to record an exception it raises, or pass --redirects=2 "
-    "or --tee=2 to show the end of its stderr here)"
-)
+#: the traceback shown for a worker that wrote neither an error file nor to stderr
+NO_TRACEBACK = "(no traceback: the worker wrote no error file and nothing to stderr)"
 #: the traceback shown for a worker whose error file holds a message but no traceback
 NO_RECORDED_TRACEBACK = "(the worker's error file holds no traceback; see message)"
 #: the report's value for a log or error file in the launcher's temporary directory
@@ -191,9 +197,12 @@ class ProcessFailure:
         files_kept: whether `error_file` and `log_files` outlive the launcher. False when
             they are in its temporary directory (no --log_dir), which it removes on exit:
             the report then names none of them.
+        stderr_tail: the last lines of its stderr (without line ends) as the agent kept
+            them; None: read them from the stderr log of `log_files`, if there is one.
 
     An `error_file` that does not exist when the object is made (the worker recorded
-    nothing) is set to "" (torch sets ``"<N/A>"``).
+    nothing) is set to "" (torch sets ``"<N/A>"``). Without a recorded error, the message
+    and traceback come from the last traceback in the stderr tail.
     """
 
     local_rank: int
@@ -207,9 +216,9 @@ class ProcessFailure:
     reason: str = ""
     timestamp: float | None = None
     files_kept: bool = True
+    stderr_tail: list[str] | None = None
     error_data: dict[str, Any] | None = field(default=None, init=False, repr=False)
     _error_problem: str = field(default="", init=False, repr=False)
-    _stderr_lines: list[str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.rank is None:
@@ -269,69 +278,122 @@ class ProcessFailure:
             return signal_name(-self.exitcode) or str(-self.exitcode)
         return "<N/A>"
 
+    def _recorded(self) -> tuple[str, dict[str, Any]] | None:
+        """The recorded message and extraInfo, when the error file was read."""
+        if self.error_data is None:
+            return None
+        message = self.error_data["message"]
+        if isinstance(message, dict):
+            info = message.get("extraInfo")
+            return str(message["message"]), info if isinstance(info, dict) else {}
+        return str(message), {}
+
     @property
     def message(self) -> str:
-        """The recorded exception ("ValueError: bad input"), or a description of the exit."""
-        if self.error_data is not None:
-            message = self.error_data["message"]
-            return str(message["message"] if isinstance(message, dict) else message)
-        text = f"process {self.pid} ended with {exit_description(self.exitcode)}"
-        if self.exitcode is None:
+        """The recorded exception ("ValueError: bad input"), else the exception line of
+        the last traceback on its stderr, else a description of the exit."""
+        recorded = self._recorded()
+        if recorded is not None:
+            return recorded[0]
+        raised = exception_lines(self._stderr_traceback())
+        if raised:
+            text = raised[-1]
+        elif self.exitcode is None:
             text = f"process {self.pid} was still running"
+        else:
+            text = f"process {self.pid} ended with {exit_description(self.exitcode)}"
         return f"{text}; {self._error_problem}" if self._error_problem else text
 
-    def _stderr_tail(self, tail: int) -> list[str]:
-        """The last `tail` lines of the stderr log ([] without one).
+    @property
+    def peer_ranks(self) -> tuple[int, ...] | None:
+        """The ranks whose failure caused this one (() when unknown), or None: it failed
+        on its own account.
+
+        Read from the error file (``peer_ranks``, written by the exception hook and
+        `@record`), else recognised in the recorded error's text or the stderr's last
+        traceback (distcomm's messages for a peer that closed its connection, left or
+        aborted the group, or a store that closed its connection).
+        """
+        recorded = self._recorded()
+        if recorded is not None:
+            message, info = recorded
+            ranks = info.get("peer_ranks")
+            if isinstance(ranks, list):
+                return tuple(r for r in ranks if isinstance(r, int))
+            stack = str(info.get("py_callstack") or "").splitlines()
+            bounds = last_traceback(stack)
+            if bounds is not None:
+                found = peer_failure_in_traceback(stack[bounds[0] : bounds[1]])
+                if found is not None:
+                    return found
+            return peer_failure_in(message)
+        block = self._stderr_traceback()
+        return peer_failure_in_traceback(block) if block else None
+
+    def _stderr_lines(self) -> list[str]:
+        """`stderr_tail`, or the end of the stderr log when there is none ([] without).
 
         Raises:
             OSError: the log exists but cannot be read.
         """
+        if self.stderr_tail is not None:
+            return self.stderr_tail
         stderr = self.log_files.get("stderr", "")
         if not stderr or not os.path.isfile(stderr):
             return []
         with open(stderr, encoding="utf-8", errors="replace") as fp:
-            return list(deque(fp, maxlen=max(tail, 1)))
+            return [line.rstrip("\r\n") for line in deque(fp, maxlen=TAIL_LINES)]
 
-    def capture_logs(self, tail: int = _TAIL_LINES) -> None:
-        """Read the last `tail` lines of the stderr log now, for `traceback_text` to show
-        once the log is removed (the agent calls it before it removes its temporary
-        directory). Nothing happens when there is no such log or it cannot be read."""
+    def _stderr_traceback(self) -> list[str]:
+        """The last traceback on its stderr (with those chained before it), or []."""
         try:
-            lines = self._stderr_tail(tail)
+            lines = self._stderr_lines()
+        except OSError:
+            return []
+        bounds = last_traceback(lines)
+        return [] if bounds is None else lines[bounds[0] : bounds[1]]
+
+    def capture_logs(self) -> None:
+        """Read the end of the stderr log now into `stderr_tail`, for the report once the
+        log is removed (the agent calls it before it removes its temporary directory).
+        Nothing happens when the tail is already kept, or the log is missing or unreadable."""
+        if self.stderr_tail is not None:
+            return
+        try:
+            lines = self._stderr_lines()
         except OSError:
             return  # traceback_text tries again, and says why it cannot
         if lines:
-            self._stderr_lines = lines
+            self.stderr_tail = lines
 
     def traceback_text(self, tail: int = _TAIL_LINES) -> str:
-        """The traceback the worker recorded; else the last `tail` lines of its stderr log.
+        """The traceback the worker recorded; else the last traceback on its stderr; else
+        the last `tail` lines of its stderr.
 
         Args:
-            tail: how many lines of the stderr log to show when nothing was recorded.
+            tail: how many lines of stderr to show when it holds no traceback.
 
         Returns:
-            The text; when there is neither, a line saying so, with how to get a
-            traceback next time if the worker wrote no error file.
+            The text; when there is nothing, a line saying so.
         """
-        if self.error_data is not None:
-            message = self.error_data["message"]
-            if isinstance(message, dict):
-                stack = message.get("extraInfo", {}).get("py_callstack")
-                if stack:
-                    return str(stack).rstrip("\n")
+        recorded = self._recorded()
+        if recorded is not None and recorded[1].get("py_callstack"):
+            return str(recorded[1]["py_callstack"]).rstrip("\n")
         stderr = self.log_files.get("stderr", "")
-        if self._stderr_lines is not None:
-            lines = self._stderr_lines[-max(tail, 1) :]
-        else:
-            try:
-                lines = self._stderr_tail(tail)
-            except OSError as exc:
-                return f"(could not read {stderr}: {exc})"
+        try:
+            lines = self._stderr_lines()
+        except OSError as exc:
+            return f"(could not read {stderr}: {exc})"
+        where = stderr if stderr and self.files_kept else "its stderr"
+        bounds = last_traceback(lines)
+        if bounds is not None:
+            block = lines[bounds[0] : bounds[1]]
+            return f"(no recorded traceback; the last one in {where})\n" + "\n".join(block)
         if lines:
-            where = stderr if self.files_kept else "its stderr"
-            return f"(no recorded traceback; last {len(lines)} lines of {where})\n" + "".join(
-                lines
-            ).rstrip("\n")
+            shown = lines[-max(tail, 1) :]
+            return f"(no recorded traceback; last {len(shown)} lines of {where})\n" + "\n".join(
+                shown
+            )
         if self.error_data is not None or self._error_problem:
             return NO_RECORDED_TRACEBACK
         return NO_TRACEBACK
@@ -342,6 +404,7 @@ class ProcessFailure:
         The message and the traceback (or the stderr tail) are read here, where the files
         are; the paths are kept only to be shown.
         """
+        peers = self.peer_ranks
         return {
             "local_rank": self.local_rank,
             "rank": self.rank,
@@ -356,6 +419,7 @@ class ProcessFailure:
             "files_kept": self.files_kept,
             "message": self.message,
             "traceback": self.traceback_text(tail)[-_RECORD_TRACEBACK_CHARS:],
+            "peer_ranks": None if peers is None else list(peers),
         }
 
     @classmethod
@@ -379,12 +443,11 @@ class ProcessFailure:
         failure.error_file = str(data["error_file"])
         failure.log_files = {str(k): str(v) for k, v in data["log_files"].items()}
         failure.files_kept = bool(data.get("files_kept", True))
-        failure.error_data = {
-            "message": {
-                "message": str(data["message"]),
-                "extraInfo": {"py_callstack": str(data["traceback"])},
-            }
-        }
+        info: dict[str, Any] = {"py_callstack": str(data["traceback"])}
+        peers = data.get("peer_ranks")
+        if peers is not None:
+            info["peer_ranks"] = [int(rank) for rank in peers]
+        failure.error_data = {"message": {"message": str(data["message"]), "extraInfo": info}}
         return failure
 
     def timestamp_isoformat(self) -> str:
@@ -395,8 +458,10 @@ class ProcessFailure:
 class ChildFailedError(DistError):
     """One or more workers failed; the message has one block per failed rank.
 
-    Raised by the agent when its workers fail and no restart is left. The first failure
-    (smallest timestamp; ties go to the smallest rank) is the root cause.
+    Raised by the agent when its workers fail and no restart is left. The root cause is
+    the first failure (smallest timestamp; ties go to the smallest rank) among those not
+    caused by a peer's failure (`ProcessFailure.peer_ranks`), or among all when every one
+    was.
 
     Attributes:
         name: what failed (the entrypoint's name).
@@ -414,8 +479,10 @@ class ChildFailedError(DistError):
         return type(self), (self.name, self.failures)
 
     def get_first_failure(self) -> tuple[int, ProcessFailure]:
-        """The root cause: (rank, failure) with the smallest timestamp, then smallest rank."""
-        rank = min(self.failures, key=lambda r: (self.failures[r].timestamp or 0.0, r))
+        """The root cause: (rank, failure) with the smallest timestamp, then smallest rank,
+        of the failures no peer caused (of all, when a peer caused every one)."""
+        own = [r for r, failure in self.failures.items() if failure.peer_ranks is None]
+        rank = min(own or self.failures, key=lambda r: (self.failures[r].timestamp or 0.0, r))
         return rank, self.failures[rank]
 
     def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
@@ -471,6 +538,10 @@ def _format_failure(rank: int, failure: ProcessFailure) -> str:
     rows += [("pid", str(failure.pid)), ("exitcode", status)]
     if failure.reason:
         rows.append(("reason", failure.reason))
+    peers = failure.peer_ranks
+    if peers is not None:
+        named = f" (rank{'s' * (len(peers) > 1)} {', '.join(map(str, peers))})" if peers else ""
+        rows.append(("caused by", f"a peer's failure{named}"))
     kept = failure.files_kept
     error_file = (failure.error_file if kept else NOT_KEPT) if failure.error_file else "<N/A>"
     rows += [("message", failure.message), ("error_file", error_file)]
