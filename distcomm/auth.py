@@ -8,20 +8,26 @@ Every store and backend connection starts with it, before any request is served:
 
 A server that rejects a proof closes the connection without a reply. A key set
 on one side only is an error on the side that notices it, with a message that
-says to set the same key on every process. The functions below are pure so
-that both blocking sockets and the store's event loop use them.
+says to set the same key on every process. Since a distcomm server greets first
+and at once, a client tells another program on the port (one that sends something
+else, closes, or stays silent) from a distcomm peer before it sends anything, and says
+so. The message functions are pure so that both blocking sockets and the store's event
+loop use them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import math
 import os
 import socket
+import time
 
 from .deadline import Deadline
 from .errors import DistNetworkError
-from .net import recv_exact
+from .net import format_address, recv_exact
 
 __all__ = [
     "ACCEPT_SIZE",
@@ -42,6 +48,9 @@ DIGEST_SIZE = 32
 HELLO_SIZE = len(MAGIC) + 1 + NONCE_SIZE
 PROOF_SIZE = NONCE_SIZE + DIGEST_SIZE
 ACCEPT_SIZE = 1 + DIGEST_SIZE
+
+log = logging.getLogger(__name__)
+_READ_SLICE = 3600.0  # the longest one socket read of the greeting is given
 
 
 def _mac(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
@@ -119,22 +128,108 @@ def verify_accept(expected: bytes, accept: bytes, peer: str) -> None:
 
 
 def client_handshake(
-    sock: socket.socket, key: bytes | None, deadline: Deadline, peer: str
+    sock: socket.socket,
+    key: bytes | None,
+    deadline: Deadline,
+    peer: str,
+    *,
+    expected: str = "a distcomm endpoint",
+    hint: str = "wrong address or port?",
+    warn_after: float = 0.0,
 ) -> None:
     """Run the client side of the handshake on a connected blocking socket.
+
+    A distcomm server greets as soon as it accepts, so the greeting tells a distcomm peer
+    from another program: bytes that cannot begin a greeting fail at once, showing what
+    came; a peer that closes first fails too. A peer that stays silent is waited for up
+    to `deadline` (a server busy with thousands of connections may greet late), with a
+    warning after `warn_after` seconds (0: none) that it may not be distcomm at all.
+
+    Args:
+        peer: who is expected there, for messages ("the TCPStore at 10.0.0.1:29500").
+        expected: what a distcomm peer there is, for messages ("a distcomm TCPStore").
+        hint: what to do when something else answers there.
+        warn_after: seconds of silence before the warning.
 
     Raises:
         DistNetworkError: the handshake failed; the message says why and what to do.
     """
-    hello = recv_exact(sock, HELLO_SIZE, deadline, peer)
-    proof, expected = proof_message(key, hello, peer)
+    hello = _read_greeting(sock, deadline, peer, expected, hint, warn_after)
+    proof, expected_accept = proof_message(key, hello, peer)
     if not proof:
         return
     try:
         sock.sendall(proof)
     except OSError as exc:
         raise DistNetworkError(f"handshake with {peer} failed: {exc}") from exc
-    verify_accept(expected, recv_exact(sock, ACCEPT_SIZE, deadline, peer), peer)
+    verify_accept(expected_accept, recv_exact(sock, ACCEPT_SIZE, deadline, peer), peer)
+
+
+def _could_begin_greeting(data: bytes) -> bool:
+    """Whether `data` is the start of a distcomm greeting (magic, then a 0 or 1 flag)."""
+    if not MAGIC.startswith(data[: len(MAGIC)]):
+        return False
+    return len(data) <= len(MAGIC) or data[len(MAGIC)] in (0, 1)
+
+
+def _preview(data: bytes) -> str:
+    shown = data[:48]
+    return repr(shown) + (f" and {len(data) - len(shown)} more bytes" if len(data) > 48 else "")
+
+
+def _read_greeting(sock: socket.socket, deadline: Deadline, peer: str, expected: str,
+                   hint: str, warn_after: float) -> bytes:
+    """The server's HELLO, read as it comes (see `client_handshake`)."""
+    try:
+        address = format_address(*sock.getpeername()[:2])
+    except OSError:
+        address = peer
+    started = time.monotonic()
+    warn_at = started + warn_after if warn_after > 0 else math.inf
+    data = b""
+    while len(data) < HELLO_SIZE:
+        step = deadline.slice(min(max(warn_at - time.monotonic(), 0.001), _READ_SLICE))
+        chunk = None
+        if step > 0:
+            sock.settimeout(step)
+            try:
+                chunk = sock.recv(HELLO_SIZE - len(data))
+            except TimeoutError:
+                pass
+            except OSError as exc:
+                raise DistNetworkError(f"reading from {peer} failed: {exc}") from exc
+        if chunk == b"":
+            said = f"after sending {_preview(data)}" if data else "without sending anything"
+            raise DistNetworkError(
+                f"what answers at {address} closed the connection {said}, where "
+                f"{expected} greets first: it is not {expected}, or it refused this "
+                f"process; {hint}"
+            )
+        if chunk:
+            data += chunk
+            if not _could_begin_greeting(data):
+                other = " (or one of another version)" if data.startswith(MAGIC[:2]) else ""
+                raise DistNetworkError(
+                    f"what answers at {address} is not {expected}{other} (it sent "
+                    f"{_preview(data)}, where {expected} greets with {MAGIC!r}); {hint}"
+                )
+            continue
+        waited = time.monotonic() - started
+        if deadline.expired():
+            raise DistNetworkError(
+                f"what answers at {address} accepted the connection but sent "
+                f"nothing in {waited:.1f} s, where {expected} greets at once: it is probably "
+                f"not {expected} (or one too busy to answer); {hint}"
+            )
+        if time.monotonic() >= warn_at:
+            log.warning(
+                "what answers at %s accepted the connection %.1f s ago but has not greeted "
+                "as %s does at once: it may be busy, or another program that is not "
+                "distcomm (%s); waiting up to %s",
+                address, waited, expected, hint,
+                "no limit" if deadline.seconds is None else f"{deadline.seconds:.0f} s")
+            warn_at = math.inf
+    return data
 
 
 def server_handshake(

@@ -2,13 +2,16 @@
 
 Ranks started with different world sizes, the same rank twice, or different backends fail
 every rank at once, naming both sides; a set-up wait for a rank that does not come says
-which rank while it waits and when it gives up, never only an internal key.
+which rank while it waits and when it gives up, never only an internal key; a store
+client pointed at a port another program holds says so.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
 
 import pytest
 
@@ -149,3 +152,144 @@ def test_the_tcp_mesh_names_the_ranks_it_waits_for(server, warnings):
     lines = _still_waiting(warnings)
     assert lines and all("connected to this rank; missing rank(s) 1, 2." in line
                          for line in lines), lines
+
+
+# -- a store address held by another program ----------------------------------------------
+
+
+class _Impostor:
+    """A TCP server of another program on a free port: it accepts, then sends `banner`
+    and stays silent, closes at once (`close`), or just stays silent."""
+
+    def __init__(self, banner: bytes = b"", close: bool = False) -> None:
+        self._banner, self._close = banner, close
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._held: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if self._close:
+                conn.close()
+                continue
+            if self._banner:
+                conn.sendall(self._banner)
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._listener.close()
+        for conn in self._held:
+            conn.close()
+
+
+@pytest.fixture
+def impostor():
+    made: list[_Impostor] = []
+
+    def make(**kwargs) -> _Impostor:
+        made.append(_Impostor(**kwargs))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def test_a_store_client_says_another_program_sent_something_else(impostor):
+    port = impostor(banner=b"SSH-2.0-OpenSSH_9.6\r\n").port
+    with pytest.raises(dist.DistNetworkError) as caught:
+        TCPStore("127.0.0.1", port, timeout=5)
+    message = str(caught.value)
+    assert (f"what answers at 127.0.0.1:{port} is not a distcomm TCPStore (it sent "
+            "b'SSH-2.0-OpenSSH_9.6\\r\\n'") in message, message
+    assert "is another program using this port? Pick another port (MASTER_PORT" in message
+
+
+def test_a_store_client_says_another_program_closed_at_once(impostor):
+    port = impostor(close=True).port
+    with pytest.raises(dist.DistNetworkError) as caught:
+        TCPStore("127.0.0.1", port, timeout=5)
+    message = str(caught.value)
+    assert f"what answers at 127.0.0.1:{port} closed the connection without sending" in message
+    assert "is another program using this port?" in message, message
+
+
+def test_a_silent_program_on_the_store_port_is_named_while_and_after_waiting(
+        impostor, warnings):
+    port = impostor().port
+    with pytest.raises(dist.DistNetworkError) as caught:
+        TCPStore("127.0.0.1", port, timeout=1.5)
+    message = str(caught.value)
+    assert (f"what answers at 127.0.0.1:{port} accepted the connection but sent nothing"
+            in message), message
+    assert "it is probably not a distcomm TCPStore" in message, message
+    assert "is another program using this port?" in message, message
+    lines = [r.getMessage() for r in warnings.records if "has not greeted" in r.getMessage()]
+    assert len(lines) == 1 and "may be busy, or another program" in lines[0], lines
+
+
+def test_a_busy_store_that_greets_late_is_still_used(warnings):
+    # the server's loop is held up past the warning: the client warns, waits, then works
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=10)
+    listener = socket.create_server(("127.0.0.1", 0))
+    relay_ready = threading.Event()
+
+    def relay() -> None:  # hands the client to the store only after a pause
+        conn, _ = listener.accept()
+        relay_ready.wait(5)
+        upstream = socket.create_connection(("127.0.0.1", server.port))
+        for a, b in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=relay, daemon=True).start()
+    timer = threading.Timer(1.0, relay_ready.set)
+    timer.start()
+    try:
+        client = TCPStore("127.0.0.1", listener.getsockname()[1], timeout=10)
+        client.set("k", "v")
+        assert server.get("k") == b"v"
+        client.close()
+    finally:
+        timer.cancel()
+        listener.close()
+        server.close()
+    assert any("has not greeted" in r.getMessage() for r in warnings.records)
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def test_c10d_rendezvous_on_a_port_another_program_holds(impostor):
+    from distcomm.launch.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousParameters,
+        get_rendezvous_handler,
+    )
+
+    port = impostor(banner=b"HTTP/1.1 400 Bad Request\r\n\r\n").port
+    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "job", 1, 1,
+                                  config={"read_timeout": "5"})
+    with pytest.raises(RendezvousConnectionError) as caught:
+        get_rendezvous_handler(params)
+    message = str(caught.value)
+    assert "this agent found the port taken" in message, message
+    assert (f"what answers at 127.0.0.1:{port} is not a distcomm TCPStore (it sent "
+            "b'HTTP/1.1 400 Bad Request") in message, message
+    assert "--rdzv_endpoint" in message, message

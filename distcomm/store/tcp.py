@@ -13,7 +13,10 @@ request (get, wait, multi_get) is answered by the server itself at its deadline,
 far (infinite included), so the connection stays in step; the client's kernel timeouts
 are a little longer, and if that safety net ever fires the connection is dropped and
 reopened on the next request. If the server goes away, requests raise
-`DistNetworkError` at once.
+`DistNetworkError` at once. A client pointed at a port that another program holds says
+so: the server greets first and at once (`distcomm.auth`), so other bytes, or a close,
+fail the connection at once, and silence makes it warn after a few seconds (it still
+waits its timeout, as a server serving thousands of clients may greet late).
 
 The socket work of one connection is `tcp_client.Connection`'s; `tcp_master` finds or
 starts the master's server.
@@ -51,6 +54,13 @@ __all__ = ["TCPStore"]
 
 #: Extra seconds the client waits beyond a request's own timeout before giving up on it.
 SAFETY_MARGIN = 1.0
+#: Seconds of silence after connecting before a client warns that what answers may not
+#: be a TCPStore (the server greets at once; one busy with thousands of clients may greet
+#: late, so the client keeps waiting); DISTCOMM_STALL_WARN_S when that is shorter.
+GREETING_WARN_S = 5.0
+#: What to do when what answers at the address is not a TCPStore.
+FOREIGN_HINT = ("is another program using this port? Pick another port (MASTER_PORT, or "
+                "the port of distcomm-run's --rdzv_endpoint)")
 log = logging.getLogger(__name__)
 
 _ERROR, _TIMEOUT = int(Status.ERROR), int(Status.TIMEOUT)
@@ -217,7 +227,9 @@ class TCPStore(Store):
         """Open, authenticate and (the first time) register the connection; lock held."""
         sock = connect(self._host, self._port, deadline, what="the TCPStore")
         try:
-            auth.client_handshake(sock, self._auth_key, deadline, self._where)
+            auth.client_handshake(
+                sock, self._auth_key, deadline, self._where, expected="a distcomm TCPStore",
+                hint=FOREIGN_HINT, warn_after=min(GREETING_WARN_S, self._stall_warn))
             self._conn = Connection(sock)
             self._local_address = self._conn.local_address
             if not self._registered:

@@ -144,6 +144,7 @@ def create_c10d_store(params: RendezvousParameters,
             "agent that hosts the store (a local endpoint, or --rdzv_conf is_host=true); "
             "give the other nodes the port the host picked"
         )
+    taken = False
     if is_host:
         try:
             store = host_tcp_store(host, port, settings.read_timeout, params.auth_key)
@@ -152,6 +153,7 @@ def create_c10d_store(params: RendezvousParameters,
                 raise RendezvousConnectionError(
                     f"--rdzv_backend=c10d: this agent cannot host the store at {address}: {exc}"
                 ) from exc
+            taken = True
             log.info("c10d rendezvous: %s is taken (another agent hosts the store): "
                      "connecting to it", address)
         else:
@@ -162,9 +164,11 @@ def create_c10d_store(params: RendezvousParameters,
         store = TCPStore(host, port, is_master=False, timeout=settings.read_timeout,
                          auth_key=params.auth_key)
     except DistError as exc:
+        note = (" (this agent found the port taken, so it connected to what holds it as to "
+                "another agent's store)" if taken else "")
         raise RendezvousConnectionError(
             f"--rdzv_backend=c10d: cannot reach the store at {address} within "
-            f"read_timeout={settings.read_timeout:g} s: {exc}"
+            f"read_timeout={settings.read_timeout:g} s{note}: {exc}"
         ) from exc
     return store, (host, port), False
 
