@@ -13,6 +13,7 @@ import http.client
 import http.server
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -461,6 +462,33 @@ def test_server_killed_mid_use_is_a_network_error(own_server):
                 call()
     finally:
         store.close()
+
+
+def test_a_long_wait_says_so_then_times_out(etcd_endpoint, prefix, monkeypatch,  # noqa: F811
+                                            caplog):
+    """As TCPStore's and FileStore's: a get, wait or queue_pop still waiting after
+    DISTCOMM_STALL_WARN_S names the keys it misses, with backoff, then times out."""
+    monkeypatch.setenv("DISTCOMM_STALL_WARN_S", "0.3")
+    caplog.set_level("WARNING", logger="distcomm.store")
+    with EtcdStore(etcd_endpoint, prefix, timeout=1.5) as store:
+        store.set("here", "1")
+        with pytest.raises(DistStoreTimeoutError, match="'late'"):
+            store.wait(["here", "late"])
+        ages = [float(a) for a in re.findall(
+            r"wait\(\['here', 'late'\]\) on the EtcdStore .* has waited ([\d.]+) s for "
+            r"'late', not set yet", caplog.text)]
+        assert len(ages) in (2, 3) and ages == sorted(ages) and ages[0] >= 0.3, caplog.text
+        caplog.clear()
+        with pytest.raises(DistStoreTimeoutError, match="stayed empty"):
+            store.queue_pop("jobs")
+        assert "queue_pop('jobs') on the EtcdStore" in caplog.text, caplog.text
+        assert "has waited" in caplog.text, caplog.text
+        caplog.clear()
+        writer = threading.Timer(0.5, store.clone().set, ("soon", "1"))
+        writer.start()
+        assert store.get("soon") == b"1"  # set after 0.5 s: one warning, then the value
+        writer.join()
+        assert len(caplog.records) == 1 and "'soon', not set yet" in caplog.text, caplog.text
 
 
 def test_close_ends_waits_and_later_calls(store_pair):

@@ -30,6 +30,8 @@ map onto etcd as follows::
     queue_len             count-only range over the queue's items
 
 `wait` and `check` count a key as set while its queue holds an item (`get` does not).
+A get, wait or queue_pop still waiting after DISTCOMM_STALL_WARN_S logs the keys it still
+misses, then again after twice as long each time, as TCPStore's and FileStore's do.
 
 A stopped or unreachable server makes requests fail at once with `DistNetworkError`;
 a watch notices a vanished server host through TCP keep-alive.
@@ -37,13 +39,15 @@ a watch notices a vanished server host through TCP keep-alive.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from .. import config
 from ..config import DEFAULT_STORE_TIMEOUT
-from ..deadline import Deadline, to_seconds
+from ..deadline import Deadline, StallClock, to_seconds
 from ..errors import DistStoreTimeoutError
 from ..net import format_address
 from .base import Store, check_block, check_key, to_bytes
@@ -54,12 +58,15 @@ from .hash import (
     check_keys,
     check_values,
     compare_set_value,
+    log_still_waiting,
     queue_empty_error,
     queue_timeout_error,
     timeout_error,
 )
 
 __all__ = ["EtcdStore", "parse_endpoint"]
+
+log = logging.getLogger(__name__)
 
 #: Operations per txn: etcd's default --max-txn-ops; longer key lists go in several txns.
 MAX_TXN_OPS = 128
@@ -130,6 +137,7 @@ class EtcdStore(Store):
     ) -> None:
         self._client: EtcdClient | None = None
         super().__init__(timeout)
+        self._stall_warn = config.load().stall_warn_s  # a wait still waiting says so then
         self._host, self._port = parse_endpoint(endpoint)
         if not isinstance(prefix, str):
             raise TypeError(f"EtcdStore prefix must be a str, got {type(prefix).__name__}")
@@ -256,6 +264,7 @@ class EtcdStore(Store):
         """The keys of `names` once all exist at one revision; raise once `timeout` passes."""
         unique = list(dict.fromkeys(names))
         deadline = Deadline(timeout)
+        stall = StallClock(self._stall_warn)
         while True:
             found, revision = self._snapshot(unique, values, what)
             missing = [name for name in unique if name not in found]
@@ -263,10 +272,15 @@ class EtcdStore(Store):
                 return found
             if deadline.expired():
                 raise timeout_error(missing, timeout, self._where)
-            if self._watch(unique, found, revision + 1, deadline, what, queues=not values):
+            waited = stall.due()
+            if waited is not None:
+                log_still_waiting(log, f"{what} on {self._where}", waited, missing, timeout,
+                                  stall.next)
+            until = Deadline(deadline.slice(stall.until_next()))  # the next warning's time
+            if self._watch(unique, found, revision + 1, until, what, queues=not values):
                 return found
-            # the deadline passed (the snapshot above names what is still missing), or
-            # the revision was compacted away under the watch: read again
+            # the deadline or a warning is due (the snapshot above names what is still
+            # missing), or the revision was compacted away under the watch: read again
 
     def _watch(
         self,
@@ -518,6 +532,7 @@ class EtcdStore(Store):
         check_block(block)
         what = f"queue_pop({key!r})"
         deadline = Deadline(self._timeout)
+        stall = StallClock(self._stall_warn)
         oldest = {"key": b64(low), "range_end": b64(high), "limit": 1,
                   "sort_order": "ASCEND", "sort_target": "CREATE"}
         while True:
@@ -535,8 +550,13 @@ class EtcdStore(Store):
                 raise queue_empty_error(key, self._where)
             if deadline.expired():
                 raise queue_timeout_error(key, self._timeout, self._where)
+            waited = stall.due()
+            if waited is not None:
+                log_still_waiting(log, f"{what} on {self._where}", waited, [key],
+                                  self._timeout, stall.next)
             revision = int(answer["header"]["revision"])
-            self._client.follow(low, high, revision + 1, deadline, what,
+            until = Deadline(deadline.slice(stall.until_next()))  # the next warning's time
+            self._client.follow(low, high, revision + 1, until, what,
                                 lambda kv, deleted: None if not deleted else False,
                                 self._timeout)
 
