@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any
 
@@ -72,6 +73,19 @@ def _from_dlpack(obj: Any, where: str, name: str) -> Any:
     )
 
 
+def _scalar_message(obj: Any, where: str, name: str, writable: bool) -> str:
+    """Why a numpy or Python scalar is no array argument, and what to pass instead."""
+    kind = (f"a numpy scalar (numpy.{type(obj).__name__})" if isinstance(obj, np.generic)
+            else f"a Python {type(obj).__name__}")
+    why = (f"so {where} cannot write its result into it" if writable
+           else "and collectives take arrays, whose memory they use in place")
+    return (
+        f"{where}: {name} is {kind}, which is immutable, {why}; pass numpy.asarray(value), "
+        "a 0-d array (what a 0-d torch tensor is), or a 1-element array (x.mean(), x.sum() "
+        "and x[i] give numpy scalars)"
+    )
+
+
 def adapt(obj: Any, where: str, name: str, *, writable: bool) -> Any:
     """Check that `obj` is an array a collective can use in place, and return it as one.
 
@@ -84,13 +98,16 @@ def adapt(obj: Any, where: str, name: str, *, writable: bool) -> Any:
         writable: the operation writes into the array.
 
     Raises:
-        TypeError: not an array, or an unsupported dtype.
+        TypeError: not an array (a numpy or Python scalar: the message says so), or an
+            unsupported dtype.
         ValueError: not C-contiguous, read-only where written, or not in native byte order.
     """
     if isinstance(obj, np.ndarray) or is_cupy_array(obj):
         array = obj
     elif hasattr(obj, "__dlpack__"):
         array = _from_dlpack(obj, where, name)
+    elif isinstance(obj, (np.generic, numbers.Number)):
+        raise TypeError(_scalar_message(obj, where, name, writable))
     else:
         raise TypeError(
             f"{where}: {name} must be a numpy.ndarray or cupy.ndarray (or expose __dlpack__), "

@@ -265,7 +265,11 @@ def _splits(splits: Sequence[int] | None, array: Any, n: int, where: str,
             name: str) -> list[int]:
     """Row split sizes along dim 0 as element counts."""
     if array.ndim == 0:
-        raise ValueError(f"{where}: {name.split('_')[0]} must have at least one dimension")
+        arg = name.split("_")[0]
+        raise ValueError(f"{where}: {arg} is a 0-d array, but {where} splits along dim 0, "
+                         "which it lacks (torch refuses 0-d tensors here too); pass "
+                         f"{arg}.reshape(1), or swap 0-d arrays with all_to_all and lists "
+                         "of them")
     rows = array.shape[0]
     per_row = array.size // rows if rows else int(np.prod(array.shape[1:], dtype=np.int64))
     if splits is None or len(splits) == 0:

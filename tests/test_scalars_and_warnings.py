@@ -1,0 +1,263 @@
+"""0-d arrays in every collective, and the error a numpy scalar gets.
+
+A 0-d array is what a 0-d torch tensor is: every op takes one (all_to_all_single, which
+splits along dim 0, refuses it as torch does). A numpy scalar (`np.mean(x)`, `x.sum()`)
+is immutable, so no collective can write into it; the TypeError says what to pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import distcomm as dist
+from distcomm.ops import ReduceOp
+from tests.conftest import UNDER_MPIEXEC, World, _variant_id, cpu_variants
+from tests.test_collectives import ALL_DTYPES, check, expected_reduction, valid, values
+
+SIZES = (2, 3)
+
+
+def _params() -> list[tuple]:
+    if UNDER_MPIEXEC:
+        return [("mpi", 0, {})]
+    return [(b, n, env) for b, env in cpu_variants() for n in SIZES]
+
+
+@pytest.fixture(scope="module", params=_params(),
+                ids=lambda p: "mpi" if p[0] == "mpi" else _variant_id(p))
+def world(request):
+    """gloo (shared memory, TCP only, two pretend hosts) and tcp at 2 and 3 ranks; the
+    mpiexec job's ranks under tests/test_mpi.py."""
+    if UNDER_MPIEXEC:
+        from tests.mpi_world import MpiWorld
+
+        w = MpiWorld()
+    else:
+        w = World(*request.param)
+    yield w
+    w.close()
+
+
+def _zero_d(dtype: str, r: int, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
+    return values(r, 1, dtype, op).reshape(())
+
+
+# -- 0-d arrays through every op ----------------------------------------------------------------
+
+def _zero_d_reductions(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    for op in (o for o in ReduceOp if valid(o, dtype)):
+        want = expected_reduction(n, 1, dtype, op).reshape(())
+        for async_op in (False, True):
+            what = f"{op.name}{' async' if async_op else ''}"
+            x = _zero_d(dtype, r, op)
+            work = dist.all_reduce(x, op=op, async_op=async_op)
+            if async_op:
+                assert work.wait() and work.result()[0] is x
+            check(x, want, f"all_reduce {what}")
+            for root in range(n):
+                x = _zero_d(dtype, r, op)
+                work = dist.reduce(x, dst=root, op=op, async_op=async_op)
+                if async_op:
+                    work.wait()
+                check(x, want if r == root else _zero_d(dtype, r, op),
+                      f"reduce {what} to {root}")
+            # rank r's slot i holds element i of its n-element input
+            full = values(r, n, dtype, op)
+            mine = expected_reduction(n, n, dtype, op)[r, ...]
+            out = np.empty((), dtype=dtype)
+            work = dist.reduce_scatter(out, [full[i, ...].copy() for i in range(n)],
+                                       op=op, async_op=async_op)
+            if async_op:
+                work.wait()
+            check(out, mine, f"reduce_scatter {what}")
+            out = np.empty((), dtype=dtype)
+            work = dist.reduce_scatter_single(out, full, op=op, async_op=async_op)
+            if async_op:
+                work.wait()
+            check(out, mine, f"reduce_scatter_single {what}")
+            out = np.empty((), dtype=dtype)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # the deprecated name
+                work = dist.reduce_scatter_tensor(out, full, op=op, async_op=async_op)
+            if async_op:
+                work.wait()
+            check(out, mine, f"reduce_scatter_tensor {what}")
+    if np.dtype(dtype).kind in "fc":
+        x = _zero_d(dtype, r)
+        dist.all_reduce(x, op=ReduceOp.PREMUL_SUM(2))
+        check(x, (expected_reduction(n, 1, dtype, ReduceOp.SUM) * 2).astype(dtype).reshape(()),
+              "all_reduce PREMUL_SUM")
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_zero_d_arrays_in_every_reduction(world, dtype):
+    world.run(_zero_d_reductions, dtype)
+
+
+def _zero_d_data_movement(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    for async_op in (False, True):
+        what = " async" if async_op else ""
+
+        def done(work, async_op=async_op):
+            if async_op:
+                work.wait()
+
+        for root in range(n):
+            x = _zero_d(dtype, r)
+            done(dist.broadcast(x, src=root, async_op=async_op))
+            check(x, _zero_d(dtype, root), f"broadcast{what} from {root}")
+
+        outs = [np.empty((), dtype=dtype) for _ in range(n)]
+        done(dist.all_gather(outs, _zero_d(dtype, r), async_op=async_op))
+        for k in range(n):
+            check(outs[k], _zero_d(dtype, k), f"all_gather{what}[{k}]")
+        # torch's all_gather_into_tensor: n 0-d inputs fill a 1-d output of n elements
+        stacked = np.stack([_zero_d(dtype, k) for k in range(n)])
+        out = np.empty(n, dtype=dtype)
+        done(dist.all_gather_single(out, _zero_d(dtype, r), async_op=async_op))
+        check(out, stacked, f"all_gather_single{what}")
+        out = np.empty(n, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the deprecated name
+            work = dist.all_gather_into_tensor(out, _zero_d(dtype, r), async_op=async_op)
+        done(work)
+        check(out, stacked, f"all_gather_into_tensor{what}")
+
+        for root in range(n):
+            slots = [np.empty((), dtype=dtype) for _ in range(n)] if r == root else None
+            done(dist.gather(_zero_d(dtype, r), slots, dst=root, async_op=async_op))
+            if r == root:
+                for k in range(n):
+                    check(slots[k], _zero_d(dtype, k), f"gather{what}[{k}] to {root}")
+            out = np.empty((), dtype=dtype)
+            parts = [_zero_d(dtype, k + 10) for k in range(n)] if r == root else None
+            done(dist.scatter(out, parts, src=root, async_op=async_op))
+            check(out, _zero_d(dtype, r + 10), f"scatter{what} from {root}")
+
+        send = [_zero_d(dtype, r * n + j) for j in range(n)]
+        recv = [np.empty((), dtype=dtype) for _ in range(n)]
+        done(dist.all_to_all(recv, send, async_op=async_op))
+        for k in range(n):
+            check(recv[k], _zero_d(dtype, k * n + r), f"all_to_all{what} from {k}")
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint64", "float16", "float64",
+                                   "complex64"])
+def test_zero_d_arrays_in_every_data_movement(world, dtype):
+    world.run(_zero_d_data_movement, dtype)
+
+
+def _zero_d_point_to_point(dtype: str) -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    right, left = (r + 1) % n, (r - 1) % n
+    # send/recv around the ring: even ranks send first, odd ranks receive first
+    got = np.empty((), dtype=dtype)
+    if r % 2 == 0:
+        dist.send(_zero_d(dtype, r), dst=right)
+        assert dist.recv(got, src=left) == left
+    else:
+        assert dist.recv(got, src=left) == left
+        dist.send(_zero_d(dtype, r), dst=right)
+    check(got, _zero_d(dtype, left), "recv")
+    # isend/irecv, the receive from any source
+    got = np.empty((), dtype=dtype)
+    receiving = dist.irecv(got, tag=3)
+    sending = dist.isend(_zero_d(dtype, r), dst=right, tag=3)
+    receiving.wait()
+    sending.wait()
+    assert receiving.source_rank() == left
+    check(got, _zero_d(dtype, left), "irecv")
+    # batch_isend_irecv both ways round the ring
+    from_left, from_right = np.empty((), dtype=dtype), np.empty((), dtype=dtype)
+    ops = [dist.P2POp(dist.isend, _zero_d(dtype, r), right, tag=4),
+           dist.P2POp(dist.isend, _zero_d(dtype, r + 20), left, tag=5),
+           dist.P2POp(dist.irecv, from_left, left, tag=4),
+           dist.P2POp(dist.irecv, from_right, right, tag=5)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    check(from_left, _zero_d(dtype, left), "batch_isend_irecv from the left")
+    check(from_right, _zero_d(dtype, right + 20), "batch_isend_irecv from the right")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int32", "float16", "complex128"])
+def test_zero_d_arrays_point_to_point(world, dtype):
+    world.run(_zero_d_point_to_point, dtype)
+
+
+def _all_to_all_single_refuses_zero_d() -> str:
+    x, out = np.zeros(()), np.zeros(())
+    try:
+        dist.all_to_all_single(out, x)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError("all_to_all_single took a 0-d array")
+
+
+def test_all_to_all_single_refuses_zero_d_arrays_as_torch_does(world):
+    # torch's all_to_all_single reads dim 0 of both tensors (tensor.size(0)), which a 0-d
+    # tensor lacks; all_to_all with lists of 0-d arrays is the way to swap scalars
+    for message in world.run(_all_to_all_single_refuses_zero_d):
+        assert "all_to_all_single: output is a 0-d array" in message
+        assert "dim 0" in message and "reshape(1)" in message and "all_to_all" in message
+
+
+# -- numpy scalars ------------------------------------------------------------------------------
+
+SCALARS = [np.float64(1.5), np.int64(3), 1.5]
+SCALAR_IDS = ["numpy.float64", "numpy.int64", "float"]
+
+
+def _scalar_errors(index: int) -> list[tuple[str, str, bool, str]]:
+    """(op, argument, whether the op writes into it, the TypeError's message) for
+    SCALARS[index] passed in each place."""
+    value = SCALARS[index]
+    calls = [
+        ("all_reduce", "tensor", True, lambda: dist.all_reduce(value)),
+        ("broadcast", "tensor", True, lambda: dist.broadcast(value, src=0)),
+        ("all_gather", "tensor", False,
+         lambda: dist.all_gather([np.zeros(())] * dist.get_world_size(), value)),
+        ("all_gather", "tensor_list[0]", True,
+         lambda: dist.all_gather([value] * dist.get_world_size(), np.zeros(()))),
+    ]
+    found = []
+    for where, name, written, call in calls:
+        try:
+            call()
+        except TypeError as exc:
+            found.append((where, name, written, str(exc)))
+        else:
+            raise AssertionError(f"{where} took {value!r} as {name}")
+    return found
+
+
+@pytest.mark.parametrize("index", range(len(SCALARS)), ids=SCALAR_IDS)
+def test_a_scalar_gets_a_type_error_that_says_what_to_pass(world, index):
+    value = SCALARS[index]
+    kind = (f"a numpy scalar (numpy.{type(value).__name__})" if isinstance(value, np.generic)
+            else f"a Python {type(value).__name__}")
+    for where, name, written, message in world.run(_scalar_errors, index)[0]:
+        assert message.startswith(f"{where}: {name} is {kind}, which is immutable"), message
+        if written:
+            assert f"so {where} cannot write its result into it" in message, message
+        assert "pass numpy.asarray(value), a 0-d array" in message, message
+        assert "or a 1-element array" in message, message
+
+
+def _mean_then_asarray() -> None:
+    x = np.arange(4.0) + dist.get_rank()
+    with pytest.raises(TypeError, match=r"^all_reduce: tensor is a numpy scalar \(numpy.float64"):
+        dist.all_reduce(np.mean(x))
+    mean = np.asarray(np.mean(x))  # the remedy the message gives
+    dist.all_reduce(mean, op=ReduceOp.AVG)
+    n = dist.get_world_size()
+    check(mean, np.asarray(1.5 + (n - 1) / 2), "the all_reduced mean")
+
+
+def test_np_mean_is_refused_and_np_asarray_is_the_remedy(world):
+    world.run(_mean_then_asarray)
