@@ -251,3 +251,63 @@ def test_a_long_file_store_wait_says_so(tmp_path, monkeypatch, caplog):
         store.close()
     ages = [float(a) for a in re.findall(r"has waited ([\d.]+) s for 'late'", caplog.text)]
     assert len(ages) in (2, 3) and ages == sorted(ages) and ages[0] >= 0.3, caplog.text
+
+
+# -- the progress keys leave the store with their group ----------------------------------
+
+
+def _stall_keys_then_destroy() -> bool:
+    """In a rank: wait until its progress keys are published (default group, a subgroup),
+    destroy the subgroup, see its key go, then destroy everything."""
+    import distcomm as dist
+    from distcomm.store import TCPStore
+
+    dist.init_process_group("gloo", timeout=30)
+    rank = dist.get_rank()
+    sub = dist.new_group([0, 1])
+    probe = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
+    try:
+        probe.wait([f"distcomm/stall/0/{rank}", f"distcomm/stall/1/{rank}"])  # both published
+        dist.destroy_process_group(sub)
+        deadline = time.monotonic() + 20
+        while probe.check([f"distcomm/stall/1/{rank}"]) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the inspector's next tick deletes the subgroup's key
+        gone = not probe.check([f"distcomm/stall/1/{rank}"])
+        assert probe.check([f"distcomm/stall/0/{rank}"])  # the default group's stays
+    finally:
+        probe.close()
+    dist.destroy_process_group()
+    return gone
+
+
+def test_each_rank_deletes_its_progress_keys_when_its_groups_go():
+    from distcomm.store import TCPStore
+    from tests.harness import run_ranks
+
+    with TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=30) as store:
+        results = run_ranks(_stall_keys_then_destroy, 2, timeout=120,
+                            env={"MASTER_PORT": str(store.port),
+                                 "DISTCOMM_USE_AGENT_STORE": "1",
+                                 "DISTCOMM_STALL_WARN_S": "1"})
+        assert results == [True, True]  # each subgroup key went with its group
+        left = [key for key in store.list_keys() if key.startswith("distcomm/stall/")]
+    assert left == [], left
+
+
+def test_stopping_the_inspector_does_not_hang_when_the_store_is_gone():
+    from types import SimpleNamespace
+
+    from distcomm.store import TCPStore
+    from distcomm.trace.stall import StallInspector
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=5)
+    client = TCPStore("127.0.0.1", server.port, timeout=5)
+    trace = SimpleNamespace(size=1, oldest_running=lambda cursor, p2p, now: (None, cursor),
+                            newest=lambda p2p: None)
+    group = SimpleNamespace(_store_key="0", is_member=True, ranks=[0], _trace=trace,
+                            rank=lambda: 0)
+    inspector = StallInspector(1.0, client, lambda: [group])
+    inspector.inspect()  # publishes its key
+    server.wait(["distcomm/stall/0/0"], 5)
+    server.close()  # the store goes away first
+    inspector.stop()  # returns, raising nothing: the key could not be deleted

@@ -14,7 +14,9 @@ newest operation there (`distcomm/stall/<group>/<rank>`), on a connection of its
 (`Store.clone`), so it is never stuck behind a store wait of the main thread. A rank
 whose key has not changed for a while "has not answered" (it is gone, or its Python
 thread is blocked). Without a shared store (mpi started from MPI.COMM_WORLD) only this
-rank's own operation is named.
+rank's own operation is named. A rank deletes its keys when their group is destroyed, and
+all of them when the inspector stops (best effort, with a short timeout: the store may be
+gone), so a store that outlives the job keeps none.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ _NS = 1_000_000_000
 _TICK_MOST = 1.0
 #: the timeout of the inspector's own store connection, in seconds
 _STORE_TIMEOUT = 5.0
+#: the timeout of each delete of this rank's progress keys when the inspector stops
+_DELETE_TIMEOUT = 1.0
+#: seconds the inspector's thread gets to end its tick before `stop` goes on without it
+_STOP_GRACE = 1.0
 
 
 def _describe_op(op: tuple[Any, ...], ranks: list[int], p2p: bool) -> str:
@@ -84,6 +90,7 @@ class StallInspector:
         self._store = store
         self._groups = groups
         self._state: dict[int, _GroupState] = {}
+        self._published: dict[int, str] = {}  # group id -> the progress key set for it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="distcomm-stall-inspector")
@@ -92,17 +99,47 @@ class StallInspector:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and close its store connection (first: that wakes a request
-        of the thread that is waiting on it), then wait up to 5 s for the thread."""
+        """Stop the thread, delete the progress keys this rank published, and close the
+        store connection.
+
+        The keys go only once the thread has stopped (it ends within a tick unless it is
+        in a store request), each with a short timeout, and not at all once one delete
+        fails: the store may be gone. If the thread is still in a request, closing its
+        connection wakes it, and it is waited for up to 5 s more.
+        """
         self._stop.set()
-        store, self._store = self._store, None
+        me = threading.current_thread()
+        if self._thread.is_alive() and self._thread is not me:
+            self._thread.join(self.tick + _STOP_GRACE)
+        store = self._store
+        if store is not None and (not self._thread.is_alive() or self._thread is me):
+            if self._owns_store:  # a connection of its own: a short timeout bounds each delete
+                try:
+                    store.set_timeout(_DELETE_TIMEOUT)
+                except Exception:
+                    pass
+            self._unpublish(store, list(self._published))
+        self._store = None
         if store is not None and self._owns_store:
             try:
                 store.close()
             except Exception:
                 pass
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        if self._thread.is_alive() and self._thread is not me:
             self._thread.join(5.0)
+
+    def _unpublish(self, store: Store, groups: list[int]) -> None:
+        """Delete the progress keys of `groups` (ids) from the store, best effort."""
+        for group_id in groups:
+            key = self._published.pop(group_id, None)
+            if key is None:
+                continue
+            try:
+                store.delete_key(key)
+            except Exception as exc:  # the store is gone or stuck: leave the rest
+                log.debug("stall inspector: could not delete %r: %r", key, exc)
+                self._published.clear()
+                return
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick):
@@ -124,8 +161,11 @@ class StallInspector:
             if state is None:
                 state = self._state[id(group)] = _GroupState()
             self._inspect(group, recorder, state, now)
-        for key in [key for key in self._state if key not in live]:
+        gone = [key for key in self._state if key not in live]
+        for key in gone:
             del self._state[key]
+        if gone and self._store is not None:  # destroyed groups: their keys go too
+            self._unpublish(self._store, gone)
 
     def _inspect(self, group: Any, recorder: Any, state: _GroupState, now: float) -> None:
         now_ns = int(now * _NS)
@@ -169,8 +209,10 @@ class StallInspector:
                 peer = entry[4]
                 status[field] = [entry[0], entry[1], running, since,
                                  group.ranks[peer] if field == "p" and peer >= 0 else None]
+        key = self._key(group, group.rank())
         try:
-            self._store.set(self._key(group, group.rank()), json.dumps(status))
+            self._store.set(key, json.dumps(status))
+            self._published[id(group)] = key
         except Exception as exc:
             log.debug("stall inspector: could not publish progress: %r", exc)
 
