@@ -410,8 +410,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         "seconds before a wait that is still waiting says so (`0`: never), then again "
         "after 60 s, 120 s, ...: a collective, send or receive (naming the ranks that have "
         'not entered it and what they do, see "When a job hangs"), `init_process_group` '
-        "waiting for ranks that have not joined the store (naming them, on every waiting "
-        "rank), and a TCPStore or FileStore `get`/`wait` (naming the keys still missing)",
+        "waiting for ranks that have not joined the store or reached a backend's set-up "
+        "(naming them, on every waiting rank), and a TCPStore, FileStore or EtcdStore "
+        "`get`/`wait`/`queue_pop` (naming the keys still missing); a TCPStore client "
+        "whose server has not greeted it warns after 5 s, or this when shorter",
         parse=_stall,
     ),
     EnvVar(
