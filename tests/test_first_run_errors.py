@@ -19,7 +19,8 @@ import distcomm as dist
 from distcomm.backends.shm.setup import same_host_setup
 from distcomm.backends.transport.mesh import connect_mesh
 from distcomm.deadline import Deadline
-from distcomm.store import PrefixStore, TCPStore
+from distcomm.store import HashStore, PrefixStore, TCPStore
+from distcomm.store.ranks import wait_for_ranks
 from tests.harness import run_ranks
 from tests.processes import free_port
 
@@ -152,6 +153,31 @@ def test_the_tcp_mesh_names_the_ranks_it_waits_for(server, warnings):
     lines = _still_waiting(warnings)
     assert lines and all("connected to this rank; missing rank(s) 1, 2." in line
                          for line in lines), lines
+
+
+def test_a_wait_whose_ranks_have_all_come_warns_of_no_missing_rank(warnings):
+    """Every rank has set its key, but the last has not yet written the step's outcome
+    (it is descheduled, say): the wait goes on and names no missing rank, since there is
+    none to name; it used to warn 'still waiting ... missing rank(s) none'."""
+    store = HashStore()
+    keys = {r: f"joined/{r}" for r in range(3)}
+    for key in keys.values():
+        store.set(key, "here")
+    waits = 0
+    real_wait = store.wait
+
+    def wait(wanted, timeout=None):
+        nonlocal waits
+        waits += 1
+        if waits == 4:  # three steps of waiting, each long enough for a warning, then done
+            store.set("outcome", "ok")
+        return real_wait(wanted, timeout)
+
+    store.wait = wait
+    wait_for_ranks(store, keys, Deadline(60), "[rank 0/3] roll call", arrived="joined",
+                   hint="start them", done="outcome", warn_after=0.05)
+    assert waits == 4
+    assert _still_waiting(warnings) == []
 
 
 # -- a store address held by another program ----------------------------------------------

@@ -141,7 +141,8 @@ def wait_for_ranks(
                 f"{where}: only {total - late} of {total} ranks {arrived} within "
                 f"{deadline.seconds:.1f} s; rank(s) {show_ranks(missing)} never did: {hint}"
             )
-        log_missing(where, waited, missing, total, arrived, hint, deadline, stall.next)
+        if missing:  # else the last rank is finishing the step: no rank to name
+            log_missing(where, waited, missing, total, arrived, hint, deadline, stall.next)
 
 
 def log_missing(where: str, waited: float, missing: Sequence[int], total: int, arrived: str,
