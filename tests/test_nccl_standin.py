@@ -1183,7 +1183,19 @@ def test_an_old_abort_notice_does_not_abort_a_new_group(cuda, make_cluster):
     new.backends = [NcclBackend(dist.PrefixStore("nccl", old.store), r, 2, 30.0,
                                 group_name="g") for r in range(2)]
     issued = _hung(cuda, new)
-    new.run(_hung_wait, issued)
+    # one rank at a time: the first to time out leaves the new group's notice, which the
+    # other's watchdog may read before that one's own wait ends (an error naming rank 0)
+    new.run(_hung_wait, issued, ranks=[0])  # its watchdog read the store meanwhile
+    new.run(_told_by_rank_0, issued, ranks=[1])
+
+
+def _told_by_rank_0(me: Rank, issued: list) -> None:
+    _, work = issued[me.rank]
+    with pytest.raises(DistBackendError, match="another rank aborted the group") as info:
+        work.wait(timeout=30)
+    message = str(info.value)
+    assert "rank 0: [rank 0/2] all_reduce #2" in message, message
+    assert "the old group failed" not in message, message
 
 
 def _late_collective(me: Rank) -> None:
