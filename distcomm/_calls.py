@@ -10,7 +10,7 @@ import numpy as np
 
 from .arrays import adapt, check_same, flat
 from .group import ProcessGroup
-from .ops import PremulSum, ReduceOp
+from .ops import PremulSum, ReduceOp, scaled
 from .trace.recorder import Recorder
 from .work import Work
 
@@ -113,14 +113,11 @@ def split_into(outputs: list[Any], joined: np.ndarray) -> Callable[[], None]:
 def premultiplied(op: ReduceOp | PremulSum, array: Any, in_place: bool
                   ) -> tuple[ReduceOp, Any]:
     """The (op, array) a backend runs: for `ReduceOp.PREMUL_SUM(f)`, SUM over `array` x f
-    (scaled in place, or a scaled copy when the array is an input the caller keeps); any
-    other op and the array unchanged."""
+    (scaled in place, or a scaled copy when the array is an input the caller keeps; an
+    overflow gives inf without a warning); any other op and the array unchanged."""
     if not isinstance(op, PremulSum):
         return op, array
-    if in_place:
-        array *= op.factor
-        return ReduceOp.SUM, array
-    return ReduceOp.SUM, array * op.factor
+    return ReduceOp.SUM, scaled(array, op.factor, in_place)
 
 
 def finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,

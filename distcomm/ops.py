@@ -1,10 +1,14 @@
-"""ReduceOp, which dtypes each op accepts, and its numpy, MPI and NCCL counterparts."""
+"""ReduceOp, which dtypes each op accepts, its numpy, MPI and NCCL counterparts, and the
+numpy reduction kernels, which run without numpy's floating-point warnings."""
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import numbers
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +22,12 @@ __all__ = [
     "UFUNCS",
     "PremulSum",
     "ReduceOp",
+    "average_into",
     "check_reduce_op",
+    "quiet",
     "reduce_into",
     "reduce_op",
+    "scaled",
     "supports_complex",
 ]
 
@@ -195,6 +202,56 @@ def check_reduce_op(op: object, dtype: np.dtype, where: str) -> ReduceOp | Premu
     return op
 
 
+def _run_with_errstate(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with np.errstate(all="ignore"):
+        return fn(*args, **kwargs)
+
+
+class _Quiet(threading.local):
+    """`quiet.run(fn, *args, **kwargs)`: `fn(*args, **kwargs)` with numpy's floating-point
+    warnings off, in this thread's copy of a context where they are.
+
+    Reductions give what numpy computes, silently, as torch and MPI reduce: inf on
+    overflow, nan for inf - inf or an invalid division, wrapped integers. numpy keeps its
+    error state (np.errstate) in a context variable, so running a ufunc in a context copied
+    once with that state costs one `Context.run` (measured: about 40 ns more than the bare
+    call, where entering and leaving np.errstate costs about 1 us, more than a small
+    reduction itself). A context is entered by one thread at a time, hence one per thread,
+    and `fn` must not call `quiet.run` itself. Other context variables inside hold the
+    values of the moment the copy was made: pass numpy calls only. Where numpy keeps the
+    error state elsewhere (numpy 1.x), the copy would not carry it and np.errstate is
+    entered instead.
+    """
+
+    def __init__(self) -> None:
+        with np.errstate(all="ignore"):
+            context = contextvars.copy_context()
+        carried = context.run(np.geterr)["over"] == "ignore"
+        self.run: Callable[..., Any] = context.run if carried else _run_with_errstate
+
+
+quiet = _Quiet()
+
+
+def average_into(array: Any, size: int) -> None:
+    """array <- array / size, in place (AVG's last step), with numpy's floating-point
+    warnings off."""
+    if type(array) is np.ndarray:
+        quiet.run(np.divide, array, size, array)
+    else:  # a CuPy array (mpi's CUDA-aware path): CuPy's kernels do not warn
+        array /= size
+
+
+def scaled(array: Any, factor: float | complex, in_place: bool) -> Any:
+    """`array` x `factor` (PREMUL_SUM's first step), in place or as a new array, with
+    numpy's floating-point warnings off; CuPy arrays too (through their operators)."""
+    with np.errstate(all="ignore"):  # not quiet.run: a CuPy array may come here
+        if in_place:
+            array *= factor
+            return array
+        return array * factor
+
+
 #: Arrays of at least this many bytes are reduced by several threads: measured with
 #: benchmarks/threads.py, waking a thread costs about as much as reducing 1 MiB, so two
 #: threads break even near 4 MiB and are 1.5-1.9x faster from 8 MiB on.
@@ -204,7 +261,8 @@ _PARALLEL_REDUCE_CHUNK = 1 << 20
 
 
 def reduce_into(acc: np.ndarray, incoming: np.ndarray, op: ReduceOp) -> None:
-    """acc <- acc (op) incoming, elementwise and in place (AVG accumulates as SUM).
+    """acc <- acc (op) incoming, elementwise and in place (AVG accumulates as SUM), with
+    numpy's floating-point warnings off (see `quiet`).
 
     From PARALLEL_REDUCE_BYTES on, contiguous pieces are reduced on the intra-op threads
     (see distcomm.parallel.set_num_threads); elementwise, so the result is the same.
@@ -212,11 +270,11 @@ def reduce_into(acc: np.ndarray, incoming: np.ndarray, op: ReduceOp) -> None:
     ufunc = UFUNCS[op]
     if (acc.nbytes < PARALLEL_REDUCE_BYTES or acc.shape != incoming.shape
             or not (acc.flags.c_contiguous and incoming.flags.c_contiguous)):
-        ufunc(acc, incoming, out=acc)
+        quiet.run(ufunc, acc, incoming, acc)
         return
     a, b = acc.reshape(-1), incoming.reshape(-1)
 
-    def piece(start: int, stop: int) -> None:
-        ufunc(a[start:stop], b[start:stop], out=a[start:stop])
+    def piece(start: int, stop: int) -> None:  # on the intra-op threads: each its own context
+        quiet.run(ufunc, a[start:stop], b[start:stop], a[start:stop])
 
     parallel_for(a.size, piece, min_chunk=max(1, _PARALLEL_REDUCE_CHUNK // acc.itemsize))

@@ -1,7 +1,8 @@
 """The mpi backend under a real mpiexec (MPICH, Open MPI 4 or 5: DISTCOMM_TEST_MPIEXEC, see
-tests/mpijobs.py): the conformance suite at 2, 3 and 4 processes, initialisation from
-MPI.COMM_WORLD, what happens when a rank does not arrive, and a process that initialises MPI
-without a launcher. Every job runs with a hard timeout, on loopback only."""
+tests/mpijobs.py): the conformance suite at 2, 3 and 4 processes and
+tests/test_scalars_and_warnings.py at 2 and 3, initialisation from MPI.COMM_WORLD, what
+happens when a rank does not arrive, and a process that initialises MPI without a
+launcher. Every job runs with a hard timeout, on loopback only."""
 
 from __future__ import annotations
 
@@ -52,6 +53,25 @@ def test_conformance_suite_under_mpiexec(n):
         "-m",
         "tests.mpi_world",
         "tests/test_collectives.py",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_scalars_and_quiet_reductions_under_mpiexec(n):
+    # 0-d arrays in every op, the numpy-scalar TypeError, and reductions that overflow
+    # without a warning (a warning raised in mpi4py's float16 reduction aborts the job)
+    done = mpiexec(
+        n,
+        sys.executable,
+        "-m",
+        "tests.mpi_world",
+        "tests/test_scalars_and_warnings.py",
         "-q",
         "-x",
         "-p",

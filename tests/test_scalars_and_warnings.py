@@ -1,12 +1,18 @@
-"""0-d arrays in every collective, and the error a numpy scalar gets.
+"""0-d arrays in every collective, the error a numpy scalar gets, and reductions that
+overflow or make nan without a numpy warning.
 
 A 0-d array is what a 0-d torch tensor is: every op takes one (all_to_all_single, which
 splits along dim 0, refuses it as torch does). A numpy scalar (`np.mean(x)`, `x.sum()`)
 is immutable, so no collective can write into it; the TypeError says what to pass.
+Reductions give what numpy's ufuncs give (inf on overflow, nan for inf - inf, wrapped
+integers) and, like torch and MPI, say nothing: the ranks run them with every warning
+turned into an error, on every path (shared memory inline and chunked, TCP trees and
+rings, the intra-op threads, the hierarchical path, mpi's float16 reductions).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -14,6 +20,7 @@ import pytest
 
 import distcomm as dist
 from distcomm.ops import ReduceOp
+from distcomm.parallel import threads
 from tests.conftest import UNDER_MPIEXEC, World, _variant_id, cpu_variants
 from tests.test_collectives import ALL_DTYPES, check, expected_reduction, valid, values
 
@@ -261,3 +268,131 @@ def _mean_then_asarray() -> None:
 
 def test_np_mean_is_refused_and_np_asarray_is_the_remedy(world):
     world.run(_mean_then_asarray)
+
+
+# -- reductions stay quiet ------------------------------------------------------------------------
+
+def _numpy_result(inputs: list[np.ndarray], op: ReduceOp, n: int) -> np.ndarray:
+    """What numpy computes for these inputs, in rank order (warnings off, as we reduce)."""
+    with np.errstate(all="ignore"):
+        ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add,
+                 ReduceOp.PRODUCT: np.multiply}[op]
+        result = functools.reduce(lambda a, b: ufunc(a, b), inputs)
+        if op is ReduceOp.AVG:
+            result = np.divide(result, n).astype(result.dtype)
+    return result
+
+
+def _check_same(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    if not np.array_equal(actual, expected, equal_nan=expected.dtype.kind in "fc"):
+        raise AssertionError(f"{what}: got {actual.reshape(-1)[:3]}, expected "
+                             f"{expected.reshape(-1)[:3]} (rank {dist.get_rank()})")
+
+
+#: element counts that take every reduction path: 0-d, the shared-memory engine's inline
+#: payloads (<= 32 KiB) and chunked owner reduction, the TCP trees, halving-doubling and
+#: rings (from 512 KiB on tcp, 1 and 2 MiB on gloo over TCP)
+_COUNTS = ((), (1000,), (40_000,), (1_200_001,))
+#: float32 elements whose per-rank share passes 4 MiB at 3 ranks: with two intra-op threads
+#: the reductions are split between threads (the shared-memory engine's and ops.reduce_into's)
+_THREADED = (3_200_000,)
+
+
+def _quiet_reductions() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    f16_big = 60000.0  # float16's largest finite value is 65504
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning raises, on our threads too
+        for shape in _COUNTS:
+            for op in (ReduceOp.SUM, ReduceOp.AVG):
+                x = np.full(shape, f16_big, dtype=np.float16)
+                dist.all_reduce(x, op=op)
+                _check_same(x, np.full(shape, np.inf, dtype=np.float16),
+                            f"float16 all_reduce {op.name} x{shape}")
+            x = np.full(shape, f16_big, dtype=np.float16)
+            dist.all_reduce(x, async_op=True).wait()
+            _check_same(x, np.full(shape, np.inf, dtype=np.float16), f"async x{shape}")
+            for root in (0, n - 1):
+                x = np.full(shape, f16_big, dtype=np.float16)
+                dist.reduce(x, dst=root)
+                want = np.inf if r == root else f16_big
+                _check_same(x, np.full(shape, want, dtype=np.float16),
+                            f"float16 reduce to {root} x{shape}")
+            # PREMUL_SUM: the scaling itself overflows
+            x = np.full(shape, 40000.0, dtype=np.float16)
+            dist.all_reduce(x, op=ReduceOp.PREMUL_SUM(2.0))
+            _check_same(x, np.full(shape, np.inf, dtype=np.float16), f"PREMUL_SUM x{shape}")
+            # inf + -inf is nan (numpy's 'invalid value'), averaged or not
+            for dtype in ("float32", "complex64"):
+                for op in (ReduceOp.SUM, ReduceOp.AVG):
+                    inputs = [np.full(shape, np.inf if k == 0 else -np.inf if k == 1 else 1,
+                                      dtype=dtype) for k in range(n)]
+                    x = inputs[r].copy()
+                    dist.all_reduce(x, op=op)
+                    _check_same(x, _numpy_result(inputs, op, n), f"{dtype} inf - inf "
+                                f"{op.name} x{shape}")
+            # AVG of complex infinities: the division makes nan parts
+            inputs = [np.full(shape, complex(np.inf, 0), dtype=np.complex64)] * n
+            x = inputs[r].copy()
+            dist.all_reduce(x, op=ReduceOp.AVG)
+            _check_same(x, _numpy_result(inputs, ReduceOp.AVG, n), f"complex AVG x{shape}")
+            x = np.full(shape, 1e30, dtype=np.float32)
+            dist.all_reduce(x, op=ReduceOp.PRODUCT)
+            _check_same(x, np.full(shape, np.inf, dtype=np.float32), f"PRODUCT x{shape}")
+        count = int(np.prod(_COUNTS[2]))
+        full = np.full(n * count, f16_big, dtype=np.float16)
+        for size in (1, count):
+            out = np.empty(size, dtype=np.float16)
+            dist.reduce_scatter_single(out, full[: n * size])
+            _check_same(out, np.full(size, np.inf, dtype=np.float16), f"reduce_scatter x{size}")
+            out = np.empty(size, dtype=np.float16)
+            dist.reduce_scatter(out, [full[k * size:(k + 1) * size] for k in range(n)],
+                                op=ReduceOp.AVG)
+            _check_same(out, np.full(size, np.inf, dtype=np.float16),
+                        f"reduce_scatter AVG x{size}")
+        with threads(2):
+            for shape in _THREADED:
+                x = np.full(shape, 3e38, dtype=np.float32)
+                dist.all_reduce(x)
+                _check_same(x, np.full(shape, np.inf, dtype=np.float32), "threaded all_reduce")
+                x = np.full(shape, 3e38, dtype=np.float32)
+                dist.reduce(x, dst=0, op=ReduceOp.AVG)
+                want = np.inf if r == 0 else 3e38
+                _check_same(x, np.full(shape, want, dtype=np.float32), "threaded reduce")
+
+
+def _raising_errstate_of_the_caller() -> None:
+    # a caller's np.errstate(all="raise") neither reaches the reduction nor is changed by it
+    with np.errstate(all="raise"):
+        for shape in _COUNTS[:3]:
+            x = np.full(shape, 60000.0, dtype=np.float16)
+            dist.all_reduce(x)
+            _check_same(x, np.full(shape, np.inf, dtype=np.float16), f"raise x{shape}")
+        assert np.geterr()["over"] == "raise"
+        with pytest.raises(FloatingPointError):
+            np.add(np.float16(60000), np.float16(60000))
+
+
+def test_float_overflow_and_nan_give_numpys_values_without_a_warning(world):
+    world.run(_quiet_reductions, timeout=180)
+    world.run(_raising_errstate_of_the_caller)
+
+
+def _wrapping_integers() -> None:
+    r, n = dist.get_rank(), dist.get_world_size()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for shape in _COUNTS[:3]:
+            for dtype, op, value in (("int8", ReduceOp.SUM, 100), ("uint8", ReduceOp.SUM, 200),
+                                     ("int64", ReduceOp.SUM, 2**62),
+                                     ("int32", ReduceOp.PRODUCT, 70000),
+                                     ("uint64", ReduceOp.PRODUCT, 2**40)):
+                inputs = [np.full(shape, value + k, dtype=dtype) for k in range(n)]
+                x = inputs[r].copy()
+                dist.all_reduce(x, op=op)
+                _check_same(x, _numpy_result(inputs, op, n), f"{dtype} {op.name} x{shape}")
+
+
+def test_integer_overflow_wraps_as_numpy_does_without_a_warning(world):
+    world.run(_wrapping_integers)

@@ -23,7 +23,7 @@ from functools import partial
 
 import numpy as np
 
-from ..ops import ReduceOp, reduce_into
+from ..ops import ReduceOp, average_into, reduce_into
 from .transport.exchange import Exchange
 from .tuning import ENV_VAR, NEVER, Tuning
 
@@ -448,7 +448,7 @@ def all_reduce(ex: Exchange, buf: np.ndarray, op: ReduceOp, tuning: Tuning) -> N
     if ex.size > 1:
         choose_all_reduce(tuning, buf, ex.size)(ex, buf, op)
     if op is ReduceOp.AVG:
-        np.divide(buf, ex.size, out=buf)
+        average_into(buf, ex.size)
 
 
 def broadcast(ex: Exchange, buf: np.ndarray, root: int, tuning: Tuning) -> None:
@@ -460,7 +460,7 @@ def reduce(ex: Exchange, buf: np.ndarray, root: int, op: ReduceOp, tuning: Tunin
     """Reduce into `root`'s `buf` (binomial tree); other ranks' `buf` is left unchanged."""
     reduce_binomial(ex, buf, root, op)
     if op is ReduceOp.AVG and ex.rank == root:
-        np.divide(buf, ex.size, out=buf)
+        average_into(buf, ex.size)
 
 
 def all_gather(ex: Exchange, output: np.ndarray, input: np.ndarray, tuning: Tuning) -> None:
@@ -488,7 +488,7 @@ def reduce_scatter(ex: Exchange, output: np.ndarray, input: np.ndarray, op: Redu
     """
     reduce_scatter_ring(ex, output, input, op, tuning.ring_chunk)
     if op is ReduceOp.AVG:
-        np.divide(output, ex.size, out=output)
+        average_into(output, ex.size)
 
 
 def all_to_all(ex: Exchange, output: np.ndarray, input: np.ndarray,

@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import DistBackendError, DistTimeoutError, GroupDestroyedError
 from ..gpu.runtime import is_cupy_array
 from ..mpiutil import abort, install_abort_hook, is_mpi4py_available, load_mpi
-from ..ops import MPI_OP_NAMES, ReduceOp, reduce_into
+from ..ops import MPI_OP_NAMES, ReduceOp, average_into, reduce_into
 from ..store.base import Store
 from ..work import Future, Work
 from .base import Backend, BackendOptions, OpQueue
@@ -429,7 +429,7 @@ class MpiBackend(Backend):
     def _averaged(self, op: ReduceOp, array: Any) -> Callable[[], None] | None:
         if op is not _AVG:
             return None
-        return lambda: np.divide(array, self.size, out=array)
+        return lambda: average_into(array, self.size)
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
         comm, buf, mop = self._comm, self._buf(array), self._op(op, array.dtype)

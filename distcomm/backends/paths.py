@@ -18,9 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from ..ops import ReduceOp
+from ..ops import ReduceOp, average_into
 from . import algorithms as algo
 from .protocol import Call
 from .scratch import ScratchPool
@@ -199,7 +197,7 @@ class HierPath:
         if step is not None:
             self.engine.broadcast(step, array, 0)
         if op is ReduceOp.AVG:
-            np.divide(array, self.size, out=array)
+            average_into(array, self.size)
         self.tcp.close_call(call)
 
     def broadcast(self, call: Call, array: Any, root: int) -> None:
@@ -233,7 +231,7 @@ class HierPath:
             algo.reduce(ex, target, reps.index(root), plain, self.tcp.tuning)
             self.tcp.close_call(call)
         if op is ReduceOp.AVG and self.rank == root:
-            np.divide(array, self.size, out=array)
+            average_into(array, self.size)
         self.tcp.close_call(call)
 
     def barrier(self, call: Call) -> None:

@@ -37,7 +37,7 @@ from typing import Protocol
 import numpy as np
 
 from ...errors import DistBackendError, DistTimeoutError
-from ...ops import UFUNCS, ReduceOp, reduce_into
+from ...ops import UFUNCS, ReduceOp, average_into, quiet, reduce_into
 from ...parallel import parallel_for
 from ..protocol import Call, Failure, Signature, mismatch_message
 from ..scratch import ScratchPool
@@ -392,7 +392,7 @@ class IntraNode:
                     cma_read(pids[p], incoming.ctypes.data, sources[p] + lo * isz, incoming.nbytes)
                     reduce_into(part, incoming, op)
                 if divide:
-                    np.divide(part, self.size, out=part)
+                    average_into(part, self.size)
                 for p, address in targets.items():
                     cma_write(pids[p], part.ctypes.data, address + lo * isz, part.nbytes)
 
@@ -402,16 +402,21 @@ class IntraNode:
         else:
             parallel_for(acc.size, run, min_chunk=max(step, _THREADED_MIN // 2 // isz))
 
-    def _reduce_inline(self, seq: int, out: np.ndarray, start: int, op: ReduceOp) -> None:
-        """out <- every rank's inline payload from element `start`, reduced in rank order."""
+    def _reduce_inline(
+        self, seq: int, out: np.ndarray, start: int, op: ReduceOp, divide: bool
+    ) -> None:
+        """out <- every rank's inline payload from element `start`, reduced in rank order
+        (and divided by the group size if `divide`)."""
         views, stop = self._inline_views(seq, out.dtype), start + out.size
         if self.size == 1:
             out[...] = views[0][start:stop]
             return
-        ufunc = UFUNCS[op]
-        ufunc(views[0][start:stop], views[1][start:stop], out=out)
+        run, ufunc = quiet.run, UFUNCS[op]  # numpy's warnings off (see ops.quiet)
+        run(ufunc, views[0][start:stop], views[1][start:stop], out)
         for peer in range(2, self.size):
-            ufunc(out, views[peer][start:stop], out=out)
+            run(ufunc, out, views[peer][start:stop], out)
+        if divide:
+            run(np.divide, out, self.size, out)
 
     # -- the collectives -------------------------------------------------------------------
 
@@ -431,9 +436,7 @@ class IntraNode:
         if buf.nbytes <= self.inline_max:
             self._arrive(call, inline=buf)
             if gets_result:
-                self._reduce_inline(seq, buf, 0, op)
-                if avg:
-                    np.divide(buf, self.size, out=buf)
+                self._reduce_inline(seq, buf, 0, op, avg)
             return
         address = buf.ctypes.data
         self._arrive(call, address, address)
@@ -509,9 +512,7 @@ class IntraNode:
         avg = op is _AVG
         if input.nbytes <= self.inline_max:
             self._arrive(call, inline=input)
-            self._reduce_inline(seq, output, r * m, op)
-            if avg:
-                np.divide(output, self.size, out=output)
+            self._reduce_inline(seq, output, r * m, op, avg)
             return
         self._arrive(call, input.ctypes.data)
         self._owner_reduce(
