@@ -216,11 +216,11 @@ class _Quiet(threading.local):
     error state (np.errstate) in a context variable, so running a ufunc in a context copied
     once with that state costs one `Context.run` (measured on 2 float32 elements: 30-80 ns
     more than the bare call, where entering and leaving np.errstate costs about 0.9 us,
-    more than the reduction itself). A context is entered by one thread at a time, hence one per thread,
-    and `fn` must not call `quiet.run` itself. Other context variables inside hold the
-    values of the moment the copy was made: pass numpy calls only. Where numpy keeps the
-    error state elsewhere (numpy 1.x), the copy would not carry it and np.errstate is
-    entered instead.
+    more than the reduction itself). A context is entered by one thread at a time, hence
+    one per thread, and `fn` must not call `quiet.run` itself. Other context variables
+    inside hold the values of the moment the copy was made: pass numpy calls only. Where
+    numpy keeps the error state elsewhere (numpy 1.x), the copy would not carry it and
+    np.errstate is entered instead.
     """
 
     def __init__(self) -> None:
