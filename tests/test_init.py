@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import distcomm as dist
+from distcomm.bootstrap.stores import _JOINED as JOINED
 from tests.harness import run_ranks
 from tests.processes import free_port
 
@@ -165,15 +170,83 @@ dist.destroy_process_group()
 """
 
 
-def _start(script, url: str, rank: int, stall: str, backend: str) -> subprocess.Popen:
+def _start(script, url: str, rank: int, stall: str, backend: str) -> _Watched:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCOMM_")}
     env.update(DISTCOMM_STALL_WARN_S=stall, DISTCOMM_SOCKET_IFNAME="lo",
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, str(script), url, str(rank), backend], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _Watched(subprocess.Popen(
+        [sys.executable, str(script), url, str(rank), backend], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
 
-@pytest.mark.timeout(120)
+class _Watched:
+    """A process whose output is read as it comes, so a test can wait for a line."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self._cond = threading.Condition()
+        self._out: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._readers = [threading.Thread(target=self._read, args=(name,), daemon=True)
+                         for name in self._out]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, name: str) -> None:
+        for line in getattr(self.proc, name):
+            with self._cond:
+                self._out[name].append(line)
+                self._cond.notify_all()
+
+    def warnings(self) -> list[str]:
+        """The "still waiting" lines of its stderr so far."""
+        with self._cond:
+            return [line for line in self._out["stderr"] if "still waiting" in line]
+
+    def wait_for(self, predicate: Callable[[list[str]], bool], timeout: float) -> bool:
+        """Whether `predicate(self.warnings())` came true within `timeout` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.warnings()), timeout)
+
+    def finish(self, timeout: float) -> tuple[str, str]:
+        """Its stdout and stderr, once it has ended (killed after `timeout` seconds)."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass  # killed: its exit status says so
+        self.kill()
+        for reader in self._readers:
+            reader.join(10)
+        return "".join(self._out["stdout"]), "".join(self._out["stderr"])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _joined(url: str, count: int, timeout: float) -> bool:
+    """Whether `count` ranks have joined the roll call of the store at `url` (hosted by its
+    rank 0) and so wait for the others, within `timeout` seconds."""
+    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                          timeout=timeout)
+    try:
+        end = time.monotonic() + timeout
+        while store.add(f"{JOINED}/count", 0) < count:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.05)
+        return True
+    finally:
+        store.close()
+
+
+def _names_rank_2_alone(warnings: list[str]) -> bool:
+    return len(warnings) >= 2 and "2 of 3 ranks joined the store; missing rank(s) 2." in (
+        warnings[-1])
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["tcp", "gloo"])
 @pytest.mark.parametrize("stall", ["0.5", "0"])
 def test_init_warns_which_ranks_are_missing_then_completes(tmp_path, stall, backend):
@@ -182,18 +255,22 @@ def test_init_warns_which_ranks_are_missing_then_completes(tmp_path, stall, back
     url = f"tcp://127.0.0.1:{free_port()}"
     procs = [_start(script, url, rank, stall, backend) for rank in (0, 1)]
     try:
-        time.sleep(4)  # 0.5 s, then 1 s, then 2 s more: three warnings at least
+        # ranks 0 and 1 wait for rank 2 alone, however long they took to start
+        assert _joined(url, 2, timeout=120), [p.finish(0) for p in procs]
+        if stall == "0":
+            time.sleep(2)  # a wait in which warnings at 0.5, 1 and 2 s would have come
+        else:  # both have warned at least twice, the last time naming rank 2 alone
+            for proc in procs:
+                assert proc.wait_for(_names_rank_2_alone, 120), proc.finish(0)
         for proc in procs:
-            assert proc.poll() is None, proc.communicate()
+            assert proc.proc.poll() is None, proc.finish(0)
         procs.append(_start(script, url, 2, stall, backend))
-        outputs = [proc.communicate(timeout=60) for proc in procs]
+        outputs = [proc.finish(120) for proc in procs]
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            proc.kill()
     for proc, (out, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0 and out.strip() == "sum 3", (out, err)
+        assert proc.proc.returncode == 0 and out.strip() == "sum 3", (out, err)
     # rank 0, which hosts the store, and rank 1 wait for rank 2: both warn, naming it
     for rank in (0, 1):
         err = outputs[rank][1]
@@ -202,10 +279,12 @@ def test_init_warns_which_ranks_are_missing_then_completes(tmp_path, stall, back
             assert not warnings, err
             assert "has waited" not in err, err  # nor does a store wait
             continue
-        assert 2 <= len(warnings) <= 5, err  # backoff: not one per poll
         assert all(f"[rank {rank}/3]" in line for line in warnings), err
         # the first may still miss a slow-starting rank 1; the last names rank 2 alone
-        assert "2 of 3 ranks joined the store; missing rank(s) 2" in warnings[-1], err
+        assert "2 of 3 ranks joined the store; missing rank(s) 2." in warnings[-1], err
+        # backoff, not one warning per poll: each next report at least twice as far out
+        nexts = [float(re.search(r"next report at (\d+) s", line)[1]) for line in warnings]
+        assert all(b >= 2 * a for a, b in itertools.pairwise(nexts)), err
     assert "still waiting" not in outputs[2][1], outputs[2]
 
 
