@@ -61,6 +61,7 @@ from ..gpu import runtime
 from ..ops import ReduceOp
 from ..store.base import Store
 from ..store.prefix import PrefixStore
+from ..store.ranks import wait_for_ranks
 from ..work import Work
 from .base import Backend, setup_round
 from .nccl_watch import NcclWatchdog, NcclWork
@@ -159,15 +160,15 @@ class NcclBackend(Backend):
             data = nccl_types.unique_id_bytes(self._nccl.get_unique_id())
             self.store.set("uid", data)
             return data
-        self._store_wait(["uid"], deadline, "the NCCL unique id from rank 0")
+        self._wait_for_ranks({0: "uid"}, deadline, "published the NCCL unique id")
         return nccl_types.unique_id_bytes(self.store.get("uid"))
 
     def _register(self, device_id: int, deadline: Deadline) -> str:
         """Say which GPU this rank uses and wait until every rank has said so."""
         bus = str(self._cupy.cuda.runtime.deviceGetPCIBusId(device_id))
         self.store.set(f"gpu/{self.rank}", f"{socket.gethostname()} {bus}")
-        self._store_wait([f"gpu/{r}" for r in range(self.size)], deadline,
-                         "every rank to join the NCCL communicator")
+        self._wait_for_ranks({r: f"gpu/{r}" for r in range(self.size)}, deadline,
+                             "said which GPU it joins the NCCL communicator with")
         return bus
 
     def _init_failure(self, exc: BaseException, bus: str) -> str:
@@ -182,15 +183,13 @@ class NcclBackend(Backend):
                      "ranks per node as it has GPUs")
         return text
 
-    def _store_wait(self, keys: list[str], deadline: Deadline, what: str) -> None:
-        try:
-            self.store.wait(keys, deadline.remaining())
-        except DistTimeoutError as exc:
-            missing = [k for k in keys if not self.store.check([k])]
-            raise DistTimeoutError(
-                f"{self.describe('init')}: timed out after {deadline.seconds:.0f} s waiting "
-                f"for {what} (missing: {', '.join(missing)}); did every rank of the group "
-                "issue the same first GPU operation?") from exc
+    def _wait_for_ranks(self, keys: dict[int, str], deadline: Deadline, arrived: str) -> None:
+        """Wait for the ranks of `keys` to set them, warning while some are late and
+        naming them (not the keys) at the timeout."""
+        wait_for_ranks(
+            self.store, keys, deadline, self.describe("init"), arrived=arrived,
+            hint="did every rank of the group issue the same first GPU operation (the "
+                 "NCCL communicator is made by a group's first operation on a CuPy array)?")
 
     # -- issuing operations -------------------------------------------------------------------
 
