@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,13 +356,15 @@ def run(
     cwd: str | Path = REPO,
     env: dict[str, str] | None = None,
     merge_output: bool = False,
+    during: Callable[[int], None] | None = None,
 ) -> Finished:
     """Run a job (an mpiexec command line or a plain process) to its end, at most `timeout` s.
 
     Its /dev/shm mappings are recorded for `no_mpi_segment_left`. A job that outlives the
     timeout gets SIGTERM (mpiexec then ends its ranks), SIGKILL 10 s later, and fails the
     test with its output; processes of the job still alive 5 s after it ended are killed
-    and fail the test too.
+    and fail the test too. `during`, when given, runs on a thread of its own with the
+    launcher's pid (also its process group's id) while the job runs: to interrupt it, say.
     """
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -374,6 +377,8 @@ def run(
         start_new_session=True,
     )
     watch = _Watch(proc.pid)
+    if during is not None:
+        threading.Thread(target=during, args=(proc.pid,), daemon=True, name="mpijob-during").start()
     hung = False
     try:
         try:
