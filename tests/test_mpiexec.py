@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -289,6 +291,91 @@ def test_uncaught_exception_after_a_bootstrapped_init_aborts_the_job(
     assert [e["op"] for e in trace["groups"][0]["entries"]] == ["all_reduce"]
 
 
+# -- Ctrl-C ----------------------------------------------------------------------------------
+
+INTERRUPT_SCRIPT = """
+    import os, sys, time
+    import numpy as np
+    import distcomm as dist
+
+    dist.init_process_group("mpi", timeout=600)  # far beyond the test's deadline
+    rank = dist.get_rank()
+    x = np.ones(1024, dtype=np.float32)
+    dist.all_reduce(x)  # every rank is in MPI, its shared memory made
+    with open("/proc/self/maps") as maps:
+        paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/" in line}
+    segments = {path: os.stat(path).st_ino for path in paths
+                if not path.endswith("(deleted)") and os.path.exists(path)}
+    report({"rank": rank, "segments": segments})
+    if sys.argv[1] == "collectives":  # inside MPI most of the time
+        while True:
+            dist.all_reduce(x)
+            dist.barrier()
+    elif rank == 0:  # in Python
+        time.sleep(600)
+    else:  # waits for a message that never comes
+        dist.recv(x, src=0)
+"""
+
+
+def _interrupt_when_ready(folder: Path, n: int, target: str):
+    """What `run` does while the job runs: once every rank has reported, SIGINT to mpiexec
+    alone (which forwards it) or to its whole process group, as a terminal's Ctrl-C."""
+
+    def interrupt(pid: int) -> None:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while len(list(folder.glob("result-*.json"))) < n:
+            if time.monotonic() > deadline:
+                return  # the run's own timeout reports the job
+            time.sleep(0.05)
+        time.sleep(0.5)  # into the loop
+        if target == "group":
+            os.killpg(pid, signal.SIGINT)
+        else:
+            os.kill(pid, signal.SIGINT)
+
+    return interrupt
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("target", ["mpiexec", "group"])
+@pytest.mark.parametrize("waiting", ["collectives", "recv"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_ctrl_c_ends_every_rank_cleanly(tmp_path: Path, n: int, waiting: str, target: str) -> None:
+    """Ctrl-C ends the job at once, nothing reports a crash (MPICH's mpiexec once reported
+    SIGINT | SIGKILL = 11 as a segmentation fault), and the MPI library's shared memory is
+    gone (ranks killed by Hydra never unlinked MPICH's). Under MPICH, which forwards SIGINT
+    to the ranks, every rank says so in one line and the job ends with status 130; Open MPI
+    4 and 5 forward none: their launcher ends the ranks itself (SIGCONT, then SIGTERM)."""
+    script = _script(tmp_path, "interrupted.py", INTERRUPT_SCRIPT)
+    command = LAUNCHER.command(n, sys.executable, str(script), waiting)
+    done = run(
+        command,
+        cwd=tmp_path,
+        timeout=RUN_TIMEOUT,
+        merge_output=True,
+        during=_interrupt_when_ready(tmp_path, n, target),
+    )
+    output = done.stdout
+    results = _results(tmp_path)
+    assert sorted(results) == list(range(n)), output
+    assert "Segmentation fault" not in output and "signal 11" not in output, output
+    assert "Traceback" not in output, output
+    if LAUNCHER.kind == "mpich":
+        for rank in range(n):
+            assert output.count(f"[rank {rank}] interrupted (Ctrl-C)") == 1, output
+        assert done.returncode == mpiutil.INTERRUPTED_STATUS, output  # MPI_Abort's code
+    else:
+        assert done.returncode != 0, output
+    left = [
+        path
+        for result in results.values()
+        for path, inode in result["segments"].items()
+        if os.path.exists(path) and os.stat(path).st_ino == inode
+    ]
+    assert not left, f"left in /dev/shm: {left}\n{output}"
+
+
 # -- the default intra-op thread count of ranks ---------------------------------------------
 
 THREADS_SCRIPT = """
@@ -451,11 +538,144 @@ def test_abort_hook_reports_chains_and_aborts(hook_env, monkeypatch, capsys) -> 
     assert all(line.startswith("[rank 2] ") for line in err.splitlines())
 
 
-def test_abort_hook_passes_keyboard_interrupt_on(hook_env, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(0, hook_env))
+@pytest.fixture
+def interrupt_env(hook_env, monkeypatch):
+    """hook_env, plus: a fresh record of Ctrl-C, no grace, nothing unlinked, and SIGINT's
+    handler and wakeup fd as they were afterwards (the hook ignores a second Ctrl-C)."""
+    monkeypatch.setattr(mpiutil, "_interrupted", mpiutil._Interrupted())
+    monkeypatch.setattr(mpiutil, "_INTERRUPT_GRACE", 0.0)
+    monkeypatch.setattr(mpiutil, "unlink_mpi_segments", lambda: hook_env.append(("unlink",)))
+    handler = signal.getsignal(signal.SIGINT)
+    yield hook_env
+    mpiutil.remove_abort_hook()
+    signal.signal(signal.SIGINT, handler)
+
+
+def _interrupted_here() -> tuple[BaseException, int]:
+    """A KeyboardInterrupt raised in this file, and the line it was raised at."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as exc:
+        return exc, exc.__traceback__.tb_lineno
+
+
+def test_abort_hook_reports_keyboard_interrupt_once_and_aborts_130(
+    interrupt_env, monkeypatch, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(1, interrupt_env))
+    mpiutil.install_abort_hook()
+    exc, line = _interrupted_here()
+    with pytest.raises(_Aborted):
+        sys.excepthook(KeyboardInterrupt, exc, exc.__traceback__)
+    assert interrupt_env == [
+        ("previous", KeyboardInterrupt),  # another hook than Python's: it is called too
+        ("unlink",),
+        ("unlink",),
+        ("abort", mpiutil.INTERRUPTED_STATUS),
+    ]
+    err = capsys.readouterr().err
+    assert err == f"[rank 1] interrupted (Ctrl-C) at {__file__}:{line}\n"  # no traceback
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a second Ctrl-C waits
+
+
+def test_abort_hook_passes_keyboard_interrupt_on_without_mpi(interrupt_env, monkeypatch) -> None:
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
     mpiutil.install_abort_hook()
     sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
-    assert hook_env == [("previous", KeyboardInterrupt)]
+    assert interrupt_env == [("previous", KeyboardInterrupt)]
+
+
+def test_abort_hook_in_a_forked_child_only_chains(interrupt_env, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(0, interrupt_env))
+    mpiutil.install_abort_hook()
+    monkeypatch.setattr(sys.excepthook, "pid", os.getpid() + 1)  # as seen from a child
+    sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    sys.excepthook(ValueError, ValueError("x"), None)
+    assert interrupt_env == [("previous", KeyboardInterrupt), ("previous", ValueError)]
+
+
+def _wakeup_fd() -> int:
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    return fd
+
+
+def test_ctrl_c_watch_installed_and_removed(interrupt_env) -> None:
+    assert mpiutil.install_abort_hook() is True
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    assert _wakeup_fd() != -1
+    assert mpiutil.install_abort_hook() is True  # the same watch
+    threads = [t for t in threading.enumerate() if t.name == "distcomm-mpi-interrupt"]
+    assert len(threads) == 1
+    assert mpiutil.remove_abort_hook() is True
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert _wakeup_fd() == -1
+    threads[0].join(timeout=5)
+    assert not threads[0].is_alive()
+
+
+def test_ctrl_c_watch_leaves_a_handler_of_the_users_alone(interrupt_env) -> None:
+    def mine(signum, frame):
+        pass
+
+    signal.signal(signal.SIGINT, mine)
+    assert mpiutil.install_abort_hook() is True  # the excepthook only
+    assert signal.getsignal(signal.SIGINT) is mine
+    assert _wakeup_fd() == -1
+
+
+def test_ctrl_c_watch_leaves_a_taken_wakeup_fd_alone(interrupt_env) -> None:
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd)
+    try:
+        assert mpiutil.install_abort_hook() is True
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert _wakeup_fd() == write_fd
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def _wait_for(predicate, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_ctrl_c_watch_ends_a_rank_whose_main_thread_does_not_take_it(
+    interrupt_env, monkeypatch, capsys
+) -> None:
+    """Only the wakeup byte arrives, as when the main thread is inside a blocking MPI call
+    (Python's handler never runs): the thread reports, unlinks and aborts with 130."""
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(3, interrupt_env))
+    monkeypatch.setattr(mpiutil, "abort", lambda mpi, code: interrupt_env.append(("abort", code)))
+    monkeypatch.setattr(os, "_exit", lambda code: interrupt_env.append(("exit", code)))
+    mpiutil.install_abort_hook()
+    os.write(mpiutil._watch.write_fd, bytes([signal.SIGINT]))  # what the C handler writes
+    assert _wait_for(lambda: ("exit", 130) in interrupt_env), interrupt_env
+    assert interrupt_env == [("unlink",), ("unlink",), ("abort", 130), ("exit", 130)]
+    err = capsys.readouterr().err
+    assert err.startswith("[rank 3] interrupted (Ctrl-C) at ") and err.count("\n") == 1, err
+
+
+def test_ctrl_c_watch_leaves_a_taken_keyboard_interrupt_to_the_main_thread(
+    interrupt_env, monkeypatch, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(0, interrupt_env))
+    monkeypatch.setattr(mpiutil, "_INTERRUPT_GRACE", 0.2)
+    monkeypatch.setattr(mpiutil, "abort", lambda mpi, code: interrupt_env.append(("abort", code)))
+    mpiutil.install_abort_hook()
+    with pytest.raises(KeyboardInterrupt):  # what an except clause of the user's catches
+        signal.raise_signal(signal.SIGINT)
+    assert _wait_for(lambda: ("unlink",) in interrupt_env), interrupt_env
+    time.sleep(0.6)  # three graces: no abort comes
+    assert interrupt_env == [("unlink",)]
+    assert capsys.readouterr().err.startswith("[rank 0] interrupted (Ctrl-C) at ")
 
 
 def test_removed_abort_hook_under_another_only_chains(hook_env, monkeypatch) -> None:

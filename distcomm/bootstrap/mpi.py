@@ -11,7 +11,8 @@ broadcasts "host:port" with ``MPI.COMM_WORLD.bcast``; the others connect. Every 
 must reach the rendezvous within the timeout (a non-blocking barrier is polled), and an
 error of rank 0's is broadcast, so no rank waits forever. It installs
 `mpiutil.install_abort_hook`, so a rank's uncaught exception later aborts the job instead of
-leaving that rank in MPI_Finalize while the others wait. If mpi4py is missing, or its MPI
+leaving that rank in MPI_Finalize while the others wait, and Ctrl-C ends every rank with one
+line instead of hanging the job the same way. If mpi4py is missing, or its MPI
 library is not the launcher's (its COMM_WORLD has another size), the Slurm values apply
 where complete, else the error says to install mpi4py or set MASTER_ADDR and MASTER_PORT.
 
