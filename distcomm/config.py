@@ -375,7 +375,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "bool",
         "1",
         "`1`: under the mpi backend an uncaught exception aborts the whole MPI job "
-        "(traceback first); `0`: off",
+        "(traceback first), and Ctrl-C ends every rank with one line and status 130; "
+        "`0`: off",
         parse=_flag,
     ),
     EnvVar(
@@ -498,7 +499,8 @@ class Config:
         store_prefix: DISTCOMM_STORE_PREFIX: with use_agent_store, the key prefix this
             run of the workers uses in the agent's store (the launcher sets one per round).
         mpi_abort_on_exception: DISTCOMM_MPI_ABORT_ON_EXCEPTION (default on): an uncaught
-            exception calls MPI.COMM_WORLD.Abort(1) once `mpiutil.install_abort_hook` ran.
+            exception calls MPI.COMM_WORLD.Abort(1), and Ctrl-C MPI.COMM_WORLD.Abort(130)
+            after each rank said so, once `mpiutil.install_abort_hook` ran.
         nccl_blocking_wait: DISTCOMM_NCCL_BLOCKING_WAIT (default off): `Work.wait()` of an
             nccl operation blocks the host until it finished (bounded by the group
             timeout) instead of only ordering the caller's CUDA stream after it.
