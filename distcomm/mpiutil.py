@@ -24,20 +24,22 @@ handler counts the KeyboardInterrupts the main thread takes, and a daemon thread
 signal's wakeup fd (`signal.set_wakeup_fd`), which Python's C-level handler writes at once
 whatever the main thread is doing. On Ctrl-C the rank prints one line, ``[rank R]
 interrupted (Ctrl-C) in barrier, called at train.py:12`` (where its main thread was), and
-unlinks the MPI library's shared-memory files it maps (this job's, as
-`unlink_mpi_segments`; the mappings stay valid). A KeyboardInterrupt the main thread takes
-is its own: an ``except`` clause runs as usual, and an uncaught one ends the rank through
-the hook. A main thread that has not taken it within `_INTERRUPT_GRACE` seconds is stuck
-in MPI (or other C code), and the thread ends the rank. Ending means MPI_Abort with status
-130 (128 + SIGINT), not MPI_Finalize: rank 0 calls it one grace after the signal, so that
-every rank, interrupted alike, has printed its line before the job goes, and the others
-a grace later in case rank 0 did not. Hydra's mpiexec then exits with 130 (after MPICH's
-own "Abort(130) on node 0 ...: application called MPI_Abort" line); when ranks merely
-exit, it kills the ones left with SIGKILL and its status depends on which it reaps first.
-Nothing of this is set up when SIGINT already has a handler other than Python's default,
-when the wakeup fd is taken (a running asyncio loop) or outside the main thread; then an
-uncaught KeyboardInterrupt still ends the job through the hook. A forked child's hook only
-passes exceptions on: its MPI is its parent's.
+unlinks the MPI library's shared-memory files it maps (this job's, as `unlink_mpi_segments`;
+the mappings stay valid). A KeyboardInterrupt the main thread takes is its own: an
+``except`` clause runs as usual, and an uncaught one ends the rank through the hook, as does
+any exception uncaught within `_INTERRUPT_WINDOW` seconds of Ctrl-C (a gloo collective that
+a peer's interruption aborted raises one). A main thread that has not taken it within
+`_INTERRUPT_GRACE` seconds is stuck in MPI (or other C code), and the thread ends the rank.
+Ending means MPI_Abort with status 130 (128 + SIGINT), not MPI_Finalize: rank 0 calls it one
+grace after the signal, so that every rank, interrupted alike, has printed its line before
+the job goes, and the others a grace later in case rank 0 did not. Hydra's mpiexec then
+exits with 130 (after MPICH's own "Abort(130) on node 0 ...: application called MPI_Abort"
+line); when ranks merely exit, it kills the ones left with SIGKILL and its status depends on
+which it reaps first. Nothing of this is set up when SIGINT already has a handler other than
+Python's default, when the wakeup fd is taken (a running asyncio loop) or outside the main
+thread; then an uncaught KeyboardInterrupt still ends the job through the hook. A forked
+child's hook only passes exceptions on: its MPI is its parent's. Open MPI's mpirun forwards
+no SIGINT: it stops the ranks with SIGTERM itself.
 
 Open MPI 5 started without a launcher (a singleton: ``python script.py`` calling
 ``init_process_group("mpi")``) leaves its 16 MiB shared-memory segment,
@@ -96,8 +98,13 @@ INTERRUPTED_STATUS = 128 + signal.SIGINT
 #: KeyboardInterrupt, and the other ranks' time to report theirs before the launcher
 #: kills the ones left
 _INTERRUPT_GRACE = 1.0
+#: seconds after Ctrl-C in which an uncaught exception counts as its consequence (the error
+#: of a gloo collective that a peer's interruption aborted, say) and ends the rank alike
+_INTERRUPT_WINDOW = 5.0
 #: this package's folder: frames inside it are not where the user's code was interrupted
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: the standard library's folder: frames there (a lock's wait, logging) are not either
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 
 
 def is_mpi4py_available() -> bool:
@@ -166,7 +173,7 @@ class _AbortHook:
         if mpi is None:
             self.previous(exc_type, exc, tb)
             return
-        if issubclass(exc_type, KeyboardInterrupt):
+        if issubclass(exc_type, KeyboardInterrupt) or _interrupted.recent():
             if self.previous is not sys.__excepthook__:  # the default prints the traceback
                 self.previous(exc_type, exc, tb)
             _end_interrupted(mpi, reversed(list(traceback.walk_tb(tb))))
@@ -338,6 +345,11 @@ class _Interrupted:
                 self.since = time.monotonic()
             return self.since
 
+    def recent(self) -> bool:
+        """Whether Ctrl-C came less than `_INTERRUPT_WINDOW` seconds ago."""
+        since = self.since
+        return since is not None and time.monotonic() - since < _INTERRUPT_WINDOW
+
     def report(self, mpi: Any, stack: Iterable[tuple[FrameType, int]]) -> None:
         """Print ``[rank R] interrupted (Ctrl-C) ...`` to stderr, once per process; `stack`:
         the main thread's (frame, line) pairs, innermost first."""
@@ -358,16 +370,19 @@ _interrupted = _Interrupted()
 
 def _where(stack: Iterable[tuple[FrameType, int]]) -> str:
     """Where the main thread was, from its (frame, line) pairs innermost first: the
-    innermost outside distcomm, with the distcomm function it called (" in barrier, called
-    at train.py:12") or without (" at train.py:12"); "" when there is none."""
+    innermost outside distcomm and the standard library, with the distcomm function it
+    called (" in barrier, called at train.py:12") or without (" at train.py:12"); ""
+    when there is none."""
     called = ""
     for frame, line in stack:
         path = frame.f_code.co_filename
-        if not os.path.abspath(path).startswith(_PACKAGE_DIR):
+        where = os.path.abspath(path)
+        if where.startswith(_PACKAGE_DIR):
+            if path != __file__:  # this module's SIGINT handler is no call of the user's
+                called = frame.f_code.co_name
+        elif not where.startswith(_STDLIB_DIR) or "-packages" + os.sep in where:
             place = f"{path}:{line}"
             return f" in {called}, called at {place}" if called else f" at {place}"
-        if path != __file__:  # this module's SIGINT handler is no call of the user's
-            called = frame.f_code.co_name
     return ""
 
 

@@ -298,16 +298,16 @@ INTERRUPT_SCRIPT = """
     import numpy as np
     import distcomm as dist
 
-    dist.init_process_group("mpi", timeout=600)  # far beyond the test's deadline
+    dist.init_process_group(sys.argv[1], timeout=600)  # far beyond the test's deadline
     rank = dist.get_rank()
     x = np.ones(1024, dtype=np.float32)
-    dist.all_reduce(x)  # every rank is in MPI, its shared memory made
+    dist.all_reduce(x)  # every rank is in, MPI's shared memory made
     with open("/proc/self/maps") as maps:
         paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/" in line}
     segments = {path: os.stat(path).st_ino for path in paths
                 if not path.endswith("(deleted)") and os.path.exists(path)}
     report({"rank": rank, "segments": segments})
-    if sys.argv[1] == "collectives":  # inside MPI most of the time
+    if sys.argv[2] == "collectives":  # inside MPI most of the time, on mpi
         while True:
             dist.all_reduce(x)
             dist.barrier()
@@ -347,8 +347,20 @@ def test_ctrl_c_ends_every_rank_cleanly(tmp_path: Path, n: int, waiting: str, ta
     gone (ranks killed by Hydra never unlinked MPICH's). Under MPICH, which forwards SIGINT
     to the ranks, every rank says so in one line and the job ends with status 130; Open MPI
     4 and 5 forward none: their launcher ends the ranks itself (SIGCONT, then SIGTERM)."""
+    _interrupt_job(tmp_path, n, "mpi", waiting, target)
+
+
+@needs_mpiexec
+def test_ctrl_c_ends_a_gloo_job_bootstrapped_over_mpi(tmp_path: Path) -> None:
+    """The same with gloo, where MPI only shared the store's address: a rank whose
+    collective a peer's interruption aborted raises an error, not KeyboardInterrupt, which
+    ends it as interrupted too (no traceback, no MPI_Abort(1))."""
+    _interrupt_job(tmp_path, 4, "gloo", "collectives", "mpiexec")
+
+
+def _interrupt_job(tmp_path: Path, n: int, backend: str, waiting: str, target: str) -> None:
     script = _script(tmp_path, "interrupted.py", INTERRUPT_SCRIPT)
-    command = LAUNCHER.command(n, sys.executable, str(script), waiting)
+    command = LAUNCHER.command(n, sys.executable, str(script), backend, waiting)
     done = run(
         command,
         cwd=tmp_path,
@@ -576,6 +588,23 @@ def test_abort_hook_reports_keyboard_interrupt_once_and_aborts_130(
     err = capsys.readouterr().err
     assert err == f"[rank 1] interrupted (Ctrl-C) at {__file__}:{line}\n"  # no traceback
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a second Ctrl-C waits
+
+
+@pytest.mark.parametrize(("ago", "code"), [(1.0, 130), (60.0, 1)])
+def test_abort_hook_takes_an_error_soon_after_ctrl_c_for_its_consequence(
+    interrupt_env, monkeypatch, capsys, ago: float, code: int
+) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(2, interrupt_env))
+    mpiutil.install_abort_hook()
+    mpiutil._interrupted.since = time.monotonic() - ago
+    with pytest.raises(_Aborted):
+        sys.excepthook(ValueError, ValueError("a peer aborted the group"), None)
+    assert interrupt_env[-1] == ("abort", code)
+    err = capsys.readouterr().err
+    if code == 130:
+        assert err == "[rank 2] interrupted (Ctrl-C)\n"
+    else:
+        assert "[rank 2] ValueError: a peer aborted the group" in err
 
 
 def test_abort_hook_passes_keyboard_interrupt_on_without_mpi(interrupt_env, monkeypatch) -> None:
