@@ -267,12 +267,22 @@ def test_local_reaping_kills_the_whole_process_tree(spawn, local_server, childre
 @pytest.mark.timeout(60)
 def test_local_server_stops_promptly_and_leaves_no_thread(local_server):
     server = timer.LocalTimerServer(local_server.queue, max_interval=60)
-    server.start()
+    watchdog = _started_threads(server.start, "-watchdog")
     with pytest.raises(RuntimeError, match="already running"):
         server.start()
     server.stop()
     server.stop()
-    assert not [t for t in threading.enumerate() if t.name.endswith("-watchdog")]
+    assert not [t for t in watchdog if t.is_alive()]
+
+
+def _started_threads(start, suffix: str) -> list[threading.Thread]:
+    """The threads named ...`suffix` that `start()` started (one, checked), and only
+    those: a check of all the process's threads would judge other tests' too."""
+    before = set(threading.enumerate())
+    start()
+    started = [t for t in threading.enumerate() if t not in before and t.name.endswith(suffix)]
+    assert len(started) == 1, [t.name for t in threading.enumerate()]
+    return started
 
 
 # -- named-pipe timers ----------------------------------------------------------------------
@@ -459,12 +469,11 @@ def test_file_server_stop_removes_pipe_thread_and_descriptors(fifo):
     before = _open_fds()
     server = timer.FileTimerServer(fifo, "test", max_interval=60)
     assert os.path.exists(fifo)
-    server.start()
-    assert any(t.name == "FileTimerServer-watchdog" for t in threading.enumerate())
+    watchdog = _started_threads(server.start, "FileTimerServer-watchdog")
     server.stop()
     server.stop()
     assert not os.path.exists(fifo)
-    assert not [t for t in threading.enumerate() if t.name == "FileTimerServer-watchdog"]
+    assert not [t for t in watchdog if t.is_alive()]
     assert _open_fds() == before
     with pytest.raises(RuntimeError, match="stopped"):
         server.run_once()
