@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -122,6 +124,36 @@ def _no_leftover_group():
     if dist.is_initialized() and not UNDER_MPIEXEC:  # there, the world group persists
         dist.destroy_process_group()
         pytest.fail("the test left an initialised process group behind")
+
+
+#: the name of a TCPStore server's thread, before its port (distcomm/store/tcp_server.py)
+_STORE_SERVER = "distcomm-store-server-"
+#: seconds a server thread the test started may take to end after the test
+_STOPPING_GRACE = 5.0
+
+
+@pytest.fixture(autouse=True)
+def _no_store_server_left():
+    """A test stops every TCPStore server it started (`close()` on the hosting store).
+
+    Only server threads started during the test count, not those of the persistent
+    worlds (`RankPool.open_pools`); one still stopping gets a short grace.
+    """
+    before = set(threading.enumerate())
+    yield
+    started = [t for t in threading.enumerate()
+               if t not in before and t.name.startswith(_STORE_SERVER)]
+    if not started:
+        return
+    pools = {f"{_STORE_SERVER}{pool.store_port}" for pool in list(RankPool.open_pools)}
+    end = time.monotonic() + _STOPPING_GRACE
+    for thread in started:
+        if thread.name not in pools:
+            thread.join(max(0.0, end - time.monotonic()))
+    left = sorted(t.name for t in started if t.is_alive() and t.name not in pools)
+    if left:
+        pytest.fail(f"the test left TCPStore server thread(s) running: {', '.join(left)}; "
+                    "close() every store it hosts, on its error paths too")
 
 
 def pytest_report_header(config):

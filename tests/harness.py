@@ -23,9 +23,10 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from distcomm.launch.errors import exit_description
 
@@ -155,6 +156,10 @@ class RankPool:
         start_timeout: how long starting and initialising may take.
     """
 
+    #: pools not closed yet: a fixture's world outlives the test that started it, so
+    #: conftest's check for store servers left running passes over theirs
+    open_pools: ClassVar[weakref.WeakSet[RankPool]] = weakref.WeakSet()
+
     def __init__(self, nprocs: int, backend: str | None = None, *,
                  env: dict[str, str] | None = None,
                  rank_env: Callable[[int], dict[str, str]] | None = None,
@@ -171,6 +176,7 @@ class RankPool:
             self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=start_timeout)
             base.update(MASTER_PORT=str(self._store.port), DISTCOMM_USE_AGENT_STORE="1")
+            RankPool.open_pools.add(self)
         base.update(env or {})
         ctx = multiprocessing.get_context("spawn")
         self._ranks: list[_Rank] = []
@@ -317,7 +323,13 @@ class RankPool:
         if self._store is not None:
             self._store.close()
             self._store = None
+        RankPool.open_pools.discard(self)
         self._tmpdir.cleanup()
+
+    @property
+    def store_port(self) -> int | None:
+        """The port of the store this process hosts for the ranks (None: none, or closed)."""
+        return None if self._store is None else self._store.port
 
     def __enter__(self) -> RankPool:
         return self
