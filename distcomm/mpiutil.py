@@ -174,8 +174,11 @@ class _AbortHook:
             self.previous(exc_type, exc, tb)
             return
         if issubclass(exc_type, KeyboardInterrupt) or _interrupted.recent():
-            if self.previous is not sys.__excepthook__:  # the default prints the traceback
-                self.previous(exc_type, exc, tb)
+            try:
+                if self.previous is not sys.__excepthook__:  # the default prints the traceback
+                    self.previous(exc_type, exc, tb)
+            except Exception:
+                pass
             _end_interrupted(mpi, reversed(list(traceback.walk_tb(tb))))
         try:
             rank = mpi.COMM_WORLD.Get_rank()

@@ -590,6 +590,20 @@ def test_abort_hook_reports_keyboard_interrupt_once_and_aborts_130(
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a second Ctrl-C waits
 
 
+def test_abort_hook_ends_an_interrupted_rank_even_if_the_previous_hook_fails(
+    interrupt_env, monkeypatch
+) -> None:
+    def failing(*exc_info):
+        raise RuntimeError("a broken hook")
+
+    monkeypatch.setattr(sys, "excepthook", failing)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(0, interrupt_env))
+    mpiutil.install_abort_hook()
+    with pytest.raises(_Aborted):
+        sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert interrupt_env[-1] == ("abort", 130)
+
+
 @pytest.mark.parametrize(("ago", "code"), [(1.0, 130), (60.0, 1)])
 def test_abort_hook_takes_an_error_soon_after_ctrl_c_for_its_consequence(
     interrupt_env, monkeypatch, capsys, ago: float, code: int
