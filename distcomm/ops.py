@@ -237,7 +237,7 @@ def average_into(array: Any, size: int) -> None:
     """array <- array / size, in place (AVG's last step), with numpy's floating-point
     warnings off."""
     if type(array) is np.ndarray:
-        quiet.run(np.divide, array, size, array)
+        quiet.run(np.divide, array, size, out=array)
     else:  # a CuPy array (mpi's CUDA-aware path): CuPy's kernels do not warn
         array /= size
 
@@ -270,11 +270,11 @@ def reduce_into(acc: np.ndarray, incoming: np.ndarray, op: ReduceOp) -> None:
     ufunc = UFUNCS[op]
     if (acc.nbytes < PARALLEL_REDUCE_BYTES or acc.shape != incoming.shape
             or not (acc.flags.c_contiguous and incoming.flags.c_contiguous)):
-        quiet.run(ufunc, acc, incoming, acc)
+        quiet.run(ufunc, acc, incoming, out=acc)
         return
     a, b = acc.reshape(-1), incoming.reshape(-1)
 
     def piece(start: int, stop: int) -> None:  # on the intra-op threads: each its own context
-        quiet.run(ufunc, a[start:stop], b[start:stop], a[start:stop])
+        quiet.run(ufunc, a[start:stop], b[start:stop], out=a[start:stop])
 
     parallel_for(a.size, piece, min_chunk=max(1, _PARALLEL_REDUCE_CHUNK // acc.itemsize))

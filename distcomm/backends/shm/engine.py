@@ -412,11 +412,11 @@ class IntraNode:
             out[...] = views[0][start:stop]
             return
         run, ufunc = quiet.run, UFUNCS[op]  # numpy's warnings off (see ops.quiet)
-        run(ufunc, views[0][start:stop], views[1][start:stop], out)
+        run(ufunc, views[0][start:stop], views[1][start:stop], out=out)
         for peer in range(2, self.size):
-            run(ufunc, out, views[peer][start:stop], out)
+            run(ufunc, out, views[peer][start:stop], out=out)
         if divide:
-            run(np.divide, out, self.size, out)
+            run(np.divide, out, self.size, out=out)
 
     # -- the collectives -------------------------------------------------------------------
 
