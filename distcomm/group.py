@@ -142,9 +142,17 @@ class ProcessGroup(GroupMethods):
         return self._backends.get("cpu") or next(iter(self._backends.values()))
 
     def _shutdown(self) -> None:
+        """Shut every backend down, also when one of them raises (the first error is
+        raised once all have been asked)."""
         backends, self._backends = self._backends, {}
+        errors = []
         for backend in backends.values():
-            backend.shutdown()
+            try:
+                backend.shutdown()
+            except Exception as exc:  # a plug-in's shutdown: the others still shut down
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def __repr__(self) -> str:
         who = f"rank {self._rank}" if self.is_member else "not a member"
@@ -535,17 +543,27 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
                     del _world.groups[key]
             return
         log.info("destroying every group")
-        stall.stop()
-        for value in list(_world.groups.values()):
-            if value is not default:
-                value._shutdown()
-        default._shutdown()
-        if _world.owns_store and _world.store is not None:
-            _world.store.close()
-        _world.default, _world.store, _world.owns_store = None, None, False
-        _world.groups = {}
-        _world.spec = {}
-        _world.process_ranks = []
+        errors: list[Exception] = []
+        try:
+            stall.stop()
+            for value in [*(g for g in _world.groups.values() if g is not default), default]:
+                try:
+                    value._shutdown()
+                except Exception as exc:  # a backend's shutdown failed: finish the rest
+                    log.warning("destroy_process_group: group %r did not shut down cleanly: "
+                                "%s", value.group_name, exc)
+                    errors.append(exc)
+        finally:  # the store and the module state go whatever happened above
+            try:
+                if _world.owns_store and _world.store is not None:
+                    _world.store.close()
+            finally:
+                _world.default, _world.store, _world.owns_store = None, None, False
+                _world.groups = {}
+                _world.spec = {}
+                _world.process_ranks = []
+        if errors:
+            raise errors[0]
 
 
 #: torch's default_pg_timeout: the default timeout of a group's operations

@@ -539,3 +539,34 @@ def test_a_backend_whose_module_is_missing_is_unavailable_and_says_why(monkeypat
     with pytest.raises(dist.BackendUnavailableError, match="cannot be imported"):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert not dist.is_initialized()
+
+
+class BrittleBackend(TcpBackend):
+    """A third-party backend whose shutdown raises after releasing what it holds."""
+
+    name = "brittle"
+
+    def shutdown(self):
+        super().shutdown()
+        raise RuntimeError("brittle backend: shutdown failed")
+
+
+def test_destroy_finishes_when_a_backends_shutdown_raises(fresh_registry):
+    import socket
+
+    from tests.processes import free_port
+
+    backends.register_backend("brittle", BrittleBackend, extended_api=False, devices="cpu")
+    port = free_port()
+    dist.init_process_group("brittle", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    sub = dist.new_group([0], backend="tcp")
+    dist.all_reduce(np.ones(2), group=sub)
+    with pytest.raises(RuntimeError, match="brittle backend: shutdown failed"):
+        dist.destroy_process_group()
+    # the store it owned is closed and the module state is reset all the same
+    assert not dist.is_initialized()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), 5):
+        pass
+    dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()
