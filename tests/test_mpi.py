@@ -45,40 +45,24 @@ def _script(tmp_path: Path, body: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_conformance_suite_under_mpiexec(n):
-    done = mpiexec(
-        n,
-        sys.executable,
-        "-m",
-        "tests.mpi_world",
-        "tests/test_collectives.py",
-        "-q",
-        "-x",
-        "-p",
-        "no:cacheprovider",
-    )
+def _suite_under_mpiexec(n: int, path: str) -> None:
+    """Run the test module `path` on n ranks under mpiexec (tests.mpi_world's World)."""
+    done = mpiexec(n, sys.executable, "-m", "tests.mpi_world", path, "-q", "-x",
+                   "-p", "no:cacheprovider")
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_conformance_suite_under_mpiexec(n):
+    _suite_under_mpiexec(n, "tests/test_collectives.py")
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_scalars_and_quiet_reductions_under_mpiexec(n):
     # 0-d arrays in every op, the numpy-scalar TypeError, and reductions that overflow
     # without a warning (a warning raised in mpi4py's float16 reduction aborts the job)
-    done = mpiexec(
-        n,
-        sys.executable,
-        "-m",
-        "tests.mpi_world",
-        "tests/test_scalars_and_warnings.py",
-        "-q",
-        "-x",
-        "-p",
-        "no:cacheprovider",
-    )
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
+    _suite_under_mpiexec(n, "tests/test_scalars_and_warnings.py")
 
 
 def test_init_takes_rank_and_size_from_mpi(tmp_path):
