@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -89,21 +90,28 @@ def _world_params() -> list[tuple]:
     return [(b, n, env) for b, env in cpu_variants() for n in WORLD_SIZES]
 
 
-@pytest.fixture(
-    scope="session",
-    params=_world_params(),
-    ids=lambda p: "mpi" if p[0] == "mpi" else _variant_id(p),
-)
-def world(request):
-    """A persistent initialised world; tests run functions on all its ranks."""
+def world_id(param: tuple) -> str:
+    """A world fixture's test id: "mpi" under mpiexec, else backend, size and variant."""
+    return "mpi" if param[0] == "mpi" else _variant_id(param)
+
+
+def open_world(param: tuple) -> Iterator[World]:
+    """A world fixture's body: the mpiexec job's ranks under tests/test_mpi.py, else a
+    World of `param` (backend, size, environment), closed after its tests."""
     if UNDER_MPIEXEC:
         from tests.mpi_world import MpiWorld
 
         w = MpiWorld()
     else:
-        w = World(*request.param)
+        w = World(*param)
     yield w
     w.close()
+
+
+@pytest.fixture(scope="session", params=_world_params(), ids=world_id)
+def world(request):
+    """A persistent initialised world; tests run functions on all its ranks."""
+    yield from open_world(request.param)
 
 
 @pytest.fixture

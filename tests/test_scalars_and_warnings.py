@@ -21,7 +21,7 @@ import pytest
 import distcomm as dist
 from distcomm.ops import ReduceOp
 from distcomm.parallel import threads
-from tests.conftest import UNDER_MPIEXEC, World, _variant_id, cpu_variants
+from tests.conftest import UNDER_MPIEXEC, cpu_variants, open_world, world_id
 from tests.test_collectives import ALL_DTYPES, check, expected_reduction, valid, values
 
 SIZES = (2, 3)
@@ -33,19 +33,11 @@ def _params() -> list[tuple]:
     return [(b, n, env) for b, env in cpu_variants() for n in SIZES]
 
 
-@pytest.fixture(scope="module", params=_params(),
-                ids=lambda p: "mpi" if p[0] == "mpi" else _variant_id(p))
+@pytest.fixture(scope="module", params=_params(), ids=world_id)
 def world(request):
     """gloo (shared memory, TCP only, two pretend hosts) and tcp at 2 and 3 ranks; the
     mpiexec job's ranks under tests/test_mpi.py."""
-    if UNDER_MPIEXEC:
-        from tests.mpi_world import MpiWorld
-
-        w = MpiWorld()
-    else:
-        w = World(*request.param)
-    yield w
-    w.close()
+    yield from open_world(request.param)
 
 
 def _zero_d(dtype: str, r: int, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
