@@ -636,10 +636,23 @@ def test_wait_timeout_aborts_the_communicator(cuda, make_cluster):
     cluster = make_cluster(2)
     issued = _hung(cuda, cluster)
     ops = len(cuda.calls(NCCL_CALLS))
-    cluster.run(_wait_timeout, issued)
+    # one rank at a time: when both waited at once, a rank descheduled past the other's
+    # timeout could read its abort notice first (an error naming that rank, not a timeout)
+    cluster.run(_wait_timeout, issued, ranks=[0])
+    cluster.run(_timed_out_or_told, issued, ranks=[1])
     assert len(cuda.calls(NCCL_CALLS)) == ops, "an aborted group reached NCCL"
     cluster.shutdown()
     assert not cuda.calls("destroy"), "an aborted communicator was destroyed"
+
+
+def _timed_out_or_told(me: Rank, issued: list) -> None:
+    """The rank after the first to time out: its own wait times out, or its watchdog read
+    the first one's abort notice first; either way the group refuses new operations."""
+    _, work = issued[me.rank]
+    with pytest.raises(DistError, match=r"did not complete within 0\.2 s|another rank aborted"):
+        work.wait(timeout=0.2)
+    with pytest.raises(DistError, match="aborted"):
+        me.backend.all_reduce(me.cp.ones(1, me.cp.float32), SUM)
 
 
 def _wait_for_failure(me: Rank, issued: list, error: type, text: str | None) -> str:
