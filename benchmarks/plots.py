@@ -18,6 +18,13 @@ on the plot ("failed in 5 of 5 runs", with the error), never drawn as zero.
     python benchmarks/plots.py store store.csv --png store.png
     python benchmarks/launcher.py --csv launcher.csv --png launcher.png
     python benchmarks/plots.py launcher launcher.csv --png launcher.png
+    python benchmarks/scale.py --csv scale.csv --png scale.png
+    python benchmarks/plots.py scale scale.csv --png scale.png
+
+`scale(rows, path)` draws `benchmarks/scale.py`: each measure against the number of ranks
+(log scale), one line per backend through the medians over the ranks, the maxima dotted; a
+configuration that failed keeps the points its ranks measured before the failure and is
+listed under the picture.
 """
 
 from __future__ import annotations
@@ -371,6 +378,60 @@ def launcher(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     _finish(fig, plt, path, heading + (f"\n{title}" if title else ""), SPREAD_NOTE)
 
 
+#: The measures of benchmarks/scale.py, one panel each: (column prefix, panel title).
+SCALE_PANELS = (
+    ("init_s", "init_process_group (s)"),
+    ("first_all_reduce_ms", "first 8-byte all_reduce (ms)"),
+    ("all_reduce_us", "8-byte all_reduce (us)"),
+    ("barrier_us", "barrier (us)"),
+    ("threads_os", "threads per rank (kernel)"),
+    ("sockets", "sockets per rank"),
+    ("rss_mib", "RSS per rank (MiB)"),
+    ("store_requests_init", "store requests per rank, init"),
+    ("store_requests_new_group", "store requests per rank, new_group"),
+)
+
+
+def scale(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Each measure of benchmarks/scale.py against N: one line per backend (medians over
+    the ranks; the maxima dotted in the same colour), x and y log-scaled."""
+    plt = _pyplot()
+    labels = _labels(rows)
+    columns = 3
+    lines = -(-len(SCALE_PANELS) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 3.6 * lines),
+                             squeeze=False)
+    failed = sorted({f"{row['label']}, {row['nprocs']} ranks: {row['status']}"
+                     for row in rows if row.get("status") not in ("ok", None)})
+    for ax, (key, heading) in zip(axes.flat, SCALE_PANELS, strict=False):
+        for j, label in enumerate(labels):
+            points = sorted((int(row["nprocs"]), _number(row.get(f"{key}_median")),
+                             _number(row.get(f"{key}_max")))
+                            for row in rows if row["label"] == label)
+            points = [p for p in points if p[1] is not None]
+            if not points:
+                continue
+            xs = [p[0] for p in points]
+            ax.plot(xs, [p[1] for p in points], color=f"C{j % 10}", marker="os^Dv"[j % 5],
+                    label=label)
+            ax.plot(xs, [p[2] for p in points], color=f"C{j % 10}", linestyle=":",
+                    linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("symlog" if key.startswith("store") else "log")
+        ax.xaxis.set_major_formatter(_plain)
+        ax.set_title(heading, fontsize="medium")
+        ax.set_xlabel("ranks")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(SCALE_PANELS):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize="small")
+    note = "solid: median over the ranks; dotted: the slowest / largest rank."
+    if failed:
+        note += " Failed (drawn up to the step that failed): " + "; ".join(failed)
+    _finish(fig, plt, path, "Cost per rank against the number of ranks"
+            + (f"\n{title}" if title else ""), note)
+
+
 def write_csv(rows: list[dict[str, Any]], path: str, fields: Sequence[str]) -> None:
     """Write `rows` to `path` with a header of `fields` (None as an empty cell)."""
     with open(path, "w", newline="") as f:
@@ -391,7 +452,7 @@ def read_csv(paths: Iterable[str]) -> list[dict[str, Any]]:
 
 #: What draws the rows of each benchmark's CSV files.
 KINDS: dict[str, Callable[[list[dict[str, Any]], str, str], None]] = {
-    "collectives": collectives, "store": store, "launcher": launcher}
+    "collectives": collectives, "store": store, "launcher": launcher, "scale": scale}
 
 
 def main(argv: list[str] | None = None) -> int:

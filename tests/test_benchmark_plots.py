@@ -197,3 +197,19 @@ def test_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
         store.parse_args(["--png", str(tmp_path / "x.png"), "--impl", "ours"])
     assert 'pip install -e ".[bench]"' in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+# -- benchmarks/scale.py: each measure against the number of ranks ---------------------------
+
+
+def test_the_scale_plot_is_written_with_a_failed_configuration(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plots need matplotlib (the bench extra)")
+    rows = [{"backend": "tcp", "label": "distcomm tcp", "nprocs": str(n), "status": "ok",
+             **{f"{key}_{stat}": str(n + (stat == "max"))
+                for key, _ in plots.SCALE_PANELS for stat in ("median", "max")}}
+            for n in (2, 4, 8)]
+    rows.append({"backend": "gloo", "label": "distcomm gloo", "nprocs": "8",
+                 "status": "failed", "init_s_median": "", "init_s_max": ""})
+    path = tmp_path / "scale.png"
+    plots.scale(rows, str(path), "test")
+    assert_png(path)
