@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import logging
+import os
+import resource
 import socket
 import warnings
 
@@ -12,14 +15,21 @@ from .errors import DistNetworkError
 
 __all__ = [
     "connect",
+    "descriptor_shortage",
     "format_address",
     "interface_address",
     "is_loopback",
     "listen",
     "recv_exact",
+    "reserve_descriptors",
     "set_keepalive",
     "split_address",
 ]
+
+log = logging.getLogger(__name__)
+
+#: descriptors kept free beyond what a caller of `reserve_descriptors` asks for
+_SPARE_DESCRIPTORS = 64
 
 # Errors that mean "nobody listens there yet": a client retries them until its deadline.
 _RETRY_ERRNOS = {
@@ -82,6 +92,65 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _open_descriptors() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def descriptor_shortage(exc: OSError, action: str) -> str | None:
+    """For EMFILE/ENFILE, what ran out and what to do; None for any other error.
+
+    Args:
+        exc: the error a call that makes a descriptor raised.
+        action: what was being done ("connect to rank 3 at 10.0.0.2:41234").
+    """
+    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+        return None
+    if exc.errno == errno.ENFILE:
+        return (f"cannot {action}: the system is out of file descriptors (fs.file-max); "
+                "close other programs or raise fs.file-max (sysctl)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    count = _open_descriptors()
+    in_use = f"{count} in use" if count is not None else "all in use"
+    return (f"cannot {action}: this process is out of file descriptors (RLIMIT_NOFILE: "
+            f"soft limit {soft}, hard limit {hard}, {in_use}). Each connection to a peer "
+            "takes one: raise the limit in the shell or batch script that starts the job "
+            f"(ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}; a hard "
+            "limit is raised by the administrator, e.g. in /etc/security/limits.conf)")
+
+
+def reserve_descriptors(count: int, what: str) -> None:
+    """Make room for `count` more descriptors: where the soft RLIMIT_NOFILE is below what
+    is open now plus `count` (and a margin), raise it to the hard limit, as MPI libraries
+    do; where even the hard limit is too low, warn, naming both and `ulimit -n`.
+
+    Args:
+        what: who needs them, for the warning ("[rank 3/2048] tcp set-up").
+    """
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return
+    in_use = _open_descriptors() or 0
+    need = in_use + count + _SPARE_DESCRIPTORS
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning(
+            "%s: may need %d file descriptors (%d open, %d more for its connections), more "
+            "than RLIMIT_NOFILE allows (soft %d, hard %d): connections will fail once it is "
+            "reached. Raise it in the shell or batch script that starts the job (ulimit -n)",
+            what, need, in_use, count, soft, hard)
+
+
 def listen(
     host: str,
     port: int = 0,
@@ -100,7 +169,13 @@ def listen(
     Raises:
         DistNetworkError: the address cannot be bound (in use, not local, unresolvable).
     """
-    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    except OSError as exc:
+        short = descriptor_shortage(exc, f"listen on {format_address(host, port)}")
+        if short is None:
+            raise
+        raise DistNetworkError(short) from exc
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -182,6 +257,9 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "peer") -> soc
         except socket.gaierror as exc:
             raise DistNetworkError(f"cannot resolve host {host!r}: {exc.strerror}") from exc
         except OSError as exc:
+            short = descriptor_shortage(exc, f"connect to {what} at {address}")
+            if short is not None:
+                raise DistNetworkError(short) from exc
             if exc.errno not in _RETRY_ERRNOS and not isinstance(exc, socket.timeout):
                 raise DistNetworkError(
                     f"could not connect to {what} at {address}: {exc.strerror or exc}"

@@ -44,6 +44,7 @@ def connect_mesh(
         DistTimeoutError: a peer did not publish its address or connect in time.
         DistNetworkError: connecting to a peer failed.
     """
+    net.reserve_descriptors(size, label)  # a listener, and a socket per peer
     setup = _MeshSetup(rank, size, label, key)
     return setup.connect(store, setup_round(store, "tcp/joined", size), deadline)
 
@@ -174,7 +175,10 @@ class _MeshSetup:
                     sock, _ = listener.accept()
                 except TimeoutError:
                     continue
-                except OSError:
+                except OSError as exc:
+                    short = net.descriptor_shortage(exc, "accept a connection from a peer")
+                    if short is not None:
+                        raise DistNetworkError(f"{self._label}: {short}") from exc
                     return  # the listener was closed: setup gave up
                 peer = self._admit(sock, generation, deadline, expected, accepted)
                 if peer is None:
