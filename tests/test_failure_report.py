@@ -465,3 +465,25 @@ def test_the_exception_hook_chains_to_the_hook_before_it(tmp_path):
         assert data["message"]["message"] == "ValueError: bad value"
         assert 'raise ValueError("bad value")' in data["message"]["extraInfo"]["py_callstack"]
         assert f"error_file: {error_file}" in res.stderr
+
+
+PRINTS_AT_ONCE = """
+    import os
+    rank = os.environ["RANK"]
+    for i in range(3000):  # a line in pieces, as print under -u writes text, then newline
+        for piece in (f"rank {rank} ", f"line {i} ", "x" * 40, "\\n"):
+            os.write(1, piece.encode())
+            os.sched_yield()
+"""
+
+
+def test_printed_lines_of_ranks_printing_at_once_never_mix(tmp_path):
+    """stdout, unprefixed and not teed, reaches the console as whole lines of one rank."""
+    path = script(tmp_path / "prints.py", PRINTS_AT_ONCE)
+    res = run_launcher(["--standalone", "--nproc_per_node=3", path.name], tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    whole = re.compile(r"rank [012] line \d+ x{40}")
+    assert all(whole.fullmatch(line) for line in lines), [
+        line for line in lines if not whole.fullmatch(line)][:5]
+    assert len(lines) == 9000, len(lines)

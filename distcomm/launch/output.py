@@ -6,9 +6,8 @@ Output follows torchrun's flags. For each worker and stream (stdout, stderr):
   ``stderr.log``) only; the worker writes the file itself (no copying by the agent).
 - ``--tee``: the stream goes to that file and to the agent's console, each console line
   starting with the worker's prefix (e.g. ``[default0]:``).
-- neither: the stream reaches the console. Without a prefix the worker inherits the agent's
-  stdout (no copying); with one, the agent copies it line by line, prefixed. The agent
-  copies stderr line by line in either case (see below).
+- neither: the stream reaches the console: the agent copies it line by line, prefixed
+  when a prefix is given (stderr also feeds the failure report's tail; see below).
 - ``--local_ranks_filter``: ranks left out never reach the console (their stdout goes to
   /dev/null, their stderr only to the agent's tail, unless redirected or teed, which
   still write the files).
@@ -18,8 +17,8 @@ Output follows torchrun's flags. For each worker and stream (stdout, stderr):
   file for all the node's workers. As in torchrun, only teed streams are filtered: lines
   of a stream that is not teed, or of a rank left out by ``--local_ranks_filter``, are not.
 
-Prefixed lines are written whole under one lock, so lines of different workers never mix
-within a line. A partial last line is written once the worker ends, or after
+Lines are written whole under one lock, so lines of different workers never mix within
+a line. A partial last line is written once the worker ends, or after
 `PARTIAL_LINE_FLUSH_S` without more output, or once it reaches `MAX_LINE_BYTES`. Output
 is handled as bytes, so any encoding passes through unchanged.
 

@@ -4,7 +4,8 @@ Where each worker's stdout and stderr go (``--redirects``, ``--tee``, ``--local_
 the duplicate filters) is `output.py`'s job; this module starts the workers with those
 streams, watches them and ends them. A worker's stderr passes through the agent unless it
 goes only to its log file, so that the agent keeps its last lines for the failure report
-(`stderr_tail`); `poll` notes when it first saw each worker end (`exit_time`).
+(`stderr_tail`); its stdout does too when it reaches the console, so that the console gets
+whole lines from every worker; `poll` notes when it first saw each worker end (`exit_time`).
 
 Every worker gets an error file ``<log_dir>/<local_rank>/error.json`` for `@record`
 (``DISTCOMM_ERROR_FILE`` and ``TORCHELASTIC_ERROR_FILE`` in its environment). With no
@@ -102,9 +103,9 @@ class WorkerProcesses:
         tee: local rank -> streams sent to its log files and the console (missing: NONE).
         console_ranks: the local ranks whose output may reach the console; None for all.
         prefixes: local rank -> the text starting each of its console lines ("" or missing:
-            the worker writes its stdout to the console directly, and the agent copies its
-            stderr, unprefixed; teed streams are always copied, and prefixed when a prefix
-            is given).
+            the agent copies the worker's stdout and stderr to the console unprefixed, a
+            line at a time; teed streams are copied too, and prefixed when a prefix is
+            given).
         duplicate_filters: stream ("stdout", "stderr") -> filter strings: the teed lines
             shown on the console that contain one go, prefixed, to
             ``<log_dir>/filtered_<stream>.log`` too (created when the list is not empty).
@@ -240,11 +241,11 @@ class WorkerProcesses:
                     pumps[name] = (file, True)
                 elif file is not None:
                     targets[name] = file
-                elif name == "stderr":  # through the agent, which keeps its tail
+                elif name == "stderr" or to_console:
+                    # through the agent, which writes whole lines to the console (so lines
+                    # of different workers never mix) and keeps stderr's tail
                     targets[name] = subprocess.PIPE
                     pumps[name] = (None, to_console)
-                elif to_console:
-                    targets[name] = None  # inherited: the worker writes to our console
                 else:
                     targets[name] = subprocess.DEVNULL
             argv = self._commands[local_rank]
