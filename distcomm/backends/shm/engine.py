@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ...errors import DistBackendError, DistTimeoutError
+from ...errors import DistBackendError, DistNetworkError, DistTimeoutError
 from ...ops import UFUNCS, ReduceOp, average_into, quiet, reduce_into
 from ...parallel import parallel_for
 from ..protocol import Call, Failure, Signature, mismatch_message
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 _AVG = ReduceOp.AVG  # a module global: faster to reach than the enum's attribute
 _MOD, _HALF = 1 << 31, 1 << 30  # counters are 31-bit and compared modulo
 _STRIDE = 128  # bytes per rank of counters: arrival and completion on separate lines
+_LEFT = 1  # the word after a rank's arrival counter: 1 once it has left the group
 _META = 64  # per-slot header: op, dtype, redop, root, count, in, out, flags (int64)
 _META_FORMAT = struct.Struct("=8q")
 _SIGNATURE_BYTES = 5 * 8  # the first five fields: the collective's Signature
@@ -129,6 +130,7 @@ class IntraNode:
         self._flag_words = self._flags.cast("q")
         self._arrive_at = [self._word(r, "arrive") for r in range(size)]
         self._finish_at = [self._word(r, "finish") for r in range(size)]
+        self._left_at = [self._word(r, "arrive") + _LEFT for r in range(size)]
         self._slot_at = [[self._slot_offset(g, r) for r in range(size)] for g in (0, 1)]
         self._payloads = [
             [segment.bytes[at + self._header : at + self._header + self.INLINE_MAX]
@@ -211,8 +213,12 @@ class IntraNode:
                 continue
             # `peer` counts this host's ranks; the watch knows the group's
             failure = self._watch.failed(self.names[peer])
+            if failure is None and words[self._left_at[peer]]:
+                name = self.names[peer]
+                failure = Failure(DistNetworkError, f"rank {name} has left the group "
+                                  "(destroy_process_group or exit)", (name,))
             if failure is not None:
-                raise failure.kind(f"{call.describe}: {failure.message}")
+                raise failure.error(f"{call.describe}: ")
             left = call.deadline.remaining()
             if left is not None and left <= 0:
                 why = (
@@ -566,5 +572,12 @@ class IntraNode:
         self._payloads, self._typed = [], {}
 
     def close(self) -> None:
+        """Leave: say so in the segment (peers waiting for this rank fail at once, naming
+        it), then unmap it."""
+        left = self._left_at[self.rank]
+        self._words[left] = 1
+        store_load_fence()
+        for index in (left, self._arrive_at[self.rank], self._finish_at[self.rank]):
+            futex_wake(self._segment.address + 4 * index)
         self.release_views()
         self._segment.close()
