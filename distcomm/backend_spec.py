@@ -84,9 +84,11 @@ def spec_text(spec: dict[str, str]) -> str:
 
 
 def create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
-                    timeout: float, name: str, members: list[int]) -> dict[str, Backend]:
+                    timeout: float, name: str, members: list[int],
+                    process_store: Store | None = None) -> dict[str, Backend]:
     """A group's backends, one per device of `spec`, once every rank of the group has
-    asked for the same ones (`check_same_backends`).
+    asked for the same ones (`check_same_backends`). `process_store`: the job's store
+    (`BackendOptions.process_store`).
 
     Raises:
         ValueError: the ranks asked for different backends.
@@ -102,7 +104,7 @@ def create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
             if backend_name not in shared:
                 shared[backend_name] = create_backend(
                     backend_name, PrefixStore(backend_name, store), rank, size, timeout, name,
-                    members)
+                    members, process_store)
             backend = shared[backend_name]
             if device == "cuda" and backend.stages_device_arrays:
                 backend = StagedBackend(backend)  # CuPy arrays through pinned host memory

@@ -279,7 +279,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         try:
             backends = create_backends(spec, PrefixStore("distcomm/0", rdzv.store),
                                         rdzv.rank, rdzv.world_size, seconds, name,
-                                        list(range(rdzv.world_size)))
+                                        list(range(rdzv.world_size)), rdzv.store)
         except BaseException:
             if owns:
                 rdzv.store.close()
@@ -478,7 +478,7 @@ def _make_group(members: list[int], me: int, group_id: str, name: str, spec: dic
     if group_rank >= 0:
         backends = create_backends(spec, PrefixStore(f"distcomm/{group_id}", _world.store),
                                     group_rank, len(members), seconds, name,
-                                    [process_ranks[m] for m in members])
+                                    [process_ranks[m] for m in members], _world.store)
     log.info("group %r: ranks %s, this rank %s", name, members,
              group_rank if group_rank >= 0 else "not a member")
     return ProcessGroup(name, members, group_rank, backends, spec_text(spec), seconds, me,

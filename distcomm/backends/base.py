@@ -141,6 +141,10 @@ class BackendOptions:
         global_ranks_in_group: the group's ranks in the world, in group-rank order: the
             processes' ranks when the job started (a shrunk world renumbers its groups,
             not its processes).
+        process_store: the job's store, the same for every group of the job (None: the
+            group was made outside a job's world), where a backend may keep what is per
+            process rather than per group (tcp and gloo publish each process's address
+            there once). Not in torch.
     """
 
     store: Store
@@ -149,6 +153,7 @@ class BackendOptions:
     timeout: float
     group_id: str = ""
     global_ranks_in_group: tuple[int, ...] = ()
+    process_store: Store | None = None
 
 
 class Backend(ABC):
