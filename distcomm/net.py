@@ -232,11 +232,15 @@ def set_keepalive(
         )
 
 
-def connect(host: str, port: int, deadline: Deadline, what: str = "peer") -> socket.socket:
+def connect(host: str, port: int, deadline: Deadline, what: str = "peer", *,
+            retry_refused: bool = True) -> socket.socket:
     """Connect to `host:port`, retrying refused connections until `deadline`.
 
     Args:
         what: who listens there, for error messages ("the store", "rank 3").
+        retry_refused: False where the address was published after its socket listened,
+            so that a refusal means the listener is gone: it raises at once (the
+            exception's `__cause__` is the ConnectionRefusedError).
 
     Raises:
         DistNetworkError: no connection could be made before the deadline.
@@ -260,7 +264,8 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "peer") -> soc
             short = descriptor_shortage(exc, f"connect to {what} at {address}")
             if short is not None:
                 raise DistNetworkError(short) from exc
-            if exc.errno not in _RETRY_ERRNOS and not isinstance(exc, socket.timeout):
+            if (exc.errno not in _RETRY_ERRNOS and not isinstance(exc, socket.timeout)) or (
+                    not retry_refused and exc.errno == errno.ECONNREFUSED):
                 raise DistNetworkError(
                     f"could not connect to {what} at {address}: {exc.strerror or exc}"
                 ) from exc

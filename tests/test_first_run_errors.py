@@ -17,7 +17,6 @@ import pytest
 
 import distcomm as dist
 from distcomm.backends.shm.setup import same_host_setup
-from distcomm.backends.transport.mesh import connect_mesh
 from distcomm.deadline import Deadline
 from distcomm.store import HashStore, PrefixStore, TCPStore
 from distcomm.store.ranks import wait_for_ranks
@@ -134,25 +133,6 @@ def test_the_shared_memory_setup_names_the_rank_it_waits_for(server, warnings):
     lines = _still_waiting(warnings)
     assert lines and all("missing rank(s) 1." in line for line in lines), lines
     assert not [r for r in warnings.records if "has waited" in r.getMessage()]  # no raw key
-
-
-def test_the_tcp_mesh_names_the_ranks_it_waits_for(server, warnings):
-    store = PrefixStore("distcomm/0/tcp", server)
-    # rank 1 of 3: rank 0 never publishes its address
-    with pytest.raises(dist.DistTimeoutError) as caught:
-        connect_mesh(store, 1, 3, Deadline(1.5), "[rank 1/3] tcp backend", None)
-    message = str(caught.value)
-    assert "[rank 1/3] tcp backend: only 0 of 1 ranks published their address" in message
-    assert "rank(s) 0 never did" in message and "distcomm/" not in message, message
-    assert any("missing rank(s) 0." in line for line in _still_waiting(warnings))
-    warnings.clear()
-    # rank 0 of 3: ranks 1 and 2 never connect
-    with pytest.raises(dist.DistTimeoutError) as caught:
-        connect_mesh(PrefixStore("again", store), 0, 3, Deadline(1.5), "[rank 0/3] tcp", None)
-    assert "rank(s) 1, 2 did not connect" in str(caught.value)
-    lines = _still_waiting(warnings)
-    assert lines and all("connected to this rank; missing rank(s) 1, 2." in line
-                         for line in lines), lines
 
 
 def test_a_wait_whose_ranks_have_all_come_warns_of_no_missing_rank(warnings):

@@ -19,7 +19,7 @@ back), as the original gloo did for CUDA tensors: the group wraps this backend i
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import config
@@ -55,19 +55,22 @@ class GlooBackend(TcpBackend):
     tuning_preset = algo.Tuning.tuned()
 
     def __init__(
-        self, store: Store, rank: int, size: int, timeout: float, group_name: str = ""
+        self, store: Store, rank: int, size: int, timeout: float, group_name: str = "", *,
+        global_ranks: Sequence[int] | None = None, process_store: Store | None = None,
     ) -> None:
         self._mode = transport_mode()
-        super().__init__(store, rank, size, timeout, group_name)
+        super().__init__(store, rank, size, timeout, group_name, global_ranks=global_ranks,
+                         process_store=process_store)
 
     def _choose_path(self, store: Store) -> Any:
         if self.size == 1:
             return self._tcp
         layout = same_host_setup(store, self.rank, self.size, Deadline(self.timeout), self._mode,
-                                 self.describe("setup"))
+                                 self.describe("setup"), self._transport.generation)
         if isinstance(layout, str):
             log.info("%s: collectives over TCP: %s", self.describe("setup"), layout)
             return self._tcp
+        self._transport.watch_processes(dict(zip(layout.local, layout.pids, strict=True)))
         engine = None
         if layout.segment is not None:
             engine = IntraNode(

@@ -193,8 +193,9 @@ class Header(NamedTuple):
     count: int = 0
     nbytes: int = 0
 
-    #: bytes on the wire
+    #: bytes on the wire, and their struct format
     SIZE = _HEADER.size
+    FORMAT = _HEADER.format
 
     @classmethod
     def collective(

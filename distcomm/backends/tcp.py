@@ -15,7 +15,7 @@ from ..ops import ReduceOp
 from ..store.base import Store
 from ..work import Work
 from . import algorithms as algo
-from .base import Backend
+from .base import Backend, BackendOptions
 from .paths import TcpPath
 from .protocol import NO_REDOP, OP_CODES, P2P, Failure, Header, Signature, as_bytes
 from .runner import Runner
@@ -27,10 +27,11 @@ __all__ = ["TcpBackend"]
 
 
 class TcpBackend(Backend):
-    """Portable baseline backend: TCP between every pair of ranks, CPU arrays.
+    """Portable baseline backend: TCP between the ranks that talk, CPU arrays.
 
-    The backend is three parts: the TCP transport (one connection per pair of ranks,
-    and the mailbox that matches incoming messages), the `Runner` (issue order,
+    The backend is three parts: the TCP transport (the group's channel on the process's
+    connections, made on first use and shared by every group, and the mailbox that
+    matches incoming messages), the `Runner` (issue order,
     sequence numbers, `Work`, timeouts, aborts) and the path its collectives take,
     chosen once in `_choose_path`: here always `TcpPath`, the algorithm `self.tuning`
     picks (the class's `tuning_preset` with DISTCOMM_TUNING applied) over TCP. A
@@ -44,13 +45,15 @@ class TcpBackend(Backend):
     tuning_preset: ClassVar[algo.Tuning] = algo.Tuning.simple()
 
     def __init__(
-        self, store: Store, rank: int, size: int, timeout: float, group_name: str = ""
+        self, store: Store, rank: int, size: int, timeout: float, group_name: str = "", *,
+        global_ranks: Sequence[int] | None = None, process_store: Store | None = None,
     ) -> None:
         super().__init__(store, rank, size, timeout, group_name)
         self.tuning = algo.Tuning.from_env(self.tuning_preset)
         label = f"{self.label()} {self.name} backend (group '{self.group_name}')"
         self._transport = TcpTransport(
-            store, rank, size, Deadline(timeout), label, link_timeout=link_timeout(timeout)
+            store, rank, size, Deadline(timeout), label, link_timeout=link_timeout(timeout),
+            global_ranks=global_ranks, process_store=process_store,
         )
         self._runner = Runner(self._transport, self.name, self.describe, timeout)
         self._scratch = ScratchPool()
@@ -61,6 +64,16 @@ class TcpBackend(Backend):
         except BaseException:
             self.shutdown()
             raise
+
+    @classmethod
+    def from_options(cls, options: BackendOptions, pg_options: Any = None) -> TcpBackend:
+        """The backend of one group: its ranks' process ranks and the job's store let it
+        share the process's connections with the other groups (`transport/fabric.py`)."""
+        return cls(
+            options.store, options.group_rank, options.group_size, options.timeout,
+            options.group_id, global_ranks=options.global_ranks_in_group or None,
+            process_store=options.process_store,
+        )
 
     def _choose_path(self, store: Store) -> Any:
         """The path every collective of this group takes (see `paths.py`)."""

@@ -57,6 +57,8 @@ _PEER_FAILURE = re.compile(
     r"rank (?P<closed>\d+) closed the connection"
     r"|rank (?P<aborted>\d+) aborted the group"
     r"|rank (?P<left>\d+) has left the group"
+    r"|rank (?P<ended>\d+)'s process ended"
+    r"|rank (?P<gone>\d+) is gone"
     r"|the link to rank (?P<link>\d+)(?: \([^)]*\))? failed"
     r"|the connection to rank (?P<connection>\d+) failed"
     r"|another rank aborted the group \((?:rank (?P<notice>\d+))?"

@@ -49,18 +49,22 @@ class HostLayout:
 
 
 def same_host_setup(
-    store: Store, rank: int, size: int, deadline: Deadline, mode: str, label: str = ""
+    store: Store, rank: int, size: int, deadline: Deadline, mode: str, label: str = "",
+    generation: int | None = None,
 ) -> HostLayout | str:
     """Agree with the peers which ranks share a host, and map each host's segment.
 
     Returns the layout, or the reason shared memory is not used at all (every rank gets
     the same answer). `mode` is "auto", or "tcp" to decline; `label` says who sets up
-    what, for messages ("[rank 1/4] setup on 'gloo' (group 'default')").
+    what, for messages ("[rank 1/4] setup on 'gloo' (group 'default')"). `generation`:
+    the number of this set-up of the group on `store`, where the caller already counted
+    it (else it is counted here).
 
     Raises:
         DistTimeoutError: a peer did not take its part in time; the message names it.
     """
-    generation = setup_round(store, "gloo/joined", size)
+    if generation is None:
+        generation = setup_round(store, "gloo/joined", size)
     key = f"gloo/{generation}"
     label = label or f"[rank {rank}/{size}] gloo set-up"
     hint = ("did every rank of the group call init_process_group (or new_group) with the "

@@ -1,8 +1,10 @@
 """Moving headed messages between the ranks of a group: the Transport contract and TCP.
 
-`base.Transport` is the contract; `tcp.TcpTransport` implements it over one connection
-per pair of ranks, which `mesh.connect_mesh` sets up through the store; `mailbox`
-matches receives to messages; `exchange.Exchange` is a collective's view of a transport.
+`base.Transport` is the contract; `tcp.TcpTransport` implements it for one group as a
+channel on the process's `fabric.Fabric` (one I/O thread and one connection per peer
+process, made on first use and shared by every group); `links` watches the connections;
+`mailbox` matches receives to messages; `exchange.Exchange` is a collective's view of a
+transport.
 """
 
 from .base import Transport

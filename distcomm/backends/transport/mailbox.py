@@ -95,6 +95,8 @@ class Mailbox:
         self._statuses: dict[int, tuple[int, int]] = {}
         #: peer -> when this rank last took a point-to-point message from it (`claim`)
         self.p2p_taken: dict[int, float] = {}
+        #: called after every posted receive (the transport's reader may wait for one)
+        self.on_post: Callable[[], None] | None = None
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -142,6 +144,8 @@ class Mailbox:
                             self._posted.setdefault(key, deque()).append(recv)
                         if self._waiting_readers:
                             self._posted_cond.notify_all()
+                        if self.on_post is not None:
+                            self.on_post()
                         return recv
         if found is not None:
             if key[0] == P2P:
@@ -224,6 +228,22 @@ class Mailbox:
             finally:
                 self._waiting_readers -= 1
             return recv
+
+    def worth_waiting(self, peer: int, header: Header, most: float) -> float:
+        """How long (at most `most` seconds, 0: not at all) a reader that found no receive
+        for this message may hold it back for one to be posted, so that a large payload
+        lands in place instead of being buffered and copied (see `claim`)."""
+        with self.lock:
+            if self.failure is not None:
+                return 0.0
+            if header.kind == COLL:
+                return most if self._expected_soon(header) else 0.0
+            left = self.p2p_taken.get(peer, -P2P_STREAM) + P2P_STREAM - time.monotonic()
+            return min(most, left) if left > 0 else 0.0
+
+    def has_left(self, peer: int) -> bool:
+        """Whether `peer` left the group cleanly (no lock: a send's quick check)."""
+        return peer in self._gone
 
     def _expected_soon(self, header: Header) -> bool:
         # the next collective too while this one still runs: a peer's reader is usually
