@@ -263,6 +263,16 @@ _registry: dict[tuple[int, int], Fabric] = {}
 _registry_lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's I/O threads: it opens fabrics of its own."""
+    global _registry_lock
+    _registry.clear()
+    _registry_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def attach(store: Store, prank: int, link_timeout: float, deadline: Deadline) -> Fabric:
     """The fabric of process rank `prank` on `store` (the job's store), opened if needed;
     every `attach` is matched by one `Fabric.release`.
