@@ -470,12 +470,11 @@ def test_agent_killed_survivors_reform_and_finish(tmp_path):
 # -- a link goes down and comes back -----------------------------------------------------------
 
 STALLED = re.compile(
-    r"\[rank (\d+)/\d+\] gloo backend \(group 'default'\): the link to rank "
-    r"(\d+) \((\S+)\) has stalled: (.*)"
+    r"\[rank (\d+)\] tcp transport: the link to rank (\d+) \((\S+)\) has stalled: (.*)"
 )
 RECOVERED = re.compile(
-    r"\[rank (\d+)/\d+\] gloo backend \(group 'default'\): the link to "
-    r"rank (\d+) \((\S+)\) recovered after a stall of ([\d.]+) s"
+    r"\[rank (\d+)\] tcp transport: the link to rank (\d+) \((\S+)\) recovered after a "
+    r"stall of ([\d.]+) s"
 )
 
 

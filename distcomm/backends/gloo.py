@@ -65,12 +65,15 @@ class GlooBackend(TcpBackend):
     def _choose_path(self, store: Store) -> Any:
         if self.size == 1:
             return self._tcp
+        fabric = self._transport.fabric
         layout = same_host_setup(store, self.rank, self.size, Deadline(self.timeout), self._mode,
-                                 self.describe("setup"), self._transport.generation)
+                                 self.describe("setup"), self._transport.generation,
+                                 fabric.address if fabric is not None else "")
         if isinstance(layout, str):
             log.info("%s: collectives over TCP: %s", self.describe("setup"), layout)
             return self._tcp
-        self._transport.watch_processes(dict(zip(layout.local, layout.pids, strict=True)))
+        self._transport.know_local_peers(dict(zip(layout.local, layout.pids, strict=True)),
+                                         dict(zip(layout.local, layout.addresses, strict=True)))
         engine = None
         if layout.segment is not None:
             engine = IntraNode(

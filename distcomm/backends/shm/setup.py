@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,17 +40,19 @@ class HostLayout:
         local: the ranks on this rank's host (one of `hosts`).
         segment: this host's shared segment; None when this rank is alone on its host.
         pids: the process ids of `local`.
+        addresses: the transport addresses of `local` ("" where a rank gave none).
     """
 
     hosts: list[list[int]]
     local: list[int]
     segment: Segment | None
     pids: list[int]
+    addresses: list[str] = field(default_factory=list)
 
 
 def same_host_setup(
     store: Store, rank: int, size: int, deadline: Deadline, mode: str, label: str = "",
-    generation: int | None = None,
+    generation: int | None = None, address: str = "",
 ) -> HostLayout | str:
     """Agree with the peers which ranks share a host, and map each host's segment.
 
@@ -58,7 +60,8 @@ def same_host_setup(
     the same answer). `mode` is "auto", or "tcp" to decline; `label` says who sets up
     what, for messages ("[rank 1/4] setup on 'gloo' (group 'default')"). `generation`:
     the number of this set-up of the group on `store`, where the caller already counted
-    it (else it is counted here).
+    it (else it is counted here). `address`: this rank's transport address, handed to
+    the ranks of its host (`HostLayout.addresses`).
 
     Raises:
         DistTimeoutError: a peer did not take its part in time; the message names it.
@@ -70,7 +73,8 @@ def same_host_setup(
     hint = ("did every rank of the group call init_process_group (or new_group) with the "
             "gloo backend? Look at the missing ranks' output for an error")
     allow_peer_access()
-    store.set(f"{key}/who/{rank}", f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}")
+    store.set(f"{key}/who/{rank}",
+              f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}|{address}")
 
     def gather(name: str, arrived: str) -> list[str]:
         keys = {r: f"{key}/{name}/{r}" for r in range(size)}
@@ -80,7 +84,7 @@ def same_host_setup(
     who = []
     for text in gather("who", "said which host they are on"):
         peer_mode, rest = text.split("|", 1)
-        who.append([peer_mode, *rest.rsplit("|", 2)])  # the host id may hold "|"
+        who.append([peer_mode, *rest.rsplit("|", 3)])  # the host id may hold "|"
     if any(w[0] != "auto" for w in who):
         return "DISTCOMM_GLOO_TRANSPORT=tcp"
     if platform.machine().lower() not in _ORDERED_CPUS:
@@ -126,4 +130,4 @@ def same_host_setup(
         if segment is not None:
             segment.close()
         return failed[0]
-    return HostLayout(hosts, local, segment, pids)
+    return HostLayout(hosts, local, segment, pids, [who[r][4] for r in local])

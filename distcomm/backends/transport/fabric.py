@@ -237,6 +237,17 @@ class Conn:
         return f"rank {self.prank}"
 
 
+def _check_progress(deadline: Deadline, failed: Callable[[], DistError | None],
+                    who: str) -> None:
+    """A send that waits: raise the group's failure, or a timeout once `deadline` passed."""
+    error = failed()
+    if error is not None:
+        raise error
+    if deadline.expired():
+        raise DistTimeoutError(f"sending to {who} made no progress for "
+                               f"{deadline.seconds:.1f} s (is it alive and reading?)")
+
+
 def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie counts as ended)."""
     try:
@@ -355,6 +366,12 @@ class Fabric:
     def remove_channel(self, cid: int) -> None:
         """Stop delivering the channel's messages: later ones are dropped."""
         self._post("remove", cid)
+
+    def learn_addresses(self, addresses: dict[int, str]) -> None:
+        """Addresses of processes (by process rank) learnt elsewhere than the store."""
+        with self._lock:
+            for prank, address in addresses.items():
+                self._addresses.setdefault(prank, net.split_address(address))
 
     def watch_process(self, prank: int, pid: int) -> None:
         """Tell the groups with `prank` when its process, `pid` on this host, ends, whether
@@ -530,13 +547,7 @@ class Fabric:
         if conn.lock.acquire(False):
             return
         while not conn.lock.acquire(timeout=deadline.slice(_SEND_SLICE)):
-            error = failed()
-            if error is not None:
-                raise error
-            if deadline.expired():
-                raise DistTimeoutError(
-                    f"sending to {who} made no progress for {deadline.seconds:.1f} s "
-                    "(is it alive and reading?)")
+            _check_progress(deadline, failed, who)
 
     def _write(self, conn: Conn, views: list[bytes | memoryview], deadline: Deadline,
                failed: Callable[[], DistError | None], who: str) -> None:
@@ -558,13 +569,7 @@ class Fabric:
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
-            error = failed()
-            if error is not None:
-                raise error
-            if deadline.expired():
-                raise DistTimeoutError(
-                    f"sending to {who} made no progress for "
-                    f"{deadline.seconds:.1f} s (is it alive and reading?)")
+            _check_progress(deadline, failed, who)
 
     def control(self, conn: Conn, cid: int, header: Header, payload: bytes = b"") -> bool:
         """Send a small message (an answer, an abort, a goodbye) without blocking long and
@@ -1024,6 +1029,9 @@ class Fabric:
         if fd is not None:
             self._unregister(fd)
             os.close(fd)
+        conn = self._conns.get(prank)
+        if conn is not None and not conn.closed and conn.events & _IN:
+            self._read(conn)  # what it sent before it ended (an abort's reason) comes first
         self._ended.add(prank)
         for channel, rank in self._channels_with(prank):
             channel.peer_ended(rank)

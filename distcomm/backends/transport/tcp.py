@@ -20,9 +20,11 @@ receives from it fail at once, naming it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,7 +65,7 @@ PROBE_ALL = 64
 #: the most distinct aborts (by origin) a rank passes on; more at once is a mass failure
 #: that every rank finds out about by itself
 _ORIGINS = 4
-#: how long passing on an abort may take to dial the members not connected yet
+#: how long passing on an abort may take to dial a member not connected yet
 _TELL_DIAL_S = 5.0
 
 
@@ -203,13 +205,18 @@ class TcpTransport(Transport):
         self.mailbox.peer_gone(rank, Failure(
             DistNetworkError, f"rank {rank}'s process ended (exit or crash?)", (rank,)))
 
-    def watch_processes(self, pids: dict[int, int]) -> None:
-        """Fail waits for a member of this host as soon as its process ends: `pids` maps
-        group ranks on this host to their process ids (the shared-memory set-up's)."""
-        if self.fabric is not None:
-            for rank, pid in pids.items():
-                if rank != self.rank:
-                    self.fabric.watch_process(self._pranks[rank], pid)
+    def know_local_peers(self, pids: dict[int, int], addresses: dict[int, str]) -> None:
+        """The members on this host (the shared-memory set-up's): waits for one fail as
+        soon as its process ends (`pids`: group rank -> process id), and dialling one
+        needs no store (`addresses`: group rank -> its fabric's address), so an abort
+        reaches them even when the store cannot be reached."""
+        if self.fabric is None:
+            return
+        for rank, pid in pids.items():
+            if rank != self.rank:
+                self.fabric.watch_process(self._pranks[rank], pid)
+        self.fabric.learn_addresses({self._pranks[r]: a for r, a in addresses.items()
+                                     if r != self.rank and a})
 
     def peer_lost(self, rank: int, conn: Conn, exc: BaseException) -> None:
         if self._closing or self.fabric is None:
@@ -336,30 +343,31 @@ class TcpTransport(Transport):
         text = (failure.message if reason is None else reason).encode()[:4096]
         header = Header(ABORT, code, root=origin, nbytes=len(text))
         connected = dict(self._members())
-        later = []
+        skip = {tell, origin, *(failure.peers or ())}  # the teller, the origin, the dead
         for rank in sorted(set(connected) | set(_tree_children(self.rank, origin, self.size))):
-            if rank in (tell, origin):
+            if rank in skip:
                 continue
             conn = connected.get(rank)
             if conn is not None:
                 if not conn.gone:
                     self.fabric.control(conn, self.cid, header, text)
             elif not self.mailbox.has_left(rank):
-                later.append(rank)
-        if later:  # dialling blocks: never in the caller's (or the I/O) thread
-            teller = threading.Thread(target=self._tell_unconnected, args=(later, header, text),
-                                      name=f"distcomm-abort-{self.rank}", daemon=True)
-            self._tellers.append(teller)
-            teller.start()
+                # dialling blocks: never in the caller's (or the I/O) thread, one thread
+                # per member so an unreachable one holds up no other; a process exiting
+                # on the error waits a little for them (`_join_tellers`)
+                teller = threading.Thread(target=self._tell_unconnected,
+                                          args=(rank, header, text), daemon=True,
+                                          name=f"distcomm-abort-{self.rank}-{rank}")
+                self._tellers.append(teller)
+                _TELLERS.add(teller)
+                teller.start()
 
-    def _tell_unconnected(self, ranks: list[int], header: Header, text: bytes) -> None:
-        deadline = Deadline(_TELL_DIAL_S)
-        for rank in ranks:
-            try:
-                conn = self._conn(rank, deadline)
-            except DistError:
-                continue  # gone, or unreachable: it learns from its own waits
-            self.fabric.control(conn, self.cid, header, text)
+    def _tell_unconnected(self, rank: int, header: Header, text: bytes) -> None:
+        try:
+            conn = self._conn(rank, Deadline(_TELL_DIAL_S))
+        except DistError:
+            return  # gone, or unreachable: it learns from its own waits
+        self.fabric.control(conn, self.cid, header, text)
 
     def fail(self, reason: str) -> None:
         self.abort(Failure(DistNetworkError, reason))
@@ -372,9 +380,10 @@ class TcpTransport(Transport):
         if self._closing:
             return
         self._closing = True
+        end = time.monotonic() + _TELL_DIAL_S
         for teller in self._tellers:  # an abort's news is on its way first
             if teller is not threading.current_thread():
-                teller.join(_TELL_DIAL_S)
+                teller.join(max(0.0, end - time.monotonic()))
         fabric = self.fabric
         if fabric is not None:
             for _rank, conn in self._members():
@@ -382,6 +391,17 @@ class TcpTransport(Transport):
             fabric.remove_channel(self.cid)
             fabric.release()
         self.mailbox.fail(Failure(GroupDestroyedError, "the process group was destroyed"))
+
+
+_TELLERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_tellers() -> None:
+    """At exit, give the threads passing an abort on up to `_TELL_DIAL_S` to finish."""
+    end = time.monotonic() + _TELL_DIAL_S
+    for teller in list(_TELLERS):
+        teller.join(max(0.0, end - time.monotonic()))
 
 
 def _tree_children(rank: int, root: int, size: int) -> list[int]:
