@@ -230,7 +230,7 @@ class Conn:
         self.outbox: deque[bytes] = deque()  # the engine's frames, waiting for the lock
         self.partial: memoryview | None = None  # the rest of one the engine is writing
         self.events = 0
-        self.fd = -1
+        self.fd = sock.fileno()
         self.leftover = b""  # staged bytes after the header of a paused frame
 
     def name(self) -> str:
@@ -665,7 +665,6 @@ class Fabric:
             pass
 
     def _watch(self, conn: Conn) -> None:
-        conn.fd = conn.sock.fileno()
         self._interest(conn)
 
     def _interest(self, conn: Conn) -> None:
