@@ -209,17 +209,23 @@ def wait_for_go(workdir: Path, rank: int) -> None:
         fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def count_sockets() -> int:
+    """The open file descriptors of this process that are sockets."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # the descriptor of the listing itself, closed by now
+    return count
+
+
 def process_counts() -> dict[str, float]:
     """This process's threads (Python's and the kernel's), sockets and RSS in MiB."""
     status = Path("/proc/self/status").read_text()
     threads = re.search(r"^Threads:\s+(\d+)", status, re.M)
     rss = re.search(r"^VmRSS:\s+(\d+)\s+kB", status, re.M)
-    sockets = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass  # the fd of the listing itself, closed by now
+    sockets = count_sockets()
     return {"threads_py": threading.active_count(),
             "threads_os": int(threads.group(1)) if threads else -1,
             "sockets": sockets,

@@ -51,6 +51,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from scale import count_sockets  # benchmarks/ (this script's folder) is on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 #: the c10d rendezvous port on host 0
 RDZV_PORT = 29400
@@ -63,17 +65,6 @@ LOG_TAIL = 15
 
 
 # -- in each rank -------------------------------------------------------------------------------
-
-
-def count_sockets() -> int:
-    """The open file descriptors of this process that are sockets."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass  # the descriptor of the listing itself, closed by now
-    return count
 
 
 def fabrics(groups: Sequence[Any]) -> list[Any]:
