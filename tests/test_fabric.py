@@ -226,7 +226,7 @@ def test_a_dial_for_another_set_up_or_rank_is_refused_and_strangers_are_dropped(
     for key, value in LOOPBACK_ENV.items():
         monkeypatch.setenv(key, value)
     store = HashStore()
-    fabric = fabric_module.attach(store, 5, 10.0, Deadline(10))
+    fabric = fabric_module.attach(store, 5, 10.0)
     try:
         port = int(fabric.address.rsplit(":", 1)[1])
         hello = fabric_module._HELLO

@@ -5,7 +5,7 @@ calls the path for every collective (`Runner.collective`): each op takes the `Ca
 (sequence number, signature, description, deadline) and the arrays, moves the bytes and
 returns once this rank's part is done; `diagnose(seq)` says why collective `seq` is late.
 
-- `TcpPath`: the algorithms of `algorithms.py` over the TCP mesh, among all ranks.
+- `TcpPath`: the algorithms of `algorithms.py` over TCP (the fabric), among all ranks.
 - `shm.IntraNode` (the gloo backend's when every rank shares one host): the same op set
   over shared memory.
 - `HierPath` (gloo's when the group spans hosts and some share one): all_reduce, reduce,

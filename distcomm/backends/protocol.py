@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: message kinds: collective data, point-to-point data, control, the signature check, and
-#: the progress query a timing-out rank sends (answered by the peers' reader threads)
+#: the progress query a timing-out rank sends (answered by the peers' I/O threads)
 COLL, P2P, ABORT, BYE, SIG, QUERY, STATUS = 1, 2, 3, 4, 5, 6, 7
 #: a STATUS payload: the peer's current (last begun) and last finished collective
 PROGRESS = struct.Struct("<qq")

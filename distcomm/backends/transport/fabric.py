@@ -44,7 +44,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ... import auth, net
@@ -237,6 +237,14 @@ class Conn:
         return f"rank {self.prank}"
 
 
+def _queued(conn: Conn) -> list[bytes | memoryview]:
+    """Take the frames the I/O thread queued on `conn` (its lock is held): they go first."""
+    frames: list[bytes | memoryview] = []
+    while conn.outbox:
+        frames.append(conn.outbox.popleft())
+    return frames
+
+
 def _check_progress(deadline: Deadline, failed: Callable[[], DistError | None],
                     who: str) -> None:
     """A send that waits: raise the group's failure, or a timeout once `deadline` passed."""
@@ -284,7 +292,7 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def attach(store: Store, prank: int, link_timeout: float, deadline: Deadline) -> Fabric:
+def attach(store: Store, prank: int, link_timeout: float) -> Fabric:
     """The fabric of process rank `prank` on `store` (the job's store), opened if needed;
     every `attach` is matched by one `Fabric.release`.
 
@@ -294,7 +302,7 @@ def attach(store: Store, prank: int, link_timeout: float, deadline: Deadline) ->
     with _registry_lock:
         fabric = _registry.get((id(store), prank))
         if fabric is None or fabric.closing:
-            fabric = Fabric(store, prank, link_timeout, deadline)
+            fabric = Fabric(store, prank, link_timeout)
             _registry[(id(store), prank)] = fabric
         fabric.refs += 1
         return fabric
@@ -306,8 +314,7 @@ class Fabric:
     Use `attach` (one fabric per job store and process); see the module doc.
     """
 
-    def __init__(self, store: Store, prank: int, link_timeout: float, deadline: Deadline
-                 ) -> None:
+    def __init__(self, store: Store, prank: int, link_timeout: float) -> None:
         self.store, self.prank, self.link_timeout = store, prank, link_timeout
         self.refs = 0
         self.closing = False
@@ -398,12 +405,12 @@ class Fabric:
     # -- sending --------------------------------------------------------------------------
 
     def connection(self, prank: int, deadline: Deadline, who: str, label: str,
-                   members: dict[int, int]) -> Conn:
+                   members: Sequence[int]) -> Conn:
         """The connection to process `prank`, dialled now if there is none.
 
         `who` names the peer in messages ("rank 3"), `label` is the group's message prefix
-        and `members` maps the group's ranks to their process ranks: the first dial of a
-        group fetches the addresses of all its members not known yet, in one request.
+        and `members` gives each group rank's process rank: the first dial of a group
+        fetches the addresses of all its members not known yet, in one request.
 
         Raises:
             DistTimeoutError: the peer did not publish its address or answer in time.
@@ -435,7 +442,7 @@ class Fabric:
                 self._lock.notify_all()
 
     def _dial(self, prank: int, deadline: Deadline, who: str, label: str,
-              members: dict[int, int]) -> Conn:
+              members: Sequence[int]) -> Conn:
         if prank not in self._addresses:
             self._look_up(members, deadline, label)
         host, port = self._addresses[prank]
@@ -468,10 +475,10 @@ class Fabric:
             "times by different ranks?)" if verdict else
             f"{label}: {where} closed the connection during the handshake")
 
-    def _look_up(self, members: dict[int, int], deadline: Deadline, label: str) -> None:
+    def _look_up(self, members: Sequence[int], deadline: Deadline, label: str) -> None:
         """Learn the addresses of the group's members not known yet: one wait (naming the
         ranks that have not published theirs) and one `multi_get`, however many."""
-        keys = {rank: self._address_key(p) for rank, p in members.items()
+        keys = {rank: self._address_key(p) for rank, p in enumerate(members)
                 if p != self.prank and p not in self._addresses}
         if not keys:
             return
@@ -508,7 +515,7 @@ class Fabric:
             self._conns[prank] = conn
             self._lock.notify_all()
         if threading.current_thread() is self._thread:
-            self._watch(conn)
+            self._interest(conn)
         else:
             self._post("conn", conn)
         return conn
@@ -531,16 +538,19 @@ class Fabric:
             if conn.dirty:
                 raise DistNetworkError(
                     f"the connection to {who} was cut: a message to it stopped half-way")
-            while conn.outbox:
-                self._write(conn, [memoryview(conn.outbox.popleft())], deadline, failed, who)
-            self._write(conn, views, deadline, failed, who)
+            self._write(conn, _queued(conn) + views, deadline, failed, who)
         except DistError:
-            if not conn.dirty:
-                conn.dirty = True
-                self._post("cut", conn)
+            self._spoil(conn)
             raise
         finally:
             conn.lock.release()
+
+    def _spoil(self, conn: Conn) -> None:
+        """A write stopped half-way: nothing more can go on `conn`; the I/O thread cuts
+        it, so that every group using it (here and at the peer) fails rather than waits."""
+        if not conn.dirty:
+            conn.dirty = True
+            self._post("cut", conn)
 
     def _acquire(self, conn: Conn, deadline: Deadline,
                  failed: Callable[[], DistError | None], who: str) -> None:
@@ -587,13 +597,13 @@ class Fabric:
         try:
             if conn.dirty:
                 return False
-            views = []
-            while conn.outbox:
-                views.append(memoryview(conn.outbox.popleft()))
-            views.append(memoryview(frame))
-            self._write(conn, views, Deadline(1.0), lambda: None, conn.name())
+            self._write(conn, [*_queued(conn), frame], Deadline(1.0), lambda: None,
+                        conn.name())
             return True
-        except DistError:
+        except DistTimeoutError:  # stopped half-way: the peer does not read
+            self._spoil(conn)
+            return False
+        except DistError:  # the connection failed: its reader says why
             conn.dirty = True
             return False
         finally:
@@ -663,9 +673,6 @@ class Fabric:
             self._poll.unregister(fd)
         except (OSError, ValueError):
             pass
-
-    def _watch(self, conn: Conn) -> None:
-        self._interest(conn)
 
     def _interest(self, conn: Conn) -> None:
         events = 0
@@ -742,7 +749,7 @@ class Fabric:
         while self._todo:
             what, item = self._todo.popleft()
             if what == "conn":
-                self._watch(item)
+                self._interest(item)
             elif what == "add":
                 self._open_channel(item)
             elif what == "remove":

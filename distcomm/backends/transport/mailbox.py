@@ -70,7 +70,7 @@ class Recv:
 class Mailbox:
     """Matches incoming messages to posted receives; holds unexpected ones until posted.
 
-    Connection reader threads call `claim` (a posted receive for this header, if any)
+    The transport's I/O thread calls `claim` (a posted receive for this header, if any)
     and `stash` (keep a message nobody posted for yet). Collectives and receives call
     `post`. One lock guards it all.
     """
@@ -189,50 +189,29 @@ class Mailbox:
                     return True
             return False
 
-    # -- delivery (reader threads) ---------------------------------------------------------
+    # -- delivery (the I/O thread) ---------------------------------------------------------
 
-    def claim(self, peer: int, header: Header, wait: float = 0.0) -> Recv | None:
-        """The posted receive an incoming message from `peer` goes to, removed from the queue.
+    def claim(self, peer: int, header: Header) -> Recv | None:
+        """The posted receive an incoming message from `peer` goes to, removed from the
+        queue; None if none is posted yet (see `worth_waiting`).
 
-        With `wait` > 0, a message that is needed soon waits up to `wait` seconds for its
-        receive to be posted, so a large payload lands in place instead of being buffered
-        and copied: a message of the collective this rank is running (or will run next),
-        or a point-to-point message from a peer whose last one this rank took less than
-        `P2P_STREAM` seconds ago (it is receiving a stream; the wait ends with that
-        window). The bounds keep a message that is not needed soon from holding up the
-        connection behind it.
+        Raises:
+            DistBackendError: a collective message that cannot belong to what this rank
+                is doing (`_check_collective`).
         """
         key = self.key_of(peer, header)
         with self.lock:
             self._check_collective(peer, header)
-            recv = self._pop_posted(key)
-            if recv is not None or wait <= 0:
-                return recv
-            if header.kind == COLL:
-                if not self._expected_soon(header):
-                    return None
-            else:
-                wait = min(wait, self.p2p_taken.get(peer, -P2P_STREAM) + P2P_STREAM
-                           - time.monotonic())
-                if wait <= 0:
-                    return None
-            end = time.monotonic() + wait
-            self._waiting_readers += 1
-            try:
-                while recv is None and self.failure is None:
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._posted_cond.wait(left)
-                    recv = self._pop_posted(key)
-            finally:
-                self._waiting_readers -= 1
-            return recv
+            return self._pop_posted(key)
 
     def worth_waiting(self, peer: int, header: Header, most: float) -> float:
         """How long (at most `most` seconds, 0: not at all) a reader that found no receive
         for this message may hold it back for one to be posted, so that a large payload
-        lands in place instead of being buffered and copied (see `claim`)."""
+        lands in place instead of being buffered and copied: a message of the collective
+        this rank is running (or will run next), or a point-to-point message from a peer
+        whose last one this rank took less than `P2P_STREAM` seconds ago (it is receiving
+        a stream; the wait ends with that window). The bounds keep a message that is not
+        needed soon from holding up the connection behind it."""
         with self.lock:
             if self.failure is not None:
                 return 0.0

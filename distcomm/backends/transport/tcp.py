@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ... import net
@@ -106,7 +106,6 @@ class TcpTransport(Transport):
         if len(self._pranks) != size:
             raise ValueError(f"{label}: {len(self._pranks)} global ranks for {size} ranks")
         self._rank_of = {p: r for r, p in enumerate(self._pranks)}
-        self._members_map = dict(enumerate(self._pranks))
         self._names = [f"rank {r}" for r in range(size)]
         self._conns: list[Conn | None] = [None] * size
         self._relayed: set[int] = set()  # the origins of aborts this rank passed on
@@ -122,7 +121,7 @@ class TcpTransport(Transport):
         self.cid = channel_id(store, generation)
         self._cid_bytes = memoryview(_CID.pack(self.cid))
         self.fabric = attach(process_store if process_store is not None else store,
-                             self._pranks[rank], link_timeout, deadline)
+                             self._pranks[rank], link_timeout)
         self.mailbox.on_post = self.fabric.wake_if_paused
         self.fabric.add_channel(self)
 
@@ -170,7 +169,7 @@ class TcpTransport(Transport):
                 self.abort(Failure(type(exc), str(exc)))
             return DISCARD
         if kind == QUERY:
-            conn = self._conns[rank] or dict(self._members()).get(rank)
+            conn = self._conns[rank] or self.fabric.connections().get(self._pranks[rank])
             if conn is not None:
                 self._control(conn, STATUS, PROGRESS.pack(*mailbox.progress()))
             return DISCARD
@@ -190,9 +189,7 @@ class TcpTransport(Transport):
 
             return memoryview(payload), aborted
         if kind == BYE:  # the peer left this group (destroy, or a shrink without it)
-            mailbox.peer_gone(rank, Failure(
-                DistNetworkError,
-                f"rank {rank} has left the group (destroy_process_group or exit)", (rank,)))
+            self.peer_left(rank)
             return DISCARD
         return DISCARD
 
@@ -230,7 +227,7 @@ class TcpTransport(Transport):
             if self.fabric is None:
                 raise DistNetworkError(f"{self._label}: the group was destroyed")
             conn = self.fabric.connection(self._pranks[rank], deadline, f"rank {rank}",
-                                          self._label, self._members_map)
+                                          self._label, self._pranks)
             self._conns[rank] = conn
         return conn
 
@@ -268,17 +265,17 @@ class TcpTransport(Transport):
             DistNetworkError(f"rank {peer} has left the group; cannot send to it"), [peer])
 
     def _members(self) -> list[tuple[int, Conn]]:
-        """The members this rank holds a connection to, with it (one look at the fabric)."""
+        """The members this rank holds a connection to, with it, in rank order (one look
+        at the fabric; as many steps as connections, not members)."""
         if self.fabric is None:
             return []
-        conns = self.fabric.connections()
         found = []
-        for rank, prank in enumerate(self._pranks):
-            conn = conns.get(prank) if rank != self.rank else None
-            if conn is not None:
+        for prank, conn in self.fabric.connections().items():
+            rank = self._rank_of.get(prank)
+            if rank is not None and rank != self.rank:
                 self._conns[rank] = conn
                 found.append((rank, conn))
-        return found
+        return sorted(found, key=lambda item: item[0])
 
     def _control(self, conn: Conn, kind: int, payload: bytes = b"", code: int = 0) -> bool:
         if conn.gone or self.fabric is None:
@@ -298,17 +295,8 @@ class TcpTransport(Transport):
         if wanted:
             deadline = Deadline(timeout)
 
-            def dial(rank: int) -> None:
-                try:
-                    members[rank] = self._conn(rank, deadline)
-                except DistError:
-                    pass  # gone or unreachable: it does not answer
-
-            dialers = [threading.Thread(target=dial, args=(rank,), daemon=True,
-                                        name=f"distcomm-probe-{self.rank}-{rank}")
+            dialers = [self._dial_aside(rank, deadline, members.__setitem__, "probe")
                        for rank in sorted(wanted)]
-            for thread in dialers:
-                thread.start()
             for thread in dialers:
                 thread.join(deadline.slice(timeout))
         peers = sorted(r for r, c in list(members.items()) if not c.gone and not c.dirty)
@@ -352,29 +340,35 @@ class TcpTransport(Transport):
                 if not conn.gone:
                     self.fabric.control(conn, self.cid, header, text)
             elif not self.mailbox.has_left(rank):
-                # dialling blocks: never in the caller's (or the I/O) thread, one thread
-                # per member so an unreachable one holds up no other; a process exiting
-                # on the error waits a little for them (`_join_tellers`)
-                teller = threading.Thread(target=self._tell_unconnected,
-                                          args=(rank, header, text), daemon=True,
-                                          name=f"distcomm-abort-{self.rank}-{rank}")
+                # a process exiting on the error waits a little for these (`_join_tellers`)
+                teller = self._dial_aside(
+                    rank, Deadline(_TELL_DIAL_S),
+                    lambda _rank, conn: self.fabric.control(conn, self.cid, header, text),
+                    "abort")
                 self._tellers.append(teller)
                 _TELLERS.add(teller)
-                teller.start()
 
-    def _tell_unconnected(self, rank: int, header: Header, text: bytes) -> None:
-        try:
-            conn = self._conn(rank, Deadline(_TELL_DIAL_S))
-        except DistError:
-            return  # gone, or unreachable: it learns from its own waits
-        self.fabric.control(conn, self.cid, header, text)
+    def _dial_aside(self, rank: int, deadline: Deadline,
+                    then: Callable[[int, Conn], object], what: str) -> threading.Thread:
+        """Connect to member `rank` in a short-lived thread (dialling blocks: never in the
+        caller's or the I/O thread; one per member, so an unreachable one holds up no
+        other), then call `then(rank, conn)`; a member gone or unreachable is skipped (it
+        learns from its own waits)."""
+
+        def dial() -> None:
+            try:
+                conn = self._conn(rank, deadline)
+            except DistError:
+                return
+            then(rank, conn)
+
+        thread = threading.Thread(target=dial, daemon=True,
+                                  name=f"distcomm-{what}-{self.rank}-{rank}")
+        thread.start()
+        return thread
 
     def fail(self, reason: str) -> None:
         self.abort(Failure(DistNetworkError, reason))
-
-    def connected_ranks(self) -> list[int]:
-        """The members whose process this rank holds a connection to."""
-        return [rank for rank, _conn in self._members()]
 
     def close(self) -> None:
         if self._closing:
