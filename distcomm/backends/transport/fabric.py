@@ -181,6 +181,7 @@ class Conn:
         "answered",
         "closed",
         "dirty",
+        "error",
         "events",
         "fd",
         "gone",
@@ -219,7 +220,8 @@ class Conn:
         self.lock = threading.Lock()  # one message at a time: frames never interleave
         self.dirty = False  # a send stopped half-way: the stream can carry nothing more
         self.gone = False  # the peer said goodbye (or this process did, and it answered)
-        self.closed = False  # the socket is closed
+        self.closed = False  # the I/O thread dropped the connection (see Fabric._drop)
+        self.error: BaseException | None = None  # why, when it was lost
         self.answered = threading.Event()  # the peer answered this process's goodbye
         # the engine's side
         self.head = bytearray(FRAME_SIZE)
@@ -235,6 +237,19 @@ class Conn:
 
     def name(self) -> str:
         return f"rank {self.prank}"
+
+
+def _unlock(conn: Conn) -> None:
+    """Let go of `conn`'s write lock; close its socket if the I/O thread dropped the
+    connection while the lock was held (it closes it itself only when the lock is free,
+    so that a descriptor in use by a writer is never closed and reused under it).
+
+    Released first, then checked: the I/O thread marks the connection closed before it
+    tries the lock, so one of the two always sees the other and closes the socket."""
+    conn.lock.release()
+    if conn.closed and conn.lock.acquire(blocking=False):
+        conn.sock.close()
+        conn.lock.release()
 
 
 def _queued(conn: Conn) -> list[bytes | memoryview]:
@@ -543,7 +558,7 @@ class Fabric:
             self._spoil(conn)
             raise
         finally:
-            conn.lock.release()
+            _unlock(conn)
 
     def _spoil(self, conn: Conn) -> None:
         """A write stopped half-way: nothing more can go on `conn`; the I/O thread cuts
@@ -568,7 +583,8 @@ class Fabric:
             except (BlockingIOError, InterruptedError):  # SO_SNDTIMEO passed: check, retry
                 sent = 0
             except OSError as exc:
-                reason = links.failure_reason(conn, exc, who, self.link_timeout)
+                # a connection the I/O thread dropped fails for the reason it found
+                reason = links.failure_reason(conn, conn.error or exc, who, self.link_timeout)
                 raise DistNetworkError(reason) from None
             if sent == total:
                 return
@@ -607,7 +623,7 @@ class Fabric:
             conn.dirty = True
             return False
         finally:
-            conn.lock.release()
+            _unlock(conn)
 
     def _flush(self, conn: Conn) -> None:
         """(engine) Write queued frames if no sender holds the connection; never block."""
@@ -993,6 +1009,7 @@ class Fabric:
     def _lost(self, conn: Conn, exc: BaseException) -> None:
         """A connection ended: fail the groups that have the peer, unless it said goodbye."""
         expected = conn.gone or self.closing
+        conn.error = exc
         self._drop(conn)
         if expected:
             conn.answered.set()
@@ -1010,10 +1027,17 @@ class Fabric:
             if self._conns.get(conn.prank) is conn:
                 del self._conns[conn.prank]
             self._lock.notify_all()
-        try:
-            conn.sock.close()
+        try:  # a sender blocked on it wakes, and a later one fails at once
+            conn.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if conn.partial is not None:  # the engine held the lock for its own write
+            conn.partial = None
+            conn.lock.release()
+        if conn.lock.acquire(blocking=False):
+            conn.sock.close()
+            conn.lock.release()
+        # else the sender holding the lock closes the socket when it lets go (_unlock)
 
     def _watch_pid(self, prank: int, pid: int) -> None:
         if prank in self._watched or prank == self.prank:
