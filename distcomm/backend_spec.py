@@ -94,9 +94,10 @@ def create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
         ValueError: the ranks asked for different backends.
         DistError: a backend could not be made.
     """
+    setup_round = None
     if _shared(store):
-        check_same_backends(store, rank, size, spec, Deadline(timeout),
-                            f"[rank {rank}/{size}] group {name!r}")
+        setup_round = check_same_backends(store, rank, size, spec, Deadline(timeout),
+                                          f"[rank {rank}/{size}] group {name!r}")
     backends: dict[str, Backend] = {}
     shared: dict[str, Backend] = {}
     try:
@@ -104,7 +105,7 @@ def create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
             if backend_name not in shared:
                 shared[backend_name] = create_backend(
                     backend_name, PrefixStore(backend_name, store), rank, size, timeout, name,
-                    members, process_store)
+                    members, process_store, setup_round)
             backend = shared[backend_name]
             if device == "cuda" and backend.stages_device_arrays:
                 backend = StagedBackend(backend)  # CuPy arrays through pinned host memory
@@ -125,12 +126,13 @@ def _shared(store: Store) -> bool:
 
 
 def check_same_backends(store: Store, rank: int, size: int, spec: dict[str, str],
-                        deadline: Deadline, where: str) -> None:
+                        deadline: Deadline, where: str) -> int:
     """Check that every rank asked for the same backends, before any backend waits for
     its peers: a roll call (`distcomm.store.ranks.roll_call`) of the spec, compared with
     rank 0's device by device (a device one of the two does not serve, CuPy missing on one
     host say, is left out). Each rank numbers its checks on `store`, so a later one (the
-    group made again) gets keys of its own.
+    group made again) gets keys of its own; returns the number (the backends key their
+    own set-up with it, `BackendOptions.setup_round`).
 
     Raises:
         ValueError: a device's backend differs between this rank or another and rank 0;
@@ -150,11 +152,13 @@ def check_same_backends(store: Store, rank: int, size: int, spec: dict[str, str]
                 )
         return None
 
-    base = f"backends/{store.add(f'backends/round/{rank}', 1) - 1}"  # its n-th check here
+    number = store.add(f"backends/round/{rank}", 1) - 1  # its n-th check here
+    base = f"backends/{number}"
     roll_call(store, base, rank, size, deadline, where, record={"backends": spec},
               differs=differs, arrived="reached the backends' set-up",
               hint="did every rank of the group call init_process_group (or new_group)? "
               "Look at the missing ranks' output for an error")
+    return number
 
 
 def is_backend_available(backend: str) -> bool:

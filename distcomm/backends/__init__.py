@@ -187,11 +187,13 @@ def get_backend_record(name: str) -> BackendRecord:
 
 def create_backend(name: str, store: Store, rank: int, size: int, timeout: float,
                    group_name: str, global_ranks: Sequence[int] | None = None,
-                   process_store: Store | None = None) -> Backend:
+                   process_store: Store | None = None,
+                   setup_round: int | None = None) -> Backend:
     """Instantiate backend `name` for one group (`BackendRecord.create`).
 
     `global_ranks`: the group's ranks in the world, in group-rank order (default: 0..size-1);
-    `process_store`: the job's store (`BackendOptions.process_store`).
+    `process_store`: the job's store (`BackendOptions.process_store`); `setup_round`: the
+    roll call's number of this set-up (`BackendOptions.setup_round`).
 
     Raises:
         BackendUnavailableError: the backend cannot run here; says what to install.
@@ -202,7 +204,7 @@ def create_backend(name: str, store: Store, rank: int, size: int, timeout: float
         raise BackendUnavailableError(f"backend {record.name!r} is not available: {reason}")
     ranks = tuple(global_ranks) if global_ranks is not None else tuple(range(size))
     backend = record.create(BackendOptions(store, rank, size, timeout, group_name, ranks,
-                                           process_store))
+                                           process_store, setup_round))
     if not isinstance(backend, Backend):
         raise TypeError(
             f"backend {record.name!r} factory returned {type(backend).__name__}, "

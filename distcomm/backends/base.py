@@ -145,6 +145,10 @@ class BackendOptions:
             group was made outside a job's world), where a backend may keep what is per
             process rather than per group (tcp and gloo publish each process's address
             there once). Not in torch.
+        setup_round: the number of this set-up of the group on `store`, the same on every
+            rank: the roll call's that checked the ranks' backends (None where none ran,
+            a store private to each process). Keys a backend writes under it are its own
+            however often the group is made again on the store. Not in torch.
     """
 
     store: Store
@@ -154,6 +158,7 @@ class BackendOptions:
     group_id: str = ""
     global_ranks_in_group: tuple[int, ...] = ()
     process_store: Store | None = None
+    setup_round: int | None = None
 
 
 class Backend(ABC):

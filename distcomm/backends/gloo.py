@@ -57,10 +57,11 @@ class GlooBackend(TcpBackend):
     def __init__(
         self, store: Store, rank: int, size: int, timeout: float, group_name: str = "", *,
         global_ranks: Sequence[int] | None = None, process_store: Store | None = None,
+        setup_round: int | None = None,
     ) -> None:
         self._mode = transport_mode()
         super().__init__(store, rank, size, timeout, group_name, global_ranks=global_ranks,
-                         process_store=process_store)
+                         process_store=process_store, setup_round=setup_round)
 
     def _choose_path(self, store: Store) -> Any:
         if self.size == 1:

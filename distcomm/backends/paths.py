@@ -39,6 +39,7 @@ class TcpPath:
 
     def __init__(self, transport: TcpTransport, tuning: algo.Tuning, scratch: ScratchPool) -> None:
         self.transport, self.tuning, self.scratch = transport, tuning, scratch
+        self._open: Exchange | None = None  # the running collective's (see close_call)
 
     def open(self, call: Call, ranks: list[int] | None = None) -> Exchange:
         """Begin `call` among `ranks` (default: the whole group): record it in the mailbox,
@@ -59,10 +60,15 @@ class TcpPath:
             )
         self.transport.mailbox.begin_collective(call.seq, call.signature)
         ex.announce()
+        self._open = ex
         return ex
 
     def close_call(self, call: Call) -> None:
-        """End `call`: messages still queued for it are a mismatch."""
+        """End `call`: its signature goes out if no message took it along yet; messages
+        still queued for it are a mismatch."""
+        ex, self._open = self._open, None
+        if ex is not None and ex.seq == call.seq:
+            ex.flush()
         self.transport.mailbox.finish_collective(call.seq, call.signature)
 
     def diagnose(self, seq: int) -> str:

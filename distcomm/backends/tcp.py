@@ -47,13 +47,14 @@ class TcpBackend(Backend):
     def __init__(
         self, store: Store, rank: int, size: int, timeout: float, group_name: str = "", *,
         global_ranks: Sequence[int] | None = None, process_store: Store | None = None,
+        setup_round: int | None = None,
     ) -> None:
         super().__init__(store, rank, size, timeout, group_name)
         self.tuning = algo.Tuning.from_env(self.tuning_preset)
         label = f"{self.label()} {self.name} backend (group '{self.group_name}')"
         self._transport = TcpTransport(
             store, rank, size, Deadline(timeout), label, link_timeout=link_timeout(timeout),
-            global_ranks=global_ranks, process_store=process_store,
+            global_ranks=global_ranks, process_store=process_store, generation=setup_round,
         )
         self._runner = Runner(self._transport, self.name, self.describe, timeout)
         self._scratch = ScratchPool()
@@ -72,7 +73,7 @@ class TcpBackend(Backend):
         return cls(
             options.store, options.group_rank, options.group_size, options.timeout,
             options.group_id, global_ranks=options.global_ranks_in_group or None,
-            process_store=options.process_store,
+            process_store=options.process_store, setup_round=options.setup_round,
         )
 
     def _choose_path(self, store: Store) -> Any:
@@ -238,7 +239,7 @@ class TcpBackend(Backend):
                 "(did the sender call send with the same tag and this rank as dst?)"
             )
             if holder and not mailbox.cancel(holder[0]):
-                holder[0].event.wait(self.timeout)  # matched already: its payload is arriving
+                holder[0].wait(self.timeout)  # matched already: its payload is arriving
             return error
 
         work = Work(description, [array], on_timeout=on_timeout, timeout=self.timeout)

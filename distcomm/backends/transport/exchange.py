@@ -17,7 +17,8 @@ __all__ = ["Exchange", "SubExchange", "diagnose"]
 class Exchange:
     """One collective's view of the transport: its seq, signature, deadline and messages."""
 
-    __slots__ = ("deadline", "describe", "rank", "scratch", "seq", "signature", "size", "transport")
+    __slots__ = ("deadline", "describe", "rank", "scratch", "seq", "signal", "signature", "size",
+                 "transport")
 
     def __init__(
         self,
@@ -35,30 +36,53 @@ class Exchange:
         self.signature = signature
         self.deadline = deadline
         self.describe = describe
+        #: the signature message not sent yet: (transport rank, header), see `announce`
+        self.signal: tuple[int, Header] | None = None
 
     def _global(self, peer: int) -> int:
         """The transport rank of algorithm rank `peer`."""
         return peer
 
     def announce(self) -> None:
-        """Send this collective's signature to the right-hand neighbour (see module doc)."""
+        """Make this collective's signature known to the right-hand neighbour, whose rank
+        compares it with its own (a mismatch is found even where ranks only wait).
+
+        It is not sent at once: it rides in the same write as this rank's first message to
+        that neighbour (one write and one wake-up of the neighbour's I/O thread fewer, for
+        every small collective), or goes alone before this rank first waits, or when the
+        collective ends (`flush`)."""
         if self.size > 1:
-            header = Header.collective(SIG, self.signature, self.seq)
             peer = self._global((self.rank + 1) % self.size)
-            try:
-                self.transport.send(peer, header, memoryview(b""), self.deadline)
-            except DistNetworkError:
-                # a neighbour that already finished this collective and left the group
-                # (a late rank's last collective) has nothing left to compare
-                if self.transport.mailbox.gone(peer) is None:
-                    raise
+            self.signal = (peer, Header.collective(SIG, self.signature, self.seq))
+
+    def flush(self) -> None:
+        """Send the signature if no message to the neighbour took it along yet."""
+        signal = self.signal
+        if signal is None:
+            return
+        self.signal = None
+        peer, header = signal
+        try:
+            self.transport.send(peer, header, memoryview(b""), self.deadline)
+        except DistNetworkError:
+            # a neighbour that already finished this collective and left the group
+            # (a late rank's last collective) has nothing left to compare
+            if self.transport.mailbox.gone(peer) is None:
+                raise
 
     def send(self, peer: int, step: int, array: np.ndarray) -> None:
         """Send `array`'s bytes to `peer` as message `step` of this collective."""
         payload = as_bytes(array)
         header = Header.collective(COLL, self.signature, self.seq, step, len(payload))
+        peer = self._global(peer)
+        signal = self.signal
+        if signal is not None and signal[0] == peer:
+            self.signal = None
+            first = signal[1]
+        else:
+            first = None
         try:
-            self.transport.send(self._global(peer), header, payload, self.deadline)
+            self.transport.send(peer, header, payload, self.deadline, first)
         except DistError as exc:
             raise type(exc)(f"{self.describe}: {exc}") from exc
 
@@ -81,7 +105,9 @@ class Exchange:
             DistError: the receive failed (mismatch, peer failure, abort).
             The caller aborts the group on any of these.
         """
-        if not recv.event.wait(self.deadline.remaining()):
+        if self.signal is not None and not recv.done():
+            self.flush()  # the neighbour must see it even if this rank waits forever
+        if not recv.wait(self.deadline.remaining()):
             raise DistTimeoutError(
                 f"{self.describe} timed out after {self.deadline.seconds:.1f} s: "
                 + diagnose(self.transport, self.seq)

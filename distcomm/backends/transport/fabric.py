@@ -307,7 +307,8 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def attach(store: Store, prank: int, link_timeout: float) -> Fabric:
+def attach(store: Store, prank: int, link_timeout: float,
+           generation: int | None = None) -> Fabric:
     """The fabric of process rank `prank` on `store` (the job's store), opened if needed;
     every `attach` is matched by one `Fabric.release`.
 
@@ -317,7 +318,7 @@ def attach(store: Store, prank: int, link_timeout: float) -> Fabric:
     with _registry_lock:
         fabric = _registry.get((id(store), prank))
         if fabric is None or fabric.closing:
-            fabric = Fabric(store, prank, link_timeout)
+            fabric = Fabric(store, prank, link_timeout, generation)
             _registry[(id(store), prank)] = fabric
         fabric.refs += 1
         return fabric
@@ -329,7 +330,8 @@ class Fabric:
     Use `attach` (one fabric per job store and process); see the module doc.
     """
 
-    def __init__(self, store: Store, prank: int, link_timeout: float) -> None:
+    def __init__(self, store: Store, prank: int, link_timeout: float,
+                 generation: int | None = None) -> None:
         self.store, self.prank, self.link_timeout = store, prank, link_timeout
         self.refs = 0
         self.closing = False
@@ -355,7 +357,10 @@ class Fabric:
         self._stop = False
         self._listener_paused_until = 0.0
         self._next_watch = time.monotonic() + links.WATCH_EVERY
-        self.generation = store.add(f"distcomm/fabric/{prank}/n", 1)
+        #: the number of the set-up that opened it: its first group's, the same in every
+        #: process of the job (else counted per process rank on `store`)
+        self.generation = generation if generation is not None else store.add(
+            f"distcomm/fabric/{prank}/n", 1)
         host = local_address(store)
         self._listener = net.listen(host, 0, backlog=4096, authenticated=self._key is not None,
                                     what="the tcp transport")

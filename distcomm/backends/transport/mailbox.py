@@ -19,15 +19,20 @@ __all__ = ["P2P_STREAM", "Mailbox", "Recv"]
 P2P_STREAM = 0.05
 
 
+#: makes a receive's completion happen once, whichever threads complete it
+_FINISHING = threading.Lock()
+
+
 class Recv:
     """A posted receive: where the payload goes and what the sender must match."""
 
     __slots__ = (
+        "_done",
+        "_latch",
         "buffer",
         "callback",
         "dtype",
         "error",
-        "event",
         "key",
         "order",
         "peer",
@@ -52,17 +57,38 @@ class Recv:
         self.dtype = dtype
         self.signature = signature
         self.order = order
-        self.event = threading.Event()
+        # completion: a lock held until then (releasing one is a single call, where an
+        # Event's set takes a condition, its lock and a notify; on every small message)
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._done = False
         self.error: DistError | None = None
         self.source = -1
         self.callback = callback
 
     def done(self) -> bool:
-        return self.event.is_set()
+        return self._done
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` seconds (None: no limit) for the receive to complete;
+        returns whether it did."""
+        if self._done:
+            return True
+        latch = self._latch
+        if latch.acquire(True, -1 if timeout is None else max(0.0, timeout)):
+            latch.release()  # for any other waiter
+            return True
+        return self._done
 
     def _finish(self, source: int, error: DistError | None) -> None:
-        self.source, self.error = source, error
-        self.event.set()
+        """Complete the receive (the first outcome counts: a payload that lands as the
+        group fails, say)."""
+        with _FINISHING:
+            if self._done:
+                return
+            self.source, self.error = source, error
+            self._done = True
+        self._latch.release()
         if self.callback is not None:
             self.callback(self)
 

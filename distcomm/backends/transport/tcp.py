@@ -85,6 +85,9 @@ class TcpTransport(Transport):
             group ranks); connections are per process, so groups share them.
         process_store: the job's store, where every process publishes its address once
             (default: `store`, when the group is made outside a job's world).
+        generation: the number of this set-up of the group on `store`, the same on every
+            rank (the roll call's, `BackendOptions.setup_round`); None: counted here, with
+            one store request.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class TcpTransport(Transport):
         link_timeout: float = LINK_TIMEOUT_MAX,
         global_ranks: Sequence[int] | None = None,
         process_store: Store | None = None,
+        generation: int | None = None,
     ) -> None:
         super().__init__(rank, size)
         self.mailbox = Mailbox(rank, size)
@@ -117,11 +121,13 @@ class TcpTransport(Transport):
         if size == 1:
             return
         net.reserve_descriptors(size, label)  # a socket per peer at most, and a listener
-        self.generation = generation = (store.add("tcp/joined", 1) - 1) // size
+        if generation is None:
+            generation = (store.add("tcp/joined", 1) - 1) // size
+        self.generation = generation
         self.cid = channel_id(store, generation)
         self._cid_bytes = memoryview(_CID.pack(self.cid))
         self.fabric = attach(process_store if process_store is not None else store,
-                             self._pranks[rank], link_timeout)
+                             self._pranks[rank], link_timeout, generation)
         self.mailbox.on_post = self.fabric.wake_if_paused
         self.fabric.add_channel(self)
 
@@ -237,7 +243,8 @@ class TcpTransport(Transport):
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, peer: int, header: Header, payload: memoryview, deadline: Deadline) -> None:
+    def send(self, peer: int, header: Header, payload: memoryview, deadline: Deadline,
+             first: Header | None = None) -> None:
         mailbox = self.mailbox
         if mailbox.failure is not None:
             raise mailbox.failure.error()
@@ -249,8 +256,10 @@ class TcpTransport(Transport):
                 conn = self._conn(peer, deadline)
             if conn.gone or mailbox.has_left(peer):
                 raise self._left(peer)
-            self.fabric.send(conn, [self._cid_bytes, header.pack(), payload], deadline,
-                             self._failed, self._names[peer])
+            frame = [self._cid_bytes, header.pack(), payload]
+            if first is not None:
+                frame[:0] = (self._cid_bytes, first.pack())
+            self.fabric.send(conn, frame, deadline, self._failed, self._names[peer])
         except DistNetworkError as exc:
             if mailbox.failure is not None or exc.peer_ranks is not None:
                 raise
