@@ -20,9 +20,9 @@ connection; the engine's own small messages (answers, aborts passed on) wait for
 connection to be free and never block the engine.
 
 Set-up. A process's address is published under `distcomm/fabric/<rank>/<n>`, where `rank`
-is its rank at the job's start and `n` numbers the fabrics that rank has opened on this
-store (a job re-initialised on the same store opens its next one, so an address from an
-earlier set-up is never used). A dial is authenticated (`distcomm.auth`), then says who
+is its rank at the job's start and `n` the number of the set-up of the group that opened
+the fabric, the same in every process (the roll call's; a job re-initialised on the same
+store gets the next one, so an address from an earlier set-up is never used). A dial is authenticated (`distcomm.auth`), then says who
 dials, which set-up it belongs to and whom it wants; the acceptor answers with a verdict
 byte. Two processes that dial each other at once end with one connection: the dial of the
 lower rank wins, the other is told so and uses the winner's.
