@@ -172,7 +172,7 @@ def _pair(store, body):
     `body(backend)` on both at once; returns their results in rank order."""
     results: list = [None, None]
     errors: list = []
-    start = threading.Barrier(2)
+    start, end = threading.Barrier(2), threading.Barrier(2)
 
     def rank(r: int) -> None:
         backend = None
@@ -180,8 +180,10 @@ def _pair(store, body):
             backend = TcpBackend(store, r, 2, 20.0, "pair")
             start.wait(20)
             results[r] = body(backend)
+            end.wait(20)  # neither leaves (closing the connection) before both looked
         except BaseException as exc:  # reported below
             errors.append(exc)
+            end.abort()
         finally:
             if backend is not None:
                 backend.shutdown()
