@@ -592,8 +592,8 @@ def delayer(queue: int, delay_ms: float, loss_percent: float, stats: str) -> Non
         sock.settimeout(wait)
         try:
             data = sock.recv(1 << 20)
-        except TimeoutError:
-            data = b""
+        except (TimeoutError, BlockingIOError):  # a timeout of 0 (a packet due already)
+            data = b""  # makes the socket non-blocking: nothing to read is no error
         except OSError as exc:  # ENOBUFS: messages lost; their packets wait for the kernel
             if exc.errno != errno.ENOBUFS:
                 raise
