@@ -46,6 +46,10 @@ class Transport(ABC):
             DistTimeoutError: the deadline passed (the group is aborted: the stream is cut).
         """
 
+    def connected(self, peer: int) -> bool:
+        """Whether a message to `peer` can go without making a connection first."""
+        return False
+
     def probe(self, timeout: float) -> dict[int, tuple[int, int] | None]:
         """Ask every peer how far it got: {peer: (began, finished) or None if silent}."""
         return {}

@@ -47,13 +47,18 @@ class Exchange:
         """Make this collective's signature known to the right-hand neighbour, whose rank
         compares it with its own (a mismatch is found even where ranks only wait).
 
-        It is not sent at once: it rides in the same write as this rank's first message to
-        that neighbour (one write and one wake-up of the neighbour's I/O thread fewer, for
-        every small collective), or goes alone before this rank first waits, or when the
-        collective ends (`flush`)."""
+        Where this rank is connected to that neighbour already it is not sent at once: it
+        rides in the same write as this rank's first message to the neighbour (one write
+        and one wake-up of the neighbour's I/O thread fewer, for every small collective),
+        or goes alone before this rank first waits, or when the collective ends (`flush`).
+        Otherwise it goes now, so that the connection is made while every rank is still in
+        the collective, not at its end, when ranks that finished may have left (and the
+        store with them)."""
         if self.size > 1:
             peer = self._global((self.rank + 1) % self.size)
             self.signal = (peer, Header.collective(SIG, self.signature, self.seq))
+            if not self.transport.connected(peer):
+                self.flush()
 
     def flush(self) -> None:
         """Send the signature if no message to the neighbour took it along yet."""

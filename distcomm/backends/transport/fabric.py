@@ -22,10 +22,11 @@ connection to be free and never block the engine.
 Set-up. A process's address is published under `distcomm/fabric/<rank>/<n>`, where `rank`
 is its rank at the job's start and `n` the number of the set-up of the group that opened
 the fabric, the same in every process (the roll call's; a job re-initialised on the same
-store gets the next one, so an address from an earlier set-up is never used). A dial is authenticated (`distcomm.auth`), then says who
-dials, which set-up it belongs to and whom it wants; the acceptor answers with a verdict
-byte. Two processes that dial each other at once end with one connection: the dial of the
-lower rank wins, the other is told so and uses the winner's.
+store gets the next one, so an address from an earlier set-up is never used). A dial is
+authenticated (`distcomm.auth`), then says who dials, which set-up it belongs to and whom
+it wants; the acceptor answers with a verdict byte. Two processes that dial each other at
+once end with one connection: the dial of the lower rank wins, the other is told so and
+uses the winner's.
 
 A connection that breaks aborts every group that has the peer in it (the groups tell
 their other peers); a process that leaves says goodbye on every connection and waits for
@@ -416,6 +417,10 @@ class Fabric:
             if _registry.get((id(self.store), self.prank)) is self:
                 del _registry[(id(self.store), self.prank)]
         self._close()
+
+    def existing(self, prank: int) -> Conn | None:
+        """The connection to process rank `prank`, if one is made (no lock: one read)."""
+        return self._conns.get(prank)
 
     def connections(self) -> dict[int, Conn]:
         """The open connections, by the peer's process rank."""

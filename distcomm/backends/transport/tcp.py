@@ -268,6 +268,14 @@ class TcpTransport(Transport):
             self.abort(failure)
             raise failure.error() from None
 
+    def connected(self, peer: int) -> bool:
+        conn = self._conns[peer]
+        if conn is None and self.fabric is not None:  # another group's, maybe
+            conn = self.fabric.existing(self._pranks[peer])
+            if conn is not None:
+                self._conns[peer] = conn
+        return conn is not None and not conn.closed
+
     @staticmethod
     def _left(peer: int) -> DistNetworkError:
         return caused_by_peers(
