@@ -487,6 +487,12 @@ class Fabric:
             verdict = net.recv_exact(sock, 1, deadline, where)
         except (OSError, DistError) as exc:
             sock.close()
+            cause = exc if isinstance(exc, OSError) else exc.__cause__
+            if isinstance(cause, (ConnectionResetError, BrokenPipeError)):
+                # it accepted, then its process ended (the kernel still took the dial)
+                raise DistNetworkError(
+                    f"{label}: connecting to {who}: {who} closed the connection (exit or "
+                    "crash?) while it was being made") from exc
             raise DistNetworkError(f"{label}: connecting to {who}: {exc}") from exc
         if verdict == bytes([_ACCEPTED]):
             sock.settimeout(None)  # the handshake's read timeout must not outlive it
@@ -498,7 +504,8 @@ class Fabric:
             f"{label}: {where} refused the connection: it belongs to another set-up of "
             "the job (was the job re-initialised on the same store a different number of "
             "times by different ranks?)" if verdict else
-            f"{label}: {where} closed the connection during the handshake")
+            f"{label}: connecting to {who}: {who} closed the connection (exit or crash?) "
+            f"during the handshake ({where})")
 
     def _look_up(self, members: Sequence[int], deadline: Deadline, label: str) -> None:
         """Learn the addresses of the group's members not known yet: one wait (naming the
