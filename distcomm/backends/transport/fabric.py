@@ -248,7 +248,13 @@ def _unlock(conn: Conn) -> None:
     Released first, then checked: the I/O thread marks the connection closed before it
     tries the lock, so one of the two always sees the other and closes the socket."""
     conn.lock.release()
-    if conn.closed and conn.lock.acquire(blocking=False):
+    if conn.closed:
+        _close_if_free(conn)
+
+
+def _close_if_free(conn: Conn) -> None:
+    """Close `conn`'s socket if no sender holds the connection (else that one will)."""
+    if conn.lock.acquire(blocking=False):
         conn.sock.close()
         conn.lock.release()
 
@@ -490,9 +496,7 @@ class Fabric:
             cause = exc if isinstance(exc, OSError) else exc.__cause__
             if isinstance(cause, (ConnectionResetError, BrokenPipeError)):
                 # it accepted, then its process ended (the kernel still took the dial)
-                raise DistNetworkError(
-                    f"{label}: connecting to {who}: {who} closed the connection (exit or "
-                    "crash?) while it was being made") from exc
+                raise DistNetworkError(self._closed_in_handshake(label, who, where)) from exc
             raise DistNetworkError(f"{label}: connecting to {who}: {exc}") from exc
         if verdict == bytes([_ACCEPTED]):
             sock.settimeout(None)  # the handshake's read timeout must not outlive it
@@ -504,8 +508,12 @@ class Fabric:
             f"{label}: {where} refused the connection: it belongs to another set-up of "
             "the job (was the job re-initialised on the same store a different number of "
             "times by different ranks?)" if verdict else
-            f"{label}: connecting to {who}: {who} closed the connection (exit or crash?) "
-            f"during the handshake ({where})")
+            self._closed_in_handshake(label, who, where))
+
+    @staticmethod
+    def _closed_in_handshake(label: str, who: str, where: str) -> str:
+        return (f"{label}: connecting to {who}: {who} closed the connection (exit or "
+                f"crash?) during the handshake ({where})")
 
     def _look_up(self, members: Sequence[int], deadline: Deadline, label: str) -> None:
         """Learn the addresses of the group's members not known yet: one wait (naming the
@@ -1051,10 +1059,7 @@ class Fabric:
         if conn.partial is not None:  # the engine held the lock for its own write
             conn.partial = None
             conn.lock.release()
-        if conn.lock.acquire(blocking=False):
-            conn.sock.close()
-            conn.lock.release()
-        # else the sender holding the lock closes the socket when it lets go (_unlock)
+        _close_if_free(conn)  # else the sender holding it does, as it lets go (_unlock)
 
     def _watch_pid(self, prank: int, pid: int) -> None:
         if prank in self._watched or prank == self.prank:
