@@ -1,11 +1,22 @@
 """The dynamic rendezvous: one state machine kept in any Store (the c10d, etcd and file backends).
 
-Every node of a run reads and writes one JSON blob under the key ``/rdzv/<run_id>/state``
-(`RendezvousState`). A write is a `compare_set` of the exact bytes read to the new bytes:
-when another node wrote in between, the swap fails, returns the current bytes, and the
-step is computed again on them (optimistic concurrency; no lock is held in the store).
-The steps themselves are pure functions of the state, in `state.py` (`decide`, `apply`,
-`leave_round`, `drop_dead`, ...), so they can be driven and tested without a store.
+The shared state is one JSON blob under ``/rdzv/<run_id>/state`` (`RendezvousState`), and
+its steps are pure functions of it, in `state.py` (`decide`, `apply`, `leave_round`,
+`drop_dead`, ...), so they can be driven and tested without a store. One node at a time,
+the chair (`chair.py`), applies them: every other node asks through a queue and reads
+its answer under a key of its own. A node costs the store O(1) requests per round and
+per heartbeat period, whatever the number of nodes (torch's design, where every node
+rewrites the blob by compare-and-swap, costs O(N) each and starves heartbeats past a few
+hundred nodes):
+
+- joining: one push of the request, one blocking wait for the answer (a second one when
+  the round takes longer than keep_alive_interval * keep_alive_max_attempt), one read;
+- each keep_alive_interval: one write of the node's heartbeat key and one read of the
+  chair's key (taking the chair when it is vacant or its holder went silent);
+- `watch()` / `num_nodes_waiting()`: one read of the chair's summary, a few dozen bytes;
+- the chair: one read of every heartbeat per interval (`multi_get`), its queue, and a
+  write of the state only when a round completes or ends, a node leaves or times out,
+  or the membership changed (at most every 0.1 s).
 
 A round goes through these states::
 
@@ -18,47 +29,47 @@ A round goes through these states::
 
 - A node joining a gathering round becomes a participant. Once min_nodes have joined, a
   last-call window of `last_call_timeout` opens (each later arrival restarts it, as in
-  torch); the round completes at once when max_nodes have joined, or when a participant
-  sees the window over. A round that follows a complete one (a restart, a scale-up, the
-  loss of a node) completes as soon as min_nodes have joined and every participant of
-  the previous round that is still alive, and every node on the wait list, is back: nobody
-  else is expected, so the last call would only delay the restart (torch waits it out).
-  Ranks are then given by sorting the node ids.
+  torch); the round completes at once when max_nodes have joined, or when the window is
+  over. A round that follows a complete one (a restart, a scale-up, the loss of a node)
+  completes as soon as min_nodes have joined and every participant of the previous round
+  that is still alive, and every node on the wait list, is back: nobody else is
+  expected, so the last call would only delay the restart (torch waits it out). Ranks
+  are then given by sorting the node ids, and the round's size is fixed: a member lost
+  from a complete round (dropped for missed heartbeats, or shut down) keeps its rank in
+  the stored state and ends the round for everyone (`watch().round_over`); the others
+  restart without it. A complete round never shrinks.
 - A node that arrives while the round is complete (or full) goes on the wait list;
-  `num_nodes_waiting()` counts it, so the agents restart and a new round opens. A
-  participant that leaves a running round (dropped for missed heartbeats, or shut down)
-  ends it for the others too (`watch().round_over`): they restart without it.
-- Each handler refreshes its heartbeat every `keep_alive_interval` from a daemon thread,
-  from its first `next_rendezvous` until `shutdown`. Each heartbeat and join step drops the nodes
-  whose heartbeat is older than ``keep_alive_interval * keep_alive_max_attempt``, so a
-  killed node leaves the participants and the wait list within a few intervals. Heartbeats
-  and the last-call deadline are wall-clock times, compared across hosts: the hosts'
-  clocks must agree to well within that limit (NTP), as torch also assumes.
-- Waiting polls: the state is read with a sleep between reads that starts at 50 ms, doubles
-  up to 0.5 s, starts again at 50 ms whenever the membership changes, and never oversleeps
-  the last-call deadline. A waiting node writes nothing (its heartbeat thread does).
+  `num_nodes_waiting()` counts it, so the agents restart and a new round opens.
+- Each handler writes its heartbeat every `keep_alive_interval` from a daemon thread, from
+  its first `next_rendezvous` until `shutdown`; that thread also does the chair's work
+  while the node holds the chair. The chair drops a node whose heartbeat has not changed
+  for ``keep_alive_interval * keep_alive_max_attempt`` (its own clock: the hosts' clocks
+  are compared only when a new chair takes over, from the times nodes wrote), so a killed
+  node leaves the participants and the wait list within a few intervals. The last-call
+  deadline is the chair's wall-clock time.
 
 Each completed round gets its own namespace, ``PrefixStore("/rdzv/<run_id>/round_<N>")``,
-and the run one for all rounds, ``PrefixStore("/rdzv/<run_id>/run")``; old rounds' keys
-are left in place.
+and the run one for all rounds, ``PrefixStore("/rdzv/<run_id>/run")``; old rounds' keys,
+heartbeats and answers are left in place.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import itertools
+import json
 import logging
 import os
-import random
 import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TypeVar
 
 from ...config import positive_seconds
 from ...deadline import Deadline
-from ...errors import DistError
+from ...errors import DistError, DistStoreTimeoutError
 from ...store import Store
 from .api import (
     RendezvousClosedError,
@@ -70,19 +81,9 @@ from .api import (
     RendezvousTimeoutError,
     RoundView,
 )
+from .chair import WAKE, Chair, Keys, Request, StateConflict, peek
 from .settings import check_node_range, settings_from_params
-from .state import (
-    Action,
-    Limits,
-    RendezvousState,
-    apply,
-    decide,
-    drop_dead,
-    in_last_call,
-    leave_round,
-    num_waiting,
-    withdraw,
-)
+from .state import Limits, RendezvousState, summarize
 
 __all__ = ["DynamicRendezvousHandler", "create_handler"]
 
@@ -90,11 +91,13 @@ log = logging.getLogger("distcomm.launch.rendezvous")
 
 _T = TypeVar("_T")
 
-#: seconds between two reads of the state while waiting: doubles from FIRST up to MOST
+#: seconds between two reads while the store's host waits for the others to leave:
+#: doubles from FIRST up to MOST
 _POLL_FIRST = 0.05
 _POLL_MOST = 0.5
-#: most seconds to back off after a lost compare_set (randomised, so contenders spread)
-_CONFLICT_BACKOFF = 0.01
+#: seconds a join waits for its answer before it looks whether the round waits out a
+#: last call (to say so)
+_FIRST_LOOK = 0.25
 
 #: node ids of this process's handlers end with this counter, so each is unique
 _node_counter = itertools.count()
@@ -177,13 +180,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._owned_store = owned_store
         self._hosts_store = hosts_store
         self.node_id = f"{local_addr or socket.gethostname()}_{os.getpid()}_{next(_node_counter)}"
-        self._key = f"/rdzv/{run_id}/state"
-        self._lock = threading.Lock()  # one state transaction of this handler at a time
-        self._initialized = False
+        self._keys = Keys(run_id)
         self._round: int | None = None  # the round this node last completed
         self._joined_any = False  # whether this handler ever completed a round
+        self._calls = 0  # requests this node made: each is answered under its number
         self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self._keeper: threading.Thread | None = None  # heartbeats and the chair's passes
+        self._chair: Chair | None = None  # while this node holds the chair
+        self._chair_raw = b""  # the chair key's value this node last wrote
+        self._chair_store: Store | None = None  # the chair's connection for blocking waits
+        self._chair_seen: str | None = None  # the node last seen in the chair
+        self._asked_chair: str | None = None  # ... when this node last pushed a request
+        self._wait_store: Store | None = None  # this node's connection for blocking waits
         self._shut_down: bool | None = None  # None until shutdown, then its result
 
     @property
@@ -199,68 +207,44 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _store_error(self, what: str, exc: Exception) -> RendezvousConnectionError:
         return RendezvousConnectionError(f"{self._where()}: the store failed during {what}: {exc}")
 
-    def _load(self) -> bytes:
-        """The stored state's bytes (created, fresh, by the first handler to look)."""
-        if not self._initialized:
-            raw = self._store.compare_set(self._key, b"", RendezvousState().encode())
-            self._initialized = True
-            return raw
-        return self._store.get(self._key)
-
     def _decode(self, raw: bytes) -> RendezvousState:
         try:
             return RendezvousState.decode(raw)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RendezvousError(
-                f"{self._where()}: the store key {self._key!r} does not hold a rendezvous state "
-                f"({exc}); did another program write it? Use another --rdzv_id"
+                f"{self._where()}: the store key {self._keys.state!r} does not hold a "
+                f"rendezvous state ({exc}); did another program write it? Use another --rdzv_id"
             ) from exc
 
-    def _read(self, what: str) -> RendezvousState:
-        """The current state (a transaction whose step changes nothing)."""
-        return self._transact(lambda state: (None, False), Deadline(None), what)[0]
-
-    def _transact(
-        self, step: Callable[[RendezvousState], tuple[_T, bool]], deadline: Deadline, what: str
-    ) -> tuple[RendezvousState, _T]:
-        """Read the state, run `step` on it and, if it changed, compare_set it; again on a
-        conflict. Returns the state (as written, or as read when unchanged) and step's result.
-
-        Raises:
-            RendezvousConnectionError: the store failed.
-            RendezvousTimeoutError: other writers won every compare_set until `deadline`.
-        """
-        with self._lock:
+    def _summary(self) -> dict[str, object]:
+        """The chair's summary of the state (a fresh state's before any chair wrote one)."""
+        raw = peek(self._store, self._keys.summary)
+        if raw:
             try:
-                raw = self._load()
-                while True:
-                    state = self._decode(raw)
-                    result, changed = step(state)
-                    if not changed:
-                        return state, result
-                    new = state.encode()
-                    current = self._store.compare_set(self._key, raw, new)
-                    if current == new:
-                        return state, result
-                    if deadline.expired():
-                        raise RendezvousTimeoutError(
-                            f"{self._where()}: {what} could not update the state within "
-                            f"{deadline.seconds or 0:.1f} s: other nodes kept changing it"
-                        )
-                    raw = b"" if current == raw else current  # same bytes back: key missing
-                    time.sleep(random.random() * _CONFLICT_BACKOFF)
-            except RendezvousError:
-                raise
-            except (DistError, OSError) as exc:
-                raise self._store_error(what, exc) from exc
+                return dict(json.loads(raw))
+            except ValueError:
+                pass
+        return summarize(self._decode(peek(self._store, self._keys.state) or b""), self._limits)
 
-    # -- heartbeats -------------------------------------------------------------------------
+    def _waiter(self) -> Store:
+        """A second connection to the store for this node's blocking waits (the heartbeat
+        thread must not queue behind them)."""
+        if self._wait_store is None:
+            self._wait_store = self._store.clone()
+        return self._wait_store
 
-    def _beat(self, state: RendezvousState) -> tuple[None, bool]:
-        now = time.time()
-        self._log_dropped(drop_dead(state, self.node_id, self._limits, now))
-        state.last_heartbeats[self.node_id] = now
-        return None, True
+    def _guarded(self, what: str, call: Callable[[], _T]) -> _T:
+        try:
+            return call()
+        except RendezvousError:
+            raise
+        except (DistError, OSError) as exc:
+            raise self._store_error(what, exc) from exc
+
+    # -- heartbeats and the chair -----------------------------------------------------------
+
+    def _beat(self) -> None:
+        self._store.set(self._keys.heartbeat(self.node_id), repr(time.time()))
 
     def _log_dropped(self, nodes: list[str]) -> None:
         for node in nodes:
@@ -271,12 +255,94 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._limits.dead_after,
             )
 
-    def _heartbeat_loop(self) -> None:
-        failing = False
-        while not self._stop.wait(self._interval):
-            started = time.monotonic()
+    def _chair_value(self) -> bytes:
+        return f"{self.node_id} {time.time()!r}".encode()
+
+    def _look_at_chair(self) -> bool:
+        """Read the chair's key and take the chair when it is vacant, its holder stopped
+        refreshing it, or it names this node (whose chair failed on a store error); returns
+        whether this node holds it now."""
+        mine = self._chair_value()
+        current = self._store.compare_set(self._keys.chair, b"", mine)  # vacant: taken
+        if current != mine:
+            holder, _, stamp = current.decode(errors="replace").partition(" ")
             try:
-                self._transact(self._beat, Deadline(self._interval), "a heartbeat")
+                stale = time.time() - float(stamp) > self._limits.dead_after
+            except ValueError:
+                stale = True
+            self._chair_seen = holder
+            if not stale and holder != self.node_id:
+                return False
+            if self._store.compare_set(self._keys.chair, current, mine) != mine:
+                return False
+            if holder != self.node_id:
+                log.info("%s: node %s takes the chair from %s (silent for over %.1f s)",
+                         self._where(), self.node_id, holder, self._limits.dead_after)
+        self._chair_seen, self._chair_raw = self.node_id, mine
+        if self._chair_store is None:
+            self._chair_store = self._store.clone()
+        chair = Chair(self._store, self._chair_store, self._keys, self._limits, self.node_id,
+                      self._decode, self._log_dropped)
+        chair.load()
+        self._chair = chair
+        return True
+
+    def _keep_chair(self) -> bool:
+        """Refresh the chair's key; False when another node holds it now."""
+        mine = self._chair_value()
+        if self._store.compare_set(self._keys.chair, self._chair_raw, mine) != mine:
+            return False
+        self._chair_raw = mine
+        return True
+
+    def _step_down(self, vacate: bool) -> None:
+        chair, self._chair = self._chair, None
+        if chair is None:
+            return
+        if vacate:
+            with contextlib.suppress(DistError, OSError):
+                self._store.compare_set(self._keys.chair, self._chair_raw, b"")
+        store, self._chair_store = self._chair_store, None
+        if store is not None and store is not self._store:
+            store.close()
+
+    def _serve(self, heartbeats: bool) -> None:
+        """One pass of the chair; steps down when another node took the chair."""
+        chair = self._chair
+        assert chair is not None
+        try:
+            chair.serve(heartbeats)
+        except StateConflict:
+            if not self._keep_chair():
+                log.info("%s: node %s no longer holds the chair", self._where(), self.node_id)
+                self._step_down(vacate=False)
+                return
+            chair.reload()
+
+    def _chair_wait(self, seconds: float) -> None:
+        """Block until a request is queued, up to `seconds` (or the stop)."""
+        assert self._chair_store is not None
+        with contextlib.suppress(DistStoreTimeoutError):
+            self._chair_store.wait([self._keys.requests], timedelta(seconds=max(seconds, 0.001)))
+
+    def _keeper_loop(self) -> None:
+        """The node's heartbeat every keep_alive_interval and, while this node holds the
+        chair, the chair's passes: on each request, at each interval, at each deadline."""
+        failing, next_beat, first = False, time.monotonic() + self._interval, True
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                beat = now >= next_beat
+                if beat:
+                    next_beat = now + self._interval
+                    self._beat()
+                    if self._chair is not None and not self._keep_chair():
+                        self._step_down(vacate=False)
+                if (beat or first) and self._chair is None:
+                    self._look_at_chair()  # the first look at once: a request may wait
+                first = False
+                if self._chair is not None:
+                    self._serve(heartbeats=beat)
                 if failing:
                     log.warning("%s: heartbeats reach the store again", self._where())
                 failing = False
@@ -289,77 +355,92 @@ class DynamicRendezvousHandler(RendezvousHandler):
                         exc,
                     )
                 failing = True
-            took = time.monotonic() - started
-            if took > self._interval:
-                log.warning(
-                    "%s: a heartbeat of node %s took %.1f s (the store or the link to "
-                    "it is slow or down); the other nodes drop a node whose "
-                    "heartbeats stop for %.1f s",
-                    self._where(),
-                    self.node_id,
-                    took,
-                    self._limits.dead_after,
-                )
+            left = max(0.0, next_beat - time.monotonic())
+            chair = self._chair
+            if chair is None or failing:
+                self._stop.wait(left)
+                continue
+            due = chair.due()
+            if due is not None:
+                left = min(left, due)
+            try:
+                self._chair_wait(left)
+            except Exception:  # the next pass says what failed
+                self._stop.wait(min(left, 0.05))
 
-    def _start_heartbeats(self) -> None:
-        if self._heartbeat is None:
-            self._heartbeat = threading.Thread(
-                target=self._heartbeat_loop, name=f"rdzv-heartbeat-{self.node_id}", daemon=True
+    def _start_keeper(self) -> None:
+        if self._keeper is None:
+            self._guarded("a heartbeat", self._beat)  # before any request: the chair reads it
+            self._keeper = threading.Thread(
+                target=self._keeper_loop, name=f"rdzv-heartbeat-{self.node_id}", daemon=True
             )
-            self._heartbeat.start()
+            self._keeper.start()
 
-    def _stop_heartbeats(self) -> None:
+    def _stop_keeper(self) -> None:
         self._stop.set()
-        thread, self._heartbeat = self._heartbeat, None
+        thread, self._keeper = self._keeper, None
         if thread is not None:
+            with contextlib.suppress(DistError, OSError):  # wake a chair blocked on the queue
+                self._store.queue_push(self._keys.requests, WAKE)
             thread.join(timeout=self._close_timeout)
+
+    # -- asking the chair -------------------------------------------------------------------
+
+    def _ask(self, request: Request) -> None:
+        self._store.queue_push(self._keys.requests, request.encode())
+        self._asked_chair = self._chair_seen
+
+    def _await(
+        self, request: Request, deadline: Deadline, first: float | None = None,
+        on_first: Callable[[], None] | None = None,
+    ) -> dict[str, object] | None:
+        """Wait for the chair's answer to `request` until `deadline`; None when none came.
+
+        The request is pushed again when the chair changed since it was pushed, and every
+        time the node waited a chair's lifetime (a request taken by a chair that died
+        before writing it is lost): requests are idempotent.
+        """
+        key = self._keys.answer(request.node, request.call)
+        step = first if first is not None else self._limits.dead_after + self._interval
+        while True:
+            try:
+                self._waiter().wait([key], timedelta(seconds=max(deadline.slice(step), 0.001)))
+                break
+            except DistStoreTimeoutError:
+                pass
+            if deadline.expired():
+                return None
+            if on_first is not None:
+                on_first()
+                on_first = None
+            elif self._asked_chair != self._chair_seen or step >= self._limits.dead_after:
+                self._ask(request)
+            step = self._limits.dead_after + self._interval
+        try:
+            return dict(json.loads(self._store.get(key)))
+        except ValueError as exc:
+            raise RendezvousError(f"{self._where()}: a foreign answer under {key!r}") from exc
 
     # -- joining ----------------------------------------------------------------------------
 
-    def _join_step(
-        self, state: RendezvousState, leaving: bool, expired: bool
-    ) -> tuple[tuple[Action, RendezvousState | None], bool]:
-        """One step of joining: (the action, the state before it when timing out), changed."""
-        now = time.time()
-        changed = leave_round(state, self.node_id) if leaving and not state.closed else False
-        dropped = drop_dead(state, self.node_id, self._limits, now)
-        self._log_dropped(dropped)
-        changed = bool(dropped) or changed
-        action = decide(state, self.node_id, self._limits, now, expired)
-        before = RendezvousState.decode(state.encode()) if action is Action.TIMEOUT else None
-        changed = apply(state, action, self.node_id, self._limits, now) or changed
-        if changed:
-            state.last_heartbeats[self.node_id] = now
-        return (action, before), changed
-
-    def _timeout_error(self, state: RendezvousState) -> RendezvousTimeoutError:
-        """The error for a join timeout, `state` as this node last saw it (still in it)."""
+    def _timeout_error(self, seen: dict[str, object]) -> RendezvousTimeoutError:
+        """The error for a join timeout, `seen` the summary of the state before it left."""
         limits = self._limits
         sizes = f"min {limits.min_nodes}, max {limits.max_nodes}"
-        if state.complete:
+        if seen.get("complete"):
             why = (
-                f"round {state.round} is running with {len(state.participants)} node(s) "
+                f"round {seen.get('round')} is running with {seen.get('joined')} node(s) "
                 f"({sizes}) and did not end to let this node in"
             )
         else:
             why = (
-                f"{len(state.participants)} node(s) joined round {state.round} ({sizes}) "
-                f"and {len(state.wait_list)} wait(s)"
+                f"{seen.get('joined')} node(s) joined round {seen.get('round')} ({sizes}) "
+                f"and {seen.get('listed')} wait(s)"
             )
         return RendezvousTimeoutError(
             f"{self._where()} did not complete within join_timeout={self._join_timeout:g} s: "
             f"{why}; start the missing nodes with the same --rdzv_id and --rdzv_endpoint, or "
             "raise join_timeout in --rdzv_conf"
-        )
-
-    def _info(self, state: RendezvousState) -> RendezvousInfo:
-        return RendezvousInfo.for_round(
-            self._store,
-            self._run_id,
-            state.round,
-            state.participants[self.node_id],
-            len(state.participants),
-            self._bootstrap_address,
         )
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -377,59 +458,50 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._shut_down is not None:
             raise RendezvousError(f"{self._where()}: this node's handler was shut down")
         deadline = Deadline(self._join_timeout)
-        self._start_heartbeats()
-        leaving, seen, delay = True, None, _POLL_FIRST
-        told: tuple[int, float | None] | None = None  # the last call this node logged
-        while True:
-            expired = deadline.expired()
-            step = functools.partial(self._join_step, leaving=leaving, expired=expired)
-            bound = Deadline(self._close_timeout) if expired else deadline
-            state, (action, before) = self._transact(step, bound, "joining")
-            leaving = False
-            if action is Action.FINISH:
-                self._round, self._joined_any = state.round, True
-                log.info(
-                    "%s: round %d complete: node %s is rank %d of %d",
-                    self._where(),
-                    state.round,
-                    self.node_id,
-                    state.participants[self.node_id],
-                    len(state.participants),
-                )
-                return self._info(state)
-            if action is Action.CLOSED:
-                hint = (
-                    ""
-                    if self._joined_any
-                    else (
-                        " (if no run with this id is going on, the state is an earlier run's, "
-                        "which etcd and file stores keep: use a new --rdzv_id)"
-                    )
-                )
+        self._start_keeper()
+        self._calls += 1
+        request = Request(self.node_id, self._calls, "join", after=self._round)
+        self._guarded("joining", lambda: self._ask(request))
+        answer = self._guarded("joining", lambda: self._await(
+            request, deadline, first=_FIRST_LOOK, on_first=self._look_for_last_call))
+        if answer is None:  # the join timeout: leave, unless the round completed meanwhile
+            seen = self._guarded("joining", self._summary)
+            expired = Request(self.node_id, self._calls, "join", expired=True)
+            self._guarded("joining", lambda: self._ask(expired))
+            answer = self._guarded(
+                "joining", lambda: self._await(expired, Deadline(self._close_timeout)))
+            if answer is None or "timeout" in answer:
                 self._round = None
-                raise RendezvousClosedError(
-                    f"{self._where()} is closed: the run is over or was stopped, and no new "
-                    f"round will form{hint}"
+                told = answer.get("timeout") if answer else None
+                raise self._timeout_error(told if isinstance(told, dict) else seen)
+        if answer.get("closed"):
+            hint = (
+                ""
+                if self._joined_any
+                else (
+                    " (if no run with this id is going on, the state is an earlier run's, "
+                    "which etcd and file stores keep: use a new --rdzv_id)"
                 )
-            if action is Action.TIMEOUT:
-                self._round = None
-                raise self._timeout_error(before or state)
-            membership = state.membership()
-            if membership != seen:
-                seen, delay = membership, _POLL_FIRST
-            last_call = (state.round, state.deadline)
-            if told != last_call and in_last_call(state, self.node_id, self._limits):
-                told = last_call
-                self._log_last_call(state)
-            due = None  # the round's own deadline, when this node waits in it
-            if state.deadline is not None and self.node_id in state.participants:
-                due = max(0.0, state.deadline - time.time()) + 0.01
-            delay = deadline.nap(delay, _POLL_MOST, due)
+            )
+            self._round = None
+            raise RendezvousClosedError(
+                f"{self._where()} is closed: the run is over or was stopped, and no new "
+                f"round will form{hint}"
+            )
+        round_, rank, size = int(answer["round"]), int(answer["rank"]), int(answer["size"])
+        self._round, self._joined_any = round_, True
+        log.info("%s: round %d complete: node %s is rank %d of %d",
+                 self._where(), round_, self.node_id, rank, size)
+        return RendezvousInfo.for_round(
+            self._store, self._run_id, round_, rank, size, self._bootstrap_address)
 
-    def _log_last_call(self, state: RendezvousState) -> None:
-        limits, joined = self._limits, len(state.participants)
-        assert state.deadline is not None
-        left = max(0.0, state.deadline - time.time())
+    def _look_for_last_call(self) -> None:
+        """Once a join has waited a moment: say so when the round waits out its last call."""
+        seen = self._summary()
+        if not seen.get("last_call") or seen.get("deadline") is None:
+            return
+        limits, joined = self._limits, seen.get("joined")
+        left = max(0.0, float(seen["deadline"]) - time.time())  # type: ignore[arg-type]
         log.warning(
             "%s: %d node(s) joined round %d (--nnodes=%d:%d); waiting up to %s s "
             "(--rdzv_conf last_call_timeout=%g) for more before starting the workers; "
@@ -437,7 +509,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             "last_call_timeout",
             self._where(),
             joined,
-            state.round,
+            seen.get("round"),
             limits.min_nodes,
             limits.max_nodes,
             f"{left:.0f}" if left >= 10 else f"{left:.1f}",
@@ -456,12 +528,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     def state(self) -> RendezvousState:
-        """A snapshot of the shared state, as stored (for diagnostics and tests).
+        """A snapshot of the shared state, as the chair last wrote it (for diagnostics and
+        tests; the heartbeats' times are those of that write).
 
         Raises:
             RendezvousConnectionError: the store failed.
         """
-        return self._read("state")
+        return self._guarded(
+            "state", lambda: self._decode(peek(self._store, self._keys.state) or b""))
 
     def is_closed(self) -> bool:
         """Whether the rendezvous is closed.
@@ -469,7 +543,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Raises:
             RendezvousConnectionError: the store failed.
         """
-        return self._read("is_closed").closed
+        return self._guarded("is_closed", lambda: self._store.check([self._keys.closed]))
 
     def set_closed(self) -> None:
         """Close the rendezvous: every node's next `next_rendezvous` raises
@@ -479,19 +553,35 @@ class DynamicRendezvousHandler(RendezvousHandler):
             RendezvousConnectionError: the store failed.
             RendezvousTimeoutError: the state could not be written within close_timeout.
         """
+        deadline = Deadline(self._close_timeout)
 
-        def close(state: RendezvousState) -> tuple[None, bool]:
-            changed = not state.closed
-            state.closed = True
-            return None, changed
+        def close() -> None:
+            self._store.set(self._keys.closed, b"1")
+            raw = peek(self._store, self._keys.state) or b""
+            while True:
+                state = self._decode(raw)
+                if state.closed:
+                    break
+                state.closed = True
+                new = state.encode()
+                current = self._store.compare_set(self._keys.state, raw, new)
+                if current == new:
+                    break
+                if deadline.expired():
+                    raise RendezvousTimeoutError(
+                        f"{self._where()}: set_closed could not update the state within "
+                        f"{self._close_timeout:.1f} s: other nodes kept changing it"
+                    )
+                raw = b"" if current == raw else current
+            self._store.set(self._keys.summary, json.dumps(summarize(state, self._limits)))
 
-        self._transact(close, Deadline(self._close_timeout), "set_closed")
+        self._guarded("set_closed", close)
 
     def num_nodes_waiting(self) -> int:
         """How many nodes wait for a round to form: the wait list (when a new round could
         take one of them) plus the participants of a gathering round; at least 1 once this
-        node's own round is over (a newer round began, this node was dropped from it, or a
-        member of it died or left), so that the agent rejoins.
+        node's own round is over (a newer round began, or a member of it died or left), so
+        that the agent rejoins.
 
         Raises:
             RendezvousConnectionError: the store failed.
@@ -499,65 +589,85 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self.watch().nodes_waiting
 
     def watch(self) -> RoundView:
-        """Closed, nodes waiting and whether this node's round is over, from one read.
+        """Closed, nodes waiting and whether this node's round is over, from one read of
+        the chair's summary (a few dozen bytes whatever the number of nodes).
 
         Raises:
             RendezvousConnectionError: the store failed.
         """
-        state = self._read("watch")
-        drop_dead(state, self.node_id, self._limits, time.time())  # a copy: nothing written
-        count = num_waiting(state, self._limits)
+        seen = self._guarded("watch", self._summary)
+        count = int(seen.get("waiting", 0))  # type: ignore[call-overload]
         mine = self._round
-        over = mine is not None and (
-            state.round != mine
-            or self.node_id not in state.participants
-            or not all(member in state.last_heartbeats for member in state.participants)
-        )
+        over = mine is not None and (seen.get("round") != mine or bool(seen.get("lost")))
         return RoundView(
-            closed=state.closed, nodes_waiting=max(1, count) if over else count, round_over=over
+            closed=bool(seen.get("closed")),
+            nodes_waiting=max(1, count) if over else count,
+            round_over=over,
         )
 
     def shutdown(self) -> bool:
-        """Stop the heartbeats, leave the participants and the wait list, close the owned
-        store. Does not close the rendezvous for the others.
+        """Stop the heartbeats, leave the participants and the wait list, give up the chair
+        if this node holds it, close the owned store. Does not close the rendezvous for the
+        others.
 
         Returns whether this node left the state cleanly (False when the store failed;
         the others then drop it once its heartbeats are missed).
         """
         if self._shut_down is not None:
             return self._shut_down
-        self._stop_heartbeats()
-
-        def leave(state: RendezvousState) -> tuple[None, bool]:
-            changed = withdraw(state, self.node_id, self._limits, time.time())
-            if state.last_heartbeats.pop(self.node_id, None) is not None:
-                changed = True
-            return None, changed
-
+        self._stop_keeper()
         ok = True
         deadline = Deadline(self._close_timeout)
         try:
-            self._transact(leave, deadline, "shutdown")
+            self._guarded("shutdown", lambda: self._leave(deadline))
             if self._hosts_store:
-                self._wait_for_others_to_leave(deadline)
+                self._guarded("shutdown", lambda: self._wait_for_others_to_leave(deadline))
         except RendezvousError as exc:
             log.warning("%s: could not leave the rendezvous cleanly: %s", self._where(), exc)
             ok = False
         finally:
+            self._step_down(vacate=True)
             self._round = None
+            if self._wait_store is not None:
+                self._wait_store.close()
             if self._owned_store is not None:
                 self._owned_store.close()
         self._shut_down = ok
         return ok
 
+    def _leave(self, deadline: Deadline) -> None:
+        """Ask to leave and wait for the answer: from this node's own chair, when it holds
+        it; from another chair; or, when there is none (or it is silent), as the chair."""
+        if self._keeper is None and self._calls == 0:
+            return  # never joined: nothing of this node is in the state
+        self._calls += 1
+        request = Request(self.node_id, self._calls, "leave")
+        self._ask(request)
+        key = self._keys.answer(request.node, request.call)
+        while True:
+            if self._chair is not None:
+                self._serve(heartbeats=False)
+            if self._store.check([key]):
+                self._step_down(vacate=True)  # the others elect a chair among themselves
+                return
+            if self._chair is None and self._look_at_chair():
+                continue
+            if deadline.expired():
+                raise RendezvousTimeoutError(
+                    f"{self._where()}: no chair answered this node's leave within "
+                    f"close_timeout={self._close_timeout:g} s"
+                )
+            with contextlib.suppress(DistStoreTimeoutError):
+                self._waiter().wait([key], timedelta(seconds=max(
+                    deadline.slice(self._interval), 0.001)))
+
     def _wait_for_others_to_leave(self, deadline: Deadline) -> None:
         """Poll until no other node has a live heartbeat, or `deadline` (the store's host
-        keeps serving the nodes that still finish their run)."""
+        keeps serving the nodes that still finish their run). Reads the heartbeats itself:
+        the other nodes may all have left or died, and with them every chair."""
         delay, told = _POLL_FIRST, False
         while True:
-            state = self._read("shutdown")
-            drop_dead(state, self.node_id, self._limits, time.time())  # a copy
-            others = len(state.last_heartbeats)
+            others = self._others_alive()
             if not others:
                 return
             if deadline.expired():
@@ -579,6 +689,22 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 )
                 told = True
             delay = deadline.nap(delay, _POLL_MOST)
+
+    def _others_alive(self) -> int:
+        """How many other nodes the stored state counts that still beat."""
+        state = self._decode(peek(self._store, self._keys.state) or b"")
+        others = sorted(set(state.last_heartbeats) - {self.node_id})
+        if not others:
+            return 0
+        beats = self._store.multi_get([self._keys.heartbeat(node) for node in others])
+        now = time.time()
+        alive = 0
+        for beat in beats:
+            try:
+                alive += now - float(beat) <= self._limits.dead_after
+            except ValueError:
+                continue
+        return alive
 
     def __repr__(self) -> str:
         return (

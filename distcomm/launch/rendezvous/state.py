@@ -1,10 +1,11 @@
 """The dynamic rendezvous's shared state and its steps, as pure functions of the state.
 
-`RendezvousState` is what every node of a run reads and writes (one JSON blob in the
-store). `decide` says what a joining node does next; `apply`, `leave_round`, `withdraw`
-and `drop_dead` change a state in place and say whether they did. Nothing here touches
-a store, a clock or a thread: the handler (`dynamic.py`) passes the time in. Keep it
-so: it is what lets the tests drive every transition, race and failure without a process.
+`RendezvousState` is the shared state of a run (one JSON blob in the store, written by
+the node that holds the chair: `chair.py`). `decide` says what a joining node does next;
+`apply`, `leave_round`, `withdraw` and `drop_dead` change a state in place and say
+whether they did; `summarize` is what the other nodes read. Nothing here touches a store,
+a clock or a thread: the chair passes the time in. Keep it so: it is what lets the tests
+drive every transition, race and failure without a process.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "in_last_call",
     "leave_round",
     "num_waiting",
+    "summarize",
     "withdraw",
 ]
 
@@ -39,10 +41,14 @@ class RendezvousState:
         participants: node id -> rank (-1 while the round is gathering).
         wait_list: nodes that arrived while the round was complete (or full), in order.
         deadline: wall-clock time at which the last call of a gathering round ends, or None.
-        last_heartbeats: node id -> wall-clock time of its last heartbeat.
+        last_heartbeats: node id -> the chair's wall-clock time when it last saw the
+            node's heartbeat change (or the node ask something).
         previous: the participants of the complete round this gathering round follows
             (empty for a first round, or once complete): when every one of them still
             alive has joined again, the round completes without waiting for its last call.
+        pending: node id -> the number of its `next_rendezvous` call, for every node that
+            waits for an answer (a rank, or closed): the chair answers under that number.
+        applied: how many requests the chairs have folded into this state, all told.
     """
 
     round: int = 0
@@ -53,6 +59,8 @@ class RendezvousState:
     deadline: float | None = None
     last_heartbeats: dict[str, float] = field(default_factory=dict)
     previous: list[str] = field(default_factory=list)
+    pending: dict[str, int] = field(default_factory=dict)
+    applied: int = 0
 
     def encode(self) -> bytes:
         """The state as the canonical JSON bytes kept in the store."""
@@ -77,6 +85,8 @@ class RendezvousState:
             deadline=None if data["deadline"] is None else float(data["deadline"]),
             last_heartbeats={str(k): float(v) for k, v in data["last_heartbeats"].items()},
             previous=[str(node) for node in data.get("previous", [])],
+            pending={str(k): int(v) for k, v in data.get("pending", {}).items()},
+            applied=int(data.get("applied", 0)),
         )
 
     def membership(self) -> tuple[object, ...]:
@@ -299,3 +309,26 @@ def num_waiting(state: RendezvousState, limits: Limits) -> int:
         live = sum(1 for member in state.participants if member in state.last_heartbeats)
         return len(state.wait_list) if live < limits.max_nodes else 0
     return len(state.participants) + len(state.wait_list)
+
+
+def summarize(state: RendezvousState, limits: Limits) -> dict[str, object]:
+    """What a node that is not the chair reads of the state (a few dozen bytes, whatever
+    the number of nodes): the round, whether it is complete or closed, how many nodes
+    joined it and wait for the next, its last call, and whether a member of the complete
+    round is lost (its heartbeats stopped, or it shut down)."""
+    lost = state.complete and not all(m in state.last_heartbeats for m in state.participants)
+    return {
+        "round": state.round,
+        "complete": state.complete,
+        "closed": state.closed,
+        "joined": len(state.participants),
+        "listed": len(state.wait_list),
+        "waiting": num_waiting(state, limits),
+        "deadline": state.deadline,
+        "last_call": state.deadline is not None
+        and not state.complete
+        and len(state.participants) < limits.max_nodes
+        and not _previous_still_coming(state),
+        "lost": lost,
+        "live": len(state.last_heartbeats),
+    }
