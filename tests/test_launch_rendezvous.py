@@ -6,6 +6,7 @@ last-call and keep-alive settings; nothing asserts how long a step took.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ from distcomm.launch.rendezvous import (
     register_rendezvous_backend,
     registered_rendezvous_backends,
 )
+from distcomm.launch.rendezvous.chair import Chair, Keys, Request, peek
 from distcomm.launch.rendezvous.state import (
     Action,
     Limits,
@@ -290,6 +292,130 @@ def test_state_machine_next_round_completes_once_every_live_node_is_back() -> No
     _step(first, "b", 0.0)
     assert _step(first, "a", 1.0) is Action.WAIT and not first.complete
     assert RendezvousState.decode(state.encode()) == state
+
+
+# -- the chair, over a real store -------------------------------------------------------------
+
+
+class _Desk:
+    """One run's keys on a master TCPStore, and a Chair over them (as a node's thread uses
+    it, without the thread: the test calls `serve`)."""
+
+    def __init__(self, limits: Limits, run_id: str = "desk") -> None:
+        self.store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=10)
+        self.keys = Keys(run_id)
+        self.limits = limits
+        self.dropped: list[str] = []
+        self.calls: dict[str, int] = {}
+
+    def chair(self) -> Chair:
+        chair = Chair(self.store, self.store.clone(), self.keys, self.limits, "chair",
+                      RendezvousState.decode, self.dropped.extend)
+        chair.load()
+        return chair
+
+    def beat(self, *nodes: str) -> None:
+        for node in nodes:
+            self.store.set(self.keys.heartbeat(node), repr(time.time()))
+
+    def join(self, node: str, after: int | None = None, again: bool = False) -> int:
+        """Push a join of `node` (the same call again when `again`); its call number."""
+        if not again:
+            self.calls[node] = self.calls.get(node, 0) + 1
+        call = self.calls[node]
+        self.beat(node)
+        self.store.queue_push(self.keys.requests, Request(node, call, "join", after=after).encode())
+        return call
+
+    def answer(self, node: str) -> dict[str, object] | None:
+        raw = peek(self.store, self.keys.answer(node, self.calls[node]))
+        return None if raw is None else json.loads(raw)
+
+    def summary(self) -> dict[str, object]:
+        return json.loads(self.store.get(self.keys.summary))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+@pytest.fixture
+def desk() -> Iterator[Callable[[Limits], _Desk]]:
+    made: list[_Desk] = []
+
+    def make(limits: Limits) -> _Desk:
+        made.append(_Desk(limits))
+        return made[-1]
+
+    yield make
+    for one in made:
+        one.close()
+
+
+@pytest.mark.timeout(60)
+def test_chair_a_member_lost_from_a_complete_round_ends_it_and_never_shrinks_it(desk) -> None:
+    """The race this design closes: a member of a complete round is dropped (its heartbeat
+    stopped); a member that reads its answer afterwards still reads the round it joined
+    (size 3, its own rank), the round is over for everyone, and the next one forms without
+    the lost node."""
+    d = desk(Limits(min_nodes=2, max_nodes=3, last_call_timeout=30.0, dead_after=0.3))
+    chair = d.chair()
+    for node in ("a", "b", "c"):
+        d.join(node)
+    chair.serve(heartbeats=True)
+    round0 = {node: d.answer(node) for node in "abc"}
+    assert {node: (a["rank"], a["size"], a["round"]) for node, a in round0.items()} == {
+        "a": (0, 3, 0), "b": (1, 3, 0), "c": (2, 3, 0)}
+    assert not d.summary()["lost"]
+    chair.serve(heartbeats=True)  # the chair's first read of their heartbeats
+    time.sleep(0.4)
+    d.beat("a", "b")  # c's heartbeat stops
+    chair.serve(heartbeats=True)
+    assert d.dropped == ["c"]
+    state = RendezvousState.decode(d.store.get(d.keys.state))
+    assert state.complete and state.participants == {"a": 0, "b": 1, "c": 2}
+    assert "c" not in state.last_heartbeats
+    assert d.summary()["lost"] and d.summary()["round"] == 0
+    assert d.answer("c") == round0["c"]  # read late: still the round it joined
+    d.join("a", after=0)
+    d.join("b", after=0)
+    chair.serve(heartbeats=False)  # every live member is back: no last call
+    assert {node: (d.answer(node)["rank"], d.answer(node)["size"]) for node in "ab"} == {
+        "a": (0, 2), "b": (1, 2)}
+    assert d.summary()["round"] == 1 and not d.summary()["lost"]
+
+
+@pytest.mark.timeout(60)
+def test_chair_a_request_pushed_twice_ends_the_round_once(desk) -> None:
+    """A node pushes its request again when the chair changed (the old one may have taken
+    it and died): naming the round it leaves makes the second push change nothing."""
+    d = desk(Limits(min_nodes=2, max_nodes=2, last_call_timeout=30.0, dead_after=30.0))
+    chair = d.chair()
+    d.join("a")
+    d.join("b")
+    chair.serve(heartbeats=False)
+    assert d.answer("a")["round"] == d.answer("b")["round"] == 0
+    d.join("a", after=0)
+    d.join("a", after=0, again=True)
+    d.join("b", after=0)
+    chair.serve(heartbeats=False)
+    assert d.answer("a")["round"] == d.answer("b")["round"] == 1
+    assert RendezvousState.decode(d.store.get(d.keys.state)).round == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_new_chair_goes_on_from_the_stored_state(desk) -> None:
+    """A chair's pending joins are in the stored state: the next chair answers them."""
+    d = desk(Limits(min_nodes=2, max_nodes=2, last_call_timeout=30.0, dead_after=30.0))
+    first = d.chair()
+    d.join("a")
+    first.serve(heartbeats=True)  # written: a is a participant and waits
+    assert d.answer("a") is None
+    second = d.chair()  # the first one went silent; another node took the chair
+    assert second.state.pending == {"a": 1}
+    d.join("b")
+    second.serve(heartbeats=False)
+    assert (d.answer("a")["rank"], d.answer("b")["rank"]) == (0, 1)
+    assert d.answer("a")["size"] == 2
 
 
 # -- dynamic rounds over real stores ----------------------------------------------------------

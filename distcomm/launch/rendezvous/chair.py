@@ -197,7 +197,8 @@ class Chair:
         self._written: tuple[object, ...] | None = None
         self._summary: dict[str, object] | None = None
         self._requests: list[Request] = []  # taken from the queue since the last write
-        self._seen: dict[str, bytes] = {}  # node -> the heartbeat value the chair last read
+        #: node -> the heartbeat value the chair last read (None: not read since it asked)
+        self._seen: dict[str, bytes | None] = {}
         self._due_write = False
         self._next_write = 0.0  # monotonic time before which a changed state may wait
 
@@ -307,6 +308,7 @@ class Chair:
                 self._due_write = True
                 continue
             state.last_heartbeats[request.node] = now
+            self._seen.setdefault(request.node, None)  # its next heartbeat read counts
             if not state.closed and request.after == state.round:
                 leave_round(state, request.node)
             if request.expired:

@@ -387,7 +387,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
     # -- asking the chair -------------------------------------------------------------------
 
     def _ask(self, request: Request) -> None:
-        self._store.queue_push(self._keys.requests, request.encode())
+        try:
+            self._store.queue_push(self._keys.requests, request.encode())
+        except NotImplementedError as exc:
+            raise RendezvousError(
+                f"{self._where()}: the dynamic rendezvous asks its chair through a queue, and "
+                f"{type(self._store).__name__} has none ({exc}); use a distcomm store "
+                "(TCPStore, FileStore, EtcdStore), which all have queues"
+            ) from exc
         self._asked_chair = self._chair_seen
 
     def _await(
