@@ -173,6 +173,7 @@ class Chair:
         node: this node's id.
         decode: bytes -> RendezvousState (raises a RendezvousError for foreign bytes).
         on_dropped: called with the nodes drop_dead removed (for the log line).
+        read_every: seconds between two reads of the heartbeats (the caller's schedule).
     """
 
     def __init__(
@@ -184,6 +185,7 @@ class Chair:
         node: str,
         decode: Callable[[bytes], RendezvousState],
         on_dropped: Callable[[list[str]], None],
+        read_every: float = 0.0,
     ) -> None:
         self._store = store
         self._queue_store = queue_store
@@ -192,6 +194,7 @@ class Chair:
         self._node = node
         self._decode = decode
         self._on_dropped = on_dropped
+        self._read_every = read_every
         self._raw = b""
         self.state = RendezvousState()
         self._written: tuple[object, ...] | None = None
@@ -271,10 +274,10 @@ class Chair:
     def _read_heartbeats(self, now: float) -> None:
         """Read every known node's heartbeat and drop the nodes whose heartbeat has not
         moved for dead_after. A heartbeat counts when the chair sees its value change, at
-        the chair's own time: nodes' clocks need not agree, and a busy store that delivers
-        heartbeats late does not make live nodes look dead. Only a new chair reads the
-        time a node wrote in its heartbeat, once (`load`): the one moment the nodes'
-        clocks are compared."""
+        the chair's own time less what the node says it is old, up to one period between
+        reads: a busy store that delivers heartbeats late does not make live nodes look
+        dead, and clocks that disagree shift a drop by one period at most. Only a new
+        chair takes a node's time as it is, once (`load`)."""
         state = self.state
         state.last_heartbeats[self._node] = now
         others = sorted(set(state.last_heartbeats) - {self._node})
@@ -283,9 +286,18 @@ class Chair:
             for node, value in zip(others, values, strict=True):
                 if self._seen.get(node) != value:
                     if node in self._seen:
-                        state.last_heartbeats[node] = now
+                        state.last_heartbeats[node] = now - self._credit(value, now)
                     self._seen[node] = value
         self._drop_dead(now)
+
+    def _credit(self, value: bytes, now: float) -> float:
+        """How long before this read the node says it beat (the time it wrote), believed
+        up to one period between two reads: a clock off by more costs that much at most."""
+        try:
+            said = now - float(value)
+        except ValueError:
+            return 0.0
+        return min(max(said, 0.0), self._read_every)
 
     def _drop_dead(self, now: float) -> None:
         dropped = drop_dead(self.state, self._node, self._limits, now)

@@ -282,7 +282,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._chair_store is None:
             self._chair_store = self._store.clone()
         chair = Chair(self._store, self._chair_store, self._keys, self._limits, self.node_id,
-                      self._decode, self._log_dropped)
+                      self._decode, self._log_dropped, read_every=self._interval / 2)
         chair.load()
         self._chair = chair
         return True
@@ -327,8 +327,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _keeper_loop(self) -> None:
         """The node's heartbeat every keep_alive_interval and, while this node holds the
-        chair, the chair's passes: on each request, at each interval, at each deadline."""
-        failing, next_beat, first = False, time.monotonic() + self._interval, True
+        chair, the chair's passes: on each request, at each deadline, and with a read of
+        every heartbeat twice per interval (so a dead node is seen within half an
+        interval of its time being up)."""
+        failing, first = False, True
+        next_beat = next_read = time.monotonic() + self._interval
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
@@ -341,8 +344,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 if (beat or first) and self._chair is None:
                     self._look_at_chair()  # the first look at once: a request may wait
                 first = False
+                read = now >= next_read
+                if read:
+                    next_read = now + self._interval / 2
                 if self._chair is not None:
-                    self._serve(heartbeats=beat)
+                    self._serve(heartbeats=read)
                 if failing:
                     log.warning("%s: heartbeats reach the store again", self._where())
                 failing = False
@@ -360,6 +366,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if chair is None or failing:
                 self._stop.wait(left)
                 continue
+            left = min(left, max(0.0, next_read - time.monotonic()))
             due = chair.due()
             if due is not None:
                 left = min(left, due)
