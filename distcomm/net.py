@@ -6,11 +6,15 @@ import errno
 import ipaddress
 import logging
 import os
+import random
 import resource
 import socket
+import struct
+import time
 import warnings
+from collections.abc import Iterator
 
-from .deadline import Deadline
+from .deadline import FOREVER, Deadline, StallClock
 from .errors import DistNetworkError
 
 __all__ = [
@@ -20,8 +24,11 @@ __all__ = [
     "interface_address",
     "is_loopback",
     "listen",
+    "listen_backlog",
+    "log_retrying",
     "recv_exact",
     "reserve_descriptors",
+    "retry_delays",
     "set_keepalive",
     "split_address",
 ]
@@ -30,6 +37,13 @@ log = logging.getLogger(__name__)
 
 #: descriptors kept free beyond what a caller of `reserve_descriptors` asks for
 _SPARE_DESCRIPTORS = 64
+#: The listen backlog where the kernel's limit cannot be read, and the least ever asked.
+DEFAULT_BACKLOG = 4096
+MIN_BACKLOG = 1024
+_SOMAXCONN = "/proc/sys/net/core/somaxconn"
+#: TCP_KEEPIDLE, TCP_KEEPINTVL and TCP_KEEPCNT, None where this platform lacks one
+_KEEPALIVE_OPTIONS = tuple(getattr(socket, name, None)
+                           for name in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"))
 
 # Errors that mean "nobody listens there yet": a client retries them until its deadline.
 _RETRY_ERRNOS = {
@@ -151,10 +165,24 @@ def reserve_descriptors(count: int, what: str) -> None:
             what, need, in_use, count, soft, hard)
 
 
+def listen_backlog() -> int:
+    """The listen backlog to ask for: the kernel's limit (net.core.somaxconn), which caps
+    any larger request anyway, so that thousands of clients connecting at once wait in the
+    accept queue rather than have their SYNs dropped (a dropped SYN is retried by the
+    client's kernel after 1 s, then 3 s, ...); `DEFAULT_BACKLOG` where it cannot be read,
+    and never less than `MIN_BACKLOG`."""
+    try:
+        with open(_SOMAXCONN) as f:
+            limit = int(f.read().strip())
+    except (OSError, ValueError):
+        limit = DEFAULT_BACKLOG
+    return max(MIN_BACKLOG, limit)
+
+
 def listen(
     host: str,
     port: int = 0,
-    backlog: int = 1024,
+    backlog: int | None = None,
     *,
     authenticated: bool = True,
     what: str = "distcomm",
@@ -162,6 +190,8 @@ def listen(
     """A listening TCP socket bound to `host:port` (port 0 picks a free port).
 
     Args:
+        backlog: connections the kernel queues until they are accepted; None: the
+            kernel's limit (`listen_backlog`).
         authenticated: whether connections must prove DISTCOMM_AUTH_KEY; when not, binding
             an address other than loopback warns (once per address and process).
         what: who listens, for that warning ("the TCPStore", "the tcp backend").
@@ -179,7 +209,7 @@ def listen(
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(backlog)
+        sock.listen(listen_backlog() if backlog is None else backlog)
     except OSError as exc:
         sock.close()
         hint = (
@@ -219,34 +249,67 @@ def set_keepalive(
     `user_timeout` passes.
     """
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (
-        ("TCP_KEEPIDLE", idle),
-        ("TCP_KEEPINTVL", interval),
-        ("TCP_KEEPCNT", count),
-    ):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    for option, value in zip(_KEEPALIVE_OPTIONS, (idle, interval, count), strict=True):
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
     if user_timeout is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
         sock.setsockopt(
             socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(user_timeout * 1000))
         )
 
 
+def retry_delays(first: float = 0.01, most: float = 1.0,
+                 rng: random.Random | None = None) -> Iterator[float]:
+    """The pauses between a client's retries: exponential backoff with jitter (endless).
+
+    The ceiling starts at `first` and doubles up to `most`; each pause is drawn uniformly
+    between half the ceiling and the ceiling ("equal jitter"). So a retry never comes at
+    once, and thousands of clients refused together come back spread over each interval
+    rather than all at the same moment, as they would with fixed delays.
+
+    Args:
+        rng: the random source (default: the `random` module's).
+    """
+    uniform = (rng or random).uniform
+    ceiling = first
+    while True:
+        yield uniform(ceiling / 2, ceiling)
+        ceiling = min(ceiling * 2, most)
+
+
+def log_retrying(stall: StallClock, what: str, reason: object, deadline: Deadline) -> None:
+    """The warning of a retry loop that has run long: once `stall` says a report is due,
+    say what is being retried (`what`: "connecting to the TCPStore at 10.0.0.1:29500"),
+    for how long and why (`reason`: the last failure), and until when."""
+    waited = stall.due()
+    if waited is None:
+        return
+    until = "no limit" if deadline.seconds is None else f"{deadline.seconds:.1f} s"
+    log.warning("%s: still retrying after %.1f s (last: %s); is it running, and is the address "
+                "reachable from this host? Retrying up to %s; next report at %.0f s",
+                what, waited, reason, until, stall.next)
+
+
 def connect(host: str, port: int, deadline: Deadline, what: str = "peer", *,
-            retry_refused: bool = True) -> socket.socket:
+            retry_refused: bool = True, stall: StallClock | None = None) -> socket.socket:
     """Connect to `host:port`, retrying refused connections until `deadline`.
+
+    Retries (a refusal, a reset, a SYN unanswered) pause as `retry_delays` says: growing,
+    randomised pauses, so that many clients refused together do not come back in step.
 
     Args:
         what: who listens there, for error messages ("the store", "rank 3").
         retry_refused: False where the address was published after its socket listened,
             so that a refusal means the listener is gone: it raises at once (the
             exception's `__cause__` is the ConnectionRefusedError).
+        stall: when given, retrying past its next report is logged (`log_retrying`);
+            the caller starts it, so that its own retries count on the same clock.
 
     Raises:
         DistNetworkError: no connection could be made before the deadline.
     """
     address = format_address(host, port)
-    delay = 0.01
+    delays = retry_delays()
     last: OSError | None = None
     while True:
         left = deadline.remaining()
@@ -257,7 +320,7 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "peer", *,
                 f"{reason} (is it running, and is the address reachable from this host?)"
             )
         try:
-            sock = socket.create_connection((host, port), timeout=left if left else None)
+            sock = _dial(host, port, left)
         except socket.gaierror as exc:
             raise DistNetworkError(f"cannot resolve host {host!r}: {exc.strerror}") from exc
         except OSError as exc:
@@ -270,12 +333,54 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "peer", *,
                     f"could not connect to {what} at {address}: {exc.strerror or exc}"
                 ) from exc
             last = exc
-            delay = deadline.nap(delay, 1.0)
+            if stall is not None:
+                log_retrying(stall, f"connecting to {what} at {address}",
+                             exc.strerror or exc, deadline)
+            time.sleep(deadline.slice(next(delays)))
             continue
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         set_keepalive(sock)
-        sock.settimeout(None)
+        if sock.gettimeout() is not None:
+            sock.settimeout(None)
         return sock
+
+
+def _dial(host: str, port: int, seconds: float | None) -> socket.socket:
+    """One connection attempt of up to `seconds` (None: the kernel's own limit).
+
+    An IPv4 address is dialled without a name lookup, on a blocking socket whose connect
+    the kernel bounds (SO_SNDTIMEO): one system call that lets go of the GIL where the
+    lookup and a timed connect take three, which counts when thousands of threads
+    connect at once. A timeout raises TimeoutError, as `socket.create_connection` does.
+    """
+    try:
+        socket.inet_pton(socket.AF_INET, host)
+    except OSError:  # a name or an IPv6 address
+        return socket.create_connection((host, port), timeout=seconds)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if sock.gettimeout() is not None:  # a process-wide default timeout
+            sock.settimeout(None)
+        if seconds is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+        try:
+            sock.connect((host, port))
+        except BlockingIOError as exc:  # EINPROGRESS: the send timeout ran out first
+            raise TimeoutError(errno.ETIMEDOUT, "timed out") from exc
+        if seconds is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0.0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _timeval(seconds: float) -> bytes:
+    """A struct timeval of `seconds` (0: none; anything else at least 1 ms)."""
+    if seconds > 0:
+        seconds = min(max(seconds, 0.001), FOREVER)
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
 
 
 def recv_exact(sock: socket.socket, size: int, deadline: Deadline, what: str) -> bytes:

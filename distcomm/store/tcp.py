@@ -13,10 +13,21 @@ request (get, wait, multi_get) is answered by the server itself at its deadline,
 far (infinite included), so the connection stays in step; the client's kernel timeouts
 are a little longer, and if that safety net ever fires the connection is dropped and
 reopened on the next request. If the server goes away, requests raise
-`DistNetworkError` at once. A client pointed at a port that another program holds says
-so: the server greets first and at once (`distcomm.auth`), so other bytes, or a close,
-fail the connection at once, and silence makes it warn after a few seconds (it still
-waits its timeout, as a server serving thousands of clients may greet late).
+`DistNetworkError` at once. No request is ever sent twice: one whose answer is lost (a
+timeout, a dropped connection) raises, and where it changes the store in a way that a
+repetition would change again (add, compare_set, delete_key, append, queue_push,
+queue_pop) the message says it may or may not have been applied.
+
+Connecting retries, until the timeout, what a server that is not up yet or is shedding
+load does: a refused or reset connection, a SYN left unanswered, a connection closed
+after the server's greeting and before its answer to the first request. The pauses
+grow and are randomised (`net.retry_delays`), so that thousands of clients refused
+together do not come back together; a retry still going after DISTCOMM_STALL_WARN_S is
+logged. A client pointed at a port that another program holds says so: the server
+greets first and at once (`distcomm.auth`), so other bytes, or a close before any
+greeting, fail the connection at once (no retry), and silence makes it warn after a few
+seconds (it still waits its timeout, as a server serving thousands of clients may greet
+late).
 
 The socket work of one connection is `tcp_client.Connection`'s; `tcp_master` finds or
 starts the master's server.
@@ -27,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -34,7 +46,7 @@ from .. import auth, config
 from ..config import DEFAULT_STORE_TIMEOUT
 from ..deadline import FOREVER, Deadline, StallClock, to_seconds
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
-from ..net import connect, format_address
+from ..net import connect, format_address, log_retrying, retry_delays
 from .base import Store, check_block, check_key, to_bytes
 from .hash import (
     check_amount,
@@ -64,6 +76,23 @@ FOREIGN_HINT = ("is another program using this port? Pick another port (MASTER_P
 log = logging.getLogger(__name__)
 
 _ERROR, _TIMEOUT = int(Status.ERROR), int(Status.TIMEOUT)
+#: Requests that a repetition would apply again (or, for a pop, whose item would be lost
+#: with its answer): one whose answer is lost may or may not have been applied.
+_UNREPEATABLE = frozenset({Cmd.ADD, Cmd.COMPARE_SET, Cmd.DELETE_KEY, Cmd.APPEND,
+                           Cmd.QUEUE_PUSH, Cmd.QUEUE_POP})
+#: What the server does to a connection it sheds while it is being made: the errors
+#: (a `__cause__`) after which a client connects again.
+_DROPPED = (PeerClosed, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+
+
+def _fate(frame: list[bytes], what: str | tuple[str, object]) -> str:
+    """For a request whose answer was lost: that it may have been applied, where that
+    matters (see `_UNREPEATABLE`)."""
+    if HEADER.unpack_from(frame[0])[1] not in _UNREPEATABLE:
+        return ""
+    name = what[0] if isinstance(what, tuple) else what
+    return (f"; the {name} may or may not have been applied, and it is not sent again: "
+            "look at the store before repeating it")
 
 
 def _describe(what: str | tuple[str, object]) -> str:
@@ -151,7 +180,6 @@ class TCPStore(Store):
         self._host = host_name
         self._port = port
         self.world_size = world_size
-        cfg = config.load()
         if isinstance(auth_key, str):
             auth_key = auth_key.encode()
         elif auth_key is not None and not isinstance(auth_key, bytes):
@@ -159,8 +187,11 @@ class TCPStore(Store):
         if auth_key == b"":
             raise ValueError("TCPStore auth_key must not be empty: give a key, or None for "
                              "DISTCOMM_AUTH_KEY")
-        self._auth_key = auth_key if auth_key is not None else cfg.auth_key
-        self._stall_warn = cfg.stall_warn_s  # a wait still waiting after this says so
+        if auth_key is None:  # the two variables a client reads (config.load reads them all)
+            auth_key = (config.get("DISTCOMM_AUTH_KEY") or "").encode() or None
+        self._auth_key = auth_key
+        # a wait still waiting after this says so
+        self._stall_warn: float = config.get("DISTCOMM_STALL_WARN_S")
         self._lock = threading.Lock()
         self._registered = False
         self._limits = Limits()
@@ -224,8 +255,24 @@ class TCPStore(Store):
     # -- the connection -------------------------------------------------------------------
 
     def _connect(self, deadline: Deadline) -> None:
-        """Open, authenticate and (the first time) register the connection; lock held."""
-        sock = connect(self._host, self._port, deadline, what="the TCPStore")
+        """Open, authenticate and (the first time) register the connection, retrying a
+        connection the server sheds until `deadline` (see the module doc); lock held."""
+        stall = StallClock(self._stall_warn)
+        delays = None
+        while True:
+            try:
+                self._connect_once(deadline, stall)
+                return
+            except DistNetworkError as exc:
+                if not isinstance(exc.__cause__, _DROPPED) or deadline.expired():
+                    raise
+                self._broken = None  # a registration cut short: not the store gone
+                log_retrying(stall, f"connecting to {self._where}", exc, deadline)
+            delays = delays or retry_delays()
+            time.sleep(deadline.slice(next(delays)))
+
+    def _connect_once(self, deadline: Deadline, stall: StallClock) -> None:
+        sock = connect(self._host, self._port, deadline, what="the TCPStore", stall=stall)
         try:
             auth.client_handshake(
                 sock, self._auth_key, deadline, self._where, expected="a distcomm TCPStore",
@@ -233,6 +280,8 @@ class TCPStore(Store):
             self._conn = Connection(sock)
             self._local_address = self._conn.local_address
             if not self._registered:
+                # counted once per connection: one cut short before its answer was most
+                # likely shed unserved, and this connection registers anew
                 left = deadline.remaining()
                 _, result = self._exchange(encode_frame(Cmd.REGISTER, []),
                                            FOREVER if left is None else left, "register")
@@ -270,6 +319,7 @@ class TCPStore(Store):
             raise DistStoreTimeoutError(
                 f"{self._where} did not answer {_describe(what)} within {seconds:.1f} s; "
                 "the connection was reset and is reopened by the next request"
+                f"{_fate(frame, what)}"
             ) from exc
         except (PeerClosed, OSError) as exc:
             self._drop()
@@ -281,7 +331,8 @@ class TCPStore(Store):
                 f"store at {format_address(self._host, self._port)} closed the connection"
                 f"{reason} (did the master process exit?)"
             )
-            raise DistNetworkError(f"{self._broken}; {_describe(what)} failed") from exc
+            raise DistNetworkError(
+                f"{self._broken}; {_describe(what)} failed{_fate(frame, what)}") from exc
         if late is not None:
             raise DistStoreError(
                 f"{self._where} refused an earlier set, append or multi_set of this process: "

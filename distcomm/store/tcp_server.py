@@ -14,19 +14,22 @@ read until it verifies). What a client, buggy or hostile, cannot do:
   connection is served at most `frames_per_turn` requests per turn of the loop.
 - Hold descriptors. A connection that has not sent a complete request (the handshake
   included) within `handshake_timeout` is dropped; so is the oldest of them when more
-  than `max_pending` are waiting. A request left half-sent, or answers left unread, for
-  `io_timeout` drop the connection, and TCP keep-alive finds peers whose host vanished.
-  At start the server raises its process's open-file limit to the hard limit.
+  than `max_pending` are waiting (half the open-file limit: thousands of clients
+  connecting at once are a job starting, not an attack). A request left half-sent, or
+  answers left unread, for `io_timeout` drop the connection, and TCP keep-alive finds
+  peers whose host vanished. At start the server raises its process's open-file limit to
+  the hard limit.
 - Make it work quadratically. `append` grows the value in place; a request waiting for
   K keys watches one missing key at a time and moves on, O(K) over its life.
 
-This module is the loop: it accepts, reads, hands each request to the handlers of
-`tcp_state.ServerState` (the keys, the queues and the requests parked on them), and sends
-the answers; `tcp_conn` keeps its record of each connection and its timers. Queues are
-deques beside the keys. A `queue_pop` that finds its queue empty is parked in the queue's
-line of poppers; a push hands its item to the first of them, so no popper polls and no
-item is handed out twice. A WAIT counts a key with a non-empty queue as set (a GET does
-not).
+This module is the loop: it accepts (every connection waiting, in one turn: it listens
+with the kernel's largest backlog, so that a whole job connecting at once waits there),
+reads, hands each request to the handlers of `tcp_state.ServerState` (the keys, the
+queues and the requests parked on them), and sends the answers; `tcp_conn` keeps its
+record of each connection and its timers. Queues are deques beside the keys. A
+`queue_pop` that finds its queue empty is parked in the queue's line of poppers; a push
+hands its item to the first of them, so no popper polls and no item is handed out twice.
+A WAIT counts a key with a non-empty queue as set (a GET does not).
 
 Warnings about misbehaving clients are rate-limited: one line per kind every 10 s, with
 the number left out.
@@ -44,7 +47,7 @@ from collections import deque
 
 from .. import auth
 from ..errors import DistNetworkError, DistStoreError
-from ..net import listen, set_keepalive
+from ..net import listen, listen_backlog, set_keepalive
 from .tcp_conn import Conn, Throttle, Timers
 from .tcp_protocol import (
     HEADER,
@@ -88,8 +91,10 @@ class StoreServer:
     handshake_timeout = 10.0
     #: Seconds a request may stay half-received, or answers unread, before the drop.
     io_timeout = 60.0
-    #: Connections without a complete request yet; beyond it the oldest is dropped.
-    max_pending = 1024
+    #: Connections without a complete request yet; beyond it the oldest is dropped. None:
+    #: half the open-file limit (at least 1024), so that a job whose clients all connect
+    #: at once is served, and a client that hoards connections still leaves half of them.
+    max_pending: int | None = None
     #: Unread answer bytes above which a connection is not served until they drain.
     out_high_water = 4 << 20
     #: Requests served per connection per turn of the loop.
@@ -100,12 +105,18 @@ class StoreServer:
         self._key = auth_key
         self.limits = limits or Limits.from_env()
         self._max_request = self.limits.max_request
+        self._backlog = listen_backlog()
+        # a listener of our own hands its options to every connection it accepts (Linux
+        # copies them), which saves five system calls a connection; a socket the caller
+        # gave (`listener`), which it shares, is left as it is
+        self._inherited = listener is None
         if listener is None:
-            listener = listen(host, port, authenticated=auth_key is not None,
+            listener = listen(host, port, self._backlog, authenticated=auth_key is not None,
                               what="the TCPStore")
+            _tune(listener)
         else:
             try:
-                listener.listen(1024)
+                listener.listen(self._backlog)
             except OSError as exc:
                 listener.close()
                 raise DistNetworkError(
@@ -113,7 +124,7 @@ class StoreServer:
                 ) from exc
         self._listener = listener
         self.port: int = self._listener.getsockname()[1]
-        _raise_file_limit()
+        self._pending_cap = max(1024, _raise_file_limit() // 2)
         self._wake_r, self._wake_w = socket.socketpair()
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.setblocking(False)
@@ -287,9 +298,12 @@ class StoreServer:
     # -- connections ----------------------------------------------------------------------
 
     def _accept(self) -> None:
-        for _ in range(64):
+        """Accept every connection waiting (epoll said there is one): until EAGAIN, or a
+        backlog's worth, after which the loop serves the others before it goes on."""
+        listener, admit = self._listener, self._admit
+        for _ in range(self._backlog):
             try:
-                sock, address = self._listener.accept()
+                sock, address = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of file descriptors, typically
@@ -304,20 +318,21 @@ class StoreServer:
                 self._timers.add(time.monotonic() + 0.1, "listener")
                 return
             try:
-                self._admit(sock, address)
+                admit(sock, address)
             except OSError:
                 sock.close()
 
     def _admit(self, sock: socket.socket, address: tuple) -> None:
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_keepalive(sock)
+        if not self._inherited:
+            _tune(sock)
         now = time.monotonic()
-        if len(self._pending) >= self.max_pending:
+        cap = self.max_pending or self._pending_cap
+        if len(self._pending) >= cap:
             oldest = next(iter(self._pending))
             self._throttle.warn(
                 "pending", "TCPStore server: more than %d connections without a request; "
-                "dropping the oldest, %s", self.max_pending, oldest.name,
+                "dropping the oldest, %s", cap, oldest.name,
             )
             self._close(oldest)
         conn = Conn(sock, f"store client {address[0]}:{address[1]}", now)
@@ -569,11 +584,23 @@ class StoreServer:
         return pos
 
 
-def _raise_file_limit() -> None:
-    """Raise this process's soft open-file limit to its hard limit (a store serves many)."""
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay, and keep-alive to notice a client whose host vanished."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    set_keepalive(sock)
+
+
+def _raise_file_limit() -> int:
+    """Raise this process's soft open-file limit to its hard limit (a store serves many);
+    returns the soft limit now in force (a large number for none)."""
     try:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (OSError, ValueError):
-        pass
+        return 1024
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):
+            pass
+    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
