@@ -11,9 +11,15 @@ interleaved repetition by repetition so that load from elsewhere hits both alike
   common start each client calls add("arrive", 1); the one that reaches N sets "go";
   every client then waits for "go". The time from the start to the last client's return,
   --rounds times with fresh keys; the median and the minimum.
+- connect+barrier: the same N clients over the same processes, none connected yet. At a
+  common start each client creates its TCPStore (connects, as a job's processes do when
+  they start together) and then does the barrier above; the time from the start to the
+  last client's return, --rounds times (each round connects anew); the median and the
+  minimum. With --clients 4096 this is a whole job's start-up against one server.
 - CPU: the user+system CPU time of the server's process while the single-client calls
-  ran, divided by the calls (in microseconds), and over a barrier round, divided by N; the
-  same for the client process(es), to show which side a difference comes from.
+  ran, divided by the calls (in microseconds), and over a barrier (or connect+barrier)
+  round, divided by N; the same for the client process(es), to show which side a
+  difference comes from.
 
 Each implementation's server runs in a process of its own: a master TCPStore on port 0
 with wait_for_workers=False, whose main thread only answers CPU-time queries on a pipe.
@@ -25,6 +31,7 @@ Examples::
     python benchmarks/store.py --quick
     python benchmarks/store.py --clients 64,256 --processes 2 --impl ours --json store.json
     python benchmarks/store.py --csv store.csv --png store.png
+    python benchmarks/store.py --count 2000 --clients 4096 --processes 8   # a job's start
     python benchmarks/plots.py store store.csv --png store.png   # redrawn from the CSV
 """
 
@@ -68,6 +75,8 @@ DEFAULTS = {"count": 20000, "repeat": 3, "clients": (64, 256, 1024, 2048), "roun
 QUICK = {"count": 2000, "repeat": 3, "clients": (64, 256), "rounds": 3}
 #: Connections a barrier process opens at once (keeps below the server's listen backlog).
 CONNECTING_AT_ONCE = 32
+#: The stack of each client thread of a connect+barrier process (it starts thousands).
+THREAD_STACK = 512 << 10
 
 
 class BenchError(RuntimeError):
@@ -399,6 +408,73 @@ def _barrier_clients(conn: multiprocessing.connection.Connection, impl: str, por
         raise RuntimeError("expected 'stop'")
 
 
+def _connect_barrier_clients(conn: multiprocessing.connection.Connection, impl: str, port: int,
+                             total: int, local: int, timeout: float) -> None:
+    """`local` of the connect+barrier's `total` clients, one thread each, none connected.
+
+    Commands: ("ready", round) starts the round's threads, which wait (answer: None);
+    ("go", round, start): at `start` each thread creates its TCPStore, then does the
+    barrier (answer: the last client's end time, how late this process released its
+    threads, the CPU seconds this process spent); the stores are closed before the
+    answer, out of the time; "stop".
+    """
+    _store_class(impl)  # the import is no part of the time
+    threading.stack_size(THREAD_STACK)  # thousands of threads: keep their stacks small
+    conn.send(("ok", None))
+    while True:
+        message = _command(conn, 20 * timeout)
+        if message == "stop":
+            return
+        _, number = message
+        go = threading.Event()
+        ends = [0.0] * local
+        stores: list[Any] = [None] * local
+        done = threading.Semaphore(0)
+        errors: list[str] = []
+        prefix = f"connect{total}/round{number}/"
+
+        def client(index: int, go: threading.Event = go, ends: list[float] = ends,
+                   stores: list[Any] = stores, done: threading.Semaphore = done,
+                   errors: list[str] = errors, prefix: str = prefix) -> None:
+            try:
+                if not go.wait(20 * timeout):
+                    raise TimeoutError("the round never started")
+                store = stores[index] = _make_store(impl, port, False, timeout)
+                if store.add(prefix + "arrive", 1) == total:
+                    store.set(prefix + "go", b"1")
+                store.wait([prefix + "go"])
+                ends[index] = time.monotonic()
+            except BaseException:
+                errors.append(f"client {index}: {traceback.format_exc()}")
+            finally:
+                done.release()
+
+        for index in range(local):
+            threading.Thread(target=client, args=(index,), daemon=True).start()
+        conn.send(("ok", None))
+        _, again, start = _command(conn, 20 * timeout)
+        if again != number:
+            raise RuntimeError(f"expected round {number}, got {again}")
+        time.sleep(max(0.0, start - time.monotonic()))
+        late = time.monotonic() - start
+        cpu = time.process_time()
+        go.set()
+        deadline = time.monotonic() + timeout
+        for _ in range(local):
+            if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"connect+barrier round {number}: not every client of this "
+                                   f"process finished within {timeout:.0f} s")
+        if errors:
+            raise RuntimeError(f"connect+barrier round {number} failed in {len(errors)} "
+                               f"client(s); the first:\n{errors[0]}")
+        cpu = time.process_time() - cpu
+        for store in stores:  # torch's has no close(): dropping it closes its socket
+            if hasattr(store, "close"):
+                store.close()
+        stores.clear()
+        conn.send(("ok", (max(ends), late, cpu)))
+
+
 # -- the parent's side -------------------------------------------------------------------------
 
 class Children:
@@ -580,6 +656,57 @@ def run_barrier(args: argparse.Namespace, impls: list[str], servers: dict[str, S
                 children.stop(proc, conn)
 
 
+def run_connect_barrier(args: argparse.Namespace, impls: list[str], servers: dict[str, Server],
+                        children: Children, total: int) -> dict[str, Any]:
+    """The connect+barrier rows for `total` clients: each store's round times, server CPU."""
+    nprocs = min(args.processes, total)
+    shares = [total // nprocs + (1 if i < total % nprocs else 0) for i in range(nprocs)]
+    groups: dict[str, list[tuple[Any, Any]]] = {}
+    try:
+        for impl in impls:
+            groups[impl] = [
+                children.start(f"{LABELS[impl]} connect+barrier process {i}",
+                               _connect_barrier_clients, impl, servers[impl].port, total, share,
+                               args.timeout)
+                for i, share in enumerate(shares)]
+        for impl in impls:
+            for proc, conn in groups[impl]:
+                children.recv(proc, conn, "the start of a connect+barrier process",
+                              timeout=args.timeout + 30)
+        result: dict[str, Any] = {
+            impl: {"seconds": [], "server_cpu_s": [], "client_cpu_s": [], "late_start_s": []}
+            for impl in impls}
+        for r in range(args.rounds):
+            for impl in impls:  # interleaved, round by round
+                for proc, conn in groups[impl]:
+                    children.call(proc, conn, ("ready", r), f"starting the threads of round {r}")
+                cpu = servers[impl].cpu()
+                start = time.monotonic() + START_LEAD
+                for _, conn in groups[impl]:
+                    conn.send(("go", r, start))
+                answers = [children.recv(proc, conn,
+                                         f"connect+barrier round {r} of {total} clients")
+                           for proc, conn in groups[impl]]
+                row = result[impl]
+                row["server_cpu_s"].append(servers[impl].cpu() - cpu)
+                row["seconds"].append(max(end for end, _, _ in answers) - start)
+                row["late_start_s"].append(max(late for _, late, _ in answers))
+                row["client_cpu_s"].append(sum(cpu for _, _, cpu in answers))
+        for impl in impls:
+            row = result[impl]
+            row.update(processes=nprocs, clients_per_process=shares,
+                       min_s=min(row["seconds"]), median_s=statistics.median(row["seconds"]),
+                       server_cpu_us_per_client=[1e6 * c / total for c in row["server_cpu_s"]],
+                       client_cpu_us_per_client=[1e6 * c / total for c in row["client_cpu_s"]])
+            for name in ("server_cpu_us_per_client", "client_cpu_us_per_client"):
+                row[name + "_median"] = statistics.median(row[name])
+        return result
+    finally:
+        for members in groups.values():
+            for proc, conn in members:
+                children.stop(proc, conn)
+
+
 # -- the report --------------------------------------------------------------------------------
 
 def machine(torch_version: str | None) -> dict[str, Any]:
@@ -637,6 +764,11 @@ def print_table(report: dict[str, Any], impls: list[str], args: argparse.Namespa
         line(f"barrier, {total} clients", "lower", "ms",
              [1e3 * rows[i]["median_s"] for i in impls],
              [f" ({1e3 * rows[i]['min_s']:.1f})" for i in impls])
+    for total in args.clients:
+        rows = report["connect_barrier"][str(total)]
+        line(f"connect+barrier, {total} clients", "lower", "ms",
+             [1e3 * rows[i]["median_s"] for i in impls],
+             [f" ({1e3 * rows[i]['min_s']:.1f})" for i in impls])
     for op in OPS:
         note = [" (2 requests)" if WIRE_REQUESTS[i][op] == 2 else "" for i in impls]
         line(f"server CPU per call: {op}", "lower", "us",
@@ -648,6 +780,10 @@ def print_table(report: dict[str, Any], impls: list[str], args: argparse.Namespa
         for total in args.clients:
             rows = report["barrier"][str(total)]
             line(f"{side} CPU per client, barrier of {total}", "lower", "us",
+                 [rows[i][f"{side}_cpu_us_per_client_median"] for i in impls])
+        for total in args.clients:
+            rows = report["connect_barrier"][str(total)]
+            line(f"{side} CPU per client, connect+barrier of {total}", "lower", "us",
                  [rows[i][f"{side}_cpu_us_per_client_median"] for i in impls])
     for total in args.clients:
         rows = report["barrier"][str(total)]
@@ -694,6 +830,13 @@ def csv_rows(report: dict[str, Any], impls: list[str]) -> list[dict[str, Any]]:
             add(impl, "barrier_client_cpu_us_per_client", "barrier", int(total),
                 row["client_cpu_us_per_client"])
             add(impl, "connect_ms", "connect", int(total), [1e3 * row["connect_s"]])
+    for total, result in report.get("connect_barrier", {}).items():
+        for impl in impls:
+            row = result[impl]
+            add(impl, "connect_barrier_ms", "connect+barrier", int(total),
+                [1e3 * s for s in row["seconds"]])
+            add(impl, "connect_barrier_server_cpu_us_per_client", "connect+barrier", int(total),
+                row["server_cpu_us_per_client"])
     return rows
 
 
@@ -719,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine(torch_version),
                               "args": {k: v for k, v in vars(args).items()
                                        if k not in ("json", "csv", "png")},
-                              "single": {}, "barrier": {}}
+                              "single": {}, "barrier": {}, "connect_barrier": {}}
     servers: dict[str, Server] = {}
     began = time.monotonic()
     try:
@@ -731,6 +874,9 @@ def main(argv: list[str] | None = None) -> int:
         for total in args.clients:
             print(f"# barrier of {total} clients ...", flush=True)
             report["barrier"][str(total)] = run_barrier(args, impls, servers, children, total)
+            print(f"# connect+barrier of {total} clients ...", flush=True)
+            report["connect_barrier"][str(total)] = run_connect_barrier(
+                args, impls, servers, children, total)
         for server in servers.values():
             server.stop()
     except BenchError as exc:
