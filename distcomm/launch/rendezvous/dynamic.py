@@ -11,10 +11,11 @@ hundred nodes):
 
 - joining: one push of the request, one blocking wait for the answer (a second one when
   the round takes longer than keep_alive_interval * keep_alive_max_attempt), one read;
-- each keep_alive_interval: one write of the node's heartbeat key and one read of the
-  chair's key (taking the chair when it is vacant or its holder went silent);
+- each keep_alive_interval: one write of the node's heartbeat key and, every other
+  interval, one read of the chair's key (taking the chair when it is vacant or its
+  holder went silent);
 - `watch()` / `num_nodes_waiting()`: one read of the chair's summary, a few dozen bytes;
-- the chair: one read of every heartbeat per interval (`multi_get`), its queue, and a
+- the chair: two reads of every heartbeat per interval (`multi_get`), its queue, and a
   write of the state only when a round completes or ends, a node leaves or times out,
   or the membership changed (at most every 0.1 s).
 
@@ -330,19 +331,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
         chair, the chair's passes: on each request, at each deadline, and with a read of
         every heartbeat twice per interval (so a dead node is seen within half an
         interval of its time being up)."""
-        failing, first = False, True
+        failing, first, beats = False, True, 0
         next_beat = next_read = time.monotonic() + self._interval
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
                 beat = now >= next_beat
                 if beat:
-                    next_beat = now + self._interval
+                    next_beat, beats = now + self._interval, beats + 1
                     self._beat()
                     if self._chair is not None and not self._keep_chair():
                         self._step_down(vacate=False)
-                if (beat or first) and self._chair is None:
-                    self._look_at_chair()  # the first look at once: a request may wait
+                # the first look at once (a request may wait), then every other beat: a
+                # silent chair is replaced within keep_alive_max_attempt + 2 intervals
+                if self._chair is None and (first or (beat and beats % 2 == 0)):
+                    self._look_at_chair()
                 first = False
                 read = now >= next_read
                 if read:
