@@ -21,6 +21,13 @@ on the plot ("failed in 5 of 5 runs", with the error), never drawn as zero.
     python benchmarks/scale.py --csv scale.csv --png scale.png
     python benchmarks/plots.py scale scale.csv --png scale.png
 
+`rendezvous(rows, path)` draws `benchmarks/rendezvous.py`: round time, store requests per
+node, heartbeat load, the state's size and the recovery time against the number of nodes,
+one line per backend.
+
+    python benchmarks/rendezvous.py --csv rdzv.csv --png rdzv.png
+    python benchmarks/plots.py rendezvous rdzv.csv --png rdzv.png
+
 `scale(rows, path)` draws `benchmarks/scale.py`: each measure against the number of ranks
 (log scale), one line per backend through the medians over the ranks, the maxima dotted; a
 configuration that failed keeps the points its ranks measured before the failure and is
@@ -47,6 +54,26 @@ STORE_FIELDS = ("impl", "label", "measurement", "op", "clients", "run", "value")
 #: The columns of benchmarks/launcher.py --csv: one row per launch; `seconds` is empty and
 #: `error` says why where the launch failed.
 LAUNCHER_FIELDS = ("measurement", "impl", "label", "nproc", "run", "seconds", "error")
+
+#: The columns of benchmarks/rendezvous.py --csv: one row per backend and node count; a
+#: measure is empty where it was not measured or its step failed (`status`, `error` say why).
+RENDEZVOUS_FIELDS = (
+    "backend",
+    "nodes",
+    "processes",
+    "status",
+    "error",
+    "round_s",
+    "requests_per_node",
+    "heartbeat_requests_per_node_per_interval",
+    "watch_requests_per_node_per_interval",
+    "state_keys",
+    "state_bytes",
+    "recovery_s",
+    "recovery_limit_s",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+)
 
 #: What the dots and bars of the store and launcher plots mean, under each picture.
 SPREAD_NOTE = ("each dot: one run; wide bar: the median; thin line: the fastest to the slowest "
@@ -432,6 +459,90 @@ def scale(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
             + (f"\n{title}" if title else ""), note)
 
 
+#: The measures of benchmarks/rendezvous.py, one panel each: (column, panel title).
+RENDEZVOUS_PANELS = (
+    ("round_s", "round: start to the last node's RendezvousInfo (s)"),
+    ("requests_per_node", "store requests per node per round"),
+    (
+        "heartbeat_requests_per_node_per_interval",
+        "requests per node per keep-alive interval, heartbeats",
+    ),
+    ("state_bytes", "state: bytes of the run's keys"),
+    ("recovery_s", "recovery: a node killed to the survivors' next round (s)"),
+)
+
+
+def rendezvous(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Each measure of benchmarks/rendezvous.py against N, one line per backend, both axes
+    log-scaled (the recovery's time on a linear scale, beside each backend's target,
+    dashed). A configuration whose round failed or did not complete is listed under the
+    picture and drawn only with what it measured before that."""
+    plt = _pyplot()
+    backends = list(dict.fromkeys(row["backend"] for row in rows))
+    columns = 3
+    lines = -(-len(RENDEZVOUS_PANELS) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 3.8 * lines), squeeze=False)
+    failed = sorted(
+        {
+            f"{row['backend']}, {row['nodes']} nodes: {row['status']}"
+            for row in rows
+            if row.get("status") not in ("ok", None, "")
+        }
+    )
+    for ax, (key, heading) in zip(axes.flat, RENDEZVOUS_PANELS, strict=False):
+        for j, backend in enumerate(backends):
+            points = sorted(
+                (int(row["nodes"]), _number(row.get(key)), _number(row.get("recovery_limit_s")))
+                for row in rows
+                if row["backend"] == backend
+            )
+            drawn = [p for p in points if p[1] is not None]
+            colour = f"C{j % 10}"
+            if drawn:
+                ax.plot(
+                    [p[0] for p in drawn],
+                    [p[1] for p in drawn],
+                    color=colour,
+                    marker="os^Dv"[j % 5],
+                    label=backend,
+                )
+            limits = [p for p in points if p[2] is not None]
+            if key == "recovery_s" and limits:
+                ax.plot(
+                    [p[0] for p in limits],
+                    [p[2] for p in limits],
+                    color=colour,
+                    linestyle="--",
+                    linewidth=1,
+                )
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(_plain)
+        if key == "recovery_s":
+            tops = [max(line.get_ydata(), default=0) for line in ax.lines]
+            ax.set_ylim(0, 1.15 * max(tops, default=1) or 1)
+        elif ax.lines:
+            _log_y(ax)
+        ax.set_title(heading, fontsize="medium")
+        ax.set_xlabel("nodes")
+        ax.grid(True, which="both", alpha=0.3)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", color="0.5")
+    for ax in list(axes.flat)[len(RENDEZVOUS_PANELS) :]:
+        ax.set_visible(False)
+    if backends:
+        axes.flat[0].legend(fontsize="small")
+    note = "recovery: dashed, keep_alive_interval x keep_alive_max_attempt + 5 s."
+    if failed:
+        note += " Not complete (drawn up to the step that failed): " + "; ".join(failed)
+    _finish(
+        fig,
+        plt,
+        path,
+        "Rendezvous of N simulated nodes against N" + (f"\n{title}" if title else ""),
+        "\n".join(textwrap.wrap(note, 180)),
+    )
+
+
 def write_csv(rows: list[dict[str, Any]], path: str, fields: Sequence[str]) -> None:
     """Write `rows` to `path` with a header of `fields` (None as an empty cell)."""
     with open(path, "w", newline="") as f:
@@ -452,7 +563,8 @@ def read_csv(paths: Iterable[str]) -> list[dict[str, Any]]:
 
 #: What draws the rows of each benchmark's CSV files.
 KINDS: dict[str, Callable[[list[dict[str, Any]], str, str], None]] = {
-    "collectives": collectives, "store": store, "launcher": launcher, "scale": scale}
+    "collectives": collectives, "store": store, "launcher": launcher, "scale": scale,
+    "rendezvous": rendezvous}
 
 
 def main(argv: list[str] | None = None) -> int:

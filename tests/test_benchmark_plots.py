@@ -213,3 +213,23 @@ def test_the_scale_plot_is_written_with_a_failed_configuration(tmp_path):
     path = tmp_path / "scale.png"
     plots.scale(rows, str(path), "test")
     assert_png(path)
+
+
+# -- benchmarks/rendezvous.py: each measure against the number of nodes ----------------------
+
+
+def test_the_rendezvous_plot_is_written_with_an_incomplete_round(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plots need matplotlib (the bench extra)")
+    rows = [{"backend": backend, "nodes": str(n), "processes": "1", "status": "ok",
+             "error": "", "round_s": str(n / 100), "requests_per_node": str(n),
+             "heartbeat_requests_per_node_per_interval": "2.5",
+             "watch_requests_per_node_per_interval": "1", "state_keys": "1",
+             "state_bytes": str(70 * n), "recovery_s": "16.5", "recovery_limit_s": "20",
+             "keep_alive_interval": "5", "keep_alive_max_attempt": "3"}
+            for backend in ("c10d", "file") for n in (16, 64)]
+    rows.append({**rows[1], "nodes": "256", "status": "incomplete", "round_s": "",
+                 "recovery_s": "", "error": "only 200 of 256 nodes had their RendezvousInfo"})
+    csv_path, png = tmp_path / "rendezvous.csv", tmp_path / "rendezvous.png"
+    plots.write_csv(rows, str(csv_path), plots.RENDEZVOUS_FIELDS)
+    assert plots.main(["rendezvous", str(csv_path), "--png", str(png)]) == 0
+    assert_png(png)
