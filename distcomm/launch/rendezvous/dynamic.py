@@ -113,7 +113,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     Args:
         run_id: --rdzv_id; handlers with the same id and store form rounds together.
-        store: where the state lives (shared by every node of the run).
+        store: where the state lives (shared by every node of the run); it needs queues
+            (`queue_push`, `queue_pop`, `queue_len`), which every distcomm store has.
         backend_name: c10d, etcd, file, ... (returned by `get_backend`).
         min_nodes, max_nodes: --nnodes=MIN:MAX.
         local_addr: --local_addr: the host part of this node's id (default: the hostname).
