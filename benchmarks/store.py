@@ -630,30 +630,42 @@ def run_barrier(args: argparse.Namespace, impls: list[str], servers: dict[str, S
                             "client_cpu_s": [], "late_start_s": []}
         for r in range(args.rounds):
             for impl in impls:
-                cpu = servers[impl].cpu()
-                start = time.monotonic() + START_LEAD
-                for _, conn in groups[impl]:
-                    conn.send(("go", r, start))
-                answers = [children.recv(proc, conn, f"barrier round {r} of {total} clients")
-                           for proc, conn in groups[impl]]
-                row = result[impl]
-                row["server_cpu_s"].append(servers[impl].cpu() - cpu)
-                row["seconds"].append(max(end for end, _, _ in answers) - start)
-                row["late_start_s"].append(max(late for _, late, _ in answers))
-                row["client_cpu_s"].append(sum(cpu for _, _, cpu in answers))
-        for impl in impls:
-            row = result[impl]
-            row.update(processes=nprocs, clients_per_process=shares,
-                       min_s=min(row["seconds"]), median_s=statistics.median(row["seconds"]),
-                       server_cpu_us_per_client=[1e6 * c / total for c in row["server_cpu_s"]],
-                       client_cpu_us_per_client=[1e6 * c / total for c in row["client_cpu_s"]])
-            for name in ("server_cpu_us_per_client", "client_cpu_us_per_client"):
-                row[name + "_median"] = statistics.median(row[name])
-        return result
+                _timed_round(result[impl], servers[impl], groups[impl], children,
+                             f"barrier round {r} of {total} clients", r)
+        return _summarize(result, impls, nprocs, shares, total)
     finally:
         for members in groups.values():
             for proc, conn in members:
                 children.stop(proc, conn)
+
+
+def _timed_round(row: dict[str, Any], server: Server, members: list[tuple[Any, Any]],
+                 children: Children, what: str, r: int) -> None:
+    """One round of a barrier measurement: every process of `members` starts its clients at
+    one moment; the time to the last client's return, the server's and the clients' CPU."""
+    cpu = server.cpu()
+    start = time.monotonic() + START_LEAD
+    for _, conn in members:
+        conn.send(("go", r, start))
+    answers = [children.recv(proc, conn, what) for proc, conn in members]
+    row["server_cpu_s"].append(server.cpu() - cpu)
+    row["seconds"].append(max(end for end, _, _ in answers) - start)
+    row["late_start_s"].append(max(late for _, late, _ in answers))
+    row["client_cpu_s"].append(sum(cpu for _, _, cpu in answers))
+
+
+def _summarize(result: dict[str, Any], impls: list[str], nprocs: int, shares: list[int],
+               total: int) -> dict[str, Any]:
+    """Each store's rows with their minimum, median and CPU per client added."""
+    for impl in impls:
+        row = result[impl]
+        row.update(processes=nprocs, clients_per_process=shares,
+                   min_s=min(row["seconds"]), median_s=statistics.median(row["seconds"]),
+                   server_cpu_us_per_client=[1e6 * c / total for c in row["server_cpu_s"]],
+                   client_cpu_us_per_client=[1e6 * c / total for c in row["client_cpu_s"]])
+        for name in ("server_cpu_us_per_client", "client_cpu_us_per_client"):
+            row[name + "_median"] = statistics.median(row[name])
+    return result
 
 
 def run_connect_barrier(args: argparse.Namespace, impls: list[str], servers: dict[str, Server],
@@ -680,27 +692,9 @@ def run_connect_barrier(args: argparse.Namespace, impls: list[str], servers: dic
             for impl in impls:  # interleaved, round by round
                 for proc, conn in groups[impl]:
                     children.call(proc, conn, ("ready", r), f"starting the threads of round {r}")
-                cpu = servers[impl].cpu()
-                start = time.monotonic() + START_LEAD
-                for _, conn in groups[impl]:
-                    conn.send(("go", r, start))
-                answers = [children.recv(proc, conn,
-                                         f"connect+barrier round {r} of {total} clients")
-                           for proc, conn in groups[impl]]
-                row = result[impl]
-                row["server_cpu_s"].append(servers[impl].cpu() - cpu)
-                row["seconds"].append(max(end for end, _, _ in answers) - start)
-                row["late_start_s"].append(max(late for _, late, _ in answers))
-                row["client_cpu_s"].append(sum(cpu for _, _, cpu in answers))
-        for impl in impls:
-            row = result[impl]
-            row.update(processes=nprocs, clients_per_process=shares,
-                       min_s=min(row["seconds"]), median_s=statistics.median(row["seconds"]),
-                       server_cpu_us_per_client=[1e6 * c / total for c in row["server_cpu_s"]],
-                       client_cpu_us_per_client=[1e6 * c / total for c in row["client_cpu_s"]])
-            for name in ("server_cpu_us_per_client", "client_cpu_us_per_client"):
-                row[name + "_median"] = statistics.median(row[name])
-        return result
+                _timed_round(result[impl], servers[impl], groups[impl], children,
+                             f"connect+barrier round {r} of {total} clients", r)
+        return _summarize(result, impls, nprocs, shares, total)
     finally:
         for members in groups.values():
             for proc, conn in members:
