@@ -11,8 +11,10 @@ on one side only is an error on the side that notices it, with a message that
 says to set the same key on every process. Since a distcomm server greets first
 and at once, a client tells another program on the port (one that sends something
 else, closes, or stays silent) from a distcomm peer before it sends anything, and says
-so. The message functions are pure so that both blocking sockets and the store's event
-loop use them.
+so; the one exception is a client without a key that hands `client_handshake` its first
+request, which goes out at once to save a round trip (the server answers it right after
+its greeting, in the same packet). The message functions are pure so that both
+blocking sockets and the store's event loop use them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 
 from .deadline import Deadline
 from .errors import DistNetworkError
-from .net import format_address, recv_exact
+from .net import format_address, recv_exact, recv_within
 
 __all__ = [
     "ACCEPT_SIZE",
@@ -136,7 +138,9 @@ def client_handshake(
     expected: str = "a distcomm endpoint",
     hint: str = "wrong address or port?",
     warn_after: float = 0.0,
-) -> None:
+    first: bytes = b"",
+    address: str = "",
+) -> bytes:
     """Run the client side of the handshake on a connected blocking socket.
 
     A distcomm server greets as soon as it accepts, so the greeting tells a distcomm peer
@@ -150,19 +154,59 @@ def client_handshake(
         expected: what a distcomm peer there is, for messages ("a distcomm TCPStore").
         hint: what to do when something else answers there.
         warn_after: seconds of silence before the warning.
+        first: the caller's first request, sent as early as the handshake allows, which
+            saves a round trip: before the greeting is read where this process has no
+            key (a server that wants one is refused on its greeting all the same, and the
+            request is never served), else with the proof, after the greeting.
+        address: host:port dialled, named in messages where the socket can no longer
+            say whom it was connected to (reset); default `peer`.
+
+    Returns:
+        What the peer sent past the handshake (the start of the answer to `first`); b""
+        for nothing.
 
     Raises:
         DistNetworkError: the handshake failed; the message says why and what to do.
     """
-    hello = _read_greeting(sock, deadline, peer, expected, hint, warn_after)
+    ahead = 1 << 16 if first else 0  # an answer to `first` may come with the greeting
+    if first and not key:
+        _send(sock, first, peer)
+    hello = _read_greeting(sock, deadline, peer, expected, hint, warn_after, ahead,
+                           address or peer)
+    hello, rest = hello[:HELLO_SIZE], hello[HELLO_SIZE:]
     proof, expected_accept = proof_message(key, hello, peer)
     if not proof:
-        return
+        return rest
+    _send(sock, proof + first, peer)
+    accept = _read_accept(sock, deadline, peer, ahead)
+    verify_accept(expected_accept, accept[:ACCEPT_SIZE], peer)
+    return accept[ACCEPT_SIZE:]
+
+
+def _send(sock: socket.socket, data: bytes, peer: str) -> None:
     try:
-        sock.sendall(proof)
+        sock.sendall(data)
     except OSError as exc:
         raise DistNetworkError(f"handshake with {peer} failed: {exc}") from exc
-    verify_accept(expected_accept, recv_exact(sock, ACCEPT_SIZE, deadline, peer), peer)
+
+
+def _read_accept(sock: socket.socket, deadline: Deadline, peer: str, ahead: int) -> bytes:
+    """The server's ACCEPT and, up to `ahead` bytes, what came after it; less only when the
+    server closed first (it refused the proof)."""
+    data = b""
+    while len(data) < ACCEPT_SIZE:
+        step = deadline.slice(_READ_SLICE)
+        if step <= 0:
+            raise DistNetworkError(f"timed out reading from {peer}")
+        try:
+            chunk = recv_within(sock, max(ahead, ACCEPT_SIZE - len(data)), step)
+        except OSError as exc:
+            raise DistNetworkError(f"reading from {peer} failed: {exc}") from exc
+        if chunk == b"":
+            break
+        if chunk:
+            data += chunk
+    return data
 
 
 def _could_begin_greeting(data: bytes) -> bool:
@@ -177,13 +221,20 @@ def _preview(data: bytes) -> str:
     return repr(shown) + (f" and {len(data) - len(shown)} more bytes" if len(data) > 48 else "")
 
 
-def _read_greeting(sock: socket.socket, deadline: Deadline, peer: str, expected: str,
-                   hint: str, warn_after: float) -> bytes:
-    """The server's HELLO, read as it comes (see `client_handshake`)."""
+def _address(sock: socket.socket, dialled: str) -> str:
+    """Where `sock` is connected, for messages (asked only for one: it costs a system call
+    that lets go of the GIL); `dialled` once the connection is reset."""
     try:
-        address = format_address(*sock.getpeername()[:2])
+        return format_address(*sock.getpeername()[:2])
     except OSError:
-        address = peer
+        return dialled
+
+
+def _read_greeting(sock: socket.socket, deadline: Deadline, peer: str, expected: str,
+                   hint: str, warn_after: float, ahead: int = 0, dialled: str = "") -> bytes:
+    """The server's HELLO, read as it comes (see `client_handshake`), and, up to `ahead`
+    bytes, what came after it."""
+    dialled = dialled or peer
     started = time.monotonic()
     warn_at = started + warn_after if warn_after > 0 else math.inf
     data = b""
@@ -191,18 +242,15 @@ def _read_greeting(sock: socket.socket, deadline: Deadline, peer: str, expected:
         step = deadline.slice(min(max(warn_at - time.monotonic(), 0.001), _READ_SLICE))
         chunk = None
         if step > 0:
-            sock.settimeout(step)
             try:
-                chunk = sock.recv(HELLO_SIZE - len(data))
-            except TimeoutError:
-                pass
+                chunk = recv_within(sock, max(ahead, HELLO_SIZE - len(data)), step)
             except OSError as exc:
                 raise DistNetworkError(f"reading from {peer} failed: {exc}") from exc
         if chunk == b"":
             said = f"after sending {_preview(data)}" if data else "without sending anything"
             raise DistNetworkError(
-                f"what answers at {address} closed the connection {said}, where "
-                f"{expected} greets first: it is not {expected}, or it refused this "
+                f"what answers at {_address(sock, dialled)} closed the connection {said}, "
+                f"where {expected} greets first: it is not {expected}, or it refused this "
                 f"process; {hint}"
             )
         if chunk:
@@ -210,14 +258,14 @@ def _read_greeting(sock: socket.socket, deadline: Deadline, peer: str, expected:
             if not _could_begin_greeting(data):
                 other = " (or one of another version)" if data.startswith(MAGIC[:2]) else ""
                 raise DistNetworkError(
-                    f"what answers at {address} is not {expected}{other} (it sent "
-                    f"{_preview(data)}, where {expected} greets with {MAGIC!r}); {hint}"
+                    f"what answers at {_address(sock, dialled)} is not {expected}{other} (it "
+                    f"sent {_preview(data)}, where {expected} greets with {MAGIC!r}); {hint}"
                 )
             continue
         waited = time.monotonic() - started
         if deadline.expired():
             raise DistNetworkError(
-                f"what answers at {address} accepted the connection but sent "
+                f"what answers at {_address(sock, dialled)} accepted the connection but sent "
                 f"nothing in {waited:.1f} s, where {expected} greets at once: it is probably "
                 f"not {expected} (or one too busy to answer); {hint}"
             )
@@ -226,7 +274,7 @@ def _read_greeting(sock: socket.socket, deadline: Deadline, peer: str, expected:
                 "what answers at %s accepted the connection %.1f s ago but has not greeted "
                 "as %s does at once: it may be busy, or another program that is not "
                 "distcomm (%s); waiting up to %s",
-                address, waited, expected, hint,
+                _address(sock, dialled), waited, expected, hint,
                 "no limit" if deadline.seconds is None else f"{deadline.seconds:.0f} s")
             warn_at = math.inf
     return data

@@ -27,6 +27,7 @@ __all__ = [
     "listen_backlog",
     "log_retrying",
     "recv_exact",
+    "recv_within",
     "reserve_descriptors",
     "retry_delays",
     "set_keepalive",
@@ -383,6 +384,9 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
 
 
+_NO_TIMEOUT = _timeval(0.0)
+
+
 def recv_exact(sock: socket.socket, size: int, deadline: Deadline, what: str) -> bytes:
     """Read exactly `size` bytes; fewer only when the peer closes the connection first.
 
@@ -405,6 +409,33 @@ def recv_exact(sock: socket.socket, size: int, deadline: Deadline, what: str) ->
             break
         data += chunk
     return bytes(data)
+
+
+def recv_within(sock: socket.socket, size: int, seconds: float) -> bytes | None:
+    """Up to `size` bytes of what `sock` receives within `seconds` (> 0); None when nothing
+    came in time, b"" when the peer closed.
+
+    On a blocking socket the kernel bounds the read (SO_RCVTIMEO, cleared again after):
+    one system call that lets go of the GIL, where a socket timeout costs three (a change
+    of mode, a poll, the read), which counts when thousands of threads connect at once. A
+    socket in timeout mode is read with its timeout set to `seconds`.
+
+    Raises:
+        OSError: the read failed (a reset connection, typically).
+    """
+    if sock.gettimeout() is None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        try:
+            return sock.recv(size)
+        except (BlockingIOError, TimeoutError):  # the kernel's timeout surfaces as EAGAIN
+            return None
+        finally:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _NO_TIMEOUT)
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(size)
+    except TimeoutError:
+        return None
 
 
 def interface_address(ifname: str) -> str:

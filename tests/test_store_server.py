@@ -18,7 +18,8 @@ from datetime import timedelta
 
 import pytest
 
-from distcomm.errors import DistStoreError, DistStoreTimeoutError
+from distcomm import auth
+from distcomm.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from distcomm.store import TCPStore
 from distcomm.store.tcp_conn import Throttle as _Throttle
 from distcomm.store.tcp_protocol import HEADER, LENGTH, SECONDS, Cmd, Limits, Status
@@ -442,6 +443,54 @@ def test_register_counts_each_connection_once(master):
         assert Limits.decode(args[1:]) == Limits()
         sock.sendall(frame(Cmd.WAIT_WORKERS, [SECONDS.pack(0.3), b"6"]))
         assert read_response(sock) == (Status.TIMEOUT, [b"2"])
+
+
+def _recv_all(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_a_register_sent_before_the_greeting_is_answered_after_it(master):
+    with socket.create_connection((HOST, master.port), timeout=10) as sock:
+        sock.sendall(frame(Cmd.REGISTER, []))  # at once, as a keyless client does
+        hello = _recv_all(sock, auth.HELLO_SIZE)
+        assert hello.startswith(auth.MAGIC) and hello[len(auth.MAGIC)] == 0
+        status, args = read_response(sock)
+        assert status == Status.OK and args[0] == b"2"  # the master's client, then this one
+        assert Limits.decode(args[1:]) == Limits()
+
+
+def test_a_request_sent_with_the_proof_is_answered_with_the_accept():
+    key = b"the-right-key"
+    store = TCPStore(HOST, 0, is_master=True, timeout=10, auth_key=key)
+    try:
+        with socket.create_connection((HOST, store.port), timeout=10) as sock:
+            hello = _recv_all(sock, auth.HELLO_SIZE)
+            proof, expected = auth.proof_message(key, hello, "the store")
+            sock.sendall(proof + frame(Cmd.REGISTER, []))  # in one packet
+            auth.verify_accept(expected, _recv_all(sock, auth.ACCEPT_SIZE), "the store")
+            status, args = read_response(sock)
+            assert status == Status.OK and args[0] == b"2"
+        client = TCPStore(HOST, store.port, timeout=10, auth_key=key)  # the same, built in
+        client.set("k", "v")
+        assert store.get("k") == b"v"
+        client.close()
+    finally:
+        store.close()
+
+
+def test_a_proof_refused_with_a_request_behind_it_reads_as_a_refusal():
+    store = TCPStore(HOST, 0, is_master=True, timeout=10, auth_key="the-right-key")
+    try:
+        with pytest.raises(DistNetworkError, match="refused this process's DISTCOMM_AUTH_KEY"):
+            TCPStore(HOST, store.port, timeout=2, auth_key="a-wrong-key")  # no retry: a refusal
+    finally:
+        store.close()
 
 
 # -- the non-loopback warning -------------------------------------------------------------------

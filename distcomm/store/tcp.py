@@ -29,6 +29,13 @@ greeting, fail the connection at once (no retry), and silence makes it warn afte
 seconds (it still waits its timeout, as a server serving thousands of clients may greet
 late).
 
+A new client without a key sends its REGISTER as soon as it is connected, before the
+greeting, and the server answers it in the packet that carries the greeting: the
+constructor waits one round trip, where a client that read the greeting first waited two
+(a client with a key sends it with its proof). After a failed attempt the next one reads
+the greeting first, so that a program that resets the connection on those bytes is still
+told from a TCPStore.
+
 The socket work of one connection is `tcp_client.Connection`'s; `tcp_master` finds or
 starts the master's server.
 """
@@ -76,6 +83,7 @@ FOREIGN_HINT = ("is another program using this port? Pick another port (MASTER_P
 log = logging.getLogger(__name__)
 
 _ERROR, _TIMEOUT = int(Status.ERROR), int(Status.TIMEOUT)
+_REGISTER = encode_frame(Cmd.REGISTER, [])[0]
 #: Requests that a repetition would apply again (or, for a pop, whose item would be lost
 #: with its answer): one whose answer is lost may or may not have been applied.
 _UNREPEATABLE = frozenset({Cmd.ADD, Cmd.COMPARE_SET, Cmd.DELETE_KEY, Cmd.APPEND,
@@ -241,6 +249,11 @@ class TCPStore(Store):
     @property
     def local_address(self) -> str:
         """The IP address of this process's end of its connection to the store."""
+        if not self._local_address and self._conn is not None:
+            try:
+                self._local_address = self._conn.local_address
+            except OSError:
+                pass
         return self._local_address
 
     @property
@@ -259,32 +272,42 @@ class TCPStore(Store):
         connection the server sheds until `deadline` (see the module doc); lock held."""
         stall = StallClock(self._stall_warn)
         delays = None
+        early = True
         while True:
             try:
-                self._connect_once(deadline, stall)
+                self._connect_once(deadline, stall, early)
                 return
             except DistNetworkError as exc:
                 if not isinstance(exc.__cause__, _DROPPED) or deadline.expired():
                     raise
                 self._broken = None  # a registration cut short: not the store gone
                 log_retrying(stall, f"connecting to {self._where}", exc, deadline)
+            # a connection reset before the greeting was read may be another program that
+            # closed on the early REGISTER: from now on, read the greeting before sending
+            early = False
             delays = delays or retry_delays()
             time.sleep(deadline.slice(next(delays)))
 
-    def _connect_once(self, deadline: Deadline, stall: StallClock) -> None:
+    def _connect_once(self, deadline: Deadline, stall: StallClock, early: bool) -> None:
+        """One connection; with `early`, a keyless client's REGISTER goes out before the
+        greeting is read, and its answer comes with the greeting (`auth.client_handshake`):
+        one round trip where there were two."""
         sock = connect(self._host, self._port, deadline, what="the TCPStore", stall=stall)
         try:
-            auth.client_handshake(
+            register = not self._registered
+            first = _REGISTER if register and (early or self._auth_key) else b""
+            rest = auth.client_handshake(
                 sock, self._auth_key, deadline, self._where, expected="a distcomm TCPStore",
-                hint=FOREIGN_HINT, warn_after=min(GREETING_WARN_S, self._stall_warn))
-            self._conn = Connection(sock)
-            self._local_address = self._conn.local_address
-            if not self._registered:
+                hint=FOREIGN_HINT, warn_after=min(GREETING_WARN_S, self._stall_warn),
+                first=first, address=format_address(self._host, self._port))
+            self._conn = Connection(sock, rest)
+            self._local_address = ""
+            if register:
                 # counted once per connection: one cut short before its answer was most
                 # likely shed unserved, and this connection registers anew
                 left = deadline.remaining()
-                _, result = self._exchange(encode_frame(Cmd.REGISTER, []),
-                                           FOREVER if left is None else left, "register")
+                _, result = self._exchange([_REGISTER], FOREVER if left is None else left,
+                                           "register", sent=bool(first))
                 self._limits = Limits.decode(result[1:])
                 self._registered = True
         except BaseException:
@@ -299,9 +322,10 @@ class TCPStore(Store):
 
     def _exchange(
         self, frame: list[bytes], seconds: float, what: str | tuple[str, object],
-        quiet: bool = False
+        quiet: bool = False, sent: bool = False
     ) -> tuple[int, list[bytes]]:
-        """Send one request and (unless `quiet`) read its answer; lock held.
+        """Send one request and (unless `quiet`) read its answer; lock held. With `sent`,
+        `frame` went out already (with the handshake): only its answer is read.
 
         An answer refusing an earlier quiet request is read first and raised as
         DistStoreError once this request's own answer is in.
@@ -310,7 +334,10 @@ class TCPStore(Store):
         if conn is None:
             raise DistStoreError(f"{self._where}: no connection (closed?)")
         try:
-            status, result, late = conn.exchange(frame, seconds, quiet)
+            if sent:
+                status, result, late = conn.answer(seconds)
+            else:
+                status, result, late = conn.exchange(frame, seconds, quiet)
         except (TimeoutError, BlockingIOError) as exc:  # a kernel timeout surfaces as EAGAIN
             self._drop()
             if self._closed:

@@ -31,15 +31,22 @@ class Connection:
 
     Args:
         sock: the connected socket, its handshake done; the connection owns it.
+        pushback: what the handshake read past its end (the start of an answer).
     """
 
-    def __init__(self, sock: socket.socket) -> None:
-        sock.settimeout(None)  # blocking; requests bound each call with kernel timeouts
+    def __init__(self, sock: socket.socket, pushback: bytes = b"") -> None:
+        if sock.gettimeout() is not None:
+            sock.settimeout(None)  # blocking; requests bound each call with kernel timeouts
         self.sock = sock
-        self.local_address: str = sock.getsockname()[0]
         self._sock_timeout: float | None = -1.0  # the kernel timeouts set on the socket
         self._bound_for: float | None = -1.0  # the seconds _bound was last given
-        self._pushback = b""  # bytes read past the last answer
+        self._pushback = pushback  # bytes read past the last answer
+
+    @property
+    def local_address(self) -> str:
+        """The IP address of this end of the connection (asked when wanted: a system call
+        that, with thousands of client threads, also hands the GIL to another)."""
+        return self.sock.getsockname()[0]
 
     def exchange(
         self, frame: list[bytes], seconds: float, quiet: bool = False
@@ -61,6 +68,12 @@ class Connection:
             self.sock.sendall(part)
         if quiet:
             return 0, [], None
+        return self.answer(seconds)
+
+    def answer(self, seconds: float) -> tuple[int, list[bytes], str | None]:
+        """Read the answer to the request sent last, within `seconds`; as `exchange`."""
+        if seconds != self._bound_for:
+            self._bound(seconds)
         late = None
         while True:
             if self._pushback:

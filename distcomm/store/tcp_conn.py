@@ -31,6 +31,7 @@ class Conn:
 
     __slots__ = (
         "accepted",
+        "address",
         "authed",
         "blocked",
         "closed",
@@ -38,7 +39,6 @@ class Conn:
         "fd",
         "inbuf",
         "mask",
-        "name",
         "nonce",
         "out",
         "out_bytes",
@@ -51,8 +51,8 @@ class Conn:
         "timer_at",
     )
 
-    def __init__(self, sock: socket.socket, name: str, now: float) -> None:
-        self.sock, self.name, self.fd = sock, name, sock.fileno()
+    def __init__(self, sock: socket.socket, address: tuple, now: float) -> None:
+        self.sock, self.address, self.fd = sock, address, sock.fileno()
         self.inbuf = bytearray()
         self.out: deque[bytes | memoryview] = deque()
         self.out_bytes = 0
@@ -66,6 +66,11 @@ class Conn:
         self.out_since: float | None = None  # answers have waited unsent since
         self.timer_at: float | None = None
         self.mask = select.EPOLLIN
+
+    @property
+    def name(self) -> str:
+        """The connection, for messages ("store client 10.0.0.2:41234")."""
+        return f"store client {self.address[0]}:{self.address[1]}"
 
 
 class Throttle:

@@ -13,7 +13,9 @@ them (status LATE_ERROR), and the client reads that answer before the answer of 
 request, so a client writes without waiting for a round trip. Waiting commands (GET,
 MULTI_GET, WAIT, WAIT_WORKERS) carry their timeout in seconds as their first argument
 (f64 LE; any size, `inf` for none). A REGISTER answer carries the server's `Limits`, so
-clients refuse an oversized request before sending it.
+clients refuse an oversized request before sending it. A keyless client sends REGISTER
+without waiting for the greeting; the server reads it as it accepts the connection and
+sends its answer with the greeting, in one packet.
 
 QUEUE_POP (timeout, key) answers OK with the item, OK with no argument when the queue
 is empty and the timeout is 0, or TIMEOUT with the key; a pop that waits is parked at

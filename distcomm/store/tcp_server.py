@@ -23,12 +23,15 @@ read until it verifies). What a client, buggy or hostile, cannot do:
   K keys watches one missing key at a time and moves on, O(K) over its life.
 
 This module is the loop: it accepts (every connection waiting, in one turn: it listens
-with the kernel's largest backlog, so that a whole job connecting at once waits there),
-reads, hands each request to the handlers of `tcp_state.ServerState` (the keys, the
-queues and the requests parked on them), and sends the answers; `tcp_conn` keeps its
-record of each connection and its timers. Queues are deques beside the keys. A
-`queue_pop` that finds its queue empty is parked in the queue's line of poppers; a push
-hands its item to the first of them, so no popper polls and no item is handed out twice.
+with the kernel's largest backlog, so that a whole job connecting at once waits there;
+without a key it reads a new connection at once, where the client's REGISTER usually
+waits already, so that the answer leaves with the greeting, and with a key it reads on
+after a verified proof for the same reason), reads, hands each request to the handlers
+of `tcp_state.ServerState` (the keys, the queues and the requests parked on them), and
+sends the answers; `tcp_conn` keeps its record of each connection and its timers.
+Queues are deques beside the keys. A `queue_pop` that finds its queue empty is parked in
+the queue's line of poppers; a push hands its item to the first of them, so no popper
+polls and no item is handed out twice.
 A WAIT counts a key with a non-empty queue as set (a GET does not).
 
 Warnings about misbehaving clients are rate-limited: one line per kind every 10 s, with
@@ -103,6 +106,7 @@ class StoreServer:
     def __init__(self, host: str, port: int, auth_key: bytes | None,
                  limits: Limits | None = None, listener: socket.socket | None = None) -> None:
         self._key = auth_key
+        self._open_hello = auth.hello_message(None)[0]  # the greeting when no key is set
         self.limits = limits or Limits.from_env()
         self._max_request = self.limits.max_request
         self._backlog = listen_backlog()
@@ -335,15 +339,30 @@ class StoreServer:
                 "dropping the oldest, %s", cap, oldest.name,
             )
             self._close(oldest)
-        conn = Conn(sock, f"store client {address[0]}:{address[1]}", now)
+        conn = Conn(sock, address, now)
         self._conns[conn.fd] = conn
         self._pending[conn] = None
         self._epoll.register(conn.fd, _IN)
-        hello, conn.nonce = auth.hello_message(self._key)
-        conn.authed = self._key is None
-        self._arm(conn, now + self.handshake_timeout)
-        self._queue(conn, [hello])
-        self._flush(conn)
+        if self._key is None:  # no proof to come: the greeting's nonce is never used
+            conn.authed = True
+            conn.out.append(self._open_hello)
+            conn.out_bytes = len(self._open_hello)
+            try:
+                # a keyless client sends its REGISTER without waiting for the greeting (it is
+                # usually here by now): serve it, and its answer goes out with the greeting
+                self._on_readable(conn)
+            except Exception:
+                self._fault(conn)
+                return
+        else:
+            hello, conn.nonce = auth.hello_message(self._key)
+            self._queue(conn, [hello])
+        if conn.closed:
+            return
+        if conn.out:
+            self._flush(conn)
+        if conn.pending and not conn.closed:
+            self._arm(conn, now + self.handshake_timeout)
 
     def _close(self, conn: Conn) -> None:
         if conn.closed:
@@ -403,11 +422,19 @@ class StoreServer:
                 "auth", "TCPStore server: %s failed authentication (wrong DISTCOMM_AUTH_KEY?); "
                 "closing it", conn.name,
             )
+            try:  # the request sent with the proof, unread, would make the close a reset,
+                conn.sock.recv(_RECV_SIZE)  # which the client takes for a shed connection
+            except OSError:
+                pass
             self._close(conn)
             return
         conn.authed = True
         self._queue(conn, [accept])
-        self._flush(conn)
+        # a client sends its first request with the proof: serve it now, so that its answer
+        # goes out with the ACCEPT, in one send
+        self._on_readable(conn)
+        if conn.out and not conn.closed:
+            self._flush(conn)
 
     def _process(self, conn: Conn) -> None:
         """Serve what is buffered on `conn` (after a park ended or the queue drained)."""

@@ -53,6 +53,7 @@ class ServerState:
                  answered: Callable[[Conn], None],
                  add_timer: Callable[[float, object], None]) -> None:
         self.limits = limits
+        self._limits_args = limits.encode()  # the tail of every REGISTER answer
         self._reply, self._answered, self._add_timer = reply, answered, add_timer
         self._data = Values()
         self.queues: dict[bytes, deque[bytes]] = {}  # only non-empty queues
@@ -195,7 +196,7 @@ class ServerState:
             for waiter in list(self._worker_waiters):
                 if self._workers >= waiter.workers:
                     self._finish(waiter, Status.OK, [str(self._workers).encode()])
-        return [str(self._workers).encode(), *self.limits.encode()]
+        return [str(self._workers).encode(), *self._limits_args]
 
     def _do_wait_workers(self, conn: Conn, args: list[bytes]) -> list[bytes] | None:
         raw, count = args
