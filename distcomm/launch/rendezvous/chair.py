@@ -231,7 +231,7 @@ class Chair:
         """Take every queued request, apply it, settle the round and write what changed.
 
         Args:
-            heartbeats: read every known node's heartbeat and drop the dead (once per
+            heartbeats: read every known node's heartbeat and drop the dead (twice per
                 keep-alive interval), and write the state if anything changed since the
                 last write.
 
