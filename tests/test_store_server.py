@@ -24,7 +24,7 @@ from distcomm.store import TCPStore
 from distcomm.store.tcp_conn import Throttle as _Throttle
 from distcomm.store.tcp_protocol import HEADER, LENGTH, SECONDS, Cmd, Limits, Status
 from distcomm.store.tcp_server import StoreServer
-from tests.store_wire import frame, raw_connection, read_response
+from tests.store_wire import frame, raw_connection, read_response, recv_exact
 
 HOST = "127.0.0.1"
 
@@ -445,20 +445,10 @@ def test_register_counts_each_connection_once(master):
         assert read_response(sock) == (Status.TIMEOUT, [b"2"])
 
 
-def _recv_all(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
 def test_a_register_sent_before_the_greeting_is_answered_after_it(master):
     with socket.create_connection((HOST, master.port), timeout=10) as sock:
         sock.sendall(frame(Cmd.REGISTER, []))  # at once, as a keyless client does
-        hello = _recv_all(sock, auth.HELLO_SIZE)
+        hello = recv_exact(sock, auth.HELLO_SIZE)
         assert hello.startswith(auth.MAGIC) and hello[len(auth.MAGIC)] == 0
         status, args = read_response(sock)
         assert status == Status.OK and args[0] == b"2"  # the master's client, then this one
@@ -470,10 +460,10 @@ def test_a_request_sent_with_the_proof_is_answered_with_the_accept():
     store = TCPStore(HOST, 0, is_master=True, timeout=10, auth_key=key)
     try:
         with socket.create_connection((HOST, store.port), timeout=10) as sock:
-            hello = _recv_all(sock, auth.HELLO_SIZE)
+            hello = recv_exact(sock, auth.HELLO_SIZE)
             proof, expected = auth.proof_message(key, hello, "the store")
             sock.sendall(proof + frame(Cmd.REGISTER, []))  # in one packet
-            auth.verify_accept(expected, _recv_all(sock, auth.ACCEPT_SIZE), "the store")
+            auth.verify_accept(expected, recv_exact(sock, auth.ACCEPT_SIZE), "the store")
             status, args = read_response(sock)
             assert status == Status.OK and args[0] == b"2"
         client = TCPStore(HOST, store.port, timeout=10, auth_key=key)  # the same, built in

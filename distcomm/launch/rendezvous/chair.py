@@ -198,6 +198,7 @@ class Chair:
         self._raw = b""
         self.state = RendezvousState()
         self._written: tuple[object, ...] | None = None
+        self._unwritten = False  # the state changed since the last write (as of the last pass)
         self._summary: dict[str, object] | None = None
         self._requests: list[Request] = []  # taken from the queue since the last write
         #: node -> the heartbeat value the chair last read (None: not read since it asked)
@@ -224,6 +225,7 @@ class Chair:
                 except ValueError:
                     beats[node] = now
             self._drop_dead(now)
+        self._unwritten = _signature(self.state) != self._written
 
     # -- one pass -------------------------------------------------------------------------
 
@@ -246,10 +248,11 @@ class Chair:
             if not self.state.closed and self._store.check([self._keys.closed]):
                 raise StateConflict("the rendezvous was closed")
         answers = self._apply(taken, now)
-        changed = _signature(self.state) != self._written
-        if (answers or self._due_write or (changed and (
+        signature = _signature(self.state)
+        self._unwritten = signature != self._written
+        if (answers or self._due_write or (self._unwritten and (
                 heartbeats or time.monotonic() >= self._next_write))):
-            self._write()
+            self._write(signature)
             self._publish(answers)  # the summary never runs ahead of the stored state
 
     def _take(self) -> list[Request]:
@@ -362,13 +365,14 @@ class Chair:
 
     # -- writing --------------------------------------------------------------------------
 
-    def _write(self) -> None:
+    def _write(self, signature: tuple[object, ...] | None = None) -> None:
+        """Write the state (`signature`: its `_signature`, when the caller has it)."""
         new = self.state.encode()
         current = self._store.compare_set(self._keys.state, self._raw, new)
         if current != new:
             raise StateConflict("another node wrote the state")
-        self._raw, self._written = new, _signature(self.state)
-        self._requests, self._due_write = [], False
+        self._raw, self._written = new, signature or _signature(self.state)
+        self._requests, self._due_write, self._unwritten = [], False, False
         self._next_write = time.monotonic() + WRITE_GAP
 
     def _publish(self, answers: dict[str, bytes]) -> None:
@@ -397,7 +401,7 @@ class Chair:
         due = None
         if self.state.deadline is not None and not self.state.complete:
             due = max(0.0, self.state.deadline - time.time()) + 0.01
-        if _signature(self.state) != self._written:
+        if self._unwritten:
             gap = max(0.0, self._next_write - time.monotonic())
             due = gap if due is None else min(due, gap)
         return due

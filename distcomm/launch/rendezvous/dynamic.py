@@ -218,6 +218,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 f"rendezvous state ({exc}); did another program write it? Use another --rdzv_id"
             ) from exc
 
+    def _stored_state(self) -> RendezvousState:
+        """The state as the chair last wrote it (a fresh one before any wrote it)."""
+        return self._decode(peek(self._store, self._keys.state) or b"")
+
     def _summary(self) -> dict[str, object]:
         """The chair's summary of the state (a fresh state's before any chair wrote one)."""
         raw = peek(self._store, self._keys.summary)
@@ -226,7 +230,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return dict(json.loads(raw))
             except ValueError:
                 pass
-        return summarize(self._decode(peek(self._store, self._keys.state) or b""), self._limits)
+        return summarize(self._stored_state(), self._limits)
 
     def _waiter(self) -> Store:
         """A second connection to the store for this node's blocking waits (the heartbeat
@@ -552,8 +556,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Raises:
             RendezvousConnectionError: the store failed.
         """
-        return self._guarded(
-            "state", lambda: self._decode(peek(self._store, self._keys.state) or b""))
+        return self._guarded("state", self._stored_state)
 
     def is_closed(self) -> bool:
         """Whether the rendezvous is closed.
@@ -710,7 +713,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _others_alive(self) -> int:
         """How many other nodes the stored state counts that still beat."""
-        state = self._decode(peek(self._store, self._keys.state) or b"")
+        state = self._stored_state()
         others = sorted(set(state.last_heartbeats) - {self.node_id})
         if not others:
             return 0
