@@ -29,7 +29,7 @@ import time
 
 from .deadline import Deadline
 from .errors import DistNetworkError
-from .net import format_address, recv_exact, recv_within
+from .net import format_address, recv_exact, recv_within, send_now
 
 __all__ = [
     "ACCEPT_SIZE",
@@ -185,7 +185,9 @@ def client_handshake(
 
 def _send(sock: socket.socket, data: bytes, peer: str) -> None:
     try:
-        sock.sendall(data)
+        sent = send_now(sock, data)  # a handshake message always fits: no wait
+        if sent < len(data):
+            sock.sendall(data[sent:])
     except OSError as exc:
         raise DistNetworkError(f"handshake with {peer} failed: {exc}") from exc
 

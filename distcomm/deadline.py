@@ -92,12 +92,13 @@ class Deadline:
 
 class StallClock:
     """When a wait that is still waiting should say so: after `warn` seconds (0: never),
-    then after twice as long each time (DISTCOMM_STALL_WARN_S's 30, 60, 120 s ...)."""
+    then after twice as long each time (DISTCOMM_STALL_WARN_S's 30, 60, 120 s ...),
+    counted from `started` (a time.monotonic(); default now)."""
 
     __slots__ = ("_at", "_started")
 
-    def __init__(self, warn: float) -> None:
-        self._started = time.monotonic()
+    def __init__(self, warn: float, started: float | None = None) -> None:
+        self._started = time.monotonic() if started is None else started
         self._at = warn if warn > 0 else math.inf
 
     def due(self) -> float | None:

@@ -454,6 +454,62 @@ def test_tcp_close_leaves_no_socket_or_thread():
         client.get("k")
 
 
+class _CountingSocket(socket.socket):
+    """A socket that records the options set on it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.options: list[int] = []
+
+    def setsockopt(self, level: int, option: int, *value: object) -> None:
+        self.options.append(option)
+        return super().setsockopt(level, option, *value)
+
+
+def test_a_request_sets_its_kernel_timeout_only_when_the_one_set_does_not_serve():
+    """A request is its send and its receive: the receive timeout is set when a budget
+    is not within a second (longer) or a quarter (shorter) of the one set, and a send
+    timeout only for a request too large to go out at once."""
+    from distcomm.store.tcp_client import Connection
+
+    ours, server = socket.socketpair()
+    sock = _CountingSocket(fileno=ours.detach())
+    conn = Connection(sock)
+    answer = encode_frame(Status.OK, [b"7"])[0]
+    request = encode_frame(Cmd.ADD, [b"k", b"1"])
+
+    def ask(budget: float) -> None:
+        server.sendall(answer)  # waiting before the request is sent: read after it
+        assert conn.exchange(request, budget) == (Status.OK, [b"7"], None)
+        assert recv_exact(server, len(request[0])) == request[0]
+
+    try:
+        for budget in (300.9, 301.0, 301.0, 300.8):  # the register, then the store timeout
+            ask(budget)
+        assert sock.options == [socket.SO_RCVTIMEO]
+        ask(31.0)  # a wait's first slice
+        ask(301.0)
+        assert sock.options == [socket.SO_RCVTIMEO] * 3
+        ask(float("inf"))  # none
+        ask(float("inf"))
+        assert sock.options == [socket.SO_RCVTIMEO] * 4
+        big = encode_frame(Cmd.SET, [b"k", b"v" * (1 << 20)])
+        assert len(big) > 1  # sent in pieces: it may wait, so its send is bounded
+        reader = threading.Thread(target=recv_exact, args=(server, sum(map(len, big))))
+        reader.start()
+        conn.exchange(big, 301.0, quiet=True)
+        reader.join(30)
+        assert sock.options == [socket.SO_RCVTIMEO] * 4 + [socket.SO_SNDTIMEO]
+        timeval = struct.Struct("@ll")
+        assert timeval.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)) \
+            == (0, 0)  # inf: the kernel's none
+        assert timeval.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16)) \
+            == (301, 0)
+    finally:
+        conn.close(shutdown=True)
+        server.close()
+
+
 def test_tcp_garbage_collection_stops_the_server():
     store = TCPStore(HOST, 0, is_master=True, timeout=5)
     port = store.port

@@ -306,8 +306,9 @@ class TCPStore(Store):
                 # counted once per connection: one cut short before its answer was most
                 # likely shed unserved, and this connection registers anew
                 left = deadline.remaining()
-                _, result = self._exchange([_REGISTER], FOREVER if left is None else left,
-                                           "register", sent=bool(first))
+                _, result = self._exchange(
+                    [_REGISTER], FOREVER if left is None else left + SAFETY_MARGIN,
+                    "register", sent=bool(first))
                 self._limits = Limits.decode(result[1:])
                 self._registered = True
         except BaseException:
@@ -541,16 +542,21 @@ class TCPStore(Store):
         if not 0 < warn < seconds:
             return self._call(code, [SECONDS.pack(seconds), *names], what, wait=seconds,
                               keys=names)
-        deadline = Deadline(seconds)
-        stall = StallClock(warn)
+        # slices end at each warning; the first is `warn` long, and most waits end within
+        # it, so the clocks of the later ones start only when one is needed
+        started = time.monotonic()
+        step = warn
+        deadline = stall = None
         while True:
-            step = deadline.slice(stall.until_next())
             status, result = self._request(code, [SECONDS.pack(step), *names], what,
                                            wait=step, keys=names)
             if status != _TIMEOUT:
                 if status:
                     self._failed(status, result, what, step)
                 return result
+            if deadline is None or stall is None:
+                deadline = Deadline(seconds - (time.monotonic() - started))
+                stall = StallClock(warn, started)
             missing = [key.decode(errors="replace") for key in result]
             if deadline.expired():
                 if code == Cmd.QUEUE_POP:
@@ -560,6 +566,7 @@ class TCPStore(Store):
             if waited is not None:
                 log_still_waiting(log, f"{_describe(what)} on {self._where}", waited, missing,
                                   seconds, stall.next)
+            step = deadline.slice(stall.until_next())
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set each key of `keys` to the value at the same position of `values`, atomically."""

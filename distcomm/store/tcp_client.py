@@ -1,9 +1,12 @@
 """One TCPStore client connection: frames out, answers in, under kernel timeouts.
 
 `Connection` wraps an open, authenticated socket to the server and runs one request at a
-time on it: it bounds each send and receive with SO_RCVTIMEO/SO_SNDTIMEO (set only when
-the bound changes), reads an answer into place, keeps the bytes read past it, and sets
-aside the late answers that refuse an earlier quiet request. It raises the socket's own
+time on it: it sends a small request without waiting (the kernel takes it at once, so no
+send timeout is needed), bounds each receive, and each send that must wait, with
+SO_RCVTIMEO/SO_SNDTIMEO (set only when the bound already set does not serve the request's
+budget: a request costs two system calls, its send and its receive), reads an answer into
+place, keeps the bytes read past it, and sets aside the late answers that refuse an
+earlier quiet request. It raises the socket's own
 errors; `tcp.TCPStore` turns them into the store's.
 """
 
@@ -14,12 +17,37 @@ import struct
 import time
 
 from ..deadline import FOREVER
+from ..net import send_now
 from .tcp_protocol import HEADER, Status, decode_args
 
 __all__ = ["Connection", "PeerClosed"]
 
 _TIMEVAL = struct.Struct("@ll")
 _LATE_ERROR = int(Status.LATE_ERROR)
+#: How far the kernel timeout already set may be from a request's budget and still serve
+#: it: up to `LONGER` seconds longer, or `SHORTER` shorter (a budget runs a second past the
+#: server's own deadline, `tcp.SAFETY_MARGIN`), so that requests whose budgets differ only
+#: by the time that passed between them (the register, then every request with the store
+#: timeout) set it once.
+LONGER, SHORTER = 1.0, 0.25
+
+
+def _kernel_seconds(seconds: float | None) -> float:
+    """A bound for SO_RCVTIMEO/SO_SNDTIMEO: 0 (the kernel's "none") for None or huge, else
+    at least 1 ms."""
+    return 0.0 if seconds is None or seconds > FOREVER else max(seconds, 0.001)
+
+
+def _serves(current: float, bound: float) -> bool:
+    """Whether the kernel timeout `current` serves for `bound` (0: none, for both)."""
+    if current == 0.0 or bound == 0.0:
+        return current == bound
+    return bound - SHORTER <= current <= bound + LONGER
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
 
 
 class PeerClosed(Exception):
@@ -38,8 +66,9 @@ class Connection:
         if sock.gettimeout() is not None:
             sock.settimeout(None)  # blocking; requests bound each call with kernel timeouts
         self.sock = sock
-        self._sock_timeout: float | None = -1.0  # the kernel timeouts set on the socket
-        self._bound_for: float | None = -1.0  # the seconds _bound was last given
+        self._rcv: float = -1.0  # the receive timeout set on the socket (-1: not known)
+        self._snd: float = -1.0  # the send timeout set on the socket (-1: not known)
+        self._rcv_for = -1.0  # the budget `_rcv` was last checked against
         self._pushback = pushback  # bytes read past the last answer
 
     @property
@@ -62,22 +91,27 @@ class Connection:
                 as EAGAIN).
             PeerClosed, OSError: the connection failed.
         """
-        if seconds != self._bound_for:
-            self._bound(seconds)
-        for part in frame:
-            self.sock.sendall(part)
+        sock = self.sock
+        if len(frame) == 1:  # a small request: the kernel takes it at once
+            data = frame[0]
+            sent = send_now(sock, data)
+            if sent < len(data):  # the server is not reading: wait, within `seconds`
+                self._bound_send(seconds)
+                sock.sendall(memoryview(data)[sent:])
+        else:
+            self._bound_send(seconds)
+            for part in frame:
+                sock.sendall(part)
         if quiet:
             return 0, [], None
         return self.answer(seconds)
 
     def answer(self, seconds: float) -> tuple[int, list[bytes], str | None]:
         """Read the answer to the request sent last, within `seconds`; as `exchange`."""
-        if seconds != self._bound_for:
-            self._bound(seconds)
         late = None
         while True:
             if self._pushback:
-                status, result = self._unpush(time.monotonic() + seconds)
+                status, result = self._unpush(seconds)
             else:
                 status, result = self._read_reply(seconds)
             if status != _LATE_ERROR:
@@ -94,22 +128,27 @@ class Connection:
                 pass
         self.sock.close()
 
-    def _bound(self, seconds: float | None) -> None:
-        """Bound each send and receive on `sock` by `seconds` (None or huge: unbounded)."""
-        sock = self.sock
-        given = seconds
-        # 0 is the kernel's "no timeout"
-        seconds = 0.0 if seconds is None or seconds > FOREVER else max(seconds, 0.001)
-        if seconds != self._sock_timeout:
-            whole = int(seconds)
-            timeval = _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-            self._sock_timeout = seconds
-        self._bound_for = given
+    def _bound_recv(self, seconds: float) -> None:
+        """Bound each receive by about `seconds` (SO_RCVTIMEO, see `LONGER`), before a
+        receive that may wait."""
+        self._rcv_for = seconds
+        bound = _kernel_seconds(seconds)
+        if not _serves(self._rcv, bound):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(bound))
+            self._rcv = bound
+
+    def _bound_send(self, seconds: float) -> None:
+        """Bound each send by about `seconds` (SO_SNDTIMEO), before a send that may wait
+        (one of a large request, or one the server is slow to read)."""
+        bound = _kernel_seconds(seconds)
+        if not _serves(self._snd, bound):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(bound))
+            self._snd = bound
 
     def _read_reply(self, seconds: float) -> tuple[int, list[bytes]]:
         sock = self.sock
+        if seconds != self._rcv_for:  # most requests have the budget of the one before
+            self._bound_recv(seconds)
         data = sock.recv(1 << 16)
         while len(data) < HEADER.size:
             if not data:
@@ -138,13 +177,16 @@ class Connection:
             self._pushback = data[end:]
         return status, decode_args(data, HEADER.size, end)
 
-    def _unpush(self, end_time: float) -> tuple[int, list[bytes]]:
-        """Read an answer whose start came with the previous one."""
+    def _unpush(self, seconds: float) -> tuple[int, list[bytes]]:
+        """Read an answer whose start came with the previous one (often all of it: the
+        answer to the REGISTER sent with the handshake comes with the greeting)."""
         sock = self.sock
         data, self._pushback = self._pushback, b""
+        end_time = time.monotonic() + seconds
         while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
             if time.monotonic() > end_time:
                 raise TimeoutError
+            self._bound_recv(seconds)
             more = sock.recv(1 << 16)
             if not more:
                 raise PeerClosed
