@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 #: where each public name lives: module (relative to this package) -> names
 _EXPORTS: dict[str, tuple[str, ...]] = {
     ".backends.names": ("Backend", "BackendConfig"),
+    ".bootstrap.urls": ("register_rendezvous_handler",),
     ".coalesced": ("all_gather_coalesced", "all_reduce_coalesced"),
     ".collectives": (
         "P2POp", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce",
@@ -67,14 +68,18 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = sorted([*_HOME, "group"])
+#: submodules reached as attributes: torch's dist.group namespace, and dist.rendezvous,
+#: the module that is also torch's function (it is callable)
+_SUBMODULES = ("group", "rendezvous")
+
+__all__ = sorted([*_HOME, *_SUBMODULES])
 
 
 def __getattr__(name: str) -> Any:
     module = _HOME.get(name)
     if module is None:
-        if name == "group":  # the submodule (torch's dist.group namespace)
-            return importlib.import_module(".group", __name__)
+        if name in _SUBMODULES:
+            return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups are plain module attributes

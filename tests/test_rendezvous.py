@@ -426,8 +426,9 @@ def test_missing_rank_lists_every_source() -> None:
     with pytest.raises(ValueError) as info:
         rendezvous(environ={})
     assert str(info.value).startswith(
-        "cannot determine the rank: pass rank= to init_process_group, or set RANK (torch "
-        "style), OMPI_COMM_WORLD_RANK (Open MPI), PMIX_RANK (PMIx), PMI_RANK (MPICH) or "
+        "cannot determine the rank (rank parameter missing): pass rank= to "
+        "init_process_group, or set RANK (torch style), OMPI_COMM_WORLD_RANK (Open MPI), "
+        "PMIX_RANK (PMIx), PMI_RANK (MPICH) or "
         "SLURM_PROCID (Slurm)"
     )
 
@@ -436,7 +437,8 @@ def test_missing_world_size_lists_every_source() -> None:
     with pytest.raises(ValueError) as info:
         rendezvous("tcp://127.0.0.1:1", rank=0, environ={"PMIX_RANK": "0"})
     message = str(info.value)
-    assert message.startswith("cannot determine the world size: pass world_size=")
+    assert message.startswith(
+        "cannot determine the world size (size parameter missing): pass world_size=")
     for word in (
         "WORLD_SIZE",
         "OMPI_COMM_WORLD_SIZE",
@@ -471,7 +473,12 @@ def test_missing_master_addr_and_port() -> None:
         (
             {"init_method": "tcp://h:1?rank=1", "rank": 0},
             ValueError,
-            ["rank is given twice", "rank=0", "?rank=1"],
+            ["has node-specific arguments", "(?rank)", "rank=0 came as arguments"],
+        ),
+        (  # even when they agree, as torch refuses it
+            {"init_method": "tcp://h:1?world_size=2", "rank": 0, "world_size": 2},
+            AssertionError,
+            ["has node-specific arguments", "(?world_size)", "rank=0, world_size=2"],
         ),
         ({"timeout": "10"}, TypeError, ["timeout"]),
     ],
@@ -506,8 +513,8 @@ def test_store_argument_passes_through() -> None:
 
 
 def test_file_single_process(tmp_path: object) -> None:
-    url = f"file://{tmp_path}/store?world_size=1"
-    result = rendezvous(url, rank=0, environ={"MASTER_PORT": "ignored"}, timeout=5)
+    url = f"file://{tmp_path}/store?world_size=1&rank=0"
+    result = rendezvous(url, environ={"MASTER_PORT": "ignored"}, timeout=5)
     try:
         assert isinstance(result.store, FileStore)
         assert (result.rank, result.world_size, result.source) == (0, 1, f"file://{tmp_path}/store")
@@ -568,7 +575,7 @@ def test_registered_scheme_handler_gets_url_and_explicit_values(own_registry) ->
     result = rendezvous("mine://x/y?a=b", world_size=3, timeout=7, environ=env)
     assert result == Rendezvous(store, 1, 3, source="mine")
     url, kwargs = calls[0]
-    assert url == "mine://x/y?a=b"
+    assert url == "mine://x/y?a=b&world_size=3"  # as torch hands them, and as keywords
     assert kwargs == {"rank": None, "world_size": 3, "timeout": 7.0, "environ": env}
 
 

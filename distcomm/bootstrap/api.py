@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 from .. import config
 from ..deadline import to_seconds
@@ -17,21 +18,34 @@ from ..store import Store
 from . import schemes  # noqa: F401  (registers env://, tcp:// and file://)
 from .base import Rendezvous, optional_int
 from .environment import detect
-from .urls import handler_for
+from .urls import (
+    BUILTIN_SCHEMES,
+    handler_for,
+    refuse_node_parameters_twice,
+    with_node_parameters,
+)
 
 __all__ = ["rendezvous"]
 
 
 def rendezvous(
     init_method: str | None = None,
-    *,
     rank: int | None = -1,
     world_size: int | None = -1,
+    *,
     store: Store | None = None,
     timeout: float | timedelta = config.DEFAULT_TIMEOUT,
     environ: Mapping[str, str] | None = None,
+    **kwargs: Any,
 ) -> Rendezvous:
     """Find this process's store, rank and world size, as `init_process_group` does.
+
+    Called as torch's ``rendezvous(url, rank, world_size, **kwargs)``, it is torch's too:
+    the `Rendezvous` it returns is also an iterator of one ``(store, rank, world_size)``
+    (``next(...)`` gives it, and a second ``next`` raises RuntimeError: an init_method
+    cannot rendezvous again), rank and world_size come as arguments or in the URL's query
+    but not both, and a scheme without a handler raises an error that is a RuntimeError
+    (as torch's) and a ValueError.
 
     Args:
         init_method: env:// (None means env://), tcp://HOST:PORT, file:///PATH, or a
@@ -42,14 +56,19 @@ def rendezvous(
             and init_method must be None.
         timeout: the store's timeout (seconds or timedelta), connecting included.
         environ: the environment to read (default: os.environ).
+        kwargs: passed on to the handler of a scheme registered with
+            `register_rendezvous_handler` (the built-in schemes take none).
 
     Returns:
         A `Rendezvous`; the caller owns its store.
 
     Raises:
-        TypeError: an argument has the wrong type.
-        ValueError: a value is missing, malformed or out of range; the message lists
-            where it was looked for.
+        TypeError: an argument has the wrong type, or a built-in scheme was given a
+            keyword it does not take.
+        ValueError: a value is missing, malformed or out of range (the message lists where
+            it was looked for); rank or world_size given both as an argument and in the
+            URL (`NodeParametersGivenTwice`, also an AssertionError as torch's); no handler
+            for the URL's scheme (`UnknownSchemeError`, also a RuntimeError as torch's).
         DistNetworkError, DistStoreError, DistTimeoutError: the store could not be
             hosted, opened or reached in time; the message names the rank and the address.
     """
@@ -74,8 +93,18 @@ def rendezvous(
             store, rank_arg, size_arg, env, "store", ("rank= argument", "world_size= argument")
         )
     url = "env://" if init_method is None else init_method
+    refuse_node_parameters_twice(url, rank_arg, size_arg)
     scheme, handler = handler_for(url)
-    found = handler(url, rank=rank_arg, world_size=size_arg, timeout=seconds, environ=env)
+    if kwargs and scheme in BUILTIN_SCHEMES:
+        raise TypeError(
+            f"rendezvous got {', '.join(f'{k}=' for k in sorted(kwargs))} for {scheme}://, "
+            "whose handler takes none of them: the built-in schemes take rank, world_size, "
+            "timeout (and environ); other keywords are for a scheme's own handler"
+        )
+    if scheme not in BUILTIN_SCHEMES:
+        url = with_node_parameters(url, rank_arg, size_arg)
+    found = handler(url, rank=rank_arg, world_size=size_arg, timeout=seconds, environ=env,
+                    **kwargs)
     return _outcome(found, scheme, env)
 
 
@@ -87,6 +116,8 @@ def _outcome(found: object, scheme: str, env: Mapping[str, str]) -> Rendezvous:
         ValueError: the rank it returned is not below the world size.
     """
     who = f"the {scheme}:// handler"
+    if isinstance(found, Rendezvous):  # (itself an iterator, for torch's callers)
+        return found
     if hasattr(found, "__next__"):  # torch's form: a generator of (store, rank, world_size)
         try:
             found = next(found)  # type: ignore[call-overload]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..store import Store
 
@@ -84,6 +84,10 @@ class Rendezvous:
         source: how it was found, for messages: "env://", "tcp://h:p", "file:///p",
             "store", the launcher that gave the rank ("Open MPI", "Slurm", ...), or that
             launcher and "(store address bootstrapped over MPI)".
+
+    It is also the iterator torch's ``rendezvous`` returns: ``next(it)`` gives ``(store,
+    rank, world_size)`` once; a second ``next`` raises RuntimeError, as torch's handlers
+    do, since an init_method cannot rendezvous again.
     """
 
     store: Store
@@ -94,6 +98,19 @@ class Rendezvous:
     master_addr: str | None = None
     master_port: int | None = None
     source: str = "env://"
+    _given: list[bool] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __iter__(self) -> Rendezvous:
+        return self
+
+    def __next__(self) -> tuple[Store, int, int]:
+        if self._given:
+            raise RuntimeError(
+                f"this rendezvous ({self.source}) gave its (store, rank, world_size) "
+                "already, and an init_method cannot rendezvous again: call rendezvous anew"
+            )
+        self._given.append(True)
+        return self.store, self.rank, self.world_size
 
 
 def launcher_of(source: str) -> str | None:

@@ -203,7 +203,8 @@ def require(info: EnvInfo, name: str, hint: str = "") -> object:
         ]
         note = " (PMIx exports no size variable)" if name == "world_size" else ""
         message = (
-            f"cannot determine the {name.replace('_', ' ')}: pass {name}= to "
+            f"cannot determine the {name.replace('_', ' ')} ({name[-4:]} parameter missing): "
+            f"pass {name}= to "
             f"init_process_group, or set {', '.join(names[:-1])} or {names[-1]}{note}; "
             f"a tcp:// or file:// URL may also carry ?{name}="
         )

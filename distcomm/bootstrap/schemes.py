@@ -29,19 +29,11 @@ __all__: list[str] = []
 def _given(
     method: InitMethod, rank: int | None, world_size: int | None
 ) -> dict[str, tuple[object, str]]:
-    """The values the caller and the URL give, each with where it came from.
-
-    Raises:
-        ValueError: an argument and the URL's query give a value twice, differently.
-    """
+    """The values the caller and the URL give, each with where it came from (never both:
+    `rendezvous` refuses that first)."""
     given: dict[str, tuple[object, str]] = {}
     for name, arg in (("rank", rank), ("world_size", world_size)):
         in_url = getattr(method, name)
-        if arg is not None and in_url is not None and arg != in_url:
-            raise ValueError(
-                f"{name} is given twice with different values: {name}={arg} and "
-                f"?{name}={in_url} in init_method {method.url!r}: give it once"
-            )
         if arg is not None:
             given[name] = (arg, f"{name}= argument")
         elif in_url is not None:

@@ -7,12 +7,13 @@ turns such a URL into a `Rendezvous`, as torch's function of that name does; the
 schemes are registered in `distcomm.bootstrap.schemes`, and `handler_for` finds the
 handler of a URL or refuses it, listing the registered schemes.
 
-A handler is called as ``handler(url, rank=R, world_size=N, timeout=S, environ=ENV)``:
-`rank` and `world_size` are the caller's explicit values (None where not given; torch puts
-them in the URL's query instead, which would lose where each came from), `timeout` the
-seconds it may take, `environ` the environment to read. It returns a `Rendezvous`, a
-``(store, rank, world_size)`` tuple, or an iterator whose first item is one of them (the
-generator form torch's handlers use).
+A handler is called as ``handler(url, rank=R, world_size=N, timeout=S, environ=ENV,
+**kwargs)``: `rank` and `world_size` are the caller's explicit values (None where not
+given), which the URL's query also carries, as torch hands them to its handlers (a caller
+gives them in one place or the other, never both); `timeout` is the seconds it may take,
+`environ` the environment to read, and `kwargs` what else the caller gave `rendezvous`.
+It returns a `Rendezvous`, a ``(store, rank, world_size)`` tuple, or an iterator whose
+first item is one of them (the generator form torch's handlers use).
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from .base import InitMethod, parse_int
 
-__all__ = ["RendezvousHandler", "parse_init_method", "register_rendezvous_handler"]
+__all__ = [
+    "BUILTIN_SCHEMES",
+    "NodeParametersGivenTwice",
+    "RendezvousHandler",
+    "UnknownSchemeError",
+    "parse_init_method",
+    "refuse_node_parameters_twice",
+    "register_rendezvous_handler",
+    "with_node_parameters",
+]
 
 #: A scheme's handler: ``handler(url, *, rank, world_size, timeout, environ)``.
 RendezvousHandler = Callable[..., Any]
@@ -36,10 +46,23 @@ _BUILTIN = {
     "tcp": "tcp://HOST:PORT",
     "file": "file:///PATH",
 }
+#: The schemes distcomm registers itself (`distcomm.bootstrap.schemes`).
+BUILTIN_SCHEMES = frozenset(_BUILTIN)
 _SCHEME_SYNTAX = re.compile(r"[a-z][a-z0-9+.-]*")
 
 _lock = threading.Lock()
 _handlers: dict[str, RendezvousHandler] = {}
+
+
+class UnknownSchemeError(ValueError, RuntimeError):
+    """No rendezvous handler is registered for an init_method's scheme, or one is already
+    registered for a scheme given to `register_rendezvous_handler`: a ValueError, as
+    distcomm raises for a bad argument, and a RuntimeError, as torch raises for these."""
+
+
+class NodeParametersGivenTwice(ValueError, AssertionError):
+    """rank or world_size given as arguments to a rendezvous whose URL carries them too:
+    a ValueError, and an AssertionError, as torch's check is an assertion."""
 
 
 def _either(names: list[str]) -> str:
@@ -70,7 +93,10 @@ def register_rendezvous_handler(scheme: str, handler: RendezvousHandler) -> None
         raise TypeError(f"the rendezvous handler for {scheme}:// must be callable, got {handler!r}")
     with _lock:
         if scheme.lower() in _handlers:
-            raise ValueError(f"a rendezvous handler for {scheme.lower()}:// is already registered")
+            raise UnknownSchemeError(
+                f"a rendezvous handler for {scheme.lower()}:// is already registered: a "
+                "scheme has one handler; register yours under a scheme of its own"
+            )
         _handlers[scheme.lower()] = handler
 
 
@@ -116,8 +142,48 @@ def handler_for(url: object) -> tuple[str, RendezvousHandler]:
     return scheme, handler
 
 
-def _unsupported(url: object, scheme: str, schemes: str) -> ValueError:
-    return ValueError(f"init_method {url!r} has an unsupported scheme {scheme!r}: use {schemes}")
+def _unsupported(url: object, scheme: str, schemes: str) -> UnknownSchemeError:
+    return UnknownSchemeError(
+        f"No rendezvous handler for {scheme.lower()}://: init_method {url!r} has an "
+        f"unsupported scheme {scheme!r}: use {schemes}"
+    )
+
+
+def with_node_parameters(url: str, rank: int | None, world_size: int | None) -> str:
+    """`url` with the rank and world size given as arguments added to its query, as torch
+    hands them to a scheme's handler (which also gets them as keywords)."""
+    items = [f"{name}={value}" for name, value in (("rank", rank), ("world_size", world_size))
+             if value is not None]
+    if not items:
+        return url
+    parts = urlsplit(url)
+    query = "&".join(filter(None, [parts.query, *items]))
+    return urlunsplit(parts._replace(query=query))
+
+
+def refuse_node_parameters_twice(url: object, rank: int | None, world_size: int | None) -> None:
+    """Refuse rank or world_size given as arguments when the URL's query carries either,
+    as torch refuses them (even when they agree): each has one place to come from.
+
+    Raises:
+        NodeParametersGivenTwice: both give node parameters; the message names them.
+    """
+    if (rank is None and world_size is None) or not isinstance(url, str):
+        return
+    try:
+        query = urlsplit(url).query
+    except ValueError:
+        return  # a malformed URL is refused by its handler, with its own message
+    in_url = [item.partition("=")[0] for item in filter(None, query.split("&"))]
+    in_url = [key for key in in_url if key in ("rank", "world_size")]
+    if in_url:
+        given = [f"{name}={value}" for name, value in (("rank", rank), ("world_size", world_size))
+                 if value is not None]
+        raise NodeParametersGivenTwice(
+            f"init_method {url!r} has node-specific arguments in its query "
+            f"({', '.join('?' + key for key in in_url)}), and {', '.join(given)} came as "
+            "arguments too: give rank and world_size in the URL or as arguments, not both"
+        )
 
 
 def _parse_query(url: str, query: str) -> dict[str, int]:
@@ -166,8 +232,10 @@ def parse_init_method(url: str) -> InitMethod:
         return InitMethod("env", bare, **query)
     if scheme == "tcp":
         if not parts.hostname or port is None:
+            missing = "port number missing" if parts.hostname else "host name missing"
             raise ValueError(
-                f"init_method {url!r} needs a host and a port: tcp://HOST:PORT or tcp://[IPV6]:PORT"
+                f"init_method {url!r} needs a host and a port ({missing}): tcp://HOST:PORT "
+                "or tcp://[IPV6]:PORT"
             )
         if not 1 <= port <= 65535:
             raise ValueError(
@@ -182,5 +250,7 @@ def parse_init_method(url: str) -> InitMethod:
             f"URL holds a path, absolute after three slashes: file:///shared/path"
         )
     if not parts.path:
-        raise ValueError(f"init_method {url!r} has no path: use file:///shared/path")
+        raise ValueError(
+            f"init_method {url!r} has no path (path missing): use file:///shared/path"
+        )
     return InitMethod("file", bare, path=parts.path, **query)
