@@ -268,8 +268,8 @@ def test_local_reaping_kills_the_whole_process_tree(spawn, local_server, childre
 def test_local_server_stops_promptly_and_leaves_no_thread(local_server):
     server = timer.LocalTimerServer(local_server.queue, max_interval=60)
     watchdog = _started_threads(server.start, "-watchdog")
-    with pytest.raises(RuntimeError, match="already running"):
-        server.start()
+    server.start()  # running already: tolerated, as torch's, and no second thread
+    assert server._thread is watchdog[0]
     server.stop()
     server.stop()
     assert not [t for t in watchdog if t.is_alive()]

@@ -594,21 +594,27 @@ class ElasticAgent:
             if pid in expired:
                 reason = f"expiration timer scope {expired[pid]!r} expired; the worker was killed"
             tail = self._workers.stderr_tail(local_rank, stderr_end)
-            failures[rank] = ProcessFailure(
-                local_rank=local_rank,
-                rank=rank,
-                pid=pid,
-                exitcode=code,
-                error_file=self._workers.error_file(local_rank),
-                host=host,
-                role=c.role,
-                log_files=self._workers.log_files(local_rank),
-                reason=reason,
+            fields = {
+                "local_rank": local_rank,
+                "rank": rank,
+                "pid": pid,
+                "exitcode": code,
+                "host": host,
+                "role": c.role,
+                "log_files": self._workers.log_files(local_rank),
+                "reason": reason,
                 # the error file's time, when it has one; else when the worker said why
-                timestamp=(tail and tail.failure_time()) or self._workers.exit_time(local_rank),
-                files_kept=self._logs_kept,
-                stderr_tail=None if tail is None else tail.lines(),
-            )
+                "timestamp": (tail and tail.failure_time()) or self._workers.exit_time(local_rank),
+                "files_kept": self._logs_kept,
+                "stderr_tail": None if tail is None else tail.lines(),
+            }
+            try:
+                failures[rank] = ProcessFailure(
+                    error_file=self._workers.error_file(local_rank), **fields)
+            except ValueError as exc:  # a file no error handler wrote: report the exit
+                log.warning("distcomm-run: %s", exc)
+                fields["reason"] = "; ".join(filter(None, [reason, str(exc)]))
+                failures[rank] = ProcessFailure(error_file="", **fields)
         return failures
 
     def _on_timer_expired(self, pid: int, scope: str, expiration_time: float) -> None:

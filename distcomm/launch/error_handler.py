@@ -1,11 +1,16 @@
 """`ErrorHandler`: how `record` writes a worker's exception to the error file the agent reads.
 
-`record` (in `errors.py`) calls the handler it was given, or `get_error_handler()`'s:
+`record` (in `errors/api.py`) calls the handler it was given, or `get_error_handler()`'s:
 `initialize()` before the entrypoint runs, `record_exception(e)` when it raises, and
 `dump_error_file(child_error_file, exitcode)` when it raises `ChildFailedError` (a
 launcher inside a launcher), so that the outer agent reports the first real failure.
 Subclass it to send errors elsewhere as well (torch's
 ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler`` has the same methods).
+
+Torch's module path, ``distcomm.launch.errors.error_handler``, names this module's
+contents; the module itself stays here, outside the `errors` package, so that the
+exception hook every worker installs (`excepthook.py`) imports nothing more than it
+needs (the package's report code brings psutil).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ TORCH_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 def exception_record(exc: BaseException) -> dict[str, Any]:
-    """The error file's content for `exc`: message, traceback and time (see `errors.py`),
+    """The error file's content for `exc`: message, traceback and time (see `errors/api.py`),
     and ``peer_ranks`` when it follows from a peer's failure (`distcomm.errors.peer_failure`)."""
     now_ns = time.time_ns()
     info: dict[str, Any] = {

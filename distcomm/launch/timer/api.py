@@ -118,7 +118,8 @@ class TimerServer(ABC):
 
     Subclasses keep the timers (`register_timers`, `clear_timers`, `get_expired_timers`)
     and reap workers (`_reap_worker`); this class runs the loop, either in a background
-    thread (`start`/`stop`) or one step at a time (`run_once`, for tests).
+    thread (`start`/`stop`) or one step at a time (`run_once`, also reachable under
+    torch's name `_run_watchdog`, for tests).
 
     Args:
         request_queue: where the clients' requests arrive.
@@ -157,7 +158,13 @@ class TimerServer(ABC):
 
     @abstractmethod
     def _reap_worker(self, worker_id: Any) -> bool:
-        """Kill the worker; True when it is gone (its timers are then cleared)."""
+        """Kill the worker; True when it is gone (its timers are then cleared).
+
+        False keeps its timers, so a later step tries again. An exception is logged and
+        counts as True (the worker's timers are cleared, as in torch): a reap that raises
+        would raise again at every step. The other workers due in the step are reaped
+        either way.
+        """
 
     def _next_expiration(self) -> float | None:
         """The earliest registered expiration time, or None; lets a step end when it is due.
@@ -192,7 +199,11 @@ class TimerServer(ABC):
         the workers it reaped. A worker that could not be reaped keeps its timers; the
         background loop tries again `max_interval` later.
         """
-        self._step(self._max_interval)
+        self._run_watchdog()
+
+    def _run_watchdog(self) -> None:
+        """One step of the loop (torch's name; the background loop calls it each step)."""
+        self._step(self._stop_poll_interval or self._max_interval)
 
     def _step(self, longest_wait: float) -> None:
         with self._step_lock:
@@ -209,7 +220,20 @@ class TimerServer(ABC):
                 self._notify_expired(worker_id, expired)
                 if not self._should_reap(worker_id, expired):
                     continue
-                if self._reap_worker(worker_id):
+                try:
+                    gone = self._reap_worker(worker_id)
+                except Exception:
+                    log.exception(
+                        "timer server %s: reaping worker %s (timer(s) %s expired) raised; "
+                        "clearing its timers and going on with the other workers (fix the "
+                        "_reap_worker of this server: it should return False to retry)",
+                        type(self).__name__,
+                        worker_id,
+                        scopes,
+                    )
+                    reaped.add(worker_id)
+                    continue
+                if gone:
                     reaped.add(worker_id)
                     log.warning(
                         "timer server reaped worker %s: timer(s) %s expired", worker_id, scopes
@@ -226,10 +250,9 @@ class TimerServer(ABC):
             self._reap_failed = failed
 
     def _watchdog_loop(self) -> None:
-        longest_wait = self._stop_poll_interval or self._max_interval
         while not self._stop_requested.is_set():
             try:
-                self._step(longest_wait)
+                self._run_watchdog()
             except Exception:
                 log.exception("timer server %s: watchdog step failed", type(self).__name__)
                 self._reap_failed = True
@@ -239,11 +262,21 @@ class TimerServer(ABC):
     def start(self) -> None:
         """Run the watchdog loop in a background thread; returns at once.
 
+        Starting a server that is running already does nothing (its one watchdog thread
+        goes on), as torch's tolerates a second `start()`.
+
         Raises:
-            RuntimeError: the server is already running.
+            RuntimeError: a `stop()` that timed out is still waiting for the old watchdog
+                thread to end (it is reaping); start again once it has.
         """
         if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError(f"{type(self).__name__} is already running")
+            if self._stop_requested.is_set():
+                raise RuntimeError(
+                    f"{type(self).__name__} is still stopping: its watchdog thread has not "
+                    f"ended yet (a reap in progress?); call start() again once it has"
+                )
+            log.debug("%s is already running; start() does nothing", type(self).__name__)
+            return
         self._stop_requested.clear()
         self._thread = threading.Thread(
             target=self._watchdog_loop,
@@ -296,23 +329,28 @@ def register_pipe_client(factory: Callable[[str], TimerClient]) -> None:
     _pipe_client_factory = factory
 
 
-def configure(timer_client: TimerClient) -> None:
+def configure(timer_client: TimerClient | None) -> None:
     """Make `timer_client` the client `expires` uses when none is passed.
 
     Args:
-        timer_client: the client; it replaces any client configured before.
+        timer_client: the client; it replaces any client configured before. None unsets
+            it, as in torch: `expires` without `client=` then raises, unless
+            DISTCOMM_TIMER_FILE names a timer pipe (as under distcomm-run).
 
     Raises:
-        TypeError: `timer_client` is not a `TimerClient`.
+        TypeError: `timer_client` is neither a `TimerClient` nor None.
     """
     global _timer_client
-    if not isinstance(timer_client, TimerClient):
+    if timer_client is not None and not isinstance(timer_client, TimerClient):
         raise TypeError(
             f"configure() needs a TimerClient (e.g. LocalTimerClient, FileTimerClient), "
-            f"got {type(timer_client).__name__}"
+            f"or None to unset it; got {type(timer_client).__name__}"
         )
     _timer_client = timer_client
-    log.info("timer client configured: %s", type(timer_client).__name__)
+    if timer_client is None:
+        log.info("timer client unset")
+    else:
+        log.info("timer client configured: %s", type(timer_client).__name__)
 
 
 def _default_client() -> TimerClient:

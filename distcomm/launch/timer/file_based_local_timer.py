@@ -196,7 +196,8 @@ class FileTimerClient(TimerClient):
             ValueError: the request would not fit one atomic pipe write (scope id too long).
             TimerServerUnavailableError: no server took the request within `timeout`.
         """
-        self._send(FileTimerRequest(os.getpid(), scope_id, expiration_time, int(self.signal)))
+        request = FileTimerRequest(os.getpid(), scope_id, expiration_time, int(self.signal))
+        self._send_request(request)
 
     def release(self, scope_id: str) -> None:
         """Release this process's timer `scope_id`.
@@ -204,9 +205,15 @@ class FileTimerClient(TimerClient):
         Raises:
             TimerServerUnavailableError: no server took the request within `timeout`.
         """
-        self._send(FileTimerRequest(os.getpid(), scope_id, -1, 0))
+        self._send_request(FileTimerRequest(os.getpid(), scope_id, -1, 0))
 
-    def _send(self, request: FileTimerRequest) -> None:
+    def _send_request(self, request: FileTimerRequest) -> None:
+        """Deliver one request (torch's name for it: a subclass may send requests of its own).
+
+        Raises:
+            ValueError: the request would not fit one atomic pipe write.
+            TimerServerUnavailableError: no server took it within `timeout`.
+        """
         if not isinstance(request.scope_id, str):
             raise TypeError(f"scope_id must be a str, got {type(request.scope_id).__name__}")
         data = request._encode()
@@ -575,13 +582,17 @@ class FileTimerServer(TimerServer):
     def start(self) -> None:
         """Run the watchdog loop in a background thread; returns at once.
 
+        Starting a server that is running already does nothing.
+
         Raises:
-            RuntimeError: the server is running already, or was stopped (its pipe is gone).
+            RuntimeError: the server was stopped (its pipe is gone), or is still stopping.
         """
         if self._pipe.closed:
             raise RuntimeError(f"timer server on {self._path} was stopped; create a new one")
+        thread = self._thread
         super().start()
-        self._emit("watchdog started", None)
+        if self._thread is not thread:
+            self._emit("watchdog started", None)
 
     def stop(self) -> None:
         """Stop the watchdog thread, close the pipe and remove it; safe to call twice."""

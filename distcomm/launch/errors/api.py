@@ -1,6 +1,6 @@
 """Worker failures: `@record` writes a worker's exception down; `ChildFailedError` reports.
 
-`record` has an `ErrorHandler` (`error_handler.py`) write the exception of a worker's
+`record` has an `ErrorHandler` (`launch/error_handler.py`) write the exception of a worker's
 entrypoint to the worker's error file;
 `ProcessFailure` is one failed worker as the agent saw it (reading that file), and
 `ChildFailedError` the agent's report with one block per failed rank and the root cause
@@ -17,7 +17,9 @@ The error file is the one torchelastic uses, so a script decorated with torch's
 ``timestamp_ns`` is our addition (torch reads and ignores extra keys): two ranks that fail
 within the same second are still told apart when the agent picks the root cause. A file
 whose ``message`` is a plain string (torch's C++ error layout, with a top-level
-``timestamp``) is read too.
+``timestamp``) is read too. A file that is JSON but has no ``message`` was not written by
+an error handler and is refused (`ValueError`), as torch refuses it; one that is not JSON
+(a torch worker killed while writing it) is reported as unreadable instead.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-from ..errors import DistError
-from ..procutil import signal_name
-from .error_handler import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV, ErrorHandler, get_error_handler
-from .tracebacks import (
+from ...errors import DistError
+from ...procutil import signal_name
+from ..error_handler import ERROR_FILE_ENV, TORCH_ERROR_FILE_ENV, ErrorHandler, get_error_handler
+from ..tracebacks import (
     TAIL_LINES,
     exception_lines,
     last_traceback,
@@ -66,6 +68,8 @@ NO_TRACEBACK = "(no traceback: the worker wrote no error file and nothing to std
 NO_RECORDED_TRACEBACK = "(the worker's error file holds no traceback; see message)"
 #: the report's value for a log or error file in the launcher's temporary directory
 NOT_KEPT = "<not kept: pass --log_dir to keep it>"
+#: `ProcessFailure.error_file` of a worker that wrote no error file (torch's value)
+NOT_AVAILABLE = "<N/A>"
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -102,9 +106,11 @@ def record(fn: _F, error_handler: ErrorHandler | None = None) -> _F:
     ``TORCHELASTIC_ERROR_FILE``), set by the launcher for each worker, then re-raises it
     unchanged. A `ChildFailedError` (a nested launcher's agent failing) is recorded as its
     root cause instead: ``error_handler.dump_error_file(failure.error_file, exitcode)``,
-    so an outer launcher reports the real first failure. `SystemExit` and
-    `KeyboardInterrupt` pass through unrecorded, and a handler that fails is logged, never
-    raised in place of the exception.
+    so an outer launcher reports the real first failure; when that worker recorded
+    nothing, nothing is written (as in torch) and the error is re-raised.
+    ``SystemExit(0)`` (``sys.exit(0)`` in `fn`) makes the wrapper return None, as torch's
+    does; any other `SystemExit` and `KeyboardInterrupt` pass through unrecorded. A
+    handler that fails is logged, never raised in place of the exception.
 
     Args:
         fn: the function to wrap (usually ``main``).
@@ -113,7 +119,8 @@ def record(fn: _F, error_handler: ErrorHandler | None = None) -> _F:
             `record_exception` and `dump_error_file` methods will do.
 
     Returns:
-        The wrapped function, with `fn`'s name and docstring.
+        The wrapped function, with `fn`'s name and docstring; it returns what `fn`
+        returns, or None when `fn` exits with ``SystemExit(0)``.
 
     Raises:
         TypeError: `fn` is not callable, or `error_handler` lacks a handler's methods.
@@ -137,6 +144,10 @@ def record(fn: _F, error_handler: ErrorHandler | None = None) -> _F:
         handler.initialize()
         try:
             return fn(*args, **kwargs)
+        except SystemExit as exc:
+            if exc.code == 0:  # a successful exit, e.g. of a script run through run_path
+                return None
+            raise
         except Exception as exc:
             try:
                 _record_with(handler, exc)
@@ -156,13 +167,23 @@ def _record_with(handler: ErrorHandler, exc: Exception) -> None:
     if isinstance(exc, ChildFailedError):
         rank, failure = exc.get_first_failure()
         code = failure.exitcode or 0
-        if failure.error_file and os.path.isfile(failure.error_file):
+        if failure.error_file != NOT_AVAILABLE and os.path.isfile(failure.error_file):
             handler.dump_error_file(failure.error_file, code)
             return
         if failure.error_data is not None and isinstance(handler, ErrorHandler):
             # read before its file went away, or shared by another node's agent
             source = f"rank {rank} on {failure.host or 'this node'}"
             handler._dump_error_data(source, failure.error_data, code)
+            return
+        if failure.error_data is None:
+            # the worker recorded nothing: the parent's error file stays unwritten, as
+            # torch's; the report (the re-raised error) still describes the failure
+            log.info(
+                "rank %s failed with no error file to pass on (%s); decorate its entrypoint "
+                "with @record to have its traceback recorded",
+                rank,
+                exit_description(failure.exitcode),
+            )
             return
     tb = exc.__traceback__
     exc.__traceback__ = tb.tb_next if tb is not None and tb.tb_next is not None else tb
@@ -185,24 +206,32 @@ class ProcessFailure:
         pid: its process id.
         exitcode: its exit status as Popen reports it (negative: killed by that signal;
             None: still running when observed, e.g. ended by the agent afterwards).
-        error_file: the file its `@record` writes to, or "".
+        error_file: the file its `@record` writes to; "<N/A>" (`NOT_AVAILABLE`) when it
+            wrote none (given as "" or a path that does not exist), as in torch.
         rank: its global rank; default: `local_rank` (one node).
         host: the node's host name.
         role: the worker group's role.
         log_files: its kept output, by stream name ("stdout", "stderr") -> path.
         reason: why the agent counts it as failed, beyond the exit status (e.g.
             "expiration timer 'stuck' expired").
-        timestamp: seconds since the epoch: the recorded failure time if the error file
-            has one, else the given time of observation, else the time this was made.
+        timestamp: whole seconds since the epoch (an int, as torch's): the recorded
+            failure time if the error file has one, else the given time of observation (a
+            float may be given), else the time this was made. The root cause is chosen
+            on the finer time behind it (the file's ``timestamp_ns``, the given float), so
+            ranks failing within one second are still told apart.
         files_kept: whether `error_file` and `log_files` outlive the launcher. False when
             they are in its temporary directory (no --log_dir), which it removes on exit:
             the report then names none of them.
         stderr_tail: the last lines of its stderr (without line ends) as the agent kept
             them; None: read them from the stderr log of `log_files`, if there is one.
 
-    An `error_file` that does not exist when the object is made (the worker recorded
-    nothing) is set to "" (torch sets ``"<N/A>"``). Without a recorded error, the message
-    and traceback come from the last traceback in the stderr tail.
+    Without a recorded error, the message and traceback come from the last traceback in
+    the stderr tail.
+
+    Raises:
+        TypeError: a field of torch's has the wrong type.
+        ValueError: the error file is JSON without a ``message`` (torch refuses it too):
+            it was not written by an `ErrorHandler`.
     """
 
     local_rank: int
@@ -214,11 +243,12 @@ class ProcessFailure:
     role: str = "default"
     log_files: dict[str, str] = field(default_factory=dict)
     reason: str = ""
-    timestamp: float | None = None
+    timestamp: int = None  # type: ignore[assignment] - set in __post_init__
     files_kept: bool = True
     stderr_tail: list[str] | None = None
     error_data: dict[str, Any] | None = field(default=None, init=False, repr=False)
     _error_problem: str = field(default="", init=False, repr=False)
+    _time: float = field(default=0.0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.rank is None:
@@ -235,26 +265,52 @@ class ProcessFailure:
                     f"ProcessFailure.{name} must be {what}, got {value!r}; the fields are "
                     f"(local_rank, pid, exitcode, error_file, rank, ...), torch's order first"
                 )
-        if self.error_file and not os.path.isfile(self.error_file):
-            self.error_file = ""
+        if self.timestamp is not None and (
+            isinstance(self.timestamp, bool) or not isinstance(self.timestamp, (int, float))
+        ):
+            raise TypeError(
+                f"ProcessFailure.timestamp must be seconds since the epoch (int or float) or "
+                f"None, got {self.timestamp!r}"
+            )
+        if not self.error_file or not os.path.isfile(self.error_file):
+            self.error_file = NOT_AVAILABLE
         recorded = self._read_error_file()
         if recorded is not None:
-            self.timestamp = recorded
-        elif self.timestamp is None:
-            self.timestamp = time.time()
+            self._time = recorded
+        elif self.timestamp is not None:
+            self._time = float(self.timestamp)
+        else:
+            self._time = time.time()
+        self.timestamp = int(self._time)
 
     def _read_error_file(self) -> float | None:
-        """Load `error_file`; return the failure time it records, if any."""
-        if not self.error_file or not os.path.isfile(self.error_file):
+        """Load `error_file`; return the failure time it records, if any.
+
+        Raises:
+            ValueError: the file is JSON but has no ``message``.
+        """
+        if self.error_file == NOT_AVAILABLE or not os.path.isfile(self.error_file):
             return None
         try:
             with open(self.error_file, encoding="utf-8") as fp:
                 data = json.load(fp)
+        except (OSError, ValueError) as exc:
+            self._error_problem = f"error file {self.error_file} is unreadable ({exc!r})"
+            return None
+        if not isinstance(data, dict) or "message" not in data:
+            raise ValueError(
+                f"error file {self.error_file} of rank {self.rank} (pid {self.pid}) has no "
+                f"'message' field, so no error handler wrote it; an error file holds "
+                f'{{"message": ...}} as ErrorHandler.record_exception writes it (use '
+                f"@record), and nothing else may write to the file named by "
+                f"{ERROR_FILE_ENV} or {TORCH_ERROR_FILE_ENV}"
+            )
+        try:
             message = data["message"]
             info = message.get("extraInfo", {}) if isinstance(message, dict) else data
             if isinstance(message, dict) and "message" not in message:
                 raise KeyError("message.message")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (KeyError, TypeError, AttributeError) as exc:
             self._error_problem = f"error file {self.error_file} is unreadable ({exc!r})"
             return None
         self.error_data = data
@@ -415,7 +471,7 @@ class ProcessFailure:
             "role": self.role,
             "log_files": dict(self.log_files),
             "reason": self.reason,
-            "timestamp": self.timestamp,
+            "timestamp": self._time,
             "files_kept": self.files_kept,
             "message": self.message,
             "traceback": self.traceback_text(tail)[-_RECORD_TRACEBACK_CHARS:],
@@ -482,7 +538,7 @@ class ChildFailedError(DistError):
         """The root cause: (rank, failure) with the smallest timestamp, then smallest rank,
         of the failures no peer caused (of all, when a peer caused every one)."""
         own = [r for r, failure in self.failures.items() if failure.peer_ranks is None]
-        rank = min(own or self.failures, key=lambda r: (self.failures[r].timestamp or 0.0, r))
+        rank = min(own or self.failures, key=lambda r: (self.failures[r]._time, r))
         return rank, self.failures[rank]
 
     def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
@@ -543,7 +599,9 @@ def _format_failure(rank: int, failure: ProcessFailure) -> str:
         named = f" (rank{'s' * (len(peers) > 1)} {', '.join(map(str, peers))})" if peers else ""
         rows.append(("caused by", f"a peer's failure{named}"))
     kept = failure.files_kept
-    error_file = (failure.error_file if kept else NOT_KEPT) if failure.error_file else "<N/A>"
+    error_file = failure.error_file
+    if error_file != NOT_AVAILABLE and not kept:
+        error_file = NOT_KEPT
     rows += [("message", failure.message), ("error_file", error_file)]
     rows += sorted((name, path if kept else NOT_KEPT) for name, path in failure.log_files.items())
     lines = [f"[{rank}]:"]
