@@ -13,6 +13,7 @@ from .agent_config import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS
 __all__ = [
     "RDZV_BACKENDS",
     "START_METHODS",
+    "NnodesFormatError",
     "comma_separated_list",
     "determine_local_world_size",
     "parse_filters",
@@ -64,19 +65,31 @@ def comma_separated_list(value: str) -> list[str]:
     return [item.replace(placeholder, ",") for item in items if item]
 
 
+class NnodesFormatError(ValueError, RuntimeError):
+    """--nnodes is not N or MIN:MAX. A `ValueError` like every bad flag value here, and a
+    `RuntimeError`, which torch's ``parse_min_max_nnodes`` raises for a malformed value."""
+
+
 def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
     """--nnodes as (min, max): "2" -> (2, 2), "1:4" -> (1, 4).
 
     Raises:
-        ValueError: not N or MIN:MAX with 1 <= MIN <= MAX.
+        NnodesFormatError: not N or MIN:MAX (also a RuntimeError, as in torch).
+        ValueError: MIN:MAX without 1 <= MIN <= MAX.
     """
     match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(nnodes))
     if not match:
-        raise ValueError(f"--nnodes={nnodes!r} is not N or MIN:MAX (e.g. 2 or 1:4)")
+        raise NnodesFormatError(
+            f'--nnodes={nnodes!r} is not in "MIN:MAX" format: give a number of nodes (2) '
+            "or an elastic range MIN:MAX (1:4)"
+        )
     low = int(match.group(1))
     high = int(match.group(2)) if match.group(2) is not None else low
     if not 1 <= low <= high:
-        raise ValueError(f"--nnodes={nnodes!r} needs 1 <= MIN <= MAX")
+        raise ValueError(
+            f"--nnodes={nnodes!r}: min_nodes must be > 0 and <= max_nodes, got "
+            f"min_nodes={low}, max_nodes={high}; give 1 <= MIN <= MAX"
+        )
     return low, high
 
 
@@ -103,16 +116,27 @@ def determine_local_world_size(nproc_per_node: str) -> int:
             return gpus
         if value == "gpu":
             raise ValueError(
-                "--nproc_per_node=gpu but no CUDA device is usable here (needs "
-                "CuPy and a GPU): pass a number or 'cpu'"
+                "--nproc_per_node=gpu: CUDA is not available here (no GPU, or CuPy is not "
+                "installed): pass a number of workers or 'cpu'"
             )
         return os.cpu_count() or 1
     raise ValueError(
-        f"--nproc_per_node={nproc_per_node!r} is not a positive integer, 'cpu', 'gpu' or 'auto'"
+        f"--nproc_per_node={nproc_per_node!r}: unsupported nproc_per_node value; give a "
+        "positive integer, 'cpu', 'gpu' or 'auto'"
     )
 
 
 def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """--rdzv_conf "key=value,..." as a dict. One pair of quotes around the whole value is
+    dropped: ``--rdzv_conf='join_timeout=5'`` in an argument list, where no shell removed
+    them, means what it means on a shell's command line.
+
+    Raises:
+        ValueError: an item is not key=value with a key and a value.
+    """
+    text = str(text).strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
     conf: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
@@ -120,6 +144,11 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
             raise ValueError(
                 f"--rdzv_conf item {item!r} is not key=value "
                 f"(e.g. join_timeout=600,last_call_timeout=30)"
+            )
+        if not value.strip():
+            raise ValueError(
+                f"--rdzv_conf item {item!r}: the option {key.strip()!r} must have a value "
+                "specified (key=value)"
             )
         conf[key.strip()] = value.strip()
     return conf

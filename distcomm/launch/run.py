@@ -1,25 +1,28 @@
 """`distcomm-run` (also `python -m distcomm.run`): torchrun's command line, flag for flag.
 
-Parses the flags into an `AgentConfig`, runs the elastic agent (`agent.py`) and exits
-with its status; `run(args)` does the same for parsed flags and raises on failure, as
-torch's ``torch.distributed.run.run``. Every flag is also read from a ``DISTCOMM_<FLAG>``
-environment variable (``DISTCOMM_NPROC_PER_NODE=4``) or torchrun's ``PET_<FLAG>``; a flag
-on the command line wins over the variables (ours over torchrun's), which win over the
-built-in default. Flags accept dashes and underscores alike.
+Parses the flags into an `AgentConfig` and runs the elastic agent (`agent.py`). `main` is
+the command: it reports a failure on stderr and returns the exit status (bad flags: usage
+and status 2). The Python API of ``torch.distributed.run`` is `distcomm.run`, built on
+this module: its ``main(args)`` and `run(args)` raise on failure as torch's do. Every flag
+is also read from a ``DISTCOMM_<FLAG>`` environment variable (``DISTCOMM_NPROC_PER_NODE=4``)
+or torchrun's ``PET_<FLAG>``; a flag on the command line wins over the variables (ours over
+torchrun's), which win over the built-in default. Flags accept dashes and underscores alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .. import __version__
 from ..config import positive_seconds
+from ..net import format_address
 from .agent import DEFAULT_SIGNALS_TO_HANDLE, AgentConfig, launch
-from .api import run_agent
+from .api import LaunchConfig, run_agent
 from .env_flags import EnvDefault, EnvFlag, flag_names
 from .events import get_event_handler
 from .flag_values import (
@@ -40,12 +43,17 @@ from .workers import parse_local_ranks_filter, parse_std
 
 __all__ = [
     "config_from_args",
+    "determine_local_world_size",
     "get_args_parser",
+    "get_rdzv_endpoint",
+    "get_use_env",
+    "launch_config_from_args",
     "main",
     "parse_args",
     "parse_min_max_nnodes",
     "parse_signals",
     "run",
+    "run_script_path",
 ]
 
 DEFAULT_MASTER_PORT = 29500
@@ -298,9 +306,42 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse distcomm-run's command line (default: sys.argv[1:])."""
-    return get_args_parser().parse_args(argv)
+def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse distcomm-run's command line (default: sys.argv[1:]).
+
+    Raises:
+        SystemExit: argparse's status 2 for an unknown flag or a value of the wrong type
+            (after printing the usage), as torch's ``parse_args``.
+        ValueError: a DISTCOMM_<FLAG> or PET_<FLAG> variable holds a bad value.
+    """
+    return get_args_parser().parse_args(args)
+
+
+def get_use_env(args: argparse.Namespace) -> bool:
+    """Whether the workers read LOCAL_RANK from the environment only (torch's
+    ``get_use_env``): True, unless the legacy launcher's ``--use-env`` flag is there and
+    off, when each worker is also passed ``--local-rank=N``."""
+    return bool(getattr(args, "use_env", True))
+
+
+def get_rdzv_endpoint(args: argparse.Namespace) -> str:
+    """The rendezvous endpoint the flags name (torch's ``get_rdzv_endpoint``):
+    --rdzv_endpoint, or for --rdzv_backend=static without one, "MASTER_ADDR:MASTER_PORT".
+    Without --master_port that port is 0 (a free port, chosen at launch) for one node and
+    29500 for several, as distcomm-run chooses it."""
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint:
+        port = args.master_port
+        if port is None:
+            port = 0 if parse_min_max_nnodes(args.nnodes)[1] == 1 else DEFAULT_MASTER_PORT
+        return format_address(args.master_addr, int(port))
+    return str(args.rdzv_endpoint)
+
+
+def run_script_path(training_script: str, *training_script_args: str) -> None:
+    """Run a Python script in this interpreter as ``__main__``, with `training_script_args`
+    as its arguments (sys.argv is replaced): what a worker does under --run_path."""
+    sys.argv = [training_script, *training_script_args]
+    runpy.run_path(training_script, run_name="__main__")
 
 
 def _command(args: argparse.Namespace) -> list[str]:
@@ -315,8 +356,8 @@ def _command(args: argparse.Namespace) -> list[str]:
         return [sys.executable, "-u", "-c", runner, script, *rest]
     if args.no_python and args.module:
         raise ValueError(
-            "--no_python and -m/--module cannot be used together: a module "
-            "needs the Python interpreter"
+            "--no_python and -m/--module cannot be used at the same time: a module needs "
+            "the Python interpreter; drop one of the two flags"
         )
     if args.no_python:
         return [script, *rest]
@@ -433,6 +474,63 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     )
 
 
+def launch_config_from_args(
+    args: argparse.Namespace,
+) -> tuple[LaunchConfig, Callable[..., None] | str, list[str]]:
+    """torch's ``config_from_args``: the flags as ``(LaunchConfig, entrypoint, args)`` for
+    ``elastic_launch(config, entrypoint)(*args)`` (``distcomm.run.config_from_args``).
+
+    The entrypoint is the Python interpreter (its arguments ``-u [-m] SCRIPT ...``), the
+    program itself with --no-python, or `run_script_path` with --run-path;
+    ``--local-rank=${local_rank}`` comes first among the script's arguments when
+    `get_use_env` is False. A static rendezvous gets "MASTER_ADDR:MASTER_PORT" as its
+    endpoint and the node rank as ``rdzv_configs["rank"]``; --standalone gives c10d on a
+    free local port with a random run id. Checked as distcomm-run checks the flags.
+
+    Raises:
+        ValueError: a flag's value is invalid or contradicts another; the message names it.
+    """
+    agent = config_from_args(args)
+    endpoint, conf = agent.rdzv_endpoint, dict(agent.rdzv_configs)
+    if agent.rdzv_backend == "static":
+        endpoint = format_address(agent.master_addr, agent.master_port)
+        conf["rank"] = agent.node_rank
+    config = LaunchConfig(
+        min_nodes=agent.min_nodes,
+        max_nodes=agent.max_nodes,
+        nproc_per_node=agent.nproc_per_node,
+        logs_specs=agent.logs_specs,
+        run_id=agent.run_id,
+        role=agent.role,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=agent.rdzv_backend,
+        rdzv_configs=conf,
+        max_restarts=agent.max_restarts,
+        monitor_interval=agent.monitor_interval,
+        start_method=args.start_method,
+        log_line_prefix_template=agent.log_line_prefix_template,
+        local_addr=agent.local_addr,
+        event_log_handler=agent.event_log_handler,
+        numa_options=agent.numa_binding,
+        signals_to_handle=signal_names(agent.signals_to_handle),
+        duplicate_stdout_filters=list(agent.duplicate_stdout_filters),
+        duplicate_stderr_filters=list(agent.duplicate_stderr_filters),
+        virtual_local_rank=agent.virtual_local_rank,
+        shutdown_timeout=agent.shutdown_timeout,
+    )
+    entrypoint: Callable[..., None] | str
+    if args.run_path:
+        entrypoint, entry_args = run_script_path, [args.training_script]
+    elif args.no_python:
+        entrypoint, entry_args = args.training_script, []
+    else:
+        entrypoint = sys.executable
+        entry_args = ["-u", *(["-m"] if args.module else []), args.training_script]
+    if not get_use_env(args):
+        entry_args.append("--local-rank=${local_rank}")
+    return config, entrypoint, [*entry_args, *args.training_script_args]
+
+
 def run(args: argparse.Namespace) -> None:
     """Run the job the parsed flags describe on this node (torch's ``run(args)``).
 
@@ -447,7 +545,12 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run distcomm-run with `argv` (default sys.argv[1:]); returns the exit status."""
+    """The `distcomm-run` command with `argv` (default sys.argv[1:]); returns the exit status.
+
+    A failed run has printed its report (one block per failed rank) and returns a nonzero
+    status; bad flags print the usage and the error and return 2. For the Python API that
+    raises instead, as torch's ``torch.distributed.run.main``, use ``distcomm.run.main``.
+    """
     try:
         parser = get_args_parser()
     except ValueError as exc:  # a DISTCOMM_<FLAG> or PET_<FLAG> variable holds a bad value
