@@ -158,8 +158,8 @@ def parse_local_ranks_filter(spec: str, local_world_size: int) -> set[int] | Non
         if not token.isdigit() or int(token) >= local_world_size:
             raise ValueError(
                 f"--local_ranks_filter={spec!r}: {token!r} is not a local rank in "
-                f"0..{local_world_size - 1}; expected comma-separated local ranks "
-                f"(e.g. 0,2), or nothing for all ranks"
+                f"0..{local_world_size - 1}; it must be a comma-separated list of integers, "
+                f"the local ranks (e.g. 0,2), or nothing for all ranks"
             )
         ranks.add(int(token))
     return ranks

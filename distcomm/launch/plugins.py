@@ -81,7 +81,8 @@ class NamedPlugins(Generic[T]):
         entry = self._entry_points().get(name)
         if entry is None:
             raise ValueError(
-                f"{self.flag}={name!r} is not a known {self.kind}; the known ones are "
+                f"{self.flag}={name!r} is not a known {self.kind} (could not find entrypoint "
+                f"{name!r} in the {self.group!r} group); the known ones are "
                 f"{', '.join(self.names())} (add one with {self._register_name} or the "
                 f"{self.group!r} entry-point group)")
         try:
