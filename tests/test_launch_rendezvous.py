@@ -810,8 +810,6 @@ def _params(
 @pytest.mark.parametrize(
     ("params", "flag"),
     [
-        (_params(min_nodes=3, max_nodes=2), "--nnodes"),
-        (_params(min_nodes=0, max_nodes=2), "--nnodes"),
         (_params(config={"join_timeot": "5"}), "--rdzv_conf"),
         (_params(config={"join_timeout": "-1"}), "join_timeout"),
         (_params(config={"keep_alive_max_attempt": "0"}), "keep_alive_max_attempt"),
@@ -832,6 +830,13 @@ def test_bad_parameters(params: RendezvousParameters, flag: str) -> None:
         get_rendezvous_handler(params)
 
 
+@pytest.mark.parametrize(("min_nodes", "max_nodes"), [(3, 2), (0, 2)])
+def test_bad_node_range_is_refused_when_the_parameters_are_made(min_nodes: int,
+                                                                 max_nodes: int) -> None:
+    with pytest.raises(ValueError, match="--nnodes"):
+        _params(min_nodes=min_nodes, max_nodes=max_nodes)
+
+
 def test_unknown_conf_key_lists_the_known_ones() -> None:
     with pytest.raises(ValueError, match="keep_alive_max_attempt") as info:
         get_rendezvous_handler(_params(config={"bogus": "1"}))
@@ -846,8 +851,12 @@ def test_unknown_backend_lists_the_known_ones() -> None:
 
 
 def test_register_a_backend() -> None:
+    class Named(StaticRendezvous):
+        def get_backend(self) -> str:
+            return "test-static"
+
     def factory(params: RendezvousParameters) -> RendezvousHandler:
-        return StaticRendezvous(params.run_id, 1)
+        return Named(params.run_id, 1)
 
     register_rendezvous_backend("test-static", factory)
     register_rendezvous_backend("test-static", factory)  # the same again: fine

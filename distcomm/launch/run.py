@@ -132,7 +132,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     add(
         "rdzv_backend",
-        f"rendezvous backend: {', '.join(RDZV_BACKENDS)} (default static)",
+        f"rendezvous backend: {', '.join(RDZV_BACKENDS)}, or one a plug-in registers "
+        "(default static)",
         default="static",
     )
     add(
@@ -385,7 +386,15 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
     backend = effective_backend(backend, rdzv_conf)
     if backend not in RDZV_BACKENDS:
-        raise ValueError(f"--rdzv_backend={backend!r} is not one of {', '.join(RDZV_BACKENDS)}")
+        from .rendezvous import registered_rendezvous_backends  # plug-ins, entry points
+
+        known = registered_rendezvous_backends()
+        if backend not in known:
+            raise ValueError(
+                f"--rdzv_backend={backend!r} is not one of {', '.join(known)} (a plug-in "
+                "registers its own with rendezvous_handler_registry, or declares it in the "
+                "'distcomm.rendezvous_handlers' or 'torchrun.handlers' entry-point group)"
+            )
     if args.start_method not in START_METHODS:  # a DISTCOMM_START_METHOD default skips choices
         raise ValueError(
             f"--start_method={args.start_method!r} is not one of {', '.join(START_METHODS)}"

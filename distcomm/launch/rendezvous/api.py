@@ -5,26 +5,45 @@ agent calls `next_rendezvous()` to join the next round; it returns once the roun
 complete with this node's group rank, the number of nodes and stores for the round and
 the run. While its workers run, the agent polls `watch()` (closed? nodes that want to
 join: a scale-up? is this node's round over?) and ends with `shutdown()`.
+
+Also here, as in torch's api: `RendezvousParameters` (with torch's checks and option
+parsing), `RendezvousHandlerRegistry` and its instance `rendezvous_handler_registry`
+(name -> handler creator, entry points looked up by name), and the plug-in interface
+`RendezvousBackend` (a state blob swapped by fencing token) with `RendezvousTimeout`.
+A backend is called by the chair node only, O(1) times per change of the state.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
-from ...config import parse_bool, positive_seconds
+from ...config import positive_seconds
 from ...errors import DistError, DistTimeoutError
 from ...store import PrefixStore, Store
 
 __all__ = [
+    "RendezvousBackend",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousGracefulExitError",
     "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
     "RendezvousInfo",
     "RendezvousParameters",
+    "RendezvousStateError",
+    "RendezvousTimeout",
     "RendezvousTimeoutError",
     "RoundView",
+    "Token",
+    "check_node_counts",
+    "rendezvous_handler_registry",
 ]
 
 
@@ -43,6 +62,16 @@ class RendezvousTimeoutError(RendezvousError, DistTimeoutError):
 
 class RendezvousConnectionError(RendezvousError, ConnectionError):
     """The rendezvous store could not be reached, hosted or used."""
+
+
+class RendezvousStateError(RendezvousError):
+    """The stored rendezvous state is corrupt (bytes that are not one, written by another
+    program or a broken backend)."""
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """This node was left out of the round and should exit without counting as a failure
+    (torch's name; distcomm's handlers put a late node on the wait list instead)."""
 
 
 @dataclass(frozen=True)
@@ -107,44 +136,109 @@ class RoundView:
     round_over: bool = False
 
 
-@dataclass
-class RendezvousParameters:
-    """What the launcher's flags say about the rendezvous.
+_TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")
+_FALSE_WORDS = ("0", "false", "f", "no", "n", "off")
 
-    Attributes:
-        backend: static, c10d, etcd or file.
-        endpoint: --rdzv_endpoint ("host:port" for c10d and etcd, a path for file, "" for
-            static, which uses master_addr/master_port).
+
+def check_node_counts(min_nodes: object, max_nodes: object) -> None:
+    """Check a round's size range (--nnodes=MIN:MAX), with torch's exception types.
+
+    Raises:
+        TypeError: a count is not an integer (torch fails comparing it).
+        ValueError: MIN < 1 or MAX < MIN; the message names --nnodes and keeps torch's
+            wording ("must be greater than zero", "must be greater than or equal to").
+    """
+    for value in (min_nodes, max_nodes):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"--nnodes: node counts must be integers, got {value!r}")
+    assert isinstance(min_nodes, int) and isinstance(max_nodes, int)
+    if min_nodes < 1:
+        raise ValueError(
+            f"--nnodes: the minimum number of rendezvous nodes ({min_nodes}) must be greater "
+            "than zero; pass --nnodes=MIN[:MAX] with 1 <= MIN <= MAX"
+        )
+    if max_nodes < min_nodes:
+        raise ValueError(
+            f"--nnodes: the maximum number of rendezvous nodes ({max_nodes}) must be greater "
+            f"than or equal to the minimum number of rendezvous nodes ({min_nodes}); pass "
+            "--nnodes=MIN:MAX with MIN <= MAX"
+        )
+
+
+class RendezvousParameters:
+    """What a rendezvous handler is built from (torch's RendezvousParameters): the
+    launcher's flags, or a caller's own values.
+
+    Args:
+        backend: the backend's name (static, c10d, etcd, file or a registered one).
+        endpoint: --rdzv_endpoint ("host:port" for c10d and etcd, a path for file; for
+            static node 0's "host:port", or "" to use master_addr/master_port).
         run_id: --rdzv_id: agents with the same id join the same run.
         min_nodes, max_nodes: from --nnodes=MIN:MAX.
         local_addr: --local_addr: the address other nodes reach this node at, or None.
         config: --rdzv_conf key=value pairs (join_timeout, last_call_timeout,
-            close_timeout, read_timeout, is_host, ...), values as given.
+            close_timeout, read_timeout, is_host, ...); merged with `kwargs`.
         node_rank: --node_rank (static only; -1 when not given).
-        master_addr, master_port: --master_addr/--master_port (static only; port 0 when not
-            given).
+        master_addr, master_port: --master_addr/--master_port (static only; None and 0
+            when not given).
         auth_key: the key of the TCPStores a backend hosts or reaches (static, c10d), or
             None for DISTCOMM_AUTH_KEY (see TCPStore).
+        **kwargs: more backend options, as torch takes them (``rank=0``, ``timeout=60``,
+            ``is_host="true"``...): they go into `config`, values of any type.
+
+    Raises:
+        ValueError: the backend name is empty, min_nodes < 1 or max_nodes < min_nodes
+            (torch's checks and wording, with the flag named).
+        TypeError: a node count is not an integer.
     """
 
-    backend: str
-    endpoint: str
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    local_addr: str | None = None
-    config: dict[str, str] = field(default_factory=dict)
-    node_rank: int = -1
-    master_addr: str | None = None
-    master_port: int = 0
-    auth_key: bytes | None = None
+    def __init__(
+        self,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        *,
+        config: dict[str, Any] | None = None,
+        node_rank: int = -1,
+        master_addr: str | None = None,
+        master_port: int = 0,
+        auth_key: bytes | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not backend or not isinstance(backend, str):
+            raise ValueError(
+                f"--rdzv_backend: the rendezvous backend name must be a non-empty string, "
+                f"got {backend!r}; name static, c10d, etcd, file or a registered backend"
+            )
+        check_node_counts(min_nodes, max_nodes)
+        self.backend = backend
+        self.endpoint = endpoint
+        self.run_id = run_id
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.local_addr = local_addr
+        self.config: dict[str, Any] = {**(config or {}), **kwargs}
+        self.node_rank = node_rank
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.auth_key = auth_key
 
-    def get(self, key: str, default: str | None = None) -> str | None:
-        """The --rdzv_conf value of `key`, or `default`."""
+    def __repr__(self) -> str:
+        return (
+            f"RendezvousParameters(backend={self.backend!r}, endpoint={self.endpoint!r}, "
+            f"run_id={self.run_id!r}, min_nodes={self.min_nodes}, max_nodes={self.max_nodes}, "
+            f"local_addr={self.local_addr!r}, config={self.config!r})"
+        )
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of option `key` as given (any type), or `default`."""
         return self.config.get(key, default)
 
     def get_as_float(self, key: str, default: float) -> float:
-        """A --rdzv_conf value in seconds (> 0).
+        """An option in seconds (> 0): a number or its text.
 
         Raises:
             ValueError: the value is not a positive number; the message names the key.
@@ -152,35 +246,55 @@ class RendezvousParameters:
         raw = self.config.get(key)
         if raw is None:
             return default
-        return positive_seconds(f"--rdzv_conf {key}", raw)
+        try:
+            return positive_seconds(f"--rdzv_conf {key}", raw)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
 
-    def get_as_int(self, key: str, default: int) -> int:
-        """A --rdzv_conf whole number (>= 1).
+    def get_as_int(self, key: str, default: int | None = None) -> int | None:
+        """An option as an integer (torch's parsing: an int, or text `int()` reads, blanks
+        around it allowed), `default` when not given (None stays None).
 
         Raises:
-            ValueError: the value is not an integer >= 1; the message names the key.
+            ValueError: the value does not represent an integer; the message names the
+                key and keeps torch's wording.
         """
-        raw = self.config.get(key)
-        if raw is None:
-            return default
+        value = self.config.get(key, default)
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
         try:
-            value = int(raw.strip())
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise ValueError(f"--rdzv_conf {key}={raw!r} must be a whole number >= 1")
-        return value
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"--rdzv_conf {key}={value!r}: the rendezvous configuration option {key!r} does "
+                "not represent a valid integer value; give a whole number"
+            ) from None
 
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
-        """A --rdzv_conf boolean (1/0, true/false, yes/no, on/off), or `default`.
+        """An option as a boolean, `default` when not given (None stays None). torch's
+        parsing: a bool; the int 1 or 0; text 1/0, true/false, t/f, yes/no, y/n in any
+        case; and on/off, with blanks around it.
 
         Raises:
-            ValueError: the value is not a boolean; the message names the key.
+            ValueError: the value is none of those; the message names the key and keeps
+                torch's wording.
         """
-        raw = self.config.get(key)
-        if raw is None:
-            return default
-        return parse_bool(f"--rdzv_conf {key}", raw, empty=None)
+        value = self.config.get(key, default)
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word in _TRUE_WORDS:
+                return True
+            if word in _FALSE_WORDS:
+                return False
+        raise ValueError(
+            f"--rdzv_conf {key}={value!r}: the rendezvous configuration option {key!r} does "
+            "not represent a valid boolean value; use true/false, t/f, yes/no, y/n, 1/0 or "
+            "on/off"
+        )
 
 
 class RendezvousHandler(ABC):
@@ -232,3 +346,230 @@ class RendezvousHandler(ABC):
 
         Returns whether this node left cleanly. Does not close the rendezvous for others.
         """
+
+
+#: What a backend's `get_state`/`set_state` hand back with the state: an opaque fencing
+#: token (any value; the backend alone interprets it).
+Token = Any
+
+
+class RendezvousBackend(ABC):
+    """Where a dynamic rendezvous keeps its state blob: torch's plug-in interface.
+
+    A backend holds one byte string per run and swaps it by fencing token. Implement it
+    to keep the state somewhere distcomm does not (a database, a cloud key-value store),
+    and hand it to `DynamicRendezvousHandler.from_backend` or `create_handler` with a
+    `Store` for everything else. Only the chair node (see `chair.py`) calls these
+    methods, once when it takes the chair and once per write, so a backend costs O(1)
+    calls per round whatever the number of nodes; the other nodes never touch it.
+    """
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """The backend's name (`get_backend()` of its handlers; the registry checks it
+        against the name it was registered under)."""
+
+    @abstractmethod
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """The stored state and its fencing token, or None when no state is stored.
+
+        Raises:
+            RendezvousConnectionError: the backend cannot be reached.
+            RendezvousStateError: the stored state is corrupt.
+        """
+
+    @abstractmethod
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """Store `state` if `token` is the stored state's token (with None: if no state
+        is stored). Returns the stored state, its token and whether this call wrote it
+        (a stale or foreign token writes nothing and returns what is stored), or None
+        when nothing is stored.
+
+        Raises:
+            RendezvousConnectionError: the backend cannot be reached.
+            RendezvousStateError: the stored state is corrupt.
+        """
+
+
+class RendezvousTimeout:
+    """The timeouts of a dynamic rendezvous (torch's RendezvousTimeout), each a timedelta
+    or None for its default.
+
+    Args:
+        join: `next_rendezvous` (default 600 s).
+        last_call: how long a round with min_nodes keeps gathering (default 30 s).
+        close: `set_closed` and `shutdown` (default 30 s).
+        heartbeat: one keep-alive write (default 5 s; distcomm's writes take the store's
+            timeout, so this one is only checked).
+
+    Raises:
+        ValueError: a timeout is not positive.
+    """
+
+    _DEFAULTS = {"join": 600.0, "last_call": 30.0, "close": 30.0, "heartbeat": 5.0}
+
+    def __init__(
+        self,
+        join: timedelta | None = None,
+        last_call: timedelta | None = None,
+        close: timedelta | None = None,
+        heartbeat: timedelta | None = None,
+    ) -> None:
+        given = {"join": join, "last_call": last_call, "close": close, "heartbeat": heartbeat}
+        for name, value in given.items():
+            if value is None:
+                value = timedelta(seconds=self._DEFAULTS[name])
+            elif not isinstance(value, timedelta):
+                raise TypeError(f"the {name} timeout must be a timedelta, got {value!r}")
+            if value <= timedelta(0):
+                raise ValueError(
+                    f"--rdzv_conf {name}_timeout: the {name} timeout ({value}) must be positive"
+                )
+            setattr(self, f"_{name}", value)
+
+    @property
+    def join(self) -> timedelta:
+        """The join timeout."""
+        return self._join  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def last_call(self) -> timedelta:
+        """The last-call timeout."""
+        return self._last_call  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def close(self) -> timedelta:
+        """The close timeout."""
+        return self._close  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def heartbeat(self) -> timedelta:
+        """The heartbeat timeout."""
+        return self._heartbeat  # type: ignore[attr-defined, no-any-return]
+
+
+#: What a registered backend provides: RendezvousParameters in, a handler out.
+RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
+
+#: The entry-point groups a package declares rendezvous handlers in: each entry point
+#: loads a function that returns the creator (torch's shape), registered under the entry
+#: point's name the first time that name is asked for. distcomm's own group first.
+HANDLER_ENTRY_POINT_GROUPS = ("distcomm.rendezvous_handlers", "torchrun.handlers")
+
+
+class RendezvousHandlerRegistry:
+    """Backend name -> handler creator (torch's RendezvousHandlerRegistry).
+
+    `rendezvous_handler_registry` is the instance distcomm-run uses (the built-ins static,
+    c10d, etcd, etcd-v2 and file are registered in it); `register_rendezvous_backend` and
+    `get_rendezvous_handler` are its `register` and `create_handler`. A name nobody
+    registered is looked up in the entry-point groups `HANDLER_ENTRY_POINT_GROUPS`.
+    Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._registry: dict[str, RendezvousHandlerCreator] = {}
+
+    def register(self, backend: str, creator: RendezvousHandlerCreator) -> None:
+        """Make `backend` create its handlers with `creator(params)`. Registering the same
+        creator again does nothing.
+
+        Raises:
+            ValueError: the name is empty, or already registered with another creator.
+            TypeError: `creator` is not callable.
+        """
+        if not backend or not isinstance(backend, str):
+            raise ValueError(
+                f"the rendezvous backend name must be a non-empty string, got {backend!r}"
+            )
+        if not callable(creator):
+            raise TypeError(f"the creator of rendezvous backend {backend!r} must be callable, "
+                            f"got {type(creator).__name__}")
+        with self._lock:
+            current = self._registry.get(backend)
+            if current is not None and current != creator:
+                raise ValueError(
+                    f"The rendezvous backend '{backend}' cannot be registered with "
+                    f"'{creator}' as it is already registered with '{current}': pick another "
+                    "name"
+                )
+            self._registry[backend] = creator
+
+    def names(self, entry_points: bool = False) -> list[str]:
+        """The registered names, sorted; with `entry_points`, also the names declared in
+        the entry-point groups (not loaded)."""
+        with self._lock:
+            names = set(self._registry)
+        if entry_points:
+            names.update(entry.name for entry in _entry_points())
+        return sorted(names)
+
+    def load_entry_point(self, name: str) -> RendezvousHandlerCreator | None:
+        """Register the creator of entry point `name` (the first group that declares it)
+        and return it; None when no group declares the name.
+
+        Raises:
+            ValueError: the entry point fails to load or to give a creator.
+        """
+        for entry in _entry_points():
+            if entry.name != name:
+                continue
+            try:
+                creator = entry.load()()
+                self.register(name, creator)
+            except Exception as exc:  # a broken plug-in: say which
+                raise ValueError(
+                    f"--rdzv_backend={name!r}: the entry point {entry.value!r} of group "
+                    f"{entry.group!r} failed to give a handler creator: {exc}"
+                ) from exc
+            return creator  # type: ignore[no-any-return]
+        return None
+
+    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
+        """A handler for `params.backend`.
+
+        Raises:
+            ValueError: the backend is not registered (the message lists those that are),
+                or a parameter is bad (the message names the flag).
+            RuntimeError: the handler's `get_backend()` is not the name it was asked by.
+            TypeError: the creator returned something that is not a RendezvousHandler.
+            RendezvousError: the backend cannot be set up.
+        """
+        with self._lock:
+            creator = self._registry.get(params.backend)
+        if creator is None:
+            creator = self.load_entry_point(params.backend)
+        if creator is None:
+            raise ValueError(
+                f"--rdzv_backend={params.backend!r}: the rendezvous backend "
+                f"'{params.backend}' is not registered; the registered ones are "
+                f"{', '.join(self.names())} (add one with register_rendezvous_backend, "
+                "rendezvous_handler_registry.register or the entry-point group "
+                f"{HANDLER_ENTRY_POINT_GROUPS[0]!r})"
+            )
+        handler = creator(params)
+        if not isinstance(handler, RendezvousHandler):
+            raise TypeError(f"rendezvous backend {params.backend!r} returned "
+                            f"{type(handler).__name__}, not a RendezvousHandler")
+        if handler.get_backend() != params.backend:
+            raise RuntimeError(
+                f"The rendezvous backend '{handler.get_backend()}' does not match the "
+                f"requested backend '{params.backend}': the creator registered as "
+                f"{params.backend!r} must return a handler whose get_backend() says so"
+            )
+        return handler
+
+
+def _entry_points() -> list[Any]:
+    from importlib import metadata  # ~40 ms of imports: only when a plug-in is looked up
+
+    return [entry for group in HANDLER_ENTRY_POINT_GROUPS
+            for entry in metadata.entry_points(group=group)]
+
+
+#: The registry distcomm-run creates its handlers with.
+rendezvous_handler_registry = RendezvousHandlerRegistry()

@@ -29,7 +29,7 @@ from ...errors import DistError, DistNetworkError
 from ...net import format_address, split_address
 from ...store import FileStore, Store, TCPStore
 from .api import RendezvousConnectionError, RendezvousError, RendezvousParameters
-from .dynamic import DynamicRendezvousHandler, create_handler
+from .dynamic import DynamicRendezvousHandler, create_store_handler
 from .settings import RendezvousSettings, settings_from_params
 
 __all__ = [
@@ -55,10 +55,15 @@ _HOST_PATTERN = re.compile(r"^[\w.:%-]+$")
 
 
 def parse_endpoint(endpoint: str | None, default_port: int) -> tuple[str, int]:
-    """(host, port) of --rdzv_endpoint: "host", "host:port", "[v6]:port"; "" is localhost.
+    """(host, port) of --rdzv_endpoint: "host", "host:port", "[v6]", "[v6]:port" or a bare
+    IPv6 address; "" (or blanks) is ("localhost", default_port), as torch's
+    `parse_rendezvous_endpoint`. A colon with no port after it ("host:") is refused, as
+    torch refuses it, rather than read as the default port.
 
     Raises:
-        ValueError: the endpoint is malformed; the message names --rdzv_endpoint.
+        ValueError: the endpoint is malformed; the message names --rdzv_endpoint and keeps
+            torch's wording ("The port number of the rendezvous endpoint ... must be an
+            integer between 0 and 65536", "The hostname of the rendezvous endpoint ...").
     """
     text = (endpoint or "").strip()
     if not text:
@@ -69,15 +74,37 @@ def parse_endpoint(endpoint: str | None, default_port: int) -> tuple[str, int]:
         raise ValueError(
             f"--rdzv_endpoint={endpoint!r} is not HOST[:PORT] or [IPV6]:PORT"
         ) from None
-    if not host or not _HOST_PATTERN.match(host):
-        raise ValueError(f"--rdzv_endpoint={endpoint!r}: {host!r} is not a host name or address")
-    if not port_text:
-        return host, default_port
-    if not port_text.isdigit() or int(port_text) > 65535:
+    bracketed = text.startswith("[")
+    has_port = (text.count(":") == 1 and not bracketed) or (bracketed and "]:" in text)
+    if not bracketed and text.count(":") > 1 and not _is_ipv6(host):
         raise ValueError(
-            f"--rdzv_endpoint={endpoint!r}: the port must be an integer in 0..65535"
+            f"--rdzv_endpoint={endpoint!r}: the hostname of the rendezvous endpoint "
+            f"'{endpoint}' must be a dot-separated list of labels, an IPv4 address, or an "
+            "IPv6 address (write an IPv6 address with a port as [ADDRESS]:PORT)"
+        )
+    if not host or not _HOST_PATTERN.match(host):
+        raise ValueError(
+            f"--rdzv_endpoint={endpoint!r}: the hostname of the rendezvous endpoint "
+            f"'{endpoint}' must be a dot-separated list of labels, an IPv4 address, or an "
+            f"IPv6 address, not {host!r}"
+        )
+    if not has_port:
+        return host, default_port
+    if not port_text.isascii() or not port_text.isdigit() or int(port_text) > 65535:
+        what = "is missing after the ':'" if not port_text else f"{port_text!r} is not one"
+        raise ValueError(
+            f"--rdzv_endpoint={endpoint!r}: the port number of the rendezvous endpoint "
+            f"'{endpoint}' must be an integer between 0 and 65536 (exclusive), and {what}; "
+            "write HOST:PORT, or HOST alone for the default port"
         )
     return host, int(port_text)
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).version == 6
+    except ValueError:
+        return False
 
 
 def _is_loopback(host: str) -> bool:
@@ -123,8 +150,16 @@ def host_tcp_store(host: str, port: int, timeout: float,
 
 
 def _address_in_use(exc: DistNetworkError) -> bool:
-    cause = exc.__cause__
-    return isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE
+    """Whether the bind failed because the port is taken (an OSError EADDRINUSE anywhere
+    down the chain of causes: the store may wrap it more than once)."""
+    cause: BaseException | None = exc.__cause__
+    for _ in range(8):
+        if cause is None:
+            return False
+        if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE:
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def create_c10d_store(params: RendezvousParameters,
@@ -220,7 +255,7 @@ def _handler_over(store: Store, params: RendezvousParameters,
                   bootstrap_address: tuple[str, int] | None = None,
                   hosts_store: bool = False) -> DynamicRendezvousHandler:
     try:
-        return create_handler(store, params, bootstrap_address, owned_store=store,
+        return create_store_handler(store, params, bootstrap_address, owned_store=store,
                               hosts_store=hosts_store)
     except BaseException:
         store.close()

@@ -24,7 +24,10 @@ had taken but not written is pushed again by its node: requests are idempotent).
 write of the state is a compare_set of the bytes the chair last wrote, so a chair that was
 replaced while it stalled finds out at its next write and steps down.
 
-The store keys, under ``/rdzv/<run_id>/`` (`Keys`): ``state`` (the JSON state),
+The state blob goes through a `slot.StateSlot`: the store key below, or a torch-style
+`RendezvousBackend` (its token-CAS is exactly the chair's compare_set; only the chair
+calls it, once per write). The store keys, under ``/rdzv/<run_id>/`` (`Keys`): ``state``
+(the JSON state, unless a backend keeps it),
 ``summary``, ``chair`` ("<node id> <wall time>", or empty while vacant), ``closed``,
 ``requests`` (a queue), ``hb/<node id>`` and ``answer/<node id>/<call>``.
 """
@@ -38,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...store import Store
+from .slot import StateSlot, StoreSlot, peek
 from .state import (
     Action,
     Limits,
@@ -54,21 +58,11 @@ __all__ = ["WAKE", "WRITE_GAP", "Chair", "Keys", "Request", "StateConflict", "pe
 
 log = logging.getLogger("distcomm.launch.rendezvous")
 
-#: what `peek` compares with: no stored value is ever this
-_ABSENT = b"\x00distcomm:absent"
 #: a queue item that only wakes the chair (a node that stops its own chair's thread)
 WAKE = b"wake"
 #: fewest seconds between two writes of a state whose membership changed (a write that is
 #: due anyway, with answers or an acknowledged leave, goes at once)
 WRITE_GAP = 0.1
-
-
-def peek(store: Store, key: str) -> bytes | None:
-    """The value of `key`, or None when it is not set, without waiting and without writing
-    (a compare_set whose expected value no key holds changes nothing and returns the value,
-    or the expected value itself for a missing key)."""
-    value = store.compare_set(key, _ABSENT, _ABSENT)
-    return None if value == _ABSENT else value
 
 
 @dataclass(frozen=True)
@@ -174,6 +168,9 @@ class Chair:
         decode: bytes -> RendezvousState (raises a RendezvousError for foreign bytes).
         on_dropped: called with the nodes drop_dead removed (for the log line).
         read_every: seconds between two reads of the heartbeats (the caller's schedule).
+        slot: where the state blob lives (default: the store key ``keys.state``; a
+            `BackendSlot` for a torch-style RendezvousBackend). Only the blob moves:
+            the queue, heartbeats, summary and answers stay in `store`.
     """
 
     def __init__(
@@ -186,8 +183,10 @@ class Chair:
         decode: Callable[[bytes], RendezvousState],
         on_dropped: Callable[[list[str]], None],
         read_every: float = 0.0,
+        slot: StateSlot | None = None,
     ) -> None:
         self._store = store
+        self._slot = slot if slot is not None else StoreSlot(store, keys.state)
         self._queue_store = queue_store
         self._keys = keys
         self._limits = limits
@@ -208,7 +207,7 @@ class Chair:
 
     def load(self) -> None:
         """Read the stored state (create a fresh one where there is none)."""
-        self._raw = self._store.compare_set(self._keys.state, b"", RendezvousState().encode())
+        self._raw = self._slot.swap(b"", RendezvousState().encode())
         self.state = self._decode(self._raw)
         self._written = _signature(self.state)
         self._requests = []
@@ -368,7 +367,7 @@ class Chair:
     def _write(self, signature: tuple[object, ...] | None = None) -> None:
         """Write the state (`signature`: its `_signature`, when the caller has it)."""
         new = self.state.encode()
-        current = self._store.compare_set(self._keys.state, self._raw, new)
+        current = self._slot.swap(self._raw, new)
         if current != new:
             raise StateConflict("another node wrote the state")
         self._raw, self._written = new, signature or _signature(self.state)

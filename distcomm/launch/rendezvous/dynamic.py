@@ -49,6 +49,12 @@ A round goes through these states::
   node leaves the participants and the wait list within a few intervals. The last-call
   deadline is the chair's wall-clock time.
 
+The state blob may instead live in a torch-style `RendezvousBackend`
+(`DynamicRendezvousHandler.from_backend`, `create_handler(store, backend, params)`): the
+chair reads and writes it through the backend's token-CAS (`slot.BackendSlot`), while
+requests, heartbeats, the summary and answers still go through `store`, so the costs above
+are unchanged and the backend sees O(1) calls per change, from one node.
+
 Each completed round gets its own namespace, ``PrefixStore("/rdzv/<run_id>/round_<N>")``,
 and the run one for all rounds, ``PrefixStore("/rdzv/<run_id>/run")``; old rounds' keys,
 heartbeats and answers are left in place.
@@ -73,20 +79,24 @@ from ...deadline import Deadline
 from ...errors import DistError, DistStoreTimeoutError
 from ...store import Store
 from .api import (
+    RendezvousBackend,
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeout,
     RendezvousTimeoutError,
     RoundView,
 )
 from .chair import WAKE, Chair, Keys, Request, StateConflict, peek
 from .settings import check_node_range, settings_from_params
+from .slot import BackendSlot, StateSlot, StoreSlot
 from .state import Limits, RendezvousState, summarize
 
-__all__ = ["DynamicRendezvousHandler", "create_handler"]
+__all__ = ["DynamicRendezvousHandler", "create_handler", "create_store_handler"]
 
 log = logging.getLogger("distcomm.launch.rendezvous")
 
@@ -129,9 +139,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         hosts_store: this process serves `store` to the other nodes (the c10d host):
             `shutdown` first waits, up to close_timeout, until the other nodes have left
             (shut down or stopped heartbeating), so none loses the store mid-way.
+        state_backend: a torch-style `RendezvousBackend` that keeps the state blob in
+            place of the store key ``/rdzv/<run_id>/state`` (see `from_backend`), or None.
 
     Raises:
         ValueError: a bad node range or timeout; the message names the flag.
+        TypeError: `store` is not a distcomm Store, or `state_backend` not a
+            RendezvousBackend.
     """
 
     def __init__(
@@ -151,6 +165,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         owned_store: Store | None = None,
         *,
         hosts_store: bool = False,
+        state_backend: RendezvousBackend | None = None,
     ) -> None:
         check_node_range(min_nodes, max_nodes)
         if not isinstance(run_id, str) or not run_id:
@@ -165,6 +180,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
             raise ValueError(
                 f"--rdzv_conf keep_alive_max_attempt={keep_alive_max_attempt!r} "
                 "must be a whole number >= 1"
+            )
+        if state_backend is not None and not isinstance(state_backend, RendezvousBackend):
+            raise TypeError(
+                f"the rendezvous state backend must be a RendezvousBackend (get_state, "
+                f"set_state, name), got {type(state_backend).__name__}"
             )
         self._run_id = run_id
         self._store = store
@@ -183,6 +203,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._hosts_store = hosts_store
         self.node_id = f"{local_addr or socket.gethostname()}_{os.getpid()}_{next(_node_counter)}"
         self._keys = Keys(run_id)
+        self._slot: StateSlot = (StoreSlot(store, self._keys.state) if state_backend is None
+                                 else BackendSlot(state_backend))
         self._round: int | None = None  # the round this node last completed
         self._joined_any = False  # whether this handler ever completed a round
         self._calls = 0  # requests this node made: each is answered under its number
@@ -195,6 +217,60 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._asked_chair: str | None = None  # ... when this node last pushed a request
         self._wait_store: Store | None = None  # this node's connection for blocking waits
         self._shut_down: bool | None = None  # None until shutdown, then its result
+
+    @classmethod
+    def from_backend(
+        cls,
+        run_id: str,
+        store: Store,
+        backend: RendezvousBackend,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        timeout: RendezvousTimeout | None = None,
+        keep_alive_interval: float = 5,
+        keep_alive_max_attempt: int = 3,
+        *,
+        owned_store: Store | None = None,
+    ) -> DynamicRendezvousHandler:
+        """A handler whose state blob a torch-style `RendezvousBackend` keeps (torch's
+        `from_backend`, same arguments).
+
+        The node holding the chair reads and writes the blob through `backend`
+        (`get_state` when it takes the chair, one `set_state` with the token of its last
+        write per change); requests, heartbeats and answers go through `store`, as with
+        distcomm's own backends, so each node still costs O(1) store requests per round and
+        the backend O(1) calls per change, whatever the number of nodes. `store` must be a
+        distcomm Store (it needs queues); `get_backend()` is `backend.name`. `owned_store`
+        (distcomm's addition): a store `shutdown` closes, as for the built-in backends.
+
+        Raises:
+            ValueError: a bad node range or timeout.
+            TypeError: `store` or `backend` is of the wrong kind.
+        """
+        timeout = timeout if timeout is not None else RendezvousTimeout()
+        if not isinstance(timeout, RendezvousTimeout):
+            raise TypeError(f"timeout must be a RendezvousTimeout, got {type(timeout).__name__}")
+        if not isinstance(backend, RendezvousBackend):
+            raise TypeError(
+                f"backend must be a RendezvousBackend (get_state, set_state, name), got "
+                f"{type(backend).__name__}"
+            )
+        return cls(
+            run_id=run_id,
+            store=store,
+            backend_name=backend.name,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            local_addr=local_addr,
+            join_timeout=timeout.join.total_seconds(),
+            last_call_timeout=timeout.last_call.total_seconds(),
+            close_timeout=timeout.close.total_seconds(),
+            keep_alive_interval=keep_alive_interval,
+            keep_alive_max_attempt=keep_alive_max_attempt,
+            owned_store=owned_store,
+            state_backend=backend,
+        )
 
     @property
     def bootstrap_address(self) -> tuple[str, int] | None:
@@ -213,14 +289,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             return RendezvousState.decode(raw)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise RendezvousError(
-                f"{self._where()}: the store key {self._keys.state!r} does not hold a "
+            raise RendezvousStateError(
+                f"{self._where()}: {self._slot.describe()} does not hold a distcomm "
                 f"rendezvous state ({exc}); did another program write it? Use another --rdzv_id"
             ) from exc
 
     def _stored_state(self) -> RendezvousState:
         """The state as the chair last wrote it (a fresh one before any wrote it)."""
-        return self._decode(peek(self._store, self._keys.state) or b"")
+        return self._decode(self._slot.read())
 
     def _summary(self) -> dict[str, object]:
         """The chair's summary of the state (a fresh state's before any chair wrote one)."""
@@ -288,7 +364,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._chair_store is None:
             self._chair_store = self._store.clone()
         chair = Chair(self._store, self._chair_store, self._keys, self._limits, self.node_id,
-                      self._decode, self._log_dropped, read_every=self._interval / 2)
+                      self._decode, self._log_dropped, read_every=self._interval / 2,
+                      slot=self._slot)
         chair.load()
         self._chair = chair
         return True
@@ -578,14 +655,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         def close() -> None:
             self._store.set(self._keys.closed, b"1")
-            raw = peek(self._store, self._keys.state) or b""
+            raw = self._slot.read()
             while True:
                 state = self._decode(raw)
                 if state.closed:
                     break
                 state.closed = True
                 new = state.encode()
-                current = self._store.compare_set(self._keys.state, raw, new)
+                current = self._slot.swap(raw, new)
                 if current == new:
                     break
                 if deadline.expired():
@@ -734,7 +811,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
 
-def create_handler(
+def create_store_handler(
     store: Store,
     params: RendezvousParameters,
     bootstrap_address: tuple[str, int] | None = None,
@@ -742,7 +819,8 @@ def create_handler(
     owned_store: Store | None = None,
     hosts_store: bool = False,
 ) -> DynamicRendezvousHandler:
-    """A DynamicRendezvousHandler for `params` (the --rdzv_conf values checked) over `store`.
+    """A DynamicRendezvousHandler for `params` (the --rdzv_conf values checked) whose state
+    lives in `store` itself (distcomm's c10d, etcd and file backends).
 
     Raises:
         ValueError: a bad parameter; the message names the flag.
@@ -763,4 +841,40 @@ def create_handler(
         bootstrap_address=bootstrap_address,
         owned_store=owned_store,
         hosts_store=hosts_store,
+    )
+
+
+def create_handler(
+    store: Store, backend: RendezvousBackend, params: RendezvousParameters,
+    *, owned_store: Store | None = None,
+) -> DynamicRendezvousHandler:
+    """A handler for `params` whose state `backend` keeps (torch's `create_handler`):
+    the options join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
+    keep_alive_interval and keep_alive_max_attempt are read from `params` (other keys
+    are the backend's and pass unread); see `DynamicRendezvousHandler.from_backend`.
+    `owned_store` (distcomm's addition): a store the handler's `shutdown` closes.
+
+    Raises:
+        ValueError: a bad parameter; the message names the option.
+        TypeError: `store` or `backend` is of the wrong kind.
+    """
+    settings = settings_from_params(params, known_keys_only=False)
+    heartbeat = params.get("heartbeat_timeout")
+    return DynamicRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        RendezvousTimeout(
+            timedelta(seconds=settings.join_timeout),
+            timedelta(seconds=settings.last_call_timeout),
+            timedelta(seconds=settings.close_timeout),
+            None if heartbeat is None else timedelta(
+                seconds=params.get_as_float("heartbeat_timeout", 5.0)),
+        ),
+        keep_alive_interval=settings.keep_alive_interval,
+        keep_alive_max_attempt=settings.keep_alive_max_attempt,
+        owned_store=owned_store,
     )

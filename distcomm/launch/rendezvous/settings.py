@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .api import RendezvousParameters
+from .api import RendezvousParameters, check_node_counts
 
 __all__ = [
     "CONF_KEYS",
@@ -90,23 +90,19 @@ class RendezvousSettings:
 
 
 def check_node_range(min_nodes: int, max_nodes: int) -> None:
-    """Check --nnodes=MIN:MAX.
+    """Check --nnodes=MIN:MAX (`api.check_node_counts`).
 
     Raises:
+        TypeError: a count is not an integer.
         ValueError: MIN < 1 or MAX < MIN; the message names --nnodes.
     """
-    for value in (min_nodes, max_nodes):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"--nnodes: node counts must be integers, got {value!r}")
-    if min_nodes < 1:
-        raise ValueError(
-            f"--nnodes: the minimum number of nodes ({min_nodes}) must be at least 1"
-        )
-    if max_nodes < min_nodes:
-        raise ValueError(
-            f"--nnodes: the maximum number of nodes ({max_nodes}) must be greater than or "
-            f"equal to the minimum number of nodes ({min_nodes})"
-        )
+    check_node_counts(min_nodes, max_nodes)
+
+
+def _text(params: RendezvousParameters, key: str, default: str) -> str:
+    """Option `key` as lower-case text (torch's options may be given as any value)."""
+    value = params.get(key)
+    return default if value is None else str(value).strip().lower()
 
 
 def effective_backend(backend: str, config: dict[str, str]) -> str:
@@ -125,7 +121,7 @@ def conf_node_rank(params: RendezvousParameters) -> int | None:
     if raw is None:
         return None
     try:
-        value = int(str(raw).strip())
+        value = -1 if isinstance(raw, bool) else int(str(raw).strip())
     except ValueError:
         value = -1
     if value < 0:
@@ -133,42 +129,61 @@ def conf_node_rank(params: RendezvousParameters) -> int | None:
     return value
 
 
-def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
+def settings_from_params(params: RendezvousParameters,
+                         known_keys_only: bool = True) -> RendezvousSettings:
     """Check the parameters every backend shares and read the --rdzv_conf values.
+
+    Args:
+        params: the parameters; option values may be text or, as torch takes them, any
+            value (numbers, booleans).
+        known_keys_only: refuse keys without a meaning here (distcomm's own backends);
+            False for a plug-in backend's handler: only the dynamic rendezvous's keys
+            (timeouts, keep-alive) are read, the backend's own keys ride along unread.
 
     Raises:
         ValueError: --nnodes is not a valid range, --rdzv_id is empty, a --rdzv_conf key
             is unknown (the message lists the known ones) or a value is malformed.
+        TypeError: a node count is not an integer.
     """
     check_node_range(params.min_nodes, params.max_nodes)
     if not isinstance(params.run_id, str) or not params.run_id:
         raise ValueError(f"--rdzv_id must be a non-empty string, got {params.run_id!r}")
+    defaults = RendezvousSettings()
+    if not known_keys_only:
+        return RendezvousSettings(
+            join_timeout=params.get_as_float("join_timeout", defaults.join_timeout),
+            last_call_timeout=params.get_as_float(
+                "last_call_timeout", defaults.last_call_timeout),
+            close_timeout=params.get_as_float("close_timeout", defaults.close_timeout),
+            keep_alive_interval=params.get_as_float(
+                "keep_alive_interval", defaults.keep_alive_interval),
+            keep_alive_max_attempt=_max_attempt(params, defaults.keep_alive_max_attempt),
+        )
     unknown = sorted(set(params.config) - set(CONF_KEYS) - set(IGNORED_KEYS) - set(TLS_KEYS))
     if unknown:
         raise ValueError(
             f"--rdzv_conf: unknown key(s) {', '.join(unknown)} for --rdzv_backend="
             f"{params.backend}; the known keys are {', '.join(CONF_KEYS + IGNORED_KEYS)}"
         )
-    tls = sorted(set(params.config) & set(TLS_KEYS))
-    protocol = (params.get("protocol") or "http").strip().lower()
+    tls = sorted(key for key in set(params.config) & set(TLS_KEYS) if params.get(key))
+    protocol = _text(params, "protocol", "http")
     if tls or protocol != "http":
         raise ValueError(
             f"--rdzv_conf {', '.join(tls) or f'protocol={protocol}'}: TLS to etcd is not "
             "supported; use protocol=http and no certificate keys (or a c10d rendezvous)"
         )
-    store_type = (params.get("store_type") or "tcp").strip().lower()
+    store_type = _text(params, "store_type", "tcp")
     if store_type not in STORE_TYPES:
         raise ValueError(
             f"--rdzv_conf store_type={store_type!r} is not one of {', '.join(STORE_TYPES)}"
         )
     conf_node_rank(params)
-    defaults = RendezvousSettings()
     join_default = defaults.join_timeout
     if params.backend in ("static", "etcd"):  # torch's static and etcd handlers read it so
         join_default = params.get_as_float("timeout", join_default)
     elif params.get("timeout") is not None:
         params.get_as_float("timeout", join_default)  # checked, though unused
-    prefix = (params.get("etcd_prefix") or defaults.etcd_prefix).strip().rstrip("/")
+    prefix = str(params.get("etcd_prefix") or defaults.etcd_prefix).strip().rstrip("/")
     if not prefix.startswith("/"):
         raise ValueError(f"--rdzv_conf etcd_prefix={prefix!r} must start with '/'")
     return RendezvousSettings(
@@ -182,7 +197,15 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
         keep_alive_interval=params.get_as_float(
             "keep_alive_interval", defaults.keep_alive_interval
         ),
-        keep_alive_max_attempt=params.get_as_int(
-            "keep_alive_max_attempt", defaults.keep_alive_max_attempt
-        ),
+        keep_alive_max_attempt=_max_attempt(params, defaults.keep_alive_max_attempt),
     )
+
+
+def _max_attempt(params: RendezvousParameters, default: int) -> int:
+    value = params.get_as_int("keep_alive_max_attempt", default)
+    if value is None or value < 1:
+        raise ValueError(
+            f"--rdzv_conf keep_alive_max_attempt={params.get('keep_alive_max_attempt')!r} "
+            "must be a whole number >= 1"
+        )
+    return value

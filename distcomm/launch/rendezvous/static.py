@@ -23,7 +23,7 @@ from .api import (
     RendezvousParameters,
     RendezvousTimeoutError,
 )
-from .backends import host_tcp_store
+from .backends import host_tcp_store, parse_endpoint
 from .settings import conf_node_rank, settings_from_params
 
 __all__ = ["DEFAULT_MASTER_ADDR", "StaticRendezvous", "create_static_handler"]
@@ -213,16 +213,37 @@ class StaticRendezvous(RendezvousHandler):
                 f"{self._nnodes}, master={self._address})")
 
 
-def _conf_rank(params: RendezvousParameters) -> int:
+def _node_rank(params: RendezvousParameters) -> int:
+    """--node_rank, else the option ``rank`` (torch's), else -1 (0 for a single node)."""
+    if params.node_rank >= 0:
+        return params.node_rank
     rank = conf_node_rank(params)
     return -1 if rank is None else rank
 
 
+def _master(params: RendezvousParameters) -> tuple[str | None, int]:
+    """Node 0's (host, port): --master_addr/--master_port when given, else the endpoint
+    "HOST:PORT" (torch's static handler reads only the endpoint)."""
+    endpoint = (params.endpoint or "").strip()
+    if params.master_addr is not None or params.master_port or not endpoint:
+        return params.master_addr, params.master_port
+    host, port = parse_endpoint(endpoint, -1)
+    if port == -1:
+        raise ValueError(
+            f"--rdzv_endpoint={endpoint!r}: Port is absent in endpoint: the static rendezvous "
+            "needs node 0's HOST:PORT (or --master_addr and --master_port)"
+        )
+    return host, port
+
+
 def create_static_handler(params: RendezvousParameters) -> StaticRendezvous:
-    """The static backend for `params`.
+    """The static backend for `params`: node 0's store at --master_addr:--master_port, or at
+    the endpoint "HOST:PORT" when those are not given; this node's rank from --node_rank,
+    or the option ``rank`` (torch's), which a single node may leave out (0).
 
     Raises:
-        ValueError: an elastic --nnodes range or another bad parameter (named).
+        ValueError: an elastic --nnodes range, an endpoint without a port, or another bad
+            parameter (named).
     """
     settings = settings_from_params(params)
     if params.min_nodes != params.max_nodes:
@@ -231,12 +252,13 @@ def create_static_handler(params: RendezvousParameters) -> StaticRendezvous:
             f"{params.min_nodes}:{params.max_nodes}; use --rdzv_backend=c10d, etcd or file "
             "for an elastic range"
         )
+    master_addr, master_port = _master(params)
     return StaticRendezvous(
         run_id=params.run_id,
         nnodes=params.min_nodes,
-        node_rank=params.node_rank if params.node_rank >= 0 else _conf_rank(params),
-        master_addr=params.master_addr,
-        master_port=params.master_port,
+        node_rank=_node_rank(params),
+        master_addr=master_addr,
+        master_port=master_port,
         join_timeout=settings.join_timeout,
         close_timeout=settings.close_timeout,
         auth_key=params.auth_key,
