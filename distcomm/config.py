@@ -254,6 +254,16 @@ VARIABLES: tuple[EnvVar, ...] = (
         _flag,
     ),
     EnvVar(
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "bool",
+        "0",
+        "torchrun's: `True` in distcomm-run's workers. A master `TCPStore` on "
+        "`MASTER_PORT` that cannot bind it then becomes a client of the agent's store, "
+        "as torch's does",
+        _RUN,
+        _flag,
+    ),
+    EnvVar(
         "DISTCOMM_STORE_PREFIX",
         "text",
         "",

@@ -348,7 +348,7 @@ def test_barrier_arguments_are_validated(store):
 
 
 class _Minimal(Store):
-    """A Store with only the abstract methods (a stand-in for a third-party store)."""
+    """A Store with only the basic methods (a stand-in for a third-party store)."""
 
     def __init__(self) -> None:
         super().__init__()

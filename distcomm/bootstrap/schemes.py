@@ -11,11 +11,13 @@ arguments, the URL's query, then the environment (`distcomm.bootstrap.environmen
 
 from __future__ import annotations
 
+import socket
+import warnings
 from collections.abc import Mapping
 
 from .. import config
 from ..errors import DistStoreError
-from ..net import format_address
+from ..net import format_address, is_loopback
 from ..store import FileStore
 from .base import EnvInfo, InitMethod, Rendezvous, describe
 from .environment import detect, require
@@ -23,7 +25,7 @@ from .mpi import bootstrap_if_launched
 from .stores import open_store, open_tcp_store
 from .urls import parse_init_method, register_rendezvous_handler
 
-__all__: list[str] = []
+__all__ = ["loopback_warning"]
 
 
 def _given(
@@ -65,6 +67,43 @@ def _locate(
     return method, info, the_rank, size, f"[rank {the_rank}/{size}] {method.scheme}:// rendezvous"
 
 
+def loopback_warning(
+    host: str, world_size: int, local_world_size: int | None, source: str
+) -> str | None:
+    """What rank 0 says when the store address `host` resolves to loopback addresses only
+    while the job spans hosts (`world_size` > `local_world_size`); None when it does not.
+
+    The master binds exactly the address it is given (torch's listens on every interface),
+    so ranks on other hosts could never reach it and would wait out their timeout. A host
+    name that maps to 127.0.1.1 in /etc/hosts (Debian's default) is the usual cause.
+
+    Args:
+        source: where `host` came from, for the message ("MASTER_ADDR").
+    """
+    if local_world_size is None or world_size <= local_world_size or not is_loopback(host):
+        return None
+    try:
+        addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
+    except (socket.gaierror, UnicodeError):
+        addresses = []
+    ours = host in (socket.gethostname(), socket.getfqdn())
+    setting = "the tcp:// URL's host" if source == "tcp:// URL" else "MASTER_ADDR"
+    why = (
+        " (this host's name maps to a loopback address, e.g. Debian's 127.0.1.1 in /etc/hosts)"
+        if ours
+        else ""
+    )
+    return (
+        f"the store address {host!r} (from {source}) resolves to "
+        f"{', '.join(addresses) or 'a loopback address'} on rank 0's host{why}: a loopback "
+        f"address, which distcomm's store listens on only, but the job spans hosts "
+        f"(world size {world_size} > LOCAL_WORLD_SIZE {local_world_size}), so ranks on the "
+        f"other hosts cannot reach it and would time out. Set {setting} to an address of "
+        "this host that the others reach (its IP address on the cluster network, e.g. from "
+        "`hostname -I`), or map the host name to that address in /etc/hosts"
+    )
+
+
 def address_rendezvous(
     url: str,
     *,
@@ -98,6 +137,11 @@ def address_rendezvous(
         f"address from {describe(str(info.source_of('master_addr')))}, port from "
         f"{describe(str(info.source_of('master_port')))}"
     )
+    if the_rank == 0 and not agent:  # rank 0 hosts: say at once what remote ranks will hit
+        local = info.local_world_size
+        message = loopback_warning(host, size, local, str(info.source_of("master_addr")))
+        if message is not None:
+            warnings.warn(f"{where}: {message}", RuntimeWarning, stacklevel=2)
     store = open_tcp_store(
         host,
         port,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -10,7 +9,7 @@ from ..config import DEFAULT_STORE_TIMEOUT
 from ..deadline import to_seconds
 from ..errors import DistError, DistStoreTimeoutError
 
-__all__ = ["Store", "check_block", "check_key", "publish", "to_bytes"]
+__all__ = ["Store", "check_block", "check_key", "emulated_append", "publish", "to_bytes"]
 
 
 def to_bytes(value: str | bytes | bytearray | memoryview, name: str = "value") -> bytes:
@@ -51,12 +50,19 @@ def check_block(block: bool) -> bool:
     return block
 
 
-class Store(ABC):
+class Store:
     """A key-value store shared by the processes of a job (torch.distributed.Store).
 
     Keys are str, values bytes (str values are UTF-8 encoded). Counters made by
     `add` are stored as decimal text, as torch does. Methods that wait for keys
     raise `DistStoreTimeoutError` naming the missing keys once `timeout` passes.
+
+    A custom store subclasses this and implements what it serves, as in torch: a subclass
+    that leaves a method out can still be made, and calling that method raises
+    `NotImplementedError` (a `RuntimeError`, so `except RuntimeError` written for torch's
+    "Not implemented." catches it too). `append`, `multi_get` and `multi_set` work on any
+    store that implements `compare_set`, `get` and `set`; `has_extended_api()` stays False
+    until the subclass says otherwise.
     """
 
     def __init__(self, timeout: float | timedelta | None = DEFAULT_STORE_TIMEOUT) -> None:
@@ -65,25 +71,43 @@ class Store(ABC):
     @property
     def timeout(self) -> timedelta:
         """The default timeout of waiting operations."""
-        return timedelta(seconds=self._timeout)
+        # a subclass whose __init__ does not call Store.__init__ has the default
+        return timedelta(seconds=getattr(self, "_timeout", DEFAULT_STORE_TIMEOUT))
 
     def set_timeout(self, timeout: float | timedelta) -> None:
         """Set the default timeout of `get` and `wait` (seconds or timedelta)."""
         self._timeout = to_seconds(timeout)
 
-    @abstractmethod
+    def _missing(self, method: str, hint: str = "") -> NotImplementedError:
+        return NotImplementedError(
+            f"{type(self).__name__} does not implement {method}(): Not implemented. "
+            f"Define {method}() in the Store subclass{hint}"
+        )
+
     def set(self, key: str, value: str | bytes) -> None:
-        """Store `value` under `key`, replacing any previous value."""
+        """Store `value` under `key`, replacing any previous value.
 
-    @abstractmethod
+        Raises:
+            NotImplementedError: a subclass that does not define it.
+        """
+        raise self._missing("set")
+
     def get(self, key: str) -> bytes:
-        """The value of `key`, waiting up to the store timeout for it to be set."""
+        """The value of `key`, waiting up to the store timeout for it to be set.
 
-    @abstractmethod
+        Raises:
+            NotImplementedError: a subclass that does not define it.
+        """
+        raise self._missing("get")
+
     def add(self, key: str, amount: int) -> int:
-        """Add `amount` to the integer counter `key` (created at 0); returns the new value."""
+        """Add `amount` to the integer counter `key` (created at 0); returns the new value.
 
-    @abstractmethod
+        Raises:
+            NotImplementedError: a subclass that does not define it.
+        """
+        raise self._missing("add")
+
     def compare_set(
         self, key: str, expected_value: str | bytes, desired_value: str | bytes
     ) -> bytes:
@@ -92,34 +116,63 @@ class Store(ABC):
         A missing key counts as holding the empty value. Returns the value the key
         holds afterwards when the swap happened, the current value when it did not,
         and `expected_value` when the key is missing and `expected_value` is not empty.
+
+        Raises:
+            NotImplementedError: a subclass that does not define it.
         """
+        raise self._missing("compare_set")
 
-    @abstractmethod
     def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
-        """Block until every key in `keys` is set, up to `timeout` (default: the store's)."""
+        """Block until every key in `keys` is set, up to `timeout` (default: the store's).
 
-    @abstractmethod
+        Raises:
+            NotImplementedError: a subclass that does not define it.
+        """
+        raise self._missing("wait")
+
     def check(self, keys: Sequence[str]) -> bool:
-        """Whether every key in `keys` is set, without waiting."""
+        """Whether every key in `keys` is set, without waiting.
 
-    @abstractmethod
+        Raises:
+            NotImplementedError: a subclass that does not define it.
+        """
+        raise self._missing("check")
+
     def delete_key(self, key: str) -> bool:
-        """Delete `key`; returns whether it existed."""
+        """Delete `key`; returns whether it existed.
 
-    @abstractmethod
+        Raises:
+            NotImplementedError: a subclass that does not define it.
+        """
+        raise self._missing("delete_key")
+
     def num_keys(self) -> int:
-        """The number of keys in the store."""
+        """The number of keys in the store.
 
-    @abstractmethod
+        Raises:
+            NotImplementedError: a subclass that does not define it.
+        """
+        raise self._missing("num_keys")
+
     def append(self, key: str, value: str | bytes) -> None:
-        """Append `value` to the value of `key` (created empty)."""
+        """Append `value` to the value of `key` (created empty).
+
+        This default is built on `compare_set` (and `check` and `get` where the subclass
+        has them), as torch's is: see `emulated_append`.
+
+        Raises:
+            NotImplementedError: the subclass defines neither this nor `compare_set`.
+        """
+        emulated_append(self, key, value)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """The values of `keys`, waiting for each as `get` does."""
+        """The values of `keys`, waiting for each as `get` does (this default calls `get`
+        once per key)."""
         return [self.get(key) for key in keys]
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
-        """Set each key of `keys` to the value at the same position of `values`."""
+        """Set each key of `keys` to the value at the same position of `values` (this
+        default calls `set` once per key)."""
         if len(keys) != len(values):
             raise ValueError(
                 f"multi_set needs as many values as keys, got {len(keys)} keys "
@@ -238,7 +291,7 @@ class Store(ABC):
         """
         return self
 
-    def close(self) -> None:  # noqa: B027 - optional hook, stores without resources keep it
+    def close(self) -> None:  # an optional hook: stores without resources keep it
         """Release connections and, for a hosting store, stop its server."""
 
     def __enter__(self) -> Store:
@@ -259,3 +312,30 @@ def publish(store: Store, key: str, value: str | bytes) -> None:
     """
     store.set(key, value)
     store.check([key])
+
+
+def emulated_append(store: Store, key: str, value: str | bytes) -> None:
+    """Append `value` to `key` of a store without a native append, with `compare_set`.
+
+    torch's fallback swaps from the empty value first and stops as soon as the key holds
+    the text it meant to write, so appending "x" to a key that holds "x" leaves "x". Here
+    the first guess is the key's current value where the store can tell (`check`, then
+    `get`), so that case appends; a store without `check` starts from the empty value, as
+    torch's does. Each later round swaps from the value the last one found.
+
+    Raises:
+        NotImplementedError: the store does not implement `compare_set`.
+    """
+    check_key(key)
+    data = to_bytes(value)
+    try:
+        exists = store.check([key])
+    except NotImplementedError:
+        exists = False
+    current = store.get(key) if exists else b""
+    while True:
+        desired = current + data
+        found = to_bytes(store.compare_set(key, current, desired), "compare_set result")
+        if found == desired:
+            return
+        current = found

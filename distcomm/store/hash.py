@@ -140,23 +140,41 @@ def compare_set_value(
     return None, current
 
 
-def timeout_error(missing: Sequence[str], seconds: float, where: str) -> DistStoreTimeoutError:
-    """The error for keys that did not appear: names them, the time waited and the store."""
+def _torch_phrase(seconds: float, keys: Sequence[str], key_prefix: str | None) -> str:
+    """torch's words for a store wait that timed out ("wait timeout after 100ms"), with its
+    list of keys ("keys: /a, /b") where `key_prefix` says how torch's store shows them."""
+    phrase = f"wait timeout after {round(seconds * 1000)}ms"
+    if key_prefix is not None:
+        phrase += ", keys: " + ", ".join(key_prefix + key for key in keys)
+        return phrase + " -"
+    return phrase + ":"
+
+
+def timeout_error(missing: Sequence[str], seconds: float, where: str,
+                  key_prefix: str | None = None) -> DistStoreTimeoutError:
+    """The error for keys that did not appear: names them, the time waited and the store.
+
+    It opens with torch's words ("wait timeout after 500ms"), so that code matching torch's
+    message finds them; with `key_prefix`, torch's list of keys too (TCPStore: "/").
+    """
     if len(missing) == 1:
         what = f"key {missing[0]!r} was not set"
     else:
         what = f"keys {list(missing)!r} were not set"
     return DistStoreTimeoutError(
-        f"{what} within {seconds:.1f} s in {where} (did the process that sets it fail, "
-        "or does it need a longer timeout?)"
+        f"{_torch_phrase(seconds, missing, key_prefix)} {what} within {seconds:.1f} s in "
+        f"{where} (did the process that sets it fail, or does it need a longer timeout?)"
     )
 
 
-def queue_timeout_error(key: str, seconds: float, where: str) -> DistStoreTimeoutError:
-    """The error of a blocking queue_pop that got no item: names the queue and the time."""
+def queue_timeout_error(key: str, seconds: float, where: str,
+                        key_prefix: str | None = None) -> DistStoreTimeoutError:
+    """The error of a blocking queue_pop that got no item: names the queue and the time,
+    after torch's words as `timeout_error` does."""
     return DistStoreTimeoutError(
-        f"queue {key!r} stayed empty for {seconds:.1f} s in {where}: queue_pop gave up "
-        "(did the process that pushes to it fail, or does it need a longer timeout?)"
+        f"{_torch_phrase(seconds, [key], key_prefix)} queue {key!r} stayed empty for "
+        f"{seconds:.1f} s in {where}: queue_pop gave up (did the process that pushes to it "
+        "fail, or does it need a longer timeout?)"
     )
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from .base import Store, check_key
-from .hash import check_keys
+from .base import Store, check_key, emulated_append, to_bytes
+from .hash import check_keys, check_values
 
 __all__ = ["PrefixStore"]
 
@@ -20,17 +20,28 @@ class PrefixStore(Store):
     of the prefix from every key that merely starts with it). Queues are namespaced like
     keys. `close()` leaves the underlying store open: it usually serves other users too.
 
+    Values reach the underlying store as bytes (str values are UTF-8 encoded here), as
+    torch hands them to a Python store. `append`, `multi_get` and `multi_set` go to the
+    underlying store's own methods when its `has_extended_api()` is True, and are
+    otherwise built on its `compare_set`, `get` and `set`, as torch does.
+
     Args:
         prefix: the namespace.
         store: the store that holds the data.
 
     Raises:
         TypeError: `prefix` is not a str or `store` is not a Store.
+        ValueError: `store` is None.
     """
 
     def __init__(self, prefix: str, store: Store) -> None:
         if not isinstance(prefix, str):
             raise TypeError(f"PrefixStore prefix must be a str, got {type(prefix).__name__}")
+        if store is None:
+            raise ValueError(
+                "PrefixStore store argument cannot be None: pass the store to wrap (a "
+                "TCPStore, FileStore, HashStore, ...)"
+            )
         if not isinstance(store, Store):
             raise TypeError(
                 f"PrefixStore needs a distcomm Store to wrap, got {type(store).__name__}"
@@ -45,6 +56,14 @@ class PrefixStore(Store):
         return [f"{self.prefix}/{key}" for key in check_keys(keys)]
 
     @property
+    def _underlying_non_prefix_store(self) -> Store:
+        """The first store below this one that is not a PrefixStore (torch's name)."""
+        store = self.underlying_store
+        while isinstance(store, PrefixStore):
+            store = store.underlying_store
+        return store
+
+    @property
     def timeout(self) -> timedelta:
         """The default timeout of waiting operations: the underlying store's."""
         return self.underlying_store.timeout
@@ -55,7 +74,7 @@ class PrefixStore(Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         """Store `value` under `key`, replacing any previous value."""
-        self.underlying_store.set(self._key(key), value)
+        self.underlying_store.set(self._key(key), to_bytes(value))
 
     def get(self, key: str) -> bytes:
         """The value of `key`, waiting up to the store timeout for it to be set."""
@@ -69,7 +88,11 @@ class PrefixStore(Store):
         self, key: str, expected_value: str | bytes, desired_value: str | bytes
     ) -> bytes:
         """Atomically set `key` to `desired_value` if it holds `expected_value` (see Store)."""
-        return self.underlying_store.compare_set(self._key(key), expected_value, desired_value)
+        return self.underlying_store.compare_set(
+            self._key(key),
+            to_bytes(expected_value, "expected_value"),
+            to_bytes(desired_value, "desired_value"),
+        )
 
     def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
         """Block until every key in `keys` is set, up to `timeout` (default: the store's)."""
@@ -88,16 +111,33 @@ class PrefixStore(Store):
         return self.underlying_store.num_keys()
 
     def append(self, key: str, value: str | bytes) -> None:
-        """Append `value` to the value of `key` (created empty)."""
-        self.underlying_store.append(self._key(key), value)
+        """Append `value` to the value of `key` (created empty): the underlying store's
+        `append` where it has the extended API, else built on its `compare_set`."""
+        inner, name, data = self.underlying_store, self._key(key), to_bytes(value)
+        if inner.has_extended_api():
+            inner.append(name, data)
+        else:
+            emulated_append(inner, name, data)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """The values of `keys`, waiting for each as `get` does."""
-        return self.underlying_store.multi_get(self._keys(keys))
+        """The values of `keys`, waiting for each as `get` does: the underlying store's
+        `multi_get` where it has the extended API, else one `get` per key."""
+        inner, names = self.underlying_store, self._keys(keys)
+        if inner.has_extended_api():
+            return inner.multi_get(names)
+        return [inner.get(name) for name in names]
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
-        """Set each key of `keys` to the value at the same position of `values`."""
-        self.underlying_store.multi_set(self._keys(keys), values)
+        """Set each key of `keys` to the value at the same position of `values`: the
+        underlying store's `multi_set` where it has the extended API, else one `set` per
+        key."""
+        inner, names = self.underlying_store, self._keys(keys)
+        datas = check_values(names, values)
+        if inner.has_extended_api():
+            inner.multi_set(names, datas)
+        else:
+            for name, data in zip(names, datas, strict=True):
+                inner.set(name, data)
 
     def has_extended_api(self) -> bool:
         """Whether the underlying store has the extended API."""
@@ -112,7 +152,7 @@ class PrefixStore(Store):
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """Append `value` to the queue `key` (see Store.queue_push)."""
-        self.underlying_store.queue_push(self._key(key), value)
+        self.underlying_store.queue_push(self._key(key), to_bytes(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """The oldest item of queue `key`, removed (see Store.queue_pop)."""

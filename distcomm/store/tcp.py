@@ -20,7 +20,8 @@ queue_pop) the message says it may or may not have been applied.
 
 Connecting retries, until the timeout, what a server that is not up yet or is shedding
 load does: a refused or reset connection, a SYN left unanswered, a connection closed
-after the server's greeting and before its answer to the first request. The pauses
+after the server's greeting and before its answer to the first request; and, as torch
+does, a host name that does not resolve yet (the master too: `tcp_master`). The pauses
 grow and are randomised (`net.retry_delays`), so that thousands of clients refused
 together do not come back together; a retry still going after DISTCOMM_STALL_WARN_S is
 logged. A client pointed at a port that another program holds says so: the server
@@ -65,7 +66,7 @@ from .hash import (
     timeout_error,
 )
 from .tcp_client import Connection, PeerClosed
-from .tcp_master import SHARED, listener_from_fd
+from .tcp_master import SHARED, listener_from_fd, open_server, unresolved, unresolved_error
 from .tcp_protocol import HEADER, SECONDS, Cmd, Limits, Status, encode_frame
 from .tcp_server import StoreServer
 
@@ -83,6 +84,9 @@ FOREIGN_HINT = ("is another program using this port? Pick another port (MASTER_P
 log = logging.getLogger(__name__)
 
 _ERROR, _TIMEOUT = int(Status.ERROR), int(Status.TIMEOUT)
+#: How torch's TCPStore shows keys in its timeout message (it stores each under "/"):
+#: ours repeat that list after torch's words, so that code matching them finds them.
+_TORCH_KEYS = "/"
 _REGISTER = encode_frame(Cmd.REGISTER, [])[0]
 #: Requests that a repetition would apply again (or, for a pop, whose item would be lost
 #: with its answer): one whose answer is lost may or may not have been applied.
@@ -131,8 +135,9 @@ class TCPStore(Store):
             take it. The server uses a duplicate of the descriptor: the caller keeps its
             own and closes it when it likes (torch's server takes the descriptor over).
             Ignored by clients, as in torch.
-        use_libuv: accepted for torch's signature and ignored: distcomm has one server,
-            an epoll loop in a thread, which does what torch's libuv server does.
+        use_libuv: accepted for torch's signature and reported by `libuvBackend`;
+            distcomm has one server either way, an epoll loop in a thread, which does what
+            torch's libuv server does (queues included).
         auth_key: the job's key (bytes or str): a client proves it holds it and a master
             admits only clients that do; None (the default) takes DISTCOMM_AUTH_KEY, and no
             key at all means no authentication. A distcomm extension; keyword only.
@@ -142,7 +147,19 @@ class TCPStore(Store):
     DISTCOMM_STORE_MAX_VALUE_BYTES, and clients learn them when they connect. A request
     over a limit raises `ValueError` before anything is sent.
 
+    Under a launcher whose agent serves the store already (torchrun's and distcomm-run's
+    workers: TORCHELASTIC_USE_AGENT_STORE is true), a master on MASTER_PORT that cannot
+    bind it becomes a client of the agent's store, as torch's does, and does not wait for
+    workers. A host name that does not resolve is retried until `timeout` by master and
+    clients alike (as torch's do: a DNS name may appear only once its host is up).
+
+    Errors open with torch's words for the same failure ("The server socket has failed
+    to listen on any local network address", "wait timeout after 500ms", "Timed out after
+    2 seconds waiting for clients", "TCPStore world size cannot be 0"), then say which
+    address, keys or clients, and what to do.
+
     Raises:
+        ValueError: an argument is out of range (world_size 0, a port outside 0..65535).
         DistNetworkError: the master cannot bind, or a client cannot reach or authenticate
             with the master before `timeout` (the message names host:port).
         DistStoreTimeoutError: fewer than `world_size` clients connected in time.
@@ -175,12 +192,15 @@ class TCPStore(Store):
             raise ValueError(f"TCPStore host_name must be a non-empty str, got {host_name!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"TCPStore port must be an int in 0..65535, got {port!r}")
-        if port == 0 and not is_master:
-            raise ValueError("TCPStore port 0 (any free port) only works with is_master=True")
         if world_size is not None and (
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
         ):
-            raise ValueError(f"TCPStore world_size must be None or an int >= 1, got {world_size!r}")
+            # torch's words for 0 first, which its users match
+            lead = "TCPStore world size cannot be 0: " if world_size == 0 else "TCPStore "
+            raise ValueError(f"{lead}world_size must be None (unknown) or an int >= 1, got "
+                             f"{world_size!r}")
+        if port == 0 and not is_master:
+            raise ValueError("TCPStore port 0 (any free port) only works with is_master=True")
         listener = None
         if is_master and master_listen_fd is not None:
             listener = listener_from_fd(master_listen_fd, port)
@@ -205,30 +225,20 @@ class TCPStore(Store):
         self._limits = Limits()
         self._broken: str | None = None
         self._local_address = ""
+        self._use_libuv = use_libuv
         try:
-            if is_master:
-                started: list[StoreServer] = []
-
-                def start() -> StoreServer:
-                    server = StoreServer(host_name, port, self._auth_key, listener=listener)
-                    started.append(server)
-                    server.start()
-                    return server
-
-                try:
-                    if multi_tenant:
-                        self._server = SHARED.acquire(host_name, port, start)
-                        self._shared = True
-                    else:
-                        self._server = start()
-                finally:
-                    if listener is not None and not started:
-                        listener.close()  # not served on: a tenant's server serves already
-                self._port = self._server.port
             deadline = Deadline(self._timeout)
+            if is_master:  # None: the launcher's agent serves the store (see tcp_master)
+                self._server, self._shared = open_server(
+                    host_name, port, self._auth_key, listener, multi_tenant, deadline,
+                    self._stall_warn)
+                if self._server is not None:
+                    self._port = self._server.port
             with self._lock:
                 self._connect(deadline)
-            if is_master and wait_for_workers and world_size is not None:
+            # a master that became the agent's client waits for no one, as torch's
+            if (self._server is not None and wait_for_workers
+                    and world_size is not None):
                 self._wait_for_workers(world_size, deadline)
         except BaseException:
             self.close()
@@ -245,6 +255,14 @@ class TCPStore(Store):
     def port(self) -> int:
         """The master's port (the one picked, when created with port 0)."""
         return self._port
+
+    @property
+    def libuvBackend(self) -> bool:  # torch's name
+        """The `use_libuv` this store was created with (True by default), as torch reports
+        which server was asked for. distcomm has one server either way, an epoll loop that
+        does what torch's libuv server does, queues included, so the value changes nothing
+        here; it is there for code that reads or checks it."""
+        return self._use_libuv
 
     @property
     def local_address(self) -> str:
@@ -273,20 +291,29 @@ class TCPStore(Store):
         stall = StallClock(self._stall_warn)
         delays = None
         early = True
+        unknown: DistNetworkError | None = None  # the last failure: a name not resolved
         while True:
             try:
                 self._connect_once(deadline, stall, early)
                 return
             except DistNetworkError as exc:
-                if not isinstance(exc.__cause__, _DROPPED) or deadline.expired():
+                unknown = exc if unresolved(exc) else None  # retried until the deadline
+                if unknown is None and (not isinstance(exc.__cause__, _DROPPED)
+                                        or deadline.expired()):
                     raise
                 self._broken = None  # a registration cut short: not the store gone
                 log_retrying(stall, f"connecting to {self._where}", exc, deadline)
+            if unknown is not None and deadline.expired():
+                raise unresolved_error(self._host, self._port, deadline.seconds,
+                                       unknown) from unknown
             # a connection reset before the greeting was read may be another program that
             # closed on the early REGISTER: from now on, read the greeting before sending
             early = False
             delays = delays or retry_delays()
             time.sleep(deadline.slice(next(delays)))
+            if unknown is not None and deadline.expired():
+                raise unresolved_error(self._host, self._port, deadline.seconds,
+                                       unknown) from unknown
 
     def _connect_once(self, deadline: Deadline, stall: StallClock, early: bool) -> None:
         """One connection; with `early`, a keyless client's REGISTER goes out before the
@@ -435,8 +462,8 @@ class TCPStore(Store):
         if status == _TIMEOUT:
             missing = [key.decode(errors="replace") for key in result]
             if isinstance(what, tuple) and what[0] == "queue_pop":
-                raise queue_timeout_error(missing[0], wait or 0.0, self._where)
-            raise timeout_error(missing, wait or 0.0, self._where)
+                raise queue_timeout_error(missing[0], wait or 0.0, self._where, _TORCH_KEYS)
+            raise timeout_error(missing, wait or 0.0, self._where, _TORCH_KEYS)
         message = result[0].decode(errors="replace") if result else "unknown error"
         raise DistStoreError(f"{self._where} refused {_describe(what)}: {message}")
 
@@ -451,10 +478,15 @@ class TCPStore(Store):
         )
         if status == Status.TIMEOUT:
             arrived = int(result[0]) if result else 0
+            waited = self._timeout
+            shown = f"{waited:.0f}" if waited == int(waited) else f"{waited:.1f}"
+            # torch's words first ("Timed out after 2 seconds waiting for clients. 1/2
+            # clients joined."), which its users match
             raise DistStoreTimeoutError(
-                f"only {arrived} of {world_size} store clients connected to {self._where} "
-                f"within {self._timeout:.1f} s (world_size={world_size}, the master included): "
-                "are all processes started, with this address and port?"
+                f"Timed out after {shown} seconds waiting for clients. {arrived}/{world_size} "
+                f"clients joined: only {arrived} of {world_size} store clients connected to "
+                f"{self._where} (world_size={world_size}, the master included): are all "
+                "processes started, with this address and port?"
             )
 
     # -- the Store methods ----------------------------------------------------------------
@@ -514,7 +546,12 @@ class TCPStore(Store):
         return self._call(Cmd.DELETE_KEY, args, ("delete_key", key), keys=args)[0] == b"\x01"
 
     def num_keys(self) -> int:
-        """The number of keys in the store."""
+        """The number of keys set in the store (queues are not keys).
+
+        torch's also counts an internal key its clients count themselves in with (once a
+        client given `world_size` has joined), so it is one more there; the server counts
+        clients here without a key.
+        """
         return int(self._call(Cmd.NUM_KEYS, [], "num_keys")[0])
 
     def append(self, key: str, value: str | bytes) -> None:
@@ -560,8 +597,8 @@ class TCPStore(Store):
             missing = [key.decode(errors="replace") for key in result]
             if deadline.expired():
                 if code == Cmd.QUEUE_POP:
-                    raise queue_timeout_error(missing[0], seconds, self._where)
-                raise timeout_error(missing, seconds, self._where)
+                    raise queue_timeout_error(missing[0], seconds, self._where, _TORCH_KEYS)
+                raise timeout_error(missing, seconds, self._where, _TORCH_KEYS)
             waited = stall.due()
             if waited is not None:
                 log_still_waiting(log, f"{_describe(what)} on {self._where}", waited, missing,
@@ -616,7 +653,7 @@ class TCPStore(Store):
             return result[0]
         result = self._waiting(Cmd.QUEUE_POP, [name], self._timeout, what)
         if not result:  # a store timeout of 0: asked without waiting
-            raise queue_timeout_error(key, self._timeout, self._where)
+            raise queue_timeout_error(key, self._timeout, self._where, _TORCH_KEYS)
         return result[0]
 
     def queue_len(self, key: str) -> int:
@@ -638,7 +675,8 @@ class TCPStore(Store):
         if self._closed:
             raise DistStoreError(f"{self._where} is closed; it cannot be cloned")
         return TCPStore(self._host, self._port, is_master=False, timeout=self._timeout,
-                        wait_for_workers=False, auth_key=self._auth_key)
+                        wait_for_workers=False, use_libuv=self._use_libuv,
+                        auth_key=self._auth_key)
 
     def close(self) -> None:
         """Close the connection and, on the master, stop the server (idempotent).
