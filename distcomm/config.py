@@ -248,8 +248,9 @@ VARIABLES: tuple[EnvVar, ...] = (
         "bool",
         "0",
         "`1`: the store at `MASTER_ADDR:MASTER_PORT` is already served by a launcher, so "
-        "rank 0 connects to it instead of hosting it. It applies to `env://` only: an "
-        'explicit `init_method="tcp://..."` or `store=` wins',
+        "rank 0 connects to it instead of hosting it. It applies to `env://` and to a "
+        '`tcp://` URL on `MASTER_PORT`; an `init_method="tcp://..."` on another port, or '
+        "`store=`, is the script's own store",
         _BOTH,
         _flag,
     ),

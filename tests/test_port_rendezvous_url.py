@@ -121,3 +121,31 @@ def test_a_handler_written_for_torch_registers_at_the_top_and_gets_its_values(ow
     with pytest.raises(RuntimeError, match="already registered") as info:
         dist.register_rendezvous_handler("torchstyle", handler)
     assert isinstance(info.value, ValueError)
+
+
+def test_a_tcp_url_on_master_port_under_distcomm_run_is_the_agents_store(tmp_path):
+    """torch connects a tcp:// init_method to the agent's store under torchrun; here a
+    tcp:// URL on MASTER_PORT is too, with the round's key prefix: a restarted group
+    rendezvouses afresh on the same store (its first attempt failed after joining)."""
+    from tests.launchjobs import run_launcher, script
+
+    worker = script(tmp_path / "worker.py", """
+        import os, sys
+        import numpy as np
+        import distcomm as dist
+        url = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        dist.init_process_group("tcp", init_method=url)
+        x = np.array([dist.get_rank() + 1.0])
+        dist.all_reduce(x)
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        if attempt == "0" and dist.get_rank() == 1:
+            sys.exit(7)  # fail the first attempt after its rendezvous
+        with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}-{attempt}"), "w") as f:
+            f.write(f"{x[0]:g} {dist.get_world_size()}")
+        dist.destroy_process_group()
+    """)
+    done = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                         str(worker), str(tmp_path)], tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr
+    results = {path.name: path.read_text() for path in tmp_path.glob("rank*-1")}
+    assert results == {"rank0-1": "3 2", "rank1-1": "3 2"}, (results, done.stderr)

@@ -121,8 +121,13 @@ def address_rendezvous(
     """
     method, info, the_rank, size, where = _locate(url, rank, world_size, environ, True)
     cfg = config.load(dict(environ))
-    # an explicit tcp:// address is the script's own store, not the launcher's
-    agent = cfg.use_agent_store and method.scheme == "env"
+    # an explicit tcp:// address is the script's own store, not the launcher's, unless it
+    # is on MASTER_PORT, which the launcher's agent serves (torch connects any tcp:// URL
+    # to the agent's store then): no rank could host it there
+    agent = cfg.use_agent_store and (
+        method.scheme == "env"
+        or str(method.port) == (environ.get("MASTER_PORT") or "").strip()
+    )
     hint = ""
     if method.scheme == "env" and not agent:
         shared = bootstrap_if_launched(
