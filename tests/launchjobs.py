@@ -77,6 +77,21 @@ def agent(
     return proc
 
 
+def agent_here(monkeypatch, tmp_path: Path, **extra: str) -> None:
+    """For a test whose agent runs in its own process: the launcher tests' environment
+    (`launcher_env(**extra)`, nothing else) and `tmp_path` as the temporary directory."""
+    import tempfile
+
+    wanted = launcher_env(**extra)
+    for name in list(os.environ):
+        if name not in wanted:
+            monkeypatch.delenv(name)
+    for name, value in wanted.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
 def run_launcher(
     args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120.0
 ) -> subprocess.CompletedProcess:

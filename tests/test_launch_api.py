@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import tempfile
 
 import pytest
 
@@ -13,22 +12,15 @@ from distcomm.launch.api import LaunchConfig, elastic_launch, launch_agent
 from distcomm.launch.errors import ChildFailedError
 from distcomm.launch.logs_specs import DefaultLogsSpecs
 from distcomm.run import get_args_parser, run
-from tests.launchjobs import launcher_env, script
+from tests.launchjobs import agent_here, script
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch, tmp_path):
-    """The agent runs in this process: give it the launcher tests' environment and temp dir."""
-    wanted = launcher_env()
-    for name in list(os.environ):
-        if name not in wanted:
-            monkeypatch.delenv(name)
-    for name, value in wanted.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    """The agent runs in this process: the launcher tests' environment and temp dir."""
+    agent_here(monkeypatch, tmp_path)
 
 
 def _config(**kwargs: object) -> LaunchConfig:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 
 import pytest
 
@@ -18,7 +17,7 @@ import distcomm.run as launch
 from distcomm.launch import api, flag_values
 from distcomm.launch.api import LaunchConfig, elastic_launch
 from distcomm.launch.errors import ChildFailedError
-from tests.launchjobs import launcher_env, run_launcher, script
+from tests.launchjobs import agent_here, run_launcher, script
 from tests.processes import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -66,14 +65,7 @@ main()
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch, tmp_path):
     """The agent runs in this process: the launcher tests' environment and temp dir."""
-    wanted = launcher_env(TEST_SENTINEL_PARENT="FOOBAR")
-    for name in list(os.environ):
-        if name not in wanted:
-            monkeypatch.delenv(name)
-    for name, value in wanted.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    agent_here(monkeypatch, tmp_path, TEST_SENTINEL_PARENT="FOOBAR")
 
 
 def _out(tmp_path):
