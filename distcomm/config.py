@@ -265,6 +265,15 @@ VARIABLES: tuple[EnvVar, ...] = (
         _flag,
     ),
     EnvVar(
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "bool",
+        "0",
+        "torch's: `1` keeps a c10d rendezvous's own TCPStore from the workers; the agent "
+        "hosts another store for them",
+        _BOTH,
+        _flag,
+    ),
+    EnvVar(
         "DISTCOMM_STORE_PREFIX",
         "text",
         "",

@@ -726,3 +726,65 @@ def test_distcomm_run_loads_a_plugin_backend_by_name(tmp_path: Any) -> None:
     assert done.returncode == 0, output
     assert "cli-dict: state written" in output
     assert "worker rank 0" in output and "worker rank 1" in output
+
+
+def test_a_handler_shows_its_settings_as_torchs_does() -> None:
+    from datetime import timedelta
+
+    from distcomm.launch.rendezvous.api import RendezvousTimeout
+    from distcomm.launch.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from distcomm.launch.rendezvous.dynamic import DynamicRendezvousHandler
+    from distcomm.store import HashStore
+
+    store = HashStore()
+    timeout = RendezvousTimeout(join=timedelta(seconds=9))
+    handler = DynamicRendezvousHandler.from_backend(
+        "settings", store, C10dRendezvousBackend(store, "settings"), 2, 4, timeout=timeout,
+        keep_alive_interval=2, keep_alive_max_attempt=4)
+    settings = handler.settings
+    assert (settings.run_id, settings.min_nodes, settings.max_nodes) == ("settings", 2, 4)
+    assert settings.timeout is timeout  # the very object given, as torch's tests check
+    assert settings.keep_alive_interval == timedelta(seconds=2)
+    assert settings.keep_alive_max_attempt == 4
+    plain = DynamicRendezvousHandler.from_backend(
+        "plain", store, C10dRendezvousBackend(store, "plain"), 1, 1)
+    assert plain.settings.timeout.join == timedelta(seconds=600)
+    assert plain.settings.timeout.last_call == timedelta(seconds=30)
+
+
+class SilentBackend(DictBackend):
+    """As torch's own test backend: a lost write returns None, not the state it lost to."""
+
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None:
+        result = super().set_state(state, token)
+        return result if result is not None and result[2] else None
+
+
+def test_a_backend_that_answers_a_lost_write_with_none_still_forms_rounds(
+        master: TCPStore) -> None:
+    backend = SilentBackend("silent")
+    stores = [master.clone() for _ in range(2)]
+    handlers = [DynamicRendezvousHandler.from_backend(
+        "silent-run", store, backend, 2, 2, local_addr=f"node{i}",
+        timeout=RendezvousTimeout(last_call=_seconds(0.3), close=_seconds(10)),
+        keep_alive_interval=0.2, keep_alive_max_attempt=5) for i, store in enumerate(stores)]
+    try:
+        infos = _join_all(handlers)
+        assert sorted(i.rank for i in infos) == [0, 1]
+        assert {i.world_size for i in infos} == {2}
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+        for store in stores:
+            store.close()
+
+
+def test_use_agent_store_follows_torchs_variable(master: TCPStore, monkeypatch) -> None:
+    def make() -> DynamicRendezvousHandler:
+        return DynamicRendezvousHandler.from_backend(
+            "share", master, DictBackend(), 1, 1, local_addr="node")
+
+    assert make().use_agent_store
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    assert not make().use_agent_store

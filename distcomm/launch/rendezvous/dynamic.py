@@ -71,9 +71,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
+from ... import config
 from ...config import positive_seconds
 from ...deadline import Deadline
 from ...errors import DistError, DistStoreTimeoutError
@@ -96,7 +98,12 @@ from .settings import check_node_range, settings_from_params
 from .slot import BackendSlot, StateSlot, StoreSlot
 from .state import Limits, RendezvousState, summarize
 
-__all__ = ["DynamicRendezvousHandler", "create_handler", "create_store_handler"]
+__all__ = [
+    "DynamicRendezvousHandler",
+    "HandlerSettings",
+    "create_handler",
+    "create_store_handler",
+]
 
 log = logging.getLogger("distcomm.launch.rendezvous")
 
@@ -116,6 +123,18 @@ _node_counter = itertools.count()
 
 def _check_seconds(name: str, value: float) -> float:
     return positive_seconds(f"--rdzv_conf {name}", value, text=False)
+
+
+@dataclass(frozen=True)
+class HandlerSettings:
+    """A dynamic handler's settings (torch's handler has them as ``settings``)."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    timeout: RendezvousTimeout
+    keep_alive_interval: timedelta
+    keep_alive_max_attempt: int
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -198,6 +217,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             last_call_timeout=_check_seconds("last_call_timeout", last_call_timeout),
             dead_after=self._interval * keep_alive_max_attempt,
         )
+        self._max_attempts = keep_alive_max_attempt
+        self._share_store = not config.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+        self._timeout: RendezvousTimeout | None = None  # the one from_backend was given
         self._bootstrap_address = bootstrap_address
         self._owned_store = owned_store
         self._hosts_store = hosts_store
@@ -256,7 +278,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 f"backend must be a RendezvousBackend (get_state, set_state, name), got "
                 f"{type(backend).__name__}"
             )
-        return cls(
+        handler = cls(
             run_id=run_id,
             store=store,
             backend_name=backend.name,
@@ -271,6 +293,30 @@ class DynamicRendezvousHandler(RendezvousHandler):
             owned_store=owned_store,
             state_backend=backend,
         )
+        handler._timeout = timeout
+        return handler
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Whether the workers are given the rendezvous's own TCPStore (where the backend
+        serves one) as their store: True unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as in
+        torch; then the agent hosts another store for them."""
+        return self._share_store
+
+    @property
+    def settings(self) -> HandlerSettings:
+        """What this handler was made with, as torch's handler's ``settings``: run_id,
+        min_nodes, max_nodes, timeout (the `RendezvousTimeout` given to `from_backend`, or
+        one of this handler's timeouts), keep_alive_interval (a timedelta) and
+        keep_alive_max_attempt."""
+        limits = self._limits
+        timeout = self._timeout or RendezvousTimeout(
+            join=timedelta(seconds=self._join_timeout),
+            last_call=timedelta(seconds=limits.last_call_timeout),
+            close=timedelta(seconds=self._close_timeout),
+        )
+        return HandlerSettings(self._run_id, limits.min_nodes, limits.max_nodes, timeout,
+                               timedelta(seconds=self._interval), self._max_attempts)
 
     @property
     def bootstrap_address(self) -> tuple[str, int] | None:
@@ -592,7 +638,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         log.info("%s: round %d complete: node %s is rank %d of %d",
                  self._where(), round_, self.node_id, rank, size)
         return RendezvousInfo.for_round(
-            self._store, self._run_id, round_, rank, size, self._bootstrap_address)
+            self._store, self._run_id, round_, rank, size,
+            self._bootstrap_address if self.use_agent_store else None)
 
     def _look_for_last_call(self) -> None:
         """Once a join has waited a moment: say so when the round waits out its last call."""

@@ -110,9 +110,9 @@ class BackendSlot(StateSlot):
                     return current
             token = None if seen is None else seen[1]
             result = self._checked(self._backend.set_state(new, token), "set_state", 3)
-            if result is None:
-                self._seen = None
-                return b""
+            if result is None:  # lost, and the backend did not say to what: read it
+                seen = self._get()
+                return b"" if seen is None else seen[0]
             self._seen = (result[0], result[1])
             return result[0]  # type: ignore[no-any-return]
 
