@@ -5,7 +5,7 @@ not start with ``test_``); ``tests/test_torch_suite.py`` checks its pure functio
 
 Usage (an interpreter with torch 2.13 and distcomm installed)::
 
-    python tests/torch_suite.py --torch-tests /tmp/torch-tests [--only PATTERN]
+    python tests/torch_suite.py --torch-tests DIR [--only PATTERN]
         [--report FILE] [--results FILE] [--reuse-baseline]
 
 ``--torch-tests`` is a copy of the parts of torch's ``test/`` tree named in `SUITES` (same
@@ -684,7 +684,10 @@ def classify(test: str, expect: dict[str, tuple[str, str]]) -> tuple[str, str] |
     return None
 
 
+#: where distcomm is installed: shown relative, so a report names no path of this machine
+_HOME = str(Path(__file__).resolve().parent.parent) + os.sep
 _NOISE = (
+    (re.compile(re.escape(_HOME)), ""),
     (re.compile(r"0x[0-9a-fA-F]+"), "0x…"),
     (re.compile(r"/tmp/[^\s'\"]+"), "/tmp/…"),
     (re.compile(r"(?<![\w.])\d{4,}(?![\w.])"), "N"),
