@@ -62,7 +62,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import functools
 import json
 import logging
@@ -71,14 +70,12 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import platform
-import resource
 import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -88,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 import plots  # benchmarks/plots.py, beside this script
+from children import child, command  # benchmarks/children.py, beside it too
 
 from distcomm.launch.errors import exit_description
 from distcomm.launch.rendezvous import (
@@ -96,7 +94,7 @@ from distcomm.launch.rendezvous import (
     get_rendezvous_handler,
 )
 from distcomm.launch.round_sync import RDZV_CHECK_INTERVAL
-from distcomm.procutil import set_pdeathsig
+from distcomm.net import raise_file_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -380,45 +378,7 @@ class WarningTally(logging.Handler):
 # -- children ------------------------------------------------------------------------------
 
 
-def raise_fd_limit() -> None:
-    """Lift the soft open-file limit to the hard one (a store's host holds N connections)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
 
-
-def _child(target: Callable[..., None], conn: Any, *args: Any) -> None:
-    """Every child's entry point: dies with the parent, reports its traceback, never lingers."""
-    set_pdeathsig(signal.SIGKILL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
-    faulthandler.enable()
-    raise_fd_limit()
-    code = 0
-    try:
-        target(conn, *args)
-    except BaseException:
-        code = 1
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
-    try:
-        conn.close()
-    except OSError:
-        pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown: store destructors, hundreds of daemon threads
-
-
-def _command(conn: Any, timeout: float) -> Any:
-    """The parent's next command; the parent gone or silent for `timeout` ends the child."""
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no command from the benchmark's parent process for {timeout:.0f} s")
-    return conn.recv()
 
 
 def _params(scenario: Scenario, run_id: str, endpoint: str, **conf: str) -> RendezvousParameters:
@@ -441,7 +401,7 @@ def _host(conn: Any, scenario: Scenario, run_id: str) -> None:
     if not address:
         raise RuntimeError(f"the c10d host handler {handler!r} does not say which port it bound")
     conn.send(("ok", (address[1], os.getpid())))
-    while _command(conn, 4 * scenario.timeout + 600)[0] != "stop":
+    while command(conn, 4 * scenario.timeout + 600)[0] != "stop":
         pass
     handler.shutdown()  # the nodes are gone: returns at once
     conn.send(("ok", None))
@@ -603,7 +563,7 @@ def _node_process(
     conn.send(("ok", os.getpid()))
     idle = 4 * scenario.timeout + 600
     while True:
-        message = _command(conn, idle)
+        message = command(conn, idle)
         kind = message[0]
         if kind == "round":
             reply = nodes.run_round(*message[1:])
@@ -634,7 +594,7 @@ class Children:
         """Spawn `target(conn, *args)`; (process, the parent's end of its pipe)."""
         parent_end, child_end = self.ctx.Pipe()
         proc = self.ctx.Process(
-            target=_child, args=(target, child_end, *args), name=name, daemon=True
+            target=child, args=(target, child_end, *args), name=name, daemon=True
         )
         proc.start()
         child_end.close()
@@ -1207,7 +1167,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    raise_fd_limit()
+    raise_file_limit()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started ignoring it
     signal.signal(signal.SIGTERM, _terminate)
     info = machine()

@@ -38,14 +38,11 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import platform
-import resource
-import signal
 import statistics
 import sys
 import threading
@@ -56,9 +53,10 @@ from datetime import date, timedelta
 from typing import Any
 
 import plots  # benchmarks/plots.py, beside this script
+from children import child, command  # benchmarks/children.py, beside it too
 
 from distcomm.launch.errors import exit_description
-from distcomm.procutil import set_pdeathsig
+from distcomm.net import raise_file_limit
 
 LOOPBACK = "127.0.0.1"
 IMPLS = ("ours", "torch")
@@ -190,15 +188,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], s
 
 # -- children ----------------------------------------------------------------------------------
 
-def _raise_fd_limit() -> None:
-    """Lift the soft open-file limit to the hard one (many sockets in one process)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
-
 
 def _store_class(impl: str) -> Any:
     """distcomm.TCPStore or torch.distributed.TCPStore (imported here, not in the timing)."""
@@ -215,33 +204,6 @@ def _make_store(impl: str, port: int, is_master: bool, timeout: float) -> Any:
                               False)
 
 
-def _child(target: Callable[..., None], conn: multiprocessing.connection.Connection,
-           *args: Any) -> None:
-    """Every child's entry point: dies with the parent, reports its traceback, never lingers."""
-    set_pdeathsig(signal.SIGKILL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
-    faulthandler.enable()
-    _raise_fd_limit()
-    code = 0
-    try:
-        target(conn, *args)
-    except BaseException:
-        code = 1
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
-    conn.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown: store destructors, thousands of daemon threads
-
-
-def _command(conn: multiprocessing.connection.Connection, timeout: float) -> Any:
-    """The parent's next command; the parent gone or silent for `timeout` ends the child."""
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no command from the benchmark's parent process for {timeout:.0f} s")
-    return conn.recv()
 
 
 def _serve(conn: multiprocessing.connection.Connection, impl: str, timeout: float,
@@ -325,7 +287,7 @@ def _single_client(conn: multiprocessing.connection.Connection, impl: str, port:
         return cpu_conn.recv()[1]
 
     while True:
-        message = _command(conn, 20 * timeout)
+        message = command(conn, 20 * timeout)
         if message == "stop":
             return
         _, op, count, warmup = message
@@ -387,7 +349,7 @@ def _barrier_clients(conn: multiprocessing.connection.Connection, impl: str, por
 
     _store_class(impl)  # the import is no part of the connect time
     conn.send(("ok", None))  # imported and ready to connect
-    if _command(conn, 20 * timeout) != "connect":
+    if command(conn, 20 * timeout) != "connect":
         raise RuntimeError("expected 'connect'")
     began = time.monotonic()
     for index in range(local):
@@ -395,7 +357,7 @@ def _barrier_clients(conn: multiprocessing.connection.Connection, impl: str, por
     collect(connected, f"connecting {local} clients")
     conn.send(("ok", time.monotonic() - began))
     for r in range(rounds):
-        _, number, start = _command(conn, 20 * timeout)
+        _, number, start = command(conn, 20 * timeout)
         if number != r:
             raise RuntimeError(f"expected round {r}, got {number}")
         time.sleep(max(0.0, start - time.monotonic()))
@@ -404,7 +366,7 @@ def _barrier_clients(conn: multiprocessing.connection.Connection, impl: str, por
         starts[number].set()
         collect(done[number], f"barrier round {number}")
         conn.send(("ok", (max(ends[number]), late, time.process_time() - cpu)))
-    if _command(conn, 20 * timeout) != "stop":
+    if command(conn, 20 * timeout) != "stop":
         raise RuntimeError("expected 'stop'")
 
 
@@ -422,7 +384,7 @@ def _connect_barrier_clients(conn: multiprocessing.connection.Connection, impl: 
     threading.stack_size(THREAD_STACK)  # thousands of threads: keep their stacks small
     conn.send(("ok", None))
     while True:
-        message = _command(conn, 20 * timeout)
+        message = command(conn, 20 * timeout)
         if message == "stop":
             return
         _, number = message
@@ -452,7 +414,7 @@ def _connect_barrier_clients(conn: multiprocessing.connection.Connection, impl: 
         for index in range(local):
             threading.Thread(target=client, args=(index,), daemon=True).start()
         conn.send(("ok", None))
-        _, again, start = _command(conn, 20 * timeout)
+        _, again, start = command(conn, 20 * timeout)
         if again != number:
             raise RuntimeError(f"expected round {number}, got {again}")
         time.sleep(max(0.0, start - time.monotonic()))
@@ -488,7 +450,7 @@ class Children:
     def start(self, name: str, target: Callable[..., None], *args: Any) -> tuple[Any, Any]:
         """Spawn `target(conn, *args)`; (process, the parent's end of its pipe)."""
         parent_end, child_end = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_child, args=(target, child_end, *args), name=name,
+        proc = self.ctx.Process(target=child, args=(target, child_end, *args), name=name,
                                 daemon=True)
         proc.start()
         child_end.close()
@@ -851,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     # and its client and server look up each connection's peer name (::ffff:127.0.0.1, which no
     # hosts file lists) on the DNS: a resolver that never answers would stall every connect
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
-    _raise_fd_limit()
+    raise_file_limit()
     children = Children(args.timeout)
     report: dict[str, Any] = {"machine": machine(torch_version),
                               "args": {k: v for k, v in vars(args).items()

@@ -26,6 +26,7 @@ __all__ = [
     "listen",
     "listen_backlog",
     "log_retrying",
+    "raise_file_limit",
     "recv_exact",
     "recv_within",
     "reserve_descriptors",
@@ -137,6 +138,23 @@ def descriptor_shortage(exc: OSError, action: str) -> str | None:
             "limit is raised by the administrator, e.g. in /etc/security/limits.conf)")
 
 
+def raise_file_limit() -> int:
+    """Raise this process's soft open-file limit to its hard limit (a process that holds a
+    connection per peer or per client needs many); returns the soft limit now in force (a
+    large number for none)."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return 1024
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):
+            pass
+    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
+
+
 def reserve_descriptors(count: int, what: str) -> None:
     """Make room for `count` more descriptors: where the soft RLIMIT_NOFILE is below what
     is open now plus `count` (and a margin), raise it to the hard limit, as MPI libraries
@@ -153,13 +171,8 @@ def reserve_descriptors(count: int, what: str) -> None:
     need = in_use + count + _SPARE_DESCRIPTORS
     if soft == resource.RLIM_INFINITY or soft >= need:
         return
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (OSError, ValueError):
-            pass
-    if soft != resource.RLIM_INFINITY and soft < need:
+    soft = raise_file_limit()
+    if soft < need:
         log.warning(
             "%s: may need %d file descriptors (%d open, %d more for its connections), more "
             "than RLIMIT_NOFILE allows (soft %d, hard %d): connections will fail once it is "

@@ -41,7 +41,6 @@ the number left out.
 from __future__ import annotations
 
 import itertools
-import resource
 import select
 import socket
 import threading
@@ -50,7 +49,7 @@ from collections import deque
 
 from .. import auth
 from ..errors import DistNetworkError, DistStoreError
-from ..net import listen, listen_backlog, set_keepalive
+from ..net import listen, listen_backlog, raise_file_limit, set_keepalive
 from .tcp_conn import Conn, Throttle, Timers
 from .tcp_protocol import (
     HEADER,
@@ -128,7 +127,7 @@ class StoreServer:
                 ) from exc
         self._listener = listener
         self.port: int = self._listener.getsockname()[1]
-        self._pending_cap = max(1024, _raise_file_limit() // 2)
+        self._pending_cap = max(1024, raise_file_limit() // 2)
         self._wake_r, self._wake_w = socket.socketpair()
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.setblocking(False)
@@ -616,18 +615,3 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     set_keepalive(sock)
 
-
-def _raise_file_limit() -> int:
-    """Raise this process's soft open-file limit to its hard limit (a store serves many);
-    returns the soft limit now in force (a large number for none)."""
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (OSError, ValueError):
-        return 1024
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (OSError, ValueError):
-            pass
-    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
