@@ -4,7 +4,8 @@ For ``env://`` and ``tcp://`` rank 0 hosts a TCPStore at the address (the URL's,
 one the environment gives) and every rank waits until all have joined it; under an MPI
 launcher ``env://`` may get the address from rank 0 over MPI instead
 (`distcomm.bootstrap.mpi`), and under a launcher that serves the store itself
-(DISTCOMM_USE_AGENT_STORE=1) every rank connects to it (`distcomm.bootstrap.stores`).
+(DISTCOMM_USE_AGENT_STORE=1) every rank connects to it, for ``env://`` and for a
+``tcp://`` URL on MASTER_PORT (`distcomm.bootstrap.stores`).
 ``file://`` opens a FileStore on the path. Rank and world size come from the caller's
 arguments, the URL's query, then the environment (`distcomm.bootstrap.environment`).
 """

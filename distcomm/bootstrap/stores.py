@@ -2,10 +2,11 @@
 
 For ``env://`` and ``tcp://``, rank 0 hosts the TCPStore at the address; the others
 connect. With DISTCOMM_USE_AGENT_STORE=1 (a launcher already serves the store there) and
-``env://`` every rank connects, rank 0 included, and keeps its keys under
-DISTCOMM_STORE_PREFIX when that is set (the launcher sets one per round, so restarted
-workers never see the keys of an earlier round). An explicit ``tcp://`` init_method (or a
-store=) wins over the launcher's store: rank 0 hosts it as without a launcher.
+``env://``, or a ``tcp://`` URL on MASTER_PORT, every rank connects, rank 0 included, and
+keeps its keys under DISTCOMM_STORE_PREFIX when that is set (the launcher sets one per
+round, so restarted workers never see the keys of an earlier round). A ``tcp://``
+init_method on another port (or a store=) wins over the launcher's store: rank 0 hosts it
+as without a launcher.
 
 Then (when rank 0 hosts the store) every rank joins it (`join`) and waits for the others,
 as torch's TCPStore master waits for its workers. Each rank records the world size it was

@@ -186,7 +186,8 @@ class Store:
     def has_extended_api(self) -> bool:
         """Whether this store implements `list_keys`, the queues and `append`/`multi_get`/
         `multi_set`/`compare_set` natively (torch's has_extended_api). Every distcomm store
-        does; a Store subclass that only implements the abstract methods does not."""
+        does; a Store subclass says so by overriding this (its `append`, `multi_get` and
+        `multi_set` are then called directly, else emulated)."""
         return False
 
     def list_keys(self) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from .base import Store, check_key, emulated_append, to_bytes
+from .base import Store, check_key, to_bytes
 from .hash import check_keys, check_values
 
 __all__ = ["PrefixStore"]
@@ -22,8 +22,8 @@ class PrefixStore(Store):
 
     Values reach the underlying store as bytes (str values are UTF-8 encoded here), as
     torch hands them to a Python store. `append`, `multi_get` and `multi_set` go to the
-    underlying store's own methods when its `has_extended_api()` is True, and are
-    otherwise built on its `compare_set`, `get` and `set`, as torch does.
+    underlying store's, which `Store` builds on `compare_set`, `get` and `set` for a store
+    that has none of its own.
 
     Args:
         prefix: the namespace.
@@ -111,33 +111,20 @@ class PrefixStore(Store):
         return self.underlying_store.num_keys()
 
     def append(self, key: str, value: str | bytes) -> None:
-        """Append `value` to the value of `key` (created empty): the underlying store's
-        `append` where it has the extended API, else built on its `compare_set`."""
-        inner, name, data = self.underlying_store, self._key(key), to_bytes(value)
-        if inner.has_extended_api():
-            inner.append(name, data)
-        else:
-            emulated_append(inner, name, data)
+        """Append `value` to the value of `key` (created empty), by the underlying store's
+        `append` (a store without its own builds it on `compare_set`: `Store.append`)."""
+        self.underlying_store.append(self._key(key), to_bytes(value))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """The values of `keys`, waiting for each as `get` does: the underlying store's
-        `multi_get` where it has the extended API, else one `get` per key."""
-        inner, names = self.underlying_store, self._keys(keys)
-        if inner.has_extended_api():
-            return inner.multi_get(names)
-        return [inner.get(name) for name in names]
+        """The values of `keys`, waiting for each as `get` does (a store without its own
+        `multi_get` calls `get` once per key)."""
+        return self.underlying_store.multi_get(self._keys(keys))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
-        """Set each key of `keys` to the value at the same position of `values`: the
-        underlying store's `multi_set` where it has the extended API, else one `set` per
-        key."""
-        inner, names = self.underlying_store, self._keys(keys)
-        datas = check_values(names, values)
-        if inner.has_extended_api():
-            inner.multi_set(names, datas)
-        else:
-            for name, data in zip(names, datas, strict=True):
-                inner.set(name, data)
+        """Set each key of `keys` to the value at the same position of `values` (a store
+        without its own `multi_set` calls `set` once per key)."""
+        names = self._keys(keys)
+        self.underlying_store.multi_set(names, check_values(names, values))
 
     def has_extended_api(self) -> bool:
         """Whether the underlying store has the extended API."""

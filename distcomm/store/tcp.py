@@ -303,9 +303,6 @@ class TCPStore(Store):
                     raise
                 self._broken = None  # a registration cut short: not the store gone
                 log_retrying(stall, f"connecting to {self._where}", exc, deadline)
-            if unknown is not None and deadline.expired():
-                raise unresolved_error(self._host, self._port, deadline.seconds,
-                                       unknown) from unknown
             # a connection reset before the greeting was read may be another program that
             # closed on the early REGISTER: from now on, read the greeting before sending
             early = False
