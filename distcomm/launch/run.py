@@ -318,6 +318,12 @@ def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
     return get_args_parser().parse_args(args)
 
 
+def _default_master_port(max_nodes: int) -> int:
+    """The static rendezvous's port without --master_port: a free one (0) for a single
+    node, torch's 29500 for several (which must agree on it)."""
+    return 0 if max_nodes == 1 else DEFAULT_MASTER_PORT
+
+
 def get_use_env(args: argparse.Namespace) -> bool:
     """Whether the workers read LOCAL_RANK from the environment only (torch's
     ``get_use_env``): True, unless the legacy launcher's ``--use-env`` flag is there and
@@ -333,7 +339,7 @@ def get_rdzv_endpoint(args: argparse.Namespace) -> str:
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
         port = args.master_port
         if port is None:
-            port = 0 if parse_min_max_nnodes(args.nnodes)[1] == 1 else DEFAULT_MASTER_PORT
+            port = _default_master_port(parse_min_max_nnodes(args.nnodes)[1])
         return format_address(args.master_addr, int(port))
     return str(args.rdzv_endpoint)
 
@@ -423,7 +429,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                 f"{args.node_rank}"
             )
         if master_port is None:
-            master_port = 0 if max_nodes == 1 else DEFAULT_MASTER_PORT
+            master_port = _default_master_port(max_nodes)
     if master_port is not None and not 0 <= int(master_port) <= 65535:
         raise ValueError(f"--master_port must be in 0..65535, got {master_port}")
     if backend in ("c10d", "etcd", "file") and not endpoint:

@@ -256,7 +256,7 @@ def _handler_over(store: Store, params: RendezvousParameters,
                   hosts_store: bool = False) -> DynamicRendezvousHandler:
     try:
         return create_store_handler(store, params, bootstrap_address, owned_store=store,
-                              hosts_store=hosts_store)
+                                    hosts_store=hosts_store)
     except BaseException:
         store.close()
         raise

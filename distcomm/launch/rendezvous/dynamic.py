@@ -92,9 +92,10 @@ from .api import (
     RendezvousTimeout,
     RendezvousTimeoutError,
     RoundView,
+    check_node_counts,
 )
 from .chair import WAKE, Chair, Keys, Request, StateConflict, peek
-from .settings import check_node_range, settings_from_params
+from .settings import settings_from_params
 from .slot import BackendSlot, StateSlot, StoreSlot
 from .state import Limits, RendezvousState, summarize
 
@@ -186,7 +187,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         hosts_store: bool = False,
         state_backend: RendezvousBackend | None = None,
     ) -> None:
-        check_node_range(min_nodes, max_nodes)
+        check_node_counts(min_nodes, max_nodes)
         if not isinstance(run_id, str) or not run_id:
             raise ValueError(f"--rdzv_id must be a non-empty string, got {run_id!r}")
         if not isinstance(store, Store):

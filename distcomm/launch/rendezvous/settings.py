@@ -31,7 +31,6 @@ __all__ = [
     "CONF_KEYS",
     "IGNORED_KEYS",
     "RendezvousSettings",
-    "check_node_range",
     "conf_node_rank",
     "effective_backend",
     "settings_from_params",
@@ -89,16 +88,6 @@ class RendezvousSettings:
     etcd_prefix: str = "/distcomm/rdzv"
 
 
-def check_node_range(min_nodes: int, max_nodes: int) -> None:
-    """Check --nnodes=MIN:MAX (`api.check_node_counts`).
-
-    Raises:
-        TypeError: a count is not an integer.
-        ValueError: MIN < 1 or MAX < MIN; the message names --nnodes.
-    """
-    check_node_counts(min_nodes, max_nodes)
-
-
 def _text(params: RendezvousParameters, key: str, default: str) -> str:
     """Option `key` as lower-case text (torch's options may be given as any value)."""
     value = params.get(key)
@@ -145,7 +134,7 @@ def settings_from_params(params: RendezvousParameters,
             is unknown (the message lists the known ones) or a value is malformed.
         TypeError: a node count is not an integer.
     """
-    check_node_range(params.min_nodes, params.max_nodes)
+    check_node_counts(params.min_nodes, params.max_nodes)
     if not isinstance(params.run_id, str) or not params.run_id:
         raise ValueError(f"--rdzv_id must be a non-empty string, got {params.run_id!r}")
     defaults = RendezvousSettings()
