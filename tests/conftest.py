@@ -134,7 +134,7 @@ def _no_leftover_group():
         pytest.fail("the test left an initialised process group behind")
 
 
-#: the name of a TCPStore server's thread, before its port (distcomm/store/tcp_server.py)
+#: the name of a TCPStore server's thread, before its port (distcomm/store/tcp/server.py)
 _STORE_SERVER = "distcomm-store-server-"
 #: seconds a server thread the test started may take to end after the test
 _STOPPING_GRACE = 5.0

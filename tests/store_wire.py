@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from distcomm import auth
-from distcomm.store.tcp_protocol import HEADER, decode_args, encode_frame
+from distcomm.store.tcp.protocol import HEADER, decode_args, encode_frame
 
 __all__ = ["frame", "raw_connection", "read_response", "recv_exact"]
 

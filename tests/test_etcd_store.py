@@ -28,7 +28,7 @@ from distcomm.errors import (
     DistStoreTimeoutError,
 )
 from distcomm.store import EtcdStore, Store
-from distcomm.store.etcd import parse_endpoint
+from distcomm.store.etcd.client import parse_endpoint
 from tests import etcd_server
 from tests.etcd_server import EtcdServer, etcd_endpoint  # noqa: F401
 from tests.harness import run_ranks

@@ -18,7 +18,7 @@ import pytest
 
 from distcomm.errors import DistStoreError
 from distcomm.store import FileStore
-from distcomm.store import filelog as file_module
+from distcomm.store.file import records as file_module
 from tests.harness import run_ranks
 
 MIB = 1 << 20

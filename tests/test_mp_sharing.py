@@ -40,8 +40,8 @@ import distcomm.multiprocessing as mp
 from distcomm.errors import BackendUnavailableError
 from distcomm.gpu import ipc
 from distcomm.multiprocessing import sharing
-from distcomm.multiprocessing.shm_client import ManagerClient
-from distcomm.multiprocessing.shm_protocol import ADDRESS_ENV
+from distcomm.multiprocessing.shm.client import ManagerClient
+from distcomm.multiprocessing.shm.protocol import ADDRESS_ENV
 
 STRATEGIES = sorted(mp.get_all_sharing_strategies())
 METHODS = ["spawn", "fork"]
@@ -591,7 +591,7 @@ _TWO_MANAGERS = textwrap.dedent("""
     import json, os, sys
     import numpy as np
     import distcomm.multiprocessing as mp
-    from distcomm.multiprocessing.shm_protocol import ADDRESS_ENV
+    from distcomm.multiprocessing.shm.protocol import ADDRESS_ENV
 
     def child(inbox, outbox):
         mp.set_sharing_strategy("file_system")

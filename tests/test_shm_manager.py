@@ -17,16 +17,18 @@ import time
 import psutil
 import pytest
 
-from distcomm.multiprocessing import shm_client, shm_manager, shm_protocol
-from distcomm.multiprocessing.shm_client import (
+from distcomm.multiprocessing import shm_manager
+from distcomm.multiprocessing.shm import client as shm_client
+from distcomm.multiprocessing.shm import protocol as shm_protocol
+from distcomm.multiprocessing.shm.client import (
     ManagerClient,
     ShmManagerConnectionError,
     ShmManagerError,
     ShmManagerTimeoutError,
     start_manager,
 )
+from distcomm.multiprocessing.shm.protocol import ADDRESS_ENV, validate_name
 from distcomm.multiprocessing.shm_manager import SegmentTable
-from distcomm.multiprocessing.shm_protocol import ADDRESS_ENV, validate_name
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the shm manager needs Linux"
@@ -41,7 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # imported by every child script; the test passes names and commands on stdin
 PRELUDE = """\
 import os, sys
-from distcomm.multiprocessing.shm_client import ManagerClient, ShmManagerError
+from distcomm.multiprocessing.shm.client import ManagerClient, ShmManagerError
 
 def create(name, size=4096):
     fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -674,7 +676,7 @@ def test_children_find_the_manager_through_the_environment(children):
         import subprocess
         client = ManagerClient.instance()
         say(client.address, client.manager_pid, os.environ["DISTCOMM_SHM_MANAGER"])
-        code = ("from distcomm.multiprocessing.shm_client import ManagerClient as C; "
+        code = ("from distcomm.multiprocessing.shm.client import ManagerClient as C; "
                 "c = C.instance(); print(c.address, c.manager_pid)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=60, check=True)
@@ -709,7 +711,7 @@ def test_forked_child_gets_its_own_connection(manager, children, client, tag):
     name = f"{tag}forked"
     parent = children.python(
         """
-        from distcomm.multiprocessing.shm_client import ShmManagerConnectionError
+        from distcomm.multiprocessing.shm.client import ShmManagerConnectionError
         inherited = ManagerClient.instance()
         name = hear()
         create(name)

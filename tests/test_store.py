@@ -28,10 +28,11 @@ from distcomm.errors import (
     DistStoreTimeoutError,
     DistTimeoutError,
 )
-from distcomm.store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore, filelog
-from distcomm.store import file as file_module
-from distcomm.store.tcp_protocol import HEADER, Cmd, Status, encode_frame
-from distcomm.store.tcp_server import StoreServer
+from distcomm.store import EtcdStore, FileStore, HashStore, PrefixStore, Store, TCPStore
+from distcomm.store.file import records as filelog
+from distcomm.store.file import store as file_module
+from distcomm.store.tcp.protocol import HEADER, Cmd, Status, encode_frame
+from distcomm.store.tcp.server import StoreServer
 from tests.etcd_server import etcd_endpoint  # noqa: F401 - fixture of the etcd kind
 from tests.harness import run_ranks
 from tests.processes import free_port
@@ -470,7 +471,7 @@ def test_a_request_sets_its_kernel_timeout_only_when_the_one_set_does_not_serve(
     """A request is its send and its receive: the receive timeout is set when a budget
     is not within a second (longer) or a quarter (shorter) of the one set, and a send
     timeout only for a request too large to go out at once."""
-    from distcomm.store.tcp_client import Connection
+    from distcomm.store.tcp.connection import Connection
 
     ours, server = socket.socketpair()
     sock = _CountingSocket(fileno=ours.detach())

@@ -25,7 +25,7 @@ from distcomm import auth
 from distcomm.errors import DistNetworkError, DistStoreTimeoutError
 from distcomm.net import retry_delays
 from distcomm.store import TCPStore
-from distcomm.store.tcp_protocol import HEADER, QUIET, Cmd
+from distcomm.store.tcp.protocol import HEADER, QUIET, Cmd
 from tests.harness import RankPool
 from tests.store_wire import recv_exact
 

@@ -21,9 +21,9 @@ import pytest
 from distcomm import auth
 from distcomm.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from distcomm.store import TCPStore
-from distcomm.store.tcp_conn import Throttle as _Throttle
-from distcomm.store.tcp_protocol import HEADER, LENGTH, SECONDS, Cmd, Limits, Status
-from distcomm.store.tcp_server import StoreServer
+from distcomm.store.tcp.bookkeeping import Throttle as _Throttle
+from distcomm.store.tcp.protocol import HEADER, LENGTH, SECONDS, Cmd, Limits, Status
+from distcomm.store.tcp.server import StoreServer
 from tests.store_wire import frame, raw_connection, read_response, recv_exact
 
 HOST = "127.0.0.1"

@@ -40,7 +40,7 @@ Handles per strategy:
 - ``file_system``: the segment's name and the shm manager's address (a receiver not yet
   connected to a manager connects to that one: a forkserver started before the manager
   does not have it in its environment). Pickling registers one reference in flight with
-  the shm manager (`shm_client.ManagerClient.send`); the receiver takes it over
+  the shm manager (`shm.client.ManagerClient.send`); the receiver takes it over
   (`claim`). A message that is never received (dropped, or its receiver killed) leaves
   that reference in the manager, which unlinks the segment once all its clients have
   exited. A sender may exit (or be killed) right after sending.

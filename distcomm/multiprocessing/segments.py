@@ -21,7 +21,7 @@ import secrets
 import weakref
 from typing import Any
 
-from .shm_protocol import NAME_PREFIX
+from .shm.protocol import NAME_PREFIX
 
 __all__ = [
     "FILE_DESCRIPTOR",
@@ -106,7 +106,7 @@ def _finalize(address: int, size: int, fd: int | None) -> None:
 def _release(name: str, pid: int) -> None:
     if os.getpid() != pid:  # a forked child holds no reference of its own
         return
-    from .shm_client import ManagerClient
+    from .shm.client import ManagerClient
 
     client = ManagerClient.current()  # never start a manager from a finalizer
     if client is not None:
@@ -165,8 +165,8 @@ def manager_client(address: str | None = None) -> Any:
     Raises:
         ShmManagerError: this process is connected to another manager than `address`.
     """
-    from .shm_client import ManagerClient, ShmManagerError
-    from .shm_protocol import ADDRESS_ENV
+    from .shm.client import ManagerClient, ShmManagerError
+    from .shm.protocol import ADDRESS_ENV
 
     current = ManagerClient.current()
     if current is None:

@@ -16,7 +16,7 @@ Strategies (torch.multiprocessing's names and API):
 - ``file_system``: a named file ``/dev/shm/distcomm_<pid>_<counter>_<random>``
   (O_CREAT|O_EXCL, mode 0600) whose descriptor is closed once mapped, so thousands of
   segments cost no descriptors. Names are reference-counted by the shm manager daemon
-  (`shm_client.ManagerClient`): the creator registers the name before creating the
+  (`shm.client.ManagerClient`): the creator registers the name before creating the
   file, each message in flight holds a reference, each process's mapping holds one until
   it is finalized; the manager unlinks a name at count 0, drops the references of a
   process whose connection closed (exit, kill -9), and unlinks every name it still

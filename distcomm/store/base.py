@@ -9,7 +9,15 @@ from ..config import DEFAULT_STORE_TIMEOUT
 from ..deadline import to_seconds
 from ..errors import DistError, DistStoreTimeoutError
 
-__all__ = ["Store", "check_block", "check_key", "emulated_append", "publish", "to_bytes"]
+__all__ = [
+    "CloseOnCollect",
+    "Store",
+    "check_block",
+    "check_key",
+    "emulated_append",
+    "publish",
+    "to_bytes",
+]
 
 
 def to_bytes(value: str | bytes | bytearray | memoryview, name: str = "value") -> bytes:
@@ -300,6 +308,24 @@ class Store:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class CloseOnCollect:
+    """Mixin for a store holding resources (a socket, a file, a server thread): the garbage
+    collector closes it.
+
+    A store dropped without `close()` or a `with` block still gives back what it holds when
+    it is collected. The store's `close` must be idempotent and safe on an object whose
+    constructor failed part way; any error it raises then is swallowed, since nothing could
+    handle it. Stores without resources do not use it (a PrefixStore must not close the
+    store it wraps when it is dropped).
+    """
+
+    def __del__(self) -> None:
+        try:
+            self.close()  # type: ignore[attr-defined]  # the Store this is mixed into
+        except Exception:
+            pass
 
 
 def publish(store: Store, key: str, value: str | bytes) -> None:

@@ -1,14 +1,14 @@
 """The client of the shared-memory manager daemon: `ManagerClient`, `start_manager`, errors.
 
 Each process using the ``file_system`` sharing strategy talks to its process tree's
-manager daemon (`shm_manager`) through one `ManagerClient`: it registers the segments it
+manager daemon (`manager`) through one `ManagerClient`: it registers the segments it
 creates, counts the references it pickles into messages, claims the ones it receives and
-releases the ones it drops (what each means is described in `shm_manager`; the line
-protocol is in `shm_protocol`). `ManagerClient.instance` connects to the manager named
+releases the ones it drops (what each means is described in `manager`; the line
+protocol is in `protocol`). `ManagerClient.instance` connects to the manager named
 by DISTCOMM_SHM_MANAGER, or starts one with `start_manager`, which runs ``python -m
 distcomm.multiprocessing.shm_manager ADDRESS --detach`` and waits for its ``READY <pid>``
 line (the daemon then is nobody's child in the job). The connection itself is
-`shm_channel`'s. Failures raise `ShmManagerError` and its subclasses
+`channel`'s. Failures raise `ShmManagerError` and its subclasses
 `ShmManagerConnectionError` and `ShmManagerTimeoutError` (defined in `base`).
 
 This module is Linux-only (abstract unix sockets).
@@ -27,16 +27,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar
 
-from distcomm import config
-from distcomm.config import positive_seconds
-from distcomm.deadline import Deadline
-from distcomm.multiprocessing.base import (
+from ... import config
+from ...config import positive_seconds
+from ...deadline import Deadline
+from ..base import (
     ShmManagerConnectionError,
     ShmManagerError,
     ShmManagerTimeoutError,
 )
-from distcomm.multiprocessing.shm_channel import connect, require_linux
-from distcomm.multiprocessing.shm_protocol import (
+from .channel import connect, require_linux
+from .protocol import (
     ADDRESS_ENV,
     DEFAULT_LINGER,
     DEFAULT_STARTUP_TIMEOUT,
@@ -54,12 +54,13 @@ __all__ = [
     "start_manager",
 ]
 
-log = logging.getLogger("distcomm.multiprocessing.shm_client")
+log = logging.getLogger(__name__)
 
 #: Seconds a client waits for the manager (start, connect, lock, answer) before raising.
 DEFAULT_TIMEOUT = 30.0
 
-_MANAGER_MODULE = "distcomm.multiprocessing.shm_manager"  # run with ``python -m``
+#: The daemon's public module, run with ``python -m`` (`ps` shows the documented command).
+_MANAGER_MODULE = "distcomm.multiprocessing.shm_manager"
 _REAP_WAIT = 5.0  # seconds for the started process to exit after forking the daemon
 
 
@@ -80,7 +81,12 @@ class StartedManager:
 
 
 def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    """The directory that holds the `distcomm` package, for the daemon's PYTHONPATH: one
+    level up per part of this module's dotted name, so that it holds wherever it moves."""
+    path = os.path.abspath(__file__)
+    for _ in range(__name__.count(".") + 1):
+        path = os.path.dirname(path)
+    return path
 
 
 def start_manager(
@@ -92,7 +98,7 @@ def start_manager(
 ) -> StartedManager:
     """Start a manager daemon and wait until it listens; `ManagerClient.instance` calls this.
 
-    The daemon is detached (see `shm_manager`'s docstring): it is not a child of this process
+    The daemon is detached (see `manager`'s docstring): it is not a child of this process
     and needs no ``wait()``. Connect to it within `startup_timeout`, or it exits.
 
     Args:

@@ -1,9 +1,9 @@
 """What the TCPStore server keeps and does: keys, queues, and the requests parked on them.
 
 `ServerState` holds the keys (`hash.Values`) and the queues, answers every command of
-`tcp_protocol` (one `_do_*` method per command, in `handlers`), and parks the requests that
+`protocol` (one `_do_*` method per command, in `handlers`), and parks the requests that
 must wait: a GET or WAIT for a key not set yet, a `queue_pop` on an empty queue, a wait for
-workers. It does no I/O: `tcp_server.StoreServer` reads the requests, calls the handlers and
+workers. It does no I/O: `server.StoreServer` reads the requests, calls the handlers and
 sends what they return, and the state answers a parked request through the callables the
 server gives it.
 """
@@ -16,12 +16,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..errors import DistStoreError
-from .hash import KeysOrQueues, Values, add_value, compare_set_value
-from .tcp_protocol import SECONDS, Cmd, Limits, Status
+from ...errors import DistStoreError
+from ..hash import KeysOrQueues, Values, add_value, compare_set_value
+from .protocol import SECONDS, Cmd, Limits, Status
 
 if TYPE_CHECKING:
-    from .tcp_server import Conn
+    from .bookkeeping import Conn
 
 __all__ = ["ServerState", "Waiter"]
 

@@ -10,7 +10,7 @@ The file is a log: a magic line, ``distcomm FileStore v2``, then records::
         7 QUEUE_PUSH (the value joins the end of queue `key`),
         8 QUEUE_POP (the oldest item of queue `key` leaves it; no value)
 
-See `file.FileStore` for how the log is locked, replayed and compacted.
+See `store.FileStore` for how the log is locked, replayed and compacted.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import os
 import struct
 import zlib
 
-from ..deadline import Deadline
-from ..errors import DistStoreError, DistStoreTimeoutError
+from ...deadline import Deadline
+from ...errors import DistStoreError, DistStoreTimeoutError
 
 __all__ = [
     "MAGIC",

@@ -7,7 +7,7 @@ SO_RCVTIMEO/SO_SNDTIMEO (set only when the bound already set does not serve the 
 budget: a request costs two system calls, its send and its receive), reads an answer into
 place, keeps the bytes read past it, and sets aside the late answers that refuse an
 earlier quiet request. It raises the socket's own
-errors; `tcp.TCPStore` turns them into the store's.
+errors; `requests.StoreClient` turns them into the store's.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import socket
 import struct
 import time
 
-from ..deadline import FOREVER
-from ..net import send_now
-from .tcp_protocol import HEADER, Status, decode_args
+from ...deadline import FOREVER
+from ...net import send_now
+from .protocol import HEADER, Status, decode_args
 
 __all__ = ["Connection", "PeerClosed"]
 
@@ -26,7 +26,7 @@ _TIMEVAL = struct.Struct("@ll")
 _LATE_ERROR = int(Status.LATE_ERROR)
 #: How far the kernel timeout already set may be from a request's budget and still serve
 #: it: up to `LONGER` seconds longer, or `SHORTER` shorter (a budget runs a second past the
-#: server's own deadline, `tcp.SAFETY_MARGIN`), so that requests whose budgets differ only
+#: server's own deadline, `requests.SAFETY_MARGIN`), so that requests whose budgets differ only
 #: by the time that passed between them (the register, then every request with the store
 #: timeout) set it once.
 LONGER, SHORTER = 1.0, 0.25

@@ -1,6 +1,6 @@
 """What a FileStore's log says once replayed: its keys, its queues and its user counts.
 
-`LogState` applies the log's records in file order (checking each one, see `filelog`),
+`LogState` applies the log's records in file order (checking each one, see `records`),
 keeps how far the file has been replayed and the size a compaction would write now, and
 writes that live state as a new log when the file is compacted.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 import zlib
 from collections import deque
 
-from ..errors import DistStoreError
-from .filelog import (
+from ...errors import DistStoreError
+from ..hash import Values
+from .records import (
     MAGIC,
     OP_APPEND,
     OP_CLOSE,
@@ -25,7 +26,6 @@ from .filelog import (
     USERS,
     pwrite_all,
 )
-from .hash import Values
 
 __all__ = ["LIVE_BASE", "LogState"]
 

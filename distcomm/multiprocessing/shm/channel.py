@@ -2,7 +2,7 @@
 
 `connect` opens the manager's abstract unix socket, says ``HELLO <version> <pid>`` and
 checks the answer; `Channel` then sends requests and reads answer lines under the
-caller's deadline. `shm_client.ManagerClient` runs its requests over them.
+caller's deadline. `client.ManagerClient` runs its requests over them.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import socket
 import sys
 import time
 
-from distcomm.deadline import Deadline
-from distcomm.multiprocessing.base import (
+from ...deadline import Deadline
+from ..base import (
     ShmManagerConnectionError,
     ShmManagerError,
     ShmManagerTimeoutError,
 )
-from distcomm.multiprocessing.shm_protocol import ADDRESS_ENV, MAX_LINE, PROTOCOL_VERSION
+from .protocol import ADDRESS_ENV, MAX_LINE, PROTOCOL_VERSION
 
 __all__ = ["Channel", "connect", "left", "require_linux"]
 

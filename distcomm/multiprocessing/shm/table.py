@@ -1,8 +1,8 @@
 """The shm manager's reference table: who holds how many references to which segment.
 
-`SegmentTable` does no I/O: the daemon (`shm_manager.ShmManager`) applies each client's
+`SegmentTable` does no I/O: the daemon (`manager.ShmManager`) applies each client's
 register/send/claim/release to it and unlinks the names whose count reached zero, and tests
-drive it directly. The counting rules are described in `shm_manager`.
+drive it directly. The counting rules are described in `manager`.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ..config import load as load_config
-from ..errors import DistStoreError
+from ...config import load as load_config
+from ...errors import DistStoreError
 
 __all__ = [
     "HEADER",

@@ -1,8 +1,8 @@
 """FileStore: a store kept in a locked, append-only file on a (possibly shared) filesystem.
 
 The file is a log, as in torch's FileStore: a magic line, then checksummed records
-(`filelog` describes them) that every FileStore object replays incrementally from where it
-last stopped into a `filestate.LogState`.
+(`records` describes them) that every FileStore object replays incrementally from where it
+last stopped into a `state.LogState`.
 
 Every access holds a lock on the whole file: a shared one to read, an exclusive one
 to append. Linux's open-file-description locks (F_OFD_SETLK) are used where the
@@ -46,26 +46,12 @@ import threading
 from collections.abc import Sequence
 from datetime import timedelta
 
-from .. import config
-from ..config import DEFAULT_STORE_TIMEOUT
-from ..deadline import Deadline, StallClock, to_seconds
-from ..errors import DistStoreError, DistStoreTimeoutError
-from .base import Store, check_block, check_key, to_bytes
-from .filelog import (
-    MAGIC,
-    OP_APPEND,
-    OP_CLOSE,
-    OP_DELETE,
-    OP_OPEN,
-    OP_QUEUE_POP,
-    OP_QUEUE_PUSH,
-    OP_SET,
-    FileLock,
-    not_a_store_file,
-    pwrite_all,
-)
-from .filestate import LogState
-from .hash import (
+from ... import config
+from ...config import DEFAULT_STORE_TIMEOUT
+from ...deadline import Deadline, StallClock, to_seconds
+from ...errors import DistStoreError, DistStoreTimeoutError
+from ..base import CloseOnCollect, Store, check_block, check_key, to_bytes
+from ..hash import (
     KeysOrQueues,
     Values,
     add_value,
@@ -78,6 +64,20 @@ from .hash import (
     queue_timeout_error,
     timeout_error,
 )
+from .records import (
+    MAGIC,
+    OP_APPEND,
+    OP_CLOSE,
+    OP_DELETE,
+    OP_OPEN,
+    OP_QUEUE_POP,
+    OP_QUEUE_PUSH,
+    OP_SET,
+    FileLock,
+    not_a_store_file,
+    pwrite_all,
+)
+from .state import LogState
 
 __all__ = ["FileStore"]
 
@@ -111,7 +111,7 @@ def _first_missing(keys: list[str], start: int, data: Values) -> int:
     return start
 
 
-class FileStore(Store):
+class FileStore(CloseOnCollect, Store):
     """A store shared through a file that every process of the job can reach (torch's FileStore).
 
     Args:
@@ -539,12 +539,6 @@ class FileStore(Store):
             finally:
                 os.close(self._fd)
                 self._fd = -1
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"FileStore({self.path!r}, world_size={self.world_size})"

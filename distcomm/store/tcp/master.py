@@ -20,11 +20,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from .. import config
-from ..deadline import Deadline, StallClock
-from ..errors import DistNetworkError
-from ..net import format_address, log_retrying, retry_delays
-from .tcp_server import StoreServer
+from ... import config
+from ...deadline import Deadline, StallClock
+from ...errors import DistNetworkError
+from ...net import format_address, log_retrying, retry_delays
+from .server import StoreServer
 
 __all__ = [
     "AGENT_STORE_VAR",

@@ -22,9 +22,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..deadline import FOREVER, Deadline
-from ..errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
-from ..net import format_address, set_keepalive, split_address
+from ...deadline import FOREVER, Deadline
+from ...errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
+from ...net import format_address, set_keepalive, split_address
 
 __all__ = ["DEFAULT_PORT", "SAFETY_MARGIN", "EtcdClient", "b64", "kv_value", "parse_endpoint",
            "unb64"]
@@ -82,14 +82,6 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
             f"EtcdStore endpoint {endpoint!r} has port {port_text!r}; a port is 1..65535"
         )
     return host, int(port_text)
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text, validate=True)
 
 
 def b64(data: bytes) -> str:

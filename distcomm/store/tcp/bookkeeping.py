@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .tcp_state import Waiter
+    from .state import Waiter
 
 __all__ = ["Conn", "Throttle", "Timers"]
 

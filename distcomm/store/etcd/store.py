@@ -7,7 +7,7 @@ holding their default value (false, 0, empty) are left out. Only the standard li
 run the store's etcd on a trusted network. DISTCOMM_AUTH_KEY does not apply here (etcd
 cannot take part in its handshake); the store never unpickles what it reads.
 
-Every key is stored as `prefix` + key. Requests go through `etcd_client.EtcdClient`, over
+Every key is stored as `prefix` + key. Requests go through `client.EtcdClient`, over
 a small pool of keep-alive connections, each used by one request at a time. The methods
 map onto etcd as follows::
 
@@ -45,14 +45,13 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from .. import config
-from ..config import DEFAULT_STORE_TIMEOUT
-from ..deadline import Deadline, StallClock, to_seconds
-from ..errors import DistStoreTimeoutError
-from ..net import format_address
-from .base import Store, check_block, check_key, to_bytes
-from .etcd_client import EtcdClient, b64, kv_value, parse_endpoint, unb64
-from .hash import (
+from ... import config
+from ...config import DEFAULT_STORE_TIMEOUT
+from ...deadline import Deadline, StallClock, to_seconds
+from ...errors import DistStoreTimeoutError
+from ...net import format_address
+from ..base import CloseOnCollect, Store, check_block, check_key, to_bytes
+from ..hash import (
     add_value,
     check_amount,
     check_keys,
@@ -63,6 +62,7 @@ from .hash import (
     queue_timeout_error,
     timeout_error,
 )
+from .client import EtcdClient, b64, kv_value, parse_endpoint, unb64
 
 __all__ = ["EtcdStore", "parse_endpoint"]
 
@@ -108,7 +108,7 @@ def _range(key: bytes) -> dict[str, Any]:
     return {"request_range": {"key": b64(key)}}
 
 
-class EtcdStore(Store):
+class EtcdStore(CloseOnCollect, Store):
     """A store kept in an etcd server under a key prefix (torch's EtcdStore, on etcd's JSON API).
 
     Many stores (one per job or rendezvous round) can share one etcd by using distinct
@@ -576,12 +576,6 @@ class EtcdStore(Store):
         client = getattr(self, "_client", None)
         if client is not None:
             client.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"EtcdStore({self._endpoint!r}, prefix={self._prefix!r})"

@@ -1,6 +1,6 @@
 """What the shm manager daemon and its client share: the line protocol, its limits and checks.
 
-The daemon (`shm_manager`) and its client (`shm_client`) both import this module and
+The daemon (`manager`) and its client (`client`) both import this module and
 never each other, so the daemon loads none of the client's machinery.
 
 Protocol (version 1): ASCII lines over an abstract-namespace unix stream socket
@@ -11,7 +11,7 @@ are answered, in order, by ``OK [...]`` or ``ERR <message>``; ``CLAIM <name>`` a
 ASCII, longer than `MAX_LINE` bytes or has an unknown operation closes the connection.
 Only processes of the manager's own user are served (``SO_PEERCRED``): the abstract
 namespace has no file permissions. What each operation means for a segment's reference
-count is described in `shm_manager`.
+count is described in `manager`.
 """
 
 from __future__ import annotations
