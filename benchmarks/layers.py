@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 import distcomm as dist
-from distcomm.backends.protocol import OP_CODES, Call, Signature
+from distcomm.backends.engine.protocol import OP_CODES, Call, Signature
 from distcomm.deadline import Deadline
 from distcomm.group import resolve
 from distcomm.ops import ReduceOp

@@ -24,9 +24,11 @@ __all__ = [
     "ReduceOp",
     "average_into",
     "check_reduce_op",
+    "finish_average",
     "quiet",
     "reduce_into",
     "reduce_op",
+    "reduces_as",
     "scaled",
     "supports_complex",
 ]
@@ -240,6 +242,21 @@ def average_into(array: Any, size: int) -> None:
         quiet.run(np.divide, array, size, out=array)
     else:  # a CuPy array (mpi's CUDA-aware path): CuPy's kernels do not warn
         array /= size
+
+
+def reduces_as(op: ReduceOp) -> ReduceOp:
+    """The op a reduction's steps apply: SUM for AVG, whose division comes once, last
+    (`finish_average`); `op` itself for every other op."""
+    return ReduceOp.SUM if op is ReduceOp.AVG else op
+
+
+def finish_average(array: Any, op: ReduceOp, size: int) -> None:
+    """AVG as sum-then-divide, its last step: `array /= size` in place when `op` is AVG
+    (`average_into`: numpy's warnings off; a CuPy array divides on its device); nothing
+    for any other op. Call it where the sum is complete: on every rank after an
+    all_reduce or reduce_scatter, on the root only after a reduce."""
+    if op is ReduceOp.AVG:
+        average_into(array, size)
 
 
 def scaled(array: Any, factor: float | complex, in_place: bool) -> Any:

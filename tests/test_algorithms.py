@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import distcomm as dist
-from distcomm.backends import algorithms as algo
-from distcomm.backends.algorithms import NEVER, Tuning
+from distcomm.backends.engine import algorithms as algo
+from distcomm.backends.engine.algorithms import NEVER, Tuning
 from distcomm.backends.tcp import TcpBackend
 from distcomm.ops import ReduceOp
 from tests.harness import run_ranks

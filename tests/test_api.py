@@ -17,15 +17,16 @@ import pytest
 
 import distcomm as dist
 from distcomm import backends, config
+from distcomm.backends import registry as backend_registry
 from distcomm.backends.tcp import TcpBackend
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 
 def readme_api() -> set[str]:
     text = README.read_text()
     match = re.search(r"<!-- api-list -->(.*?)<!-- /api-list -->", text, re.S)
-    assert match, "README.md lacks the <!-- api-list --> section"
+    assert match, "docs/api.md lacks the <!-- api-list --> section"
     return set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)", match.group(1)))
 
 
@@ -219,9 +220,9 @@ class EchoBackend(TcpBackend):
 
 @pytest.fixture
 def fresh_registry(monkeypatch):
-    registry = backends._Registry()
-    registry.records = dict(backends._registry.records)
-    monkeypatch.setattr(backends, "_registry", registry)
+    registry = backend_registry._Registry()
+    registry.records = dict(backend_registry._registry.records)
+    monkeypatch.setattr(backend_registry, "_registry", registry)
     for name in ("backend_list", "default_device_backend_map", "backend_capability"):
         monkeypatch.setattr(dist.Backend, name, copy.copy(getattr(dist.Backend, name)))
     return registry

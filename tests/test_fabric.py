@@ -18,8 +18,9 @@ import pytest
 
 import distcomm as dist
 from distcomm import auth
+from distcomm.backends.engine.transport import dial as dial_module
+from distcomm.backends.engine.transport import fabric as fabric_module
 from distcomm.backends.tcp import TcpBackend
-from distcomm.backends.transport import fabric as fabric_module
 from distcomm.deadline import Deadline
 from distcomm.store import HashStore, TCPStore
 from tests.harness import LOOPBACK_ENV, run_ranks
@@ -231,8 +232,8 @@ def test_a_dial_for_another_set_up_or_rank_is_refused_and_strangers_are_dropped(
     fabric = fabric_module.attach(store, 5, 10.0)
     try:
         port = int(fabric.address.rsplit(":", 1)[1])
-        hello = fabric_module._HELLO
-        magic = fabric_module._HELLO_MAGIC
+        hello = dial_module._HELLO
+        magic = dial_module._HELLO_MAGIC
         # another set-up (the job re-initialised on the same store), another rank
         assert _dial(port, hello.pack(magic, 1, fabric.generation + 1, 5)) == b"\x00"
         assert _dial(port, hello.pack(magic, 1, fabric.generation, 6)) == b"\x00"

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 import distcomm as dist
-from distcomm.backends.shm.setup import same_host_setup
+from distcomm.backends.engine.shm.setup import same_host_setup
 from distcomm.deadline import Deadline
 from distcomm.store import HashStore, PrefixStore, TCPStore
 from distcomm.store.ranks import wait_for_ranks

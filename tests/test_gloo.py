@@ -18,7 +18,7 @@ import pytest
 
 import distcomm as dist
 from distcomm import parallel
-from distcomm.multiprocessing.shm_protocol import NAME_PREFIX
+from distcomm.multiprocessing.shm.protocol import NAME_PREFIX
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -431,8 +431,8 @@ class _NoFailures:
 
 
 def _two_engines():
-    from distcomm.backends.shm.engine import IntraNode
-    from distcomm.backends.shm.primitives import Segment
+    from distcomm.backends.engine.shm.engine import IntraNode
+    from distcomm.backends.engine.shm.primitives import Segment
 
     segment = Segment(IntraNode.segment_bytes(2))
     pids = [os.getpid()] * 2
@@ -442,7 +442,7 @@ def _two_engines():
 
 
 def _call(seq: int):
-    from distcomm.backends.protocol import Call, Signature
+    from distcomm.backends.engine.protocol import Call, Signature
     from distcomm.deadline import Deadline
 
     return Call(seq, Signature.of("barrier"), f"barrier #{seq}", Deadline(60))
@@ -453,7 +453,7 @@ def test_a_counter_raise_wakes_only_when_a_peer_sleeps(monkeypatch):
     first, is woken, and lowers it again."""
     import threading
 
-    from distcomm.backends.shm import engine
+    from distcomm.backends.engine.shm import engine
 
     wakes: list[int] = []
     real_wake = engine.futex_wake

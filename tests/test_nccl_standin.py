@@ -1298,20 +1298,20 @@ def test_recorder_settles_a_synchronous_op_when_the_device_finishes_it(solo, cud
     dist.all_reduce(x, group=group)  # the communicator and the group's stream exist now
     backend._stream.synchronize()
     deadline = time.monotonic() + 10
-    while group._trace.unfinished() and time.monotonic() < deadline:
+    while group.recorder.unfinished() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not group._trace.unfinished()
+    assert not group.recorder.unfinished()
     cuda.pause(backend._stream)
     try:
         dist.all_reduce(x, group=group)  # returns: the op waits on the held stream
         time.sleep(0.3)  # the watchdog polls meanwhile
-        states = [e["state"] for e in group._trace.as_dicts([0])]
+        states = [e["state"] for e in group.recorder.as_dicts([0])]
         assert states == ["completed", "started"], states
     finally:
         cuda.resume(backend._stream)
-    while group._trace.unfinished() and time.monotonic() < deadline:
+    while group.recorder.unfinished() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert [e["state"] for e in group._trace.as_dicts([0])] == ["completed", "completed"]
+    assert [e["state"] for e in group.recorder.as_dicts([0])] == ["completed", "completed"]
 
 
 def test_init_with_device_id_creates_the_communicator_there(cuda, monkeypatch):

@@ -65,17 +65,36 @@ class OpQueue:
         if self._closed:
             raise GroupDestroyedError(f"{work.description}: the process group was destroyed")
 
-    def claim(self) -> bool:
-        """Take the queue for a synchronous call its caller runs at once, if nothing runs
-        or waits ahead of it (then `release` when done); False, with nothing changed,
-        otherwise: `submit` it instead."""
-        if self._queue or self._closed:
-            return False
-        return self._running.acquire(False)
+    def run_now(self, description: str, outputs: list[Any], timeout: float,
+                fn: Callable[..., Any], *args: Any) -> Work | None:
+        """Run a synchronous call `fn(*args)` here and now if nothing runs or waits ahead
+        of it: the common case, with no thread hand-off and nothing queued.
 
-    def release(self) -> None:
-        """End a call run under `claim`."""
-        self._running.release()
+        Every backend with an `OpQueue` takes this fast path the same way (the tcp and
+        gloo runner, mpi), so a synchronous call fails the same way on each: `fn`'s error
+        becomes the returned Work's failure, which the caller's `wait` raises.
+
+        Args:
+            description: the Work's description (names the op in messages).
+            outputs: the Work's output arrays.
+            timeout: the failed Work's default wait (the group timeout).
+            fn, args: the call.
+
+        Returns:
+            The finished Work (completed, or failed with `fn`'s error); None, with nothing
+            run, when other operations run or wait ahead: `submit` it instead.
+        """
+        if self._queue or self._closed or not self._running.acquire(False):
+            return None
+        try:
+            fn(*args)
+        except BaseException as exc:
+            work = Work(description, outputs, timeout=timeout)
+            work.fail(exc)
+            return work
+        finally:
+            self._running.release()
+        return Work.completed(description, outputs)
 
     def _run(self, fn: Callable[[], Any], work: Work) -> None:
         """Run one operation (`_running` is held) and complete its Work."""
@@ -162,7 +181,10 @@ class BackendOptions:
 
 
 class Backend(ABC):
-    """A communication backend for one process group.
+    """A communication backend for one process group: the class every backend subclasses.
+
+    Not `distcomm.Backend`, torch's backend-name type (a `str`, in `names.py`, spelled
+    `BackendName` inside the package).
 
     Every method takes flat (1-D), C-contiguous arrays and group ranks, and returns a
     `Work`. Collective methods run in issue order; with `async_op=False` the returned
@@ -209,14 +231,6 @@ class Backend(ABC):
     def unavailable_reason(cls) -> str:
         """Why `is_available()` is False, and what to install or change."""
         return ""
-
-    @staticmethod
-    def register_backend(name: str, func: Callable[..., Backend], extended_api: bool = False,
-                         devices: str | Sequence[str] | None = None) -> None:
-        """Register a third-party backend (alias of `distcomm.backends.register_backend`)."""
-        from . import register_backend
-
-        register_backend(name, func, extended_api=extended_api, devices=devices)
 
     def takes_device_arrays(self) -> bool:
         """Whether this CPU backend takes CuPy arrays' device memory itself (a CUDA-aware

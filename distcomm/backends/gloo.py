@@ -1,9 +1,9 @@
 """The `gloo` backend: the fast CPU path.
 
 The same backend as `tcp` (transport, runner, op set) with the tuned algorithm table,
-and a path chosen once, when the group is made (`_choose_path`, `paths.py`):
+and a path chosen once, when the group is made (`_choose_path`, `engine/paths.py`):
 
-- every rank of the group on this host: collectives in shared memory (`shm/`: one
+- every rank of the group on this host: collectives in shared memory (`engine/shm/`: one
   synchronisation per collective and single-copy transfers between the ranks' arrays);
 - the group spans hosts and some share one: `HierPath`, shared memory within each host
   and TCP between one rank per host for all_reduce, reduce, broadcast and barrier, TCP
@@ -27,9 +27,9 @@ from ..deadline import Deadline
 from ..gpu.runtime import is_cupy_array
 from ..store.base import Store
 from ..work import Work
-from . import algorithms as algo
-from .paths import HierPath
-from .shm import IntraNode, same_host_setup
+from .engine import algorithms as algo
+from .engine.paths import HierPath
+from .engine.shm import IntraNode, same_host_setup
 from .tcp import TcpBackend
 
 __all__ = ["GlooBackend", "transport_mode"]

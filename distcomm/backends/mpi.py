@@ -28,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from ..bootstrap.mpi import MPI_BACKEND_NEEDS
+from ..bootstrap.mpi import world_mpi as mpi  # MPI.COMM_WORLD checked (re-exported here)
 from ..errors import DistBackendError, DistTimeoutError, GroupDestroyedError
 from ..gpu.runtime import is_cupy_array
-from ..mpiutil import abort, install_abort_hook, is_mpi4py_available, load_mpi
+from ..mpiutil import abort, install_abort_hook, is_mpi4py_available
 from ..ops import MPI_OP_NAMES, ReduceOp, average_into, reduce_into
 from ..store.base import Store
 from ..work import Future, Work
@@ -67,32 +69,6 @@ _BOOL_OPS = {
 }
 _SPIN_YIELD = 64  # Test calls between sched_yields while waiting on a request
 _SPIN_SECONDS = 10.0  # then the waiter sleeps between tests (a hung peer costs no CPU)
-
-
-def mpi() -> Any:
-    """mpi4py's MPI module (importing it initialises MPI), once MPI.COMM_WORLD is known to
-    hold the processes the launcher started.
-
-    Raises:
-        BackendUnavailableError: mpi4py is not installed.
-        DistBackendError: MPI.COMM_WORLD's size is not the world size the launcher announced
-            (plain srun without an MPI plugin: every task a world of one); the message
-            says what to do (`bootstrap.mpi.check_mpi_world_size`).
-    """
-    try:
-        MPI = load_mpi()
-    except ImportError as exc:
-        from ..errors import BackendUnavailableError
-
-        # the import's own words, not load_mpi's summary of them
-        reason = exc.__cause__ if exc.__cause__ is not None else exc
-        raise BackendUnavailableError(
-            f"the mpi backend needs mpi4py: {MpiBackend.unavailable_reason()} ({reason})"
-        ) from None
-    from ..bootstrap.mpi import check_mpi_world_size
-
-    check_mpi_world_size(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
-    return MPI
 
 
 class _MpiWork(Work):
@@ -193,10 +169,7 @@ class MpiBackend(Backend):
 
     @classmethod
     def unavailable_reason(cls) -> str:
-        return (
-            "mpi4py is not installed: pip install 'distcomm[mpi]' (mpi4py and the mpich "
-            "wheel), or build mpi4py against your cluster's MPI library"
-        )
+        return MPI_BACKEND_NEEDS
 
     @classmethod
     def from_options(cls, options: BackendOptions, pg_options: Any = None) -> MpiBackend:
@@ -317,13 +290,12 @@ class MpiBackend(Backend):
     ) -> Work:
         """Run the blocking MPI call `blocking()` in issue order (on the worker thread when
         `async_op`), then `finish()`."""
-        if not async_op and not self._broken and self._queue.claim():
+        if not async_op and not self._broken:
             # the common synchronous call: nothing queued before it, so run it right here
-            try:
-                self._call(what, blocking, finish)
-            finally:
-                self._queue.release()
-            return Work.completed(what, outputs)
+            done = self._queue.run_now(what, outputs, self.timeout, self._call, what,
+                                       blocking, finish)
+            if done is not None:
+                return done
         description = self._check(what)
 
         def on_timeout(seconds: float) -> BaseException:

@@ -3,6 +3,8 @@
 `Backend("GLOO") == "gloo"`, `Backend.NCCL`, `Backend.backend_list`,
 `Backend.register_backend(...)`, as `torch.distributed.Backend`. The class a backend
 implementation subclasses is another one: `distcomm.backends.Backend` (in base.py).
+Both public names stay as torch has them; inside the package `Backend` means the
+plug-in base class, and this name type is spelled `BackendName`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class Backend(str):
         """Register a third-party backend under `name` (see
         `distcomm.backends.register_backend`): `func(store, rank, size, timeout)` returns a
         `distcomm.backends.Backend` subclass instance; `devices` "cpu", "cuda" or both."""
-        from . import register_backend
+        from .registry import register_backend
 
         register_backend(name, func, extended_api, devices)
         lower = name.lower()
@@ -64,19 +66,24 @@ class Backend(str):
             Backend.default_device_backend_map.setdefault(device, lower)
 
 
+#: the name type under the name the package uses for it, so that it is never mistaken
+#: for the plug-in base class `distcomm.backends.Backend`
+BackendName = Backend
+
+
 class BackendConfig:
     """The backend of each device type (torch.distributed.distributed_c10d.BackendConfig):
     `BackendConfig("gloo")`, `BackendConfig("cpu:gloo,cuda:nccl")`; `str()` gives the
     "device:backend,..." form `get_backend_config` returns."""
 
     def __init__(self, backend: str) -> None:
-        from ..backend_spec import parse_backend
+        from .spec import parse_backend
 
         text = str(backend)
         spec = parse_backend(None if text == Backend.UNDEFINED else text)
-        self.device_backend_map = {device: Backend(name) for device, name in spec.items()}
+        self.device_backend_map = {device: BackendName(name) for device, name in spec.items()}
 
-    def get_device_backend_map(self) -> dict[str, Backend]:
+    def get_device_backend_map(self) -> dict[str, BackendName]:
         """{device type: backend name}."""
         return dict(self.device_backend_map)
 

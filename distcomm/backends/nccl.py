@@ -58,14 +58,14 @@ from ..errors import (
 )
 from ..gpu import nccl as nccl_types
 from ..gpu import runtime
-from ..ops import ReduceOp
+from ..ops import ReduceOp, average_into
 from ..store.base import Store
 from ..store.prefix import PrefixStore
 from ..store.ranks import wait_for_ranks
 from ..work import Work
 from .base import Backend, setup_round
+from .engine.protocol import Signature, mismatch_message
 from .nccl_watch import NcclWatchdog, NcclWork
-from .protocol import Signature, mismatch_message
 
 __all__ = ["NcclBackend", "NcclWork"]
 
@@ -369,8 +369,8 @@ class NcclBackend(Backend):
         if not post:
             return
         with self._stream:
-            if post == "divide":
-                array /= self.size
+            if post == "divide":  # AVG on an NCCL without it: on the device
+                average_into(array, self.size)
             else:  # "parity"
                 bits = array.view(self._cupy.uint8)
                 self._cupy.bitwise_and(bits, 1, out=bits)

@@ -1,7 +1,8 @@
 """The `tcp` backend: every op over the TCP transport with the simple algorithms.
 
 The op set is written once here for both CPU message backends; `gloo` subclasses it
-with its tuned algorithms and its choice of path (`paths.py`)."""
+with its tuned algorithms and its choice of path (`engine/paths.py`); everything below
+the op set (runner, paths, algorithms, transport, shared memory) is the engine (`engine/`)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ from ..errors import DistBackendError, DistError, DistTimeoutError
 from ..ops import ReduceOp
 from ..store.base import Store
 from ..work import Work
-from . import algorithms as algo
 from .base import Backend, BackendOptions
-from .paths import TcpPath
-from .protocol import NO_REDOP, OP_CODES, P2P, Failure, Header, Signature, as_bytes
-from .runner import Runner
-from .scratch import ScratchPool
-from .transport.mailbox import Mailbox
-from .transport.tcp import TcpTransport, link_timeout
+from .engine import algorithms as algo
+from .engine.paths import TcpPath
+from .engine.protocol import NO_REDOP, OP_CODES, P2P, Failure, Header, Signature, as_bytes
+from .engine.runner import Runner
+from .engine.scratch import ScratchPool
+from .engine.transport.mailbox import Mailbox
+from .engine.transport.tcp import TcpTransport, link_timeout
 
 __all__ = ["TcpBackend"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from ...deadline import Deadline
+from ....deadline import Deadline
 from ..protocol import Failure, Header
 
 if TYPE_CHECKING:

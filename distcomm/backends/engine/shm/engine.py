@@ -36,9 +36,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ...errors import DistBackendError, DistNetworkError, DistTimeoutError
-from ...ops import UFUNCS, ReduceOp, average_into, quiet, reduce_into
-from ...parallel import parallel_for
+from ....errors import DistBackendError, DistNetworkError, DistTimeoutError
+from ....ops import UFUNCS, ReduceOp, average_into, quiet, reduce_into
+from ....parallel import parallel_for
 from ..protocol import Call, Failure, Signature, mismatch_message
 from ..scratch import ScratchPool
 from .primitives import Segment, cma_read, cma_write, futex_wait, futex_wake, store_load_fence
@@ -422,7 +422,7 @@ class IntraNode:
         for peer in range(2, self.size):
             run(ufunc, out, views[peer][start:stop], out=out)
         if divide:
-            run(np.divide, out, self.size, out=out)
+            average_into(out, self.size)
 
     # -- the collectives -------------------------------------------------------------------
 

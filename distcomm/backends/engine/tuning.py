@@ -12,8 +12,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-from .. import config
-from ..config import parse_size
+from ... import config
+from ...config import parse_size
 
 __all__ = ["ENV_VAR", "NEVER", "Tuning"]
 

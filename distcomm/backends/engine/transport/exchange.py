@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...deadline import Deadline
-from ...errors import DistError, DistNetworkError, DistTimeoutError
+from ....deadline import Deadline
+from ....errors import DistError, DistNetworkError, DistTimeoutError
 from ..protocol import COLL, SIG, Header, Signature, as_bytes
 from ..scratch import ScratchPool
 from .base import Transport

@@ -28,9 +28,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ... import net
-from ...deadline import Deadline
-from ...errors import (
+from .... import net
+from ....deadline import Deadline
+from ....errors import (
     DistBackendError,
     DistError,
     DistNetworkError,
@@ -38,11 +38,19 @@ from ...errors import (
     GroupDestroyedError,
     caused_by_peers,
 )
-from ...store.base import Store
+from ....store.base import Store
 from ..protocol import ABORT, BYE, COLL, P2P, PROGRESS, QUERY, SIG, STATUS, Failure, Header
 from .base import Transport
-from .fabric import _CID, DISCARD, Conn, Fabric, attach, channel_id
-from .links import LINK_TIMEOUT_MAX, LINK_TIMEOUT_MIN, STALL_AFTER, failure_reason, link_timeout
+from .conn import _CID, DISCARD, Conn
+from .fabric import Fabric, attach, channel_id
+from .links import (
+    LINK_TIMEOUT_MAX,
+    LINK_TIMEOUT_MIN,
+    LOGGER_NAME,
+    STALL_AFTER,
+    failure_reason,
+    link_timeout,
+)
 from .mailbox import Mailbox
 
 __all__ = [
@@ -53,7 +61,7 @@ __all__ = [
     "link_timeout",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(LOGGER_NAME)
 
 _FAILURE_KINDS: tuple[type[DistError], ...] = (DistNetworkError, DistBackendError, DistTimeoutError)
 #: payloads at least this large wait briefly for their receive, so they land in place

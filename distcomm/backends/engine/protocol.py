@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..arrays import dtype_code, dtype_from_code
-from ..deadline import Deadline
-from ..errors import DistError
-from ..ops import ReduceOp
+from ...arrays import dtype_code, dtype_from_code
+from ...deadline import Deadline
+from ...errors import DistError
+from ...ops import ReduceOp
 
 __all__ = [
     "ABORT",

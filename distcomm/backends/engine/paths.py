@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..ops import ReduceOp, average_into
+from ...ops import ReduceOp, finish_average, reduces_as
 from . import algorithms as algo
 from .protocol import Call
 from .scratch import ScratchPool
@@ -189,7 +189,7 @@ class HierPath:
     # -- the hierarchical ops ----------------------------------------------------------------
 
     def all_reduce(self, call: Call, array: Any, op: ReduceOp) -> None:
-        plain = ReduceOp.SUM if op is ReduceOp.AVG else op
+        plain = reduces_as(op)
         reps = self._reps()
         host = self._begin(call)
         step = self._host_call(host)
@@ -202,8 +202,7 @@ class HierPath:
         step = self._host_call(host)
         if step is not None:
             self.engine.broadcast(step, array, 0)
-        if op is ReduceOp.AVG:
-            average_into(array, self.size)
+        finish_average(array, op, self.size)
         self.tcp.close_call(call)
 
     def broadcast(self, call: Call, array: Any, root: int) -> None:
@@ -220,7 +219,7 @@ class HierPath:
         self.tcp.close_call(call)
 
     def reduce(self, call: Call, array: Any, root: int, op: ReduceOp) -> None:
-        plain = ReduceOp.SUM if op is ReduceOp.AVG else op
+        plain = reduces_as(op)
         reps = self._reps(root)
         rep = self._my_rep(reps)
         mine = self.layout.local.index(rep)
@@ -236,8 +235,8 @@ class HierPath:
         if ex is not None:
             algo.reduce(ex, target, reps.index(root), plain, self.tcp.tuning)
             self.tcp.close_call(call)
-        if op is ReduceOp.AVG and self.rank == root:
-            average_into(array, self.size)
+        if self.rank == root:
+            finish_average(array, op, self.size)
         self.tcp.close_call(call)
 
     def barrier(self, call: Call) -> None:

@@ -2,7 +2,8 @@
 
 `base.Transport` is the contract; `tcp.TcpTransport` implements it for one group as a
 channel on the process's `fabric.Fabric` (one I/O thread and one connection per peer
-process, made on first use and shared by every group); `links` watches the connections;
+process, made on first use and shared by every group; `dial` makes the connections,
+`conn` writes frames on them, `reader` reads them); `links` watches the connections;
 `mailbox` matches receives to messages; `exchange.Exchange` is a collective's view of a
 transport.
 """

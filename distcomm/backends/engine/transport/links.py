@@ -23,6 +23,7 @@ from typing import Protocol
 __all__ = [
     "LINK_TIMEOUT_MAX",
     "LINK_TIMEOUT_MIN",
+    "LOGGER_NAME",
     "STALL_AFTER",
     "WATCH_EVERY",
     "Stall",
@@ -31,7 +32,11 @@ __all__ = [
     "link_timeout",
 ]
 
-log = logging.getLogger("distcomm.backends.transport.tcp")  # the name users filter on
+#: the logger of the TCP transport (fabric, links, channels): the name users filter on, kept
+#: from before the transport moved under `engine/`
+LOGGER_NAME = "distcomm.backends.transport.tcp"
+
+log = logging.getLogger(LOGGER_NAME)
 
 #: the bounds of a connection's link timeout (the group timeout, clamped): a connection
 #: that acknowledges nothing this long is dead; at least 10 s, so a short hiccup between

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backends import create_backend, get_backend_record
-from .backends.base import Backend
-from .backends.staged import StagedBackend
-from .deadline import Deadline
-from .store import HashStore, PrefixStore, Store
-from .store.ranks import roll_call
+from ..deadline import Deadline
+from ..store import HashStore, PrefixStore, Store
+from ..store.ranks import roll_call
+from .base import Backend
+from .registry import create_backend, get_backend_record
+from .staged import StagedBackend
 
 __all__ = [
     "check_same_backends",

@@ -23,7 +23,7 @@ from functools import partial
 
 import numpy as np
 
-from ..ops import ReduceOp, average_into, reduce_into
+from ...ops import ReduceOp, finish_average, reduce_into
 from .transport.exchange import Exchange
 from .tuning import ENV_VAR, NEVER, Tuning
 
@@ -447,8 +447,7 @@ def all_reduce(ex: Exchange, buf: np.ndarray, op: ReduceOp, tuning: Tuning) -> N
     """all_reduce in place; AVG divides by the group size."""
     if ex.size > 1:
         choose_all_reduce(tuning, buf, ex.size)(ex, buf, op)
-    if op is ReduceOp.AVG:
-        average_into(buf, ex.size)
+    finish_average(buf, op, ex.size)
 
 
 def broadcast(ex: Exchange, buf: np.ndarray, root: int, tuning: Tuning) -> None:
@@ -459,8 +458,8 @@ def broadcast(ex: Exchange, buf: np.ndarray, root: int, tuning: Tuning) -> None:
 def reduce(ex: Exchange, buf: np.ndarray, root: int, op: ReduceOp, tuning: Tuning) -> None:
     """Reduce into `root`'s `buf` (binomial tree); other ranks' `buf` is left unchanged."""
     reduce_binomial(ex, buf, root, op)
-    if op is ReduceOp.AVG and ex.rank == root:
-        average_into(buf, ex.size)
+    if ex.rank == root:
+        finish_average(buf, op, ex.size)
 
 
 def all_gather(ex: Exchange, output: np.ndarray, input: np.ndarray, tuning: Tuning) -> None:
@@ -487,8 +486,7 @@ def reduce_scatter(ex: Exchange, output: np.ndarray, input: np.ndarray, op: Redu
     `input` is not modified; AVG divides by the group size.
     """
     reduce_scatter_ring(ex, output, input, op, tuning.ring_chunk)
-    if op is ReduceOp.AVG:
-        average_into(output, ex.size)
+    finish_average(output, op, ex.size)
 
 
 def all_to_all(ex: Exchange, output: np.ndarray, input: np.ndarray,

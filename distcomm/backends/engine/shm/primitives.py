@@ -34,8 +34,8 @@ import time
 
 import numpy as np
 
-from ... import config
-from ...errors import DistBackendError
+from .... import config
+from ....errors import DistBackendError
 
 __all__ = [
     "Segment",

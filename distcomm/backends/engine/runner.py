@@ -16,10 +16,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..deadline import Deadline
-from ..errors import DistBackendError, DistError, DistTimeoutError, GroupDestroyedError
-from ..work import Work
-from .base import OpQueue
+from ...deadline import Deadline
+from ...errors import DistBackendError, DistError, DistTimeoutError, GroupDestroyedError
+from ...work import Work
+from ..base import OpQueue
 from .protocol import Call, Failure, Signature
 from .transport.base import Transport
 
@@ -74,18 +74,13 @@ class Runner:
         description = self._descriptions.get(op)
         if description is None:
             description = self._descriptions[op] = self._describe(op)
-        if not async_op and self._collectives.claim():
+        if not async_op:
             # nothing runs or waits ahead: run it here and now, its waits bounded by the
             # call's deadline, and hand back a finished Work (nothing to wait on)
-            try:
-                self._run(description, signature, step, args)
-            except BaseException as exc:
-                work = Work(description, outputs, timeout=self.timeout)
-                work.fail(exc)
-                return work
-            finally:
-                self._collectives.release()
-            return Work.completed(description, outputs)
+            done = self._collectives.run_now(description, outputs, self.timeout, self._run,
+                                             description, signature, step, args)
+            if done is not None:
+                return done
         running: list[int] = []  # the seq, once the collective starts
 
         def explain() -> str:

@@ -8,8 +8,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ...arrays import dtype_from_code
-from ...errors import DistBackendError, DistError
+from ....arrays import dtype_from_code
+from ....errors import DistBackendError, DistError
 from ..protocol import COLL, P2P, PROGRESS, Failure, Header, Signature, mismatch_message
 
 __all__ = ["P2P_STREAM", "Mailbox", "Recv"]

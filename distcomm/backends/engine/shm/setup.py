@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...deadline import Deadline
-from ...errors import DistBackendError
-from ...store.base import Store
-from ...store.ranks import wait_for_ranks
-from ..base import setup_round
+from ....deadline import Deadline
+from ....errors import DistBackendError
+from ....store.base import Store
+from ....store.ranks import wait_for_ranks
+from ...base import setup_round
 from .engine import IntraNode
 from .primitives import Segment, allow_peer_access, cma_read, host_identity
 
