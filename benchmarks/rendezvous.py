@@ -87,13 +87,13 @@ from typing import Any
 import plots  # benchmarks/plots.py, beside this script
 from children import child, command  # benchmarks/children.py, beside it too
 
+from distcomm.launch.agent.round_sync import RDZV_CHECK_INTERVAL
 from distcomm.launch.errors import exit_description
 from distcomm.launch.rendezvous import (
     RendezvousParameters,
     RendezvousSettings,
     get_rendezvous_handler,
 )
-from distcomm.launch.round_sync import RDZV_CHECK_INTERVAL
 from distcomm.net import raise_file_limit
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -401,7 +401,7 @@ def test_c10d_store_type_file_is_the_file_backend(tmp_path):
 
 
 def test_agent_reads_torchruns_timer_file_only_when_enabled(monkeypatch, tmp_path):
-    from distcomm.launch.agent import _timer_file
+    from distcomm.launch.agent.elastic import _timer_file
 
     monkeypatch.setenv("TORCHELASTIC_TIMER_FILE", str(tmp_path / "timer"))
     monkeypatch.delenv("TORCHELASTIC_ENABLE_FILE_TIMER", raising=False)

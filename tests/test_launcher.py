@@ -1035,9 +1035,9 @@ def test_bad_signals_to_handle_are_named(tmp_path, value, message):
 
 
 def test_parse_signals_and_agent_decisions():
+    from distcomm.launch.agent.watch import Observation, RunResult, barrier_step, next_step
     from distcomm.launch.rendezvous import RoundView
     from distcomm.launch.run import parse_signals
-    from distcomm.launch.watch import Observation, RunResult, barrier_step, next_step
 
     assert parse_signals("SIGTERM, usr1,SIGTERM") == (signal.SIGTERM, signal.SIGUSR1)
     assert parse_signals("") == ()
@@ -1061,7 +1061,7 @@ def test_parse_signals_and_agent_decisions():
 def test_advertised_address_rules():
     import ipaddress
 
-    from distcomm.launch.address import advertised_address, default_route_address
+    from distcomm.launch.agent.address import advertised_address, default_route_address
 
     assert advertised_address("node7.example", 4, ("127.0.0.1", 2379)) == "node7.example"
     assert advertised_address(None, 1, None) == "127.0.0.1"

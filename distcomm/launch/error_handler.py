@@ -39,7 +39,7 @@ TORCH_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 def exception_record(exc: BaseException) -> dict[str, Any]:
-    """The error file's content for `exc`: message, traceback and time (see `errors/api.py`),
+    """The error file's content for `exc`: message, traceback and time (see `errors/failure.py`),
     and ``peer_ranks`` when it follows from a peer's failure (`distcomm.errors.peer_failure`)."""
     now_ns = time.time_ns()
     info: dict[str, Any] = {

@@ -8,7 +8,7 @@ import re
 import signal
 from collections.abc import Sequence
 
-from .agent_config import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS
+from .agent.config import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS
 
 __all__ = [
     "RDZV_BACKENDS",

@@ -1,6 +1,6 @@
 """`distcomm-run` (also `python -m distcomm.run`): torchrun's command line, flag for flag.
 
-Parses the flags into an `AgentConfig` and runs the elastic agent (`agent.py`). `main` is
+Parses the flags into an `AgentConfig` and runs the elastic agent (`agent/`). `main` is
 the command: it reports a failure on stderr and returns the exit status (bad flags: usage
 and status 2). The Python API of ``torch.distributed.run`` is `distcomm.run`, built on
 this module: its ``main(args)`` and `run(args)` raise on failure as torch's do. Every flag
@@ -18,7 +18,7 @@ import sys
 import uuid
 from collections.abc import Callable, Sequence
 
-from .. import __version__
+from .._version import __version__
 from ..config import positive_seconds
 from ..net import format_address
 from .agent import DEFAULT_SIGNALS_TO_HANDLE, AgentConfig, launch

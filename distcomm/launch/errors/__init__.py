@@ -1,7 +1,8 @@
 """Worker failures: `@record`, the error file it writes, and the agent's failure report.
 
 Laid out as torch's ``torch.distributed.elastic.multiprocessing.errors``: `record`,
-`ProcessFailure` and `ChildFailedError` here (from `api.py`), `ErrorHandler` in
+`ProcessFailure` and `ChildFailedError` here (from `api.py`, which takes `ProcessFailure`
+from `failure.py`), `ErrorHandler` in
 `error_handler.py` and `get_error_handler` in `handlers.py`, so a port changes only the
 package prefix of its imports. The report's placeholder texts (`NO_TRACEBACK`,
 `NOT_KEPT`, ...) are importable from here too, outside `__all__`.

@@ -23,7 +23,8 @@ from .api import (
     RoundView,
     rendezvous_handler_registry,
 )
-from .dynamic import DynamicRendezvousHandler, create_handler
+from .dynamic import DynamicRendezvousHandler
+from .dynamic_rendezvous import create_handler
 from .registry import (
     _register_out_of_tree_handlers,  # noqa: F401  (torch's name, for ported code)
     get_rendezvous_handler,

@@ -29,7 +29,8 @@ from ...errors import DistError, DistNetworkError
 from ...net import format_address, split_address
 from ...store import FileStore, Store, TCPStore
 from .api import RendezvousConnectionError, RendezvousError, RendezvousParameters
-from .dynamic import DynamicRendezvousHandler, create_store_handler
+from .dynamic import DynamicRendezvousHandler
+from .dynamic_rendezvous import create_store_handler
 from .settings import RendezvousSettings, settings_from_params
 
 __all__ = [

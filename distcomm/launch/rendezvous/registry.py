@@ -21,7 +21,7 @@ from .api import (
     rendezvous_handler_registry,
 )
 from .backends import create_c10d_handler, create_etcd_handler, create_file_handler
-from .dynamic import create_handler
+from .dynamic_rendezvous import create_handler
 from .static import create_static_handler
 
 __all__ = ["get_rendezvous_handler", "register_rendezvous_backend",

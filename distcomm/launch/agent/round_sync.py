@@ -6,10 +6,10 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from ..deadline import Deadline
-from ..errors import DistError, DistStoreTimeoutError
-from ..store.base import publish
-from .rendezvous import RendezvousError, RendezvousInfo
+from ...deadline import Deadline
+from ...errors import DistError, DistStoreTimeoutError
+from ...store.base import publish
+from ..rendezvous import RendezvousError, RendezvousInfo
 from .watch import RoundWatch, RunResult, barrier_step, failed_round_key, slow_store
 
 __all__ = [

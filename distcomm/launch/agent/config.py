@@ -9,9 +9,9 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
-from .logs_specs import LogsSpecs
-from .numa import NumaOptions
-from .output import Std
+from ..logs_specs import LogsSpecs
+from ..numa import NumaOptions
+from ..output import Std
 
 __all__ = [
     "DEFAULT_SIGNALS_TO_HANDLE",

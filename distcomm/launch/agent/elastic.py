@@ -30,8 +30,8 @@ checkpoint before the job is pre-empted).
 
 The agent's events (rendezvous done, workers started, failed, restarted, the outcome) go to
 the handler `event_log_handler` names (see `events.py`). `AgentConfig` is what the agent
-runs (`agent_config.py`); the workers' environment for a round is `worker_env.py`'s, the
-events and the failure report `agent_report.py`'s.
+runs (`config.py`); the workers' environment for a round is `worker_env.py`'s, the failed
+workers' records `failures.py`'s, the events and the failure report `report.py`'s.
 """
 
 from __future__ import annotations
@@ -42,31 +42,20 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
 import time
 from types import FrameType
 
-import psutil
-
-from ..config import get as env_var
-from ..errors import DistError
-from ..net import format_address
-from ..store import Store, TCPStore
-from ..store.base import publish
-from .address import advertised_address, endpoint_address
-from .agent_config import (
-    DEFAULT_SIGNALS_TO_HANDLE,
-    FORWARDED_SIGNALS,
-    AgentConfig,
-    SignalException,
-)
-from .agent_report import AgentEvents, round_report, share_failures, trace_dir
-from .errors import ChildFailedError, ProcessFailure
-from .numa import numa_affinity
-from .rendezvous import (
+from ...config import get as env_var
+from ...errors import DistError
+from ...net import format_address
+from ...store import Store, TCPStore
+from ...store.base import publish
+from ..errors import ChildFailedError, ProcessFailure
+from ..numa import numa_affinity
+from ..rendezvous import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousHandler,
@@ -74,6 +63,17 @@ from .rendezvous import (
     RendezvousParameters,
     get_rendezvous_handler,
 )
+from ..timer import FileTimerServer
+from ..workers import WorkerProcesses
+from .address import advertised_address, endpoint_address, resolve_ipv4
+from .config import (
+    DEFAULT_SIGNALS_TO_HANDLE,
+    FORWARDED_SIGNALS,
+    AgentConfig,
+    SignalException,
+)
+from .failures import observe_failures, wait_for_root_cause
+from .report import AgentEvents, round_report, share_failures, trace_dir
 from .round_sync import (
     RDZV_CHECK_INTERVAL,
     check_homogeneous,
@@ -81,10 +81,9 @@ from .round_sync import (
     depart,
     exit_barrier,
 )
-from .timer import FileTimerServer
+from .tempdir import inside, make_temp_dir, remove_stale_temp_dirs
 from .watch import RoundWatch, RunResult, next_step, slow_store
 from .worker_env import worker_specs
-from .workers import WorkerProcesses
 
 __all__ = [
     "DEFAULT_SIGNALS_TO_HANDLE",
@@ -112,50 +111,6 @@ class _Signal(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-#: the agent's temporary directory (timer pipe, logs without --log_dir): PREFIX<pid>-xxxx
-TEMP_PREFIX = "distcomm-run-"
-#: seconds the agent waits for a failed worker's stderr to end before it reads its tail
-STDERR_END_WAIT_S = 2.0
-#: seconds the agent waits, while a peer caused every failure seen, for the failure that
-#: caused them: a worker still running then is usually about to end with it
-PEER_FAILURE_WAIT_S = 3.0
-
-
-def _remove_stale_temp_dirs() -> None:
-    """Remove the temporary directories of agents that died without cleaning up (SIGKILL)."""
-    root = tempfile.gettempdir()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        pid_text, sep, _ = name[len(TEMP_PREFIX) :].partition("-")
-        if not (name.startswith(TEMP_PREFIX) and sep and pid_text.isdigit()):
-            continue
-        path = os.path.join(root, name)
-        try:
-            if os.stat(path).st_uid != os.getuid() or psutil.pid_exists(int(pid_text)):
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _inside(path: str, directory: str) -> bool:
-    """Whether `path` is `directory` or under it."""
-    if not directory:
-        return False
-    path, directory = os.path.realpath(path), os.path.realpath(directory)
-    return os.path.commonpath([path, directory]) == directory
-
-
-def _resolve_ipv4(host: str) -> str:
-    try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-    except (OSError, IndexError):
-        return host
 
 
 class ElasticAgent:
@@ -198,8 +153,8 @@ class ElasticAgent:
         for sig in FORWARDED_SIGNALS:
             if sig not in stopping:
                 previous[sig] = signal.signal(sig, self._forward_signal)
-        _remove_stale_temp_dirs()
-        self._tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+        remove_stale_temp_dirs()
+        self._tmp = make_temp_dir()
         try:
             if config.numa_binding is not None:
                 self._affinity, message = numa_affinity(config.numa_binding, config.nproc_per_node)
@@ -495,7 +450,7 @@ class ElasticAgent:
         if info.rank == 0:
             host = self._advertised_host()
             self._worker_store = TCPStore(
-                _resolve_ipv4(host), 0, is_master=True, wait_for_workers=False,
+                resolve_ipv4(host), 0, is_master=True, wait_for_workers=False,
                 auth_key=self._auth_key,
             )
             port = self._worker_store.port  # type: ignore[attr-defined]
@@ -518,7 +473,7 @@ class ElasticAgent:
         if attempt_dir is None:
             attempt_dir = os.path.join(self._log_root, f"attempt_{self._attempt}")
         # files in the agent's temporary directory are removed when it exits
-        self._logs_kept = not _inside(attempt_dir, self._tmp)
+        self._logs_kept = not inside(attempt_dir, self._tmp)
         base = dict(os.environ)
         self._trace_dir = env_var("DISTCOMM_TRACE_DIR", base) or trace_dir(
             self._log_root if self._logs_kept else "", c.run_id, self._attempt
@@ -561,61 +516,17 @@ class ElasticAgent:
             watch.check_stall()
 
     def _failures(self, info: RendezvousInfo) -> dict[int, ProcessFailure]:
-        """The failed workers; while a peer caused every one of them and others still run,
-        observed again until those end or PEER_FAILURE_WAIT_S passes (the worker whose
-        failure caused them may be ending now: then it is in the report, as root cause)."""
+        """The failed workers, given a moment for the root cause (`wait_for_root_cause`)."""
         assert self._workers is not None
-        failures = self._observe_failures(info)
-        deadline = time.monotonic() + PEER_FAILURE_WAIT_S
-        while (
-            failures
-            and all(failure.peer_ranks is not None for failure in failures.values())
-            and None in self._workers.poll().values()
-            and time.monotonic() < deadline
-        ):
-            time.sleep(self.config.monitor_interval)
-            failures = self._observe_failures(info)
-        return failures
+        return wait_for_root_cause(
+            self._workers, lambda: self._observe_failures(info), self.config.monitor_interval
+        )
 
     def _observe_failures(self, info: RendezvousInfo) -> dict[int, ProcessFailure]:
         assert self._workers is not None
-        c, host = self.config, socket.gethostname()
-        codes, pids = self._workers.poll(), self._workers.pids()
-        stderr_end = time.monotonic() + STDERR_END_WAIT_S
         with self._expired_lock:
             expired = dict(self._expired)
-        failures = {}
-        for local_rank, code in sorted(codes.items()):
-            if code in (None, 0):
-                continue
-            rank = info.rank * c.nproc_per_node + local_rank
-            pid = pids[local_rank]
-            reason = ""
-            if pid in expired:
-                reason = f"expiration timer scope {expired[pid]!r} expired; the worker was killed"
-            tail = self._workers.stderr_tail(local_rank, stderr_end)
-            fields = {
-                "local_rank": local_rank,
-                "rank": rank,
-                "pid": pid,
-                "exitcode": code,
-                "host": host,
-                "role": c.role,
-                "log_files": self._workers.log_files(local_rank),
-                "reason": reason,
-                # the error file's time, when it has one; else when the worker said why
-                "timestamp": (tail and tail.failure_time()) or self._workers.exit_time(local_rank),
-                "files_kept": self._logs_kept,
-                "stderr_tail": None if tail is None else tail.lines(),
-            }
-            try:
-                failures[rank] = ProcessFailure(
-                    error_file=self._workers.error_file(local_rank), **fields)
-            except ValueError as exc:  # a file no error handler wrote: report the exit
-                log.warning("distcomm-run: %s", exc)
-                fields["reason"] = "; ".join(filter(None, [reason, str(exc)]))
-                failures[rank] = ProcessFailure(error_file="", **fields)
-        return failures
+        return observe_failures(self._workers, info, self.config, expired, self._logs_kept)
 
     def _on_timer_expired(self, pid: int, scope: str, expiration_time: float) -> None:
         with self._expired_lock:

@@ -7,10 +7,10 @@ import signal
 import string
 from typing import NamedTuple
 
-from ..parallel import physical_cores
-from .agent_config import AgentConfig
-from .output import Std
-from .rendezvous import RendezvousInfo
+from ...parallel import physical_cores
+from ..output import Std
+from ..rendezvous import RendezvousInfo
+from .config import AgentConfig
 
 __all__ = ["DEFAULT_PREFIX_TEMPLATE", "WorkerSpecs", "worker_specs"]
 

@@ -26,9 +26,15 @@ import socket
 
 import psutil
 
-from .rendezvous.backends import parse_endpoint
+from ..rendezvous.backends import parse_endpoint
 
-__all__ = ["advertised_address", "default_route_address", "endpoint_address", "route_source"]
+__all__ = [
+    "advertised_address",
+    "default_route_address",
+    "endpoint_address",
+    "resolve_ipv4",
+    "route_source",
+]
 
 log = logging.getLogger("distcomm.launch")
 
@@ -158,3 +164,12 @@ def advertised_address(
         "--local_addr=IP (an address the other nodes reach this host at)"
     )
     return "127.0.0.1"
+
+
+def resolve_ipv4(host: str) -> str:
+    """`host`'s first IPv4 address (the address a store binds to), or `host` itself when it
+    has none."""
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return host

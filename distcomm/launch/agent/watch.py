@@ -22,9 +22,9 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from ..errors import DistError
-from ..store import Store
-from .rendezvous import RendezvousHandler, RoundView
+from ...errors import DistError
+from ...store import Store
+from ..rendezvous import RendezvousHandler, RoundView
 
 __all__ = [
     "SLOW_STORE_S",

@@ -14,12 +14,12 @@ import socket
 import tempfile
 import time
 
-from ..errors import DistError
-from ..store import Store
-from .agent_config import AgentConfig
-from .errors import ChildFailedError, ProcessFailure
-from .events import Event, EventSource, record
-from .rendezvous import RendezvousInfo
+from ...errors import DistError
+from ...store import Store
+from ..errors import ChildFailedError, ProcessFailure
+from ..events import Event, EventSource, record
+from ..rendezvous import RendezvousInfo
+from .config import AgentConfig
 from .watch import slow_store
 
 __all__ = [
