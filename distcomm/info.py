@@ -116,8 +116,7 @@ def _shm(path: str = "/dev/shm") -> dict[str, Any]:
 
 
 def _launcher(env: Mapping[str, str]) -> dict[str, Any]:
-    from .bootstrap.environment import mpi_launcher
-    from .bootstrap.slurm import srun_task
+    from .launcher_env import mpi_launcher, srun_task
 
     started_by = []
     if env.get("DISTCOMM_RUN_ID") or env.get("TORCHELASTIC_RUN_ID"):

@@ -1,8 +1,9 @@
-"""What the launcher told this process, as torch.distributed asks it."""
+"""What the launcher told this process, as torch.distributed asks it (the answers are
+`distcomm.launcher_env`'s)."""
 
 from __future__ import annotations
 
-import os
+from .launcher_env import elastic_launched, node_local_rank
 
 __all__ = ["get_node_local_rank", "is_torchelastic_launched"]
 
@@ -15,12 +16,9 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
         RuntimeError: LOCAL_RANK is not set and no `fallback_rank` was given.
         ValueError: LOCAL_RANK is not an integer.
     """
-    text = os.environ.get("LOCAL_RANK")
-    if text is not None:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"LOCAL_RANK={text!r} is not an integer") from None
+    local = node_local_rank()
+    if local is not None:
+        return local
     if fallback_rank is not None:
         return int(fallback_rank)
     raise RuntimeError(
@@ -31,4 +29,4 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
 def is_torchelastic_launched() -> bool:
     """Whether distcomm-run (or torchrun) started this process: TORCHELASTIC_RUN_ID is set,
     which both export to their workers."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+    return elastic_launched()

@@ -13,12 +13,12 @@ import math
 import operator
 import os
 import queue
-import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .launcher_env import LOCAL_SIZE_VARIABLES, local_world_size
 from .work import Future
 
 __all__ = [
@@ -97,36 +97,16 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or psutil.cpu_count(logical=True) or 1
 
 
-#: Variables giving the number of ranks on this host, the first valid one winning: torch
-#: style (distcomm-run), Open MPI, MPICH/Hydra and Intel MPI; then Slurm's step layout.
-_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
-
-
 def _local_ranks() -> int:
-    """How many ranks the launcher started on this host (1 where no launcher says)."""
-    for name in _LOCAL_SIZE_VARS:
-        count = _env_count(name)
-        if count is not None:
-            return count
-    return _slurm_step_tasks_here() or 1
-
-
-def _slurm_step_tasks_here() -> int | None:
-    """The tasks of this srun step on this node, from SLURM_STEP_TASKS_PER_NODE ("2(x3),1")
-    and SLURM_NODEID; None outside a step or where the variables do not parse."""
-    layout, node = os.environ.get("SLURM_STEP_TASKS_PER_NODE"), os.environ.get("SLURM_NODEID")
-    if not layout or node is None:
-        return None
-    counts: list[int] = []
-    for part in layout.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if match is None:
-            return None
-        counts += [int(match[1])] * int(match[2] or 1)
+    """How many ranks the launcher started on this host (`distcomm.launcher_env`'s local
+    size); 1 where no launcher says, or (with a warning) where what it says is malformed."""
     try:
-        return counts[int(node)] or None
-    except (ValueError, IndexError):
-        return None
+        return local_world_size() or 1
+    except ValueError as exc:
+        warnings.warn(
+            f"ignoring the launcher's ranks per host: {exc}", RuntimeWarning, stacklevel=4
+        )
+        return 1
 
 
 def _parse_cpu_list(text: str) -> set[int]:
@@ -403,7 +383,7 @@ def parallel_info() -> str:
     """A report of the thread settings, like torch.__config__.parallel_info()."""
     env = "".join(
         f"\t{name} : {os.environ.get(name, '[not set]')}\n"
-        for name in (*_THREAD_VARS, *_LOCAL_SIZE_VARS)
+        for name in (*_THREAD_VARS, *LOCAL_SIZE_VARIABLES)
     )
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     lines = [

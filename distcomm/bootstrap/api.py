@@ -14,10 +14,10 @@ from typing import Any
 
 from .. import config
 from ..deadline import to_seconds
+from ..launcher_env import detect, optional_int
 from ..store import Store
 from . import schemes  # noqa: F401  (registers env://, tcp:// and file://)
-from .base import Rendezvous, optional_int
-from .environment import detect
+from .base import Rendezvous
 from .urls import (
     BUILTIN_SCHEMES,
     handler_for,
@@ -51,7 +51,7 @@ def rendezvous(
         init_method: env:// (None means env://), tcp://HOST:PORT, file:///PATH, or a
             scheme registered with `register_rendezvous_handler`.
         rank, world_size: explicit values; -1 (or None) takes them from the URL's query or
-            the environment (see `distcomm.bootstrap.environment` for the precedence).
+            the environment (see `distcomm.launcher_env` for the precedence).
         store: a store already shared by the job; then rank and world_size are required
             and init_method must be None.
         timeout: the store's timeout (seconds or timedelta), connecting included.

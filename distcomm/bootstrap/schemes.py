@@ -7,7 +7,8 @@ launcher ``env://`` may get the address from rank 0 over MPI instead
 (DISTCOMM_USE_AGENT_STORE=1) every rank connects to it, for ``env://`` and for a
 ``tcp://`` URL on MASTER_PORT (`distcomm.bootstrap.stores`).
 ``file://`` opens a FileStore on the path. Rank and world size come from the caller's
-arguments, the URL's query, then the environment (`distcomm.bootstrap.environment`).
+arguments, the URL's query, then the environment (`distcomm.launcher_env`); `require` says
+what to set where a value is found nowhere.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from collections.abc import Mapping
 
 from .. import config
 from ..errors import DistStoreError
+from ..launcher_env import RANK_VARIABLES, SIZE_VARIABLES, EnvInfo, describe, detect
 from ..net import format_address, is_loopback
 from ..store import FileStore
-from .base import EnvInfo, InitMethod, Rendezvous, describe
-from .environment import detect, require
+from .base import InitMethod, Rendezvous
 from .mpi import bootstrap_if_launched
 from .stores import open_store, open_tcp_store
 from .urls import parse_init_method, register_rendezvous_handler
 
-__all__ = ["loopback_warning"]
+__all__ = ["loopback_warning", "require"]
 
 
 def _given(
@@ -45,6 +46,44 @@ def _given(
         given["master_addr"] = (method.host, "tcp:// URL")
         given["master_port"] = (method.port, "tcp:// URL")
     return given
+
+
+def require(info: EnvInfo, name: str, hint: str = "") -> object:
+    """`info`'s value `name` (rank, world_size, master_addr, master_port).
+
+    Raises:
+        ValueError: it was found nowhere; the message says where it was looked for and
+            what to set, followed by `hint`.
+    """
+    value = getattr(info, name)
+    if value is not None:
+        return value
+    if name in ("rank", "world_size"):
+        names = [
+            f"{var} ({launcher})"
+            for var, launcher in (RANK_VARIABLES if name == "rank" else SIZE_VARIABLES)
+        ]
+        note = " (PMIx exports no size variable)" if name == "world_size" else ""
+        message = (
+            f"cannot determine the {name.replace('_', ' ')} ({name[-4:]} parameter missing): "
+            f"pass {name}= to "
+            f"init_process_group, or set {', '.join(names[:-1])} or {names[-1]}{note}; "
+            f"a tcp:// or file:// URL may also carry ?{name}="
+        )
+    elif name == "master_addr":
+        message = (
+            "cannot determine the store address: set MASTER_ADDR to the host name or "
+            "IP address of rank 0's host (looked for MASTER_ADDR, then for "
+            "SLURM_STEP_NODELIST, SLURM_JOB_NODELIST or SLURM_NODELIST), or use "
+            "init_method='tcp://HOST:PORT'"
+        )
+    else:
+        message = (
+            "cannot determine the store port: set MASTER_PORT to a free TCP port on rank "
+            "0's host (looked for MASTER_PORT, then for SLURM_JOB_ID to derive one), or "
+            "use init_method='tcp://HOST:PORT'"
+        )
+    raise ValueError(message + hint)
 
 
 def _locate(

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
-from .base import InitMethod, parse_int
+from ..launcher_env import parse_int
+from .base import InitMethod
 
 __all__ = [
     "BUILTIN_SCHEMES",

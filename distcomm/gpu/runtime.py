@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 from ..errors import BackendUnavailableError
+from ..launcher_env import node_local_rank
 
 __all__ = [
     "INSTALL_HINT",
@@ -163,13 +164,9 @@ def current_device() -> int:
     with _lock:
         if _chosen is not None:
             return _chosen
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None and local.strip():
-        try:
-            rank = int(local)
-        except ValueError:
-            raise ValueError(f"LOCAL_RANK={local!r} is not an integer") from None
-        return rank % cupy.cuda.runtime.getDeviceCount()
+    local = node_local_rank()
+    if local is not None:
+        return local % cupy.cuda.runtime.getDeviceCount()
     return int(cupy.cuda.runtime.getDevice())
 
 
