@@ -775,8 +775,8 @@ def set_recorder(dist: Any, on: bool) -> None:
     from distcomm.trace.recorder import Recorder
 
     world = dist.group.WORLD
-    if (world._trace.size > 0) != on:
-        world._trace = Recorder(config.load().trace_buffer if on else 0)
+    if (world.recorder.size > 0) != on:
+        world.recorder = Recorder.create(config.load().trace_buffer if on else 0)
 
 
 def _run_case(

@@ -32,7 +32,7 @@ def main() -> None:
         parser.error("--rounds and --calls must be >= 1")
 
     array, op = np.zeros(1, np.float64), ReduceOp.SUM  # the 8-byte all_reduce
-    on, off = Recorder(2000), Recorder(0)
+    on, off = Recorder.create(2000), Recorder.create(0)
 
     def recorder_on() -> None:
         entry = on.record("all_reduce", array, -1, op)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 #: where each public name lives: module (relative to this package) -> names
 _EXPORTS: dict[str, tuple[str, ...]] = {

@@ -4,15 +4,17 @@ how an issued Work is waited for and settled in the flight recorder."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .arrays import adapt, check_same, flat
-from .group import ProcessGroup
 from .ops import PremulSum, ReduceOp, scaled
 from .trace.recorder import Recorder
 from .work import Work
+
+if TYPE_CHECKING:
+    from .process_group import ProcessGroup
 
 __all__ = [
     "MAX_TAG",
@@ -134,8 +136,8 @@ def finish(trace: Recorder, entry: int | None, work: Work, async_op: bool,
         trace.settle(entry, exc)
         raise
     if entry is not None:
-        if work.finished_on_wait:  # trace.settle(entry) without an end time, inlined:
-            trace.done[entry % trace.size] = entry  # this is every op's path
+        if work.finished_on_wait:  # settled without an end time: every op's path
+            trace.complete(entry)
         else:  # the op may still run on the device: settled when it completes there
             if outputs is not None:
                 work.set_outputs(outputs)

@@ -3,13 +3,16 @@ buffer (all_reduce_coalesced, all_gather_coalesced)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._calls import finish, premultiplied, split_into
 from .arrays import adapt, check_same, concatenate, empty
-from .group import ProcessGroup, outside, resolve
 from .ops import ReduceOp, check_reduce_op
 from .work import Work
+from .world import outside, resolve
+
+if TYPE_CHECKING:
+    from .process_group import ProcessGroup
 
 __all__ = ["all_gather_coalesced", "all_reduce_coalesced"]
 
@@ -44,11 +47,11 @@ def all_reduce_coalesced(tensors: list[Any], op: ReduceOp = ReduceOp.SUM,
     op = check_reduce_op(op, arrays[0].dtype, where)
     backend = pg.backend_for(arrays[0], where)
     joined = concatenate(arrays, arrays[0])
-    entry = pg._trace.record(where, joined, -1, op)
+    entry = pg.recorder.record(where, joined, -1, op)
     plain, joined = premultiplied(op, joined, in_place=True)  # joined is our own copy
     inner = backend.all_reduce(joined, plain, async_op=async_op)
     outputs = list(tensors)
-    return finish(pg._trace, entry, inner.chain(split_into(arrays, joined), outputs),
+    return finish(pg.recorder, entry, inner.chain(split_into(arrays, joined), outputs),
                   async_op)
 
 
@@ -85,8 +88,8 @@ def all_gather_coalesced(output_tensor_lists: list[list[Any]], input_tensor_list
     backend = pg.backend_for(inputs[0], where)
     joined = concatenate(inputs, inputs[0])
     gathered = empty(n * joined.size, joined)
-    entry = pg._trace.record(where, joined)
+    entry = pg.recorder.record(where, joined)
     inner = backend.all_gather(gathered, joined, async_op=async_op)
     results = [t for row in output_tensor_lists for t in row]
-    return finish(pg._trace, entry, inner.chain(split_into(outputs, gathered), results),
+    return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), results),
                   async_op)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,11 +19,14 @@ from ._calls import array_list, finish, output_list, premultiplied, rank_arg, sa
 from .arrays import adapt, check_same, concatenate, empty, flat
 from .deadline import to_seconds
 from .errors import DistTimeoutError
-from .group import ProcessGroup, outside, resolve
 from .ops import ReduceOp, check_reduce_op
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .trace.recorder import NO_ARRAY
 from .work import Work
+from .world import outside, resolve
+
+if TYPE_CHECKING:
+    from .process_group import ProcessGroup
 
 __all__ = [
     "P2POp",
@@ -65,7 +68,7 @@ def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = 
     array = adapt(tensor, "broadcast", "tensor", writable=True)
     backend = pg.backend_for(array, "broadcast")
     root = rank_arg(pg, src, group_src, "broadcast", "src")
-    return finish(pg._trace, pg._trace.record("broadcast", array, root),
+    return finish(pg.recorder, pg.recorder.record("broadcast", array, root),
                   backend.broadcast(flat(array), root, async_op=async_op), async_op,
                   [tensor])
 
@@ -79,9 +82,9 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     array = adapt(tensor, "all_reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "all_reduce")
     op = check_reduce_op(op, array.dtype, "all_reduce")
-    entry = pg._trace.record("all_reduce", array, -1, op)
+    entry = pg.recorder.record("all_reduce", array, -1, op)
     plain, array = premultiplied(op, array, in_place=True)
-    return finish(pg._trace, entry, backend.all_reduce(flat(array), plain, async_op=async_op),
+    return finish(pg.recorder, entry, backend.all_reduce(flat(array), plain, async_op=async_op),
                   async_op, [tensor])
 
 
@@ -96,12 +99,12 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
     backend = pg.backend_for(array, "reduce")
     root = rank_arg(pg, dst, group_dst, "reduce", "dst", default=0)
     op = check_reduce_op(op, array.dtype, "reduce")
-    entry = pg._trace.record("reduce", array, root, op)
+    entry = pg.recorder.record("reduce", array, root, op)
     plain, scaled = premultiplied(op, array, in_place=False)  # non-roots keep their input
     work = backend.reduce(flat(scaled), root, plain, async_op=async_op)
     if scaled is not array and pg.rank() == root:
         work = work.chain(split_into([array], flat(scaled)), [tensor])
-    return finish(pg._trace, entry, work, async_op, [tensor])
+    return finish(pg.recorder, entry, work, async_op, [tensor])
 
 
 def all_gather_single(output_tensor: Any, input_tensor: Any,
@@ -123,7 +126,7 @@ def all_gather_single(output_tensor: Any, input_tensor: Any,
         raise ValueError(f"{where}: output_tensor must have group size x input elements "
                          f"({pg.size()} x {input.size} = {pg.size() * input.size}), "
                          f"got {output.size}")
-    return finish(pg._trace, pg._trace.record(where, input),
+    return finish(pg.recorder, pg.recorder.record(where, input),
                   backend.all_gather(flat(output), flat(input), async_op=async_op), async_op,
                   [output_tensor])
 
@@ -138,9 +141,9 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
     outputs = output_list(tensor_list, input, pg.size(), "all_gather", "tensor_list")
     backend = pg.backend_for(input, "all_gather")
     gathered = empty(pg.size() * input.size, input)
-    entry = pg._trace.record("all_gather", input)
+    entry = pg.recorder.record("all_gather", input)
     inner = backend.all_gather(gathered, flat(input), async_op=async_op)
-    return finish(pg._trace, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
+    return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
 
 
 def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
@@ -157,15 +160,15 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
         if gather_list:
             raise ValueError("gather: gather_list must be None (or empty) on ranks other "
                              "than dst")
-        return finish(pg._trace, pg._trace.record("gather", input, root),
+        return finish(pg.recorder, pg.recorder.record("gather", input, root),
                       backend.gather(None, flat(input), root, async_op=async_op), async_op, [])
     if gather_list is None:
         raise ValueError("gather: gather_list is required on dst: one array per rank")
     outputs = output_list(gather_list, input, pg.size(), "gather", "gather_list")
     gathered = empty(pg.size() * input.size, input)
-    entry = pg._trace.record("gather", input, root)
+    entry = pg.recorder.record("gather", input, root)
     inner = backend.gather(gathered, flat(input), root, async_op=async_op)
-    return finish(pg._trace, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
+    return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
 
 
 def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
@@ -182,7 +185,7 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
         if scatter_list:
             raise ValueError("scatter: scatter_list must be None (or empty) on ranks other "
                              "than src")
-        return finish(pg._trace, pg._trace.record("scatter", output, root),
+        return finish(pg.recorder, pg.recorder.record("scatter", output, root),
                       backend.scatter(flat(output), None, root, async_op=async_op), async_op,
                       [tensor])
     if scatter_list is None:
@@ -192,7 +195,7 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
     check_same([output, *inputs], "scatter", "scatter_list and tensor")
     same_size(inputs, output.size, "scatter", "scatter_list")
     joined = concatenate(inputs, output)
-    return finish(pg._trace, pg._trace.record("scatter", output, root),
+    return finish(pg.recorder, pg.recorder.record("scatter", output, root),
                   backend.scatter(flat(output), joined, root, async_op=async_op), async_op,
                   [tensor])
 
@@ -214,9 +217,9 @@ def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
         raise ValueError(f"{where}: input must have group size x output elements "
                          f"({pg.size()} x {out.size} = {pg.size() * out.size}), "
                          f"got {inp.size}")
-    entry = pg._trace.record(where, out, -1, op)
+    entry = pg.recorder.record(where, out, -1, op)
     plain, inp = premultiplied(op, inp, in_place=False)
-    return finish(pg._trace, entry,
+    return finish(pg.recorder, entry,
                   backend.reduce_scatter(flat(out), flat(inp), plain, async_op=async_op),
                   async_op, [output])
 
@@ -236,9 +239,9 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     backend = pg.backend_for(out, "reduce_scatter")
     op = check_reduce_op(op, out.dtype, "reduce_scatter")
     joined = concatenate(inputs, out)
-    entry = pg._trace.record("reduce_scatter", out, -1, op)
+    entry = pg.recorder.record("reduce_scatter", out, -1, op)
     plain, joined = premultiplied(op, joined, in_place=True)  # joined is our own copy
-    return finish(pg._trace, entry,
+    return finish(pg.recorder, entry,
                   backend.reduce_scatter(flat(out), joined, plain, async_op=async_op),
                   async_op, [output])
 
@@ -303,7 +306,7 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
     n = pg.size()
     out_splits = _splits(output_split_sizes, out, n, where, "output_split_sizes")
     in_splits = _splits(input_split_sizes, inp, n, where, "input_split_sizes")
-    return finish(pg._trace, pg._trace.record(where, inp),
+    return finish(pg.recorder, pg.recorder.record(where, inp),
                   backend.all_to_all(flat(out), flat(inp), out_splits, in_splits,
                                       async_op=async_op), async_op, [output])
 
@@ -325,10 +328,10 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
     backend = pg.backend_for(inputs[0], "all_to_all")
     joined = concatenate(inputs, inputs[0])
     received = empty(sum(t.size for t in outputs), inputs[0])
-    entry = pg._trace.record("all_to_all", inputs[0])
+    entry = pg.recorder.record("all_to_all", inputs[0])
     inner = backend.all_to_all(received, joined, [t.size for t in outputs],
                                [t.size for t in inputs], async_op=async_op)
-    return finish(pg._trace, entry, inner.chain(split_into(outputs, received), outputs), async_op)
+    return finish(pg.recorder, entry, inner.chain(split_into(outputs, received), outputs), async_op)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
@@ -344,7 +347,7 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
         return None
     pg = resolve(group, "barrier")
     seconds = to_seconds(timeout, name="barrier timeout")
-    entry = pg._trace.record("barrier", NO_ARRAY)
+    entry = pg.recorder.record("barrier", NO_ARRAY)
     if device_ids:
         backend = pg.default_backend("barrier", "cuda")
         work = backend.barrier_on(int(device_ids[0]), async_op=async_op or bool(seconds))
@@ -352,13 +355,13 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
         backend = pg.default_backend("barrier")
         work = backend.barrier(async_op=async_op or bool(seconds))
     if async_op or not seconds:
-        return finish(pg._trace, entry, work, async_op)
+        return finish(pg.recorder, entry, work, async_op)
     try:
         work.wait(seconds)
     except BaseException as exc:
-        pg._trace.settle(entry, exc)
+        pg.recorder.settle(entry, exc)
         raise
-    pg._trace.settle(entry)
+    pg.recorder.settle(entry)
     return None
 
 
@@ -391,13 +394,13 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
     deadline = Deadline.of(timeout if timeout is not None else pg.timeout)
     if pg.size() == 1:
         return
-    entry = pg._trace.record("monitored_barrier", NO_ARRAY)
+    entry = pg.recorder.record("monitored_barrier", NO_ARRAY)
     try:
         _monitored_barrier(pg, backend, deadline, wait_all_ranks)
     except BaseException as exc:
-        pg._trace.settle(entry, exc)
+        pg.recorder.settle(entry, exc)
         raise
-    pg._trace.settle(entry)
+    pg.recorder.settle(entry)
 
 
 def _monitored_barrier(pg: ProcessGroup, backend: Any, deadline: Any,

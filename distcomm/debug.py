@@ -104,7 +104,7 @@ def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float | None = 3600) -> 
             for the wait, so a long session does not time the group out); None keeps it.
     """
     from .collectives import barrier
-    from .group import default_group
+    from .world import default_group
 
     world = default_group("breakpoint")
     if skip > 0:
@@ -121,7 +121,7 @@ def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float | None = 3600) -> 
             "\n!!! ATTENTION !!!\n\nType 'up' to get to the frame that called "
             f"dist.breakpoint(rank={rank})\n")
         debugger.set_trace()  # stops on the next line, here; 'up' reaches the caller
-    backends = list(world._backends.values())
+    backends = list(world.backends().values())
     before = [backend.timeout for backend in backends]
     try:
         if timeout_s is not None:

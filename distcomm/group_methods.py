@@ -4,7 +4,9 @@ Code written against torch's C++ layer calls collectives as methods of a group, 
 an options object or with positional root/op/timeout (both of torch's overloads), and
 gets a `Work` back (always asynchronous). Each method calls the function of the same
 operation in `distcomm.collectives` on this group, so it validates, records and
-dispatches exactly as `dist.all_reduce(..., group=pg, async_op=True)` does. Roots are
+dispatches exactly as `dist.all_reduce(..., group=pg, async_op=True)` does. Those
+functions know only the group's state below them (`handle.GroupHandle`); this mix-in
+sits above them, and `process_group.ProcessGroup` joins the two. Roots are
 group ranks, as in torch's methods. A tensor list holds one array (torch's list is one
 tensor per device, and a process drives one device).
 
@@ -18,6 +20,24 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from .coalesced import all_reduce_coalesced
+from .collectives import (
+    all_gather,
+    all_gather_single,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    gather,
+    irecv,
+    isend,
+    monitored_barrier,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_single,
+    scatter,
+)
 from .ops import ReduceOp
 
 __all__ = [
@@ -114,7 +134,7 @@ def _timed(work: Any, timeout: Any) -> Any:
         return work
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if seconds > 0:
-        work._default_timeout = seconds
+        work.set_default_timeout(seconds)
     return work
 
 
@@ -123,8 +143,6 @@ class GroupMethods:
     positional root/op and timeout). Every method returns a `Work`."""
 
     def allreduce(self, tensors: Any, opts: Any = None, timeout: Any = None) -> Any:
-        from .collectives import all_reduce
-
         op = opts.reduceOp if isinstance(opts, AllreduceOptions) else (
             ReduceOp.SUM if opts is None else opts)
         timeout = opts.timeout if isinstance(opts, AllreduceOptions) else timeout
@@ -133,15 +151,11 @@ class GroupMethods:
 
     def allreduce_coalesced(self, tensors: list[Any],
                             opts: AllreduceCoalescedOptions | None = None) -> Any:
-        from .coalesced import all_reduce_coalesced
-
         opts = opts or AllreduceCoalescedOptions()
         return _timed(all_reduce_coalesced(list(tensors), opts.reduceOp, self, True),
                       opts.timeout)
 
     def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> Any:
-        from .collectives import broadcast
-
         root = opts.rootRank if isinstance(opts, BroadcastOptions) else (opts or 0)
         timeout = opts.timeout if isinstance(opts, BroadcastOptions) else timeout
         return _timed(broadcast(_one(tensors, "broadcast", "tensors"), group=self,
@@ -149,8 +163,6 @@ class GroupMethods:
 
     def reduce(self, tensors: Any, opts: Any = None, op: Any = ReduceOp.SUM,
                timeout: Any = None) -> Any:
-        from .collectives import reduce
-
         if isinstance(opts, ReduceOptions):
             root, op, timeout = opts.rootRank, opts.reduceOp, opts.timeout
         else:
@@ -159,8 +171,6 @@ class GroupMethods:
                              async_op=True, group_dst=root), timeout)
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
-        from .collectives import all_gather
-
         timeout = opts.timeout if isinstance(opts, AllgatherOptions) else opts
         outputs = output_tensors
         if outputs and isinstance(outputs[0], (list, tuple)):  # [[one per rank]]
@@ -170,15 +180,11 @@ class GroupMethods:
 
     def all_gather_single(self, output: Any, input: Any,
                           opts: AllgatherOptions | None = None) -> Any:
-        from .collectives import all_gather_single
-
         opts = opts or AllgatherOptions()
         return _timed(all_gather_single(output, input, self, True), opts.timeout)
 
     def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
                timeout: Any = None) -> Any:
-        from .collectives import gather
-
         if isinstance(opts, GatherOptions):
             root, timeout = opts.rootRank, opts.timeout
         else:
@@ -192,8 +198,6 @@ class GroupMethods:
 
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
                 timeout: Any = None) -> Any:
-        from .collectives import scatter
-
         if isinstance(opts, ScatterOptions):
             root, timeout = opts.rootRank, opts.timeout
         else:
@@ -207,8 +211,6 @@ class GroupMethods:
 
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
                        timeout: Any = None) -> Any:
-        from .collectives import reduce_scatter
-
         if isinstance(opts, ReduceScatterOptions):
             op, timeout = opts.reduceOp, opts.timeout
         else:
@@ -221,61 +223,36 @@ class GroupMethods:
 
     def reduce_scatter_single(self, outputTensor: Any, inputTensor: Any,
                               opts: ReduceScatterOptions | None = None) -> Any:
-        from .collectives import reduce_scatter_single
-
         opts = opts or ReduceScatterOptions()
         return _timed(reduce_scatter_single(outputTensor, inputTensor, opts.reduceOp, self,
                                             True), opts.timeout)
 
     def alltoall(self, output_tensors: list[Any], input_tensors: list[Any],
                  opts: AllToAllOptions | None = None) -> Any:
-        from .collectives import all_to_all
-
         opts = opts or AllToAllOptions()
         return _timed(all_to_all(list(output_tensors), list(input_tensors), self, True),
                       opts.timeout)
 
     def alltoall_base(self, output: Any, input: Any, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Any:
-        from .collectives import all_to_all_single
-
         timeout = opts.timeout if isinstance(opts, AllToAllOptions) else opts
         return _timed(all_to_all_single(output, input, list(output_split_sizes) or None,
                                         list(input_split_sizes) or None, self, True), timeout)
 
     def barrier(self, opts: Any = None) -> Any:
-        from .collectives import barrier
-
         if isinstance(opts, BarrierOptions):
             work = barrier(self, True, opts.device_ids or None)
             return _timed(work, opts.timeout)
         return _timed(barrier(self, True), opts)
 
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> Any:
-        from .collectives import isend
-
         return isend(_one(tensors, "send", "tensors"), group=self, tag=tag, group_dst=dstRank)
 
     def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> Any:
-        from .collectives import irecv
-
         return irecv(_one(tensors, "recv", "tensors"), group=self, tag=tag, group_src=srcRank)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
-        from .collectives import irecv
-
         return irecv(_one(tensors, "recv_anysource", "tensors"), group=self, tag=tag)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        from .collectives import monitored_barrier
-
         monitored_barrier(self, timeout, wait_all_ranks)
-
-    def abort(self) -> None:
-        """Abort the group's operations on this rank (its peers' fail too)."""
-        for backend in self._backends.values():  # type: ignore[attr-defined]
-            backend.abort("ProcessGroup.abort() was called")
-
-    def shutdown(self) -> None:
-        """Release the group's connections (`destroy_process_group(pg)` also forgets it)."""
-        self._shutdown()  # type: ignore[attr-defined]

@@ -64,18 +64,20 @@ import termios
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType, ModuleType, TracebackType
 from typing import Any, NoReturn
 
 from . import config
 from .deadline import Deadline
 from .errors import DistTimeoutError
+from .launcher_env import mpi_launched
 
 __all__ = [
     "INSTALL_HINT",
     "INTERRUPTED_STATUS",
     "abort",
+    "call_before_abort",
     "install_abort_hook",
     "is_mpi4py_available",
     "load_mpi",
@@ -197,20 +199,31 @@ class _AbortHook:
         except Exception:
             pass
         finally:
-            _dump_trace()
+            _before_abort("abort")
             _flush_and_drain()
             abort(mpi)
 
 
-def _dump_trace(reason: str = "abort") -> None:
-    """Write the flight recorder (when DISTCOMM_TRACE_DIR is set) before an abort, which
-    ends the process without its exit handlers."""
-    try:
-        from .trace.recorder import dump
+#: what runs before this module ends the job with MPI_Abort, which skips exit handlers
+_abort_callbacks: list[Callable[[str], object]] = []
 
-        dump(reason)
-    except Exception:
-        pass
+
+def call_before_abort(callback: Callable[[str], object]) -> None:
+    """Call `callback(reason)` before the abort hook ends the job ("abort": an uncaught
+    exception; "interrupt": Ctrl-C), e.g. the flight recorder's `dump`, which
+    `init_process_group` hands over here (this module sits below the recorder and
+    imports nothing above it). A callback registered twice runs once; its errors are
+    ignored, since the abort must go on."""
+    if callback not in _abort_callbacks:
+        _abort_callbacks.append(callback)
+
+
+def _before_abort(reason: str) -> None:
+    for callback in list(_abort_callbacks):
+        try:
+            callback(reason)
+        except Exception:
+            pass
 
 
 #: shared-memory files MPI libraries keep linked until MPI_Finalize (MPICH's node segment
@@ -218,8 +231,6 @@ def _dump_trace(reason: str = "abort") -> None:
 _MPI_SEGMENT_PREFIXES = ("mpich_shm_", "mpich_vci_", "sm_segment.", "vader_segment.")
 #: Open MPI's segments (5: btl/sm, 4: btl/vader), the ones a singleton leaves
 _OPEN_MPI_SEGMENT_PREFIXES = ("sm_segment.", "vader_segment.")
-#: variables a launcher (mpirun, mpiexec, srun) gives an MPI process; none: a singleton
-_LAUNCHED_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "PMI_FD")
 
 
 def _mapped_segments(prefixes: tuple[str, ...]) -> list[str]:
@@ -271,7 +282,7 @@ def unlink_singleton_segments() -> list[str]:
     Registered to run at exit when this module is imported.
     """
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or any(name in os.environ for name in _LAUNCHED_VARS):
+    if mpi is None or mpi_launched():
         return []
     try:
         if (
@@ -404,7 +415,7 @@ def _end_interrupted(mpi: Any, stack: Iterable[tuple[FrameType, int]]) -> NoRetu
     since = _interrupted.start()
     _interrupted.report(mpi, stack)
     unlink_mpi_segments()
-    _dump_trace("interrupt")
+    _before_abort("interrupt")
     graces = 1 if _world_rank(mpi) == 0 else 2
     left = since + graces * _INTERRUPT_GRACE - time.monotonic()
     if left > 0:  # meanwhile every rank, interrupted alike, reports

@@ -14,7 +14,8 @@ import numpy as np
 
 from . import collectives as c
 from ._calls import rank_arg
-from .group import ProcessGroup, outside, resolve
+from .process_group import ProcessGroup
+from .world import outside, resolve
 
 __all__ = [
     "all_gather_object",

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._calls import check_tag, rank_arg
 from .arrays import adapt, flat
-from .group import ProcessGroup, outside, resolve
 from .work import Work
+from .world import outside, resolve
+
+if TYPE_CHECKING:
+    from .process_group import ProcessGroup
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
@@ -41,7 +44,7 @@ class _Posting:
 
     def post(self) -> Work:
         """Record the operation in the group's flight recorder and post it; its Work."""
-        trace = self._group._trace
+        trace = self._group.recorder
         entry = trace.record_p2p(self._kind, self.array, -1 if self._peer is None else self._peer)
         work = self._issue()
         trace.settle_later(entry, work)

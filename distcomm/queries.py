@@ -1,13 +1,14 @@
 """Questions about process groups: ranks, sizes, backends, membership (torch's queries).
 
 Each takes a group (None: the default group) and answers from the group itself or the
-world state of `group.py`.
+world state (`distcomm.world`).
 """
 
 from __future__ import annotations
 
 from .backends import get_backend_record
-from .group import ProcessGroup, _is_non_member, _world, default_group, resolve
+from .process_group import ProcessGroup
+from .world import default_group, is_non_member, resolve, state
 
 __all__ = [
     "get_backend",
@@ -23,7 +24,7 @@ __all__ = [
 
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in `group` (default: the world); -1 if not a member."""
-    if group is not None and _is_non_member(group):
+    if group is not None and is_non_member(group):
         default_group("get_rank")
         return -1
     return resolve(group, "get_rank").rank()
@@ -31,7 +32,7 @@ def get_rank(group: ProcessGroup | None = None) -> int:
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
     """The number of ranks in `group` (default: the world); -1 if this rank is not a member."""
-    if group is not None and _is_non_member(group):
+    if group is not None and is_non_member(group):
         default_group("get_world_size")
         return -1
     return resolve(group, "get_world_size").size()
@@ -54,7 +55,7 @@ def get_backend_config(group: ProcessGroup | None = None) -> str:
 def get_pg_count() -> int:
     """How many process groups were created since `init_process_group`, the default group
     included (0 when not initialised)."""
-    return _world.next_id if _world.default is not None else 0
+    return state.next_id if state.default is not None else 0
 
 
 def get_process_group_ranks(group: ProcessGroup | None = None) -> list[int]:

@@ -7,23 +7,20 @@ survivors alone (fault tolerance: a rank that died does not have to take part).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from .backends.spec import parse_backend
 from .errors import GroupDestroyedError
-from .group import (
-    ProcessGroup,
-    _is_sentinel,
-    _make_group,
-    _resolve_timeout,
-    _world,
-    default_group,
-    log,
-    parse_backend,
-)
+from .lifecycle import make_group, resolve_timeout
+from .process_group import ProcessGroup
+from .world import default_group, is_sentinel, state
 
 __all__ = ["SHRINK_ABORT", "SHRINK_DEFAULT", "shrink_group", "split_group"]
+
+log = logging.getLogger("distcomm.group")
 
 #: shrink_group: make the new group and leave the old one's operations as they are
 SHRINK_DEFAULT = 0
@@ -34,10 +31,10 @@ SHRINK_ABORT = 1
 def _parent(group: ProcessGroup | None, where: str) -> ProcessGroup:
     world = default_group(where)
     parent = world if group is None else group
-    if _is_sentinel(parent) or not isinstance(parent, ProcessGroup) or not parent.is_member:
+    if is_sentinel(parent) or not isinstance(parent, ProcessGroup) or not parent.is_member:
         raise ValueError(f"{where}: this process (global rank {world.rank()}) is not a member "
                          f"of the group {parent!r}; only its members call {where}")
-    if not parent._backends:
+    if not parent.backends():
         raise GroupDestroyedError(f"{where}: group '{parent.group_name}' was destroyed")
     return parent
 
@@ -90,7 +87,7 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: list | None 
     """
     del pg_options
     where = "split_group"
-    with _world.lock:
+    with state.lock:
         parent = _parent(parent_pg, where)
         if not split_ranks:
             raise ValueError(f"{where}: split_ranks must list the new groups' ranks, e.g. "
@@ -107,22 +104,21 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: list | None 
                     raise ValueError(f"{where}: rank {rank} is in split_ranks[{seen[rank]}] "
                                      f"and split_ranks[{i}]; the new groups must not overlap")
                 seen[rank] = i
-        spec = parse_backend(parent._spec)
+        spec = parse_backend(parent.name())
         if backend is not None:
             spec = _kept_backends(spec, parse_backend(backend), parent, where)
         seconds = (parent.timeout.total_seconds() if timeout is None
-                   else _resolve_timeout(timeout))
-        count = parent._splits
-        parent._splits += 1  # every parent rank counts the call, in or out of a split
+                   else resolve_timeout(timeout))
+        count = parent.next_split()  # every parent rank counts the call, in or out of a split
         index = seen.get(parent.rank())
         if index is None:
             return None
         members = [parent.ranks[r] for r in splits[index]]
-        group_id = f"{parent._store_key}.split{count}.{index}"
+        group_id = f"{parent.store_key}.split{count}.{index}"
         name = group_desc or f"{parent.group_name}:split:{count}"
-        group = _make_group(members, default_group(where).rank(), group_id, name, spec,
+        group = make_group(members, default_group(where).rank(), group_id, name, spec,
                             seconds)
-        _world.groups[f"{group_id}:{name}"] = group
+        state.groups[f"{group_id}:{name}"] = group
         return group
 
 
@@ -139,7 +135,7 @@ def _kept_backends(parent: dict[str, str], wanted: dict[str, str], group: Proces
         if parent.get(device) != name:
             raise ValueError(
                 f"{where}: backend {name!r} for {device} arrays is not the parent's (group "
-                f"'{group.group_name}' uses {group._spec!r}); choose among the parent's "
+                f"'{group.group_name}' uses {group.name()!r}); choose among the parent's "
                 "backends")
     return wanted
 
@@ -184,7 +180,7 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
     if isinstance(shrink_flags, bool) or shrink_flags not in (SHRINK_DEFAULT, SHRINK_ABORT):
         raise ValueError(f"{where}: shrink_flags must be SHRINK_DEFAULT ({SHRINK_DEFAULT}) or "
                          f"SHRINK_ABORT ({SHRINK_ABORT}), got {shrink_flags!r}")
-    with _world.lock:
+    with state.lock:
         old = _parent(group, where)
         if old.size() < 2:
             raise ValueError(f"{where}: group '{old.group_name}' has {old.size()} rank; "
@@ -199,29 +195,28 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
                 f"{sorted(excluded)}; only the remaining ranks call shrink_group, and the "
                 "excluded ones should stop")
         if shrink_flags == SHRINK_ABORT:
-            for backend in old._backends.values():
+            for backend in old.backends().values():
                 backend.abort(f"aborted by shrink_group(SHRINK_ABORT) excluding group ranks "
                               f"{sorted(excluded)}")
-        count = old._splits
-        old._splits += 1
+        count = old.next_split()
         kept = [old.ranks[r] for r in range(old.size()) if r not in excluded]
-        group_id = f"{old._store_key}.shrink{count}"
+        group_id = f"{old.store_key}.shrink{count}"
         name = f"{old.group_name}:shrink:{count}"
-        spec = parse_backend(old._spec)
+        spec = parse_backend(old.name())
         seconds = old.timeout.total_seconds()
-        if old is not _world.default:
-            new = _make_group(kept, old._global_rank, group_id, name, spec, seconds)
+        if old is not state.default:
+            new = make_group(kept, old.global_rank, group_id, name, spec, seconds)
             _drop(old)
-            _world.groups[f"{group_id}:{name}"] = new
+            state.groups[f"{group_id}:{name}"] = new
             return new
         # the default group: the world is numbered again, 0..len(kept)-1
-        process_ranks = [_world.process_ranks[g] for g in kept]
-        new = _make_group(list(range(len(kept))), kept.index(old.rank()), group_id, name,
+        process_ranks = [state.process_ranks[g] for g in kept]
+        new = make_group(list(range(len(kept))), kept.index(old.rank()), group_id, name,
                           spec, seconds, process_ranks=process_ranks)
-        for other in list(_world.groups.values()):
+        for other in list(state.groups.values()):
             _drop(other)
-        _world.default, _world.groups = new, {name: new}
-        _world.process_ranks = process_ranks
+        state.default, state.groups = new, {name: new}
+        state.process_ranks = process_ranks
         log.info("shrink_group: the default group is now ranks %s of the job's start (this "
                  "process: rank %d of %d)", process_ranks, new.rank(), new.size())
         return new
@@ -230,9 +225,9 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
 def _drop(group: ProcessGroup) -> None:
     """Shut `group` down and forget it (its peers may be dead: nothing waits for them)."""
     try:
-        group._shutdown()
+        group.shutdown()
     except Exception as exc:  # a broken group's teardown must not stop the shrink
         log.warning("shrink_group: shutting down group %r failed: %s", group.group_name, exc)
-    for key, value in list(_world.groups.items()):
+    for key, value in list(state.groups.items()):
         if value is group:
-            del _world.groups[key]
+            del state.groups[key]

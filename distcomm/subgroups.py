@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from .group import ProcessGroup, new_group
+from .lifecycle import new_group
+from .process_group import ProcessGroup
 from .queries import get_process_group_ranks, get_rank, get_world_size
 
 __all__ = ["new_subgroups", "new_subgroups_by_enumeration"]

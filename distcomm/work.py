@@ -188,6 +188,28 @@ class Work:
         another thread shows them too."""
         self._outputs[:] = outputs
 
+    def set_default_timeout(self, seconds: float) -> None:
+        """Make `seconds` what `wait()` without a timeout waits at most (an option's own
+        timeout in the method API, `ProcessGroup.allreduce(..., opts)`, in place of the
+        group's)."""
+        self._default_timeout = seconds
+
+    def add_timeout_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(error)` when a `wait(timeout)` expires, once the operation was
+        cancelled or its group aborted and before `error` is raised (the flight recorder
+        settles the operation then, so its dump is written before the raise). Nothing is
+        called for a Work that has no timeout handler (one that has finished, say)."""
+        expire = self._on_timeout
+        if expire is None:
+            return
+
+        def on_timeout(seconds: float) -> BaseException:
+            error = expire(seconds)
+            callback(error)
+            return error
+
+        self._on_timeout = on_timeout
+
     # -- the public handle ------------------------------------------------------------------
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:

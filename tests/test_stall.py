@@ -304,7 +304,7 @@ def test_stopping_the_inspector_does_not_hang_when_the_store_is_gone():
     client = TCPStore("127.0.0.1", server.port, timeout=5)
     trace = SimpleNamespace(size=1, oldest_running=lambda cursor, p2p, now: (None, cursor),
                             newest=lambda p2p: None)
-    group = SimpleNamespace(_store_key="0", is_member=True, ranks=[0], _trace=trace,
+    group = SimpleNamespace(store_key="0", is_member=True, ranks=[0], recorder=trace,
                             rank=lambda: 0)
     inspector = StallInspector(1.0, client, lambda: [group])
     inspector.inspect()  # publishes its key

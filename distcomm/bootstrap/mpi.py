@@ -1,4 +1,5 @@
-"""The MPI side of the bootstrap: the store address shared over MPI, and the world-size check.
+"""The MPI side of the bootstrap: the store address shared over MPI, MPI.COMM_WORLD as the
+world of the mpi backend, and the world-size check.
 
 Bootstrap over MPI: with ``env://``, no agent store, MASTER_ADDR or MASTER_PORT unset, and
 an MPI launcher (the first rank variable set is OMPI_COMM_WORLD_RANK, PMIX_RANK or
@@ -21,6 +22,9 @@ compares that size with the one the launcher announced (the world size above, fr
 environment only): N processes that each see an MPI world of one are N separate jobs, not
 one, when the launcher's PMI never reached mpi4py's MPI (plain srun with MpiDefault=none)
 or the launcher belongs to another MPI library. The error names both sizes and the remedy.
+`world_mpi` loads mpi4py for the backend and runs that check; `world_rendezvous` is what
+`init_process_group("mpi")` without a store or init_method uses: rank and world size from
+MPI.COMM_WORLD, and a process-local store (the mpi backend needs none).
 """
 
 from __future__ import annotations
@@ -36,14 +40,20 @@ import psutil
 
 from .. import mpiutil
 from ..deadline import Deadline
-from ..errors import DistBackendError, DistNetworkError
+from ..errors import BackendUnavailableError, DistBackendError, DistNetworkError
+from ..launcher_env import EnvInfo, describe, detect, launcher_of, srun_mpi_plugin
 from ..net import format_address, interface_address
-from ..store import Store
-from .base import EnvInfo, Rendezvous, describe, launcher_of
-from .environment import detect, mpi_launcher
+from ..store import HashStore, Store
+from .base import Rendezvous
 from .stores import open_store, tcp_store
 
-__all__ = ["check_mpi_world_size"]
+__all__ = ["MPI_BACKEND_NEEDS", "check_mpi_world_size", "world_mpi", "world_rendezvous"]
+
+#: why the mpi backend is unavailable without mpi4py, and what to install
+MPI_BACKEND_NEEDS = (
+    "mpi4py is not installed: pip install 'distcomm[mpi]' (mpi4py and the mpich "
+    "wheel), or build mpi4py against your cluster's MPI library"
+)
 
 log = logging.getLogger("distcomm.rendezvous")  # the name users and tests filter on
 
@@ -190,7 +200,7 @@ def bootstrap_if_launched(
         ValueError, DistTimeoutError, DistNetworkError, DistStoreError: as
             `bootstrap_over_mpi`.
     """
-    launched = mpi_launcher(env)
+    launched = info.mpi_launcher
     if launched is None or (
         info.source_of("master_addr") == "MASTER_ADDR"
         and info.source_of("master_port") == "MASTER_PORT"
@@ -236,7 +246,7 @@ def check_mpi_world_size(
 ) -> None:
     """Raise when MPI.COMM_WORLD's size is not the world size the launcher announced.
 
-    The announced size is the world size of `distcomm.bootstrap.environment`'s table,
+    The announced size is the world size of `distcomm.launcher_env`'s table,
     from the environment alone (WORLD_SIZE, OMPI_COMM_WORLD_SIZE, PMI_SIZE,
     SLURM_STEP_NUM_TASKS, SLURM_NTASKS); nothing announced, nothing to check. A
     disagreement means the launcher started processes that MPI does not connect: `srun`
@@ -265,7 +275,7 @@ def check_mpi_world_size(
         f"launcher announced a world of {size} ({source}={size}, {launcher})"
     )
     apart = "; each process is an MPI world of its own" if mpi_size == 1 else ""
-    plugin = "pmix" if env.get("PMIX_RANK") else "pmi2" if env.get("PMI_RANK") else None
+    plugin = srun_mpi_plugin(env)
     if launcher == "Slurm" and info.srun and plugin is None:
         why = (
             f"srun started {size} tasks with no MPI plugin (--mpi=none, the default unless "
@@ -303,3 +313,47 @@ def check_mpi_world_size(
             f"--no-binary mpi4py mpi4py, with its mpicc on PATH)"
         )
     raise DistBackendError(f"{head}: {why}")
+
+
+def world_mpi() -> Any:
+    """mpi4py's MPI module (importing it initialises MPI), once MPI.COMM_WORLD is known to
+    hold the processes the launcher started.
+
+    Raises:
+        BackendUnavailableError: mpi4py is not installed.
+        DistBackendError: MPI.COMM_WORLD's size is not the world size the launcher announced
+            (plain srun without an MPI plugin: every task a world of one); the message
+            says what to do (`check_mpi_world_size`).
+    """
+    try:
+        mpi = mpiutil.load_mpi()
+    except ImportError as exc:
+        # the import's own words, not load_mpi's summary of them
+        reason = exc.__cause__ if exc.__cause__ is not None else exc
+        raise BackendUnavailableError(
+            f"the mpi backend needs mpi4py: {MPI_BACKEND_NEEDS} ({reason})"
+        ) from None
+    check_mpi_world_size(mpi.COMM_WORLD.Get_size(), mpi.Get_library_version())
+    return mpi
+
+
+def world_rendezvous(rank: int, world_size: int) -> Rendezvous:
+    """Rank and world size from MPI.COMM_WORLD, with a process-local store: the world of
+    `init_process_group("mpi")` given neither a store nor an init_method.
+
+    Raises:
+        ValueError: `rank` or `world_size` was given and disagrees with MPI's.
+        BackendUnavailableError, DistBackendError: as `world_mpi`.
+    """
+    world = world_mpi().COMM_WORLD
+    for name, given, actual in (
+        ("world_size", world_size, world.size),
+        ("rank", rank, world.rank),
+    ):
+        if given not in (-1, None) and given != actual:
+            raise ValueError(
+                f"init_process_group('mpi'): {name}={given} but MPI.COMM_WORLD says "
+                f"{actual}; leave {name} out under mpiexec/srun (MPI gives it), or start the "
+                "job with the matching number of processes"
+            )
+    return Rendezvous(HashStore(), world.rank, world.size, source="MPI.COMM_WORLD")

@@ -11,6 +11,10 @@ name, then a rename): on a collective that timed out or failed (the group was ab
 on SIGTERM and SIGUSR1 (`install_signal_handlers`) and on `distcomm.dump_trace()`. Each
 dump replaces the rank's previous one: the latest holds the most recent state of every
 entry still in the ring.
+
+The recorder is handed the groups it dumps (`install_signal_handlers(groups)`, called by
+`init_process_group` with a callable over the world state), as the stall inspector is
+handed the groups it watches: it imports nothing of the group layer above it.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import config
 
 __all__ = [
     "FORMAT_VERSION",
+    "Groups",
     "Recorder",
     "dump",
     "dump_on_failure",
@@ -107,20 +112,26 @@ class Recorder:
     Failures keep their message aside, by id. `record` returns the id, which `settle`
     takes.
 
+    Every operation pays `record`, so it tests nothing: `Recorder.create` picks this
+    class or a subclass that does more (`StackRecorder`) or nothing (`OffRecorder`).
+
     Args:
-        size: how many entries to keep (DISTCOMM_TRACE_BUFFER).
-        stack: also keep the Python stack of each call (DISTCOMM_DEBUG=DETAIL).
+        size: how many entries to keep (DISTCOMM_TRACE_BUFFER), at least 1 (else
+            ValueError: a recorder that is off is `Recorder.create(0)`).
+        stack: accepted for `create`'s signature; `StackRecorder` keeps the stacks.
     """
 
     __slots__ = (
         "_ends",
         "_errors",
         "_ids",
+        "_issued",
         "_names",
         "_ops",
         "_p2p_done",
         "_p2p_ends",
         "_p2p_ids",
+        "_p2p_issued",
         "_p2p_ops",
         "_stacks",
         "done",
@@ -128,7 +139,12 @@ class Recorder:
     )
 
     def __init__(self, size: int, stack: bool = False) -> None:
-        self.size = size  # `stack` picked the class (see __new__)
+        del stack  # the class says it (`create`)
+        if type(self) is not OffRecorder and (isinstance(size, bool) or
+                                               not isinstance(size, int) or size < 1):
+            raise ValueError(f"Recorder: size must be an int of at least 1, got {size!r}; "
+                             "Recorder.create(0) makes one that records nothing")
+        self.size = size
         self._ops: list[tuple[Any, ...] | None] = [None] * size
         #: the id of each slot's collective once it completed (ids are >= 0)
         self.done = [-1] * size
@@ -141,18 +157,25 @@ class Recorder:
         self._errors: dict[int, str] = {}  # id -> message
         self._ids = itertools.count()  # next() is atomic under the GIL
         self._p2p_ids = itertools.count()
+        #: how many ids were handed out (a thread racing another may leave it one short
+        #: until its next record; readers already allow for an id not yet written)
+        self._issued = 0
+        self._p2p_issued = 0
 
-    def __new__(cls, size: int, stack: bool = False) -> Recorder:
-        # every op pays `record`: the variants that do more, or nothing, are subclasses,
-        # so that it tests nothing
-        if cls is Recorder and (size <= 0 or stack):
-            cls = _Off if size <= 0 else _WithStacks
-        return super().__new__(cls)
+    @classmethod
+    def create(cls, size: int, stack: bool = False) -> Recorder:
+        """The recorder for a group: `OffRecorder` when `size` is 0 or less
+        (DISTCOMM_TRACE_BUFFER=0, or a rank outside the group), `StackRecorder` with
+        `stack` (DISTCOMM_DEBUG=DETAIL), else a `Recorder`."""
+        if size <= 0:
+            return OffRecorder(0)
+        return StackRecorder(size) if stack else Recorder(size)
 
     def record(self, op: str, array: Any, root: int = -1, reduce_op: Any = None) -> int | None:
         """Note a collective as issued (`root`: a group rank; `array`: NO_ARRAY for a
         barrier); its id, the group's sequence number, or None when the recorder is off."""
         i = next(self._ids)
+        self._issued = i + 1
         self._ops[i % self.size] = (i, op, array.dtype, array.size, root, reduce_op, _clock())
         if _open_names:
             self._keep_name(i)
@@ -161,6 +184,7 @@ class Recorder:
     def record_p2p(self, op: str, array: Any, peer: int) -> int | None:
         """Note a send or receive as issued (`peer`: a group rank, -1 for any); its id."""
         k = next(self._p2p_ids)
+        self._p2p_issued = k + 1
         i = -1 - k
         self._p2p_ops[k % self.size] = (i, op, array.dtype, array.size, peer, None, _clock())
         if _open_names:
@@ -208,28 +232,27 @@ class Recorder:
         if error is not None:
             dump_on_failure(error)
 
+    def complete(self, i: int | None) -> None:
+        """Mark collective `i` completed without an end time: the path of every
+        synchronous operation that succeeded (one list write; `oldest_running` gives it
+        an end time later). For a failure, or a send or receive, use `settle`."""
+        if i is not None and i >= 0:
+            self.done[i % self.size] = i
+
     def settle_later(self, i: int | None, work: Any) -> None:
         """Settle operation `i` when the (asynchronous) `work` finishes."""
         if i is None:
             return
         work.get_future().add_done_callback(lambda future: self.settle(i, future.exception()))
-        expire = getattr(work, "_on_timeout", None)
-        if expire is not None:
-            # a Work.wait(timeout) that expires raises before the abort fails the work:
-            # settle (and dump) when it expires, so the trace is written before the raise
-
-            def on_timeout(seconds: float) -> BaseException:
-                error = expire(seconds)
-                self.settle(i, error)
-                return error
-
-            work._on_timeout = on_timeout
+        # a Work.wait(timeout) that expires raises before the abort fails the work: settle
+        # (and dump) when it expires, so the trace is written before the raise
+        work.add_timeout_callback(lambda error: self.settle(i, error))
 
     # -- reading the rings (another thread may be recording) -----------------------------
 
     def issued(self, p2p: bool = False) -> int:
         """How many collectives (or sends and receives) were recorded so far."""
-        return int(repr(self._p2p_ids if p2p else self._ids)[6:-1])  # 'count(N)'
+        return self._p2p_issued if p2p else self._issued
 
     def oldest_running(self, cursor: int, p2p: bool, now: int) -> tuple[Any, int]:
         """(the oldest operation still running numbered `cursor` or later, or None; the
@@ -332,7 +355,7 @@ class Recorder:
         return bool(self._errors) or any(not finished for _, finished, _ in self._slots())
 
 
-class _Off(Recorder):
+class OffRecorder(Recorder):
     """The recorder switched off (DISTCOMM_TRACE_BUFFER=0): records nothing."""
 
     __slots__ = ()
@@ -343,8 +366,11 @@ class _Off(Recorder):
     def record_p2p(self, op: str, array: Any, peer: int) -> None:
         return None
 
+    def complete(self, i: int | None) -> None:
+        return None
 
-class _WithStacks(Recorder):
+
+class StackRecorder(Recorder):
     """The recorder that also keeps each call's Python stack (DISTCOMM_DEBUG=DETAIL)."""
 
     __slots__ = ()
@@ -377,15 +403,19 @@ def trace_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank-{rank}.json")
 
 
-def _snapshot(reason: str) -> tuple[int, dict[str, Any]] | None:
-    from ..group import _world
+#: returns (the default group, or None when there is none; every group of the process)
+Groups = Callable[[], tuple[Any, list[Any]]]
+#: the groups `dump` writes, handed over by `install_signal_handlers`
+_groups: Groups = lambda: (None, [])  # noqa: E731  (none before init_process_group)
 
-    world = _world.default
+
+def _snapshot(reason: str) -> tuple[int, dict[str, Any]] | None:
+    world, members = _groups()
     if world is None:
         return None
     groups = []
-    for group in list(_world.groups.values()):
-        recorder = getattr(group, "_trace", None)
+    for group in members:
+        recorder = getattr(group, "recorder", None)
         if not group.is_member or recorder is None:
             continue
         groups.append(
@@ -486,13 +516,12 @@ def dump_trace(directory: str | None = None) -> str:
 def _dump_at_exit() -> None:
     """At exit, dump when an operation did not complete: the process is ending after a
     failure (whose dump, in a backend thread, may not have been written yet)."""
-    from ..group import _world
-
     if not _dump_lock.acquire(timeout=10.0):
         return
     try:
-        groups = list(_world.groups.values())
-        if not any(getattr(g, "_trace", None) and g._trace.unfinished() for g in groups):
+        _, groups = _groups()
+        recorders = [getattr(g, "recorder", None) for g in groups]
+        if not any(r is not None and r.unfinished() for r in recorders):
             return
         dump("exit")
     except Exception as exc:
@@ -536,14 +565,20 @@ def _on_sigusr1(signum: int, frame: Any) -> None:
         previous(signum, frame)
 
 
-def install_signal_handlers() -> None:
+def install_signal_handlers(groups: Groups | None = None) -> None:
     """Dump on SIGTERM and SIGUSR1 when DISTCOMM_TRACE_DIR is set (main thread only, once),
     and at exit when an operation did not complete.
 
     SIGTERM then does what it did before (the previous handler, or ends the process by
     the signal); SIGUSR1 dumps and calls the previous Python handler, if any.
+
+    Args:
+        groups: from now on, what every dump writes (`init_process_group` hands a
+            callable over the world state); None keeps the one handed before.
     """
-    global _installed
+    global _installed, _groups
+    if groups is not None:
+        _groups = groups
     if _trace_dir() is None or _installed:
         return
     _installed = True

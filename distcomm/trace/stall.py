@@ -153,7 +153,7 @@ class StallInspector:
         now = time.monotonic()
         live = set()
         for group in list(self._groups()):
-            recorder = getattr(group, "_trace", None)
+            recorder = getattr(group, "recorder", None)
             if recorder is None or not recorder.size or not group.is_member:
                 continue
             live.add(id(group))
@@ -196,7 +196,7 @@ class StallInspector:
 
     @staticmethod
     def _key(group: Any, group_rank: int) -> str:
-        return f"distcomm/stall/{group._store_key}/{group_rank}"
+        return f"distcomm/stall/{group.store_key}/{group_rank}"
 
     def _publish(self, group: Any, recorder: Any, now_ns: int) -> None:
         to_wall = time.time() - now_ns / _NS
