@@ -1,6 +1,7 @@
-"""The README's code runs as written.
+"""The code of the README and of every docs page runs as written.
 
-Every ```python block runs in a directory of its own, as a file. A block whose first line
+The pages are README.md and every Markdown file under docs/ (the site's pages). Every
+```python block runs in a directory of its own, as a file. A block whose first line
 reads ``# NAME.py: run with  COMMAND`` is saved as NAME.py and started with COMMAND (under
 ``distcomm-run``, ``mpiexec`` or ``python``); any other block runs as ``python block.py``.
 A block that imports CuPy runs only where CuPy has a device (and fails instead of skipping
@@ -11,7 +12,7 @@ The shell blocks (plain ``` fences; ```text marks output) name hosts, clusters a
 this machine may not have, so each of their commands is checked instead: a `distcomm-run`
 line parses with the launcher's own parser and describes a valid configuration, every
 ``python -m MODULE`` names an importable module and every ``python FILE`` a file of the
-repository (or one a Python block above defines), every ``--flag`` given to one of this
+repository (or one a Python block of a page defines), every ``--flag`` given to one of this
 repository's programs is one of its flags, and every ``pip install`` extra exists. The
 commands that can run on one host run for real (`RUN_HERE`), and `.ci/run` runs the
 install, main-job and test lines exactly as the README gives them.
@@ -37,11 +38,14 @@ from tests import mpijobs
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+#: the pages whose blocks run: the README, then the docs pages in path order
+PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]
+TUTORIAL = REPO / "docs" / "tutorial.md"
 CI = REPO / ".ci" / "run"
 
 #: how a block says what starts it: "# first.py: run with  distcomm-run ... first.py"
 HEADER = re.compile(r"#\s*(?P<file>[\w.-]+\.py):\s*run with\s+(?P<command>.+?)\s*$")
-#: placeholders the README's multi-host commands use, and what stands in for them here
+#: placeholders the pages' multi-host commands use, and what stands in for them here
 PLACEHOLDERS = {
     "HOST": "127.0.0.1",
     "ETCD_HOST": "127.0.0.1",
@@ -49,7 +53,7 @@ PLACEHOLDERS = {
     "$SLURM_JOB_ID": "1",
     "N": "2",
 }
-#: shell commands of the README that one host can run, run for real (each must be in it)
+#: shell commands of the pages that one host can run, run for real (each must be in one)
 RUN_HERE = [
     "distcomm-run --standalone --nproc_per_node=4 -m distcomm.examples.quickstart --steps 300",
     "mpiexec -n 4 python -m distcomm.examples.quickstart --backend mpi",
@@ -62,18 +66,20 @@ TIMEOUT = 240.0
 
 @dataclass(frozen=True)
 class Block:
+    page: str  # the file, relative to the repository: "README.md", "docs/tutorial.md"
     line: int  # of the opening fence, 1-based
     info: str  # the fence's language ("" for shell commands)
     text: str
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
 
-def read_blocks() -> list[Block]:
+def read_blocks(path: Path) -> list[Block]:
+    page = str(path.relative_to(REPO))
     found, opened, info, lines = [], None, "", []
-    for number, line in enumerate(README.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.startswith("```"):
             if opened is not None:
                 lines.append(line)
@@ -81,24 +87,25 @@ def read_blocks() -> list[Block]:
         if opened is None:
             opened, info, lines = number, line[3:].strip(), []
         else:
-            found.append(Block(opened, info, "\n".join(lines) + "\n"))
+            found.append(Block(page, opened, info, "\n".join(lines) + "\n"))
             opened = None
-    assert opened is None, f"README.md:{opened}: a code fence is never closed"
+    assert opened is None, f"{page}:{opened}: a code fence is never closed"
     return found
 
 
-BLOCKS = read_blocks()
+BLOCKS = [block for page in PAGES for block in read_blocks(page)]
 PYTHON = [b for b in BLOCKS if b.info == "python"]
 SHELL = [b for b in BLOCKS if b.info in ("", "sh", "bash")]
+README_SHELL = [b for b in SHELL if b.page == "README.md"]
 
 
-def test_the_readme_has_only_known_kinds_of_block():
+def test_the_pages_have_only_known_kinds_of_block():
     kinds = {b.info for b in BLOCKS}
     assert kinds <= {"", "sh", "bash", "python", "text"}, kinds
 
 
 def test_the_first_example_uses_the_launcher():
-    first = PYTHON[0]
+    first = next(b for b in PYTHON if b.page == str(TUTORIAL.relative_to(REPO)))
     header = HEADER.match(first.text.splitlines()[0])
     assert header and header["command"].startswith("distcomm-run "), first.text
     assert "init_process_group()" in first.text, first.text
@@ -242,7 +249,7 @@ def _check_flags(program: tuple[str, ...], args: list[str], where: str) -> None:
 
 
 def _defined_files() -> set[str]:
-    """The file names the README's Python blocks declare (first.py, worker.py, ...)."""
+    """The file names the pages' Python blocks declare (first.py, worker.py, ...)."""
     names = set()
     for block in PYTHON:
         header = HEADER.match(block.text.splitlines()[0])
@@ -324,7 +331,7 @@ def test_shell_block_names_real_programs_and_flags(block):
 
 
 def test_ci_runs_the_readme_install_main_job_and_tests():
-    install, tests = SHELL[0], SHELL[1]
+    install, tests = README_SHELL[0], README_SHELL[1]
     ci = CI.read_text()
     setup, _, job = install.text.strip().partition(" && ")
     for line in (setup, job, tests.text.strip()):
@@ -333,7 +340,7 @@ def test_ci_runs_the_readme_install_main_job_and_tests():
 
 @pytest.mark.parametrize("line", RUN_HERE)
 def test_shell_command_runs_here(line, tmp_path):
-    assert any(line in _lines(b) for b in SHELL), f"the README no longer has `{line}`"
+    assert any(line in _lines(b) for b in SHELL), f"no page has `{line}` any more"
     env = mpijobs.job_env(TMPDIR=str(tmp_path))
     argv = shlex.split(line)
     while "=" in argv[0]:
@@ -349,17 +356,40 @@ def test_shell_command_runs_here(line, tmp_path):
 
 def test_the_first_mpiexec_example_says_how_to_keep_a_job_on_loopback():
     # MPICH picks a network interface by itself; a first run on a laptop or in a container
-    # needs the hint where the first mpiexec command is, not hundreds of lines later
-    lines = README.read_text().splitlines()
+    # needs the hint where the first mpiexec command is, not hundreds of lines later: the
+    # first a reader meets is in the backends page's mpi section
+    lines = (REPO / "docs" / "backends.md").read_text().splitlines()
     first = next(i for i, line in enumerate(lines) if re.match(r"(mpiexec|mpirun) ", line))
     nearby = "\n".join(lines[first:first + 15])
     assert "HYDRA_IFACE=lo UCX_NET_DEVICES=lo" in nearby, nearby
 
 
-def test_the_readme_says_how_to_write_the_loop_without_ddp_or_a_sampler():
-    section = README.read_text().split("### Data parallelism without DDP or DistributedSampler", 1)
-    assert len(section) == 2, "README lacks the section on data parallelism without DDP"
-    body = section[1].split("\n## ", 1)[0]
+def test_the_docs_say_how_to_write_the_loop_without_ddp_or_a_sampler():
+    text = TUTORIAL.read_text()
+    section = re.split(r"^(#+) Data parallelism without DDP or DistributedSampler$", text,
+                       maxsplit=1, flags=re.M)
+    assert len(section) == 3, "the tutorial lacks the section on data parallelism without DDP"
+    level, body, fenced = len(section[1]), [], False
+    for line in section[2].splitlines():  # up to the next heading of its level or above
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(rf"#{{1,{level}}} ", line):
+            break
+        body.append(line)
+    body = "\n".join(body)
     block = next(b for b in PYTHON if b.text in body)
     for call in ("dist.broadcast(", "dist.all_reduce(", "ReduceOp.AVG", "permutation("):
         assert call in block.text, call
+
+
+def test_every_public_module_has_a_reference_entry():
+    """The API reference (docs/reference/, rendered by mkdocstrings) covers every module of
+    the public-modules table; `distcomm` itself through the hook's marker."""
+    table = re.search(r"<!-- public-modules -->\n(.*?)\n<!-- /public-modules -->",
+                      (REPO / "docs" / "api.md").read_text(), re.S)
+    assert table, "docs/api.md lacks the <!-- public-modules --> section"
+    listed = re.findall(r"^\| `([a-z_.]+)` \|", table.group(1), re.M)
+    text = "\n".join(p.read_text() for p in sorted((REPO / "docs" / "reference").glob("*.md")))
+    covered = set(re.findall(r"^::: ([\w.]+)$", text, re.M))
+    if "<!-- reference: distcomm -->" in text:
+        covered.add("distcomm")
+    assert not set(listed) - covered, sorted(set(listed) - covered)
