@@ -1,12 +1,5 @@
 """The `nccl` backend: CuPy arrays through NCCL (CuPy's `cupy.cuda.nccl` bindings).
 
-Communicator: created on a group's first operation (every rank of the group issues it),
-on the device of that operation's array. Rank 0 makes the unique id and puts it in the
-group's store; the others read it; then every rank registers itself in the store and
-waits (with the group timeout) until all have, so a missing rank is reported instead of
-hanging in ncclCommInitRank. Each group, subgroups included, has its own unique id and
-communicator (CuPy's `commSplit` would need every rank of the parent, members or not).
-
 Streams and completion (torch's semantics): each group runs its operations on its own
 non-blocking CUDA stream, which first waits for the caller's current stream, so kernels
 queued before the call (producers) are ordered before the collective. The returned
@@ -31,16 +24,13 @@ matched in the order they were posted; tags are accepted and ignored (as with to
 NCCL), and a receive must name its source. `batch_isend_irecv` runs as one NCCL group.
 Dtypes and reductions NCCL lacks are mapped as `distcomm.gpu.nccl` describes.
 
-With DISTCOMM_DEBUG=DETAIL every collective first compares its signature (op, dtype,
-count, reduce op, root) with every rank's through the store, so a mismatch raises
-`DistBackendError` naming both sides instead of hanging in NCCL.
+The communicator's life (made on a group's first operation, each group its own; aborted
+or destroyed with the group) and the DISTCOMM_DEBUG=DETAIL signature check are
+`nccl_comm.NcclCommunicator`, a mixin of `NcclBackend`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -48,34 +38,27 @@ from contextlib import contextmanager
 from typing import Any
 
 from .. import config
-from ..deadline import Deadline
 from ..errors import (
     BackendUnavailableError,
     DistBackendError,
     DistError,
-    DistTimeoutError,
-    GroupDestroyedError,
 )
 from ..gpu import nccl as nccl_types
 from ..gpu import runtime
+from ..launcher_env import node_local_rank
 from ..ops import ReduceOp, average_into
 from ..store.base import Store
 from ..store.prefix import PrefixStore
-from ..store.ranks import wait_for_ranks
 from ..work import Work
 from .base import Backend, setup_round
-from .engine.protocol import Signature, mismatch_message
+from .engine.protocol import Signature
+from .nccl_comm import NcclCommunicator
 from .nccl_watch import NcclWatchdog, NcclWork
 
 __all__ = ["NcclBackend", "NcclWork"]
 
-log = logging.getLogger(__name__)
 
-#: how long destroying a group waits for an abort under way (it waits for the GPU)
-_ABORT_WAIT = 60.0
-
-
-class NcclBackend(Backend):
+class NcclBackend(NcclCommunicator, Backend):
     """Collectives on CuPy arrays through NCCL, one communicator and CUDA stream per group."""
 
     name = "nccl"
@@ -93,8 +76,9 @@ class NcclBackend(Backend):
             return str(exc)
         return ""
 
-    def __init__(self, store: Store, rank: int, size: int, timeout: float,
-                 group_name: str = "") -> None:
+    def __init__(
+        self, store: Store, rank: int, size: int, timeout: float, group_name: str = ""
+    ) -> None:
         super().__init__(store, rank, size, timeout, group_name)
         self._nccl, self._version = nccl_types.import_nccl()
         # a group re-created on the same store (re-initialisation) gets keys of its own:
@@ -104,11 +88,12 @@ class NcclBackend(Backend):
         cfg = config.load()
         self._blocking_wait = cfg.nccl_blocking_wait
         self._detail = cfg.debug == "DETAIL"
-        if runtime.chosen_device() is None and os.environ.get("LOCAL_RANK", "").strip():
+        if runtime.chosen_device() is None and node_local_rank() is not None:
             runtime.set_device(runtime.current_device())  # one GPU per launcher worker
         self._issue = threading.RLock()  # operations are issued one at a time, in order
-        self._watch = NcclWatchdog(self.store, rank, timeout, self.describe, self.group_name,
-                                   self._detail)
+        self._watch = NcclWatchdog(
+            self.store, rank, timeout, self.describe, self.group_name, self._detail
+        )
         self._comm: Any = None
         self._device: Any = None
         self._stream: Any = None
@@ -119,104 +104,7 @@ class NcclBackend(Backend):
         self._caller_event: Any = None  # records the caller's stream for _follow_caller
         self._plans: dict[tuple[Any, ReduceOp], tuple[Any, int, Any, str]] = {}
 
-    # -- the communicator ---------------------------------------------------------------------
-
-    def connect(self) -> None:
-        """Create the communicator now, on the current GPU (init_process_group(device_id=)),
-        instead of at the first operation."""
-        with self._issue:
-            self._ensure(runtime.current_device(), "init_process_group(device_id=...)")
-
-    def _ensure(self, device_id: int, what: str) -> Any:
-        """The communicator (created on `device_id` on first use); checks the device."""
-        if self._comm is not None:
-            if device_id != self._device.id:
-                raise ValueError(
-                    f"{self.describe(what)}: the array is on GPU {device_id}, but this "
-                    f"group's NCCL communicator was created on GPU {self._device.id} (its "
-                    "first operation's device); use arrays on one GPU per process "
-                    "(distcomm.gpu.set_device)")
-            return self._comm
-        cupy = self._cupy
-        device = cupy.cuda.Device(device_id)
-        deadline = Deadline(self.timeout)
-        uid = self._unique_id(deadline)
-        bus = self._register(device_id, deadline)
-        with device:
-            try:
-                comm = nccl_types.create_communicator(self._nccl, self.size, uid, self.rank)
-            except Exception as exc:  # NcclError
-                raise DistBackendError(self._init_failure(exc, bus)) from exc
-            stream = cupy.cuda.Stream(non_blocking=True)
-        self._comm, self._device, self._stream = comm, device, stream
-        self._watch.start(comm, device)
-        log.info("%s: NCCL %s communicator of %d ranks on GPU %d (%s)",
-                 self.describe("init"), ".".join(map(str, self._version)), self.size,
-                 device_id, bus)
-        return comm
-
-    def _unique_id(self, deadline: Deadline) -> bytes:
-        if self.rank == 0:
-            data = nccl_types.unique_id_bytes(self._nccl.get_unique_id())
-            self.store.set("uid", data)
-            return data
-        self._wait_for_ranks({0: "uid"}, deadline, "published the NCCL unique id")
-        return nccl_types.unique_id_bytes(self.store.get("uid"))
-
-    def _register(self, device_id: int, deadline: Deadline) -> str:
-        """Say which GPU this rank uses and wait until every rank has said so."""
-        bus = str(self._cupy.cuda.runtime.deviceGetPCIBusId(device_id))
-        self.store.set(f"gpu/{self.rank}", f"{socket.gethostname()} {bus}")
-        self._wait_for_ranks({r: f"gpu/{r}" for r in range(self.size)}, deadline,
-                             "said which GPU it joins the NCCL communicator with")
-        return bus
-
-    def _init_failure(self, exc: BaseException, bus: str) -> str:
-        text = f"{self.describe('init')}: ncclCommInitRank failed: {exc}"
-        gpus = [v.decode() for v in self.store.multi_get(
-            [f"gpu/{r}" for r in range(self.size)])]
-        shared = [r for r, v in enumerate(gpus) if v == gpus[self.rank] and r != self.rank]
-        if shared:
-            text += (f". Ranks {shared} use the same GPU ({bus}) as this rank; NCCL needs one "
-                     "GPU per rank: call distcomm.gpu.set_device(local_rank) before the first "
-                     "operation, set CUDA_VISIBLE_DEVICES per rank, or start at most as many "
-                     "ranks per node as it has GPUs")
-        return text
-
-    def _wait_for_ranks(self, keys: dict[int, str], deadline: Deadline, arrived: str) -> None:
-        """Wait for the ranks of `keys` to set them, warning while some are late and
-        naming them (not the keys) at the timeout."""
-        wait_for_ranks(
-            self.store, keys, deadline, self.describe("init"), arrived=arrived,
-            hint="did every rank of the group issue the same first GPU operation (the "
-                 "NCCL communicator is made by a group's first operation on a CuPy array)?")
-
     # -- issuing operations -------------------------------------------------------------------
-
-    def _check_signature(self, seq: int, signature: Signature, description: str) -> None:
-        """DETAIL mode: compare this collective's signature with every rank's, by store."""
-        self.store.set(f"sig/{seq}/{self.rank}", signature.to_text())
-        keys = [f"sig/{seq}/{r}" for r in range(self.size)]
-        try:
-            self.store.wait(keys, self.timeout)
-        except DistTimeoutError as exc:
-            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            error = DistTimeoutError(
-                f"{description}: ranks {missing} did not reach collective #{seq} within "
-                f"{self.timeout:.0f} s (DISTCOMM_DEBUG=DETAIL signature check); the group "
-                "is aborted, so a late rank cannot enter NCCL alone")
-            self.store.delete_key(f"sig/{seq}/{self.rank}")  # a late rank waits, then fails
-            self._watch.fail(error)
-            raise error from exc
-        if self._watch.abort_notice():  # another rank gave up on this group meanwhile
-            self._watch.raise_if_failed(description)
-        for peer, value in enumerate(self.store.multi_get(keys)):
-            theirs = Signature.from_text(value.decode())
-            if theirs != signature:
-                raise DistBackendError(
-                    mismatch_message(self.rank, self.size, seq, signature, peer, theirs))
-        if seq > 1:  # every rank has passed collective seq - 1's check: its key is read
-            self.store.delete_key(f"sig/{seq - 1}/{self.rank}")
 
     def _device_id(self, array: Any, op: str) -> int:
         """The GPU of a CuPy array; TypeError for anything else."""
@@ -224,13 +112,21 @@ class NcclBackend(Backend):
             raise TypeError(
                 f"{self.describe(op)}: the nccl backend takes CuPy arrays, got "
                 f"{type(array).__module__}.{type(array).__name__}; use a group with a CPU "
-                "backend for host arrays, e.g. backend='cpu:gloo,cuda:nccl'")
+                "backend for host arrays, e.g. backend='cpu:gloo,cuda:nccl'"
+            )
         return runtime.device_of(array)
 
-    def _issue_op(self, op: str, device_id: int, launch: Callable[[Any, int], None],
-                  outputs: list[Any], keep: list[Any],
-                  signature: Callable[[], Signature] | None = None,
-                  host_wait: bool = False, source_rank: int = -1) -> NcclWork:
+    def _issue_op(
+        self,
+        op: str,
+        device_id: int,
+        launch: Callable[[Any, int], None],
+        outputs: list[Any],
+        keep: list[Any],
+        signature: Callable[[], Signature] | None = None,
+        host_wait: bool = False,
+        source_rank: int = -1,
+    ) -> NcclWork:
         """Queue `launch(comm, stream_ptr)` on the group's stream; the Work of the operation.
 
         `signature` (collectives) makes the op's signature, which is checked against every
@@ -263,13 +159,26 @@ class NcclBackend(Backend):
                     self._watch.track([work])
             return work
 
-    def _work(self, description: str, outputs: list[Any], keep: list[Any],
-              host_wait: bool = False, source_rank: int = -1) -> NcclWork:
+    def _work(
+        self,
+        description: str,
+        outputs: list[Any],
+        keep: list[Any],
+        host_wait: bool = False,
+        source_rank: int = -1,
+    ) -> NcclWork:
         """The Work of an operation being issued (`host_wait`: its wait() blocks the host,
         as every one does with DISTCOMM_NCCL_BLOCKING_WAIT=1)."""
-        return NcclWork(self._watch, self._cupy, description, outputs, keep,
-                        host_wait=host_wait or self._blocking_wait, source_rank=source_rank,
-                        then=self._then)
+        return NcclWork(
+            self._watch,
+            self._cupy,
+            description,
+            outputs,
+            keep,
+            host_wait=host_wait or self._blocking_wait,
+            source_rank=source_rank,
+            then=self._then,
+        )
 
     def _follow_caller(self) -> None:
         """Make the group's stream wait for the work queued so far on the caller's stream."""
@@ -291,8 +200,7 @@ class NcclBackend(Backend):
         self._watch.fail(error)
         return error
 
-    def _then(self, inner: NcclWork, finalize: Callable[[], None],
-              outputs: list[Any]) -> NcclWork:
+    def _then(self, inner: NcclWork, finalize: Callable[[], None], outputs: list[Any]) -> NcclWork:
         with self._issue:
             self._watch.raise_if_failed(inner.description)
             # `finalize` holds the buffers it copies from: they live until the copies ran
@@ -325,8 +233,7 @@ class NcclBackend(Backend):
                     try:
                         self._nccl.groupEnd()
                     except Exception as exc:
-                        raise self._launch_failed(self.describe("batch_isend_irecv"),
-                                                  exc) from exc
+                        raise self._launch_failed(self.describe("batch_isend_irecv"), exc) from exc
                     finally:
                         self._watch.launch_ended()
                     for work in works:
@@ -347,9 +254,14 @@ class NcclBackend(Backend):
             if count:
                 comm.broadcast(array.data.ptr, array.data.ptr, count, dt, root, stream)
 
-        return self._issue_op("broadcast", self._device_id(array, "broadcast"),
-                              launch, [array], [array],
-                              lambda: Signature.of("broadcast", array, root=root))
+        return self._issue_op(
+            "broadcast",
+            self._device_id(array, "broadcast"),
+            launch,
+            [array],
+            [array],
+            lambda: Signature.of("broadcast", array, root=root),
+        )
 
     def _reduction(self, op: ReduceOp, array: Any, where: str) -> tuple[Any, int, Any, str]:
         """(NCCL type, elements per array element, NCCL op, post step) of a reduction,
@@ -358,8 +270,12 @@ class NcclBackend(Backend):
         found = self._plans.get(key)
         if found is None:
             plan = nccl_types.reduction(array.dtype, op, self._version, where, self.size)
-            found = (getattr(self._nccl, plan.dtype), plan.factor,
-                     getattr(self._nccl, plan.op), plan.post)
+            found = (
+                getattr(self._nccl, plan.dtype),
+                plan.factor,
+                getattr(self._nccl, plan.op),
+                plan.post,
+            )
             self._plans[key] = found
         return found
 
@@ -384,9 +300,14 @@ class NcclBackend(Backend):
                 comm.allReduce(array.data.ptr, array.data.ptr, count, dt, nop, stream)
                 self._post(post, array)
 
-        return self._issue_op("all_reduce", self._device_id(array, "all_reduce"),
-                              launch, [array], [array],
-                              lambda: Signature.of("all_reduce", array, op))
+        return self._issue_op(
+            "all_reduce",
+            self._device_id(array, "all_reduce"),
+            launch,
+            [array],
+            [array],
+            lambda: Signature.of("all_reduce", array, op),
+        )
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
         dt, factor, nop, post = self._reduction(op, array, "reduce")
@@ -398,8 +319,14 @@ class NcclBackend(Backend):
                 if self.rank == root:
                     self._post(post, array)
 
-        return self._issue_op("reduce", self._device_id(array, "reduce"), launch, [array], [array],
-                              lambda: Signature.of("reduce", array, op, root))
+        return self._issue_op(
+            "reduce",
+            self._device_id(array, "reduce"),
+            launch,
+            [array],
+            [array],
+            lambda: Signature.of("reduce", array, op, root),
+        )
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         dt, count = self._moved(input)
@@ -408,11 +335,18 @@ class NcclBackend(Backend):
             if count:
                 comm.allGather(input.data.ptr, output.data.ptr, count, dt, stream)
 
-        return self._issue_op("all_gather", self._device_id(input, "all_gather"), launch, [output],
-                              [output, input], lambda: Signature.of("all_gather", input))
+        return self._issue_op(
+            "all_gather",
+            self._device_id(input, "all_gather"),
+            launch,
+            [output],
+            [output, input],
+            lambda: Signature.of("all_gather", input),
+        )
 
-    def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
-                       async_op: bool = False) -> Work:
+    def reduce_scatter(
+        self, output: Any, input: Any, op: ReduceOp, *, async_op: bool = False
+    ) -> Work:
         dt, factor, nop, post = self._reduction(op, output, "reduce_scatter")
         count = output.size * factor
 
@@ -421,17 +355,27 @@ class NcclBackend(Backend):
                 comm.reduceScatter(input.data.ptr, output.data.ptr, count, dt, nop, stream)
                 self._post(post, output)
 
-        return self._issue_op("reduce_scatter", self._device_id(output, "reduce_scatter"),
-                              launch, [output],
-                              [output, input], lambda: Signature.of("reduce_scatter", output, op))
+        return self._issue_op(
+            "reduce_scatter",
+            self._device_id(output, "reduce_scatter"),
+            launch,
+            [output],
+            [output, input],
+            lambda: Signature.of("reduce_scatter", output, op),
+        )
 
     def _copy(self, dst: Any, src: Any) -> None:
         """Copy `src` into `dst` (same size) on the group's stream."""
         if dst.nbytes and dst.data.ptr != src.data.ptr:
             dst.data.copy_from_device_async(src.data, dst.nbytes, self._stream)
 
-    def _grouped_p2p(self, comm: Any, sends: Sequence[tuple[int, Any]],
-                     recvs: Sequence[tuple[int, Any]], stream: int) -> None:
+    def _grouped_p2p(
+        self,
+        comm: Any,
+        sends: Sequence[tuple[int, Any]],
+        recvs: Sequence[tuple[int, Any]],
+        stream: int,
+    ) -> None:
         """Post `sends` and `recvs` ((peer, array) pairs) as one NCCL group."""
         if not any(a.size for _, a in (*sends, *recvs)):
             return
@@ -449,63 +393,98 @@ class NcclBackend(Backend):
         finally:
             nccl.groupEnd()
 
-    def gather(self, output: Any | None, input: Any, root: int, *,
-               async_op: bool = False) -> Work:
+    def gather(self, output: Any | None, input: Any, root: int, *, async_op: bool = False) -> Work:
         m = input.size
 
         def launch(comm: Any, stream: int) -> None:
             if self.rank != root:
                 self._grouped_p2p(comm, [(root, input)], [], stream)
                 return
-            self._copy(output[root * m:(root + 1) * m], input)
-            self._grouped_p2p(comm, [], [(p, output[p * m:(p + 1) * m])
-                                         for p in range(self.size) if p != root], stream)
+            self._copy(output[root * m : (root + 1) * m], input)
+            self._grouped_p2p(
+                comm,
+                [],
+                [(p, output[p * m : (p + 1) * m]) for p in range(self.size) if p != root],
+                stream,
+            )
 
         outputs = [output] if output is not None else []
-        return self._issue_op("gather", self._device_id(input, "gather"), launch, outputs,
-                              [*outputs, input], lambda: Signature.of("gather", input, root=root))
+        return self._issue_op(
+            "gather",
+            self._device_id(input, "gather"),
+            launch,
+            outputs,
+            [*outputs, input],
+            lambda: Signature.of("gather", input, root=root),
+        )
 
-    def scatter(self, output: Any, input: Any | None, root: int, *,
-                async_op: bool = False) -> Work:
+    def scatter(self, output: Any, input: Any | None, root: int, *, async_op: bool = False) -> Work:
         m = output.size
 
         def launch(comm: Any, stream: int) -> None:
             if self.rank != root:
                 self._grouped_p2p(comm, [], [(root, output)], stream)
                 return
-            self._copy(output, input[root * m:(root + 1) * m])
-            self._grouped_p2p(comm, [(p, input[p * m:(p + 1) * m])
-                                     for p in range(self.size) if p != root], [], stream)
+            self._copy(output, input[root * m : (root + 1) * m])
+            self._grouped_p2p(
+                comm,
+                [(p, input[p * m : (p + 1) * m]) for p in range(self.size) if p != root],
+                [],
+                stream,
+            )
 
         keep = [output] if input is None else [output, input]
-        return self._issue_op("scatter", self._device_id(output, "scatter"), launch, [output], keep,
-                              lambda: Signature.of("scatter", output, root=root))
+        return self._issue_op(
+            "scatter",
+            self._device_id(output, "scatter"),
+            launch,
+            [output],
+            keep,
+            lambda: Signature.of("scatter", output, root=root),
+        )
 
-    def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
-                   input_splits: Sequence[int], *, async_op: bool = False) -> Work:
+    def all_to_all(
+        self,
+        output: Any,
+        input: Any,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        async_op: bool = False,
+    ) -> Work:
         me = self.rank
         if input_splits[me] != output_splits[me]:
             raise ValueError(
                 f"all_to_all: this rank sends {input_splits[me]} elements to itself but "
                 f"expects {output_splits[me]} from itself; input_split_sizes[{me}] and "
-                f"output_split_sizes[{me}] must match")
+                f"output_split_sizes[{me}] must match"
+            )
         in_at = [sum(input_splits[:p]) for p in range(self.size)]
         out_at = [sum(output_splits[:p]) for p in range(self.size)]
 
         def piece(array: Any, at: list[int], splits: Sequence[int], p: int) -> Any:
-            return array[at[p]:at[p] + splits[p]]
+            return array[at[p] : at[p] + splits[p]]
 
         def launch(comm: Any, stream: int) -> None:
-            self._copy(piece(output, out_at, output_splits, me),
-                       piece(input, in_at, input_splits, me))
+            self._copy(
+                piece(output, out_at, output_splits, me), piece(input, in_at, input_splits, me)
+            )
             peers = [p for p in range(self.size) if p != me]
-            self._grouped_p2p(comm, [(p, piece(input, in_at, input_splits, p)) for p in peers],
-                              [(p, piece(output, out_at, output_splits, p)) for p in peers],
-                              stream)
+            self._grouped_p2p(
+                comm,
+                [(p, piece(input, in_at, input_splits, p)) for p in peers],
+                [(p, piece(output, out_at, output_splits, p)) for p in peers],
+                stream,
+            )
 
-        return self._issue_op("all_to_all", self._device_id(input, "all_to_all"), launch, [output],
-                              [output, input],
-                              lambda: Signature.of("all_to_all", input, count=-1))
+        return self._issue_op(
+            "all_to_all",
+            self._device_id(input, "all_to_all"),
+            launch,
+            [output],
+            [output, input],
+            lambda: Signature.of("all_to_all", input, count=-1),
+        )
 
     def send(self, array: Any, dst: int, tag: int) -> Work:
         dt, count = self._moved(array)
@@ -519,15 +498,17 @@ class NcclBackend(Backend):
     def recv(self, array: Any, src: int | None, tag: int) -> Work:
         if src is None:
             raise ValueError(
-                "recv: NCCL cannot receive from any source; pass src (the sending rank)")
+                "recv: NCCL cannot receive from any source; pass src (the sending rank)"
+            )
         dt, count = self._moved(array)
 
         def launch(comm: Any, stream: int) -> None:
             if count:
                 comm.recv(array.data.ptr, count, dt, src, stream)
 
-        return self._issue_op("recv", self._device_id(array, "recv"), launch, [array], [array],
-                              source_rank=src)
+        return self._issue_op(
+            "recv", self._device_id(array, "recv"), launch, [array], [array], source_rank=src
+        )
 
     def barrier(self, *, async_op: bool = False) -> Work:
         return self.barrier_on(None, async_op=async_op)
@@ -549,30 +530,12 @@ class NcclBackend(Backend):
         def launch(comm: Any, stream: int) -> None:
             comm.allReduce(buffer.data.ptr, buffer.data.ptr, 1, dt, op, stream)
 
-        return self._issue_op("barrier", self._device_id(buffer, "barrier"), launch, [], [buffer],
-                              lambda: Signature.of("barrier"), host_wait=True)
-
-    # -- teardown -----------------------------------------------------------------------------
-
-    def abort(self, reason: str) -> None:
-        self._watch.fail(DistBackendError(reason))
-
-    def shutdown(self) -> None:
-        pending = self._watch.stop()
-        if pending is None:  # shut down already
-            return
-        # ncclCommDestroy would wait for stuck operations: abort those instead
-        self._watch.release(abort=bool(pending) or self._watch.failure is not None)
-        self._watch.finish_abort(_ABORT_WAIT)
-        self._comm = None
-        for work in pending:
-            try:
-                work.fail(GroupDestroyedError(
-                    f"{work.description}: the process group was destroyed before the "
-                    "operation finished"))
-            except RuntimeError:  # it completed meanwhile
-                pass
-        self._watch.forget()
-        self._barrier_buffer = None
-        self._caller_event = None
-        self._stream = None
+        return self._issue_op(
+            "barrier",
+            self._device_id(buffer, "barrier"),
+            launch,
+            [],
+            [buffer],
+            lambda: Signature.of("barrier"),
+            host_wait=True,
+        )

@@ -12,6 +12,8 @@ without an answer (a chair that died holding it lost it).
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -24,6 +26,8 @@ from .slot import StateSlot
 from .state import Limits, RendezvousState, summarize
 
 __all__ = ["ChairClient"]
+
+log = logging.getLogger("distcomm.launch.rendezvous")
 
 
 class ChairClient:
@@ -90,6 +94,30 @@ class ChairClient:
                 pass
         return summarize(self.stored_state(), self._limits)
 
+    def look_for_last_call(self) -> None:
+        """Log a warning when the round waits out its last call (how many nodes joined, how
+        long the wait still is, how to shorten it), from one read of the summary; a join
+        calls it once it has waited a moment."""
+        seen = self.summary()
+        if not seen.get("last_call") or seen.get("deadline") is None:
+            return
+        limits, joined = self._limits, seen.get("joined")
+        left = max(0.0, float(seen["deadline"]) - time.time())  # type: ignore[arg-type]
+        log.warning(
+            "%s: %d node(s) joined round %d (--nnodes=%d:%d); waiting up to %s s "
+            "(--rdzv_conf last_call_timeout=%g) for more before starting the workers; "
+            "pass --nnodes=%d to start at once with these nodes, or a shorter "
+            "last_call_timeout",
+            self._where,
+            joined,
+            seen.get("round"),
+            limits.min_nodes,
+            limits.max_nodes,
+            f"{left:.0f}" if left >= 10 else f"{left:.1f}",
+            limits.last_call_timeout,
+            joined,
+        )
+
     def write_closed(self, deadline: Deadline) -> None:
         """Mark the rendezvous closed: its ``closed`` key, then the state and its summary
         (the one write of the state by a node that may not hold the chair: a compare-and-
@@ -149,7 +177,10 @@ class ChairClient:
         self._asked_chair = self._chair_seen()
 
     def await_answer(
-        self, request: Request, deadline: Deadline, first: float | None = None,
+        self,
+        request: Request,
+        deadline: Deadline,
+        first: float | None = None,
         on_first: Callable[[], None] | None = None,
     ) -> dict[str, object] | None:
         """Wait for the chair's answer to `request` until `deadline`; None when none came.

@@ -12,7 +12,8 @@ hundred nodes). The handler here is the imperative shell over three rooms, with 
 - `client.py`, what the node asks the chair and reads: joining is one push of the
   request, one blocking wait for the answer (a second one when the round takes longer
   than keep_alive_interval * keep_alive_max_attempt), one read; `watch()` /
-  `num_nodes_waiting()` one read of the chair's summary, a few dozen bytes;
+  `num_nodes_waiting()` (and the warning of a join that waits out a last call) one read
+  of the chair's summary, a few dozen bytes;
 - `keeper.py`, the node's heartbeat thread: each keep_alive_interval one write of the
   node's heartbeat key and, every other interval, one read of the chair's key (taking the
   chair when it is vacant or its holder went silent);
@@ -55,7 +56,8 @@ The state blob may instead live in a torch-style `RendezvousBackend`
 chair reads and writes it through the backend's token-CAS (`slot.BackendSlot`), while
 requests, heartbeats, the summary and answers still go through `store`, so the costs above
 are unchanged and the backend sees O(1) calls per change, from one node. The functions that
-build a handler from `RendezvousParameters` are in `dynamic_rendezvous.py`, torch's module.
+build a handler from `RendezvousParameters` are in `dynamic_rendezvous.py`, torch's module;
+the checks of the handler's arguments, and its `HandlerSettings`, in `settings.py`.
 
 Each completed round gets its own namespace, ``PrefixStore("/rdzv/<run_id>/round_<N>")``,
 and the run one for all rounds, ``PrefixStore("/rdzv/<run_id>/run")``; old rounds' keys,
@@ -69,14 +71,11 @@ import itertools
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
 from ... import config
-from ...config import positive_seconds
 from ...deadline import Deadline
 from ...errors import DistError, DistStoreTimeoutError
 from ...store import Store
@@ -90,11 +89,11 @@ from .api import (
     RendezvousTimeout,
     RendezvousTimeoutError,
     RoundView,
-    check_node_counts,
 )
 from .chair import Keys, Request
 from .client import ChairClient
 from .keeper import Keeper
+from .settings import HandlerSettings, check_max_attempt, check_run, check_seconds
 from .slot import BackendSlot, StateSlot, StoreSlot
 from .state import Limits, RendezvousState
 
@@ -110,22 +109,6 @@ _FIRST_LOOK = 0.25
 
 #: node ids of this process's handlers end with this counter, so each is unique
 _node_counter = itertools.count()
-
-
-def _check_seconds(name: str, value: float) -> float:
-    return positive_seconds(f"--rdzv_conf {name}", value, text=False)
-
-
-@dataclass(frozen=True)
-class HandlerSettings:
-    """A dynamic handler's settings (torch's handler has them as ``settings``)."""
-
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    timeout: RendezvousTimeout
-    keep_alive_interval: timedelta
-    keep_alive_max_attempt: int
 
 
 class DynamicRendezvousHandler(RendezvousHandler):
@@ -177,20 +160,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         hosts_store: bool = False,
         state_backend: RendezvousBackend | None = None,
     ) -> None:
-        check_node_counts(min_nodes, max_nodes)
-        if not isinstance(run_id, str) or not run_id:
-            raise ValueError(f"--rdzv_id must be a non-empty string, got {run_id!r}")
+        check_run(run_id, min_nodes, max_nodes)
         if not isinstance(store, Store):
             raise TypeError(f"the rendezvous needs a distcomm Store, got {type(store).__name__}")
-        if (
-            isinstance(keep_alive_max_attempt, bool)
-            or not isinstance(keep_alive_max_attempt, int)
-            or keep_alive_max_attempt < 1
-        ):
-            raise ValueError(
-                f"--rdzv_conf keep_alive_max_attempt={keep_alive_max_attempt!r} "
-                "must be a whole number >= 1"
-            )
         if state_backend is not None and not isinstance(state_backend, RendezvousBackend):
             raise TypeError(
                 f"the rendezvous state backend must be a RendezvousBackend (get_state, "
@@ -199,16 +171,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._run_id = run_id
         self._store = store
         self._backend = backend_name
-        self._join_timeout = _check_seconds("join_timeout", join_timeout)
-        self._close_timeout = _check_seconds("close_timeout", close_timeout)
-        self._interval = _check_seconds("keep_alive_interval", keep_alive_interval)
+        self._join_timeout = check_seconds("join_timeout", join_timeout)
+        self._close_timeout = check_seconds("close_timeout", close_timeout)
+        self._interval = check_seconds("keep_alive_interval", keep_alive_interval)
+        self._max_attempts = check_max_attempt(keep_alive_max_attempt)
         self._limits = Limits(
             min_nodes=min_nodes,
             max_nodes=max_nodes,
-            last_call_timeout=_check_seconds("last_call_timeout", last_call_timeout),
-            dead_after=self._interval * keep_alive_max_attempt,
+            last_call_timeout=check_seconds("last_call_timeout", last_call_timeout),
+            dead_after=self._interval * self._max_attempts,
         )
-        self._max_attempts = keep_alive_max_attempt
         self._share_store = not config.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
         self._timeout: RendezvousTimeout | None = None  # the one from_backend was given
         self._bootstrap_address = bootstrap_address
@@ -216,13 +188,31 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._hosts_store = hosts_store
         self.node_id = f"{local_addr or socket.gethostname()}_{os.getpid()}_{next(_node_counter)}"
         self._keys = Keys(run_id)
-        self._slot: StateSlot = (StoreSlot(store, self._keys.state) if state_backend is None
-                                 else BackendSlot(state_backend))
+        self._slot: StateSlot = (
+            StoreSlot(store, self._keys.state)
+            if state_backend is None
+            else BackendSlot(state_backend)
+        )
         # what this node asks the chair and reads of the state; its heartbeat thread
-        self._client = ChairClient(store, self._keys, self._slot, self._limits, self._interval,
-                                   self._where(), lambda: self._keeper.chair_seen)
-        self._keeper = Keeper(store, self._keys, self._limits, self.node_id, self._interval,
-                              self._slot, self._client.decode, self._where())
+        self._client = ChairClient(
+            store,
+            self._keys,
+            self._slot,
+            self._limits,
+            self._interval,
+            self._where(),
+            lambda: self._keeper.chair_seen,
+        )
+        self._keeper = Keeper(
+            store,
+            self._keys,
+            self._limits,
+            self.node_id,
+            self._interval,
+            self._slot,
+            self._client.decode,
+            self._where(),
+        )
         self._round: int | None = None  # the round this node last completed
         self._joined_any = False  # whether this handler ever completed a round
         self._calls = 0  # requests this node made: each is answered under its number
@@ -303,8 +293,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
             last_call=timedelta(seconds=limits.last_call_timeout),
             close=timedelta(seconds=self._close_timeout),
         )
-        return HandlerSettings(self._run_id, limits.min_nodes, limits.max_nodes, timeout,
-                               timedelta(seconds=self._interval), self._max_attempts)
+        return HandlerSettings(
+            self._run_id,
+            limits.min_nodes,
+            limits.max_nodes,
+            timeout,
+            timedelta(seconds=self._interval),
+            self._max_attempts,
+        )
 
     @property
     def bootstrap_address(self) -> tuple[str, int] | None:
@@ -375,14 +371,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._calls += 1
         request = Request(self.node_id, self._calls, "join", after=self._round)
         self._guarded("joining", lambda: self._client.ask(request))
-        answer = self._guarded("joining", lambda: self._client.await_answer(
-            request, deadline, first=_FIRST_LOOK, on_first=self._look_for_last_call))
+        answer = self._guarded(
+            "joining",
+            lambda: self._client.await_answer(
+                request, deadline, first=_FIRST_LOOK, on_first=self._client.look_for_last_call
+            ),
+        )
         if answer is None:  # the join timeout: leave, unless the round completed meanwhile
             seen = self._guarded("joining", self._client.summary)
             expired = Request(self.node_id, self._calls, "join", expired=True)
             self._guarded("joining", lambda: self._client.ask(expired))
-            answer = self._guarded("joining", lambda: self._client.await_answer(
-                expired, Deadline(self._close_timeout)))
+            answer = self._guarded(
+                "joining", lambda: self._client.await_answer(expired, Deadline(self._close_timeout))
+            )
             if answer is None or "timeout" in answer:
                 self._round = None
                 told = answer.get("timeout") if answer else None
@@ -403,32 +404,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
             )
         round_, rank, size = int(answer["round"]), int(answer["rank"]), int(answer["size"])
         self._round, self._joined_any = round_, True
-        log.info("%s: round %d complete: node %s is rank %d of %d",
-                 self._where(), round_, self.node_id, rank, size)
-        return RendezvousInfo.for_round(
-            self._store, self._run_id, round_, rank, size,
-            self._bootstrap_address if self.use_agent_store else None)
-
-    def _look_for_last_call(self) -> None:
-        """Once a join has waited a moment: say so when the round waits out its last call."""
-        seen = self._client.summary()
-        if not seen.get("last_call") or seen.get("deadline") is None:
-            return
-        limits, joined = self._limits, seen.get("joined")
-        left = max(0.0, float(seen["deadline"]) - time.time())  # type: ignore[arg-type]
-        log.warning(
-            "%s: %d node(s) joined round %d (--nnodes=%d:%d); waiting up to %s s "
-            "(--rdzv_conf last_call_timeout=%g) for more before starting the workers; "
-            "pass --nnodes=%d to start at once with these nodes, or a shorter "
-            "last_call_timeout",
+        log.info(
+            "%s: round %d complete: node %s is rank %d of %d",
             self._where(),
-            joined,
-            seen.get("round"),
-            limits.min_nodes,
-            limits.max_nodes,
-            f"{left:.0f}" if left >= 10 else f"{left:.1f}",
-            limits.last_call_timeout,
-            joined,
+            round_,
+            self.node_id,
+            rank,
+            size,
+        )
+        return RendezvousInfo.for_round(
+            self._store,
+            self._run_id,
+            round_,
+            rank,
+            size,
+            self._bootstrap_address if self.use_agent_store else None,
         )
 
     # -- the rest of the contract -----------------------------------------------------------
@@ -513,8 +503,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             self._guarded("shutdown", lambda: self._leave(deadline))
             if self._hosts_store:
-                self._guarded("shutdown", lambda: self._keeper.wait_for_others_to_leave(
-                    deadline, self._close_timeout, self._client.stored_state))
+                self._guarded(
+                    "shutdown",
+                    lambda: self._keeper.wait_for_others_to_leave(
+                        deadline, self._close_timeout, self._client.stored_state
+                    ),
+                )
         except RendezvousError as exc:
             log.warning("%s: could not leave the rendezvous cleanly: %s", self._where(), exc)
             ok = False
@@ -550,12 +544,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     f"close_timeout={self._close_timeout:g} s"
                 )
             with contextlib.suppress(DistStoreTimeoutError):
-                self._client.waiter().wait([key], timedelta(seconds=max(
-                    deadline.slice(self._interval), 0.001)))
+                self._client.waiter().wait(
+                    [key], timedelta(seconds=max(deadline.slice(self._interval), 0.001))
+                )
 
     def __repr__(self) -> str:
         return (
             f"DynamicRendezvousHandler(run_id={self._run_id!r}, backend={self._backend!r}, "
             f"node={self.node_id!r})"
         )
-

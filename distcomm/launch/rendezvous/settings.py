@@ -1,4 +1,5 @@
-"""Rendezvous settings: the --rdzv_conf keys, their defaults and the checks of every flag.
+"""Rendezvous settings: the --rdzv_conf keys, their defaults and the checks of every flag,
+and the dynamic handler's settings (`HandlerSettings`, torch's handler's ``settings``).
 
 Every key a torch rendezvous handler reads is accepted. Those with a meaning here:
 
@@ -24,13 +25,19 @@ torch's; ours has one server), and etcd's TLS files ``ssl_cert``, ``ssl_cert_key
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
-from .api import RendezvousParameters, check_node_counts
+from ...config import positive_seconds
+from .api import RendezvousParameters, RendezvousTimeout, check_node_counts
 
 __all__ = [
     "CONF_KEYS",
     "IGNORED_KEYS",
+    "HandlerSettings",
     "RendezvousSettings",
+    "check_max_attempt",
+    "check_run",
+    "check_seconds",
     "conf_node_rank",
     "effective_backend",
     "settings_from_params",
@@ -118,8 +125,9 @@ def conf_node_rank(params: RendezvousParameters) -> int | None:
     return value
 
 
-def settings_from_params(params: RendezvousParameters,
-                         known_keys_only: bool = True) -> RendezvousSettings:
+def settings_from_params(
+    params: RendezvousParameters, known_keys_only: bool = True
+) -> RendezvousSettings:
     """Check the parameters every backend shares and read the --rdzv_conf values.
 
     Args:
@@ -134,18 +142,16 @@ def settings_from_params(params: RendezvousParameters,
             is unknown (the message lists the known ones) or a value is malformed.
         TypeError: a node count is not an integer.
     """
-    check_node_counts(params.min_nodes, params.max_nodes)
-    if not isinstance(params.run_id, str) or not params.run_id:
-        raise ValueError(f"--rdzv_id must be a non-empty string, got {params.run_id!r}")
+    check_run(params.run_id, params.min_nodes, params.max_nodes)
     defaults = RendezvousSettings()
     if not known_keys_only:
         return RendezvousSettings(
             join_timeout=params.get_as_float("join_timeout", defaults.join_timeout),
-            last_call_timeout=params.get_as_float(
-                "last_call_timeout", defaults.last_call_timeout),
+            last_call_timeout=params.get_as_float("last_call_timeout", defaults.last_call_timeout),
             close_timeout=params.get_as_float("close_timeout", defaults.close_timeout),
             keep_alive_interval=params.get_as_float(
-                "keep_alive_interval", defaults.keep_alive_interval),
+                "keep_alive_interval", defaults.keep_alive_interval
+            ),
             keep_alive_max_attempt=_max_attempt(params, defaults.keep_alive_max_attempt),
         )
     unknown = sorted(set(params.config) - set(CONF_KEYS) - set(IGNORED_KEYS) - set(TLS_KEYS))
@@ -196,5 +202,55 @@ def _max_attempt(params: RendezvousParameters, default: int) -> int:
         raise ValueError(
             f"--rdzv_conf keep_alive_max_attempt={params.get('keep_alive_max_attempt')!r} "
             "must be a whole number >= 1"
+        )
+    return value
+
+
+# -- the dynamic handler's arguments --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HandlerSettings:
+    """A dynamic handler's settings (torch's handler has them as ``settings``)."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    timeout: RendezvousTimeout
+    keep_alive_interval: timedelta
+    keep_alive_max_attempt: int
+
+
+def check_run(run_id: object, min_nodes: object, max_nodes: object) -> None:
+    """Check the run id and the node range (--rdzv_id, --nnodes=MIN:MAX).
+
+    Raises:
+        ValueError: --rdzv_id is empty or not a string, or --nnodes is not a valid range.
+        TypeError: a node count is not an integer.
+    """
+    check_node_counts(min_nodes, max_nodes)
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"--rdzv_id must be a non-empty string, got {run_id!r}")
+
+
+def check_seconds(name: str, value: float) -> float:
+    """The --rdzv_conf timeout `name` (a number of seconds, or a timedelta), checked > 0.
+
+    Raises:
+        ValueError: it is not positive; the message names the key.
+        TypeError: it is not a number.
+    """
+    return positive_seconds(f"--rdzv_conf {name}", value, text=False)
+
+
+def check_max_attempt(value: object) -> int:
+    """The --rdzv_conf keep_alive_max_attempt given as a number, checked >= 1.
+
+    Raises:
+        ValueError: it is not a whole number >= 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"--rdzv_conf keep_alive_max_attempt={value!r} must be a whole number >= 1"
         )
     return value

@@ -26,8 +26,15 @@ from ...deadline import FOREVER, Deadline
 from ...errors import DistError, DistNetworkError, DistStoreError, DistStoreTimeoutError
 from ...net import format_address, set_keepalive, split_address
 
-__all__ = ["DEFAULT_PORT", "SAFETY_MARGIN", "EtcdClient", "b64", "kv_value", "parse_endpoint",
-           "unb64"]
+__all__ = [
+    "DEFAULT_PORT",
+    "SAFETY_MARGIN",
+    "EtcdClient",
+    "b64",
+    "kv_value",
+    "parse_endpoint",
+    "unb64",
+]
 
 #: etcd's client port, used when an endpoint gives none.
 DEFAULT_PORT = 2379
@@ -36,6 +43,7 @@ SAFETY_MARGIN = 1.0
 #: Idle keep-alive connections kept per client; more are closed after use.
 _POOL_SIZE = 8
 _RESPONSE_MOST = 500  # characters of a non-JSON or error body quoted in messages
+
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """(host, port) of an etcd endpoint: "host:port", "[v6]:port" or "http://host:port".
@@ -258,8 +266,7 @@ class EtcdClient:
         `on_event(kv, deleted)` for each change, until it returns True (then True) or None,
         the deadline passes or etcd compacted `start` away (then False); `timeout` (the
         store's, +1 s) bounds opening the stream."""
-        create: dict[str, Any] = {"key": b64(low), "start_revision": start,
-                                  "range_end": b64(end)}
+        create: dict[str, Any] = {"key": b64(low), "start_revision": start, "range_end": b64(end)}
         body = json.dumps({"create_request": create}).encode()
         # not a pooled connection: the stream holds it until the watch ends
         conn = http.client.HTTPConnection(self._host, self._port, _request_timeout(timeout))

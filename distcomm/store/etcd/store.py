@@ -8,8 +8,10 @@ run the store's etcd on a trusted network. DISTCOMM_AUTH_KEY does not apply here
 cannot take part in its handshake); the store never unpickles what it reads.
 
 Every key is stored as `prefix` + key. Requests go through `client.EtcdClient`, over
-a small pool of keep-alive connections, each used by one request at a time. The methods
-map onto etcd as follows::
+a small pool of keep-alive connections, each used by one request at a time. The key
+layout, requests, snapshot reads and watches are `requests.StoreRequests`, a mixin of
+`EtcdStore`; this module holds the constructor and the Store methods, which map onto
+etcd as follows::
 
     set, multi_set        put; one txn of puts (in chunks of 128, etcd's --max-txn-ops)
     add, append           a compare-and-swap loop of txns: put if the key's mod_revision
@@ -43,7 +45,6 @@ import logging
 import secrets
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
 
 from ... import config
 from ...config import DEFAULT_STORE_TIMEOUT
@@ -60,55 +61,25 @@ from ..hash import (
     log_still_waiting,
     queue_empty_error,
     queue_timeout_error,
-    timeout_error,
 )
 from .client import EtcdClient, b64, kv_value, parse_endpoint, unb64
+from .requests import (
+    MAX_TXN_OPS,
+    QUEUES,
+    StoreRequests,
+    compare_missing,
+    compare_unchanged,
+    put_request,
+    range_kv,
+    range_request,
+)
 
 __all__ = ["EtcdStore", "parse_endpoint"]
 
 log = logging.getLogger(__name__)
 
-#: Operations per txn: etcd's default --max-txn-ops; longer key lists go in several txns.
-MAX_TXN_OPS = 128
-_QUEUES = b"\xff"  # after the prefix: the queues' items (never in a UTF-8 key)
 
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The smallest key above every key that starts with `prefix` (etcd's range end)."""
-    for index in range(len(prefix) - 1, -1, -1):
-        if prefix[index] < 0xFF:
-            return prefix[:index] + bytes([prefix[index] + 1])
-    return b"\0"  # a prefix of only 0xff bytes: every key from it on
-
-
-def _range_kv(response: dict[str, Any]) -> dict[str, Any] | None:
-    """The key-value of a txn whose only (failure) operation was a range of one key."""
-    kvs = response.get("responses", [{}])[0].get("response_range", {}).get("kvs")
-    return kvs[0] if kvs else None
-
-
-def _compare_missing(key: bytes) -> dict[str, Any]:
-    return {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
-
-
-def _compare_unchanged(key: bytes, kv: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "key": b64(key),
-        "target": "MOD",
-        "result": "EQUAL",
-        "mod_revision": int(kv["mod_revision"]),
-    }
-
-
-def _put(key: bytes, value: bytes) -> dict[str, Any]:
-    return {"request_put": {"key": b64(key), "value": b64(value)}}
-
-
-def _range(key: bytes) -> dict[str, Any]:
-    return {"request_range": {"key": b64(key)}}
-
-
-class EtcdStore(CloseOnCollect, Store):
+class EtcdStore(StoreRequests, CloseOnCollect, Store):
     """A store kept in an etcd server under a key prefix (torch's EtcdStore, on etcd's JSON API).
 
     Many stores (one per job or rendezvous round) can share one etcd by using distinct
@@ -172,167 +143,6 @@ class EtcdStore(CloseOnCollect, Store):
     def _where(self) -> str:
         return f"the EtcdStore at {self._endpoint} (prefix {self._prefix!r})"
 
-    def _full(self, key: str) -> bytes:
-        return self._raw_prefix + check_key(key).encode()
-
-    def _queue(self, key: str) -> tuple[bytes, bytes]:
-        """The key range (start, end) of queue `key`'s items."""
-        start = self._raw_prefix + _QUEUES + check_key(key).encode() + _QUEUES
-        return start, _prefix_end(start)
-
-    def _queue_name(self, full: bytes) -> str | None:
-        """The queue a stored key holds an item of, or None when it is not a queue item."""
-        head = len(self._raw_prefix) + 1
-        if full[head - 1 : head] != _QUEUES or not full.startswith(self._raw_prefix):
-            return None
-        end = full.find(_QUEUES, head)
-        return None if end < 0 else full[head:end].decode(errors="replace")
-
-    # -- HTTP -----------------------------------------------------------------------------
-
-    def _post(self, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
-        """POST one request to etcd's `/v3/<path>` (see `EtcdClient.post`)."""
-        return self._client.post(path, body, what, self._timeout)
-
-    def _txn(
-        self,
-        compare: list[dict[str, Any]],
-        success: list[dict[str, Any]],
-        failure: list[dict[str, Any]],
-        what: str,
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {"compare": compare, "success": success}
-        if failure:
-            body["failure"] = failure
-        return self._post("kv/txn", body, what)
-
-    def _count(self, what: str) -> int:
-        """The number of keys (queue items aside)."""
-        body = {
-            "key": b64(self._raw_prefix),
-            "range_end": b64(self._raw_prefix + _QUEUES),
-            "count_only": True,
-        }
-        return int(self._post("kv/range", body, what).get("count", 0))
-
-    # -- reading and waiting --------------------------------------------------------------
-
-    def _snapshot(self, names: list[str], values: bool, what: str) -> tuple[dict[str, bytes], int]:
-        """The keys of `names` that exist (with their values if asked) and etcd's revision.
-
-        Without `values` (wait, check) a key whose queue holds an item counts as existing.
-        Every chunk of the key list reads at the revision the first one read at, so the
-        result is one consistent snapshot.
-        """
-        found: dict[str, bytes] = {}
-        revision = 0
-        step = MAX_TXN_OPS if values else MAX_TXN_OPS // 2  # a key and its queue each
-        for start in range(0, len(names), step):
-            chunk = names[start : start + step]
-            ops = []
-            for name in chunk:
-                read: dict[str, Any] = {"key": b64(self._full(name))}
-                if not values:
-                    read["keys_only"] = True
-                if revision:
-                    read["revision"] = revision
-                ops.append({"request_range": read})
-                if not values:
-                    low, high = self._queue(name)
-                    count: dict[str, Any] = {"key": b64(low), "range_end": b64(high),
-                                             "count_only": True}
-                    if revision:
-                        count["revision"] = revision
-                    ops.append({"request_range": count})
-            answer = self._txn([], ops, [], what)
-            if not revision:
-                revision = int(answer["header"]["revision"])
-            results = answer.get("responses", [])
-            per = 1 if values else 2
-            for index, name in enumerate(chunk):
-                kvs = results[per * index].get("response_range", {}).get("kvs")
-                if kvs:
-                    found[name] = kv_value(kvs[0]) if values else b""
-                elif not values and int(
-                        results[2 * index + 1].get("response_range", {}).get("count", 0)):
-                    found[name] = b""
-        return found, revision
-
-    def _wait_for(
-        self, names: list[str], timeout: float, values: bool, what: str
-    ) -> dict[str, bytes]:
-        """The keys of `names` once all exist at one revision; raise once `timeout` passes."""
-        unique = list(dict.fromkeys(names))
-        deadline = Deadline(timeout)
-        stall = StallClock(self._stall_warn)
-        while True:
-            found, revision = self._snapshot(unique, values, what)
-            missing = [name for name in unique if name not in found]
-            if not missing:
-                return found
-            if deadline.expired():
-                raise timeout_error(missing, timeout, self._where)
-            waited = stall.due()
-            if waited is not None:
-                log_still_waiting(log, f"{what} on {self._where}", waited, missing, timeout,
-                                  stall.next)
-            until = Deadline(deadline.slice(stall.until_next()))  # the next warning's time
-            if self._watch(unique, found, revision + 1, until, what, queues=not values):
-                return found
-            # the deadline or a warning is due (the snapshot above names what is still
-            # missing), or the revision was compacted away under the watch: read again
-
-    def _watch(
-        self,
-        names: list[str],
-        state: dict[str, bytes],
-        start: int,
-        deadline: Deadline,
-        what: str,
-        queues: bool = False,
-    ) -> bool:
-        """Follow changes to `names` from revision `start`, updating `state`, until all exist.
-
-        One watcher covers the key range from the smallest to the largest key; events for
-        other keys in between are skipped. With `queues`, a push to the queue of a name
-        counts as setting it, and a pop from one ends the watch (the caller looks again:
-        the queue may be empty now). The watch has its own connection, which the server
-        keeps streaming on (one JSON message per line); it is closed afterwards.
-
-        Returns:
-            True once every key exists; False when the deadline passed, etcd compacted
-            revision `start` away or a watched queue lost an item (the caller reads a
-            fresh snapshot).
-        """
-        wanted = {self._full(name): name for name in names}
-        low, end = min(wanted), max(wanted) + b"\0"
-        if queues:
-            ranges = [self._queue(name) for name in names]
-            low, end = min(low, *(r[0] for r in ranges)), max(end, *(r[1] for r in ranges))
-        return self._client.follow(
-            low, end, start, deadline, what,
-            lambda kv, deleted: self._seen(kv, deleted, wanted, names, state, queues),
-            self._timeout,
-        )
-
-    def _seen(self, kv: dict[str, Any], deleted: bool, wanted: dict[bytes, str],
-              names: list[str], state: dict[str, bytes], queues: bool) -> bool | None:
-        """One event of `_watch`: True once every name is set, None to stop and look again."""
-        full = unb64(kv.get("key", ""))
-        name = wanted.get(full)
-        if name is None:
-            queue = self._queue_name(full) if queues else None
-            if queue is None or queue not in names:
-                return False
-            if deleted:
-                return None
-            state[queue] = b""
-        elif deleted:
-            state.pop(name, None)
-        else:
-            state[name] = kv_value(kv)
-        return all(name in state for name in names)
-
     # -- read-modify-write ----------------------------------------------------------------
 
     def _update(self, key: str, change: Callable[[bytes | None], bytes], what: str) -> bytes:
@@ -348,10 +158,10 @@ class EtcdStore(CloseOnCollect, Store):
         """
         full = self._full(key)
         deadline = Deadline(self._timeout)
-        compare = _compare_missing(full)  # the first guess: the key does not exist yet
+        compare = compare_missing(full)  # the first guess: the key does not exist yet
         new = change(None)
         while True:
-            answer = self._txn([compare], [_put(full, new)], [_range(full)], what)
+            answer = self._txn([compare], [put_request(full, new)], [range_request(full)], what)
             if answer.get("succeeded"):
                 return new
             if deadline.expired():
@@ -359,11 +169,11 @@ class EtcdStore(CloseOnCollect, Store):
                     f"{what} on {self._where} lost every compare-and-swap round for "
                     f"{self._timeout:.1f} s: other processes keep changing the key"
                 )
-            kv = _range_kv(answer)
+            kv = range_kv(answer)
             if kv is None:
-                compare, new = _compare_missing(full), change(None)
+                compare, new = compare_missing(full), change(None)
             else:
-                compare, new = _compare_unchanged(full, kv), change(kv_value(kv))
+                compare, new = compare_unchanged(full, kv), change(kv_value(kv))
 
     # -- the Store methods ----------------------------------------------------------------
 
@@ -413,12 +223,12 @@ class EtcdStore(CloseOnCollect, Store):
                 "value": b64(expected),
             }
         else:
-            compare = _compare_missing(full)
+            compare = compare_missing(full)
         while True:
-            answer = self._txn([compare], [_put(full, desired)], [_range(full)], what)
+            answer = self._txn([compare], [put_request(full, desired)], [range_request(full)], what)
             if answer.get("succeeded"):
                 return desired
-            kv = _range_kv(answer)
+            kv = range_kv(answer)
             current = None if kv is None else kv_value(kv)
             new, result = compare_set_value(current, expected, desired)
             if new is None:
@@ -430,7 +240,7 @@ class EtcdStore(CloseOnCollect, Store):
                     f"{what} on {self._where} lost every compare-and-swap round for "
                     f"{self._timeout:.1f} s: other processes keep changing the key"
                 )
-            compare = _compare_missing(full) if kv is None else _compare_unchanged(full, kv)
+            compare = compare_missing(full) if kv is None else compare_unchanged(full, kv)
 
     def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
         """Block until every key in `keys` is set, up to `timeout` (default: the store's).
@@ -453,9 +263,7 @@ class EtcdStore(CloseOnCollect, Store):
 
     def delete_key(self, key: str) -> bool:
         """Delete `key`; returns whether it existed."""
-        answer = self._post(
-            "kv/deleterange", {"key": b64(self._full(key))}, f"delete_key({key!r})"
-        )
+        answer = self._post("kv/deleterange", {"key": b64(self._full(key))}, f"delete_key({key!r})")
         return int(answer.get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
@@ -489,7 +297,7 @@ class EtcdStore(CloseOnCollect, Store):
         """
         names = check_keys(keys)
         latest = dict(zip(names, check_values(names, values), strict=True))
-        puts = [_put(self._full(name), data) for name, data in latest.items()]
+        puts = [put_request(self._full(name), data) for name, data in latest.items()]
         for start in range(0, len(puts), MAX_TXN_OPS):
             self._txn([], puts[start : start + MAX_TXN_OPS], [], "multi_set")
 
@@ -504,7 +312,7 @@ class EtcdStore(CloseOnCollect, Store):
         items are not keys."""
         body = {
             "key": b64(self._raw_prefix),
-            "range_end": b64(self._raw_prefix + _QUEUES),
+            "range_end": b64(self._raw_prefix + QUEUES),
             "keys_only": True,
         }
         kvs = self._post("kv/range", body, "list_keys").get("kvs", ())
@@ -514,8 +322,9 @@ class EtcdStore(CloseOnCollect, Store):
     def queue_push(self, key: str, value: str | bytes) -> None:
         """Append `value` to the queue `key` (see Store.queue_push)."""
         item = self._queue(key)[0] + secrets.token_hex(8).encode()
-        self._post("kv/put", {"key": b64(item), "value": b64(to_bytes(value))},
-                   f"queue_push({key!r})")
+        self._post(
+            "kv/put", {"key": b64(item), "value": b64(to_bytes(value))}, f"queue_push({key!r})"
+        )
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """The oldest item of queue `key`, removed (see Store.queue_pop).
@@ -533,15 +342,24 @@ class EtcdStore(CloseOnCollect, Store):
         what = f"queue_pop({key!r})"
         deadline = Deadline(self._timeout)
         stall = StallClock(self._stall_warn)
-        oldest = {"key": b64(low), "range_end": b64(high), "limit": 1,
-                  "sort_order": "ASCEND", "sort_target": "CREATE"}
+        oldest = {
+            "key": b64(low),
+            "range_end": b64(high),
+            "limit": 1,
+            "sort_order": "ASCEND",
+            "sort_target": "CREATE",
+        }
         while True:
             answer = self._post("kv/range", oldest, what)
             kvs = answer.get("kvs")
             if kvs:
                 kv = kvs[0]
-                compare = {"key": kv["key"], "target": "CREATE", "result": "EQUAL",
-                           "create_revision": int(kv["create_revision"])}
+                compare = {
+                    "key": kv["key"],
+                    "target": "CREATE",
+                    "result": "EQUAL",
+                    "create_revision": int(kv["create_revision"]),
+                }
                 delete = {"request_delete_range": {"key": kv["key"]}}
                 if self._txn([compare], [delete], [], what).get("succeeded"):
                     return kv_value(kv)
@@ -552,13 +370,20 @@ class EtcdStore(CloseOnCollect, Store):
                 raise queue_timeout_error(key, self._timeout, self._where)
             waited = stall.due()
             if waited is not None:
-                log_still_waiting(log, f"{what} on {self._where}", waited, [key],
-                                  self._timeout, stall.next)
+                log_still_waiting(
+                    log, f"{what} on {self._where}", waited, [key], self._timeout, stall.next
+                )
             revision = int(answer["header"]["revision"])
             until = Deadline(deadline.slice(stall.until_next()))  # the next warning's time
-            self._client.follow(low, high, revision + 1, until, what,
-                                lambda kv, deleted: None if not deleted else False,
-                                self._timeout)
+            self._client.follow(
+                low,
+                high,
+                revision + 1,
+                until,
+                what,
+                lambda kv, deleted: None if not deleted else False,
+                self._timeout,
+            )
 
     def queue_len(self, key: str) -> int:
         """The number of items in queue `key` (0 when it has none)."""

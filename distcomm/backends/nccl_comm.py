@@ -1,0 +1,215 @@
+"""The NCCL communicator of an `nccl` group (a mixin of `nccl.NcclBackend`).
+
+Communicator: created on a group's first operation (every rank of the group issues it),
+on the device of that operation's array. Rank 0 makes the unique id and puts it in the
+group's store; the others read it; then every rank registers itself in the store and
+waits (with the group timeout) until all have, so a missing rank is reported instead of
+hanging in ncclCommInitRank. Each group, subgroups included, has its own unique id and
+communicator (CuPy's `commSplit` would need every rank of the parent, members or not).
+
+With DISTCOMM_DEBUG=DETAIL every collective first compares its signature (op, dtype,
+count, reduce op, root) with every rank's through the store, so a mismatch raises
+`DistBackendError` naming both sides instead of hanging in NCCL.
+
+Teardown: destroying a group fails its pending operations with `GroupDestroyedError`
+and destroys the communicator, or aborts it (ncclCommAbort) where operations are stuck
+or the group has failed, since ncclCommDestroy would wait for them.
+
+This module holds the communicator's life: creating it (`connect`, `_ensure`: the unique
+id, the roll call of GPUs, an init failure's message), the DETAIL signature check, and
+`abort` and `shutdown`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any
+
+from ..deadline import Deadline
+from ..errors import DistBackendError, DistTimeoutError, GroupDestroyedError
+from ..gpu import nccl as nccl_types
+from ..gpu import runtime
+from ..store.base import Store
+from ..store.ranks import wait_for_ranks
+from .engine.protocol import Signature, mismatch_message
+from .nccl_watch import NcclWatchdog
+
+__all__ = ["NcclCommunicator"]
+
+# the backend's logger: the communicator's messages are the backend's
+log = logging.getLogger("distcomm.backends.nccl")
+
+#: how long destroying a group waits for an abort under way (it waits for the GPU)
+_ABORT_WAIT = 60.0
+
+
+class NcclCommunicator:
+    """A group's NCCL communicator: making it, the DETAIL signature check, aborting and
+    destroying it (a mixin of `nccl.NcclBackend`).
+
+    Uses the backend's identity (`store`, `rank`, `size`, `timeout`, `describe`), its
+    CuPy and NCCL modules, its issue lock and watchdog; sets `_comm`, `_device` and
+    `_stream` when the communicator is made, and drops them and the operations' cached
+    buffers (`_barrier_buffer`, `_caller_event`) at shutdown.
+    """
+
+    store: Store
+    rank: int
+    size: int
+    timeout: float
+    _nccl: Any
+    _version: tuple[int, ...]
+    _cupy: Any
+    _issue: threading.RLock
+    _watch: NcclWatchdog
+    _comm: Any
+    _device: Any
+    _stream: Any
+    _barrier_buffer: Any
+    _caller_event: Any
+
+    # -- making the communicator ----------------------------------------------------------
+
+    def connect(self) -> None:
+        """Create the communicator now, on the current GPU (init_process_group(device_id=)),
+        instead of at the first operation."""
+        with self._issue:
+            self._ensure(runtime.current_device(), "init_process_group(device_id=...)")
+
+    def _ensure(self, device_id: int, what: str) -> Any:
+        """The communicator (created on `device_id` on first use); checks the device."""
+        if self._comm is not None:
+            if device_id != self._device.id:
+                raise ValueError(
+                    f"{self.describe(what)}: the array is on GPU {device_id}, but this "
+                    f"group's NCCL communicator was created on GPU {self._device.id} (its "
+                    "first operation's device); use arrays on one GPU per process "
+                    "(distcomm.gpu.set_device)"
+                )
+            return self._comm
+        cupy = self._cupy
+        device = cupy.cuda.Device(device_id)
+        deadline = Deadline(self.timeout)
+        uid = self._unique_id(deadline)
+        bus = self._register(device_id, deadline)
+        with device:
+            try:
+                comm = nccl_types.create_communicator(self._nccl, self.size, uid, self.rank)
+            except Exception as exc:  # NcclError
+                raise DistBackendError(self._init_failure(exc, bus)) from exc
+            stream = cupy.cuda.Stream(non_blocking=True)
+        self._comm, self._device, self._stream = comm, device, stream
+        self._watch.start(comm, device)
+        log.info(
+            "%s: NCCL %s communicator of %d ranks on GPU %d (%s)",
+            self.describe("init"),
+            ".".join(map(str, self._version)),
+            self.size,
+            device_id,
+            bus,
+        )
+        return comm
+
+    def _unique_id(self, deadline: Deadline) -> bytes:
+        if self.rank == 0:
+            data = nccl_types.unique_id_bytes(self._nccl.get_unique_id())
+            self.store.set("uid", data)
+            return data
+        self._wait_for_ranks({0: "uid"}, deadline, "published the NCCL unique id")
+        return nccl_types.unique_id_bytes(self.store.get("uid"))
+
+    def _register(self, device_id: int, deadline: Deadline) -> str:
+        """Say which GPU this rank uses and wait until every rank has said so."""
+        bus = str(self._cupy.cuda.runtime.deviceGetPCIBusId(device_id))
+        self.store.set(f"gpu/{self.rank}", f"{socket.gethostname()} {bus}")
+        self._wait_for_ranks(
+            {r: f"gpu/{r}" for r in range(self.size)},
+            deadline,
+            "said which GPU it joins the NCCL communicator with",
+        )
+        return bus
+
+    def _init_failure(self, exc: BaseException, bus: str) -> str:
+        text = f"{self.describe('init')}: ncclCommInitRank failed: {exc}"
+        gpus = [v.decode() for v in self.store.multi_get([f"gpu/{r}" for r in range(self.size)])]
+        shared = [r for r, v in enumerate(gpus) if v == gpus[self.rank] and r != self.rank]
+        if shared:
+            text += (
+                f". Ranks {shared} use the same GPU ({bus}) as this rank; NCCL needs one "
+                "GPU per rank: call distcomm.gpu.set_device(local_rank) before the first "
+                "operation, set CUDA_VISIBLE_DEVICES per rank, or start at most as many "
+                "ranks per node as it has GPUs"
+            )
+        return text
+
+    def _wait_for_ranks(self, keys: dict[int, str], deadline: Deadline, arrived: str) -> None:
+        """Wait for the ranks of `keys` to set them, warning while some are late and
+        naming them (not the keys) at the timeout."""
+        wait_for_ranks(
+            self.store,
+            keys,
+            deadline,
+            self.describe("init"),
+            arrived=arrived,
+            hint="did every rank of the group issue the same first GPU operation (the "
+            "NCCL communicator is made by a group's first operation on a CuPy array)?",
+        )
+
+    # -- the DETAIL signature check --------------------------------------------------------
+
+    def _check_signature(self, seq: int, signature: Signature, description: str) -> None:
+        """DETAIL mode: compare this collective's signature with every rank's, by store."""
+        self.store.set(f"sig/{seq}/{self.rank}", signature.to_text())
+        keys = [f"sig/{seq}/{r}" for r in range(self.size)]
+        try:
+            self.store.wait(keys, self.timeout)
+        except DistTimeoutError as exc:
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            error = DistTimeoutError(
+                f"{description}: ranks {missing} did not reach collective #{seq} within "
+                f"{self.timeout:.0f} s (DISTCOMM_DEBUG=DETAIL signature check); the group "
+                "is aborted, so a late rank cannot enter NCCL alone"
+            )
+            self.store.delete_key(f"sig/{seq}/{self.rank}")  # a late rank waits, then fails
+            self._watch.fail(error)
+            raise error from exc
+        if self._watch.abort_notice():  # another rank gave up on this group meanwhile
+            self._watch.raise_if_failed(description)
+        for peer, value in enumerate(self.store.multi_get(keys)):
+            theirs = Signature.from_text(value.decode())
+            if theirs != signature:
+                raise DistBackendError(
+                    mismatch_message(self.rank, self.size, seq, signature, peer, theirs)
+                )
+        if seq > 1:  # every rank has passed collective seq - 1's check: its key is read
+            self.store.delete_key(f"sig/{seq - 1}/{self.rank}")
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        self._watch.fail(DistBackendError(reason))
+
+    def shutdown(self) -> None:
+        pending = self._watch.stop()
+        if pending is None:  # shut down already
+            return
+        # ncclCommDestroy would wait for stuck operations: abort those instead
+        self._watch.release(abort=bool(pending) or self._watch.failure is not None)
+        self._watch.finish_abort(_ABORT_WAIT)
+        self._comm = None
+        for work in pending:
+            try:
+                work.fail(
+                    GroupDestroyedError(
+                        f"{work.description}: the process group was destroyed before the "
+                        "operation finished"
+                    )
+                )
+            except RuntimeError:  # it completed meanwhile
+                pass
+        self._watch.forget()
+        self._barrier_buffer = None
+        self._caller_event = None
+        self._stream = None
