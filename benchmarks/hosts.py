@@ -151,9 +151,21 @@ def _run_pair(cluster: object, args: argparse.Namespace, size: int) -> list[dict
     procs = []
     for rank in (0, 1):
         command = [
-            sys.executable, __file__, "--worker", "--rank", str(rank),
-            "--address", hosts[0].address, "--size", str(size), "--iters", str(args.iters),
-            "--warmup", str(args.warmup), "--repeat", str(args.repeat),
+            sys.executable,
+            __file__,
+            "--worker",
+            "--rank",
+            str(rank),
+            "--address",
+            hosts[0].address,
+            "--size",
+            str(size),
+            "--iters",
+            str(args.iters),
+            "--warmup",
+            str(args.warmup),
+            "--repeat",
+            str(args.repeat),
         ]
         procs.append(hosts[rank].popen(command, env=env, stdout=subprocess.PIPE, text=True))
     outputs = [proc.communicate(timeout=WORKER_TIMEOUT)[0] for proc in procs]
@@ -193,15 +205,19 @@ def main() -> int:
             for record in _run_pair(cluster, args, size):
                 best[record["what"]] = max(best.get(record["what"], 0.0), record["gbps"])
             rows.append((size, best))
-    print(f"# tcp between two namespace hosts (veth + bridge), best of {args.repeat} x "
-          f"{args.iters} messages, GB/s at the receiver")
+    print(
+        f"# tcp between two namespace hosts (veth + bridge), best of {args.repeat} x "
+        f"{args.iters} messages, GB/s at the receiver"
+    )
     print("| size | raw socket | send/recv | broadcast | send/recv / raw | broadcast / raw |")
     print("|---|---|---|---|---|---|")
     for size, best in rows:
         raw = best["raw"]
-        print(f"| {size >> 10} KiB | {raw:.2f} | {best['send/recv']:.2f} | "
-              f"{best['broadcast']:.2f} | {best['send/recv'] / raw:.2f} | "
-              f"{best['broadcast'] / raw:.2f} |")
+        print(
+            f"| {size >> 10} KiB | {raw:.2f} | {best['send/recv']:.2f} | "
+            f"{best['broadcast']:.2f} | {best['send/recv'] / raw:.2f} | "
+            f"{best['broadcast'] / raw:.2f} |"
+        )
     return 0
 
 

@@ -61,15 +61,25 @@ WORKER = """
             time.sleep(60)  # held until the agent stops the group
     dist.destroy_process_group()
 """
-WORKERS = {"distcomm": WORKER.format(module="distcomm", init=""),
-           "torch": WORKER.format(module="torch.distributed", init='"gloo"')}
+WORKERS = {
+    "distcomm": WORKER.format(module="distcomm", init=""),
+    "torch": WORKER.format(module="torch.distributed", init='"gloo"'),
+}
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(HYDRA_IFACE="lo", UCX_NET_DEVICES="lo", DISTCOMM_SOCKET_IFNAME="lo",
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    }
+    env.update(
+        HYDRA_IFACE="lo",
+        UCX_NET_DEVICES="lo",
+        DISTCOMM_SOCKET_IFNAME="lo",
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+    )
     return env
 
 
@@ -99,17 +109,26 @@ def failure_reason(stderr: str, returncode: int) -> str:
     return reason or f"exit status {returncode}"
 
 
-def run_once(peer: str, worker: Path, nproc: int, mode: str,
-             timeout: float) -> tuple[float | None, str]:
+def run_once(
+    peer: str, worker: Path, nproc: int, mode: str, timeout: float
+) -> tuple[float | None, str]:
     """One launch: (the wall time (launch) or the recovery time (fail) in seconds, "") or,
     if the launch failed, (None, why; its stderr's last lines are printed)."""
     with tempfile.TemporaryDirectory(prefix="dc-bench-") as tmp:
         out = Path(tmp)
-        args = [*_launcher(peer), "--standalone", f"--nproc_per_node={nproc}",
-                "--max_restarts=1", str(worker), str(out), mode]
+        args = [
+            *_launcher(peer),
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "--max_restarts=1",
+            str(worker),
+            str(out),
+            mode,
+        ]
         start = time.perf_counter()
-        proc = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
             _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -119,8 +138,9 @@ def run_once(peer: str, worker: Path, nproc: int, mode: str,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
-            print(f"{peer}: {' '.join(args[2:])} ran past {timeout:.0f} s: stopped",
-                  file=sys.stderr)
+            print(
+                f"{peer}: {' '.join(args[2:])} ran past {timeout:.0f} s: stopped", file=sys.stderr
+            )
             return None, f"timed out after {timeout:.0f} s"
         except BaseException:  # Ctrl-C: the launcher got it too and stops its workers
             try:
@@ -132,8 +152,9 @@ def run_once(peer: str, worker: Path, nproc: int, mode: str,
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             tail = "\n".join(stderr.strip().splitlines()[-5:])
-            print(f"{peer}: {' '.join(args[2:])} failed ({proc.returncode}):\n{tail}",
-                  file=sys.stderr)
+            print(
+                f"{peer}: {' '.join(args[2:])} failed ({proc.returncode}):\n{tail}", file=sys.stderr
+            )
             return None, failure_reason(stderr, proc.returncode)
         if mode == "launch":
             return wall, ""
@@ -141,8 +162,10 @@ def run_once(peer: str, worker: Path, nproc: int, mode: str,
             failed = float((out / "failed_at").read_text())
             recovered = float((out / "recovered_at").read_text())
         except (OSError, ValueError) as exc:
-            print(f"{peer}: {' '.join(args[2:])} exited 0 but recorded no recovery: {exc}",
-                  file=sys.stderr)
+            print(
+                f"{peer}: {' '.join(args[2:])} exited 0 but recorded no recovery: {exc}",
+                file=sys.stderr,
+            )
             return None, "exited 0 without a recovery"
         return recovered - failed, ""
 
@@ -167,13 +190,23 @@ def labels(peers: list[str]) -> dict[str, str]:
     return out
 
 
-def csv_rows(times: dict[tuple[str, str], list[tuple[float | None, str]]], nproc: int,
-             names: dict[str, str]) -> list[dict[str, Any]]:
+def csv_rows(
+    times: dict[tuple[str, str], list[tuple[float | None, str]]], nproc: int, names: dict[str, str]
+) -> list[dict[str, Any]]:
     """The runs as rows of plots.LAUNCHER_FIELDS (a failed run: no seconds, its error)."""
-    return [dict(measurement=MEASUREMENTS[mode], impl=peer, label=names[peer], nproc=nproc,
-                 run=run, seconds=seconds, error=error)
-            for (mode, peer), results in times.items()
-            for run, (seconds, error) in enumerate(results)]
+    return [
+        dict(
+            measurement=MEASUREMENTS[mode],
+            impl=peer,
+            label=names[peer],
+            nproc=nproc,
+            run=run,
+            seconds=seconds,
+            error=error,
+        )
+        for (mode, peer), results in times.items()
+        for run, (seconds, error) in enumerate(results)
+    ]
 
 
 #: each mode's name in the CSV and on the plot
@@ -184,14 +217,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=4, help="workers (default 4)")
     parser.add_argument("--repeat", type=int, default=5, help="runs per cell (default 5)")
-    parser.add_argument("--compare", choices=("torch", "none"), default="torch",
-                        help="run torchrun beside distcomm-run when torch is installed")
+    parser.add_argument(
+        "--compare",
+        choices=("torch", "none"),
+        default="torch",
+        help="run torchrun beside distcomm-run when torch is installed",
+    )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per launch")
-    parser.add_argument("--csv", metavar="PATH",
-                        help="also write every run here, one row each, failed runs with "
-                             "their error (benchmarks/plots.py launcher redraws from it)")
-    parser.add_argument("--png", metavar="PATH",
-                        help="also plot each launcher's runs side by side (needs matplotlib)")
+    parser.add_argument(
+        "--csv",
+        metavar="PATH",
+        help="also write every run here, one row each, failed runs with "
+        "their error (benchmarks/plots.py launcher redraws from it)",
+    )
+    parser.add_argument(
+        "--png",
+        metavar="PATH",
+        help="also plot each launcher's runs side by side (needs matplotlib)",
+    )
     args = parser.parse_args(argv)
     if args.nproc < 1 or args.repeat < 1 or not args.timeout > 0:
         parser.error("need --nproc >= 1, --repeat >= 1 and --timeout > 0")
@@ -214,15 +257,21 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeat):
                 for peer in peers:  # interleaved, so load changes hit both alike
                     times.setdefault((mode, peer), []).append(
-                        run_once(peer, workers[peer], args.nproc, mode, args.timeout))
-    print(f"# {' vs '.join(names.values())}, {args.nproc} workers, median of {args.repeat} "
-          f"runs, {os.cpu_count()} CPUs, load average at start {load}")
-    head = "| measurement | distcomm-run (s) |" + (" torchrun (s) | torchrun/ours |"
-                                                   if "torch" in peers else "")
+                        run_once(peer, workers[peer], args.nproc, mode, args.timeout)
+                    )
+    print(
+        f"# {' vs '.join(names.values())}, {args.nproc} workers, median of {args.repeat} "
+        f"runs, {os.cpu_count()} CPUs, load average at start {load}"
+    )
+    head = "| measurement | distcomm-run (s) |" + (
+        " torchrun (s) | torchrun/ours |" if "torch" in peers else ""
+    )
     print(head)
     print("|---|---|" + ("---|---|" if "torch" in peers else ""))
-    descriptions = {"launch": "launch: init + barrier + exit (wall)",
-                    "fail": "recovery: failure -> restarted group's first barrier"}
+    descriptions = {
+        "launch": "launch: init + barrier + exit (wall)",
+        "fail": "recovery: failure -> restarted group's first barrier",
+    }
     for mode in ("launch", "fail"):
         cells = [_cell([seconds for seconds, _ in times[(mode, peer)]]) for peer in peers]
         row = f"| {descriptions[mode]} | " + " | ".join(text for text, _ in cells) + " |"
@@ -234,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.csv:
         plots.write_csv(rows, args.csv, plots.LAUNCHER_FIELDS)
     if args.png:
-        plots.launcher(rows, args.png,
-                       f"{date.today().isoformat()}, {os.cpu_count()} CPUs, Python "
-                       f"{platform.python_version()}, load average at start {load}; "
-                       f"{args.repeat} runs per launcher, interleaved")
+        plots.launcher(
+            rows,
+            args.png,
+            f"{date.today().isoformat()}, {os.cpu_count()} CPUs, Python "
+            f"{platform.python_version()}, load average at start {load}; "
+            f"{args.repeat} runs per launcher, interleaved",
+        )
     return 0
 
 

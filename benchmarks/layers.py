@@ -65,10 +65,18 @@ def gloo_layers(array: np.ndarray, calls: int) -> dict[str, float]:
 
     timings = {}
     for name, args, ours, public in (
-        ("all_reduce", (array, ReduceOp.SUM), lambda: backend.all_reduce(array, ReduceOp.SUM),
-         lambda: dist.all_reduce(array)),
-        ("broadcast", (array, 0), lambda: backend.broadcast(array, 0),
-         lambda: dist.broadcast(array, 0)),
+        (
+            "all_reduce",
+            (array, ReduceOp.SUM),
+            lambda: backend.all_reduce(array, ReduceOp.SUM),
+            lambda: dist.all_reduce(array),
+        ),
+        (
+            "broadcast",
+            (array, 0),
+            lambda: backend.broadcast(array, 0),
+            lambda: dist.broadcast(array, 0),
+        ),
         ("barrier", (), lambda: backend.barrier(), dist.barrier),
     ):
         timings[f"{name}: engine"] = best_of(engine(name, *args), calls, dist.barrier)
@@ -85,13 +93,25 @@ def mpi_layers(array: np.ndarray, calls: int) -> dict[str, float]:
     buf, out = [array, MPI.FLOAT], np.empty(array.size * comm.size, array.dtype)
     timings = {}
     for name, raw, ours, public in (
-        ("all_reduce", lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
-         lambda: backend.all_reduce(array, ReduceOp.SUM), lambda: dist.all_reduce(array)),
-        ("broadcast", lambda: comm.Bcast(buf, 0), lambda: backend.broadcast(array, 0),
-         lambda: dist.broadcast(array, 0)),
+        (
+            "all_reduce",
+            lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
+            lambda: backend.all_reduce(array, ReduceOp.SUM),
+            lambda: dist.all_reduce(array),
+        ),
+        (
+            "broadcast",
+            lambda: comm.Bcast(buf, 0),
+            lambda: backend.broadcast(array, 0),
+            lambda: dist.broadcast(array, 0),
+        ),
         ("barrier", comm.Barrier, lambda: backend.barrier(), dist.barrier),
-        ("all_gather", lambda: comm.Allgather(buf, [out, MPI.FLOAT]),
-         lambda: backend.all_gather(out, array), lambda: dist.all_gather_single(out, array)),
+        (
+            "all_gather",
+            lambda: comm.Allgather(buf, [out, MPI.FLOAT]),
+            lambda: backend.all_gather(out, array),
+            lambda: dist.all_gather_single(out, array),
+        ),
     ):
         timings[f"{name}: raw"] = best_of(raw, calls, comm.Barrier)
         timings[f"{name}: backend"] = best_of(ours, calls, comm.Barrier)

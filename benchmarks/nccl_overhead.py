@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per round (2000)")
     parser.add_argument("--rounds", type=int, default=7, help="rounds per figure (7)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also print a cProfile listing of dist.all_reduce")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print a cProfile listing of dist.all_reduce"
+    )
     args = parser.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:
         parser.error("--calls and --rounds must be >= 1")
@@ -64,13 +65,18 @@ def main(argv: list[str] | None = None) -> int:
         median, least = per_call(cupy, fn, args.calls, args.rounds)
         print(f"{what:40s} {median:8.2f} {least:8.2f}", flush=True)
 
-    print(f"# CuPy {cupy.__version__}, NCCL {'.'.join(map(str, version))}; us per call: "
-          "median, minimum", flush=True)
+    print(
+        f"# CuPy {cupy.__version__}, NCCL {'.'.join(map(str, version))}; us per call: "
+        "median, minimum",
+        flush=True,
+    )
     x = cupy.zeros(2, dtype=cupy.float32)
     comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
     stream = cupy.cuda.get_current_stream().ptr
-    report("raw comm.allReduce", lambda: comm.allReduce(
-        x.data.ptr, x.data.ptr, 2, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream))
+    report(
+        "raw comm.allReduce",
+        lambda: comm.allReduce(x.data.ptr, x.data.ptr, 2, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream),
+    )
     event = cupy.cuda.Event(disable_timing=True)
     report("cupy.cuda.Event()", lambda: cupy.cuda.Event(disable_timing=True))
     report("event.record", lambda: event.record(cupy.cuda.get_current_stream()))
@@ -82,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     report("with cupy.cuda.Device(0)", guard)
     for trace in ("2000", "0"):
         os.environ["DISTCOMM_TRACE_BUFFER"] = trace
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=60)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=60)
         try:
             report(f"dist.all_reduce, recorder {trace}", lambda: dist.all_reduce(x))
-            report(f"dist.all_reduce async, recorder {trace}",
-                   lambda: dist.all_reduce(x, async_op=True))
+            report(
+                f"dist.all_reduce async, recorder {trace}",
+                lambda: dist.all_reduce(x, async_op=True),
+            )
             if args.profile and trace != "0":
                 profile = cProfile.Profile()
                 profile.enable()

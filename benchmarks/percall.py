@@ -53,8 +53,10 @@ def main() -> None:
         for name, fn in ops.items():
             times[name].append(per_call(fn, args.calls))
     if dist.get_rank() == 0:
-        print(f"# gloo, {dist.get_world_size()} ranks, 8 bytes, us per call, "
-              f"{args.rounds} x {args.calls} calls{', pinned' if args.pin else ''}")
+        print(
+            f"# gloo, {dist.get_world_size()} ranks, 8 bytes, us per call, "
+            f"{args.rounds} x {args.calls} calls{', pinned' if args.pin else ''}"
+        )
         for name, runs in times.items():
             t = np.concatenate(runs)
             p10, p50, p90 = np.percentile(t, [10, 50, 90])

@@ -76,8 +76,10 @@ RENDEZVOUS_FIELDS = (
 )
 
 #: What the dots and bars of the store and launcher plots mean, under each picture.
-SPREAD_NOTE = ("each dot: one run; wide bar: the median; thin line: the fastest to the slowest "
-               "run. A cell whose runs failed says so; it is never drawn as zero.")
+SPREAD_NOTE = (
+    "each dot: one run; wide bar: the median; thin line: the fastest to the slowest "
+    "run. A cell whose runs failed says so; it is never drawn as zero."
+)
 
 
 def require_matplotlib(parser: argparse.ArgumentParser) -> None:
@@ -85,9 +87,11 @@ def require_matplotlib(parser: argparse.ArgumentParser) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        parser.error(f"--png needs matplotlib, which is not importable in this Python "
-                     f"({sys.executable}); install it (pip install matplotlib, or the "
-                     "'bench' extra: pip install -e \".[bench]\") or run without --png")
+        parser.error(
+            f"--png needs matplotlib, which is not importable in this Python "
+            f"({sys.executable}); install it (pip install matplotlib, or the "
+            "'bench' extra: pip install -e \".[bench]\") or run without --png"
+        )
 
 
 def _pyplot() -> Any:
@@ -135,22 +139,35 @@ def collectives(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     labels = list(dict.fromkeys(label for label, _ in series))
     colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     height = len(sized) + (1 if "barrier" in ops else 0)
-    fig, axes = plt.subplots(max(height, 1), 2, figsize=(12, 3.6 * max(height, 1)),
-                             squeeze=False)
+    fig, axes = plt.subplots(max(height, 1), 2, figsize=(12, 3.6 * max(height, 1)), squeeze=False)
     for i, op in enumerate(sized):
         ax_time, ax_bw = axes[i]
         for label in labels:
             line = series.get((label, op))
             if line is None:
                 continue
-            style = dict(marker="o", markersize=3, color=colours[label], label=label,
-                         linestyle="--" if label.startswith(tuple(PEERS.values())) else "-")
+            style = dict(
+                marker="o",
+                markersize=3,
+                color=colours[label],
+                label=label,
+                linestyle="--" if label.startswith(tuple(PEERS.values())) else "-",
+            )
             ax_time.plot(line["size"], line["time"], **style)
             ax_bw.plot(line["size"], line["busbw"], **style)
-        ax_time.set(xscale="log", yscale="log", xlabel="message size (bytes)",
-                    ylabel="time per call (us)", title=f"{op}: latency")
-        ax_bw.set(xscale="log", xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
-                  title=f"{op}: bus bandwidth")
+        ax_time.set(
+            xscale="log",
+            yscale="log",
+            xlabel="message size (bytes)",
+            ylabel="time per call (us)",
+            title=f"{op}: latency",
+        )
+        ax_bw.set(
+            xscale="log",
+            xlabel="message size (bytes)",
+            ylabel="bus bandwidth (GB/s)",
+            title=f"{op}: bus bandwidth",
+        )
         for ax in (ax_time, ax_bw):
             ax.grid(True, which="both", alpha=0.3)
         ax_time.legend(fontsize="small")
@@ -196,9 +213,16 @@ def _reason(errors: list[str], width: int) -> str:
     return "\n".join(parts)
 
 
-def _cells(ax: Any, groups: Sequence[Any], labels: Sequence[str],
-           cell: Callable[[Any, str], Cell | None], *, fmt: Callable[[float], str] | None = None,
-           connect: bool = False, wrap: int = 28) -> None:
+def _cells(
+    ax: Any,
+    groups: Sequence[Any],
+    labels: Sequence[str],
+    cell: Callable[[Any, str], Cell | None],
+    *,
+    fmt: Callable[[float], str] | None = None,
+    connect: bool = False,
+    wrap: int = 28,
+) -> None:
     """Draw each label's runs in each group side by side on `ax` (categorical x).
 
     Every run a dot, the median a wide bar, min to max a thin line, the median's value
@@ -226,33 +250,73 @@ def _cells(ax: Any, groups: Sequence[Any], labels: Sequence[str],
             if good:
                 step = 0.5 * width / max(len(good), 1)
                 xs = [x + (k - (len(good) - 1) / 2) * step for k in range(len(good))]
-                ax.scatter(xs, good, s=16, color=colour, marker=marker, alpha=0.5,
-                           linewidths=0, zorder=3)
+                ax.scatter(
+                    xs, good, s=16, color=colour, marker=marker, alpha=0.5, linewidths=0, zorder=3
+                )
                 ax.vlines(x, min(good), max(good), color=colour, linewidth=1, zorder=2)
                 median = statistics.median(good)
-                ax.hlines(median, x - 0.3 * width, x + 0.3 * width, color=colour,
-                          linewidth=2.5, zorder=4)
+                ax.hlines(
+                    median, x - 0.3 * width, x + 0.3 * width, color=colour, linewidth=2.5, zorder=4
+                )
                 line_x.append(x)
                 line_y.append(median)
                 if fmt is not None:
-                    ax.annotate(fmt(median), (x + 0.32 * width, median), fontsize=7,
-                                color=colour, va="center", ha="left")
+                    ax.annotate(
+                        fmt(median),
+                        (x + 0.32 * width, median),
+                        fontsize=7,
+                        color=colour,
+                        va="center",
+                        ha="left",
+                    )
                 if note:
-                    ax.annotate(note, (x, max(good)), xytext=(0, 5), textcoords="offset points",
-                                ha="center", va="bottom", fontsize=7, color="C3")
+                    ax.annotate(
+                        note,
+                        (x, max(good)),
+                        xytext=(0, 5),
+                        textcoords="offset points",
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        color="C3",
+                    )
             elif values:
-                ax.fill_between([x - 0.4 * width, x + 0.4 * width], 0, 1, transform=band,
-                                facecolor="none", edgecolor=colour, hatch="//", alpha=0.35,
-                                linewidth=0, zorder=1)
+                ax.fill_between(
+                    [x - 0.4 * width, x + 0.4 * width],
+                    0,
+                    1,
+                    transform=band,
+                    facecolor="none",
+                    edgecolor=colour,
+                    hatch="//",
+                    alpha=0.35,
+                    linewidth=0,
+                    zorder=1,
+                )
                 reason = _reason(errors, wrap)
                 text = "\n".join(textwrap.wrap(f"{label}: {note}", wrap))
-                ax.text(x, 0.5, text + (f"\n{reason}" if reason else ""), transform=band,
-                        ha="center", va="center", fontsize=7, color="C3", zorder=5,
-                        bbox=dict(boxstyle="round", facecolor="white", edgecolor="C3",
-                                  alpha=0.95))
+                ax.text(
+                    x,
+                    0.5,
+                    text + (f"\n{reason}" if reason else ""),
+                    transform=band,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="C3",
+                    zorder=5,
+                    bbox=dict(boxstyle="round", facecolor="white", edgecolor="C3", alpha=0.95),
+                )
         if connect and len(line_x) > 1:
-            ax.plot(line_x, line_y, color=colour, linewidth=1, alpha=0.7,
-                    linestyle="-" if j == 0 else "--", zorder=1)
+            ax.plot(
+                line_x,
+                line_y,
+                color=colour,
+                linewidth=1,
+                alpha=0.7,
+                linestyle="-" if j == 0 else "--",
+                zorder=1,
+            )
     ax.set_xticks(range(len(groups)), [str(g) for g in groups])
     if groups:
         ax.set_xlim(-0.5, len(groups) - 0.5)
@@ -286,9 +350,18 @@ def _log_y(ax: Any) -> None:
 def _legend(ax: Any, labels: Sequence[str]) -> None:
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=f"C{j % 10}", marker="os^Dv"[j % 5], linewidth=2.5,
-                      linestyle="-" if j == 0 else "--", label=label)
-               for j, label in enumerate(labels)]
+    handles = [
+        Line2D(
+            [],
+            [],
+            color=f"C{j % 10}",
+            marker="os^Dv"[j % 5],
+            linewidth=2.5,
+            linestyle="-" if j == 0 else "--",
+            label=label,
+        )
+        for j, label in enumerate(labels)
+    ]
     ax.legend(handles=handles, fontsize="small")
 
 
@@ -306,8 +379,9 @@ def _labels(rows: Iterable[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(row["label"] for row in rows))
 
 
-def _runs(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any],
-          value: str) -> dict[Any, Cell]:
+def _runs(
+    rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any], value: str
+) -> dict[Any, Cell]:
     """{key(row): (each run's value or None, the failed runs' errors)} in the rows' order."""
     out: dict[Any, Cell] = {}
     for row in rows:
@@ -321,16 +395,41 @@ def _runs(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any],
 
 #: The store plot's panels: measurement, title, y label, x axis ("op" or "clients"), log y.
 STORE_PANELS = (
-    ("calls_per_s", "one client: calls per second (higher is better)",
-     "calls per second (log scale)", "op", True),
-    ("barrier_ms", "barrier of N clients (lower is better)",
-     "start to the last client's return (ms, log scale)", "clients", True),
-    ("server_cpu_us_per_call", "server CPU per call, one client (lower is better)",
-     "server process CPU per call (µs)", "op", False),
-    ("client_cpu_us_per_call", "client CPU per call, one client (lower is better)",
-     "client process CPU per call (µs)", "op", False),
-    ("connect_ms", "connecting N clients (lower is better)",
-     "time to connect all, before the barrier (ms, log)", "clients", True),
+    (
+        "calls_per_s",
+        "one client: calls per second (higher is better)",
+        "calls per second (log scale)",
+        "op",
+        True,
+    ),
+    (
+        "barrier_ms",
+        "barrier of N clients (lower is better)",
+        "start to the last client's return (ms, log scale)",
+        "clients",
+        True,
+    ),
+    (
+        "server_cpu_us_per_call",
+        "server CPU per call, one client (lower is better)",
+        "server process CPU per call (µs)",
+        "op",
+        False,
+    ),
+    (
+        "client_cpu_us_per_call",
+        "client CPU per call, one client (lower is better)",
+        "client process CPU per call (µs)",
+        "op",
+        False,
+    ),
+    (
+        "connect_ms",
+        "connecting N clients (lower is better)",
+        "time to connect all, before the barrier (ms, log)",
+        "clients",
+        True,
+    ),
 )
 
 
@@ -343,13 +442,18 @@ def store(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     """
     plt = _pyplot()
     labels = _labels(rows)
-    runs = _runs(rows, lambda r: (r["measurement"], r["op"], int(r["clients"]), r["label"]),
-                 "value")
+    runs = _runs(
+        rows, lambda r: (r["measurement"], r["op"], int(r["clients"]), r["label"]), "value"
+    )
     fig = plt.figure(figsize=(15, 9))
     grid = fig.add_gridspec(2, 3)
-    axes = [fig.add_subplot(grid[0, :2]), fig.add_subplot(grid[0, 2]),
-            fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]),
-            fig.add_subplot(grid[1, 2])]
+    axes = [
+        fig.add_subplot(grid[0, :2]),
+        fig.add_subplot(grid[0, 2]),
+        fig.add_subplot(grid[1, 0]),
+        fig.add_subplot(grid[1, 1]),
+        fig.add_subplot(grid[1, 2]),
+    ]
     for ax, (measurement, name, ylabel, by, log) in zip(axes, STORE_PANELS, strict=True):
         keys = [k for k in runs if k[0] == measurement]
         if by == "op":
@@ -361,19 +465,29 @@ def store(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
             groups = sorted(dict.fromkeys(n for _, _, n, _ in keys))
             find = {(n, label): (m, op, n, label) for m, op, n, label in keys}
             xlabel = "clients (threads spread over the barrier processes)"
-        _cells(ax, groups, labels, lambda g, lab, find=find: runs.get(find.get((g, lab))),
-               connect=by == "clients", wrap=22)
+        _cells(
+            ax,
+            groups,
+            labels,
+            lambda g, lab, find=find: runs.get(find.get((g, lab))),
+            connect=by == "clients",
+            wrap=22,
+        )
         if log and keys:
             _log_y(ax)
         ax.set(title=name, xlabel=xlabel, ylabel=ylabel)
         if not keys:
-            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center",
-                    color="0.5")
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", color="0.5")
     _legend(axes[0], labels)
     heading = "TCPStore on 127.0.0.1: " + " against ".join(labels)
-    _finish(fig, plt, path, heading + (f"\n{title}" if title else ""),
-            SPREAD_NOTE + " Barrier: one dot per round. torch's get is two requests on the "
-            "wire (WAIT, GET), distcomm's one.")
+    _finish(
+        fig,
+        plt,
+        path,
+        heading + (f"\n{title}" if title else ""),
+        SPREAD_NOTE + " Barrier: one dot per round. torch's get is two requests on the "
+        "wire (WAIT, GET), distcomm's one.",
+    )
 
 
 #: The launcher plot's panels: measurement, title.
@@ -393,11 +507,21 @@ def launcher(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     groups = [f"{n} workers" for n in nprocs]
     fig, axes = plt.subplots(1, len(LAUNCHER_PANELS), figsize=(12, 5.2), squeeze=False)
     for ax, (measurement, name) in zip(axes[0], LAUNCHER_PANELS, strict=True):
-        _cells(ax, groups, labels,
-               lambda g, lab, m=measurement: runs.get((m, int(g.split()[0]), lab)),
-               fmt=lambda v: f"{v:.2f} s", wrap=30)
-        done = [v for (m, _, _), (values, _) in runs.items() if m == measurement
-                for v in values if v is not None]
+        _cells(
+            ax,
+            groups,
+            labels,
+            lambda g, lab, m=measurement: runs.get((m, int(g.split()[0]), lab)),
+            fmt=lambda v: f"{v:.2f} s",
+            wrap=30,
+        )
+        done = [
+            v
+            for (m, _, _), (values, _) in runs.items()
+            if m == measurement
+            for v in values
+            if v is not None
+        ]
         ax.set_ylim(0, 1.15 * max(done) if done else 1)
         ax.set(title=name, ylabel="seconds (lower is better)", xlabel="workers per launch")
     _legend(axes[0][0], labels)
@@ -426,37 +550,52 @@ def scale(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     labels = _labels(rows)
     columns = 3
     lines = -(-len(SCALE_PANELS) // columns)
-    fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 3.6 * lines),
-                             squeeze=False)
-    failed = sorted({f"{row['label']}, {row['nprocs']} ranks: {row['status']}"
-                     for row in rows if row.get("status") not in ("ok", None)})
+    fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 3.6 * lines), squeeze=False)
+    failed = sorted(
+        {
+            f"{row['label']}, {row['nprocs']} ranks: {row['status']}"
+            for row in rows
+            if row.get("status") not in ("ok", None)
+        }
+    )
     for ax, (key, heading) in zip(axes.flat, SCALE_PANELS, strict=False):
         for j, label in enumerate(labels):
-            points = sorted((int(row["nprocs"]), _number(row.get(f"{key}_median")),
-                             _number(row.get(f"{key}_max")))
-                            for row in rows if row["label"] == label)
+            points = sorted(
+                (
+                    int(row["nprocs"]),
+                    _number(row.get(f"{key}_median")),
+                    _number(row.get(f"{key}_max")),
+                )
+                for row in rows
+                if row["label"] == label
+            )
             points = [p for p in points if p[1] is not None]
             if not points:
                 continue
             xs = [p[0] for p in points]
-            ax.plot(xs, [p[1] for p in points], color=f"C{j % 10}", marker="os^Dv"[j % 5],
-                    label=label)
-            ax.plot(xs, [p[2] for p in points], color=f"C{j % 10}", linestyle=":",
-                    linewidth=1)
+            ax.plot(
+                xs, [p[1] for p in points], color=f"C{j % 10}", marker="os^Dv"[j % 5], label=label
+            )
+            ax.plot(xs, [p[2] for p in points], color=f"C{j % 10}", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("symlog" if key.startswith("store") else "log")
         ax.xaxis.set_major_formatter(_plain)
         ax.set_title(heading, fontsize="medium")
         ax.set_xlabel("ranks")
         ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(SCALE_PANELS):]:
+    for ax in list(axes.flat)[len(SCALE_PANELS) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize="small")
     note = "solid: median over the ranks; dotted: the slowest / largest rank."
     if failed:
         note += " Failed (drawn up to the step that failed): " + "; ".join(failed)
-    _finish(fig, plt, path, "Cost per rank against the number of ranks"
-            + (f"\n{title}" if title else ""), note)
+    _finish(
+        fig,
+        plt,
+        path,
+        "Cost per rank against the number of ranks" + (f"\n{title}" if title else ""),
+        note,
+    )
 
 
 #: The measures of benchmarks/rendezvous.py, one panel each: (column, panel title).
@@ -563,18 +702,28 @@ def read_csv(paths: Iterable[str]) -> list[dict[str, Any]]:
 
 #: What draws the rows of each benchmark's CSV files.
 KINDS: dict[str, Callable[[list[dict[str, Any]], str, str], None]] = {
-    "collectives": collectives, "store": store, "launcher": launcher, "scale": scale,
-    "rendezvous": rendezvous}
+    "collectives": collectives,
+    "store": store,
+    "launcher": launcher,
+    "scale": scale,
+    "rendezvous": rendezvous,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Plot benchmark CSV files, ours beside the peers.")
-    parser.add_argument("kind", choices=tuple(KINDS),
-                        help="which benchmark wrote the files (benchmarks/KIND.py --csv)")
+    parser.add_argument(
+        "kind",
+        choices=tuple(KINDS),
+        help="which benchmark wrote the files (benchmarks/KIND.py --csv)",
+    )
     parser.add_argument("csv", nargs="+", help="CSV files written with --csv")
     parser.add_argument("--png", required=True, metavar="PATH", help="the picture to write")
-    parser.add_argument("--title", default="", help="a title above the plots (store and "
-                                                    "launcher: a second line under theirs)")
+    parser.add_argument(
+        "--title",
+        default="",
+        help="a title above the plots (store and launcher: a second line under theirs)",
+    )
     args = parser.parse_args(argv)
     require_matplotlib(parser)
     try:
@@ -583,8 +732,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no rows in {', '.join(args.csv)}")
         KINDS[args.kind](rows, args.png, args.title)
     except (OSError, KeyError, ValueError) as exc:
-        parser.error(f"cannot plot {', '.join(args.csv)}: {exc!r} (files written by "
-                     f"benchmarks/{args.kind}.py --csv?)")
+        parser.error(
+            f"cannot plot {', '.join(args.csv)}: {exc!r} (files written by "
+            f"benchmarks/{args.kind}.py --csv?)"
+        )
     return 0
 
 

@@ -58,8 +58,9 @@ def main() -> None:
     best = {f.__name__: float("inf") for f in variants}
     for _ in range(args.rounds):
         for f in variants:
-            best[f.__name__] = min(best[f.__name__],
-                                   timeit.timeit(f, number=args.calls) / args.calls * 1e9)
+            best[f.__name__] = min(
+                best[f.__name__], timeit.timeit(f, number=args.calls) / args.calls * 1e9
+            )
     print(f"best of {args.rounds} rounds of {args.calls} calls, ns per call:")
     for name, value in best.items():
         print(f"  {name:<14} {value:8.0f}")

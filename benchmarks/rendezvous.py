@@ -378,9 +378,6 @@ class WarningTally(logging.Handler):
 # -- children ------------------------------------------------------------------------------
 
 
-
-
-
 def _params(scenario: Scenario, run_id: str, endpoint: str, **conf: str) -> RendezvousParameters:
     return RendezvousParameters(
         scenario.backend,

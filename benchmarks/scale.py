@@ -93,17 +93,25 @@ MEASURES: tuple[tuple[str, str, str], ...] = (
 )
 #: The CSV columns: one row per (backend, N); a failed configuration has status "failed"
 #: or "timed out", its error, and the measures of whichever ranks wrote theirs.
-FIELDS = ("backend", "label", "nprocs", "status", "error", "ranks_reported",
-          "all_reduce_correct",
-          *(f"{key}_{stat}" for key, _, _ in MEASURES for stat in ("median", "max")))
+FIELDS = (
+    "backend",
+    "label",
+    "nprocs",
+    "status",
+    "error",
+    "ranks_reported",
+    "all_reduce_correct",
+    *(f"{key}_{stat}" for key, _, _ in MEASURES for stat in ("median", "max")),
+)
 
 
 class CountingStore(Store):
     """A store that forwards every call to `inner` and counts the calls by method (each
     one request of the caller; a clone shares the counts)."""
 
-    def __init__(self, inner: Store, counts: Counter | None = None,
-                 lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self, inner: Store, counts: Counter | None = None, lock: threading.Lock | None = None
+    ) -> None:
         super().__init__(inner.timeout)
         self.inner = inner
         self.counts: Counter = Counter() if counts is None else counts
@@ -135,8 +143,9 @@ class CountingStore(Store):
     def add(self, key: str, amount: int) -> int:
         return self._call("add", key, amount)
 
-    def compare_set(self, key: str, expected_value: str | bytes,
-                    desired_value: str | bytes) -> bytes:
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
         return self._call("compare_set", key, expected_value, desired_value)
 
     def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
@@ -175,8 +184,7 @@ class CountingStore(Store):
     def queue_len(self, key: str) -> int:
         return self._call("queue_len", key)
 
-    def barrier(self, key: str, world_size: int,
-                timeout: float | timedelta | None = None) -> None:
+    def barrier(self, key: str, world_size: int, timeout: float | timedelta | None = None) -> None:
         self._call("barrier", key, world_size, timeout)
 
     def clone(self) -> Store:
@@ -226,10 +234,12 @@ def process_counts() -> dict[str, float]:
     threads = re.search(r"^Threads:\s+(\d+)", status, re.M)
     rss = re.search(r"^VmRSS:\s+(\d+)\s+kB", status, re.M)
     sockets = count_sockets()
-    return {"threads_py": threading.active_count(),
-            "threads_os": int(threads.group(1)) if threads else -1,
-            "sockets": sockets,
-            "rss_mib": int(rss.group(1)) / 1024 if rss else -1}
+    return {
+        "threads_py": threading.active_count(),
+        "threads_os": int(threads.group(1)) if threads else -1,
+        "sockets": sockets,
+        "rss_mib": int(rss.group(1)) / 1024 if rss else -1,
+    }
 
 
 class RankValues(dict):
@@ -255,10 +265,17 @@ def _median_us(op: Callable[[], None], iters: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def measure(n: int, iters: int, init: Callable[[], None], all_reduce: Callable[[Any], Any],
-            barrier: Callable[[], None], new_group: Callable[[], None],
-            buffer: Callable[[], Any], store_requests: Callable[[], int] | None,
-            out: RankValues) -> dict:
+def measure(
+    n: int,
+    iters: int,
+    init: Callable[[], None],
+    all_reduce: Callable[[Any], Any],
+    barrier: Callable[[], None],
+    new_group: Callable[[], None],
+    buffer: Callable[[], Any],
+    store_requests: Callable[[], int] | None,
+    out: RankValues,
+) -> dict:
     """The measures of one rank (MEASURES' keys), init to the second group, saved into
     `out` as they come (so that a rank that fails on the way still reports the others)."""
     start = time.perf_counter()
@@ -293,8 +310,9 @@ def measure(n: int, iters: int, init: Callable[[], None], all_reduce: Callable[[
     return out
 
 
-def distcomm_rank(backend: str, rank: int, n: int, iters: int, timeout: float,
-                  out: RankValues) -> dict:
+def distcomm_rank(
+    backend: str, rank: int, n: int, iters: int, timeout: float, out: RankValues
+) -> dict:
     import numpy as np
 
     import distcomm as dist
@@ -303,22 +321,38 @@ def distcomm_rank(backend: str, rank: int, n: int, iters: int, timeout: float,
 
     def init() -> None:
         # as env:// does: rank 0 hosts the TCPStore at MASTER_ADDR:MASTER_PORT
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n,
-                              is_master=rank == 0, timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            n,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=timeout),
+        )
         holder["store"] = CountingStore(store)
-        dist.init_process_group("gloo" if backend == "gloo-tcp" else backend,
-                                store=holder["store"], rank=rank, world_size=n,
-                                timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo" if backend == "gloo-tcp" else backend,
+            store=holder["store"],
+            rank=rank,
+            world_size=n,
+            timeout=timedelta(seconds=timeout),
+        )
 
     def all_reduce(buf: Any) -> Any:
         dist.all_reduce(buf)
         return buf
 
     try:
-        return measure(n, iters, init, all_reduce, dist.barrier,
-                       lambda: dist.new_group(ranks=list(range(n))),
-                       lambda: np.ones(1, dtype=np.float64),
-                       lambda: holder["store"].requests(), out)
+        return measure(
+            n,
+            iters,
+            init,
+            all_reduce,
+            dist.barrier,
+            lambda: dist.new_group(ranks=list(range(n))),
+            lambda: np.ones(1, dtype=np.float64),
+            lambda: holder["store"].requests(),
+            out,
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -331,12 +365,19 @@ def torch_rank(rank: int, n: int, iters: int, timeout: float, out: RankValues) -
     import torch.distributed as dist
 
     try:
-        return measure(n, iters,
-                       lambda: dist.init_process_group("gloo", init_method="env://",
-                                                       timeout=timedelta(seconds=timeout)),
-                       lambda buf: (dist.all_reduce(buf), buf)[1], dist.barrier,
-                       lambda: dist.new_group(ranks=list(range(n))),
-                       lambda: torch.ones(1, dtype=torch.float64), None, out)
+        return measure(
+            n,
+            iters,
+            lambda: dist.init_process_group(
+                "gloo", init_method="env://", timeout=timedelta(seconds=timeout)
+            ),
+            lambda buf: (dist.all_reduce(buf), buf)[1],
+            dist.barrier,
+            lambda: dist.new_group(ranks=list(range(n))),
+            lambda: torch.ones(1, dtype=torch.float64),
+            None,
+            out,
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -357,9 +398,17 @@ def mpi4py_rank(n: int, iters: int, out: RankValues) -> dict:
         return buf
 
     try:
-        return measure(n, iters, MPI.Init, all_reduce, lambda: MPI.COMM_WORLD.Barrier(),
-                       lambda: comms.append(MPI.COMM_WORLD.Dup()),
-                       lambda: np.ones(1, dtype=np.float64), None, out)
+        return measure(
+            n,
+            iters,
+            MPI.Init,
+            all_reduce,
+            lambda: MPI.COMM_WORLD.Barrier(),
+            lambda: comms.append(MPI.COMM_WORLD.Dup()),
+            lambda: np.ones(1, dtype=np.float64),
+            None,
+            out,
+        )
     finally:
         for comm in comms:
             comm.Free()
@@ -417,11 +466,28 @@ def free_port() -> int:
 
 
 def _child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "DISTCOMM_GLOO_TRANSPORT")}
-    env.update(HYDRA_IFACE="lo", UCX_NET_DEVICES="lo", DISTCOMM_SOCKET_IFNAME="lo",
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "DISTCOMM_GLOO_TRANSPORT",
+        )
+    }
+    env.update(
+        HYDRA_IFACE="lo",
+        UCX_NET_DEVICES="lo",
+        DISTCOMM_SOCKET_IFNAME="lo",
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -479,27 +545,52 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
         lock = open(lock_path, "rb")  # noqa: SIM115  (held until every rank is ready)
         fcntl.flock(lock, fcntl.LOCK_EX)
         env = _child_env()
-        me = [sys.executable, str(Path(__file__).resolve()), "--rank-of", backend,
-              "--workdir", tmp, "--world", str(n), "--iters", str(args.iters),
-              "--timeout", str(args.timeout), "--parent", str(os.getpid())]
+        me = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--rank-of",
+            backend,
+            "--workdir",
+            tmp,
+            "--world",
+            str(n),
+            "--iters",
+            str(args.iters),
+            "--timeout",
+            str(args.timeout),
+            "--parent",
+            str(os.getpid()),
+        ]
         procs: list[subprocess.Popen] = []
         log = open(workdir / "output.log", "wb")  # noqa: SIM115
         try:
             if backend == "mpi4py":
                 mpiexec = shutil.which("mpiexec") or "mpiexec"
-                procs.append(subprocess.Popen([mpiexec, "-n", str(n), *me], env=env,
-                                              stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [mpiexec, "-n", str(n), *me],
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=log,
+                        start_new_session=True,
+                    )
+                )
             else:
-                env.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()),
-                           WORLD_SIZE=str(n))
+                env.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
                 if backend == "gloo-tcp":
                     env["DISTCOMM_GLOO_TRANSPORT"] = "tcp"
                 for rank in range(n):
-                    procs.append(subprocess.Popen(
-                        me, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                        stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                        start_new_session=True))
+                    procs.append(
+                        subprocess.Popen(
+                            me,
+                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=log,
+                            start_new_session=True,
+                        )
+                    )
             row.update(_supervise(procs, workdir, n, lock, args.timeout + PARENT_MARGIN))
         finally:
             lock.close()
@@ -513,21 +604,28 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
                 except ProcessLookupError:
                     pass
             if stray:
-                print(f"{backend}, {n} ranks: killed {len(stray)} processes left behind",
-                      file=sys.stderr)
+                print(
+                    f"{backend}, {n} ranks: killed {len(stray)} processes left behind",
+                    file=sys.stderr,
+                )
         ranks = [json.loads(p.read_text()) for p in sorted(workdir.glob("rank.*.json"))]
         ranks = [r for r in ranks if r]  # a rank that failed before init measured nothing
         if row["status"] != "ok":
             row["error"] = row["error"] or _first_error(workdir)
             tail = (workdir / "output.log").read_text(errors="replace").strip().splitlines()
-            print(f"{backend}, {n} ranks: {row['status']}: {row['error']}\n  "
-                  + "\n  ".join(tail[-5:]), file=sys.stderr)
+            print(
+                f"{backend}, {n} ranks: {row['status']}: {row['error']}\n  "
+                + "\n  ".join(tail[-5:]),
+                file=sys.stderr,
+            )
     new_shm = _shm() - shm_before
     if new_shm:
-        print(f"{backend}, {n} ranks: new in /dev/shm afterwards: {sorted(new_shm)}",
-              file=sys.stderr)
-        row["error"] = (row["error"] + "; " if row["error"] else "") + \
-            f"left {len(new_shm)} entries in /dev/shm"
+        print(
+            f"{backend}, {n} ranks: new in /dev/shm afterwards: {sorted(new_shm)}", file=sys.stderr
+        )
+        row["error"] = (
+            row["error"] + "; " if row["error"] else ""
+        ) + f"left {len(new_shm)} entries in /dev/shm"
     row["ranks_reported"] = len(ranks)
     checked = [r["all_reduce_wrong"] for r in ranks if "all_reduce_wrong" in r]
     row["all_reduce_correct"] = all(w == 0 for w in checked) if checked else None
@@ -538,8 +636,9 @@ def run_config(backend: str, n: int, args: argparse.Namespace) -> dict[str, Any]
     return row
 
 
-def _supervise(procs: list[subprocess.Popen], workdir: Path, n: int, lock: Any,
-               limit: float) -> dict[str, str]:
+def _supervise(
+    procs: list[subprocess.Popen], workdir: Path, n: int, lock: Any, limit: float
+) -> dict[str, str]:
     """Wait for every rank to be ready, release them, wait for them to finish, all within
     `limit` seconds; stop at the first rank that exits with an error."""
     deadline = time.monotonic() + limit
@@ -562,10 +661,10 @@ def _supervise(procs: list[subprocess.Popen], workdir: Path, n: int, lock: Any,
         if time.monotonic() > deadline:
             ready = len(list(workdir.glob("ready.*")))
             done = len(list(workdir.glob("done.*")))
-            where = (f"{ready} of {n} ranks started" if not released
-                     else f"{done} of {n} ranks finished")
-            return {"status": "timed out",
-                    "error": f"timed out after {limit:.0f} s ({where})"}
+            where = (
+                f"{ready} of {n} ranks started" if not released else f"{done} of {n} ranks finished"
+            )
+            return {"status": "timed out", "error": f"timed out after {limit:.0f} s ({where})"}
         time.sleep(0.2)
 
 
@@ -587,9 +686,11 @@ def labels(backends: Sequence[str]) -> dict[str, str]:
 
     import distcomm
 
-    names = {"tcp": f"distcomm tcp ({distcomm.__version__})",
-             "gloo": f"distcomm gloo ({distcomm.__version__})",
-             "gloo-tcp": f"distcomm gloo, TCP only ({distcomm.__version__})"}
+    names = {
+        "tcp": f"distcomm tcp ({distcomm.__version__})",
+        "gloo": f"distcomm gloo ({distcomm.__version__})",
+        "gloo-tcp": f"distcomm gloo, TCP only ({distcomm.__version__})",
+    }
     if "mpi4py" in backends:
         names["mpi4py"] = f"raw mpi4py {importlib.metadata.version('mpi4py')}"
     if "torch" in backends:
@@ -609,15 +710,21 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("| backend | N | status | " + " | ".join(h for _, h, _ in MEASURES) + " |")
     print("|---|---|---|" + "---|" * len(MEASURES))
     for row in rows:
-        status = row["status"] if row["all_reduce_correct"] in (True, None) \
+        status = (
+            row["status"]
+            if row["all_reduce_correct"] in (True, None)
             else row["status"] + ", WRONG all_reduce"
+        )
         if row["status"] != "ok":
             status += f" ({row['ranks_reported']} of {row['nprocs']} ranks reported)"
         if row["error"]:
             status += f": {row['error']}"
-        print(f"| {row['backend']} | {row['nprocs']} | {status} | "
-              + " | ".join(_cell(row, key, fmt) for key, _, fmt in MEASURES) + " |",
-              flush=True)
+        print(
+            f"| {row['backend']} | {row['nprocs']} | {status} | "
+            + " | ".join(_cell(row, key, fmt) for key, _, fmt in MEASURES)
+            + " |",
+            flush=True,
+        )
 
 
 def _sizes(text: str) -> list[int]:
@@ -625,7 +732,8 @@ def _sizes(text: str) -> list[int]:
         sizes = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--sizes wants integers like 8,32,64, got {text!r}") from None
+            f"--sizes wants integers like 8,32,64, got {text!r}"
+        ) from None
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"--sizes wants integers >= 1, got {text!r}")
     return sizes
@@ -636,25 +744,39 @@ def _backends(text: str) -> list[str]:
     unknown = [s for s in names if s not in BACKENDS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown backend(s) {unknown or text!r}; choose from {', '.join(BACKENDS)}")
+            f"unknown backend(s) {unknown or text!r}; choose from {', '.join(BACKENDS)}"
+        )
     return names
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=_sizes, default=_sizes("8,32,64,128,256"),
-                        help="world sizes, comma separated (default 8,32,64,128,256)")
-    parser.add_argument("--backends", type=_backends,
-                        default=_backends("tcp,gloo,gloo-tcp,mpi4py,torch"),
-                        help=f"comma separated, of {', '.join(BACKENDS)} (default all; "
-                             "torch is skipped when not installed)")
-    parser.add_argument("--iters", type=int, default=50,
-                        help="timed all_reduces and barriers per rank (default 50)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds per configuration, start to exit (default 600)")
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=_sizes("8,32,64,128,256"),
+        help="world sizes, comma separated (default 8,32,64,128,256)",
+    )
+    parser.add_argument(
+        "--backends",
+        type=_backends,
+        default=_backends("tcp,gloo,gloo-tcp,mpi4py,torch"),
+        help=f"comma separated, of {', '.join(BACKENDS)} (default all; "
+        "torch is skipped when not installed)",
+    )
+    parser.add_argument(
+        "--iters", type=int, default=50, help="timed all_reduces and barriers per rank (default 50)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds per configuration, start to exit (default 600)",
+    )
     parser.add_argument("--csv", metavar="PATH", help="also write the rows here")
-    parser.add_argument("--png", metavar="PATH",
-                        help="also plot each measure against N (needs matplotlib)")
+    parser.add_argument(
+        "--png", metavar="PATH", help="also plot each measure against N (needs matplotlib)"
+    )
     # a rank started by the parent
     parser.add_argument("--rank-of", choices=BACKENDS, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -676,16 +798,19 @@ def main(argv: list[str] | None = None) -> int:
     if "torch" in backends and importlib.util.find_spec("torch") is None:
         print("# torch is not installed: skipping the torch backend", flush=True)
         backends.remove("torch")
-    if "mpi4py" in backends and (importlib.util.find_spec("mpi4py") is None
-                                 or shutil.which("mpiexec") is None):
+    if "mpi4py" in backends and (
+        importlib.util.find_spec("mpi4py") is None or shutil.which("mpiexec") is None
+    ):
         print("# mpi4py or mpiexec is missing: skipping the mpi4py backend", flush=True)
         backends.remove("mpi4py")
     names = labels(backends)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"# {date.today().isoformat()}, {os.cpu_count()} CPUs, Python "
-          f"{platform.python_version()}, load average at start {load}; each cell: median / "
-          f"max over the ranks; {args.iters} timed 8-byte all_reduces and barriers per rank",
-          flush=True)
+    print(
+        f"# {date.today().isoformat()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}, load average at start {load}; each cell: median / "
+        f"max over the ranks; {args.iters} timed 8-byte all_reduces and barriers per rank",
+        flush=True,
+    )
     rows = []
     for n in args.sizes:
         for backend in backends:
@@ -693,14 +818,20 @@ def main(argv: list[str] | None = None) -> int:
             row = run_config(backend, n, args)
             row["label"] = names[backend]
             rows.append(row)
-            print(f"# {backend}, {n} ranks: {row['status']} in "
-                  f"{time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"# {backend}, {n} ranks: {row['status']} in {time.monotonic() - start:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     print_table(rows)
     if args.csv:
         plots.write_csv(rows, args.csv, FIELDS)
     if args.png:
-        plots.scale(rows, args.png, f"{date.today().isoformat()}, {os.cpu_count()} CPUs, "
-                                    f"load average at start {load}")
+        plots.scale(
+            rows,
+            args.png,
+            f"{date.today().isoformat()}, {os.cpu_count()} CPUs, load average at start {load}",
+        )
     return 0 if all(row["status"] == "ok" for row in rows) else 1
 
 

@@ -135,8 +135,11 @@ def run_phases(dist: Any, hosts: int, nproc: int, timeout: float) -> dict[str, A
     all_reduce_ones(dist, cross, hosts, "cross-host subgroup")
     all_reduce_ones(dist, local, nproc, "host subgroup")
     record["phases"]["subgroups"] = snapshot([world, local, cross])
-    record["paths"] = {"world": path_name(world), "host": path_name(local),
-                       "cross": path_name(cross)}
+    record["paths"] = {
+        "world": path_name(world),
+        "host": path_name(local),
+        "cross": path_name(cross),
+    }
     record["thread_names"] = thread_names()
     return record
 
@@ -200,19 +203,31 @@ def start_agents(cluster: Any, args: argparse.Namespace, out: Path) -> list[subp
     agents = []
     for host in cluster.hosts:
         command = [
-            sys.executable, "-m", "distcomm.run",
-            f"--nnodes={args.hosts}", f"--nproc-per-node={args.nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={first}:{RDZV_PORT}",
+            sys.executable,
+            "-m",
+            "distcomm.run",
+            f"--nnodes={args.hosts}",
+            f"--nproc-per-node={args.nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={first}:{RDZV_PORT}",
             f"--rdzv-id=scale-hosts-{os.getpid()}",
-            str(Path(__file__).resolve()), "--worker", "--out", str(out),
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--out",
+            str(out),
             # no --nproc here: distcomm-run, as torchrun, takes a prefix of one of its own
             # options after the script's name for that option and calls it ambiguous
-            "--hosts", str(args.hosts), "--worker-nproc", str(args.nproc),
-            "--rank-timeout", str(rank_timeout),
+            "--hosts",
+            str(args.hosts),
+            "--worker-nproc",
+            str(args.nproc),
+            "--rank-timeout",
+            str(rank_timeout),
         ]
         with (out / f"agent-{host.index}.log").open("w") as log:
-            agents.append(host.popen(command, env=env, cwd=out, stdout=log,
-                                     stderr=subprocess.STDOUT))
+            agents.append(
+                host.popen(command, env=env, cwd=out, stdout=log, stderr=subprocess.STDOUT)
+            )
     return agents
 
 
@@ -246,22 +261,32 @@ def log_tails(out: Path, hosts: int) -> str:
     for index in range(hosts):
         path = out / f"agent-{index}.log"
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-        parts.append(f"===== agent on host {index} (last {LOG_TAIL} lines) =====\n"
-                     + "\n".join(lines[-LOG_TAIL:]))
+        parts.append(
+            f"===== agent on host {index} (last {LOG_TAIL} lines) =====\n"
+            + "\n".join(lines[-LOG_TAIL:])
+        )
     return "\n".join(parts)
 
 
-def problems(codes: list[int | None], timed_out: bool, timeout: float,
-             records: dict[int, dict[str, Any]], world: int) -> list[str]:
+def problems(
+    codes: list[int | None],
+    timed_out: bool,
+    timeout: float,
+    records: dict[int, dict[str, Any]],
+    world: int,
+) -> list[str]:
     """What went wrong with the job, one line each (empty: nothing)."""
     found = []
     running = [i for i, code in enumerate(codes) if code is None]
     if timed_out:
-        found.append(f"the job ran past --timeout {timeout:.0f} s "
-                     f"(agents still running on hosts {running}; killed)")
+        found.append(
+            f"the job ran past --timeout {timeout:.0f} s "
+            f"(agents still running on hosts {running}; killed)"
+        )
     elif running:
-        found.append(f"agents on hosts {running} still ran {FAIL_GRACE:.0f} s after another "
-                     "failed; killed")
+        found.append(
+            f"agents on hosts {running} still ran {FAIL_GRACE:.0f} s after another failed; killed"
+        )
     failed = {i: code for i, code in enumerate(codes) if code not in (None, 0)}
     if failed:
         found.append(f"agents exited non-zero (host: status): {failed}")
@@ -289,8 +314,9 @@ def print_table(summary: dict[str, dict[str, dict[str, float]]]) -> None:
     print("| phase | " + " | ".join(f"{m} (median / max)" for m in MEASURES) + " |")
     print("|---|" + "---|" * len(MEASURES))
     for phase in PHASES:
-        cells = [f"{summary[phase][m]['median']:g} / {summary[phase][m]['max']:g}"
-                 for m in MEASURES]
+        cells = [
+            f"{summary[phase][m]['median']:g} / {summary[phase][m]['max']:g}" for m in MEASURES
+        ]
         print(f"| {phase} | " + " | ".join(cells) + " |")
 
 
@@ -311,8 +337,10 @@ def print_notes(records: dict[int, dict[str, Any]], nproc: int) -> None:
     top = sorted(rank for rank, s in last.items() if s["connections"] == most)
     for rank in top[:8]:
         peers = last[rank]["peers"]
-        print(f"# rank {rank} (host {rank // nproc}): {most} connections, to ranks {peers} "
-              f"(hosts {[p // nproc for p in peers]})")
+        print(
+            f"# rank {rank} (host {rank // nproc}): {most} connections, to ranks {peers} "
+            f"(hosts {[p // nproc for p in peers]})"
+        )
     if len(top) > 8:
         print(f"# ... and {len(top) - 8} more ranks with {most} connections")
 
@@ -337,12 +365,19 @@ def run_job(args: argparse.Namespace, out: Path) -> int:
         print("scale_hosts.py: the job failed:\n  " + "\n  ".join(found), file=sys.stderr)
         return 1
     summary = summarize(records)
-    print(f"# one gloo job of {world} ranks on {args.hosts} namespace hosts x {args.nproc} "
-          f"ranks each; median / max over the ranks; {seconds:.0f} s in all")
+    print(
+        f"# one gloo job of {world} ranks on {args.hosts} namespace hosts x {args.nproc} "
+        f"ranks each; median / max over the ranks; {seconds:.0f} s in all"
+    )
     print_table(summary)
     print_notes(records, args.nproc)
-    result = {"hosts": args.hosts, "nproc": args.nproc, "world": world,
-              "seconds": round(seconds, 1), "phases": summary}
+    result = {
+        "hosts": args.hosts,
+        "nproc": args.nproc,
+        "world": world,
+        "seconds": round(seconds, 1),
+        "phases": summary,
+    }
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -353,8 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=8, help="simulated hosts (default 8)")
     parser.add_argument("--nproc", type=int, default=8, help="ranks per host (default 8)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds the whole job may take (default 600)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds the whole job may take (default 600)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also save the summary there")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -59,8 +59,10 @@ class Peer:
         first, last, nbytes = self.outbox.get(timeout=600)
         elapsed = time.perf_counter() - start
         if (first, last, nbytes) != (int(arr[0]), int(arr[-1]), arr.nbytes):
-            raise RuntimeError(f"the child saw {(first, last, nbytes)}, expected "
-                               f"{(int(arr[0]), int(arr[-1]), arr.nbytes)}")
+            raise RuntimeError(
+                f"the child saw {(first, last, nbytes)}, expected "
+                f"{(int(arr[0]), int(arr[-1]), arr.nbytes)}"
+            )
         return elapsed
 
     def close(self) -> None:
@@ -108,7 +110,10 @@ class Driver:
     def __init__(self, flavour: str, strategy: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--drive", flavour, "--strategy", strategy],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def send(self, size: int, kind: str) -> float:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -135,21 +140,32 @@ def _fmt(seconds: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1M,64M,1G",
-                        help="array sizes in bytes, K/M/G suffixes (default 1M,64M,1G)")
+    parser.add_argument(
+        "--sizes",
+        default="1M,64M,1G",
+        help="array sizes in bytes, K/M/G suffixes (default 1M,64M,1G)",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="sends per cell (default 5)")
-    parser.add_argument("--strategy", choices=("file_descriptor", "file_system"),
-                        default="file_descriptor", help="distcomm's sharing strategy")
+    parser.add_argument(
+        "--strategy",
+        choices=("file_descriptor", "file_system"),
+        default="file_descriptor",
+        help="distcomm's sharing strategy",
+    )
     parser.add_argument("--drive", choices=("stdlib", "distcomm"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.drive:
         return drive(args.drive, args.strategy)
     sizes = [parse_bytes(part) for part in args.sizes.split(",") if part.strip()]
     std, ours = Driver("stdlib", args.strategy), Driver("distcomm", args.strategy)
-    print(f"# one array through a Queue to a child and back an acknowledgement; median of "
-          f"{args.repeat}; distcomm strategy {args.strategy}; {os.cpu_count()} CPUs")
-    print("| size | stdlib | distcomm, plain array | distcomm, shared array | "
-          "stdlib/plain | stdlib/shared |")
+    print(
+        f"# one array through a Queue to a child and back an acknowledgement; median of "
+        f"{args.repeat}; distcomm strategy {args.strategy}; {os.cpu_count()} CPUs"
+    )
+    print(
+        "| size | stdlib | distcomm, plain array | distcomm, shared array | "
+        "stdlib/plain | stdlib/shared |"
+    )
     print("|---|---|---|---|---|---|")
     try:
         for size in sizes:
@@ -161,8 +177,11 @@ def main() -> int:
                 times["shared"].append(ours.send(size, "shared"))
             m = {key: statistics.median(values) for key, values in times.items()}
             label = f"{size / 2**30:g} GiB" if size >= 2**30 else f"{size / 2**20:g} MiB"
-            print(f"| {label} | {_fmt(m['std'])} | {_fmt(m['plain'])} | {_fmt(m['shared'])} "
-                  f"| {m['std'] / m['plain']:.1f}x | {m['std'] / m['shared']:.0f}x |", flush=True)
+            print(
+                f"| {label} | {_fmt(m['std'])} | {_fmt(m['plain'])} | {_fmt(m['shared'])} "
+                f"| {m['std'] / m['plain']:.1f}x | {m['std'] / m['shared']:.0f}x |",
+                flush=True,
+            )
     finally:
         std.close()
         ours.close()

@@ -34,16 +34,26 @@ from collectives import parse_bytes  # this folder's benchmark: one size syntax
 
 import distcomm as dist
 
-FIELDS = ("bytes", "distcomm_us", "plain_us", "pinned_us", "distcomm_GBps", "plain_GBps",
-          "pinned_GBps", "plain_over_distcomm", "pinned_over_distcomm")
+FIELDS = (
+    "bytes",
+    "distcomm_us",
+    "plain_us",
+    "pinned_us",
+    "distcomm_GBps",
+    "plain_GBps",
+    "pinned_GBps",
+    "plain_over_distcomm",
+    "pinned_over_distcomm",
+)
 
 
 def parse_sizes(text: str) -> list[int]:
     """'8,1M,64M' -> byte counts, each at least one float32 (collectives.py's syntax)."""
     sizes = [parse_bytes(part) for part in text.split(",") if part.strip()]
     if not sizes or min(sizes) < 4:
-        raise argparse.ArgumentTypeError(f"need one or more sizes of at least 4 bytes, got "
-                                         f"{text!r}")
+        raise argparse.ArgumentTypeError(
+            f"need one or more sizes of at least 4 bytes, got {text!r}"
+        )
     return sizes
 
 
@@ -97,8 +107,7 @@ def run(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
     import cupy
 
     rows = []
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=300)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=300)
     try:
         for size in sizes:
             rows.append(_one_size(cupy, size, repeat))
@@ -110,12 +119,15 @@ def run(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--sizes", type=parse_sizes,
-                        default=parse_sizes("8,1K,64K,1M,4M,16M,64M,256M,1G"),
-                        help="byte counts, comma-separated, K/M/G suffixes (default "
-                             "8 to 1G)")
-    parser.add_argument("--repeat", type=int, default=20,
-                        help="timed runs per size and case (default 20)")
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=parse_sizes("8,1K,64K,1M,4M,16M,64M,256M,1G"),
+        help="byte counts, comma-separated, K/M/G suffixes (default 8 to 1G)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=20, help="timed runs per size and case (default 20)"
+    )
     parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
     args = parser.parse_args(argv)
     if args.repeat < 1:
@@ -130,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     device = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
     name = name.decode() if isinstance(name, bytes) else name
-    print(f"# GPU {device.id}: {name}; CuPy {cupy.__version__}; CUDA runtime "
-          f"{cupy.cuda.runtime.runtimeGetVersion()}; median of {args.repeat} runs, us",
-          flush=True)
+    print(
+        f"# GPU {device.id}: {name}; CuPy {cupy.__version__}; CUDA runtime "
+        f"{cupy.cuda.runtime.runtimeGetVersion()}; median of {args.repeat} runs, us",
+        flush=True,
+    )
     print("  ".join(f"{f:>12}" for f in FIELDS), flush=True)  # the rows line up below
     rows = run(args.sizes, args.repeat)
     if args.csv:

@@ -83,6 +83,7 @@ class BenchError(RuntimeError):
 
 # -- command line ------------------------------------------------------------------------------
 
+
 def parse_clients(text: str) -> tuple[int, ...]:
     """'64,256,1024' -> (64, 256, 1024); '' or 'none' -> () (no barrier rows)."""
     if text.strip().lower() in ("", "none"):
@@ -94,7 +95,8 @@ def parse_clients(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(
             f"--clients wants a comma-separated list of client counts >= 1 (e.g. 64,256,1024), "
-            f"or 'none', got {text!r}")
+            f"or 'none', got {text!r}"
+        )
     return values
 
 
@@ -116,36 +118,62 @@ environment: the children get TORCH_CPP_LOG_LEVEL=ERROR (torch warns once per co
   or more); both only where not set already, neither touches the timed calls.
 clocks: the barrier's start and end times are time.monotonic() in different processes
   (one system-wide clock on Linux). Each barrier process sleeps until the common start,
-  then releases its threads, so waking the threads is part of the time, alike for both.""")
-    parser.add_argument("--impl", choices=("ours", "torch", "both"), default="both",
-                        help="which TCPStore to measure (default both; torch's is skipped "
-                             "with a note when torch is not importable)")
-    parser.add_argument("--count", type=int,
-                        help="timed calls per single-client measurement (default 20000)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed calls before each (default --count / 10)")
-    parser.add_argument("--repeat", type=int,
-                        help="single-client measurements per op and store (default 3)")
-    parser.add_argument("--clients", type=parse_clients,
-                        help="barrier sizes, comma-separated, or 'none' (default "
-                             "64,256,1024,2048)")
-    parser.add_argument("--processes", type=int, default=4,
-                        help="processes the barrier clients are spread over (default 4)")
-    parser.add_argument("--rounds", type=int,
-                        help="barrier rounds per size and store (default 5)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a short run: --count 2000 --repeat 3 --clients 64,256 --rounds 3 "
-                             "(explicit options still win)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds any one step may take: a store call, a child's answer, "
-                             "connecting the clients of one barrier (default 60)")
+  then releases its threads, so waking the threads is part of the time, alike for both.""",
+    )
+    parser.add_argument(
+        "--impl",
+        choices=("ours", "torch", "both"),
+        default="both",
+        help="which TCPStore to measure (default both; torch's is skipped "
+        "with a note when torch is not importable)",
+    )
+    parser.add_argument(
+        "--count", type=int, help="timed calls per single-client measurement (default 20000)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed calls before each (default --count / 10)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, help="single-client measurements per op and store (default 3)"
+    )
+    parser.add_argument(
+        "--clients",
+        type=parse_clients,
+        help="barrier sizes, comma-separated, or 'none' (default 64,256,1024,2048)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=4,
+        help="processes the barrier clients are spread over (default 4)",
+    )
+    parser.add_argument("--rounds", type=int, help="barrier rounds per size and store (default 5)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run: --count 2000 --repeat 3 --clients 64,256 --rounds 3 "
+        "(explicit options still win)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds any one step may take: a store call, a child's answer, "
+        "connecting the clients of one barrier (default 60)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the raw numbers here")
-    parser.add_argument("--csv", metavar="PATH",
-                        help="also write every run of every measurement here, one row each "
-                             "(benchmarks/plots.py store redraws the picture from it)")
-    parser.add_argument("--png", metavar="PATH",
-                        help="also plot each store's runs side by side: calls/s, barrier "
-                             "time, CPU per call, connect time (needs matplotlib)")
+    parser.add_argument(
+        "--csv",
+        metavar="PATH",
+        help="also write every run of every measurement here, one row each "
+        "(benchmarks/plots.py store redraws the picture from it)",
+    )
+    parser.add_argument(
+        "--png",
+        metavar="PATH",
+        help="also plot each store's runs side by side: calls/s, barrier "
+        "time, CPU per call, connect time (needs matplotlib)",
+    )
     return parser
 
 
@@ -162,8 +190,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], s
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0 or not args.timeout > 0:
-        parser.error(f"need --warmup >= 0 and --timeout > 0, got {args.warmup} and "
-                     f"{args.timeout}")
+        parser.error(f"need --warmup >= 0 and --timeout > 0, got {args.warmup} and {args.timeout}")
     if args.png:
         plots.require_matplotlib(parser)  # before the run, not after minutes of it
     impls = list(IMPLS) if args.impl == "both" else [args.impl]
@@ -178,10 +205,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], s
             torch_version = torch.__version__
         except ImportError as exc:
             if args.impl == "torch":
-                parser.error(f"--impl torch needs PyTorch, which is not importable in this "
-                             f"Python ({sys.executable}: {exc})")
-            print(f"# note: torch is not importable ({exc}): measuring distcomm alone",
-                  flush=True)
+                parser.error(
+                    f"--impl torch needs PyTorch, which is not importable in this "
+                    f"Python ({sys.executable}: {exc})"
+                )
+            print(f"# note: torch is not importable ({exc}): measuring distcomm alone", flush=True)
             impls.remove("torch")
     return args, impls, torch_version
 
@@ -200,14 +228,15 @@ def _store_class(impl: str) -> Any:
 
 def _make_store(impl: str, port: int, is_master: bool, timeout: float) -> Any:
     """A TCPStore of either library, built with the same (torch's) constructor call."""
-    return _store_class(impl)(LOOPBACK, port, None, is_master, timedelta(seconds=timeout),
-                              False)
+    return _store_class(impl)(LOOPBACK, port, None, is_master, timedelta(seconds=timeout), False)
 
 
-
-
-def _serve(conn: multiprocessing.connection.Connection, impl: str, timeout: float,
-           cpu_conn: multiprocessing.connection.Connection) -> None:
+def _serve(
+    conn: multiprocessing.connection.Connection,
+    impl: str,
+    timeout: float,
+    cpu_conn: multiprocessing.connection.Connection,
+) -> None:
     """A server process: the master store; then answer CPU-time queries until "stop"."""
     store = _make_store(impl, 0, True, timeout)
     conn.send(("ok", (store.port, os.getpid())))
@@ -238,28 +267,34 @@ def _op_loop(store: Any, op: str) -> Callable[[int], None]:
     if op in ("get", "wait", "check", "compare_set"):
         store.set(key, VALUE)
     if op == "set":
+
         def run(n: int, call: Any = store.set) -> None:
             for _ in range(n):
                 call(key, VALUE)
     elif op == "get":
+
         def run(n: int, call: Any = store.get) -> None:
             for _ in range(n):
                 call(key)
     elif op == "add":
+
         def run(n: int, call: Any = store.add) -> None:
             for _ in range(n):
                 call(key, 1)
     elif op == "wait":
+
         def run(n: int, call: Any = store.wait) -> None:
             keys = [key]
             for _ in range(n):
                 call(keys)
     elif op == "check":
+
         def run(n: int, call: Any = store.check) -> None:
             keys = [key]
             for _ in range(n):
                 call(keys)
     elif op == "compare_set":
+
         def run(n: int, call: Any = store.compare_set) -> None:
             for _ in range(n):
                 call(key, VALUE, VALUE)
@@ -273,8 +308,13 @@ def _op_loop(store: Any, op: str) -> Callable[[int], None]:
     return run_acknowledged
 
 
-def _single_client(conn: multiprocessing.connection.Connection, impl: str, port: int,
-                   timeout: float, cpu_conn: multiprocessing.connection.Connection) -> None:
+def _single_client(
+    conn: multiprocessing.connection.Connection,
+    impl: str,
+    port: int,
+    timeout: float,
+    cpu_conn: multiprocessing.connection.Connection,
+) -> None:
     """One client: run each ("op", name, count, warmup) command; report the seconds, the
     server process's CPU seconds and this process's."""
     store = _make_store(impl, port, False, timeout)
@@ -302,8 +342,15 @@ def _single_client(conn: multiprocessing.connection.Connection, impl: str, port:
         conn.send(("ok", (seconds, server_cpu() - cpu, own)))
 
 
-def _barrier_clients(conn: multiprocessing.connection.Connection, impl: str, port: int,
-                     total: int, local: int, rounds: int, timeout: float) -> None:
+def _barrier_clients(
+    conn: multiprocessing.connection.Connection,
+    impl: str,
+    port: int,
+    total: int,
+    local: int,
+    rounds: int,
+    timeout: float,
+) -> None:
     """`local` of the barrier's `total` clients, one thread and connection each.
 
     Commands: "connect" (answer: seconds to connect all), ("go", round, start) for each
@@ -341,11 +388,13 @@ def _barrier_clients(conn: multiprocessing.connection.Connection, impl: str, por
         deadline = time.monotonic() + timeout
         for _ in range(local):
             if not semaphore.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"{what}: not every client of this process finished within "
-                                   f"{timeout:.0f} s")
+                raise TimeoutError(
+                    f"{what}: not every client of this process finished within {timeout:.0f} s"
+                )
             if errors:
-                raise RuntimeError(f"{what} failed in {len(errors)} client(s); the first:\n"
-                                   f"{errors[0]}")
+                raise RuntimeError(
+                    f"{what} failed in {len(errors)} client(s); the first:\n{errors[0]}"
+                )
 
     _store_class(impl)  # the import is no part of the connect time
     conn.send(("ok", None))  # imported and ready to connect
@@ -370,8 +419,14 @@ def _barrier_clients(conn: multiprocessing.connection.Connection, impl: str, por
         raise RuntimeError("expected 'stop'")
 
 
-def _connect_barrier_clients(conn: multiprocessing.connection.Connection, impl: str, port: int,
-                             total: int, local: int, timeout: float) -> None:
+def _connect_barrier_clients(
+    conn: multiprocessing.connection.Connection,
+    impl: str,
+    port: int,
+    total: int,
+    local: int,
+    timeout: float,
+) -> None:
     """`local` of the connect+barrier's `total` clients, one thread each, none connected.
 
     Commands: ("ready", round) starts the round's threads, which wait (answer: None);
@@ -395,9 +450,15 @@ def _connect_barrier_clients(conn: multiprocessing.connection.Connection, impl: 
         errors: list[str] = []
         prefix = f"connect{total}/round{number}/"
 
-        def client(index: int, go: threading.Event = go, ends: list[float] = ends,
-                   stores: list[Any] = stores, done: threading.Semaphore = done,
-                   errors: list[str] = errors, prefix: str = prefix) -> None:
+        def client(
+            index: int,
+            go: threading.Event = go,
+            ends: list[float] = ends,
+            stores: list[Any] = stores,
+            done: threading.Semaphore = done,
+            errors: list[str] = errors,
+            prefix: str = prefix,
+        ) -> None:
             try:
                 if not go.wait(20 * timeout):
                     raise TimeoutError("the round never started")
@@ -424,11 +485,15 @@ def _connect_barrier_clients(conn: multiprocessing.connection.Connection, impl: 
         deadline = time.monotonic() + timeout
         for _ in range(local):
             if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"connect+barrier round {number}: not every client of this "
-                                   f"process finished within {timeout:.0f} s")
+                raise TimeoutError(
+                    f"connect+barrier round {number}: not every client of this "
+                    f"process finished within {timeout:.0f} s"
+                )
         if errors:
-            raise RuntimeError(f"connect+barrier round {number} failed in {len(errors)} "
-                               f"client(s); the first:\n{errors[0]}")
+            raise RuntimeError(
+                f"connect+barrier round {number} failed in {len(errors)} "
+                f"client(s); the first:\n{errors[0]}"
+            )
         cpu = time.process_time() - cpu
         for store in stores:  # torch's has no close(): dropping it closes its socket
             if hasattr(store, "close"):
@@ -438,6 +503,7 @@ def _connect_barrier_clients(conn: multiprocessing.connection.Connection, impl: 
 
 
 # -- the parent's side -------------------------------------------------------------------------
+
 
 class Children:
     """The child processes of this run: start, talk to with timeouts, and kill."""
@@ -450,8 +516,9 @@ class Children:
     def start(self, name: str, target: Callable[..., None], *args: Any) -> tuple[Any, Any]:
         """Spawn `target(conn, *args)`; (process, the parent's end of its pipe)."""
         parent_end, child_end = self.ctx.Pipe()
-        proc = self.ctx.Process(target=child, args=(target, child_end, *args), name=name,
-                                daemon=True)
+        proc = self.ctx.Process(
+            target=child, args=(target, child_end, *args), name=name, daemon=True
+        )
         proc.start()
         child_end.close()
         self.procs.append(proc)
@@ -470,19 +537,20 @@ class Children:
                 kind, payload = conn.recv()
             except (EOFError, OSError):
                 proc.join(1.0)
-                raise BenchError(f"{proc.name} exited during {what}: "
-                                 f"{exit_description(proc.exitcode)}") from None
+                raise BenchError(
+                    f"{proc.name} exited during {what}: {exit_description(proc.exitcode)}"
+                ) from None
             if kind == "error":
                 raise BenchError(f"{proc.name} failed during {what}:\n{payload.rstrip()}")
             return payload
         if ready:
             proc.join(1.0)
-            raise BenchError(f"{proc.name} exited during {what}: "
-                             f"{exit_description(proc.exitcode)}")
+            raise BenchError(f"{proc.name} exited during {what}: {exit_description(proc.exitcode)}")
         raise BenchError(f"{proc.name} did not answer within {limit:.0f} s during {what}")
 
-    def call(self, proc: Any, conn: Any, message: Any, what: str,
-             timeout: float | None = None) -> Any:
+    def call(
+        self, proc: Any, conn: Any, message: Any, what: str, timeout: float | None = None
+    ) -> Any:
         conn.send(message)
         return self.recv(proc, conn, what, timeout)
 
@@ -515,10 +583,12 @@ class Server:
     def __init__(self, children: Children, impl: str, timeout: float) -> None:
         self.children, self.impl = children, impl
         self.cpu_parent_end, self.cpu_child_end = children.ctx.Pipe()
-        self.proc, self.conn = children.start(f"{LABELS[impl]} server", _serve, impl, timeout,
-                                              self.cpu_child_end)
-        self.port, self.pid = children.recv(self.proc, self.conn, "the server's start",
-                                            timeout=timeout + 30)
+        self.proc, self.conn = children.start(
+            f"{LABELS[impl]} server", _serve, impl, timeout, self.cpu_child_end
+        )
+        self.port, self.pid = children.recv(
+            self.proc, self.conn, "the server's start", timeout=timeout + 30
+        )
 
     def cpu(self) -> float:
         """The server process's CPU seconds so far (user + system, every thread)."""
@@ -528,14 +598,20 @@ class Server:
         self.children.stop(self.proc, self.conn)
 
 
-def run_single(args: argparse.Namespace, impls: list[str], servers: dict[str, Server],
-               children: Children) -> dict[str, Any]:
+def run_single(
+    args: argparse.Namespace, impls: list[str], servers: dict[str, Server], children: Children
+) -> dict[str, Any]:
     """The single-client rows: per store and op, calls/s and server CPU per call."""
     clients = {}
     for impl in impls:
-        proc, conn = children.start(f"{LABELS[impl]} single client", _single_client, impl,
-                                    servers[impl].port, args.timeout,
-                                    servers[impl].cpu_parent_end)
+        proc, conn = children.start(
+            f"{LABELS[impl]} single client",
+            _single_client,
+            impl,
+            servers[impl].port,
+            args.timeout,
+            servers[impl].cpu_parent_end,
+        )
         clients[impl] = (proc, conn)
     for impl in impls:
         children.recv(*clients[impl], "the single client's start", timeout=args.timeout + 30)
@@ -544,10 +620,14 @@ def run_single(args: argparse.Namespace, impls: list[str], servers: dict[str, Se
         for _ in range(args.repeat):
             for impl in impls:  # interleaved: load changes hit both alike
                 seconds, cpu, own = children.call(
-                    *clients[impl], ("op", op, args.count, args.warmup), f"{op} x {args.count}",
-                    timeout=20 * args.timeout)
+                    *clients[impl],
+                    ("op", op, args.count, args.warmup),
+                    f"{op} x {args.count}",
+                    timeout=20 * args.timeout,
+                )
                 row = results[impl].setdefault(
-                    op, {"seconds": [], "server_cpu_s": [], "client_cpu_s": []})
+                    op, {"seconds": [], "server_cpu_s": [], "client_cpu_s": []}
+                )
                 row["seconds"].append(seconds)
                 row["server_cpu_s"].append(cpu)
                 row["client_cpu_s"].append(own)
@@ -557,17 +637,25 @@ def run_single(args: argparse.Namespace, impls: list[str], servers: dict[str, Se
             rates = [args.count / s for s in row["seconds"]]
             cpu_us = [1e6 * c / args.count for c in row["server_cpu_s"]]
             own_us = [1e6 * c / args.count for c in row["client_cpu_s"]]
-            row.update(ops_per_s=rates, ops_per_s_median=statistics.median(rates),
-                       server_cpu_us_per_call=cpu_us,
-                       server_cpu_us_per_call_median=statistics.median(cpu_us),
-                       client_cpu_us_per_call=own_us,
-                       client_cpu_us_per_call_median=statistics.median(own_us),
-                       wire_requests_per_call=WIRE_REQUESTS[impl][op])
+            row.update(
+                ops_per_s=rates,
+                ops_per_s_median=statistics.median(rates),
+                server_cpu_us_per_call=cpu_us,
+                server_cpu_us_per_call_median=statistics.median(cpu_us),
+                client_cpu_us_per_call=own_us,
+                client_cpu_us_per_call_median=statistics.median(own_us),
+                wire_requests_per_call=WIRE_REQUESTS[impl][op],
+            )
     return results
 
 
-def run_barrier(args: argparse.Namespace, impls: list[str], servers: dict[str, Server],
-                children: Children, total: int) -> dict[str, Any]:
+def run_barrier(
+    args: argparse.Namespace,
+    impls: list[str],
+    servers: dict[str, Server],
+    children: Children,
+    total: int,
+) -> dict[str, Any]:
     """The barrier rows for `total` clients: each store's round times and server CPU."""
     nprocs = min(args.processes, total)
     shares = [total // nprocs + (1 if i < total % nprocs else 0) for i in range(nprocs)]
@@ -575,25 +663,48 @@ def run_barrier(args: argparse.Namespace, impls: list[str], servers: dict[str, S
     try:
         for impl in impls:  # all start (and import) at once; they connect one store at a time
             groups[impl] = [
-                children.start(f"{LABELS[impl]} barrier process {i}", _barrier_clients, impl,
-                               servers[impl].port, total, share, args.rounds, args.timeout)
-                for i, share in enumerate(shares)]
+                children.start(
+                    f"{LABELS[impl]} barrier process {i}",
+                    _barrier_clients,
+                    impl,
+                    servers[impl].port,
+                    total,
+                    share,
+                    args.rounds,
+                    args.timeout,
+                )
+                for i, share in enumerate(shares)
+            ]
         for impl in impls:
             for proc, conn in groups[impl]:
-                children.recv(proc, conn, "the start of a barrier process",
-                              timeout=args.timeout + 30)
+                children.recv(
+                    proc, conn, "the start of a barrier process", timeout=args.timeout + 30
+                )
         result: dict[str, Any] = {}
         for impl in impls:
             for _, conn in groups[impl]:
                 conn.send("connect")
-            connect = max(children.recv(proc, conn, f"connecting {total} clients")
-                          for proc, conn in groups[impl])
-            result[impl] = {"connect_s": connect, "seconds": [], "server_cpu_s": [],
-                            "client_cpu_s": [], "late_start_s": []}
+            connect = max(
+                children.recv(proc, conn, f"connecting {total} clients")
+                for proc, conn in groups[impl]
+            )
+            result[impl] = {
+                "connect_s": connect,
+                "seconds": [],
+                "server_cpu_s": [],
+                "client_cpu_s": [],
+                "late_start_s": [],
+            }
         for r in range(args.rounds):
             for impl in impls:
-                _timed_round(result[impl], servers[impl], groups[impl], children,
-                             f"barrier round {r} of {total} clients", r)
+                _timed_round(
+                    result[impl],
+                    servers[impl],
+                    groups[impl],
+                    children,
+                    f"barrier round {r} of {total} clients",
+                    r,
+                )
         return _summarize(result, impls, nprocs, shares, total)
     finally:
         for members in groups.values():
@@ -601,8 +712,14 @@ def run_barrier(args: argparse.Namespace, impls: list[str], servers: dict[str, S
                 children.stop(proc, conn)
 
 
-def _timed_round(row: dict[str, Any], server: Server, members: list[tuple[Any, Any]],
-                 children: Children, what: str, r: int) -> None:
+def _timed_round(
+    row: dict[str, Any],
+    server: Server,
+    members: list[tuple[Any, Any]],
+    children: Children,
+    what: str,
+    r: int,
+) -> None:
     """One round of a barrier measurement: every process of `members` starts its clients at
     one moment; the time to the last client's return, the server's and the clients' CPU."""
     cpu = server.cpu()
@@ -616,22 +733,32 @@ def _timed_round(row: dict[str, Any], server: Server, members: list[tuple[Any, A
     row["client_cpu_s"].append(sum(cpu for _, _, cpu in answers))
 
 
-def _summarize(result: dict[str, Any], impls: list[str], nprocs: int, shares: list[int],
-               total: int) -> dict[str, Any]:
+def _summarize(
+    result: dict[str, Any], impls: list[str], nprocs: int, shares: list[int], total: int
+) -> dict[str, Any]:
     """Each store's rows with their minimum, median and CPU per client added."""
     for impl in impls:
         row = result[impl]
-        row.update(processes=nprocs, clients_per_process=shares,
-                   min_s=min(row["seconds"]), median_s=statistics.median(row["seconds"]),
-                   server_cpu_us_per_client=[1e6 * c / total for c in row["server_cpu_s"]],
-                   client_cpu_us_per_client=[1e6 * c / total for c in row["client_cpu_s"]])
+        row.update(
+            processes=nprocs,
+            clients_per_process=shares,
+            min_s=min(row["seconds"]),
+            median_s=statistics.median(row["seconds"]),
+            server_cpu_us_per_client=[1e6 * c / total for c in row["server_cpu_s"]],
+            client_cpu_us_per_client=[1e6 * c / total for c in row["client_cpu_s"]],
+        )
         for name in ("server_cpu_us_per_client", "client_cpu_us_per_client"):
             row[name + "_median"] = statistics.median(row[name])
     return result
 
 
-def run_connect_barrier(args: argparse.Namespace, impls: list[str], servers: dict[str, Server],
-                        children: Children, total: int) -> dict[str, Any]:
+def run_connect_barrier(
+    args: argparse.Namespace,
+    impls: list[str],
+    servers: dict[str, Server],
+    children: Children,
+    total: int,
+) -> dict[str, Any]:
     """The connect+barrier rows for `total` clients: each store's round times, server CPU."""
     nprocs = min(args.processes, total)
     shares = [total // nprocs + (1 if i < total % nprocs else 0) for i in range(nprocs)]
@@ -639,23 +766,38 @@ def run_connect_barrier(args: argparse.Namespace, impls: list[str], servers: dic
     try:
         for impl in impls:
             groups[impl] = [
-                children.start(f"{LABELS[impl]} connect+barrier process {i}",
-                               _connect_barrier_clients, impl, servers[impl].port, total, share,
-                               args.timeout)
-                for i, share in enumerate(shares)]
+                children.start(
+                    f"{LABELS[impl]} connect+barrier process {i}",
+                    _connect_barrier_clients,
+                    impl,
+                    servers[impl].port,
+                    total,
+                    share,
+                    args.timeout,
+                )
+                for i, share in enumerate(shares)
+            ]
         for impl in impls:
             for proc, conn in groups[impl]:
-                children.recv(proc, conn, "the start of a connect+barrier process",
-                              timeout=args.timeout + 30)
+                children.recv(
+                    proc, conn, "the start of a connect+barrier process", timeout=args.timeout + 30
+                )
         result: dict[str, Any] = {
             impl: {"seconds": [], "server_cpu_s": [], "client_cpu_s": [], "late_start_s": []}
-            for impl in impls}
+            for impl in impls
+        }
         for r in range(args.rounds):
             for impl in impls:  # interleaved, round by round
                 for proc, conn in groups[impl]:
                     children.call(proc, conn, ("ready", r), f"starting the threads of round {r}")
-                _timed_round(result[impl], servers[impl], groups[impl], children,
-                             f"connect+barrier round {r} of {total} clients", r)
+                _timed_round(
+                    result[impl],
+                    servers[impl],
+                    groups[impl],
+                    children,
+                    f"connect+barrier round {r} of {total} clients",
+                    r,
+                )
         return _summarize(result, impls, nprocs, shares, total)
     finally:
         for members in groups.values():
@@ -665,6 +807,7 @@ def run_connect_barrier(args: argparse.Namespace, impls: list[str], servers: dic
 
 # -- the report --------------------------------------------------------------------------------
 
+
 def machine(torch_version: str | None) -> dict[str, Any]:
     import distcomm
 
@@ -672,9 +815,15 @@ def machine(torch_version: str | None) -> dict[str, Any]:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
-    return {"cpus": os.cpu_count(), "usable_cpus": usable, "python": platform.python_version(),
-            "platform": platform.platform(), "distcomm": distcomm.__version__,
-            "torch": torch_version, "load_average": list(os.getloadavg())}
+    return {
+        "cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "distcomm": distcomm.__version__,
+        "torch": torch_version,
+        "load_average": list(os.getloadavg()),
+    }
 
 
 def _num(value: float | None, unit: str) -> str:
@@ -690,20 +839,30 @@ def _num(value: float | None, unit: str) -> str:
 def print_table(report: dict[str, Any], impls: list[str], args: argparse.Namespace) -> None:
     info = report["machine"]
     versions = f"distcomm {info['distcomm']}" + (
-        f" vs torch {info['torch']}" if info["torch"] else "")
-    print(f"\n# TCPStore on {LOOPBACK}: {versions}; {info['cpus']} CPUs ({info['usable_cpus']} "
-          f"usable), Python {info['python']}, {info['platform']}, load average at start "
-          + " ".join(f"{x:.2f}" for x in info["load_average"]))
-    print(f"# single client: {args.count} calls after {args.warmup} warm-up, median of "
-          f"{args.repeat}; barrier: clients over {args.processes} processes, median of "
-          f"{args.rounds} rounds (fastest in brackets)")
+        f" vs torch {info['torch']}" if info["torch"] else ""
+    )
+    print(
+        f"\n# TCPStore on {LOOPBACK}: {versions}; {info['cpus']} CPUs ({info['usable_cpus']} "
+        f"usable), Python {info['python']}, {info['platform']}, load average at start "
+        + " ".join(f"{x:.2f}" for x in info["load_average"])
+    )
+    print(
+        f"# single client: {args.count} calls after {args.warmup} warm-up, median of "
+        f"{args.repeat}; barrier: clients over {args.processes} processes, median of "
+        f"{args.rounds} rounds (fastest in brackets)"
+    )
     both = len(impls) == 2
     head = "| measurement | better | " + " | ".join(LABELS[i] for i in impls) + " |"
     print(head + (" ours/torch |" if both else ""))
     print("|---|---|" + "---|" * len(impls) + ("---|" if both else ""))
 
-    def line(name: str, better: str, unit: str, values: list[float | None],
-             extra: list[str] | None = None) -> None:
+    def line(
+        name: str,
+        better: str,
+        unit: str,
+        values: list[float | None],
+        extra: list[str] | None = None,
+    ) -> None:
         cells = [_num(v, unit) + (extra[k] if extra else "") for k, v in enumerate(values)]
         text = f"| {name} ({unit}) | {better} | " + " | ".join(cells) + " |"
         if both:
@@ -713,47 +872,83 @@ def print_table(report: dict[str, Any], impls: list[str], args: argparse.Namespa
 
     single = report["single"]
     for op in OPS:
-        line(f"{op}, 1 client", "higher", "ops/s",
-             [single[i][op]["ops_per_s_median"] for i in impls])
+        line(
+            f"{op}, 1 client", "higher", "ops/s", [single[i][op]["ops_per_s_median"] for i in impls]
+        )
     for total in args.clients:
         rows = report["barrier"][str(total)]
-        line(f"barrier, {total} clients", "lower", "ms",
-             [1e3 * rows[i]["median_s"] for i in impls],
-             [f" ({1e3 * rows[i]['min_s']:.1f})" for i in impls])
+        line(
+            f"barrier, {total} clients",
+            "lower",
+            "ms",
+            [1e3 * rows[i]["median_s"] for i in impls],
+            [f" ({1e3 * rows[i]['min_s']:.1f})" for i in impls],
+        )
     for total in args.clients:
         rows = report["connect_barrier"][str(total)]
-        line(f"connect+barrier, {total} clients", "lower", "ms",
-             [1e3 * rows[i]["median_s"] for i in impls],
-             [f" ({1e3 * rows[i]['min_s']:.1f})" for i in impls])
+        line(
+            f"connect+barrier, {total} clients",
+            "lower",
+            "ms",
+            [1e3 * rows[i]["median_s"] for i in impls],
+            [f" ({1e3 * rows[i]['min_s']:.1f})" for i in impls],
+        )
     for op in OPS:
         note = [" (2 requests)" if WIRE_REQUESTS[i][op] == 2 else "" for i in impls]
-        line(f"server CPU per call: {op}", "lower", "us",
-             [single[i][op]["server_cpu_us_per_call_median"] for i in impls], note)
+        line(
+            f"server CPU per call: {op}",
+            "lower",
+            "us",
+            [single[i][op]["server_cpu_us_per_call_median"] for i in impls],
+            note,
+        )
     for op in OPS:
-        line(f"client CPU per call: {op}", "lower", "us",
-             [single[i][op]["client_cpu_us_per_call_median"] for i in impls])
+        line(
+            f"client CPU per call: {op}",
+            "lower",
+            "us",
+            [single[i][op]["client_cpu_us_per_call_median"] for i in impls],
+        )
     for side in ("server", "client"):
         for total in args.clients:
             rows = report["barrier"][str(total)]
-            line(f"{side} CPU per client, barrier of {total}", "lower", "us",
-                 [rows[i][f"{side}_cpu_us_per_client_median"] for i in impls])
+            line(
+                f"{side} CPU per client, barrier of {total}",
+                "lower",
+                "us",
+                [rows[i][f"{side}_cpu_us_per_client_median"] for i in impls],
+            )
         for total in args.clients:
             rows = report["connect_barrier"][str(total)]
-            line(f"{side} CPU per client, connect+barrier of {total}", "lower", "us",
-                 [rows[i][f"{side}_cpu_us_per_client_median"] for i in impls])
+            line(
+                f"{side} CPU per client, connect+barrier of {total}",
+                "lower",
+                "us",
+                [rows[i][f"{side}_cpu_us_per_client_median"] for i in impls],
+            )
     for total in args.clients:
         rows = report["barrier"][str(total)]
-        line(f"connect {total} clients (not in the barrier time)", "lower", "ms",
-             [1e3 * rows[i]["connect_s"] for i in impls])
-    print("# ours/torch: distcomm's number over torch's; with 'better: higher' above 1 means "
-          "distcomm is faster, with 'lower' below 1 does. A call of torch's get is two "
-          "requests on the wire (WAIT + GET), distcomm's one. Client CPU: the client "
-          "process(es), loop and threads included.", flush=True)
+        line(
+            f"connect {total} clients (not in the barrier time)",
+            "lower",
+            "ms",
+            [1e3 * rows[i]["connect_s"] for i in impls],
+        )
+    print(
+        "# ours/torch: distcomm's number over torch's; with 'better: higher' above 1 means "
+        "distcomm is faster, with 'lower' below 1 does. A call of torch's get is two "
+        "requests on the wire (WAIT + GET), distcomm's one. Client CPU: the client "
+        "process(es), loop and threads included.",
+        flush=True,
+    )
     if "torch" in impls and args.clients:
-        print("# torch's connect times include a reverse DNS lookup of each connection's peer "
-              "(::ffff:127.0.0.1) by its client and by its server: a query the DNS server leaves "
-              "unanswered stalls the connect until the resolver gives up (RES_OPTIONS="
-              f"{os.environ.get('RES_OPTIONS', '')!r} here).", flush=True)
+        print(
+            "# torch's connect times include a reverse DNS lookup of each connection's peer "
+            "(::ffff:127.0.0.1) by its client and by its server: a query the DNS server leaves "
+            "unanswered stalls the connect until the resolver gives up (RES_OPTIONS="
+            f"{os.environ.get('RES_OPTIONS', '')!r} here).",
+            flush=True,
+        )
 
 
 def store_label(impl: str, info: dict[str, Any]) -> str:
@@ -768,9 +963,18 @@ def csv_rows(report: dict[str, Any], impls: list[str]) -> list[dict[str, Any]]:
 
     def add(impl: str, measurement: str, op: str, clients: int, values: list[float]) -> None:
         label = store_label(impl, report["machine"])
-        rows.extend(dict(impl=impl, label=label, measurement=measurement, op=op,
-                         clients=clients, run=run, value=value)
-                    for run, value in enumerate(values))
+        rows.extend(
+            dict(
+                impl=impl,
+                label=label,
+                measurement=measurement,
+                op=op,
+                clients=clients,
+                run=run,
+                value=value,
+            )
+            for run, value in enumerate(values)
+        )
 
     for impl in impls:
         for op, row in report["single"].get(impl, {}).items():
@@ -781,29 +985,51 @@ def csv_rows(report: dict[str, Any], impls: list[str]) -> list[dict[str, Any]]:
         for impl in impls:
             row = result[impl]
             add(impl, "barrier_ms", "barrier", int(total), [1e3 * s for s in row["seconds"]])
-            add(impl, "barrier_server_cpu_us_per_client", "barrier", int(total),
-                row["server_cpu_us_per_client"])
-            add(impl, "barrier_client_cpu_us_per_client", "barrier", int(total),
-                row["client_cpu_us_per_client"])
+            add(
+                impl,
+                "barrier_server_cpu_us_per_client",
+                "barrier",
+                int(total),
+                row["server_cpu_us_per_client"],
+            )
+            add(
+                impl,
+                "barrier_client_cpu_us_per_client",
+                "barrier",
+                int(total),
+                row["client_cpu_us_per_client"],
+            )
             add(impl, "connect_ms", "connect", int(total), [1e3 * row["connect_s"]])
     for total, result in report.get("connect_barrier", {}).items():
         for impl in impls:
             row = result[impl]
-            add(impl, "connect_barrier_ms", "connect+barrier", int(total),
-                [1e3 * s for s in row["seconds"]])
-            add(impl, "connect_barrier_server_cpu_us_per_client", "connect+barrier", int(total),
-                row["server_cpu_us_per_client"])
+            add(
+                impl,
+                "connect_barrier_ms",
+                "connect+barrier",
+                int(total),
+                [1e3 * s for s in row["seconds"]],
+            )
+            add(
+                impl,
+                "connect_barrier_server_cpu_us_per_client",
+                "connect+barrier",
+                int(total),
+                row["server_cpu_us_per_client"],
+            )
     return rows
 
 
 def plot_title(report: dict[str, Any], args: argparse.Namespace) -> str:
     """The line under the plot's heading: the machine, the day and the run's sizes."""
     info = report["machine"]
-    return (f"{date.today().isoformat()}, {info['cpus']} CPUs ({info['usable_cpus']} usable), "
-            f"Python {info['python']}, load average at start "
-            + " ".join(f"{x:.2f}" for x in info["load_average"])
-            + f"; one client: {args.count} calls per run, {args.repeat} runs; barrier: "
-            f"clients over {args.processes} processes, {args.rounds} rounds")
+    return (
+        f"{date.today().isoformat()}, {info['cpus']} CPUs ({info['usable_cpus']} usable), "
+        f"Python {info['python']}, load average at start "
+        + " ".join(f"{x:.2f}" for x in info["load_average"])
+        + f"; one client: {args.count} calls per run, {args.repeat} runs; barrier: "
+        f"clients over {args.processes} processes, {args.rounds} rounds"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -815,10 +1041,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     raise_file_limit()
     children = Children(args.timeout)
-    report: dict[str, Any] = {"machine": machine(torch_version),
-                              "args": {k: v for k, v in vars(args).items()
-                                       if k not in ("json", "csv", "png")},
-                              "single": {}, "barrier": {}, "connect_barrier": {}}
+    report: dict[str, Any] = {
+        "machine": machine(torch_version),
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "csv", "png")},
+        "single": {},
+        "barrier": {},
+        "connect_barrier": {},
+    }
     servers: dict[str, Server] = {}
     began = time.monotonic()
     try:
@@ -832,7 +1061,8 @@ def main(argv: list[str] | None = None) -> int:
             report["barrier"][str(total)] = run_barrier(args, impls, servers, children, total)
             print(f"# connect+barrier of {total} clients ...", flush=True)
             report["connect_barrier"][str(total)] = run_connect_barrier(
-                args, impls, servers, children, total)
+                args, impls, servers, children, total
+            )
         for server in servers.values():
             server.stop()
     except BenchError as exc:

@@ -52,26 +52,44 @@ threshold: by default reduce_into runs as shipped, splitting only arrays of at l
   PARALLEL_REDUCE_BYTES into pieces of at least its minimum chunk; --threshold and
   --min-chunk override both for this run, e.g. --threshold 0 to see what threads do to
   the sizes below the threshold.
-""")
-    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("1M,16M,64M"),
-                        help="array sizes in bytes, comma-separated, suffixes K/M/G "
-                             "(default 1M,16M,64M)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="element type (default float32)")
-    parser.add_argument("--max-threads", type=int, default=os.cpu_count() or 1,
-                        help="time 1 to this many threads (default: the logical cores, "
-                             f"{os.cpu_count()} here)")
-    parser.add_argument("--reps", type=int, default=20,
-                        help="timed calls per size and thread count (default 20)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="untimed calls before them (default 3)")
-    parser.add_argument("--threshold", type=parse_bytes,
-                        help="override distcomm.ops.PARALLEL_REDUCE_BYTES for this run")
-    parser.add_argument("--min-chunk", type=parse_bytes,
-                        help="override the fewest bytes one thread reduces for this run")
-    parser.add_argument("--png", metavar="PATH",
-                        help="also plot time against threads, one line per size "
-                             "(needs matplotlib)")
+""",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=parse_sizes("1M,16M,64M"),
+        help="array sizes in bytes, comma-separated, suffixes K/M/G (default 1M,16M,64M)",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="element type (default float32)"
+    )
+    parser.add_argument(
+        "--max-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help=f"time 1 to this many threads (default: the logical cores, {os.cpu_count()} here)",
+    )
+    parser.add_argument(
+        "--reps", type=int, default=20, help="timed calls per size and thread count (default 20)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed calls before them (default 3)"
+    )
+    parser.add_argument(
+        "--threshold",
+        type=parse_bytes,
+        help="override distcomm.ops.PARALLEL_REDUCE_BYTES for this run",
+    )
+    parser.add_argument(
+        "--min-chunk",
+        type=parse_bytes,
+        help="override the fewest bytes one thread reduces for this run",
+    )
+    parser.add_argument(
+        "--png",
+        metavar="PATH",
+        help="also plot time against threads, one line per size (needs matplotlib)",
+    )
     return parser
 
 
@@ -122,8 +140,12 @@ def plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for size in dict.fromkeys(r["size"] for r in rows):
         mine = [r for r in rows if r["size"] == size]
-        ax.plot([r["threads"] for r in mine], [r["time_ms"] for r in mine], marker="o",
-                label=f"{size / 2 ** 20:g} MiB")
+        ax.plot(
+            [r["threads"] for r in mine],
+            [r["time_ms"] for r in mine],
+            marker="o",
+            label=f"{size / 2**20:g} MiB",
+        )
     ax.set_xlabel("intra-op threads (distcomm.parallel.set_num_threads)")
     ax.set_ylabel("median time per reduce_into (ms)")
     ax.set_yscale("log")
@@ -149,15 +171,22 @@ def main(argv: list[str] | None = None) -> int:
     dtype = np.dtype(args.dtype)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
     load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-    print(f"# host: {platform.node()} {platform.system()} {platform.machine()}, "
-          f"{os.cpu_count()} cores ({usable} usable), {load} at start, python "
-          f"{platform.python_version()}, numpy {np.__version__}, distcomm "
-          f"{distcomm.__version__}")
-    print(f"# reduce_into SUM on {args.dtype}; threshold {ops.PARALLEL_REDUCE_BYTES} bytes, "
-          f"min chunk {ops._PARALLEL_REDUCE_CHUNK} bytes; median of {args.reps} calls "
-          f"after {args.warmup} warm-up")
-    print(f"#{'size(B)':>11} {'threads':>7} {'pieces':>6} {'time(ms)':>10} {'GB/s':>8} "
-          f"{'speedup':>7}", flush=True)
+    print(
+        f"# host: {platform.node()} {platform.system()} {platform.machine()}, "
+        f"{os.cpu_count()} cores ({usable} usable), {load} at start, python "
+        f"{platform.python_version()}, numpy {np.__version__}, distcomm "
+        f"{distcomm.__version__}"
+    )
+    print(
+        f"# reduce_into SUM on {args.dtype}; threshold {ops.PARALLEL_REDUCE_BYTES} bytes, "
+        f"min chunk {ops._PARALLEL_REDUCE_CHUNK} bytes; median of {args.reps} calls "
+        f"after {args.warmup} warm-up"
+    )
+    print(
+        f"#{'size(B)':>11} {'threads':>7} {'pieces':>6} {'time(ms)':>10} {'GB/s':>8} "
+        f"{'speedup':>7}",
+        flush=True,
+    )
     rows: list[dict[str, Any]] = []
     try:
         for nbytes in args.sizes:
@@ -165,12 +194,20 @@ def main(argv: list[str] | None = None) -> int:
             for n in range(1, args.max_threads + 1):
                 seconds = measure(nbytes, dtype, n, args.reps, args.warmup)
                 base = base or seconds
-                row = dict(size=nbytes, threads=n, time_ms=seconds * 1e3,
-                           pieces=pieces(ops, nbytes, dtype.itemsize, n),
-                           gbps=nbytes / seconds / 1e9, speedup=base / seconds)
+                row = dict(
+                    size=nbytes,
+                    threads=n,
+                    time_ms=seconds * 1e3,
+                    pieces=pieces(ops, nbytes, dtype.itemsize, n),
+                    gbps=nbytes / seconds / 1e9,
+                    speedup=base / seconds,
+                )
                 rows.append(row)
-                print(f"{nbytes:>12} {n:>7} {row['pieces']:>6} {row['time_ms']:>10.3f} "
-                      f"{row['gbps']:>8.2f} {row['speedup']:>7.2f}", flush=True)
+                print(
+                    f"{nbytes:>12} {n:>7} {row['pieces']:>6} {row['time_ms']:>10.3f} "
+                    f"{row['gbps']:>8.2f} {row['speedup']:>7.2f}",
+                    flush=True,
+                )
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -26,8 +26,20 @@ __all__ = [
 DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(name)
     for name in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "float32", "float64", "complex64", "complex128",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
     )
 )
 _CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
@@ -75,10 +87,16 @@ def _from_dlpack(obj: Any, where: str, name: str) -> Any:
 
 def _scalar_message(obj: Any, where: str, name: str, writable: bool) -> str:
     """Why a numpy or Python scalar is no array argument, and what to pass instead."""
-    kind = (f"a numpy scalar (numpy.{type(obj).__name__})" if isinstance(obj, np.generic)
-            else f"a Python {type(obj).__name__}")
-    why = (f"so {where} cannot write its result into it" if writable
-           else "and collectives take arrays, whose memory they use in place")
+    kind = (
+        f"a numpy scalar (numpy.{type(obj).__name__})"
+        if isinstance(obj, np.generic)
+        else f"a Python {type(obj).__name__}"
+    )
+    why = (
+        f"so {where} cannot write its result into it"
+        if writable
+        else "and collectives take arrays, whose memory they use in place"
+    )
     return (
         f"{where}: {name} is {kind}, which is immutable, {why}; pass numpy.asarray(value), "
         "a 0-d array (what a 0-d torch tensor is), or a 1-element array (x.mean(), x.sum() "
@@ -161,7 +179,8 @@ def check_same(arrays: list[Any], where: str, name: str) -> tuple[str, np.dtype]
         if len(gpus) > 1:
             raise ValueError(
                 f"{where}: {name} are on different GPUs ({', '.join(map(str, sorted(gpus)))});"
-                " pass arrays that all live on the same GPU")
+                " pass arrays that all live on the same GPU"
+            )
     dtypes = {a.dtype for a in arrays}
     if len(dtypes) > 1:
         raise TypeError(

@@ -171,8 +171,7 @@ def client_handshake(
     ahead = 1 << 16 if first else 0  # an answer to `first` may come with the greeting
     if first and not key:
         _send(sock, first, peer)
-    hello = _read_greeting(sock, deadline, peer, expected, hint, warn_after, ahead,
-                           address or peer)
+    hello = _read_greeting(sock, deadline, peer, expected, hint, warn_after, ahead, address or peer)
     hello, rest = hello[:HELLO_SIZE], hello[HELLO_SIZE:]
     proof, expected_accept = proof_message(key, hello, peer)
     if not proof:
@@ -232,8 +231,16 @@ def _address(sock: socket.socket, dialled: str) -> str:
         return dialled
 
 
-def _read_greeting(sock: socket.socket, deadline: Deadline, peer: str, expected: str,
-                   hint: str, warn_after: float, ahead: int = 0, dialled: str = "") -> bytes:
+def _read_greeting(
+    sock: socket.socket,
+    deadline: Deadline,
+    peer: str,
+    expected: str,
+    hint: str,
+    warn_after: float,
+    ahead: int = 0,
+    dialled: str = "",
+) -> bytes:
     """The server's HELLO, read as it comes (see `client_handshake`), and, up to `ahead`
     bytes, what came after it."""
     dialled = dialled or peer
@@ -276,15 +283,17 @@ def _read_greeting(sock: socket.socket, deadline: Deadline, peer: str, expected:
                 "what answers at %s accepted the connection %.1f s ago but has not greeted "
                 "as %s does at once: it may be busy, or another program that is not "
                 "distcomm (%s); waiting up to %s",
-                _address(sock, dialled), waited, expected, hint,
-                "no limit" if deadline.seconds is None else f"{deadline.seconds:.0f} s")
+                _address(sock, dialled),
+                waited,
+                expected,
+                hint,
+                "no limit" if deadline.seconds is None else f"{deadline.seconds:.0f} s",
+            )
             warn_at = math.inf
     return data
 
 
-def server_handshake(
-    sock: socket.socket, key: bytes | None, deadline: Deadline, peer: str
-) -> bool:
+def server_handshake(sock: socket.socket, key: bytes | None, deadline: Deadline, peer: str) -> bool:
     """Run the server side on an accepted blocking socket; False means reject and close."""
     hello, nonce_s = hello_message(key)
     try:

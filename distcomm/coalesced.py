@@ -27,9 +27,12 @@ def _arrays(value: Any, where: str, name: str, writable: bool) -> list[Any]:
     return arrays
 
 
-def all_reduce_coalesced(tensors: list[Any], op: ReduceOp = ReduceOp.SUM,
-                         group: ProcessGroup | None = None,
-                         async_op: bool = False) -> Work | None:
+def all_reduce_coalesced(
+    tensors: list[Any],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Reduce each array of `tensors` over the group, in place, as one fused all_reduce
     (torch.distributed.all_reduce_coalesced). The arrays share a dtype and a device; their
     shapes may differ, but every rank must pass the same shapes in the same order.
@@ -51,13 +54,15 @@ def all_reduce_coalesced(tensors: list[Any], op: ReduceOp = ReduceOp.SUM,
     plain, joined = premultiplied(op, joined, in_place=True)  # joined is our own copy
     inner = backend.all_reduce(joined, plain, async_op=async_op)
     outputs = list(tensors)
-    return finish(pg.recorder, entry, inner.chain(split_into(arrays, joined), outputs),
-                  async_op)
+    return finish(pg.recorder, entry, inner.chain(split_into(arrays, joined), outputs), async_op)
 
 
-def all_gather_coalesced(output_tensor_lists: list[list[Any]], input_tensor_list: list[Any],
-                         group: ProcessGroup | None = None,
-                         async_op: bool = False) -> Work | None:
+def all_gather_coalesced(
+    output_tensor_lists: list[list[Any]],
+    input_tensor_list: list[Any],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Gather every rank's `input_tensor_list` as one fused all_gather
     (torch.distributed.all_gather_coalesced): `output_tensor_lists[i][j]` receives rank
     i's `input_tensor_list[j]` (i a group rank).
@@ -75,14 +80,16 @@ def all_gather_coalesced(output_tensor_lists: list[list[Any]], input_tensor_list
     n = pg.size()
     if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != n:
         raise ValueError(
-            f"{where}: output_tensor_lists must hold one list per rank of the group ({n})")
+            f"{where}: output_tensor_lists must hold one list per rank of the group ({n})"
+        )
     outputs = []
     for i, row in enumerate(output_tensor_lists):
         arrays = _arrays(row, where, f"output_tensor_lists[{i}]", writable=True)
         if [a.size for a in arrays] != [a.size for a in inputs]:
             raise ValueError(
                 f"{where}: output_tensor_lists[{i}] must hold arrays of the input arrays' "
-                f"sizes {[a.size for a in inputs]}, got {[a.size for a in arrays]}")
+                f"sizes {[a.size for a in inputs]}, got {[a.size for a in arrays]}"
+            )
         outputs.extend(arrays)
     check_same([inputs[0], *outputs], where, "output_tensor_lists and input_tensor_list")
     backend = pg.backend_for(inputs[0], where)
@@ -91,5 +98,4 @@ def all_gather_coalesced(output_tensor_lists: list[list[Any]], input_tensor_list
     entry = pg.recorder.record(where, joined)
     inner = backend.all_gather(gathered, joined, async_op=async_op)
     results = [t for row in output_tensor_lists for t in row]
-    return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), results),
-                  async_op)
+    return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), results), async_op)

@@ -59,8 +59,14 @@ _BARRIER_RELEASE_TAG = -2
 
 # -- collectives ----------------------------------------------------------------------------
 
-def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = None,
-              async_op: bool = False, group_src: int | None = None) -> Work | None:
+
+def broadcast(
+    tensor: Any,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:
     """Copy `src`'s `tensor` into `tensor` on every rank of the group."""
     if outside(group, "broadcast"):
         return None
@@ -68,13 +74,21 @@ def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = 
     array = adapt(tensor, "broadcast", "tensor", writable=True)
     backend = pg.backend_for(array, "broadcast")
     root = rank_arg(pg, src, group_src, "broadcast", "src")
-    return finish(pg.recorder, pg.recorder.record("broadcast", array, root),
-                  backend.broadcast(flat(array), root, async_op=async_op), async_op,
-                  [tensor])
+    return finish(
+        pg.recorder,
+        pg.recorder.record("broadcast", array, root),
+        backend.broadcast(flat(array), root, async_op=async_op),
+        async_op,
+        [tensor],
+    )
 
 
-def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
-               async_op: bool = False) -> Work | None:
+def all_reduce(
+    tensor: Any,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Reduce `tensor` over the group with `op`; every rank gets the result in place."""
     if outside(group, "all_reduce"):
         return None
@@ -84,13 +98,23 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     op = check_reduce_op(op, array.dtype, "all_reduce")
     entry = pg.recorder.record("all_reduce", array, -1, op)
     plain, array = premultiplied(op, array, in_place=True)
-    return finish(pg.recorder, entry, backend.all_reduce(flat(array), plain, async_op=async_op),
-                  async_op, [tensor])
+    return finish(
+        pg.recorder,
+        entry,
+        backend.all_reduce(flat(array), plain, async_op=async_op),
+        async_op,
+        [tensor],
+    )
 
 
-def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
-           group: ProcessGroup | None = None, async_op: bool = False,
-           group_dst: int | None = None) -> Work | None:
+def reduce(
+    tensor: Any,
+    dst: int | None = None,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
     """Reduce `tensor` over the group into `dst`'s `tensor` (default dst: global rank 0)."""
     if outside(group, "reduce"):
         return None
@@ -107,9 +131,9 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
     return finish(pg.recorder, entry, work, async_op, [tensor])
 
 
-def all_gather_single(output_tensor: Any, input_tensor: Any,
-                      group: ProcessGroup | None = None,
-                      async_op: bool = False) -> Work | None:
+def all_gather_single(
+    output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """Gather every rank's `input_tensor` into `output_tensor` (group size x its elements).
 
     `output_tensor` is the concatenation (n*k, ...) or the stack (n, k, ...) of the inputs.
@@ -123,16 +147,23 @@ def all_gather_single(output_tensor: Any, input_tensor: Any,
     check_same([output, input], where, "output_tensor and input_tensor")
     backend = pg.backend_for(input, where)
     if output.size != pg.size() * input.size:
-        raise ValueError(f"{where}: output_tensor must have group size x input elements "
-                         f"({pg.size()} x {input.size} = {pg.size() * input.size}), "
-                         f"got {output.size}")
-    return finish(pg.recorder, pg.recorder.record(where, input),
-                  backend.all_gather(flat(output), flat(input), async_op=async_op), async_op,
-                  [output_tensor])
+        raise ValueError(
+            f"{where}: output_tensor must have group size x input elements "
+            f"({pg.size()} x {input.size} = {pg.size() * input.size}), "
+            f"got {output.size}"
+        )
+    return finish(
+        pg.recorder,
+        pg.recorder.record(where, input),
+        backend.all_gather(flat(output), flat(input), async_op=async_op),
+        async_op,
+        [output_tensor],
+    )
 
 
-def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None = None,
-               async_op: bool = False) -> Work | None:
+def all_gather(
+    tensor_list: list[Any], tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """Gather every rank's `tensor` into `tensor_list` (one array per rank, in rank order)."""
     if outside(group, "all_gather"):
         return None
@@ -146,9 +177,14 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
     return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
 
 
-def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
-           group: ProcessGroup | None = None, async_op: bool = False,
-           group_dst: int | None = None) -> Work | None:
+def gather(
+    tensor: Any,
+    gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
     """Gather every rank's `tensor` into `dst`'s `gather_list` (default dst: global rank 0)."""
     if outside(group, "gather"):
         return None
@@ -158,10 +194,14 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     root = rank_arg(pg, dst, group_dst, "gather", "dst", default=0)
     if pg.rank() != root:
         if gather_list:
-            raise ValueError("gather: gather_list must be None (or empty) on ranks other "
-                             "than dst")
-        return finish(pg.recorder, pg.recorder.record("gather", input, root),
-                      backend.gather(None, flat(input), root, async_op=async_op), async_op, [])
+            raise ValueError("gather: gather_list must be None (or empty) on ranks other than dst")
+        return finish(
+            pg.recorder,
+            pg.recorder.record("gather", input, root),
+            backend.gather(None, flat(input), root, async_op=async_op),
+            async_op,
+            [],
+        )
     if gather_list is None:
         raise ValueError("gather: gather_list is required on dst: one array per rank")
     outputs = output_list(gather_list, input, pg.size(), "gather", "gather_list")
@@ -171,9 +211,14 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
 
 
-def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
-            group: ProcessGroup | None = None, async_op: bool = False,
-            group_src: int | None = None) -> Work | None:
+def scatter(
+    tensor: Any,
+    scatter_list: list[Any] | None = None,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:
     """Give rank i the i-th array of `src`'s `scatter_list` in `tensor` (default src: 0)."""
     if outside(group, "scatter"):
         return None
@@ -183,26 +228,41 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
     root = rank_arg(pg, src, group_src, "scatter", "src", default=0)
     if pg.rank() != root:
         if scatter_list:
-            raise ValueError("scatter: scatter_list must be None (or empty) on ranks other "
-                             "than src")
-        return finish(pg.recorder, pg.recorder.record("scatter", output, root),
-                      backend.scatter(flat(output), None, root, async_op=async_op), async_op,
-                      [tensor])
+            raise ValueError(
+                "scatter: scatter_list must be None (or empty) on ranks other than src"
+            )
+        return finish(
+            pg.recorder,
+            pg.recorder.record("scatter", output, root),
+            backend.scatter(flat(output), None, root, async_op=async_op),
+            async_op,
+            [tensor],
+        )
     if scatter_list is None:
         raise ValueError("scatter: scatter_list is required on src: one array per rank")
-    inputs = [adapt(t, "scatter", f"scatter_list[{i}]", writable=False)
-              for i, t in enumerate(array_list(scatter_list, "scatter", "scatter_list", pg.size()))]
+    inputs = [
+        adapt(t, "scatter", f"scatter_list[{i}]", writable=False)
+        for i, t in enumerate(array_list(scatter_list, "scatter", "scatter_list", pg.size()))
+    ]
     check_same([output, *inputs], "scatter", "scatter_list and tensor")
     same_size(inputs, output.size, "scatter", "scatter_list")
     joined = concatenate(inputs, output)
-    return finish(pg.recorder, pg.recorder.record("scatter", output, root),
-                  backend.scatter(flat(output), joined, root, async_op=async_op), async_op,
-                  [tensor])
+    return finish(
+        pg.recorder,
+        pg.recorder.record("scatter", output, root),
+        backend.scatter(flat(output), joined, root, async_op=async_op),
+        async_op,
+        [tensor],
+    )
 
 
-def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
-                          group: ProcessGroup | None = None,
-                          async_op: bool = False) -> Work | None:
+def reduce_scatter_single(
+    output: Any,
+    input: Any,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Reduce `input` (group size x output elements) over the group; rank i gets slice i."""
     where = "reduce_scatter_single"
     if outside(group, where):
@@ -214,26 +274,38 @@ def reduce_scatter_single(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
     backend = pg.backend_for(inp, where)
     op = check_reduce_op(op, inp.dtype, where)
     if inp.size != pg.size() * out.size:
-        raise ValueError(f"{where}: input must have group size x output elements "
-                         f"({pg.size()} x {out.size} = {pg.size() * out.size}), "
-                         f"got {inp.size}")
+        raise ValueError(
+            f"{where}: input must have group size x output elements "
+            f"({pg.size()} x {out.size} = {pg.size() * out.size}), "
+            f"got {inp.size}"
+        )
     entry = pg.recorder.record(where, out, -1, op)
     plain, inp = premultiplied(op, inp, in_place=False)
-    return finish(pg.recorder, entry,
-                  backend.reduce_scatter(flat(out), flat(inp), plain, async_op=async_op),
-                  async_op, [output])
+    return finish(
+        pg.recorder,
+        entry,
+        backend.reduce_scatter(flat(out), flat(inp), plain, async_op=async_op),
+        async_op,
+        [output],
+    )
 
 
-def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.SUM,
-                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+def reduce_scatter(
+    output: Any,
+    input_list: list[Any],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Reduce the i-th arrays of every rank's `input_list` into rank i's `output`."""
     if outside(group, "reduce_scatter"):
         return None
     pg = resolve(group, "reduce_scatter")
     out = adapt(output, "reduce_scatter", "output", writable=True)
-    inputs = [adapt(t, "reduce_scatter", f"input_list[{i}]", writable=False)
-              for i, t in enumerate(array_list(input_list, "reduce_scatter", "input_list",
-                                               pg.size()))]
+    inputs = [
+        adapt(t, "reduce_scatter", f"input_list[{i}]", writable=False)
+        for i, t in enumerate(array_list(input_list, "reduce_scatter", "input_list", pg.size()))
+    ]
     check_same([out, *inputs], "reduce_scatter", "input_list and output")
     same_size(inputs, out.size, "reduce_scatter", "input_list")
     backend = pg.backend_for(out, "reduce_scatter")
@@ -241,59 +313,85 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     joined = concatenate(inputs, out)
     entry = pg.recorder.record("reduce_scatter", out, -1, op)
     plain, joined = premultiplied(op, joined, in_place=True)  # joined is our own copy
-    return finish(pg.recorder, entry,
-                  backend.reduce_scatter(flat(out), joined, plain, async_op=async_op),
-                  async_op, [output])
+    return finish(
+        pg.recorder,
+        entry,
+        backend.reduce_scatter(flat(out), joined, plain, async_op=async_op),
+        async_op,
+        [output],
+    )
 
 
-def all_gather_into_tensor(output_tensor: Any, input_tensor: Any,
-                           group: ProcessGroup | None = None,
-                           async_op: bool = False) -> Work | None:
+def all_gather_into_tensor(
+    output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """Deprecated (as in torch 2.13): use `all_gather_single`, which it calls."""
-    warnings.warn("distcomm.all_gather_into_tensor is deprecated; use "
-                  "distcomm.all_gather_single instead", FutureWarning, stacklevel=2)
+    warnings.warn(
+        "distcomm.all_gather_into_tensor is deprecated; use distcomm.all_gather_single instead",
+        FutureWarning,
+        stacklevel=2,
+    )
     return all_gather_single(output_tensor, input_tensor, group, async_op)
 
 
-def reduce_scatter_tensor(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
-                          group: ProcessGroup | None = None,
-                          async_op: bool = False) -> Work | None:
+def reduce_scatter_tensor(
+    output: Any,
+    input: Any,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Deprecated (as in torch 2.13): use `reduce_scatter_single`, which it calls."""
-    warnings.warn("distcomm.reduce_scatter_tensor is deprecated; use "
-                  "distcomm.reduce_scatter_single instead", FutureWarning, stacklevel=2)
+    warnings.warn(
+        "distcomm.reduce_scatter_tensor is deprecated; use distcomm.reduce_scatter_single instead",
+        FutureWarning,
+        stacklevel=2,
+    )
     return reduce_scatter_single(output, input, op, group, async_op)
 
 
-def _splits(splits: Sequence[int] | None, array: Any, n: int, where: str,
-            name: str) -> list[int]:
+def _splits(splits: Sequence[int] | None, array: Any, n: int, where: str, name: str) -> list[int]:
     """Row split sizes along dim 0 as element counts."""
     if array.ndim == 0:
         arg = name.split("_")[0]
-        raise ValueError(f"{where}: {arg} is a 0-d array, but {where} splits along dim 0, "
-                         "which it lacks (torch refuses 0-d tensors here too); pass "
-                         f"{arg}.reshape(1), or swap 0-d arrays with all_to_all and lists "
-                         "of them")
+        raise ValueError(
+            f"{where}: {arg} is a 0-d array, but {where} splits along dim 0, "
+            "which it lacks (torch refuses 0-d tensors here too); pass "
+            f"{arg}.reshape(1), or swap 0-d arrays with all_to_all and lists "
+            "of them"
+        )
     rows = array.shape[0]
     per_row = array.size // rows if rows else int(np.prod(array.shape[1:], dtype=np.int64))
     if splits is None or len(splits) == 0:
         if rows % n:
-            raise ValueError(f"{where}: dim 0 of {name.split('_')[0]} ({rows}) is not "
-                             f"divisible by the group size {n}; pass {name}")
+            raise ValueError(
+                f"{where}: dim 0 of {name.split('_')[0]} ({rows}) is not "
+                f"divisible by the group size {n}; pass {name}"
+            )
         return [rows // n * per_row] * n
     values = list(splits)
-    if len(values) != n or any(isinstance(v, bool) or not isinstance(v, (int, np.integer))
-                               or v < 0 for v in values):
-        raise ValueError(f"{where}: {name} must hold {n} non-negative ints (one per rank), "
-                         f"got {values}")
+    if len(values) != n or any(
+        isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in values
+    ):
+        raise ValueError(
+            f"{where}: {name} must hold {n} non-negative ints (one per rank), got {values}"
+        )
     if sum(values) != rows:
-        raise ValueError(f"{where}: {name} {values} sum to {sum(values)}, but dim 0 of "
-                         f"{name.split('_')[0]} is {rows}")
+        raise ValueError(
+            f"{where}: {name} {values} sum to {sum(values)}, but dim 0 of "
+            f"{name.split('_')[0]} is {rows}"
+        )
     return [int(v) * per_row for v in values]
 
 
-def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
-                      input_split_sizes: Sequence[int] | None = None,
-                      group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+def all_to_all_single(
+    output: Any,
+    input: Any,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Split `input` along dim 0, send piece j to rank j, and concatenate what arrives."""
     where = "all_to_all_single"
     if outside(group, where):
@@ -306,36 +404,51 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
     n = pg.size()
     out_splits = _splits(output_split_sizes, out, n, where, "output_split_sizes")
     in_splits = _splits(input_split_sizes, inp, n, where, "input_split_sizes")
-    return finish(pg.recorder, pg.recorder.record(where, inp),
-                  backend.all_to_all(flat(out), flat(inp), out_splits, in_splits,
-                                      async_op=async_op), async_op, [output])
+    return finish(
+        pg.recorder,
+        pg.recorder.record(where, inp),
+        backend.all_to_all(flat(out), flat(inp), out_splits, in_splits, async_op=async_op),
+        async_op,
+        [output],
+    )
 
 
-def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
-               group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+def all_to_all(
+    output_tensor_list: list[Any],
+    input_tensor_list: list[Any],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Send `input_tensor_list[j]` to rank j; receive rank j's into `output_tensor_list[j]`."""
     if outside(group, "all_to_all"):
         return None
     pg = resolve(group, "all_to_all")
     n = pg.size()
-    outputs = [adapt(t, "all_to_all", f"output_tensor_list[{i}]", writable=True)
-               for i, t in enumerate(array_list(output_tensor_list, "all_to_all",
-                                                "output_tensor_list", n))]
-    inputs = [adapt(t, "all_to_all", f"input_tensor_list[{i}]", writable=False)
-              for i, t in enumerate(array_list(input_tensor_list, "all_to_all",
-                                               "input_tensor_list", n))]
+    outputs = [
+        adapt(t, "all_to_all", f"output_tensor_list[{i}]", writable=True)
+        for i, t in enumerate(array_list(output_tensor_list, "all_to_all", "output_tensor_list", n))
+    ]
+    inputs = [
+        adapt(t, "all_to_all", f"input_tensor_list[{i}]", writable=False)
+        for i, t in enumerate(array_list(input_tensor_list, "all_to_all", "input_tensor_list", n))
+    ]
     check_same([*outputs, *inputs], "all_to_all", "output_tensor_list and input_tensor_list")
     backend = pg.backend_for(inputs[0], "all_to_all")
     joined = concatenate(inputs, inputs[0])
     received = empty(sum(t.size for t in outputs), inputs[0])
     entry = pg.recorder.record("all_to_all", inputs[0])
-    inner = backend.all_to_all(received, joined, [t.size for t in outputs],
-                               [t.size for t in inputs], async_op=async_op)
+    inner = backend.all_to_all(
+        received, joined, [t.size for t in outputs], [t.size for t in inputs], async_op=async_op
+    )
     return finish(pg.recorder, entry, inner.chain(split_into(outputs, received), outputs), async_op)
 
 
-def barrier(group: ProcessGroup | None = None, async_op: bool = False,
-            device_ids: list[int] | None = None, timeout: Any = None) -> Work | None:
+def barrier(
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    device_ids: list[int] | None = None,
+    timeout: Any = None,
+) -> Work | None:
     """Block until every rank of the group has entered the barrier.
 
     With `device_ids` (torch's NCCL form, e.g. `[local_rank]`) the group's GPU backend
@@ -365,8 +478,9 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     return None
 
 
-def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
-                      wait_all_ranks: bool = False) -> None:
+def monitored_barrier(
+    group: ProcessGroup | None = None, timeout: Any = None, wait_all_ranks: bool = False
+) -> None:
     """A barrier that names the ranks that did not arrive within `timeout`.
 
     Group rank 0 waits for every other rank, then releases them. When ranks are
@@ -390,7 +504,8 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
         raise ValueError(
             f"monitored_barrier: group '{pg.group_name}' has no CPU backend (its backend is "
             f"'{pg.name()}'), and the barrier's messages are host arrays; create the group "
-            "with one, e.g. backend='cpu:gloo,cuda:nccl'")
+            "with one, e.g. backend='cpu:gloo,cuda:nccl'"
+        )
     deadline = Deadline.of(timeout if timeout is not None else pg.timeout)
     if pg.size() == 1:
         return
@@ -403,8 +518,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None,
     pg.recorder.settle(entry)
 
 
-def _monitored_barrier(pg: ProcessGroup, backend: Any, deadline: Any,
-                       wait_all_ranks: bool) -> None:
+def _monitored_barrier(pg: ProcessGroup, backend: Any, deadline: Any, wait_all_ranks: bool) -> None:
     token = np.empty(0, dtype=np.uint8)
     if pg.rank() != 0:
         backend.send(token, 0, _BARRIER_ARRIVE_TAG).wait(deadline.remaining())
@@ -418,10 +532,12 @@ def _monitored_barrier(pg: ProcessGroup, backend: Any, deadline: Any,
             raise DistTimeoutError(
                 f"monitored_barrier on group '{pg.group_name}': group rank 0 (global rank "
                 f"{pg.ranks[0]}) did not release this rank within {grace:.1f} s; is it alive "
-                "and in the barrier?") from exc
+                "and in the barrier?"
+            ) from exc
         return
-    arrivals = {peer: backend.recv(token, peer, _BARRIER_ARRIVE_TAG)
-                for peer in range(1, pg.size())}
+    arrivals = {
+        peer: backend.recv(token, peer, _BARRIER_ARRIVE_TAG) for peer in range(1, pg.size())
+    }
     missing = []
     for peer, work in arrivals.items():
         try:
@@ -431,9 +547,11 @@ def _monitored_barrier(pg: ProcessGroup, backend: Any, deadline: Any,
             if not wait_all_ranks:
                 break
     if missing:
-        message = (f"monitored_barrier on group '{pg.group_name}': rank(s) "
-                   f"{', '.join(map(str, missing))} did not arrive within "
-                   f"{deadline.seconds:.1f} s")
+        message = (
+            f"monitored_barrier on group '{pg.group_name}': rank(s) "
+            f"{', '.join(map(str, missing))} did not arrive within "
+            f"{deadline.seconds:.1f} s"
+        )
         backend.abort(message)
         raise DistTimeoutError(message)
     for peer in range(1, pg.size()):

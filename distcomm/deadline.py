@@ -55,8 +55,7 @@ class Deadline:
 
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
-        self._end = (math.inf if seconds is None or seconds > FOREVER
-                     else time.monotonic() + seconds)
+        self._end = math.inf if seconds is None or seconds > FOREVER else time.monotonic() + seconds
 
     @classmethod
     def of(cls, timeout: float | timedelta | None) -> Deadline:

@@ -59,7 +59,8 @@ def set_debug_level(level: DebugLevel) -> None:
     except ValueError:
         raise ValueError(
             f"set_debug_level: {level!r} is not a DebugLevel; use DebugLevel.OFF, "
-            "DebugLevel.INFO or DebugLevel.DETAIL") from None
+            "DebugLevel.INFO or DebugLevel.DETAIL"
+        ) from None
     config.set_debug(chosen.name)
 
 
@@ -119,7 +120,8 @@ def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float | None = 3600) -> 
         debugger = _Pdb()
         debugger.message(
             "\n!!! ATTENTION !!!\n\nType 'up' to get to the frame that called "
-            f"dist.breakpoint(rank={rank})\n")
+            f"dist.breakpoint(rank={rank})\n"
+        )
         debugger.set_trace()  # stops on the next line, here; 'up' reaches the caller
     backends = list(world.backends().values())
     before = [backend.timeout for backend in backends]

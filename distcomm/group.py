@@ -56,6 +56,7 @@ __all__ = [
     "new_group",
 ]
 
+
 def __getattr__(name: str) -> Any:
     if name == "WORLD":
         return _world.default

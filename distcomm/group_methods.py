@@ -122,8 +122,10 @@ def _one(arrays: Any, where: str, name: str) -> Any:
     """The array of a one-element list (torch's per-device list), or the array itself."""
     if isinstance(arrays, (list, tuple)):
         if len(arrays) != 1:
-            raise ValueError(f"ProcessGroup.{where}: {name} must hold one array (one per "
-                             f"device, and a process drives one), got {len(arrays)}")
+            raise ValueError(
+                f"ProcessGroup.{where}: {name} must hold one array (one per "
+                f"device, and a process drives one), got {len(arrays)}"
+            )
         return arrays[0]
     return arrays
 
@@ -143,48 +145,65 @@ class GroupMethods:
     positional root/op and timeout). Every method returns a `Work`."""
 
     def allreduce(self, tensors: Any, opts: Any = None, timeout: Any = None) -> Any:
-        op = opts.reduceOp if isinstance(opts, AllreduceOptions) else (
-            ReduceOp.SUM if opts is None else opts)
+        op = (
+            opts.reduceOp
+            if isinstance(opts, AllreduceOptions)
+            else (ReduceOp.SUM if opts is None else opts)
+        )
         timeout = opts.timeout if isinstance(opts, AllreduceOptions) else timeout
-        return _timed(all_reduce(_one(tensors, "allreduce", "tensors"), op, self, True),
-                      timeout)
+        return _timed(all_reduce(_one(tensors, "allreduce", "tensors"), op, self, True), timeout)
 
-    def allreduce_coalesced(self, tensors: list[Any],
-                            opts: AllreduceCoalescedOptions | None = None) -> Any:
+    def allreduce_coalesced(
+        self, tensors: list[Any], opts: AllreduceCoalescedOptions | None = None
+    ) -> Any:
         opts = opts or AllreduceCoalescedOptions()
-        return _timed(all_reduce_coalesced(list(tensors), opts.reduceOp, self, True),
-                      opts.timeout)
+        return _timed(all_reduce_coalesced(list(tensors), opts.reduceOp, self, True), opts.timeout)
 
     def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> Any:
         root = opts.rootRank if isinstance(opts, BroadcastOptions) else (opts or 0)
         timeout = opts.timeout if isinstance(opts, BroadcastOptions) else timeout
-        return _timed(broadcast(_one(tensors, "broadcast", "tensors"), group=self,
-                                async_op=True, group_src=root), timeout)
+        return _timed(
+            broadcast(
+                _one(tensors, "broadcast", "tensors"), group=self, async_op=True, group_src=root
+            ),
+            timeout,
+        )
 
-    def reduce(self, tensors: Any, opts: Any = None, op: Any = ReduceOp.SUM,
-               timeout: Any = None) -> Any:
+    def reduce(
+        self, tensors: Any, opts: Any = None, op: Any = ReduceOp.SUM, timeout: Any = None
+    ) -> Any:
         if isinstance(opts, ReduceOptions):
             root, op, timeout = opts.rootRank, opts.reduceOp, opts.timeout
         else:
             root = opts or 0
-        return _timed(reduce(_one(tensors, "reduce", "tensors"), op=op, group=self,
-                             async_op=True, group_dst=root), timeout)
+        return _timed(
+            reduce(
+                _one(tensors, "reduce", "tensors"), op=op, group=self, async_op=True, group_dst=root
+            ),
+            timeout,
+        )
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
         timeout = opts.timeout if isinstance(opts, AllgatherOptions) else opts
         outputs = output_tensors
         if outputs and isinstance(outputs[0], (list, tuple)):  # [[one per rank]]
             outputs = _one(outputs, "allgather", "output_tensors")
-        return _timed(all_gather(list(outputs), _one(input_tensors, "allgather",
-                                                     "input_tensors"), self, True), timeout)
+        return _timed(
+            all_gather(
+                list(outputs), _one(input_tensors, "allgather", "input_tensors"), self, True
+            ),
+            timeout,
+        )
 
-    def all_gather_single(self, output: Any, input: Any,
-                          opts: AllgatherOptions | None = None) -> Any:
+    def all_gather_single(
+        self, output: Any, input: Any, opts: AllgatherOptions | None = None
+    ) -> Any:
         opts = opts or AllgatherOptions()
         return _timed(all_gather_single(output, input, self, True), opts.timeout)
 
-    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
-               timeout: Any = None) -> Any:
+    def gather(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
+    ) -> Any:
         if isinstance(opts, GatherOptions):
             root, timeout = opts.rootRank, opts.timeout
         else:
@@ -192,12 +211,20 @@ class GroupMethods:
         outputs = output_tensors
         if outputs and isinstance(outputs[0], (list, tuple)):
             outputs = _one(outputs, "gather", "output_tensors")
-        return _timed(gather(_one(input_tensors, "gather", "input_tensors"),
-                             list(outputs) if self.rank() == root else None, group=self,
-                             async_op=True, group_dst=root), timeout)
+        return _timed(
+            gather(
+                _one(input_tensors, "gather", "input_tensors"),
+                list(outputs) if self.rank() == root else None,
+                group=self,
+                async_op=True,
+                group_dst=root,
+            ),
+            timeout,
+        )
 
-    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
-                timeout: Any = None) -> Any:
+    def scatter(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
+    ) -> Any:
         if isinstance(opts, ScatterOptions):
             root, timeout = opts.rootRank, opts.timeout
         else:
@@ -205,12 +232,20 @@ class GroupMethods:
         inputs = input_tensors
         if inputs and isinstance(inputs[0], (list, tuple)):
             inputs = _one(inputs, "scatter", "input_tensors")
-        return _timed(scatter(_one(output_tensors, "scatter", "output_tensors"),
-                              list(inputs) if self.rank() == root else None, group=self,
-                              async_op=True, group_src=root), timeout)
+        return _timed(
+            scatter(
+                _one(output_tensors, "scatter", "output_tensors"),
+                list(inputs) if self.rank() == root else None,
+                group=self,
+                async_op=True,
+                group_src=root,
+            ),
+            timeout,
+        )
 
-    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None,
-                       timeout: Any = None) -> Any:
+    def reduce_scatter(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None, timeout: Any = None
+    ) -> Any:
         if isinstance(opts, ReduceScatterOptions):
             op, timeout = opts.reduceOp, opts.timeout
         else:
@@ -218,26 +253,57 @@ class GroupMethods:
         inputs = input_tensors
         if inputs and isinstance(inputs[0], (list, tuple)):
             inputs = _one(inputs, "reduce_scatter", "input_tensors")
-        return _timed(reduce_scatter(_one(output_tensors, "reduce_scatter", "output_tensors"),
-                                     list(inputs), op, self, True), timeout)
+        return _timed(
+            reduce_scatter(
+                _one(output_tensors, "reduce_scatter", "output_tensors"),
+                list(inputs),
+                op,
+                self,
+                True,
+            ),
+            timeout,
+        )
 
-    def reduce_scatter_single(self, outputTensor: Any, inputTensor: Any,
-                              opts: ReduceScatterOptions | None = None) -> Any:
+    def reduce_scatter_single(
+        self, outputTensor: Any, inputTensor: Any, opts: ReduceScatterOptions | None = None
+    ) -> Any:
         opts = opts or ReduceScatterOptions()
-        return _timed(reduce_scatter_single(outputTensor, inputTensor, opts.reduceOp, self,
-                                            True), opts.timeout)
+        return _timed(
+            reduce_scatter_single(outputTensor, inputTensor, opts.reduceOp, self, True),
+            opts.timeout,
+        )
 
-    def alltoall(self, output_tensors: list[Any], input_tensors: list[Any],
-                 opts: AllToAllOptions | None = None) -> Any:
+    def alltoall(
+        self,
+        output_tensors: list[Any],
+        input_tensors: list[Any],
+        opts: AllToAllOptions | None = None,
+    ) -> Any:
         opts = opts or AllToAllOptions()
-        return _timed(all_to_all(list(output_tensors), list(input_tensors), self, True),
-                      opts.timeout)
+        return _timed(
+            all_to_all(list(output_tensors), list(input_tensors), self, True), opts.timeout
+        )
 
-    def alltoall_base(self, output: Any, input: Any, output_split_sizes: list[int],
-                      input_split_sizes: list[int], opts: Any = None) -> Any:
+    def alltoall_base(
+        self,
+        output: Any,
+        input: Any,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Any:
         timeout = opts.timeout if isinstance(opts, AllToAllOptions) else opts
-        return _timed(all_to_all_single(output, input, list(output_split_sizes) or None,
-                                        list(input_split_sizes) or None, self, True), timeout)
+        return _timed(
+            all_to_all_single(
+                output,
+                input,
+                list(output_split_sizes) or None,
+                list(input_split_sizes) or None,
+                self,
+                True,
+            ),
+            timeout,
+        )
 
     def barrier(self, opts: Any = None) -> Any:
         if isinstance(opts, BarrierOptions):

@@ -36,9 +36,17 @@ class GroupHandle:
         store_key: its keys in the job's store live under distcomm/<store_key>.
     """
 
-    def __init__(self, name: str, ranks: list[int], group_rank: int,
-                 backends: dict[str, Backend], spec: str, timeout: float,
-                 global_rank: int, store_key: str = "0") -> None:
+    def __init__(
+        self,
+        name: str,
+        ranks: list[int],
+        group_rank: int,
+        backends: dict[str, Backend],
+        spec: str,
+        timeout: float,
+        global_rank: int,
+        store_key: str = "0",
+    ) -> None:
         self.group_name = name
         #: its keys in the job's store live under distcomm/<store_key> (and its groups')
         self.store_key = store_key
@@ -53,8 +61,9 @@ class GroupHandle:
         cfg = config.load()
         #: the flight recorder of the group's operations (distcomm.trace); the function
         #: layer records and settles every operation in it
-        self.recorder = Recorder.create(cfg.trace_buffer if group_rank >= 0 else 0,
-                                        stack=cfg.debug == "DETAIL")
+        self.recorder = Recorder.create(
+            cfg.trace_buffer if group_rank >= 0 else 0, stack=cfg.debug == "DETAIL"
+        )
 
     def rank(self) -> int:
         """This process's rank in the group, or -1 when it is not a member."""
@@ -96,10 +105,12 @@ class GroupHandle:
         if not self.is_member:
             raise ValueError(
                 f"{where}: this process (global rank {self.global_rank}) is not a member of "
-                f"group '{self.group_name}' (ranks {self.ranks}); only members may use it")
+                f"group '{self.group_name}' (ranks {self.ranks}); only members may use it"
+            )
         if not self._backends:
             raise GroupDestroyedError(
-                f"{where}: group '{self.group_name}' was destroyed; create a new one")
+                f"{where}: group '{self.group_name}' was destroyed; create a new one"
+            )
         device = device_of(array)
         backend = self._backends.get(device)
         if backend is None:
@@ -107,7 +118,8 @@ class GroupHandle:
             raise ValueError(
                 f"{where}: group '{self.group_name}' uses backend '{self._spec}', which has no "
                 f"backend for {device} arrays (it serves: {served}); pass a {served} array or "
-                f"create the group with a backend for {device}, e.g. 'cpu:tcp,cuda:nccl'")
+                f"create the group with a backend for {device}, e.g. 'cpu:tcp,cuda:nccl'"
+            )
         return backend
 
     def default_backend(self, where: str, device: str | None = None) -> Backend:
@@ -140,5 +152,6 @@ class GroupHandle:
 
     def __repr__(self) -> str:
         who = f"rank {self._rank}" if self.is_member else "not a member"
-        return (f"<ProcessGroup '{self.group_name}' backend='{self._spec}' "
-                f"ranks={self.ranks} ({who})>")
+        return (
+            f"<ProcessGroup '{self.group_name}' backend='{self._spec}' ranks={self.ranks} ({who})>"
+        )

@@ -54,8 +54,10 @@ def _gpu() -> dict[str, Any]:
     except BackendUnavailableError as exc:  # not installed: the message says what to install
         return {"cupy": None, "why_not": str(exc)}
     except Exception as exc:  # a CUDA library that fails to load
-        return {"cupy": None, "why_not": f"CuPy failed to import ({type(exc).__name__}: "
-                f"{exc}); {INSTALL_HINT}"}
+        return {
+            "cupy": None,
+            "why_not": f"CuPy failed to import ({type(exc).__name__}: {exc}); {INSTALL_HINT}",
+        }
     info: dict[str, Any] = {"cupy": cupy.__version__}
     runtime = cupy.cuda.runtime
     try:
@@ -87,8 +89,11 @@ def _backends() -> dict[str, Any]:
             why = record.availability()
         except Exception as exc:  # a plug-in whose module does not import
             why = f"its factory failed to load: {type(exc).__name__}: {exc}"
-        found[name] = {"devices": list(record.devices), "available": not why,
-                       "why_not": why or None}
+        found[name] = {
+            "devices": list(record.devices),
+            "available": not why,
+            "why_not": why or None,
+        }
     return found
 
 
@@ -102,8 +107,11 @@ def _threads() -> dict[str, Any]:
         "physical_cores": physical_cores(),
         "logical_cpus": os.cpu_count(),
         "affinity": affinity,
-        "variables": {name: os.environ[name] for name in (
-            "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS") if name in os.environ},
+        "variables": {
+            name: os.environ[name]
+            for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+            if name in os.environ
+        },
     }
 
 
@@ -128,11 +136,26 @@ def _launcher(env: Mapping[str, str]) -> dict[str, Any]:
         started_by.append("srun (Slurm job step)")
     elif env.get("SLURM_JOB_ID"):
         started_by.append("inside a Slurm allocation, not by srun")
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-            "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
-            "PMI_SIZE", "PMIX_RANK", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS")
-    return {"started_by": started_by or ["a shell (no launcher detected)"],
-            "variables": {k: env[k] for k in keys if k in env}}
+    keys = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "SLURM_JOB_ID",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+    )
+    return {
+        "started_by": started_by or ["a shell (no launcher detected)"],
+        "variables": {k: env[k] for k in keys if k in env},
+    }
 
 
 def collect(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -145,8 +168,11 @@ def collect(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if env is None else env
     return {
         "distcomm": {"version": __version__, "path": os.path.dirname(package_file)},
-        "python": {"version": platform.python_version(), "executable": sys.executable,
-                   "platform": platform.platform()},
+        "python": {
+            "version": platform.python_version(),
+            "executable": sys.executable,
+            "platform": platform.platform(),
+        },
         "numpy": numpy.__version__,
         "mpi": _mpi(),
         "gpu": _gpu(),
@@ -180,9 +206,11 @@ def render(info: Mapping[str, Any]) -> str:
         lines.append(f"MPI: {mpi['why_not']}")
     lines += ["", f"CuPy version: {gpu.get('cupy') or 'N/A'}"]
     if gpu.get("cupy"):
-        lines += [f"CUDA runtime / driver: {gpu.get('cuda_runtime')} / {gpu.get('cuda_driver')}",
-                  f"NCCL version: {gpu.get('nccl') or 'N/A'}",
-                  f"GPUs: {', '.join(gpu.get('devices') or []) or 'none'}"]
+        lines += [
+            f"CUDA runtime / driver: {gpu.get('cuda_runtime')} / {gpu.get('cuda_driver')}",
+            f"NCCL version: {gpu.get('nccl') or 'N/A'}",
+            f"GPUs: {', '.join(gpu.get('devices') or []) or 'none'}",
+        ]
     if gpu.get("why_not"):
         lines.append(f"GPU: {gpu['why_not']}")
     lines += ["", "Backends:"]
@@ -201,8 +229,9 @@ def render(info: Mapping[str, Any]) -> str:
     if "why_not" in shm:
         lines.append(f"{shm['path']}: {shm['why_not']}")
     else:
-        lines.append(f"{shm['path']}: {_size(shm['total_bytes'])} total, "
-                     f"{_size(shm['free_bytes'])} free")
+        lines.append(
+            f"{shm['path']}: {_size(shm['total_bytes'])} total, {_size(shm['free_bytes'])} free"
+        )
     launcher = info["launcher"]
     lines += ["", f"Launcher: {'; '.join(launcher['started_by'])}"]
     lines += [f"  {k}={v}" for k, v in launcher["variables"].items()]
@@ -216,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m distcomm.info",
         description="Print what distcomm finds on this machine (versions, MPI, GPUs, "
-        "backends, threads, /dev/shm, launcher, DISTCOMM_* variables), for bug reports.")
+        "backends, threads, /dev/shm, launcher, DISTCOMM_* variables), for bug reports.",
+    )
     parser.add_argument("--json", action="store_true", help="print it as JSON")
     args = parser.parse_args(argv)
     info = collect()

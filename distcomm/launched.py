@@ -23,7 +23,8 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
         return int(fallback_rank)
     raise RuntimeError(
         "LOCAL_RANK is not in the environment: start the job with distcomm-run (or torchrun), "
-        "or pass fallback_rank= to get_node_local_rank for a process started on its own")
+        "or pass fallback_rank= to get_node_local_rank for a process started on its own"
+    )
 
 
 def is_torchelastic_launched() -> bool:

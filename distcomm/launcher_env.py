@@ -116,8 +116,14 @@ _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 _MPI_LAUNCHERS = ("Open MPI", "PMIx", "MPICH")
 #: what any MPI launcher (mpirun, mpiexec, srun's MPI plugins) gives an MPI process
 _MPI_LAUNCHED_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "PMI_FD")
-_TORCH_STYLE = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT")
+_TORCH_STYLE = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 _LAUNCHER_PREFIXES = (
     ("OMPI_", "Open MPI"),
     ("PMIX_", "PMIx"),

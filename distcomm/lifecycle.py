@@ -49,11 +49,17 @@ def resolve_timeout(timeout: float | timedelta | None) -> float:
     return config.positive_seconds("timeout", seconds)
 
 
-def init_process_group(backend: str | None = None, init_method: str | None = None,
-                       timeout: float | timedelta | None = None, world_size: int = -1,
-                       rank: int = -1, store: Store | None = None,
-                       group_name: str = "", pg_options: Any = None,
-                       device_id: Any = None) -> None:
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: float | timedelta | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Store | None = None,
+    group_name: str = "",
+    pg_options: Any = None,
+    device_id: Any = None,
+) -> None:
     """Initialise the default process group (torch.distributed.init_process_group).
 
     Under distcomm-run (or torchrun) it also installs an exception hook: from then on an
@@ -91,34 +97,57 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         if state.default is not None:
             raise RuntimeError(
                 "init_process_group was already called in this process; call "
-                "destroy_process_group() before initialising again")
+                "destroy_process_group() before initialising again"
+            )
         cfg = config.load()
         seconds = resolve_timeout(timeout)
         spec = parse_backend(backend)
         if not spec:
             raise ValueError(
                 "no backend is available for any device; registered: "
-                + ", ".join(sorted(registered_backends())))
+                + ", ".join(sorted(registered_backends()))
+            )
         if set(spec.values()) == {"mpi"} and store is None and init_method is None:
             rdzv = world_rendezvous(rank, world_size)
         else:
-            rdzv = rendezvous(init_method, rank=rank, world_size=world_size, store=store,
-                              timeout=seconds)
+            rdzv = rendezvous(
+                init_method, rank=rank, world_size=world_size, store=store, timeout=seconds
+            )
         config.configure_logging(cfg, rdzv.rank)
         owns = store is None
         name = group_name or "default"
         try:
-            backends = create_backends(spec, PrefixStore("distcomm/0", rdzv.store),
-                                        rdzv.rank, rdzv.world_size, seconds, name,
-                                        list(range(rdzv.world_size)), rdzv.store)
+            backends = create_backends(
+                spec,
+                PrefixStore("distcomm/0", rdzv.store),
+                rdzv.rank,
+                rdzv.world_size,
+                seconds,
+                name,
+                list(range(rdzv.world_size)),
+                rdzv.store,
+            )
         except BaseException:
             if owns:
                 rdzv.store.close()
             raise
-        group = ProcessGroup(name, list(range(rdzv.world_size)), rdzv.rank, backends,
-                             spec_text(spec), seconds, rdzv.rank)
-        log.info("initialised: rank %d of %d, backend %s, rendezvous %s, timeout %.0f s",
-                 rdzv.rank, rdzv.world_size, spec_text(spec), rdzv.source, seconds)
+        group = ProcessGroup(
+            name,
+            list(range(rdzv.world_size)),
+            rdzv.rank,
+            backends,
+            spec_text(spec),
+            seconds,
+            rdzv.rank,
+        )
+        log.info(
+            "initialised: rank %d of %d, backend %s, rendezvous %s, timeout %.0f s",
+            rdzv.rank,
+            rdzv.world_size,
+            spec_text(spec),
+            rdzv.source,
+            seconds,
+        )
         state.default, state.store, state.owns_store = group, rdzv.store, owns
         state.groups = {name: group}
         state.next_id = 1
@@ -135,8 +164,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         stall.start(cfg.stall_warn_s, rdzv.store, lambda: list(state.groups.values()))
 
 
-def check_ranks(ranks: Iterable[int] | None, world_size: int,
-                sort: bool = True) -> list[int]:
+def check_ranks(ranks: Iterable[int] | None, world_size: int, sort: bool = True) -> list[int]:
     """`ranks` checked as new_group's members (default: every rank), sorted unless
     `sort` is False.
 
@@ -156,7 +184,8 @@ def check_ranks(ranks: Iterable[int] | None, world_size: int,
         if not 0 <= value < world_size:
             raise ValueError(
                 f"new_group: rank {value} is out of range for world size {world_size} "
-                f"(ranks go from 0 to {world_size - 1})")
+                f"(ranks go from 0 to {world_size - 1})"
+            )
     if len(set(values)) != len(values):
         raise ValueError(f"new_group: ranks {values} name a rank twice")
     if not values:
@@ -164,11 +193,16 @@ def check_ranks(ranks: Iterable[int] | None, world_size: int,
     return sorted(values) if sort else values
 
 
-def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | None = None,
-              backend: str | None = None, pg_options: Any = None,
-              use_local_synchronization: bool = False,
-              group_desc: str | None = None, device_id: Any = None,
-              sort_ranks: bool = True) -> ProcessGroup | int:
+def new_group(
+    ranks: Iterable[int] | None = None,
+    timeout: float | timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: Any = None,
+    sort_ranks: bool = True,
+) -> ProcessGroup | int:
     """Create a group of a subset of ranks (torch.distributed.new_group).
 
     Every rank of the world must call it, in the same order relative to other
@@ -201,8 +235,7 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
     with state.lock:
         world = default_group("new_group")
         members = check_ranks(ranks, world.size(), sort=sort_ranks)
-        seconds = (world.timeout.total_seconds() if timeout is None
-                   else resolve_timeout(timeout))
+        seconds = world.timeout.total_seconds() if timeout is None else resolve_timeout(timeout)
         spec = state.spec if backend is None else parse_backend(backend)
         me = world.rank()
         group_rank = members.index(me) if me in members else -1
@@ -221,8 +254,15 @@ def new_group(ranks: Iterable[int] | None = None, timeout: float | timedelta | N
         return group if group_rank >= 0 else GroupMember.NON_GROUP_MEMBER
 
 
-def make_group(members: list[int], me: int, group_id: str, name: str, spec: dict[str, str],
-                seconds: float, process_ranks: list[int] | None = None) -> ProcessGroup:
+def make_group(
+    members: list[int],
+    me: int,
+    group_id: str,
+    name: str,
+    spec: dict[str, str],
+    seconds: float,
+    process_ranks: list[int] | None = None,
+) -> ProcessGroup:
     """A group of the world ranks `members` as seen from world rank `me`, with backends
     connected (members only) under the store prefix distcomm/<group_id>. `process_ranks`:
     each world rank's rank at the job's start (default: the world's)."""
@@ -230,13 +270,25 @@ def make_group(members: list[int], me: int, group_id: str, name: str, spec: dict
     group_rank = members.index(me) if me in members else -1
     backends: dict[str, Backend] = {}
     if group_rank >= 0:
-        backends = create_backends(spec, PrefixStore(f"distcomm/{group_id}", state.store),
-                                    group_rank, len(members), seconds, name,
-                                    [process_ranks[m] for m in members], state.store)
-    log.info("group %r: ranks %s, this rank %s", name, members,
-             group_rank if group_rank >= 0 else "not a member")
-    return ProcessGroup(name, members, group_rank, backends, spec_text(spec), seconds, me,
-                        store_key=group_id)
+        backends = create_backends(
+            spec,
+            PrefixStore(f"distcomm/{group_id}", state.store),
+            group_rank,
+            len(members),
+            seconds,
+            name,
+            [process_ranks[m] for m in members],
+            state.store,
+        )
+    log.info(
+        "group %r: ranks %s, this rank %s",
+        name,
+        members,
+        group_rank if group_rank >= 0 else "not a member",
+    )
+    return ProcessGroup(
+        name, members, group_rank, backends, spec_text(spec), seconds, me, store_key=group_id
+    )
 
 
 def _local_group_id(members: list[int]) -> str:
@@ -271,7 +323,8 @@ def _every_rank_is_there(world: ProcessGroup, members: list[int], name: str) -> 
             error = type(exc)(
                 f"new_group {name!r} (ranks {members}): a rank of the default group failed "
                 f"before every rank called new_group, so the group cannot be created (see "
-                f"that rank's output for why it stopped): {exc}")
+                f"that rank's output for why it stopped): {exc}"
+            )
         except Exception:  # an error type with a constructor of its own: keep it as it is
             raise exc from None
         raise error from exc
@@ -304,8 +357,11 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
                 try:
                     value.shutdown()
                 except Exception as exc:  # a backend's shutdown failed: finish the rest
-                    log.warning("destroy_process_group: group %r did not shut down cleanly: "
-                                "%s", value.group_name, exc)
+                    log.warning(
+                        "destroy_process_group: group %r did not shut down cleanly: %s",
+                        value.group_name,
+                        exc,
+                    )
                     errors.append(exc)
         finally:  # the store and the module state go whatever happened above
             try:

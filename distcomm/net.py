@@ -45,8 +45,9 @@ DEFAULT_BACKLOG = 4096
 MIN_BACKLOG = 1024
 _SOMAXCONN = "/proc/sys/net/core/somaxconn"
 #: TCP_KEEPIDLE, TCP_KEEPINTVL and TCP_KEEPCNT, None where this platform lacks one
-_KEEPALIVE_OPTIONS = tuple(getattr(socket, name, None)
-                           for name in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"))
+_KEEPALIVE_OPTIONS = tuple(
+    getattr(socket, name, None) for name in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")
+)
 
 # Errors that mean "nobody listens there yet": a client retries them until its deadline.
 _RETRY_ERRNOS = {
@@ -126,16 +127,20 @@ def descriptor_shortage(exc: OSError, action: str) -> str | None:
     if exc.errno not in (errno.EMFILE, errno.ENFILE):
         return None
     if exc.errno == errno.ENFILE:
-        return (f"cannot {action}: the system is out of file descriptors (fs.file-max); "
-                "close other programs or raise fs.file-max (sysctl)")
+        return (
+            f"cannot {action}: the system is out of file descriptors (fs.file-max); "
+            "close other programs or raise fs.file-max (sysctl)"
+        )
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     count = _open_descriptors()
     in_use = f"{count} in use" if count is not None else "all in use"
-    return (f"cannot {action}: this process is out of file descriptors (RLIMIT_NOFILE: "
-            f"soft limit {soft}, hard limit {hard}, {in_use}). Each connection to a peer "
-            "takes one: raise the limit in the shell or batch script that starts the job "
-            f"(ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}; a hard "
-            "limit is raised by the administrator, e.g. in /etc/security/limits.conf)")
+    return (
+        f"cannot {action}: this process is out of file descriptors (RLIMIT_NOFILE: "
+        f"soft limit {soft}, hard limit {hard}, {in_use}). Each connection to a peer "
+        "takes one: raise the limit in the shell or batch script that starts the job "
+        f"(ulimit -n {hard if hard != resource.RLIM_INFINITY else 65536}; a hard "
+        "limit is raised by the administrator, e.g. in /etc/security/limits.conf)"
+    )
 
 
 def raise_file_limit() -> int:
@@ -177,7 +182,13 @@ def reserve_descriptors(count: int, what: str) -> None:
             "%s: may need %d file descriptors (%d open, %d more for its connections), more "
             "than RLIMIT_NOFILE allows (soft %d, hard %d): connections will fail once it is "
             "reached. Raise it in the shell or batch script that starts the job (ulimit -n)",
-            what, need, in_use, count, soft, hard)
+            what,
+            need,
+            in_use,
+            count,
+            soft,
+            hard,
+        )
 
 
 def listen_backlog() -> int:
@@ -273,8 +284,9 @@ def set_keepalive(
         )
 
 
-def retry_delays(first: float = 0.01, most: float = 1.0,
-                 rng: random.Random | None = None) -> Iterator[float]:
+def retry_delays(
+    first: float = 0.01, most: float = 1.0, rng: random.Random | None = None
+) -> Iterator[float]:
     """The pauses between a client's retries: exponential backoff with jitter (endless).
 
     The ceiling starts at `first` and doubles up to `most`; each pause is drawn uniformly
@@ -300,13 +312,26 @@ def log_retrying(stall: StallClock, what: str, reason: object, deadline: Deadlin
     if waited is None:
         return
     until = "no limit" if deadline.seconds is None else f"{deadline.seconds:.1f} s"
-    log.warning("%s: still retrying after %.1f s (last: %s); is it running, and is the address "
-                "reachable from this host? Retrying up to %s; next report at %.0f s",
-                what, waited, reason, until, stall.next)
+    log.warning(
+        "%s: still retrying after %.1f s (last: %s); is it running, and is the address "
+        "reachable from this host? Retrying up to %s; next report at %.0f s",
+        what,
+        waited,
+        reason,
+        until,
+        stall.next,
+    )
 
 
-def connect(host: str, port: int, deadline: Deadline, what: str = "peer", *,
-            retry_refused: bool = True, stall: StallClock | None = None) -> socket.socket:
+def connect(
+    host: str,
+    port: int,
+    deadline: Deadline,
+    what: str = "peer",
+    *,
+    retry_refused: bool = True,
+    stall: StallClock | None = None,
+) -> socket.socket:
     """Connect to `host:port`, retrying refused connections until `deadline`.
 
     Retries (a refusal, a reset, a SYN unanswered) pause as `retry_delays` says: growing,
@@ -343,14 +368,16 @@ def connect(host: str, port: int, deadline: Deadline, what: str = "peer", *,
             if short is not None:
                 raise DistNetworkError(short) from exc
             if (exc.errno not in _RETRY_ERRNOS and not isinstance(exc, socket.timeout)) or (
-                    not retry_refused and exc.errno == errno.ECONNREFUSED):
+                not retry_refused and exc.errno == errno.ECONNREFUSED
+            ):
                 raise DistNetworkError(
                     f"could not connect to {what} at {address}: {exc.strerror or exc}"
                 ) from exc
             last = exc
             if stall is not None:
-                log_retrying(stall, f"connecting to {what} at {address}",
-                             exc.strerror or exc, deadline)
+                log_retrying(
+                    stall, f"connecting to {what} at {address}", exc.strerror or exc, deadline
+                )
             time.sleep(deadline.slice(next(delays)))
             continue
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

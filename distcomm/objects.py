@@ -41,7 +41,7 @@ def _padded(obj: Any, pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray]:
     sizes = np.zeros(pg.size(), dtype=np.int64)
     c.all_gather_single(sizes, np.array([mine.size], dtype=np.int64), group=pg)
     padded = np.zeros(int(sizes.max()), dtype=np.uint8)
-    padded[:mine.size] = mine
+    padded[: mine.size] = mine
     return sizes, padded
 
 
@@ -51,9 +51,13 @@ def _check_list(value: Any, where: str, name: str) -> list[Any]:
     return value
 
 
-def broadcast_object_list(object_list: list[Any], src: int | None = None,
-                          group: ProcessGroup | None = None, device: Any = None,
-                          group_src: int | None = None) -> None:
+def broadcast_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_src: int | None = None,
+) -> None:
     """Replace `object_list`'s items on every rank with `src`'s (default src: global rank 0).
 
     Every rank passes a list of the same length.
@@ -69,18 +73,20 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
         pieces = [_dump(obj) for obj in object_list]
         sizes[:] = [p.size for p in pieces]
     c.broadcast(sizes, group=pg, group_src=root)
-    data = np.concatenate(pieces) if pg.rank() == root and pieces else np.empty(
-        int(sizes.sum()), dtype=np.uint8)
+    data = (
+        np.concatenate(pieces)
+        if pg.rank() == root and pieces
+        else np.empty(int(sizes.sum()), dtype=np.uint8)
+    )
     c.broadcast(data, group=pg, group_src=root)
     if pg.rank() != root:
         at = 0
         for i, size in enumerate(sizes):
-            object_list[i] = _load(data[at:at + size])
+            object_list[i] = _load(data[at : at + size])
             at += int(size)
 
 
-def all_gather_object(object_list: list[Any], obj: Any,
-                      group: ProcessGroup | None = None) -> None:
+def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
     """Fill `object_list` (one slot per rank) with every rank's `obj`, in rank order."""
     if outside(group, "all_gather_object"):
         return None
@@ -88,19 +94,25 @@ def all_gather_object(object_list: list[Any], obj: Any,
     _check_list(object_list, "all_gather_object", "object_list")
     n = pg.size()
     if len(object_list) != n:
-        raise ValueError(f"all_gather_object: object_list must have one slot per rank ({n}), "
-                         f"got {len(object_list)}")
+        raise ValueError(
+            f"all_gather_object: object_list must have one slot per rank ({n}), "
+            f"got {len(object_list)}"
+        )
     sizes, padded = _padded(obj, pg)
     width = padded.size
     gathered = np.empty(n * width, dtype=np.uint8)
     c.all_gather_single(gathered, padded, group=pg)
     for i in range(n):
-        object_list[i] = _load(gathered[i * width:i * width + sizes[i]])
+        object_list[i] = _load(gathered[i * width : i * width + sizes[i]])
 
 
-def gather_object(obj: Any, object_gather_list: list[Any] | None = None,
-                  dst: int | None = None, group: ProcessGroup | None = None,
-                  group_dst: int | None = None) -> None:
+def gather_object(
+    obj: Any,
+    object_gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    group_dst: int | None = None,
+) -> None:
     """Collect every rank's `obj` into `dst`'s `object_gather_list` (default dst: rank 0)."""
     if outside(group, "gather_object"):
         return None
@@ -108,46 +120,62 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None,
     root = rank_arg(pg, dst, group_dst, "gather_object", "dst", default=0)
     n = pg.size()
     if pg.rank() == root:
-        if object_gather_list is None or len(_check_list(
-                object_gather_list, "gather_object", "object_gather_list")) != n:
-            raise ValueError(f"gather_object: object_gather_list must be a list with one slot "
-                             f"per rank ({n}) on dst")
+        if (
+            object_gather_list is None
+            or len(_check_list(object_gather_list, "gather_object", "object_gather_list")) != n
+        ):
+            raise ValueError(
+                f"gather_object: object_gather_list must be a list with one slot "
+                f"per rank ({n}) on dst"
+            )
     elif object_gather_list is not None:
-        raise ValueError("gather_object: object_gather_list must be None on ranks other "
-                         "than dst")
+        raise ValueError("gather_object: object_gather_list must be None on ranks other than dst")
     sizes, padded = _padded(obj, pg)
-    slots = [np.empty(padded.size, dtype=np.uint8) for _ in range(n)] if (
-        pg.rank() == root) else None
+    slots = (
+        [np.empty(padded.size, dtype=np.uint8) for _ in range(n)] if (pg.rank() == root) else None
+    )
     c.gather(padded, slots, group=pg, group_dst=root)
     if slots is not None:
         for i in range(n):
-            object_gather_list[i] = _load(slots[i][:sizes[i]])
+            object_gather_list[i] = _load(slots[i][: sizes[i]])
 
 
-def scatter_object_list(scatter_object_output_list: list[Any],
-                        scatter_object_input_list: list[Any] | None = None,
-                        src: int | None = None, group: ProcessGroup | None = None,
-                        group_src: int | None = None) -> None:
+def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: list[Any] | None = None,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    group_src: int | None = None,
+) -> None:
     """Give rank i item i of `src`'s input list, in `scatter_object_output_list[0]`."""
     if outside(group, "scatter_object_list"):
         return None
     pg = resolve(group, "scatter_object_list")
-    out = _check_list(scatter_object_output_list, "scatter_object_list",
-                      "scatter_object_output_list")
+    out = _check_list(
+        scatter_object_output_list, "scatter_object_list", "scatter_object_output_list"
+    )
     if not out:
-        raise ValueError("scatter_object_list: scatter_object_output_list must have at least "
-                         "one slot (the result goes in slot 0)")
+        raise ValueError(
+            "scatter_object_list: scatter_object_output_list must have at least "
+            "one slot (the result goes in slot 0)"
+        )
     root = rank_arg(pg, src, group_src, "scatter_object_list", "src", default=0)
     n = pg.size()
     sizes = np.zeros(n, dtype=np.int64)
     pieces: list[np.ndarray] = []
     if pg.rank() == root:
-        items = _check_list(scatter_object_input_list, "scatter_object_list",
-                            "scatter_object_input_list") if (
-            scatter_object_input_list is not None) else None
+        items = (
+            _check_list(
+                scatter_object_input_list, "scatter_object_list", "scatter_object_input_list"
+            )
+            if (scatter_object_input_list is not None)
+            else None
+        )
         if items is None or len(items) != n:
-            raise ValueError(f"scatter_object_list: scatter_object_input_list must hold one "
-                             f"object per rank ({n}) on src")
+            raise ValueError(
+                f"scatter_object_list: scatter_object_input_list must hold one "
+                f"object per rank ({n}) on src"
+            )
         pieces = [_dump(obj) for obj in items]
         sizes[:] = [p.size for p in pieces]
     c.broadcast(sizes, group=pg, group_src=root)
@@ -156,15 +184,20 @@ def scatter_object_list(scatter_object_output_list: list[Any],
     if pg.rank() == root:
         slots = [np.zeros(width, dtype=np.uint8) for _ in range(n)]
         for slot, piece in zip(slots, pieces, strict=True):
-            slot[:piece.size] = piece
+            slot[: piece.size] = piece
     mine = np.empty(width, dtype=np.uint8)
     c.scatter(mine, slots, group=pg, group_src=root)
-    out[0] = _load(mine[:sizes[pg.rank()]])
+    out[0] = _load(mine[: sizes[pg.rank()]])
 
 
-def send_object_list(object_list: list[Any], dst: int | None = None,
-                     group: ProcessGroup | None = None, device: Any = None,
-                     group_dst: int | None = None, use_batch: bool = False) -> None:
+def send_object_list(
+    object_list: list[Any],
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_dst: int | None = None,
+    use_batch: bool = False,
+) -> None:
     """Send the objects of `object_list` to `dst` (received with `recv_object_list`).
 
     `use_batch` (torch's: post the two messages as one batch) is accepted; the sizes and
@@ -182,9 +215,14 @@ def send_object_list(object_list: list[Any], dst: int | None = None,
     c.send(data, dst, group=pg, group_dst=group_dst)
 
 
-def recv_object_list(object_list: list[Any], src: int | None = None,
-                     group: ProcessGroup | None = None, device: Any = None,
-                     group_src: int | None = None, use_batch: bool = False) -> int:
+def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_src: int | None = None,
+    use_batch: bool = False,
+) -> int:
     """Receive objects into `object_list` (same length as the sender's); returns the sender.
 
     With `src` None, the first sender of a matching list is received from. `use_batch` is
@@ -201,6 +239,6 @@ def recv_object_list(object_list: list[Any], src: int | None = None,
     c.recv(data, sender, group=pg)
     at = 0
     for i, size in enumerate(sizes):
-        object_list[i] = _load(data[at:at + size])
+        object_list[i] = _load(data[at : at + size])
         at += int(size)
     return sender

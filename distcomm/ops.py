@@ -84,12 +84,15 @@ class _PremulSumOp:
         value = factor
         if hasattr(value, "size") and hasattr(value, "item"):  # numpy or CuPy scalar/array
             if value.size != 1:
-                raise ValueError(f"ReduceOp.PREMUL_SUM: factor must be one number, got an "
-                                 f"array of {value.size} elements")
+                raise ValueError(
+                    f"ReduceOp.PREMUL_SUM: factor must be one number, got an "
+                    f"array of {value.size} elements"
+                )
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Number):
-            raise TypeError(f"ReduceOp.PREMUL_SUM: factor must be a real or complex number, "
-                            f"got {factor!r}")
+            raise TypeError(
+                f"ReduceOp.PREMUL_SUM: factor must be a real or complex number, got {factor!r}"
+            )
         return PremulSum(value)
 
     def __repr__(self) -> str:
@@ -141,8 +144,12 @@ class _DeprecatedReduceOp:
     def __getattr__(self, name: str) -> ReduceOp:
         if name not in ReduceOp.__members__:
             raise AttributeError(f"reduce_op has no {name!r}; use distcomm.ReduceOp")
-        warnings.warn("distcomm.reduce_op is deprecated (as torch.distributed.reduce_op); "
-                      "use distcomm.ReduceOp", FutureWarning, stacklevel=2)
+        warnings.warn(
+            "distcomm.reduce_op is deprecated (as torch.distributed.reduce_op); "
+            "use distcomm.ReduceOp",
+            FutureWarning,
+            stacklevel=2,
+        )
         return ReduceOp[name]
 
 
@@ -153,8 +160,14 @@ def supports_complex(reduceOp: ReduceOp) -> bool:  # torch's argument name
     """Whether `reduceOp` takes complex arrays on every backend (torch's answer: MAX, MIN,
     PRODUCT and the bitwise ops do not; the CPU backends multiply complex arrays, nccl
     does not)."""
-    return reduceOp not in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND,
-                            ReduceOp.BOR, ReduceOp.BXOR)
+    return reduceOp not in (
+        ReduceOp.MAX,
+        ReduceOp.MIN,
+        ReduceOp.PRODUCT,
+        ReduceOp.BAND,
+        ReduceOp.BOR,
+        ReduceOp.BXOR,
+    )
 
 
 def check_reduce_op(op: object, dtype: np.dtype, where: str) -> ReduceOp | PremulSum:
@@ -172,15 +185,20 @@ def check_reduce_op(op: object, dtype: np.dtype, where: str) -> ReduceOp | Premu
     kind = dtype.kind
     if isinstance(op, PremulSum):
         if kind not in "fc":
-            raise TypeError(f"{where}: ReduceOp.PREMUL_SUM needs a floating or complex "
-                            f"array, got {dtype}; scale integers and use ReduceOp.SUM")
+            raise TypeError(
+                f"{where}: ReduceOp.PREMUL_SUM needs a floating or complex "
+                f"array, got {dtype}; scale integers and use ReduceOp.SUM"
+            )
         if isinstance(op.factor, complex) and kind != "c":
-            raise TypeError(f"{where}: ReduceOp.PREMUL_SUM({op.factor}) has a complex "
-                            f"factor for a {dtype} array; use a real factor")
+            raise TypeError(
+                f"{where}: ReduceOp.PREMUL_SUM({op.factor}) has a complex "
+                f"factor for a {dtype} array; use a real factor"
+            )
         return op
     if isinstance(op, _PremulSumOp):
-        raise TypeError(f"{where}: ReduceOp.PREMUL_SUM needs its factor: pass "
-                        "ReduceOp.PREMUL_SUM(factor)")
+        raise TypeError(
+            f"{where}: ReduceOp.PREMUL_SUM needs its factor: pass ReduceOp.PREMUL_SUM(factor)"
+        )
     if not isinstance(op, ReduceOp):
         raise TypeError(
             f"{where}: op must be a distcomm.ReduceOp (SUM, AVG, PRODUCT, MIN, MAX, BAND, "
@@ -285,8 +303,11 @@ def reduce_into(acc: np.ndarray, incoming: np.ndarray, op: ReduceOp) -> None:
     (see distcomm.parallel.set_num_threads); elementwise, so the result is the same.
     """
     ufunc = UFUNCS[op]
-    if (acc.nbytes < PARALLEL_REDUCE_BYTES or acc.shape != incoming.shape
-            or not (acc.flags.c_contiguous and incoming.flags.c_contiguous)):
+    if (
+        acc.nbytes < PARALLEL_REDUCE_BYTES
+        or acc.shape != incoming.shape
+        or not (acc.flags.c_contiguous and incoming.flags.c_contiguous)
+    ):
         quiet.run(ufunc, acc, incoming, out=acc)
         return
     a, b = acc.reshape(-1), incoming.reshape(-1)

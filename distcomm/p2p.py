@@ -37,8 +37,16 @@ class _Posting:
 
     __slots__ = ("_group", "_issue", "_kind", "_peer", "_tensor", "array", "backend")
 
-    def __init__(self, group: ProcessGroup, kind: str, tensor: Any, array: Any, backend: Any,
-                 peer: int | None, issue: Callable[[], Work]) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup,
+        kind: str,
+        tensor: Any,
+        array: Any,
+        backend: Any,
+        peer: int | None,
+        issue: Callable[[], Work],
+    ) -> None:
         self._group, self._kind, self._tensor, self._peer = group, kind, tensor, peer
         self.array, self.backend, self._issue = array, backend, issue
 
@@ -53,8 +61,9 @@ class _Posting:
         return work
 
 
-def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
-             group_dst: int | None) -> _Posting:
+def _sending(
+    tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int, group_dst: int | None
+) -> _Posting:
     """Validate an isend (its messages say "isend")."""
     pg = resolve(group, "isend")
     tag = check_tag(tag, "isend")
@@ -62,14 +71,17 @@ def _sending(tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int,
     peer = rank_arg(pg, dst, group_dst, "isend", "dst")
     backend = pg.backend_for(array, "isend")
     if peer == pg.rank():
-        raise ValueError(f"isend: dst {pg.ranks[peer]} is this process itself; send to "
-                         "another rank")
-    return _Posting(pg, "send", tensor, array, backend, peer,
-                    lambda: backend.send(flat(array), peer, tag))
+        raise ValueError(
+            f"isend: dst {pg.ranks[peer]} is this process itself; send to another rank"
+        )
+    return _Posting(
+        pg, "send", tensor, array, backend, peer, lambda: backend.send(flat(array), peer, tag)
+    )
 
 
-def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: int,
-               group_src: int | None) -> _Posting:
+def _receiving(
+    tensor: Any, src: int | None, group: ProcessGroup | None, tag: int, group_src: int | None
+) -> _Posting:
     """Validate an irecv (its messages say "irecv")."""
     pg = resolve(group, "irecv")
     tag = check_tag(tag, "irecv")
@@ -79,14 +91,21 @@ def _receiving(tensor: Any, src: int | None, group: ProcessGroup | None, tag: in
     if src is not None or group_src is not None:
         peer = rank_arg(pg, src, group_src, "irecv", "src")
         if peer == pg.rank():
-            raise ValueError(f"irecv: src {pg.ranks[peer]} is this process itself; receive "
-                             "from another rank")
-    return _Posting(pg, "recv", tensor, array, backend, peer,
-                    lambda: backend.recv(flat(array), peer, tag))
+            raise ValueError(
+                f"irecv: src {pg.ranks[peer]} is this process itself; receive from another rank"
+            )
+    return _Posting(
+        pg, "recv", tensor, array, backend, peer, lambda: backend.recv(flat(array), peer, tag)
+    )
 
 
-def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_dst: int | None = None) -> Work:
+def isend(
+    tensor: Any,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    group_dst: int | None = None,
+) -> Work:
     """Send `tensor` to `dst` without blocking; returns the Work to wait on (None on a
     rank outside `group`)."""
     if outside(group, "isend"):
@@ -94,8 +113,13 @@ def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None
     return _sending(tensor, dst, group, tag, group_dst).post()
 
 
-def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_src: int | None = None) -> Work:
+def irecv(
+    tensor: Any,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    group_src: int | None = None,
+) -> Work:
     """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells
     (None on a rank outside `group`)."""
     if outside(group, "irecv"):
@@ -103,16 +127,26 @@ def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None
     return _receiving(tensor, src, group, tag, group_src).post()
 
 
-def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-         group_dst: int | None = None) -> None:
+def send(
+    tensor: Any,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    group_dst: int | None = None,
+) -> None:
     """Send `tensor` to `dst`, blocking until it is handed to the transport."""
     if outside(group, "isend"):  # torch's send is an isend, and warns so
         return
     _sending(tensor, dst, group, tag, group_dst).post().wait()
 
 
-def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-         group_src: int | None = None) -> int:
+def recv(
+    tensor: Any,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    group_src: int | None = None,
+) -> int:
     """Receive into `tensor` from `src` (None: any rank); returns the sender's global rank
     (-1 on a rank outside `group`)."""
     if outside(group, "irecv"):  # torch's recv is an irecv, and warns so
@@ -131,12 +165,20 @@ class P2POp:
         peer: the other side's global rank (or `group_peer`, its rank within `group`).
     """
 
-    def __init__(self, op: Callable[..., Work], tensor: Any, peer: int | None = None,
-                 group: ProcessGroup | None = None, tag: int = 0,
-                 group_peer: int | None = None) -> None:
+    def __init__(
+        self,
+        op: Callable[..., Work],
+        tensor: Any,
+        peer: int | None = None,
+        group: ProcessGroup | None = None,
+        tag: int = 0,
+        group_peer: int | None = None,
+    ) -> None:
         if op not in (isend, irecv):
-            raise ValueError("P2POp: op must be distcomm.isend or distcomm.irecv, got "
-                             f"{getattr(op, '__name__', op)!r}")
+            raise ValueError(
+                "P2POp: op must be distcomm.isend or distcomm.irecv, got "
+                f"{getattr(op, '__name__', op)!r}"
+            )
         if peer is None and group_peer is None:
             raise ValueError("P2POp: peer (a global rank) or group_peer is required")
         self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
@@ -153,13 +195,15 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     sends and receives between the same ranks cannot block one another.
     """
     if not isinstance(p2p_op_list, (list, tuple)) or not all(
-            isinstance(p, P2POp) for p in p2p_op_list):
+        isinstance(p, P2POp) for p in p2p_op_list
+    ):
         raise TypeError("batch_isend_irecv: p2p_op_list must be a list of P2POp")
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv: p2p_op_list must not be empty")
-    postings = [(_sending if p.op is isend else _receiving)(p.tensor, p.peer, p.group, p.tag,
-                                                            p.group_peer)
-                for p in p2p_op_list]
+    postings = [
+        (_sending if p.op is isend else _receiving)(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+        for p in p2p_op_list
+    ]
     first = postings[0]
     together = all(p.backend is first.backend for p in postings)
     with first.backend.coalesce(first.array) if together else nullcontext():

@@ -37,7 +37,6 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-
 def parse_size(text: str) -> int | None:
     """A number of bytes written as an integer with an optional K, M or G suffix (powers of
     1024: `256K`, `8M`); None when `text` is not one."""

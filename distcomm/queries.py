@@ -70,11 +70,15 @@ def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
         ValueError: `group_rank` is not a rank of the group.
     """
     resolved = resolve(group, "get_global_rank")
-    if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not (
-            0 <= group_rank < resolved.size()):
+    if (
+        isinstance(group_rank, bool)
+        or not isinstance(group_rank, int)
+        or not (0 <= group_rank < resolved.size())
+    ):
         raise ValueError(
             f"get_global_rank: group rank {group_rank!r} is not in group "
-            f"'{resolved.group_name}' of size {resolved.size()}")
+            f"'{resolved.group_name}' of size {resolved.size()}"
+        )
     return resolved.ranks[group_rank]
 
 
@@ -88,5 +92,6 @@ def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
     if global_rank not in resolved.ranks:
         raise ValueError(
             f"get_group_rank: global rank {global_rank!r} is not a member of group "
-            f"'{resolved.group_name}' (members: {resolved.ranks})")
+            f"'{resolved.group_name}' (members: {resolved.ranks})"
+        )
     return resolved.ranks.index(global_rank)

@@ -367,8 +367,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "CUDA_VISIBLE_DEVICES",
         "text",
         "",
-        "CUDA's: which GPUs a process sees; named in the error for a device that does not "
-        "exist",
+        "CUDA's: which GPUs a process sees; named in the error for a device that does not exist",
     ),
     EnvVar(
         "PYTHONPATH",

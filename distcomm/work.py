@@ -149,9 +149,13 @@ class Work:
     #: stream after it (nccl), so the flight recorder settles the op on its completion
     finished_on_wait = True
 
-    def __init__(self, description: str, outputs: list[Any] | None = None,
-                 on_timeout: Callable[[float], BaseException] | None = None,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        description: str,
+        outputs: list[Any] | None = None,
+        on_timeout: Callable[[float], BaseException] | None = None,
+        timeout: float | None = None,
+    ) -> None:
         self.description = description
         self._default_timeout = timeout
         self._outputs = outputs if outputs is not None else []
@@ -290,8 +294,9 @@ class Work:
         """A Work over `outputs` that completes after this one and then `finalize()` (the
         copy of results out of a joined buffer); it fails with this one's error, or
         `finalize`'s. A device Work queues `finalize` on its stream instead."""
-        outer = Work(self.description, outputs, on_timeout=self._on_timeout,
-                     timeout=self._default_timeout)
+        outer = Work(
+            self.description, outputs, on_timeout=self._on_timeout, timeout=self._default_timeout
+        )
 
         def done(future: Future) -> None:
             error = future.exception()

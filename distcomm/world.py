@@ -91,7 +91,8 @@ def default_group(where: str) -> ProcessGroup:
     group = state.default
     if group is None:
         raise RuntimeError(
-            f"{where}: distcomm is not initialised; call distcomm.init_process_group() first")
+            f"{where}: distcomm is not initialised; call distcomm.init_process_group() first"
+        )
     return group  # type: ignore[return-value]  (every group made is a ProcessGroup)
 
 
@@ -119,8 +120,10 @@ def outside(group: Any, where: str) -> bool:
         _warned_outside.add(key)
         world = state.default
         rank = -1 if world is None else world.rank()
-        warnings.warn(f"Running {where} on global rank {rank} which does not belong to the "
-                      "given group.", stacklevel=3)
+        warnings.warn(
+            f"Running {where} on global rank {rank} which does not belong to the given group.",
+            stacklevel=3,
+        )
     return True
 
 
@@ -140,9 +143,11 @@ def resolve(group: ProcessGroup | None, where: str) -> ProcessGroup:
             raise ValueError(
                 f"{where}: this process (global rank {world.rank()}) is not a member of the "
                 "group: new_group returned GroupMember.NON_GROUP_MEMBER to it, since its "
-                "rank is not in the group's ranks; only members may use the group")
+                "rank is not in the group's ranks; only members may use the group"
+            )
         raise TypeError(
             f"{where}: group must be a ProcessGroup from new_group() or None, got "
-            f"{type(group).__name__}")
+            f"{type(group).__name__}"
+        )
     default_group(where)
     return group

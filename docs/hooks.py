@@ -84,16 +84,22 @@ def reference(api_page: str) -> str:
     for item in re.split(r"^- ", listed.group(1), flags=re.M)[1:]:
         title = re.split(r"[:(]", item, maxsplit=1)[0].strip()
         rest = item.partition(":")[2]
-        names = [n for n in dict.fromkeys(re.findall(r"`([A-Za-z_]\w*)", rest))
-                 if n in public and n not in done
-                 and not isinstance(getattr(distcomm, n), types.ModuleType)]
+        names = [
+            n
+            for n in dict.fromkeys(re.findall(r"`([A-Za-z_]\w*)", rest))
+            if n in public
+            and n not in done
+            and not isinstance(getattr(distcomm, n), types.ModuleType)
+        ]
         if not names:
             continue
         out.append(f"## {title}\n")
         for name in names:
             done.add(name)
-            out.append(f"::: {_where(name)}\n    options:\n      heading_level: 3\n"
-                       f"      show_root_full_path: false\n")
+            out.append(
+                f"::: {_where(name)}\n    options:\n      heading_level: 3\n"
+                f"      show_root_full_path: false\n"
+            )
     return "\n".join(out)
 
 
@@ -116,9 +122,16 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    markdown = PICTURE.sub(r"\1img/\2)", markdown) if page.file.src_uri.count("/") == 0 else (
-        PICTURE.sub(lambda m: m.group(1) + "../" * page.file.src_uri.count("/")
-                    + f"img/{m.group(2)})", markdown))
+    markdown = (
+        PICTURE.sub(r"\1img/\2)", markdown)
+        if page.file.src_uri.count("/") == 0
+        else (
+            PICTURE.sub(
+                lambda m: m.group(1) + "../" * page.file.src_uri.count("/") + f"img/{m.group(2)})",
+                markdown,
+            )
+        )
+    )
     markdown = fill_env_table(markdown)
     if REFERENCE.search(markdown):
         entries = reference((DOCS / "api.md").read_text())

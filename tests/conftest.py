@@ -149,8 +149,9 @@ def _no_store_server_left():
     """
     before = set(threading.enumerate())
     yield
-    started = [t for t in threading.enumerate()
-               if t not in before and t.name.startswith(_STORE_SERVER)]
+    started = [
+        t for t in threading.enumerate() if t not in before and t.name.startswith(_STORE_SERVER)
+    ]
     if not started:
         return
     pools = {f"{_STORE_SERVER}{pool.store_port}" for pool in list(RankPool.open_pools)}
@@ -160,8 +161,10 @@ def _no_store_server_left():
             thread.join(max(0.0, end - time.monotonic()))
     left = sorted(t.name for t in started if t.is_alive() and t.name not in pools)
     if left:
-        pytest.fail(f"the test left TCPStore server thread(s) running: {', '.join(left)}; "
-                    "close() every store it hosts, on its error paths too")
+        pytest.fail(
+            f"the test left TCPStore server thread(s) running: {', '.join(left)}; "
+            "close() every store it hosts, on its error paths too"
+        )
 
 
 def pytest_report_header(config):

@@ -88,9 +88,15 @@ __all__ = ["Call", "CudaStandin", "NcclError", "StandinError"]
 
 #: NCCL's datatype codes and the numpy dtype of each
 NCCL_DTYPES = {
-    0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32),
-    3: np.dtype(np.uint32), 4: np.dtype(np.int64), 5: np.dtype(np.uint64),
-    6: np.dtype(np.float16), 7: np.dtype(np.float32), 8: np.dtype(np.float64),
+    0: np.dtype(np.int8),
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int32),
+    3: np.dtype(np.uint32),
+    4: np.dtype(np.int64),
+    5: np.dtype(np.uint64),
+    6: np.dtype(np.float16),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.float64),
 }
 #: NCCL's reduction op codes
 NCCL_OPS = {0: "SUM", 1: "PROD", 2: "MAX", 3: "MIN", 4: "AVG"}
@@ -182,13 +188,17 @@ class _MemoryPointer:
     def __int__(self) -> int:
         return self.ptr
 
-    def copy_from_device_async(self, src: _MemoryPointer, size: int,
-                               stream: Any = None) -> None:
+    def copy_from_device_async(self, src: _MemoryPointer, size: int, stream: Any = None) -> None:
         w = self._w
         size = int(size)
-        w._log(None, "copy_from_device_async",
-               dst=self.ptr, src=src.ptr, size=size,
-               stream=None if stream is None else stream.ptr)
+        w._log(
+            None,
+            "copy_from_device_async",
+            dst=self.ptr,
+            src=src.ptr,
+            size=size,
+            stream=None if stream is None else stream.ptr,
+        )
         if size <= 0:
             return
         w._check_memory(self.ptr, size, None, "copy_from_device_async destination")
@@ -201,15 +211,23 @@ class _MemoryPointer:
         """A copy between this device memory and host memory at `host` (a c_void_p)."""
         w = self._w
         size, address = int(size), int(host.value or 0)
-        w._log(None, what, ptr=self.ptr, host=address, size=size,
-               stream=None if stream is None else stream.ptr)
+        w._log(
+            None,
+            what,
+            ptr=self.ptr,
+            host=address,
+            size=size,
+            stream=None if stream is None else stream.ptr,
+        )
         if size <= 0:
             return
         w._check_memory(self.ptr, size, None, what)
         queue = w._queue_of(w._current_stream() if stream is None else stream)
         if queue.device != self.device_id:
-            w._violation(f"{what}: memory of device {self.device_id} copied on "
-                         f"{queue.label} of device {queue.device}")
+            w._violation(
+                f"{what}: memory of device {self.device_id} copied on "
+                f"{queue.label} of device {queue.device}"
+            )
         dst, src = (address, self.ptr) if to_host else (self.ptr, address)
         w._submit(queue, lambda: ctypes.memmove(dst, src, size))
 
@@ -282,12 +300,16 @@ class _NdArray:
         return len(self._host)
 
     def __repr__(self) -> str:
-        return (f"<stand-in cupy.ndarray shape={self.shape} dtype={self.dtype} "
-                f"device={self._device_id}>")
+        return (
+            f"<stand-in cupy.ndarray shape={self.shape} dtype={self.dtype} "
+            f"device={self._device_id}>"
+        )
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use "
-                        "`.get()` to construct a NumPy array explicitly.")
+        raise TypeError(
+            "Implicit conversion to a NumPy array is not allowed. Please use "
+            "`.get()` to construct a NumPy array explicitly."
+        )
 
     # -- views (no data is read or written)
     def _wrap(self, host: np.ndarray) -> _NdArray:
@@ -306,8 +328,10 @@ class _NdArray:
         """Basic indexing only (slices, ints, Ellipsis): a view sharing memory."""
         if not isinstance(key, tuple):
             key = (key,)
-        if any(not isinstance(k, (slice, int, np.integer)) and k is not Ellipsis and
-               k is not None for k in key):
+        if any(
+            not isinstance(k, (slice, int, np.integer)) and k is not Ellipsis and k is not None
+            for k in key
+        ):
             raise NotImplementedError("the stand-in supports basic indexing only")
         if not any(k is Ellipsis for k in key):
             key = (*key, Ellipsis)  # an int index gives a 0-d view, as CuPy's does
@@ -327,6 +351,7 @@ class _NdArray:
 
             def run() -> None:
                 self._host[key] = captured
+
         self._w._kernel(arrays, run)
 
     def __itruediv__(self, other: Any) -> _NdArray:
@@ -436,8 +461,13 @@ class _Stream:
     _w: CudaStandin
     null: _Stream
 
-    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False,
-                 priority: Any = None) -> None:
+    def __init__(
+        self,
+        null: bool = False,
+        non_blocking: bool = False,
+        ptds: bool = False,
+        priority: Any = None,
+    ) -> None:
         w = self._w
         self.non_blocking = non_blocking
         if null:
@@ -461,8 +491,10 @@ class _Stream:
         current = self._w._current_device()
         device = current if self.device_id == -1 else self.device_id
         if device != current:
-            raise RuntimeError(f"The device that the stream is created on ({device}) does "
-                               f"not match with the current device ({current})")
+            raise RuntimeError(
+                f"The device that the stream is created on ({device}) does "
+                f"not match with the current device ({current})"
+            )
         return device
 
     def __enter__(self) -> _Stream:
@@ -520,8 +552,9 @@ class _Event:
 
     _w: CudaStandin
 
-    def __init__(self, block: bool = False, disable_timing: bool = False,
-                 interprocess: bool = False) -> None:
+    def __init__(
+        self, block: bool = False, disable_timing: bool = False, interprocess: bool = False
+    ) -> None:
         w = self._w
         self.ptr = next(w._ptrs)
         self.device_id = w._current_device()
@@ -538,8 +571,10 @@ class _Event:
         queue = w._queue_of(stream)
         w._log(None, "Event.record", event=self, stream=queue.ptr, device=queue.device)
         if queue.device != self.device_id:
-            w._violation(f"Event.record: event of device {self.device_id} recorded on "
-                         f"{queue.label} of device {queue.device}")
+            w._violation(
+                f"Event.record: event of device {self.device_id} recorded on "
+                f"{queue.label} of device {queue.device}"
+            )
             raise CUDARuntimeError("cudaErrorInvalidResourceHandle: invalid resource handle")
         with w.lock:
             self._queue, self._target = queue, queue.submitted
@@ -550,8 +585,10 @@ class _Event:
         thread's is 0), real CUDA would create a context on that device: a violation."""
         current = self._w._current_device()
         if current != self.device_id:
-            self._w._violation(f"Event.done: {self!r} queried with device {current} current "
-                               f"(CUDA would create a context on device {current})")
+            self._w._violation(
+                f"Event.done: {self!r} queried with device {current} current "
+                f"(CUDA would create a context on device {current})"
+            )
         return self._is_done()
 
     def _is_done(self) -> bool:
@@ -610,13 +647,17 @@ class _NcclCommunicator:
         form = w._comm_id_form()
         if form is bytes:
             if not isinstance(commId, bytes):
-                raise TypeError("Argument 'commId' has incorrect type (expected bytes, got "
-                                f"{type(commId).__name__})")
+                raise TypeError(
+                    "Argument 'commId' has incorrect type (expected bytes, got "
+                    f"{type(commId).__name__})"
+                )
             uid = commId
         else:
             if not isinstance(commId, tuple):
-                raise TypeError("Argument 'commId' has incorrect type (expected tuple, got "
-                                f"{type(commId).__name__})")
+                raise TypeError(
+                    "Argument 'commId' has incorrect type (expected tuple, got "
+                    f"{type(commId).__name__})"
+                )
             if any(not isinstance(v, int) or not -128 <= v <= 127 for v in commId):
                 raise OverflowError("value too large to convert to char")
             uid = bytes(v & 0xFF for v in commId)
@@ -628,8 +669,15 @@ class _NcclCommunicator:
         self.aborted = self.destroyed = False
         self.async_error: NcclError | None = None
         self._coll_seq = 0
-        w._log(rank, "NcclCommunicator", ndev=ndev, rank=rank, device=self.device,
-               uid=uid, id_type=type(commId).__name__)
+        w._log(
+            rank,
+            "NcclCommunicator",
+            ndev=ndev,
+            rank=rank,
+            device=self.device,
+            uid=uid,
+            id_type=type(commId).__name__,
+        )
         if not 0 <= self.rank < self.ndev:
             raise NcclError(INVALID_ARGUMENT, f"rank {rank} is not in 0..{ndev - 1}")
         self.clique = w._join(self)
@@ -643,8 +691,7 @@ class _NcclCommunicator:
         if self.released:
             state = "aborted" if self.aborted else "destroyed"
             if violation:
-                self._w._violation(f"rank {self.rank}: {name} on a communicator already "
-                                   f"{state}")
+                self._w._violation(f"rank {self.rank}: {name} on a communicator already {state}")
             raise NcclError(INVALID_ARGUMENT, f"the communicator was {state}")
 
     def device_id(self) -> int:
@@ -681,37 +728,73 @@ class _NcclCommunicator:
         if self.released:
             return
         if w._hung_items(self):
-            w._violation(f"rank {self.rank}: ncclCommDestroy with operations that never "
-                         "complete would block forever (use abort)")
+            w._violation(
+                f"rank {self.rank}: ncclCommDestroy with operations that never "
+                "complete would block forever (use abort)"
+            )
         self.destroyed = True
 
     # -- collectives
-    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
-                  stream: int) -> None:
+    def allReduce(
+        self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int
+    ) -> None:
         self._coll("allReduce", stream, count, datatype, op, -1, sendbuf, 1, recvbuf, 1)
 
-    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
-               root: int, stream: int) -> None:
-        self._coll("reduce", stream, count, datatype, op, root, sendbuf, 1,
-                   recvbuf if self.rank == root else None, 1)
+    def reduce(
+        self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int, stream: int
+    ) -> None:
+        self._coll(
+            "reduce",
+            stream,
+            count,
+            datatype,
+            op,
+            root,
+            sendbuf,
+            1,
+            recvbuf if self.rank == root else None,
+            1,
+        )
 
-    def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int,
-                  stream: int) -> None:
-        self._coll("broadcast", stream, count, datatype, -1, root,
-                   sendbuff if self.rank == root else None, 1, recvbuff, 1)
+    def broadcast(
+        self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int, stream: int
+    ) -> None:
+        self._coll(
+            "broadcast",
+            stream,
+            count,
+            datatype,
+            -1,
+            root,
+            sendbuff if self.rank == root else None,
+            1,
+            recvbuff,
+            1,
+        )
 
-    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
-                  stream: int) -> None:
-        self._coll("allGather", stream, count, datatype, -1, -1, sendbuf, 1, recvbuf,
-                   self.ndev)
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
+        self._coll("allGather", stream, count, datatype, -1, -1, sendbuf, 1, recvbuf, self.ndev)
 
-    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,
-                      op: int, stream: int) -> None:
-        self._coll("reduceScatter", stream, recvcount, datatype, op, -1, sendbuf, self.ndev,
-                   recvbuf, 1)
+    def reduceScatter(
+        self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int, stream: int
+    ) -> None:
+        self._coll(
+            "reduceScatter", stream, recvcount, datatype, op, -1, sendbuf, self.ndev, recvbuf, 1
+        )
 
-    def _coll(self, name: str, stream: int, count: int, datatype: int, op: int, root: int,
-              send: int | None, send_factor: int, recv: int | None, recv_factor: int) -> None:
+    def _coll(
+        self,
+        name: str,
+        stream: int,
+        count: int,
+        datatype: int,
+        op: int,
+        root: int,
+        send: int | None,
+        send_factor: int,
+        recv: int | None,
+        recv_factor: int,
+    ) -> None:
         w = self._w
         args = dict(count=count, datatype=datatype, stream=stream)
         if op >= 0:
@@ -740,8 +823,11 @@ class _NcclCommunicator:
             recvspan = (int(recv), nbytes * recv_factor)
             w._check_memory(*recvspan, self.device, f"{name} recvbuf", nccl=True)
         desc = (name, int(count), int(datatype), int(op), int(root))
-        self._issue(_Op(self, "coll", name, int(stream), desc, sendspan, recvspan,
-                        int(count), int(datatype)))
+        self._issue(
+            _Op(
+                self, "coll", name, int(stream), desc, sendspan, recvspan, int(count), int(datatype)
+            )
+        )
 
     # -- point to point
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
@@ -750,20 +836,28 @@ class _NcclCommunicator:
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self._p2p("recv", recvbuf, count, datatype, peer, stream)
 
-    def _p2p(self, name: str, buf: int, count: int, datatype: int, peer: int,
-             stream: int) -> None:
+    def _p2p(self, name: str, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         w = self._w
-        w._log(self.rank, name, buf=buf, count=count, datatype=datatype, peer=peer,
-               stream=stream)
+        w._log(self.rank, name, buf=buf, count=count, datatype=datatype, peer=peer, stream=stream)
         self._live(name)
         dtype = self._dtype(datatype)
         if not 0 <= peer < self.ndev:
             raise NcclError(INVALID_ARGUMENT, f"peer {peer} is not a rank")
         span = (int(buf), int(count) * dtype.itemsize)
         w._check_memory(*span, self.device, f"{name} buffer", nccl=True)
-        self._issue(_Op(self, name, name, int(stream), send=span if name == "send" else None,
-                        recv=span if name == "recv" else None, count=int(count),
-                        datatype=int(datatype), peer=int(peer)))
+        self._issue(
+            _Op(
+                self,
+                name,
+                name,
+                int(stream),
+                send=span if name == "send" else None,
+                recv=span if name == "recv" else None,
+                count=int(count),
+                datatype=int(datatype),
+                peer=int(peer),
+            )
+        )
 
     def _dtype(self, datatype: int) -> np.dtype:
         if datatype not in NCCL_DTYPES:
@@ -803,8 +897,13 @@ class CudaStandin:
         wait_timeout: the longest any blocking wait of the stand-in lasts, in seconds.
     """
 
-    def __init__(self, device_count: int = 4, cupy_version: str = "14.2.0",
-                 nccl_version: int = 23203, wait_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        device_count: int = 4,
+        cupy_version: str = "14.2.0",
+        nccl_version: int = 23203,
+        wait_timeout: float = 30.0,
+    ) -> None:
         self.device_count = device_count
         self.nccl_version = nccl_version
         self.wait_timeout = wait_timeout
@@ -840,14 +939,29 @@ class CudaStandin:
         self.Stream = type("Stream", (_Stream,), {"__module__": "cupy.cuda.stream", "_w": w})
         self.Stream.null = self.Stream(null=True)
         self.Event = type("Event", (_Event,), {"__module__": "cupy.cuda.stream", "_w": w})
-        self.NcclCommunicator = type("NcclCommunicator", (_NcclCommunicator,),
-                                     {"__module__": "cupy.cuda.nccl", "_w": w})
+        self.NcclCommunicator = type(
+            "NcclCommunicator", (_NcclCommunicator,), {"__module__": "cupy.cuda.nccl", "_w": w}
+        )
 
         cupy = types.ModuleType("cupy")
         cupy.__version__ = cupy_version
         cupy.ndarray = self.ndarray
-        for name in ("bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                     "uint64", "float16", "float32", "float64", "complex64", "complex128"):
+        for name in (
+            "bool_",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint8",
+            "uint16",
+            "uint32",
+            "uint64",
+            "float16",
+            "float32",
+            "float64",
+            "complex64",
+            "complex128",
+        ):
             setattr(cupy, name, getattr(np, name))
         cupy.empty = self._empty
         cupy.zeros = self._zeros
@@ -897,8 +1011,12 @@ class CudaStandin:
 
     def modules(self) -> dict[str, types.ModuleType]:
         """The modules by import name, for sys.modules."""
-        return {"cupy": self.cupy, "cupy.cuda": self.cuda, "cupy.cuda.runtime": self.runtime,
-                "cupy.cuda.nccl": self.nccl}
+        return {
+            "cupy": self.cupy,
+            "cupy.cuda": self.cuda,
+            "cupy.cuda.runtime": self.runtime,
+            "cupy.cuda.nccl": self.nccl,
+        }
 
     def install(self, monkeypatch: Any) -> CudaStandin:
         """Put the modules in sys.modules for the test (monkeypatch restores them)."""
@@ -916,8 +1034,7 @@ class CudaStandin:
         """New operations complete again (operations already hung stay hung)."""
         self._hang = set()
 
-    def inject_async_error(self, rank: int | None = None,
-                           status: int = REMOTE_ERROR) -> None:
+    def inject_async_error(self, rank: int | None = None, status: int = REMOTE_ERROR) -> None:
         """Make `check_async_error()` of the communicators of `rank` (None: all) raise."""
         for comm in self.communicators(rank):
             comm.async_error = NcclError(status, "injected by the test")
@@ -979,15 +1096,23 @@ class CudaStandin:
             comms = [c for clique in self._cliques.values() for c in clique.members.values()]
         return [c for c in comms if rank is None or c.rank == rank]
 
-    def calls(self, name: str | Iterable[str] | None = None, *, thread: str | None = None,
-              rank: int | None = None) -> list[Call]:
+    def calls(
+        self,
+        name: str | Iterable[str] | None = None,
+        *,
+        thread: str | None = None,
+        rank: int | None = None,
+    ) -> list[Call]:
         """The logged calls, optionally only those named `name`, made by `thread` or by
         the communicator of `rank`."""
         names = {name} if isinstance(name, str) else None if name is None else set(name)
-        return [c for c in list(self._calls)
-                if (names is None or c.name in names)
-                and (thread is None or c.thread == thread)
-                and (rank is None or c.rank == rank)]
+        return [
+            c
+            for c in list(self._calls)
+            if (names is None or c.name in names)
+            and (thread is None or c.thread == thread)
+            and (rank is None or c.rank == rank)
+        ]
 
     def clear_calls(self) -> None:
         self._calls.clear()
@@ -1045,15 +1170,16 @@ class CudaStandin:
             self._violation(f"rank {comm.rank}: NCCL operation on unknown stream {ptr:#x}")
             raise NcclError(UNHANDLED_CUDA_ERROR, f"invalid stream {ptr:#x}")
         if queue.device != comm.device:
-            self._violation(f"rank {comm.rank}: NCCL operation of the communicator on GPU "
-                            f"{comm.device} issued on {queue.label} of GPU {queue.device}")
+            self._violation(
+                f"rank {comm.rank}: NCCL operation of the communicator on GPU "
+                f"{comm.device} issued on {queue.label} of GPU {queue.device}"
+            )
             raise NcclError(UNHANDLED_CUDA_ERROR, "stream of another device")
         return queue
 
     def _queues_of_device(self, device: int) -> list[_Queue]:
         with self.lock:
-            return [q for q in (*self._queues.values(), *self._null.values())
-                    if q.device == device]
+            return [q for q in (*self._queues.values(), *self._null.values()) if q.device == device]
 
     def _alloc(self, shape: Any, dtype: Any, device: int | None = None) -> _NdArray:
         host = np.empty(shape, dtype)
@@ -1070,8 +1196,9 @@ class CudaStandin:
                 self._allocs[start] = (start + host.nbytes, weakref.ref(host), device)
         return self.ndarray(host, device)
 
-    def _check_memory(self, ptr: int, nbytes: int, device: int | None, what: str,
-                      nccl: bool = False) -> None:
+    def _check_memory(
+        self, ptr: int, nbytes: int, device: int | None, what: str, nccl: bool = False
+    ) -> None:
         """`[ptr, ptr + nbytes)` must lie in one live allocation (of `device`)."""
         if nbytes <= 0:
             return
@@ -1110,10 +1237,13 @@ class CudaStandin:
         current = self._current_device()
         for array in arrays:
             if array._device_id != current:
-                self._violation(f"kernel on an array of GPU {array._device_id} while GPU "
-                                f"{current} is current")
-                raise ValueError(f"Array device must be same as the current device: array "
-                                 f"device = {array._device_id} while current = {current}")
+                self._violation(
+                    f"kernel on an array of GPU {array._device_id} while GPU {current} is current"
+                )
+                raise ValueError(
+                    f"Array device must be same as the current device: array "
+                    f"device = {array._device_id} while current = {current}"
+                )
         self._submit(self._queue_of(self._current_stream()), fn)
 
     def _wait_until(self, ready: Callable[[], bool], what: str) -> None:
@@ -1124,8 +1254,10 @@ class CudaStandin:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._violation(f"{what} did not finish within {self.wait_timeout} s")
-                    raise StandinError(f"{what} did not finish within {self.wait_timeout} s "
-                                       "(a hung or paused stream?)")
+                    raise StandinError(
+                        f"{what} did not finish within {self.wait_timeout} s "
+                        "(a hung or paused stream?)"
+                    )
                 self.cond.wait(min(left, 0.05))
 
     def _drain(self, queue: _Queue, what: str) -> None:
@@ -1133,8 +1265,12 @@ class CudaStandin:
 
     def _hung_items(self, comm: Any) -> int:
         with self.lock:
-            return sum(1 for q in (*self._queues.values(), *self._null.values())
-                       for item in q.items if item.kind == "hung" and item.comm is comm)
+            return sum(
+                1
+                for q in (*self._queues.values(), *self._null.values())
+                for item in q.items
+                if item.kind == "hung" and item.comm is comm
+            )
 
     def _pump(self) -> None:
         """Run queued work whose blockers have cleared, until nothing more can run."""
@@ -1223,8 +1359,7 @@ class CudaStandin:
         shape[axis] = rows
         out = self._alloc(tuple(shape), np.result_type(*[a.dtype for a in arrays]))
         sources = [a._host for a in arrays]
-        self._kernel([*arrays, out],
-                     lambda: np.concatenate(sources, axis=axis, out=out._host))
+        self._kernel([*arrays, out], lambda: np.concatenate(sources, axis=axis, out=out._host))
         return out
 
     def _bitwise_and(self, a: _NdArray, b: Any, out: _NdArray | None = None) -> _NdArray:
@@ -1251,8 +1386,10 @@ class CudaStandin:
 
     def _get_unique_id(self) -> Any:
         n = next(self._ids)
-        data = (hashlib.sha512(f"uid-{id(self)}-{n}-a".encode()).digest()
-                + hashlib.sha512(f"uid-{id(self)}-{n}-b".encode()).digest())
+        data = (
+            hashlib.sha512(f"uid-{id(self)}-{n}-a".encode()).digest()
+            + hashlib.sha512(f"uid-{id(self)}-{n}-b".encode()).digest()
+        )
         self.unique_ids.append(data)
         self._log(None, "get_unique_id", uid=data)
         if self._cupy_id_form() is bytes:
@@ -1290,8 +1427,10 @@ class CudaStandin:
             if clique is None:
                 clique = self._cliques[comm.uid] = _Clique(comm.uid, comm.ndev)
             if clique.ndev != comm.ndev:
-                raise NcclError(INVALID_USAGE, f"rank {comm.rank} says {comm.ndev} ranks, "
-                                f"the others {clique.ndev}")
+                raise NcclError(
+                    INVALID_USAGE,
+                    f"rank {comm.rank} says {comm.ndev} ranks, the others {clique.ndev}",
+                )
             if comm.rank in clique.members:
                 raise NcclError(INVALID_USAGE, f"rank {comm.rank} joined twice")
             clique.members[comm.rank] = comm
@@ -1303,8 +1442,11 @@ class CudaStandin:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(clique.ndev)) - set(clique.members))
-                    raise NcclError(SYSTEM_ERROR, f"stand-in: ncclCommInitRank of rank "
-                                    f"{comm.rank} timed out waiting for ranks {missing}")
+                    raise NcclError(
+                        SYSTEM_ERROR,
+                        f"stand-in: ncclCommInitRank of rank "
+                        f"{comm.rank} timed out waiting for ranks {missing}",
+                    )
                 self.nccl_cond.wait(min(left, 0.1))
             failure = clique.failures.get(comm.rank)
         if failure is not None:
@@ -1318,16 +1460,20 @@ class CudaStandin:
             twins = sorted(r for r, c in members.items() if r != rank and c.device == comm.device)
             if twins:
                 failures[rank] = NcclError(
-                    INVALID_USAGE, f"Duplicate GPU detected : rank {rank} and rank {twins[0]} "
-                    f"both on CUDA device {comm.device}")
+                    INVALID_USAGE,
+                    f"Duplicate GPU detected : rank {rank} and rank {twins[0]} "
+                    f"both on CUDA device {comm.device}",
+                )
             elif rank in self._init_failures:
                 failures[rank] = self._init_failures.pop(rank)
         failed = sorted(failures)
         for rank in members:
             if failed and rank not in failures:
                 failures[rank] = NcclError(
-                    INTERNAL_ERROR, f"stand-in: ranks {failed} failed to initialise, rank "
-                    f"{rank} cannot connect to them")
+                    INTERNAL_ERROR,
+                    f"stand-in: ranks {failed} failed to initialise, rank "
+                    f"{rank} cannot connect to them",
+                )
         return failures
 
     def _launch(self, ops: list[_Op]) -> None:
@@ -1392,15 +1538,19 @@ class CudaStandin:
                     raise NcclError(INVALID_ARGUMENT, "the communicator was released")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    text = (f"rank {comm.rank}: recv of {op.count} x type {op.datatype} from "
-                            f"rank {op.peer} found no message within {self.wait_timeout} s")
+                    text = (
+                        f"rank {comm.rank}: recv of {op.count} x type {op.datatype} from "
+                        f"rank {op.peer} found no message within {self.wait_timeout} s"
+                    )
                     self._violation(text)
                     raise NcclError(SYSTEM_ERROR, f"stand-in: {text}")
                 self.nccl_cond.wait(min(left, 0.1))
             message = box.popleft()
         if (message.count, message.datatype) != (op.count, op.datatype):
-            text = (f"rank {comm.rank}: recv of {op.count} x type {op.datatype} from rank "
-                    f"{op.peer} matched a send of {message.count} x type {message.datatype}")
+            text = (
+                f"rank {comm.rank}: recv of {op.count} x type {op.datatype} from rank "
+                f"{op.peer} matched a send of {message.count} x type {message.datatype}"
+            )
             self._violation(text)
             raise NcclError(INVALID_USAGE, f"stand-in: {text}")
         self._bytes_at(*op.recv)[...] = np.frombuffer(message.payload, np.uint8)
@@ -1423,8 +1573,10 @@ class CudaStandin:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(clique.ndev)) - set(slot["posts"]))
-                    text = (f"rank {comm.rank}: collective #{seq} ({op.name}) timed out "
-                            f"waiting for ranks {missing}")
+                    text = (
+                        f"rank {comm.rank}: collective #{seq} ({op.name}) timed out "
+                        f"waiting for ranks {missing}"
+                    )
                     self._violation(text)
                     raise NcclError(SYSTEM_ERROR, f"stand-in: {text}")
                 self.nccl_cond.wait(min(left, 0.1))
@@ -1434,9 +1586,12 @@ class CudaStandin:
                 del clique.colls[seq]
         for peer, (desc, _) in sorted(posts.items()):
             if desc != op.desc:
-                raise NcclError(INVALID_USAGE, f"stand-in: collective mismatch at #{seq}: "
-                                f"rank {comm.rank} called {_describe(op.desc)}, rank {peer} "
-                                f"called {_describe(desc)}")
+                raise NcclError(
+                    INVALID_USAGE,
+                    f"stand-in: collective mismatch at #{seq}: "
+                    f"rank {comm.rank} called {_describe(op.desc)}, rank {peer} "
+                    f"called {_describe(desc)}",
+                )
         name, count, datatype, nop, root = op.desc
         dtype = NCCL_DTYPES[datatype]
         n = clique.ndev
@@ -1458,7 +1613,7 @@ class CudaStandin:
                 else:
                     np.floor_divide(result, dtype.type(n), out=result)
             if name == "reduceScatter":
-                result = result[comm.rank * count:(comm.rank + 1) * count]
+                result = result[comm.rank * count : (comm.rank + 1) * count]
             elif name == "reduce" and comm.rank != root:
                 return
         self._bytes_at(*op.recv)[...] = np.ascontiguousarray(result).view(np.uint8)

@@ -67,16 +67,22 @@ def staged_collectives(xp_name: str = "cupy") -> int:
             for op in ops:
                 x = xp.asarray(values(r, count, dtype, op))
                 dist.all_reduce(x, op=op)
-                ok(x, expected_reduction(n, count, dtype, op), f"all_reduce {op.name} "
-                   f"{dtype} x{count}")
+                ok(
+                    x,
+                    expected_reduction(n, count, dtype, op),
+                    f"all_reduce {op.name} {dtype} x{count}",
+                )
             root = count % n
             x = xp.asarray(values(r, count, dtype))
             dist.broadcast(x, src=root)
             ok(x, values(root, count, dtype), f"broadcast {dtype} x{count}")
             x = xp.asarray(values(r, count, dtype, ops[0]))
             dist.reduce(x, dst=root, op=ops[0])
-            want = (expected_reduction(n, count, dtype, ops[0]) if r == root
-                    else values(r, count, dtype, ops[0]))
+            want = (
+                expected_reduction(n, count, dtype, ops[0])
+                if r == root
+                else values(r, count, dtype, ops[0])
+            )
             ok(x, want, f"reduce {dtype} x{count}")
 
     for dtype in ("float32", "int16", "complex128", "bool"):
@@ -84,8 +90,11 @@ def staged_collectives(xp_name: str = "cupy") -> int:
             mine = xp.asarray(values(r, count, dtype))
             flat = xp.empty(n * count, dtype=dtype)
             dist.all_gather_single(flat, mine)
-            ok(flat, np.concatenate([values(k, count, dtype) for k in range(n)]),
-               f"all_gather_single {dtype} x{count}")
+            ok(
+                flat,
+                np.concatenate([values(k, count, dtype) for k in range(n)]),
+                f"all_gather_single {dtype} x{count}",
+            )
             parts = [xp.empty(count, dtype=dtype) for _ in range(n)]
             dist.all_gather(parts, mine)
             for k in range(n):
@@ -97,25 +106,35 @@ def staged_collectives(xp_name: str = "cupy") -> int:
                 for k in range(n):
                     ok(slots[k], values(k, count, dtype), f"gather[{k}] {dtype} x{count}")
             got = xp.empty(count, dtype=dtype)
-            sent = [xp.asarray(values(k + 10, count, dtype)) for k in range(n)] if r == root \
-                else None
+            sent = (
+                [xp.asarray(values(k + 10, count, dtype)) for k in range(n)] if r == root else None
+            )
             dist.scatter(got, sent, src=root)
             ok(got, values(r + 10, count, dtype), f"scatter {dtype} x{count}")
             if dtype != "bool":
                 big = values(r, n * count, dtype)
                 out = xp.empty(count, dtype=dtype)
                 dist.reduce_scatter_single(out, xp.asarray(big))
-                ok(out, expected_reduction(n, n * count, dtype, ReduceOp.SUM)
-                   [r * count:(r + 1) * count], f"reduce_scatter_single {dtype} x{count}")
+                ok(
+                    out,
+                    expected_reduction(n, n * count, dtype, ReduceOp.SUM)[
+                        r * count : (r + 1) * count
+                    ],
+                    f"reduce_scatter_single {dtype} x{count}",
+                )
 
     # all_to_all with uneven splits: rank q sends (q + j) % 3 rows of 2 to rank j
     sizes = [[(q + j) % 3 for j in range(n)] for q in range(n)]
     rows = np.concatenate([np.full((sizes[r][j], 2), 10 * r + j) for j in range(n)])
     out = xp.empty((sum(sizes[q][r] for q in range(n)), 2), dtype="int32")
-    dist.all_to_all_single(out, xp.asarray(rows.astype("int32")),
-                           [sizes[q][r] for q in range(n)], sizes[r])
-    ok(out, np.concatenate([np.full((sizes[q][r], 2), 10 * q + r) for q in range(n)])
-       .astype("int32"), "all_to_all_single uneven")
+    dist.all_to_all_single(
+        out, xp.asarray(rows.astype("int32")), [sizes[q][r] for q in range(n)], sizes[r]
+    )
+    ok(
+        out,
+        np.concatenate([np.full((sizes[q][r], 2), 10 * q + r) for q in range(n)]).astype("int32"),
+        "all_to_all_single uneven",
+    )
 
     # an async op and a producer on a stream of its own (CuPy): the op waits for it
     if xp is not np:
@@ -126,13 +145,18 @@ def staged_collectives(xp_name: str = "cupy") -> int:
                 x += 1  # still queued when the collective is issued
             work = dist.all_reduce(x, async_op=True)
             assert work.wait() is True
-            ok(x, (np.arange(1 << 22, dtype=np.float32) + 50) * n, "all_reduce after a "
-               "producer stream")
+            ok(
+                x,
+                (np.arange(1 << 22, dtype=np.float32) + 50) * n,
+                "all_reduce after a producer stream",
+            )
 
     if n > 1 and dist.get_backend() == "mpi":  # mpi stages point-to-point itself
         got = xp.empty(1000, dtype="float64")
-        works = [dist.isend(xp.asarray(values(r, 1000, "float64")), (r + 1) % n),
-                 dist.irecv(got, (r - 1) % n)]
+        works = [
+            dist.isend(xp.asarray(values(r, 1000, "float64")), (r + 1) % n),
+            dist.irecv(got, (r - 1) % n),
+        ]
         for w in works:
             w.wait()
         ok(got, values((r - 1) % n, 1000, "float64"), "isend/irecv ring")
@@ -147,8 +171,11 @@ def main(argv: list[str]) -> int:
     dist.init_process_group(backend, timeout=120)
     try:
         checked = staged_collectives(xp_name)
-        print(f"rank {dist.get_rank()}/{dist.get_world_size()} {backend} {xp_name}: "
-              f"{checked} results checked", flush=True)
+        print(
+            f"rank {dist.get_rank()}/{dist.get_world_size()} {backend} {xp_name}: "
+            f"{checked} results checked",
+            flush=True,
+        )
     finally:
         dist.destroy_process_group()
     return 0

@@ -75,8 +75,6 @@ class Outcome:
         return "\n".join(parts)
 
 
-
-
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -85,9 +83,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child_main(rank: int, size: int, env: dict[str, str], backend: str | None,
-                init_timeout: float, conn: multiprocessing.connection.Connection,
-                stack_path: str) -> None:
+def _child_main(
+    rank: int,
+    size: int,
+    env: dict[str, str],
+    backend: str | None,
+    init_timeout: float,
+    conn: multiprocessing.connection.Connection,
+    stack_path: str,
+) -> None:
     _die_with_parent()
     os.environ.update(env)
     stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
@@ -160,10 +164,16 @@ class RankPool:
     #: conftest's check for store servers left running passes over theirs
     open_pools: ClassVar[weakref.WeakSet[RankPool]] = weakref.WeakSet()
 
-    def __init__(self, nprocs: int, backend: str | None = None, *,
-                 env: dict[str, str] | None = None,
-                 rank_env: Callable[[int], dict[str, str]] | None = None,
-                 init_timeout: float = 60.0, start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        nprocs: int,
+        backend: str | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        rank_env: Callable[[int], dict[str, str]] | None = None,
+        init_timeout: float = 60.0,
+        start_timeout: float = 60.0,
+    ) -> None:
         self.nprocs = nprocs
         self.backend = backend
         self.broken = False
@@ -173,8 +183,9 @@ class RankPool:
         if backend is not None:
             from distcomm.store import TCPStore
 
-            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=start_timeout)
+            self._store = TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=start_timeout
+            )
             base.update(MASTER_PORT=str(self._store.port), DISTCOMM_USE_AGENT_STORE="1")
             RankPool.open_pools.add(self)
         base.update(env or {})
@@ -182,16 +193,22 @@ class RankPool:
         self._ranks: list[_Rank] = []
         try:
             for rank in range(nprocs):
-                rank_vars = dict(base, RANK=str(rank), WORLD_SIZE=str(nprocs),
-                                 LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs))
+                rank_vars = dict(
+                    base,
+                    RANK=str(rank),
+                    WORLD_SIZE=str(nprocs),
+                    LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(nprocs),
+                )
                 if rank_env is not None:
                     rank_vars.update(rank_env(rank))
                 parent_conn, child_conn = ctx.Pipe()
                 stack_path = os.path.join(self._tmpdir.name, f"stacks-{rank}.txt")
                 process = ctx.Process(
-                    target=_child_main, name=f"rank-{rank}", daemon=True,
-                    args=(rank, nprocs, rank_vars, backend, init_timeout, child_conn,
-                          stack_path),
+                    target=_child_main,
+                    name=f"rank-{rank}",
+                    daemon=True,
+                    args=(rank, nprocs, rank_vars, backend, init_timeout, child_conn, stack_path),
                 )
                 process.start()
                 child_conn.close()
@@ -203,9 +220,15 @@ class RankPool:
 
     # -- running -------------------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
-            may_die: frozenset[int] | set[int] = frozenset(), check: bool = True,
-            **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 60.0,
+        may_die: frozenset[int] | set[int] = frozenset(),
+        check: bool = True,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run `fn(*args, **kwargs)` on every rank; the results in rank order.
 
         Args:
@@ -227,8 +250,9 @@ class RankPool:
         outcomes = self._collect(timeout, expect="ok", may_die=frozenset(may_die), check=check)
         return outcomes if not check else [o.value for o in outcomes]
 
-    def _collect(self, timeout: float, expect: str, may_die: frozenset[int],
-                 check: bool) -> list[Outcome]:
+    def _collect(
+        self, timeout: float, expect: str, may_die: frozenset[int], check: bool
+    ) -> list[Outcome]:
         deadline = time.monotonic() + timeout
         pending = {r.rank: r for r in self._ranks}
         failed_at: float | None = None
@@ -282,9 +306,7 @@ class RankPool:
         outcomes = [r.outcome for r in self._ranks]
         if not check and not timed_out:
             return outcomes
-        heading = (
-            f"timed out after {timeout:.1f} s" if timed_out else "a rank failed"
-        )
+        heading = f"timed out after {timeout:.1f} s" if timed_out else "a rank failed"
         raise RankFailure(_report(heading, outcomes, self.nprocs))
 
     def _dump_stacks(self, ranks: Any) -> None:
@@ -346,18 +368,32 @@ def _report(heading: str, outcomes: list[Outcome], nprocs: int) -> str:
     return "\n".join(lines)
 
 
-def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None,
-              timeout: float = 60.0, env: dict[str, str] | None = None,
-              rank_env: Callable[[int], dict[str, str]] | None = None,
-              may_die: frozenset[int] | set[int] = frozenset(), check: bool = True,
-              init_timeout: float = 30.0, **kwargs: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    rank_env: Callable[[int], dict[str, str]] | None = None,
+    may_die: frozenset[int] | set[int] = frozenset(),
+    check: bool = True,
+    init_timeout: float = 30.0,
+    **kwargs: Any,
+) -> list[Any]:
     """Start a fresh world of `nprocs` ranks, run `fn(*args, **kwargs)` on each, tear down.
 
     See `RankPool` and `RankPool.run` for the arguments. Returns the results in rank
     order (or the `Outcome`s when `check` is False).
     """
-    pool = RankPool(nprocs, backend, env=env, rank_env=rank_env, init_timeout=init_timeout,
-                    start_timeout=timeout)
+    pool = RankPool(
+        nprocs,
+        backend,
+        env=env,
+        rank_env=rank_env,
+        init_timeout=init_timeout,
+        start_timeout=timeout,
+    )
     try:
         return pool.run(fn, *args, timeout=timeout, may_die=may_die, check=check, **kwargs)
     finally:

@@ -44,23 +44,31 @@ def test_error_hierarchy():
     assert issubclass(dist.DistStoreTimeoutError, dist.DistStoreError)
     assert issubclass(dist.DistStoreTimeoutError, dist.DistTimeoutError)
     assert issubclass(dist.BackendUnavailableError, ImportError)
-    for cls in (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError,
-                dist.DistTimeoutError):
+    for cls in (
+        dist.DistBackendError,
+        dist.DistNetworkError,
+        dist.DistStoreError,
+        dist.DistTimeoutError,
+    ):
         assert issubclass(cls, dist.DistError)
 
 
 # -- before initialisation ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("call", [
-    lambda: dist.get_rank(),
-    lambda: dist.get_world_size(),
-    lambda: dist.get_backend(),
-    lambda: dist.all_reduce(np.zeros(3)),
-    lambda: dist.barrier(),
-    lambda: dist.new_group([0]),
-    lambda: dist.destroy_process_group(),
-    lambda: dist.send(np.zeros(2), dst=1),
-])
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: dist.get_rank(),
+        lambda: dist.get_world_size(),
+        lambda: dist.get_backend(),
+        lambda: dist.all_reduce(np.zeros(3)),
+        lambda: dist.barrier(),
+        lambda: dist.new_group([0]),
+        lambda: dist.destroy_process_group(),
+        lambda: dist.send(np.zeros(2), dst=1),
+    ],
+)
 def test_use_before_init_raises(call):
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
@@ -71,13 +79,11 @@ def test_init_arguments_are_checked():
     with pytest.raises(ValueError, match=r"unknown backend 'nosuch'; registered backends: .*tcp"):
         dist.init_process_group("nosuch", store=dist.HashStore(), rank=0, world_size=1)
     with pytest.raises(ValueError, match="does not serve cuda"):
-        dist.init_process_group("cpu:tcp,cuda:tcp", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group("cpu:tcp,cuda:tcp", store=dist.HashStore(), rank=0, world_size=1)
     with pytest.raises(ValueError, match="device:backend"):
         dist.init_process_group("gpu:tcp", store=dist.HashStore(), rank=0, world_size=1)
     with pytest.raises(ValueError, match="timeout"):
-        dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=-1)
+        dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1, timeout=-1)
     with pytest.raises(ValueError, match="rank"):
         dist.init_process_group("tcp", store=dist.HashStore(), world_size=1)
     assert not dist.is_initialized()
@@ -94,6 +100,7 @@ def test_availability_queries():
 
 # -- with a 1-rank group -------------------------------------------------------------------------
 
+
 def test_solo_group_basics(solo):
     assert dist.is_initialized()
     assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "tcp")
@@ -106,55 +113,85 @@ def test_solo_group_basics(solo):
         dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1)
 
 
-@pytest.mark.parametrize("call,error,words", [
-    (lambda: dist.all_reduce(np.zeros((4, 4))[:, ::2]), ValueError, "C-contiguous"),
-    (lambda: _all_reduce_read_only(), ValueError, "read-only"),
-    (lambda: dist.all_reduce(np.array([object()])), TypeError, "dtype object"),
-    (lambda: dist.all_reduce(np.zeros(3, dtype=">f8")), ValueError, "byte order"),
-    (lambda: dist.all_reduce([1.0, 2.0]), TypeError, "numpy.ndarray"),
-    (lambda: dist.all_reduce(np.zeros(3), op="sum"), TypeError, "ReduceOp"),
-    (lambda: dist.all_reduce(np.zeros(3), op=dist.ReduceOp.BAND), TypeError, "integer or bool"),
-    (lambda: dist.all_reduce(np.zeros(3, np.complex64), op=dist.ReduceOp.MAX), TypeError,
-     "complex"),
-    (lambda: dist.all_reduce(np.zeros(3, np.int32), op=dist.ReduceOp.AVG), TypeError,
-     "floating"),
-    (lambda: dist.broadcast(np.zeros(3)), ValueError, "src is required"),
-    (lambda: dist.broadcast(np.zeros(3), src=5), ValueError, "not a member"),
-    (lambda: dist.broadcast(np.zeros(3), src=0, group_src=0), ValueError, "not both"),
-    (lambda: dist.broadcast(np.zeros(3), group_src=3), ValueError, "out of range"),
-    (lambda: dist.reduce(np.zeros(3), dst="0"), TypeError, "must be an int"),
-    (lambda: dist.send(np.zeros(3), dst=0), ValueError, "this process itself"),
-    (lambda: dist.isend(np.zeros(3), dst=0, tag=-1), ValueError, "tag"),
-    (lambda: dist.all_gather([np.zeros(3), np.zeros(3)], np.zeros(3)), ValueError,
-     "one array per rank"),
-    (lambda: dist.all_gather([np.zeros(4)], np.zeros(3)), ValueError, "elements"),
-    (lambda: dist.all_gather([np.zeros(3, np.float32)], np.zeros(3)), TypeError,
-     "mixes dtypes"),
-    (lambda: dist.all_gather(np.zeros(3), np.zeros(3)), TypeError, "list of arrays"),
-    (lambda: dist.all_gather_single(np.zeros(5), np.zeros(3)), ValueError,
-     "group size x input"),
-    (lambda: dist.reduce_scatter_single(np.zeros(2), np.zeros(3)), ValueError,
-     "group size x output"),
-    (lambda: dist.gather(np.zeros(3)), ValueError, "gather_list is required"),
-    (lambda: dist.scatter(np.zeros(3), [np.zeros(3), np.zeros(3)]), ValueError,
-     "one array per rank"),
-    (lambda: dist.all_to_all_single(np.zeros(3), np.zeros(3), [1, 1], [3]), ValueError,
-     "one per rank"),
-    (lambda: dist.all_to_all_single(np.zeros(3), np.zeros(3), [2], [3]), ValueError, "sum to"),
-    (lambda: dist.all_to_all_single(np.zeros(()), np.zeros(())), ValueError,
-     "splits along dim 0"),
-    (lambda: dist.all_reduce(np.float64(1.0)), TypeError, "numpy.asarray(value)"),
-    (lambda: dist.new_group([0, 0]), ValueError, "twice"),
-    (lambda: dist.new_group([1]), ValueError, "out of range"),
-    (lambda: dist.new_group(["0"]), TypeError, "ints"),
-    (lambda: dist.get_global_rank(None, 4), ValueError, "not in group"),
-    (lambda: dist.get_group_rank(None, 4), ValueError, "not a member"),
-    (lambda: dist.all_reduce(np.zeros(3), group="world"), TypeError, "ProcessGroup"),
-    (lambda: dist.P2POp(dist.send, np.zeros(3), 0), ValueError, "isend or distcomm.irecv"),
-    (lambda: dist.batch_isend_irecv([]), ValueError, "empty"),
-    (lambda: dist.all_gather_object([None, None], 1), ValueError, "one slot per rank"),
-    (lambda: dist.monitored_barrier(timeout="soon"), TypeError, "timedelta"),
-])
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (lambda: dist.all_reduce(np.zeros((4, 4))[:, ::2]), ValueError, "C-contiguous"),
+        (lambda: _all_reduce_read_only(), ValueError, "read-only"),
+        (lambda: dist.all_reduce(np.array([object()])), TypeError, "dtype object"),
+        (lambda: dist.all_reduce(np.zeros(3, dtype=">f8")), ValueError, "byte order"),
+        (lambda: dist.all_reduce([1.0, 2.0]), TypeError, "numpy.ndarray"),
+        (lambda: dist.all_reduce(np.zeros(3), op="sum"), TypeError, "ReduceOp"),
+        (lambda: dist.all_reduce(np.zeros(3), op=dist.ReduceOp.BAND), TypeError, "integer or bool"),
+        (
+            lambda: dist.all_reduce(np.zeros(3, np.complex64), op=dist.ReduceOp.MAX),
+            TypeError,
+            "complex",
+        ),
+        (
+            lambda: dist.all_reduce(np.zeros(3, np.int32), op=dist.ReduceOp.AVG),
+            TypeError,
+            "floating",
+        ),
+        (lambda: dist.broadcast(np.zeros(3)), ValueError, "src is required"),
+        (lambda: dist.broadcast(np.zeros(3), src=5), ValueError, "not a member"),
+        (lambda: dist.broadcast(np.zeros(3), src=0, group_src=0), ValueError, "not both"),
+        (lambda: dist.broadcast(np.zeros(3), group_src=3), ValueError, "out of range"),
+        (lambda: dist.reduce(np.zeros(3), dst="0"), TypeError, "must be an int"),
+        (lambda: dist.send(np.zeros(3), dst=0), ValueError, "this process itself"),
+        (lambda: dist.isend(np.zeros(3), dst=0, tag=-1), ValueError, "tag"),
+        (
+            lambda: dist.all_gather([np.zeros(3), np.zeros(3)], np.zeros(3)),
+            ValueError,
+            "one array per rank",
+        ),
+        (lambda: dist.all_gather([np.zeros(4)], np.zeros(3)), ValueError, "elements"),
+        (
+            lambda: dist.all_gather([np.zeros(3, np.float32)], np.zeros(3)),
+            TypeError,
+            "mixes dtypes",
+        ),
+        (lambda: dist.all_gather(np.zeros(3), np.zeros(3)), TypeError, "list of arrays"),
+        (
+            lambda: dist.all_gather_single(np.zeros(5), np.zeros(3)),
+            ValueError,
+            "group size x input",
+        ),
+        (
+            lambda: dist.reduce_scatter_single(np.zeros(2), np.zeros(3)),
+            ValueError,
+            "group size x output",
+        ),
+        (lambda: dist.gather(np.zeros(3)), ValueError, "gather_list is required"),
+        (
+            lambda: dist.scatter(np.zeros(3), [np.zeros(3), np.zeros(3)]),
+            ValueError,
+            "one array per rank",
+        ),
+        (
+            lambda: dist.all_to_all_single(np.zeros(3), np.zeros(3), [1, 1], [3]),
+            ValueError,
+            "one per rank",
+        ),
+        (lambda: dist.all_to_all_single(np.zeros(3), np.zeros(3), [2], [3]), ValueError, "sum to"),
+        (
+            lambda: dist.all_to_all_single(np.zeros(()), np.zeros(())),
+            ValueError,
+            "splits along dim 0",
+        ),
+        (lambda: dist.all_reduce(np.float64(1.0)), TypeError, "numpy.asarray(value)"),
+        (lambda: dist.new_group([0, 0]), ValueError, "twice"),
+        (lambda: dist.new_group([1]), ValueError, "out of range"),
+        (lambda: dist.new_group(["0"]), TypeError, "ints"),
+        (lambda: dist.get_global_rank(None, 4), ValueError, "not in group"),
+        (lambda: dist.get_group_rank(None, 4), ValueError, "not a member"),
+        (lambda: dist.all_reduce(np.zeros(3), group="world"), TypeError, "ProcessGroup"),
+        (lambda: dist.P2POp(dist.send, np.zeros(3), 0), ValueError, "isend or distcomm.irecv"),
+        (lambda: dist.batch_isend_irecv([]), ValueError, "empty"),
+        (lambda: dist.all_gather_object([None, None], 1), ValueError, "one slot per rank"),
+        (lambda: dist.monitored_barrier(timeout="soon"), TypeError, "timedelta"),
+    ],
+)
 def test_bad_arguments_say_what_to_do(solo, call, error, words):
     with pytest.raises(error, match=re.escape(words)):
         call()
@@ -206,6 +243,7 @@ def test_multi_device_spec(monkeypatch):
 
 
 # -- the registry ----------------------------------------------------------------------------------
+
 
 class EchoBackend(TcpBackend):
     """A third-party backend: the tcp backend under another name, counting its all_reduces."""
@@ -269,8 +307,9 @@ def test_backend_matches_torch():
         assert dist.Backend(name) == torch_dist.Backend(name), name
     for attr in ("GLOO", "NCCL", "MPI", "UCC", "XCCL", "UNDEFINED"):
         assert getattr(dist.Backend, attr) == getattr(torch_dist.Backend, attr), attr
-    assert str(dist.BackendConfig("cpu:gloo,cuda:nccl")) == \
-        str(torch_dist.distributed_c10d.BackendConfig("cpu:gloo,cuda:nccl"))
+    assert str(dist.BackendConfig("cpu:gloo,cuda:nccl")) == str(
+        torch_dist.distributed_c10d.BackendConfig("cpu:gloo,cuda:nccl")
+    )
 
 
 def test_factories_are_called_as_torch_calls_them(fresh_registry):
@@ -316,7 +355,8 @@ def test_entry_point_plugins(tmp_path, monkeypatch, fresh_registry, caplog):
     package.write_text(
         "from tests.test_api import EchoBackend\n"
         "class Shout(EchoBackend):\n    name = 'shout'\n"
-        "def broken():\n    raise RuntimeError('plug-in exploded')\n")
+        "def broken():\n    raise RuntimeError('plug-in exploded')\n"
+    )
     _write_plugin(tmp_path, "shout", "plugin_pkg:Shout")
     _write_plugin(tmp_path, "broken", "plugin_pkg:broken")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -378,7 +418,13 @@ def test_query_helpers(solo, monkeypatch):
         dist.get_default_backend_for_device("xpu")
     assert dist.is_ucc_available() is False
     assert [op.name for op in dist.ReduceOp if not dist.supports_complex(op)] == [
-        "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+        "PRODUCT",
+        "MIN",
+        "MAX",
+        "BAND",
+        "BOR",
+        "BXOR",
+    ]
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     with pytest.raises(RuntimeError, match="fallback_rank"):
         dist.get_node_local_rank()
@@ -417,8 +463,7 @@ def test_debug_level_from_either_variable_and_set(monkeypatch):
         monkeypatch.delenv("DISTCOMM_DEBUG", raising=False)
         monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
         config.set_debug(None)
-    assert [(m.name, m.value) for m in dist.DebugLevel] == [("OFF", 0), ("INFO", 1),
-                                                           ("DETAIL", 2)]
+    assert [(m.name, m.value) for m in dist.DebugLevel] == [("OFF", 0), ("INFO", 1), ("DETAIL", 2)]
 
 
 def test_small_torch_names():
@@ -432,8 +477,15 @@ def test_small_torch_names():
 def test_thread_controls_at_the_top_level():
     from distcomm import parallel
 
-    for name in ("set_num_threads", "get_num_threads", "set_num_interop_threads",
-                 "get_num_interop_threads", "parallel_info", "fork", "wait"):
+    for name in (
+        "set_num_threads",
+        "get_num_threads",
+        "set_num_interop_threads",
+        "get_num_interop_threads",
+        "parallel_info",
+        "fork",
+        "wait",
+    ):
         assert getattr(dist, name) is getattr(parallel, name)
     assert dist.wait(dist.fork(lambda a, b: a + b, 2, b=3)) == 5
 
@@ -442,14 +494,21 @@ def test_helpers_match_torch():
     torch_dist = pytest.importorskip("torch.distributed", reason="needs torch installed")
     for op in dist.ReduceOp:
         assert dist.supports_complex(op) == torch_dist.supports_complex(
-            getattr(torch_dist.ReduceOp, op.name)), op
+            getattr(torch_dist.ReduceOp, op.name)
+        ), op
     assert dist.default_pg_timeout == torch_dist.default_pg_timeout
     for device in ("cpu", "cuda"):
-        assert dist.get_default_backend_for_device(device) == \
-            torch_dist.get_default_backend_for_device(device)
+        assert dist.get_default_backend_for_device(
+            device
+        ) == torch_dist.get_default_backend_for_device(device)
     assert [(m.name, int(m.value)) for m in dist.DebugLevel] == [
-        (m.name, int(m.value)) for m in (torch_dist.DebugLevel.OFF, torch_dist.DebugLevel.INFO,
-                                         torch_dist.DebugLevel.DETAIL)]
+        (m.name, int(m.value))
+        for m in (
+            torch_dist.DebugLevel.OFF,
+            torch_dist.DebugLevel.INFO,
+            torch_dist.DebugLevel.DETAIL,
+        )
+    ]
 
 
 def test_work_synchronize_and_result_code(solo):
@@ -479,8 +538,7 @@ def test_device_id_without_cupy_says_what_to_install(monkeypatch):
     if runtime.is_available():
         pytest.skip("CuPy and a GPU are here")
     with pytest.raises(dist.BackendUnavailableError, match="pip install"):
-        dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=0)
+        dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1, device_id=0)
     assert not dist.is_initialized()
 
 
@@ -510,9 +568,17 @@ def test_breakpoint_stops_one_rank_while_the_other_waits(tmp_path):
     script.write_text(BREAK_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCOMM_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "rdzv"), str(r)],
-                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "rdzv"), str(r)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         out0, err0 = procs[0].communicate("up\np secret\nc\n", timeout=90)
         out1, err1 = procs[1].communicate("", timeout=90)
@@ -559,8 +625,7 @@ def test_destroy_finishes_when_a_backends_shutdown_raises(fresh_registry):
 
     backends.register_backend("brittle", BrittleBackend, extended_api=False, devices="cpu")
     port = free_port()
-    dist.init_process_group("brittle", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+    dist.init_process_group("brittle", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     sub = dist.new_group([0], backend="tcp")
     dist.all_reduce(np.ones(2), group=sub)
     with pytest.raises(RuntimeError, match="brittle backend: shutdown failed"):

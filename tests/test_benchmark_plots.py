@@ -11,14 +11,46 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 import plots
 
 ROWS = [  # as csv.DictReader gives them: text, the peer's columns empty when not compared
-    {"op": "all_reduce", "nprocs": "2", "backend": "gloo", "size": "8", "time_us": "20.5",
-     "busbw": "0.001", "peer_time_us": "300", "peer_busbw": "0.0001"},
-    {"op": "all_reduce", "nprocs": "2", "backend": "gloo", "size": "64", "time_us": "21",
-     "busbw": "0.006", "peer_time_us": "310", "peer_busbw": "0.0004"},
-    {"op": "all_reduce", "nprocs": "2", "backend": "mpi", "size": "8", "time_us": "5.6",
-     "busbw": "0.003", "peer_time_us": "1.8", "peer_busbw": "0.009"},
-    {"op": "barrier", "nprocs": "2", "backend": "mpi", "size": "0", "time_us": "4.0",
-     "busbw": "0", "peer_time_us": "", "peer_busbw": ""},
+    {
+        "op": "all_reduce",
+        "nprocs": "2",
+        "backend": "gloo",
+        "size": "8",
+        "time_us": "20.5",
+        "busbw": "0.001",
+        "peer_time_us": "300",
+        "peer_busbw": "0.0001",
+    },
+    {
+        "op": "all_reduce",
+        "nprocs": "2",
+        "backend": "gloo",
+        "size": "64",
+        "time_us": "21",
+        "busbw": "0.006",
+        "peer_time_us": "310",
+        "peer_busbw": "0.0004",
+    },
+    {
+        "op": "all_reduce",
+        "nprocs": "2",
+        "backend": "mpi",
+        "size": "8",
+        "time_us": "5.6",
+        "busbw": "0.003",
+        "peer_time_us": "1.8",
+        "peer_busbw": "0.009",
+    },
+    {
+        "op": "barrier",
+        "nprocs": "2",
+        "backend": "mpi",
+        "size": "0",
+        "time_us": "4.0",
+        "busbw": "0",
+        "peer_time_us": "",
+        "peer_busbw": "",
+    },
 ]
 
 
@@ -62,16 +94,29 @@ def assert_png(path):
 def store_report(ops=("set", "add"), clients=(4, 8)):
     """A report as benchmarks/store.py builds one, small: 2 ops x 3 runs, 2 barrier sizes."""
     machine = {"distcomm": "0.1.0", "torch": "2.13.0+cpu"}
-    single = {impl: {op: {"ops_per_s": [1000.0 * k + i for i in range(3)],
-                          "server_cpu_us_per_call": [10.0 * k, 11.0 * k, 12.0 * k],
-                          "client_cpu_us_per_call": [20.0 * k, 21.0 * k, 22.5 * k]}
-                     for op in ops}
-              for k, impl in enumerate(("ours", "torch"), 1)}
-    barrier = {str(n): {impl: {"seconds": [0.001 * n * k, 0.0012 * n * k],
-                               "server_cpu_us_per_client": [5.0, 6.0],
-                               "client_cpu_us_per_client": [7.0, 8.0], "connect_s": 0.01 * n}
-                        for k, impl in enumerate(("ours", "torch"), 1)}
-               for n in clients}
+    single = {
+        impl: {
+            op: {
+                "ops_per_s": [1000.0 * k + i for i in range(3)],
+                "server_cpu_us_per_call": [10.0 * k, 11.0 * k, 12.0 * k],
+                "client_cpu_us_per_call": [20.0 * k, 21.0 * k, 22.5 * k],
+            }
+            for op in ops
+        }
+        for k, impl in enumerate(("ours", "torch"), 1)
+    }
+    barrier = {
+        str(n): {
+            impl: {
+                "seconds": [0.001 * n * k, 0.0012 * n * k],
+                "server_cpu_us_per_client": [5.0, 6.0],
+                "client_cpu_us_per_client": [7.0, 8.0],
+                "connect_s": 0.01 * n,
+            }
+            for k, impl in enumerate(("ours", "torch"), 1)
+        }
+        for n in clients
+    }
     return {"machine": machine, "single": single, "barrier": barrier}
 
 
@@ -92,8 +137,9 @@ def test_store_rows_round_trip_through_the_csv(tmp_path):
 def test_store_plot_from_its_csv(tmp_path):
     pytest.importorskip("matplotlib", reason="the plots need matplotlib (the bench extra)")
     csv_path, png = tmp_path / "store.csv", tmp_path / "store.png"
-    plots.write_csv(store.csv_rows(store_report(), ["ours", "torch"]), str(csv_path),
-                    plots.STORE_FIELDS)
+    plots.write_csv(
+        store.csv_rows(store_report(), ["ours", "torch"]), str(csv_path), plots.STORE_FIELDS
+    )
     assert plots.main(["store", str(csv_path), "--png", str(png), "--title", "test"]) == 0
     assert_png(png)
 
@@ -110,17 +156,21 @@ def test_store_plot_of_one_store_and_a_failed_cell(tmp_path):
     assert_png(tmp_path / "ours.png")
 
 
-TORCH_ERROR = ("RuntimeError: Gloo connectFullMesh failed with timed out connecting: "
-               "SO_ERROR: Connection refused")
+TORCH_ERROR = (
+    "RuntimeError: Gloo connectFullMesh failed with timed out connecting: "
+    "SO_ERROR: Connection refused"
+)
 
 
 def launcher_times(repeat=5):
     """Runs as benchmarks/launcher.py records them: torchrun's recovery failed every time."""
-    return {("launch", "distcomm"): [(0.5 + 0.01 * i, "") for i in range(repeat)],
-            ("launch", "torch"): [(3.5 + 0.1 * i, "") for i in range(repeat)],
-            ("fail", "distcomm"): [(0.3, ""), (None, "timed out after 180 s")]
-            + [(0.31, "")] * (repeat - 2),
-            ("fail", "torch"): [(None, TORCH_ERROR)] * repeat}
+    return {
+        ("launch", "distcomm"): [(0.5 + 0.01 * i, "") for i in range(repeat)],
+        ("launch", "torch"): [(3.5 + 0.1 * i, "") for i in range(repeat)],
+        ("fail", "distcomm"): [(0.3, ""), (None, "timed out after 180 s")]
+        + [(0.31, "")] * (repeat - 2),
+        ("fail", "torch"): [(None, TORCH_ERROR)] * repeat,
+    }
 
 
 NAMES = {"distcomm": "distcomm-run (distcomm 0.1.0)", "torch": "torchrun (torch 2.13.0+cpu)"}
@@ -145,8 +195,9 @@ def test_launcher_rows_round_trip_through_the_csv(tmp_path):
 def test_launcher_plot_from_its_csv(tmp_path):
     pytest.importorskip("matplotlib", reason="the plots need matplotlib (the bench extra)")
     csv_path, png = tmp_path / "launcher.csv", tmp_path / "launcher.png"
-    plots.write_csv(launcher.csv_rows(launcher_times(), 4, NAMES), str(csv_path),
-                    plots.LAUNCHER_FIELDS)
+    plots.write_csv(
+        launcher.csv_rows(launcher_times(), 4, NAMES), str(csv_path), plots.LAUNCHER_FIELDS
+    )
     assert plots.main(["launcher", str(csv_path), "--png", str(png)]) == 0
     assert_png(png)
 
@@ -156,31 +207,44 @@ def test_a_failed_peer_is_named_on_the_plot_not_drawn():
     plt = plots._pyplot()
     fig, ax = plt.subplots()
     try:
-        cells = {("4 workers", "ours"): ([0.3, 0.31, None], ["timed out after 180 s"]),
-                 ("4 workers", "torchrun"): ([None] * 5, [TORCH_ERROR] * 5)}
-        plots._cells(ax, ["4 workers"], ["ours", "torchrun"],
-                     lambda g, lab: cells.get((g, lab)), fmt=lambda v: f"{v:.2f} s")
+        cells = {
+            ("4 workers", "ours"): ([0.3, 0.31, None], ["timed out after 180 s"]),
+            ("4 workers", "torchrun"): ([None] * 5, [TORCH_ERROR] * 5),
+        }
+        plots._cells(
+            ax,
+            ["4 workers"],
+            ["ours", "torchrun"],
+            lambda g, lab: cells.get((g, lab)),
+            fmt=lambda v: f"{v:.2f} s",
+        )
         texts = [" ".join(t.get_text().split()) for t in ax.texts]  # unwrapped
-        assert any("torchrun: failed in 5 of 5 runs" in t and "Connection refused" in t
-                   for t in texts), texts
+        assert any(
+            "torchrun: failed in 5 of 5 runs" in t and "Connection refused" in t for t in texts
+        ), texts
         assert "failed in 1 of 3 runs" in texts and "0.30 s" in texts
         from matplotlib.collections import PathCollection  # what scatter draws
 
-        drawn = [float(y) for collection in ax.collections
-                 if isinstance(collection, PathCollection)
-                 for _, y in collection.get_offsets()]
+        drawn = [
+            float(y)
+            for collection in ax.collections
+            if isinstance(collection, PathCollection)
+            for _, y in collection.get_offsets()
+        ]
         assert sorted(drawn) == [0.3, 0.31]  # ours' two runs; nothing for torchrun, no zero
     finally:
         plt.close(fig)
 
 
 def test_failure_reason_is_the_workers_exception():
-    stderr = ("[E1125 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed\n"
-              "RuntimeError: Gloo connectFullMesh failed with [/__w/pytorch/third_party/gloo/"
-              "gloo/transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection "
-              "refused, remote=[127.0.0.1]:31112$2\n"
-              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
-              "  exitcode  : 1 (pid: 30784)\n")
+    stderr = (
+        "[E1125 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed\n"
+        "RuntimeError: Gloo connectFullMesh failed with [/__w/pytorch/third_party/gloo/"
+        "gloo/transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection "
+        "refused, remote=[127.0.0.1]:31112$2\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "  exitcode  : 1 (pid: 30784)\n"
+    )
     assert launcher.failure_reason(stderr, 1) == TORCH_ERROR
     assert launcher.failure_reason("no traceback here\n", 3) == "exit status 3"
 
@@ -204,12 +268,30 @@ def test_png_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
 
 def test_the_scale_plot_is_written_with_a_failed_configuration(tmp_path):
     pytest.importorskip("matplotlib", reason="the plots need matplotlib (the bench extra)")
-    rows = [{"backend": "tcp", "label": "distcomm tcp", "nprocs": str(n), "status": "ok",
-             **{f"{key}_{stat}": str(n + (stat == "max"))
-                for key, _ in plots.SCALE_PANELS for stat in ("median", "max")}}
-            for n in (2, 4, 8)]
-    rows.append({"backend": "gloo", "label": "distcomm gloo", "nprocs": "8",
-                 "status": "failed", "init_s_median": "", "init_s_max": ""})
+    rows = [
+        {
+            "backend": "tcp",
+            "label": "distcomm tcp",
+            "nprocs": str(n),
+            "status": "ok",
+            **{
+                f"{key}_{stat}": str(n + (stat == "max"))
+                for key, _ in plots.SCALE_PANELS
+                for stat in ("median", "max")
+            },
+        }
+        for n in (2, 4, 8)
+    ]
+    rows.append(
+        {
+            "backend": "gloo",
+            "label": "distcomm gloo",
+            "nprocs": "8",
+            "status": "failed",
+            "init_s_median": "",
+            "init_s_max": "",
+        }
+    )
     path = tmp_path / "scale.png"
     plots.scale(rows, str(path), "test")
     assert_png(path)
@@ -220,15 +302,37 @@ def test_the_scale_plot_is_written_with_a_failed_configuration(tmp_path):
 
 def test_the_rendezvous_plot_is_written_with_an_incomplete_round(tmp_path):
     pytest.importorskip("matplotlib", reason="the plots need matplotlib (the bench extra)")
-    rows = [{"backend": backend, "nodes": str(n), "processes": "1", "status": "ok",
-             "error": "", "round_s": str(n / 100), "requests_per_node": str(n),
-             "heartbeat_requests_per_node_per_interval": "2.5",
-             "watch_requests_per_node_per_interval": "1", "state_keys": "1",
-             "state_bytes": str(70 * n), "recovery_s": "16.5", "recovery_limit_s": "20",
-             "keep_alive_interval": "5", "keep_alive_max_attempt": "3"}
-            for backend in ("c10d", "file") for n in (16, 64)]
-    rows.append({**rows[1], "nodes": "256", "status": "incomplete", "round_s": "",
-                 "recovery_s": "", "error": "only 200 of 256 nodes had their RendezvousInfo"})
+    rows = [
+        {
+            "backend": backend,
+            "nodes": str(n),
+            "processes": "1",
+            "status": "ok",
+            "error": "",
+            "round_s": str(n / 100),
+            "requests_per_node": str(n),
+            "heartbeat_requests_per_node_per_interval": "2.5",
+            "watch_requests_per_node_per_interval": "1",
+            "state_keys": "1",
+            "state_bytes": str(70 * n),
+            "recovery_s": "16.5",
+            "recovery_limit_s": "20",
+            "keep_alive_interval": "5",
+            "keep_alive_max_attempt": "3",
+        }
+        for backend in ("c10d", "file")
+        for n in (16, 64)
+    ]
+    rows.append(
+        {
+            **rows[1],
+            "nodes": "256",
+            "status": "incomplete",
+            "round_s": "",
+            "recovery_s": "",
+            "error": "only 200 of 256 nodes had their RendezvousInfo",
+        }
+    )
     csv_path, png = tmp_path / "rendezvous.csv", tmp_path / "rendezvous.png"
     plots.write_csv(rows, str(csv_path), plots.RENDEZVOUS_FIELDS)
     assert plots.main(["rendezvous", str(csv_path), "--png", str(png)]) == 0

@@ -23,8 +23,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: what a build needs from the checkout (MANIFEST.in names what else the sdist carries)
-_BUILD_INPUTS = ("distcomm", "tests", "docs", "benchmarks", ".ci", "setup.py", "setup.cfg",
-                 "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "CHANGELOG.md")
+_BUILD_INPUTS = (
+    "distcomm",
+    "tests",
+    "docs",
+    "benchmarks",
+    ".ci",
+    "setup.py",
+    "setup.cfg",
+    "pyproject.toml",
+    "MANIFEST.in",
+    "README.md",
+    "LICENSE",
+    "CHANGELOG.md",
+)
 
 _BUILD = """
 import sys
@@ -35,13 +47,14 @@ print(build_meta.build_wheel(out))
 """
 
 
-def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None,
-         timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+def _run(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, (
         f"{' '.join(args)} exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}"
-        f"\n--- stderr\n{done.stderr[-4000:]}")
+        f"\n--- stderr\n{done.stderr[-4000:]}"
+    )
     return done
 
 
@@ -49,8 +62,9 @@ def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None,
 def built(tmp_path_factory) -> dict[str, Path]:
     """The sdist and the wheel built from a copy of the checkout (the tree stays clean)."""
     pytest.importorskip("setuptools")
-    pytest.importorskip("wheel", reason="building a wheel needs the `wheel` package "
-                        "(part of the `test` extra)")
+    pytest.importorskip(
+        "wheel", reason="building a wheel needs the `wheel` package (part of the `test` extra)"
+    )
     work = tmp_path_factory.mktemp("build")
     src = work / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.egg-info", "*.whl")
@@ -79,8 +93,11 @@ def _package_dirs() -> list[str]:
 
 
 def _checkout_modules() -> set[str]:
-    return {str(p.relative_to(ROOT)) for p in (ROOT / "distcomm").rglob("*.py")
-            if "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "distcomm").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
 
 
 def test_the_wheel_carries_every_module_and_package_of_the_checkout(built):
@@ -127,8 +144,21 @@ def _installed_env(target: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def installed(built) -> Path:
     target = built["work"] / "site"
-    _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-          "--target", str(target), str(built["wheel"])], cwd=built["work"])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(target),
+            str(built["wheel"]),
+        ],
+        cwd=built["work"],
+    )
     return target
 
 
@@ -149,8 +179,11 @@ print("gloo", distcomm.is_gloo_available(), "mpi", distcomm.is_mpi_available(),
 
 
 def test_every_module_imports_from_the_installed_wheel(installed, tmp_path):
-    done = _run([sys.executable, "-c", _IMPORT_ALL, str(installed)], cwd=tmp_path,
-                env=_installed_env(installed))
+    done = _run(
+        [sys.executable, "-c", _IMPORT_ALL, str(installed)],
+        cwd=tmp_path,
+        env=_installed_env(installed),
+    )
     count = int(done.stdout.split()[0])
     assert count >= len(_checkout_modules()) - len(_package_dirs()) - 5, done.stdout
     assert "gloo True" in done.stdout, done.stdout
@@ -161,9 +194,21 @@ def test_the_readmes_first_job_runs_from_the_installed_wheel(installed, tmp_path
     info = _run([sys.executable, "-m", "distcomm.info"], cwd=tmp_path, env=env)
     assert f"({installed / 'distcomm'})" in info.stdout.splitlines()[0], info.stdout
     for backend in ("gloo", "tcp"):
-        done = _run([sys.executable, "-m", "distcomm.run", "--standalone",
-                     "--nproc_per_node=2", "-m", "distcomm.examples.quickstart",
-                     "--backend", backend], cwd=tmp_path, env=env)
+        done = _run(
+            [
+                sys.executable,
+                "-m",
+                "distcomm.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "distcomm.examples.quickstart",
+                "--backend",
+                backend,
+            ],
+            cwd=tmp_path,
+            env=env,
+        )
         assert re.search(r"^OK\b", done.stdout, re.M), done.stdout
 
 

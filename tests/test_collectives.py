@@ -30,9 +30,14 @@ COUNTS = (0, 1, 13, 600_001)  # 600_001 x 1+ bytes crosses the ring threshold (5
 SMALL_COUNTS = COUNTS[:-1]
 
 _UFUNC = {
-    ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
-    ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor,
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 
 
@@ -93,10 +98,12 @@ def check(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
         raise AssertionError(
             f"{what}: mismatch at {bad.tolist()}: got {actual.reshape(-1)[bad].tolist()}, "
             f"expected {expected.reshape(-1)[bad].tolist()} (rank {dist.get_rank()}/"
-            f"{dist.get_world_size()})")
+            f"{dist.get_world_size()})"
+        )
 
 
 # -- bodies (run on every rank) ----------------------------------------------------------------
+
 
 def _all_reduce(op_value: int, dtype: str) -> None:
     op = ReduceOp(op_value)
@@ -135,8 +142,11 @@ def _all_reduce_async() -> None:
     dist.all_reduce(b)
     assert w.is_completed()
     check(a, np.full(10, n, dtype=np.float32), "async before sync")
-    chained = dist.all_reduce(np.ones(3), async_op=True).get_future().then(
-        lambda fut: float(fut.value()[0].sum()))
+    chained = (
+        dist.all_reduce(np.ones(3), async_op=True)
+        .get_future()
+        .then(lambda fut: float(fut.value()[0].sum()))
+    )
     assert chained.wait(30) == 3.0 * n
 
 
@@ -182,8 +192,11 @@ def _reduce(op_value: int, dtype: str) -> None:
         for count in (0, 5, 40_001):
             x = values(r, count, dtype, op)
             dist.reduce(x, dst=root, op=op)
-            want = expected_reduction(n, count, dtype, op) if r == root else values(
-                r, count, dtype, op)
+            want = (
+                expected_reduction(n, count, dtype, op)
+                if r == root
+                else values(r, count, dtype, op)
+            )
             check(x, want, f"reduce {op.name} to {root} x{count}")
     x = values(r, 4, dtype, op)
     dist.reduce(x, op=op)  # dst defaults to global rank 0
@@ -191,12 +204,14 @@ def _reduce(op_value: int, dtype: str) -> None:
         check(x, expected_reduction(n, 4, dtype, op), "reduce default dst")
 
 
-REDUCE_CASES = [(op, d) for op, d in OP_DTYPES if op in (ReduceOp.SUM, ReduceOp.AVG,
-                                                         ReduceOp.MAX, ReduceOp.BXOR)]
+REDUCE_CASES = [
+    (op, d)
+    for op, d in OP_DTYPES
+    if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.BXOR)
+]
 
 
-@pytest.mark.parametrize("op,dtype", REDUCE_CASES,
-                         ids=[f"{o.name}-{d}" for o, d in REDUCE_CASES])
+@pytest.mark.parametrize("op,dtype", REDUCE_CASES, ids=[f"{o.name}-{d}" for o, d in REDUCE_CASES])
 def test_reduce(world, op, dtype):
     world.run(_reduce, int(op), dtype)
 
@@ -211,8 +226,9 @@ def _all_gather(dtype: str) -> None:
             check(out[k], values(k, count, dtype), f"all_gather[{k}] x{count}")
         flat = np.empty(n * count, dtype=dtype)
         dist.all_gather_single(flat, mine)
-        check(flat, np.concatenate([values(k, count, dtype) for k in range(n)]),
-              "all_gather_single")
+        check(
+            flat, np.concatenate([values(k, count, dtype) for k in range(n)]), "all_gather_single"
+        )
     mine = values(r, 6, dtype).reshape(2, 3)
     stacked = np.empty((n, 2, 3), dtype=dtype)
     dist.all_gather_single(stacked, mine, async_op=True).wait()
@@ -263,17 +279,19 @@ def _reduce_scatter(op_value: int, dtype: str) -> None:
         before = full.copy()
         out = np.empty(count, dtype=dtype)
         dist.reduce_scatter_single(out, full, op=op)
-        want = expected_reduction(n, n * count, dtype, op)[r * count:(r + 1) * count]
+        want = expected_reduction(n, n * count, dtype, op)[r * count : (r + 1) * count]
         check(out, want, f"reduce_scatter_single {op.name} x{count}")
         check(full, before, "reduce_scatter_single input untouched")
         out2 = np.empty(count, dtype=dtype)
-        dist.reduce_scatter(out2, [full[k * count:(k + 1) * count] for k in range(n)], op=op)
+        dist.reduce_scatter(out2, [full[k * count : (k + 1) * count] for k in range(n)], op=op)
         check(out2, want, f"reduce_scatter {op.name} x{count}")
 
 
-RS_CASES = [(op, d) for op, d in OP_DTYPES if op in (ReduceOp.SUM, ReduceOp.AVG,
-                                                     ReduceOp.PRODUCT, ReduceOp.MIN,
-                                                     ReduceOp.BOR)]
+RS_CASES = [
+    (op, d)
+    for op, d in OP_DTYPES
+    if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.BOR)
+]
 
 
 @pytest.mark.parametrize("op,dtype", RS_CASES, ids=[f"{o.name}-{d}" for o, d in RS_CASES])
@@ -290,7 +308,7 @@ def _all_to_all(dtype: str) -> None:
     dist.all_to_all_single(out, inp)
     for k in range(n):
         theirs = values(k, rows * 3, dtype).reshape(rows, 3)
-        check(out[2 * k:2 * k + 2], theirs[2 * r:2 * r + 2], f"all_to_all_single from {k}")
+        check(out[2 * k : 2 * k + 2], theirs[2 * r : 2 * r + 2], f"all_to_all_single from {k}")
     # uneven splits: rank r sends (r + j) % 3 rows to rank j
     in_splits = [(r + j) % 3 for j in range(n)]
     out_splits = [(k + r) % 3 for k in range(n)]
@@ -301,8 +319,8 @@ def _all_to_all(dtype: str) -> None:
     for k in range(n):
         theirs = values(k + 100, sum((k + j) % 3 for j in range(n)) * 2, dtype).reshape(-1, 2)
         start = sum((k + j) % 3 for j in range(r))
-        piece = theirs[start:start + out_splits[k]]
-        check(out[at:at + out_splits[k]], piece, f"uneven all_to_all_single from {k}")
+        piece = theirs[start : start + out_splits[k]]
+        check(out[at : at + out_splits[k]], piece, f"uneven all_to_all_single from {k}")
         at += out_splits[k]
     # list form with differently sized pieces
     send = [values(r * n + j, j + 1, dtype) for j in range(n)]
@@ -314,8 +332,7 @@ def _all_to_all(dtype: str) -> None:
     work.wait()
 
 
-@pytest.mark.parametrize("dtype", ["bool", "int8", "uint64", "float16", "float64",
-                                   "complex128"])
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint64", "float16", "float64", "complex128"])
 def test_all_to_all(world, dtype):
     world.run(_all_to_all, dtype)
 
@@ -373,8 +390,7 @@ def _point_to_point(dtype: str) -> None:
         dist.send(values(r, 3, dtype), dst=0, tag=5)
     # batch_isend_irecv ring exchange
     out = np.empty(4, dtype=dtype)
-    ops = [dist.P2POp(dist.isend, values(r, 4, dtype), right),
-           dist.P2POp(dist.irecv, out, left)]
+    ops = [dist.P2POp(dist.isend, values(r, 4, dtype), right), dist.P2POp(dist.irecv, out, left)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     check(out, values(left, 4, dtype), "batch_isend_irecv")
@@ -465,8 +481,8 @@ def _subgroups() -> None:
             assert objs == ["kept"]
             assert [str(w.message) for w in caught] == [
                 f"Running {op} on global rank {r} which does not belong to the given group."
-                for op in ("all_reduce", "broadcast", "broadcast_object_list", "irecv",
-                           "barrier")]
+                for op in ("all_reduce", "broadcast", "broadcast_object_list", "irecv", "barrier")
+            ]
             dist.destroy_process_group(group)  # nothing to destroy here: a no-op
         # sort_ranks=False: the group ranks follow the order given
         backwards = dist.new_group(list(reversed(range(n))), sort_ranks=False)
@@ -531,8 +547,11 @@ def _coalesced(dtype: str) -> None:
     arrays = [values(r, int(np.prod(s)), dtype).reshape(s) for s in shapes]
     assert dist.all_reduce_coalesced(arrays) is None
     for s, a in zip(shapes, arrays, strict=True):
-        check(a, expected_reduction(n, int(np.prod(s)), dtype, ReduceOp.SUM).reshape(s),
-              f"all_reduce_coalesced {s}")
+        check(
+            a,
+            expected_reduction(n, int(np.prod(s)), dtype, ReduceOp.SUM).reshape(s),
+            f"all_reduce_coalesced {s}",
+        )
     inputs = [values(r, 5, dtype), values(r + 7, 6, dtype).reshape(2, 3)]
     outputs = [[np.empty(5, dtype), np.empty((2, 3), dtype)] for _ in range(n)]
     work = dist.all_gather_coalesced(outputs, inputs, async_op=True)
@@ -591,8 +610,9 @@ def _premul_sum(dtype: str) -> None:
     check(x, total * dt.type(2 * n), "async all_reduce PREMUL_SUM with an array factor")
 
     for bad_op, bad_array, words in [
-            (ReduceOp.PREMUL_SUM, x, "needs its factor"),
-            (ReduceOp.PREMUL_SUM(2.0), np.ones(2, dtype=np.int32), "floating or complex")]:
+        (ReduceOp.PREMUL_SUM, x, "needs its factor"),
+        (ReduceOp.PREMUL_SUM(2.0), np.ones(2, dtype=np.int32), "floating or complex"),
+    ]:
         try:
             dist.all_reduce(bad_array, op=bad_op)
         except TypeError as exc:
@@ -643,8 +663,13 @@ def _split_groups() -> None:
         dist.destroy_process_group(last)
     else:
         assert last is None
-    for bad, words in [([], "split_ranks must list"), ([[0], [0]], "must not overlap"),
-                       ([[n]], "out of range"), ([[]], "is empty"), ("01", "list of lists")]:
+    for bad, words in [
+        ([], "split_ranks must list"),
+        ([[0], [0]], "must not overlap"),
+        ([[n]], "out of range"),
+        ([[]], "is empty"),
+        ("01", "list of lists"),
+    ]:
         try:
             dist.split_group(split_ranks=bad)
         except (TypeError, ValueError) as exc:
@@ -704,15 +729,17 @@ def _group_methods() -> None:
     pg.scatter(got, [np.full(1, float(k)) for k in range(n)] if r == 0 else [], 0).wait()
     check(got, np.full(1, float(r)), "pg.scatter(out, inputs, root)")
     rs = np.empty(1)
-    pg.reduce_scatter([rs], [[np.full(1, float(k)) for k in range(n)]],
-                      dist.ReduceScatterOptions()).wait()
+    pg.reduce_scatter(
+        [rs], [[np.full(1, float(k)) for k in range(n)]], dist.ReduceScatterOptions()
+    ).wait()
     check(rs, np.full(1, float(n * r)), "pg.reduce_scatter")
     rss = np.empty(1)
     pg.reduce_scatter_single(rss, np.arange(n, dtype=float)).wait()
     check(rss, np.full(1, float(n * r)), "pg.reduce_scatter_single")
     a2a = [np.empty(1) for _ in range(n)]
-    pg.alltoall(a2a, [np.full(1, float(r * n + k)) for k in range(n)],
-                dist.AllToAllOptions()).wait()
+    pg.alltoall(
+        a2a, [np.full(1, float(r * n + k)) for k in range(n)], dist.AllToAllOptions()
+    ).wait()
     check(np.concatenate(a2a), np.array([float(k * n + r) for k in range(n)]), "pg.alltoall")
     base = np.empty(n)
     pg.alltoall_base(base, np.array([float(r * n + k) for k in range(n)]), [], []).wait()
@@ -752,8 +779,10 @@ def _local_groups() -> None:
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            assert dist.new_group(members, use_local_synchronization=True) == \
-                dist.GroupMember.NON_GROUP_MEMBER
+            assert (
+                dist.new_group(members, use_local_synchronization=True)
+                == dist.GroupMember.NON_GROUP_MEMBER
+            )
     everyone = dist.new_group()  # every rank: they still agree which group this is
     y = np.full(2, r, dtype=np.int64)
     dist.all_reduce(y, group=everyone)

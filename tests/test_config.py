@@ -53,7 +53,8 @@ def test_the_docs_table_is_the_generated_one():
     # them with python -m distcomm.config's table, so there is no copy to go stale
     page = (ROOT / "docs" / "environment.md").read_text()
     assert "<!-- env-table -->\n<!-- /env-table -->" in page, (
-        "docs/environment.md: leave the env-table markers empty; the docs build fills them")
+        "docs/environment.md: leave the env-table markers empty; the docs build fills them"
+    )
     spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
@@ -256,12 +257,18 @@ class _Module:
             key: ast.AST | None = None
             if isinstance(node, ast.Call) and node.args:
                 func = node.func
-                if (isinstance(func, ast.Attribute) and (
-                    (func.attr == "get" and _is_environ(func.value))
-                    or (func.attr == "get" and isinstance(func.value, ast.Name)
-                        and func.value.id in self.config_names)
-                    or func.attr == "getenv"
-                )) or (isinstance(func, ast.Name) and func.id in self.readers):
+                if (
+                    isinstance(func, ast.Attribute)
+                    and (
+                        (func.attr == "get" and _is_environ(func.value))
+                        or (
+                            func.attr == "get"
+                            and isinstance(func.value, ast.Name)
+                            and func.value.id in self.config_names
+                        )
+                        or func.attr == "getenv"
+                    )
+                ) or (isinstance(func, ast.Name) and func.id in self.readers):
                     key = node.args[0]
             elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
                 key = node.slice if _is_environ(node.value) else None
@@ -317,7 +324,8 @@ def test_every_variable_read_is_declared_and_every_declared_one_read():
     undeclared = {name: where for name, where in reads.items() if name not in declared}
     assert not undeclared, f"declare these in distcomm.variables.VARIABLES: {undeclared}"
     unread = sorted(
-        name for name, var in declared.items()
+        name
+        for name, var in declared.items()
         if name not in reads and var.read_by == "distcomm" and not name.endswith("<FLAG>")
     )
     assert not unread, (

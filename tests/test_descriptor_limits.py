@@ -51,8 +51,9 @@ print("soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
 def _child(code: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 

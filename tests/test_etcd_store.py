@@ -464,8 +464,12 @@ def test_server_killed_mid_use_is_a_network_error(own_server):
         store.close()
 
 
-def test_a_long_wait_says_so_then_times_out(etcd_endpoint, prefix, monkeypatch,  # noqa: F811
-                                            caplog):
+def test_a_long_wait_says_so_then_times_out(
+    etcd_endpoint,  # noqa: F811 (the fixture imported above)
+    prefix,
+    monkeypatch,
+    caplog,
+):
     """As TCPStore's and FileStore's: a get, wait or queue_pop still waiting after
     DISTCOMM_STALL_WARN_S names the keys it misses, with backoff, then times out."""
     monkeypatch.setenv("DISTCOMM_STALL_WARN_S", "0.3")
@@ -474,9 +478,14 @@ def test_a_long_wait_says_so_then_times_out(etcd_endpoint, prefix, monkeypatch, 
         store.set("here", "1")
         with pytest.raises(DistStoreTimeoutError, match="'late'"):
             store.wait(["here", "late"])
-        ages = [float(a) for a in re.findall(
-            r"wait\(\['here', 'late'\]\) on the EtcdStore .* has waited ([\d.]+) s for "
-            r"'late', not set yet", caplog.text)]
+        ages = [
+            float(a)
+            for a in re.findall(
+                r"wait\(\['here', 'late'\]\) on the EtcdStore .* has waited ([\d.]+) s for "
+                r"'late', not set yet",
+                caplog.text,
+            )
+        ]
         assert len(ages) in (2, 3) and ages == sorted(ages) and ages[0] >= 0.3, caplog.text
         caplog.clear()
         with pytest.raises(DistStoreTimeoutError, match="stayed empty"):

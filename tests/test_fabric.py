@@ -40,8 +40,10 @@ def _transport(group=None):
 def _links() -> set[tuple]:
     """This process's fabric connections, as (peer process rank, local port, peer port)."""
     fabric = _transport().fabric
-    return {(p, c.sock.getsockname()[1], c.sock.getpeername()[1])
-            for p, c in fabric.connections().items()}
+    return {
+        (p, c.sock.getsockname()[1], c.sock.getpeername()[1])
+        for p, c in fabric.connections().items()
+    }
 
 
 def _os_threads() -> int:
@@ -55,6 +57,7 @@ def _server_threads() -> int:
 
 # -- threads: one I/O thread, whatever the number of peers and groups -------------------------
 
+
 def _threads_after_work() -> dict:
     x = np.ones(1000)
     dist.all_reduce(x)
@@ -64,11 +67,15 @@ def _threads_after_work() -> dict:
     dist.all_to_all_single(np.zeros(n), np.ones(n))  # every rank connected to every other
     sub = dist.new_group(list(range(n)))
     dist.all_reduce(x, group=sub)
-    halves = dist.new_group([r for r in range(n) if r % 2 == dist.get_rank() % 2],
-                            use_local_synchronization=True)
+    halves = dist.new_group(
+        [r for r in range(n) if r % 2 == dist.get_rank() % 2], use_local_synchronization=True
+    )
     dist.all_reduce(x, group=halves)
-    return {"os": _os_threads() - _server_threads(), "py": threading.active_count()
-            - _server_threads(), "names": sorted(t.name for t in threading.enumerate())}
+    return {
+        "os": _os_threads() - _server_threads(),
+        "py": threading.active_count() - _server_threads(),
+        "names": sorted(t.name for t in threading.enumerate()),
+    }
 
 
 @pytest.mark.parametrize("backend", ["tcp", "gloo"])
@@ -84,6 +91,7 @@ def test_threads_per_rank_stay_constant(nprocs, backend):
 
 
 # -- connections on first use --------------------------------------------------------------
+
 
 def _store_barrier(name: str) -> None:
     """Every rank is here (through the job's store, not the group's connections)."""
@@ -108,8 +116,13 @@ def _connections_as_ops_run() -> dict:
 
 def test_a_rank_connects_only_to_the_peers_it_talks_to():
     n = 16
-    results = run_ranks(_connections_as_ops_run, n, backend="gloo",
-                        env={"DISTCOMM_GLOO_TRANSPORT": "tcp"}, timeout=180)
+    results = run_ranks(
+        _connections_as_ops_run,
+        n,
+        backend="gloo",
+        env={"DISTCOMM_GLOO_TRANSPORT": "tcp"},
+        timeout=180,
+    )
     for rank, seen in enumerate(results):
         assert seen["init"] == 0, (rank, seen)
         assert 0 < seen["all_reduce+barrier"] <= 2 * math.log2(n) + 4, (rank, seen)
@@ -131,6 +144,7 @@ def test_gloo_on_one_host_holds_no_tcp_connection():
 
 # -- one connection per pair of processes, shared by all groups -----------------------------
 
+
 def _groups_share_connections() -> dict:
     x = np.ones(64)
     dist.all_reduce(x)
@@ -150,14 +164,24 @@ def _groups_share_connections() -> dict:
     after_destroy = _links()
     y = np.full(4, float(me))
     dist.all_reduce(y)  # the world still works over the same connections
-    return {"before": before, "groups": after_groups, "destroyed": after_destroy,
-            "sum": float(y[0]), "last": _links()}
+    return {
+        "before": before,
+        "groups": after_groups,
+        "destroyed": after_destroy,
+        "sum": float(y[0]),
+        "last": _links(),
+    }
 
 
 def test_new_groups_of_connected_ranks_open_no_socket_and_destroy_closes_none():
     n = 4
-    results = run_ranks(_groups_share_connections, n, backend="gloo",
-                        env={"DISTCOMM_GLOO_TRANSPORT": "tcp"}, timeout=120)
+    results = run_ranks(
+        _groups_share_connections,
+        n,
+        backend="gloo",
+        env={"DISTCOMM_GLOO_TRANSPORT": "tcp"},
+        timeout=120,
+    )
     for rank, seen in enumerate(results):
         assert seen["before"], (rank, seen)
         assert seen["groups"] == seen["before"], (rank, seen)
@@ -167,6 +191,7 @@ def test_new_groups_of_connected_ranks_open_no_socket_and_destroy_closes_none():
 
 
 # -- dialling: at once from both ends, for another set-up, from something else -------------
+
 
 def _pair(store, body):
     """Make a 2-rank tcp group of two backends in this process (one thread each) and run
@@ -253,6 +278,7 @@ def test_a_dial_for_another_set_up_or_rank_is_refused_and_strangers_are_dropped(
 
 
 # -- store requests: a constant number per rank, not one per peer ---------------------------
+
 
 def _count_requests(port: int, backend: str) -> dict:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -207,8 +207,9 @@ def _split(stderr: str, name: str) -> tuple[str, dict[int, str], str]:
     head, _, root = report.partition("Root Cause (first observed failure):")
     blocks = {}
     for part in (head, root):
-        for match in re.finditer(r"^\[(\d+)\]:\n(.*?)(?=^\[\d+\]:|^-{72}|^={72}|\Z)", part,
-                                 re.M | re.S):
+        for match in re.finditer(
+            r"^\[(\d+)\]:\n(.*?)(?=^\[\d+\]:|^-{72}|^={72}|\Z)", part, re.M | re.S
+        ):
             blocks[int(match[1])] = match[2]
     (root_rank,) = {int(r) for r in re.findall(r"^\[(\d+)\]:", root, re.M)}
     return console, blocks, root_rank
@@ -485,5 +486,6 @@ def test_printed_lines_of_ranks_printing_at_once_never_mix(tmp_path):
     lines = res.stdout.splitlines()
     whole = re.compile(r"rank [012] line \d+ x{40}")
     assert all(whole.fullmatch(line) for line in lines), [
-        line for line in lines if not whole.fullmatch(line)][:5]
+        line for line in lines if not whole.fullmatch(line)
+    ][:5]
     assert len(lines) == 9000, len(lines)

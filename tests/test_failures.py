@@ -41,6 +41,7 @@ def _outcome(fn, *args) -> tuple[str, str]:
 
 # -- mismatched collectives ------------------------------------------------------------------
 
+
 def _mismatch(case: str) -> tuple[str, str]:
     r = dist.get_rank()
     x = np.arange(1024, dtype=np.float32)
@@ -66,13 +67,16 @@ def _mismatch(case: str) -> tuple[str, str]:
     return _outcome(twice)
 
 
-@pytest.mark.parametrize("case,words", [
-    ("op", ("all_reduce", "broadcast")),
-    ("size", ("1024 float32", "512 float32")),
-    ("dtype", ("float32", "float64")),
-    ("root", ("root 0", "root 1")),
-    ("redop", ("SUM", "MAX")),
-])
+@pytest.mark.parametrize(
+    "case,words",
+    [
+        ("op", ("all_reduce", "broadcast")),
+        ("size", ("1024 float32", "512 float32")),
+        ("dtype", ("float32", "float64")),
+        ("root", ("root 0", "root 1")),
+        ("redop", ("SUM", "MAX")),
+    ],
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mismatched_collectives_raise_on_every_rank(case, words, backend):
     results = run_ranks(_mismatch, 2, case, backend=backend, timeout=40, init_timeout=60)
@@ -86,11 +90,14 @@ def test_mismatched_collectives_raise_on_every_rank(case, words, backend):
 
 # -- dead peers ------------------------------------------------------------------------------
 
+
 def _peer_ended(rank: int, message: str) -> bool:
     """Whether `message` says that `rank`'s process is gone: its connection closed, its
     process (watched on this host) ended, or its address no longer takes connections."""
-    return re.search(rf"rank {rank}(?: closed the connection|'s process ended| is gone)",
-                     message) is not None
+    return (
+        re.search(rf"rank {rank}(?: closed the connection|'s process ended| is gone)", message)
+        is not None
+    )
 
 
 def _peer_dies(victim: int, how: str) -> tuple[str, str]:
@@ -113,8 +120,9 @@ def _peer_dies(victim: int, how: str) -> tuple[str, str]:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("how", ["kill", "exit"])
 def test_dead_peer_fails_every_survivor_promptly(how, backend):
-    outcomes = run_ranks(_peer_dies, 4, 2, how, backend=backend, timeout=30, init_timeout=60,
-                         may_die={2})
+    outcomes = run_ranks(
+        _peer_dies, 4, 2, how, backend=backend, timeout=30, init_timeout=60, may_die={2}
+    )
     for rank, result in enumerate(outcomes):
         if rank == 2:
             continue
@@ -143,8 +151,9 @@ def _dies_before_joining(when: str) -> tuple[str, str]:
 @pytest.mark.parametrize("when", ["after_init", "before_new_group", "after_new_group"])
 def test_first_op_after_a_member_died_fails_fast(when, backend):
     # group timeout 120 s, harness deadline 30 s: only a prompt failure passes
-    outcomes = run_ranks(_dies_before_joining, 3, when, backend=backend, timeout=30,
-                         init_timeout=120, may_die={2})
+    outcomes = run_ranks(
+        _dies_before_joining, 3, when, backend=backend, timeout=30, init_timeout=120, may_die={2}
+    )
     for rank in (0, 1):
         kind, message = outcomes[rank]
         assert kind == "DistNetworkError", outcomes
@@ -154,6 +163,7 @@ def test_first_op_after_a_member_died_fails_fast(when, backend):
 
 
 # -- timeouts --------------------------------------------------------------------------------
+
 
 def _straggler(late: int) -> tuple[str, str]:
     if dist.get_rank() == late:
@@ -171,8 +181,9 @@ def test_collective_timeout_names_the_missing_rank(backend):
         # rank 0's abort names rank 2; a rank whose own timer fired first under load
         # names the peers it did not hear from, rank 2 among them (and the other waiting
         # rank, when that one's timer fired too and it had already left the group)
-        assert ("rank(s) 2 have not called collective #0" in message
-                or re.search(r"rank\(s\) ([01], )?2 did not answer", message)), results
+        assert "rank(s) 2 have not called collective #0" in message or re.search(
+            r"rank\(s\) ([01], )?2 did not answer", message
+        ), results
     # the late rank finds the group aborted
     assert results[2][0] == "DistTimeoutError" and "aborted" in results[2][1], results
 
@@ -266,13 +277,17 @@ def _monitored(missing: tuple[int, ...], wait_all: bool) -> tuple[str, str]:
     return _outcome(dist.monitored_barrier, None, 1.5, wait_all)
 
 
-@pytest.mark.parametrize("nprocs,missing,wait_all,named", [
-    (3, (2,), False, "2"),
-    (4, (1, 3), True, "1, 3"),
-])
+@pytest.mark.parametrize(
+    "nprocs,missing,wait_all,named",
+    [
+        (3, (2,), False, "2"),
+        (4, (1, 3), True, "1, 3"),
+    ],
+)
 def test_monitored_barrier_names_missing_ranks(nprocs, missing, wait_all, named):
-    results = run_ranks(_monitored, nprocs, missing, wait_all, backend="tcp", timeout=40,
-                        init_timeout=60)
+    results = run_ranks(
+        _monitored, nprocs, missing, wait_all, backend="tcp", timeout=40, init_timeout=60
+    )
     kind, message = results[0]
     assert kind == "DistTimeoutError", results
     assert f"rank(s) {named} did not arrive" in message, results
@@ -283,6 +298,7 @@ def test_monitored_barrier_names_missing_ranks(nprocs, missing, wait_all, named)
 
 # -- teardown --------------------------------------------------------------------------------
 
+
 def _sockets() -> list:
     return [c for c in psutil.Process().net_connections(kind="inet")]
 
@@ -290,8 +306,13 @@ def _sockets() -> list:
 def _destroy_leaves_nothing(path: str, abort_first: bool, backend: str) -> dict:
     threads_before = threading.active_count()
     fds_before = psutil.Process().num_fds()
-    dist.init_process_group(backend, init_method=f"file://{path}", rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=60)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{path}",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=60,
+    )
     sub = dist.new_group([0, 1])
     x = np.ones(50_000)
     dist.all_reduce(x)
@@ -303,17 +324,21 @@ def _destroy_leaves_nothing(path: str, abort_first: bool, backend: str) -> dict:
         dist.group.WORLD._backends["cpu"].abort("test abort")
     dist.destroy_process_group()
     time.sleep(0.2)
-    return {"during": during, "after": [str(c) for c in _sockets()],
-            "threads": threading.active_count() - threads_before,
-            "fds": psutil.Process().num_fds() - fds_before,
-            "names": [t.name for t in threading.enumerate()]}
+    return {
+        "during": during,
+        "after": [str(c) for c in _sockets()],
+        "threads": threading.active_count() - threads_before,
+        "fds": psutil.Process().num_fds() - fds_before,
+        "names": [t.name for t in threading.enumerate()],
+    }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("abort_first", [False, True])
 def test_destroy_leaves_no_thread_socket_port_or_descriptor(tmp_path, abort_first, backend):
-    results = run_ranks(_destroy_leaves_nothing, 3, str(tmp_path / "rdzv"), abort_first,
-                        backend, timeout=60)
+    results = run_ranks(
+        _destroy_leaves_nothing, 3, str(tmp_path / "rdzv"), abort_first, backend, timeout=60
+    )
     for result in results:
         assert result["during"] > 0, results
         assert result["after"] == [], results
@@ -323,26 +348,39 @@ def test_destroy_leaves_no_thread_socket_port_or_descriptor(tmp_path, abort_firs
 
 # -- authentication of backend connections -----------------------------------------------------
 
+
 def _auth(path: str) -> tuple[str, str]:
-    return _outcome(lambda: (
-        dist.init_process_group("tcp", init_method=f"file://{path}",
-                                rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=4),
-        dist.all_reduce(np.ones(3)),
-        dist.destroy_process_group()))
+    return _outcome(
+        lambda: (
+            dist.init_process_group(
+                "tcp",
+                init_method=f"file://{path}",
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=4,
+            ),
+            dist.all_reduce(np.ones(3)),
+            dist.destroy_process_group(),
+        )
+    )
 
 
 def test_backend_connections_authenticate(tmp_path):
-    same = run_ranks(_auth, 3, str(tmp_path / "a"), timeout=40,
-                     env={"DISTCOMM_AUTH_KEY": "secret"})
+    same = run_ranks(_auth, 3, str(tmp_path / "a"), timeout=40, env={"DISTCOMM_AUTH_KEY": "secret"})
     assert same == [("ok", "")] * 3
     keys = {0: "secret", 1: "other", 2: "secret"}
-    results = run_ranks(_auth, 3, str(tmp_path / "b"), timeout=40,
-                        rank_env=lambda r: {"DISTCOMM_AUTH_KEY": keys[r]})
+    results = run_ranks(
+        _auth, 3, str(tmp_path / "b"), timeout=40, rank_env=lambda r: {"DISTCOMM_AUTH_KEY": keys[r]}
+    )
     assert all(kind != "ok" for kind, _ in results), results
     assert "DISTCOMM_AUTH_KEY" in results[1][1], results
-    missing = run_ranks(_auth, 2, str(tmp_path / "c"), timeout=40,
-                        rank_env=lambda r: {"DISTCOMM_AUTH_KEY": "secret"} if r == 0 else {})
+    missing = run_ranks(
+        _auth,
+        2,
+        str(tmp_path / "c"),
+        timeout=40,
+        rank_env=lambda r: {"DISTCOMM_AUTH_KEY": "secret"} if r == 0 else {},
+    )
     assert all(kind != "ok" for kind, _ in missing), missing
     assert "DISTCOMM_AUTH_KEY" in missing[1][1], missing
 
@@ -402,8 +440,9 @@ def test_what_a_rank_sent_before_leaving_is_still_received(what, attempt):
     # group while rank 0 still receives them and still sends to it (each broadcast's
     # signature): its leaving must not reset the connection under the unread messages
     count = 22
-    results = run_ranks(_sender_leaves_at_once, 2, what, 5, count, backend="tcp", timeout=60,
-                        init_timeout=60)
+    results = run_ranks(
+        _sender_leaves_at_once, 2, what, 5, count, backend="tcp", timeout=60, init_timeout=60
+    )
     assert results == [("ok", [float(i) for i in range(count)])] * 2, results
 
 

@@ -56,35 +56,53 @@ def _sizes(sizes: dict[int, int], **more: str):
 
 def test_a_rank_with_another_world_size_fails_every_rank_at_once():
     port = str(free_port())
-    results = run_ranks(_init, 3, timeout=120, env={"MASTER_PORT": port},
-                        rank_env=_sizes({0: 3, 1: 2, 2: 3}))
+    results = run_ranks(
+        _init, 3, timeout=120, env={"MASTER_PORT": port}, rank_env=_sizes({0: 3, 1: 2, 2: 3})
+    )
     for kind, message in results:
         assert kind == "ValueError", results
-        assert ("rank 1 was started with world size 2 (from WORLD_SIZE (torch style)), but "
-                "rank 0 with world size 3 (from WORLD_SIZE (torch style)): set the same "
-                "WORLD_SIZE on every rank") in message, results
+        assert (
+            "rank 1 was started with world size 2 (from WORLD_SIZE (torch style)), but "
+            "rank 0 with world size 3 (from WORLD_SIZE (torch style)): set the same "
+            "WORLD_SIZE on every rank"
+        ) in message, results
         assert "distcomm/" not in message, results  # no internal key
     assert [message.split("]")[0] for _, message in results] == [
-        "[rank 0/3", "[rank 1/2", "[rank 2/3"]
+        "[rank 0/3",
+        "[rank 1/2",
+        "[rank 2/3",
+    ]
 
 
 def test_an_extra_rank_with_a_larger_world_size_is_named_to_every_rank():
     # ranks 0 and 1 are a job of two; a third process thinks the job has three. Rank 1
     # comes last, after the third was refused: it learns why too, not "missing rank 2"
     port = str(free_port())
-    results = run_ranks(_init_rank1_last, 3, timeout=120, env={"MASTER_PORT": port},
-                        rank_env=_sizes({0: 2, 1: 2, 2: 3}))
+    results = run_ranks(
+        _init_rank1_last,
+        3,
+        timeout=120,
+        env={"MASTER_PORT": port},
+        rank_env=_sizes({0: 2, 1: 2, 2: 3}),
+    )
     for kind, message in results:
         assert kind == "ValueError", results
-        assert ("rank 2 was started with world size 3 (from WORLD_SIZE (torch style)), but "
-                "rank 0 with world size 2") in message, results
+        assert (
+            "rank 2 was started with world size 3 (from WORLD_SIZE (torch style)), but "
+            "rank 0 with world size 2"
+        ) in message, results
         assert "missing rank" not in message, results
 
 
 def test_the_same_rank_twice_fails_every_rank_at_once():
     port = str(free_port())
-    results = run_ranks(_init, 3, timeout=120, env={"MASTER_PORT": port},
-                        rank_env=lambda r: {"RANK": str(min(r, 1))})
+    results = run_ranks(
+        _init,
+        3,
+        timeout=120,
+        env={"MASTER_PORT": port},
+        rank_env=lambda r: {"RANK": str(min(r, 1))},
+    )
     for kind, message in results:
         assert kind == "ValueError", results
         assert "rank 1 was started twice (pid " in message, results
@@ -93,12 +111,19 @@ def test_the_same_rank_twice_fails_every_rank_at_once():
 
 def test_ranks_asking_for_different_backends_fail_at_once():
     port = str(free_port())
-    results = run_ranks(_init, 2, timeout=120, env={"MASTER_PORT": port},
-                        rank_env=lambda r: {"TEST_BACKEND": "gloo" if r == 0 else "tcp"})
+    results = run_ranks(
+        _init,
+        2,
+        timeout=120,
+        env={"MASTER_PORT": port},
+        rank_env=lambda r: {"TEST_BACKEND": "gloo" if r == 0 else "tcp"},
+    )
     for kind, message in results:
         assert kind == "ValueError", results
-        assert ("rank 1 asked for backend 'tcp' ('tcp' for cpu arrays), but rank 0 for "
-                "'gloo' ('gloo'): pass the same backend") in message, results
+        assert (
+            "rank 1 asked for backend 'tcp' ('tcp' for cpu arrays), but rank 0 for "
+            "'gloo' ('gloo'): pass the same backend"
+        ) in message, results
 
 
 # -- set-up waits name ranks, not keys ----------------------------------------------------
@@ -154,8 +179,16 @@ def test_a_wait_whose_ranks_have_all_come_warns_of_no_missing_rank(warnings):
         return real_wait(wanted, timeout)
 
     store.wait = wait
-    wait_for_ranks(store, keys, Deadline(60), "[rank 0/3] roll call", arrived="joined",
-                   hint="start them", done="outcome", warn_after=0.05)
+    wait_for_ranks(
+        store,
+        keys,
+        Deadline(60),
+        "[rank 0/3] roll call",
+        arrived="joined",
+        hint="start them",
+        done="outcome",
+        warn_after=0.05,
+    )
     assert waits == 4
     assert _still_waiting(warnings) == []
 
@@ -212,8 +245,10 @@ def test_a_store_client_says_another_program_sent_something_else(impostor):
     with pytest.raises(dist.DistNetworkError) as caught:
         TCPStore("127.0.0.1", port, timeout=5)
     message = str(caught.value)
-    assert (f"what answers at 127.0.0.1:{port} is not a distcomm TCPStore (it sent "
-            "b'SSH-2.0-OpenSSH_9.6\\r\\n'") in message, message
+    assert (
+        f"what answers at 127.0.0.1:{port} is not a distcomm TCPStore (it sent "
+        "b'SSH-2.0-OpenSSH_9.6\\r\\n'"
+    ) in message, message
     assert "is another program using this port? Pick another port (MASTER_PORT" in message
 
 
@@ -226,14 +261,14 @@ def test_a_store_client_says_another_program_closed_at_once(impostor):
     assert "is another program using this port?" in message, message
 
 
-def test_a_silent_program_on_the_store_port_is_named_while_and_after_waiting(
-        impostor, warnings):
+def test_a_silent_program_on_the_store_port_is_named_while_and_after_waiting(impostor, warnings):
     port = impostor().port
     with pytest.raises(dist.DistNetworkError) as caught:
         TCPStore("127.0.0.1", port, timeout=1.5)
     message = str(caught.value)
-    assert (f"what answers at 127.0.0.1:{port} accepted the connection but sent nothing"
-            in message), message
+    assert (
+        f"what answers at 127.0.0.1:{port} accepted the connection but sent nothing" in message
+    ), message
     assert "it is probably not a distcomm TCPStore" in message, message
     assert "is another program using this port?" in message, message
     lines = [r.getMessage() for r in warnings.records if "has not greeted" in r.getMessage()]
@@ -290,12 +325,15 @@ def test_c10d_rendezvous_on_a_port_another_program_holds(impostor):
     )
 
     port = impostor(banner=b"HTTP/1.1 400 Bad Request\r\n\r\n").port
-    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "job", 1, 1,
-                                  config={"read_timeout": "5"})
+    params = RendezvousParameters(
+        "c10d", f"127.0.0.1:{port}", "job", 1, 1, config={"read_timeout": "5"}
+    )
     with pytest.raises(RendezvousConnectionError) as caught:
         get_rendezvous_handler(params)
     message = str(caught.value)
     assert "this agent found the port taken" in message, message
-    assert (f"what answers at 127.0.0.1:{port} is not a distcomm TCPStore (it sent "
-            "b'HTTP/1.1 400 Bad Request") in message, message
+    assert (
+        f"what answers at 127.0.0.1:{port} is not a distcomm TCPStore (it sent "
+        "b'HTTP/1.1 400 Bad Request"
+    ) in message, message
     assert "--rdzv_endpoint" in message, message

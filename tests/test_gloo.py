@@ -436,8 +436,10 @@ def _two_engines():
 
     segment = Segment(IntraNode.segment_bytes(2))
     pids = [os.getpid()] * 2
-    engines = [IntraNode(segment, pids, rank, 2, [0, 1], 2, _NoFailures(), 4096, 1 << 20)
-               for rank in (0, 1)]
+    engines = [
+        IntraNode(segment, pids, rank, 2, [0, 1], 2, _NoFailures(), 4096, 1 << 20)
+        for rank in (0, 1)
+    ]
     return segment, engines
 
 
@@ -457,8 +459,9 @@ def test_a_counter_raise_wakes_only_when_a_peer_sleeps(monkeypatch):
 
     wakes: list[int] = []
     real_wake = engine.futex_wake
-    monkeypatch.setattr(engine, "futex_wake", lambda address: (wakes.append(address),
-                                                               real_wake(address)))
+    monkeypatch.setattr(
+        engine, "futex_wake", lambda address: (wakes.append(address), real_wake(address))
+    )
     monkeypatch.setattr(engine, "_SLICE", 120.0)  # a sleep ends by a wake-up, not a timeout
     segment, (zero, one) = _two_engines()
     try:

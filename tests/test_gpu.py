@@ -33,9 +33,17 @@ OLD = (2, 9, 6)  # before ncclAvg
 
 # -- versions and unique ids --------------------------------------------------------------------
 
-@pytest.mark.parametrize("code,version", [(23203, (2, 32, 3)), (21005, (2, 10, 5)),
-                                          (2708, (2, 7, 8)), (2406, (2, 4, 6)),
-                                          (20906, (2, 9, 6))])
+
+@pytest.mark.parametrize(
+    "code,version",
+    [
+        (23203, (2, 32, 3)),
+        (21005, (2, 10, 5)),
+        (2708, (2, 7, 8)),
+        (2406, (2, 4, 6)),
+        (20906, (2, 9, 6)),
+    ],
+)
 def test_parse_version(code, version):
     assert nt.parse_version(code) == version
 
@@ -55,15 +63,18 @@ def test_unique_id_forms_round_trip():
     assert nt.comm_id(high, bytes) == high
 
 
-@pytest.mark.parametrize("bad,error,match", [
-    (b"x" * 127, ValueError, "128 bytes, got 127"),
-    (tuple(range(129)), ValueError, "128 bytes, got 129"),
-    ((300,) * 128, ValueError, "-128..255"),
-    ((1.5,) * 128, TypeError, "ints"),
-    ((True,) * 128, TypeError, "ints"),
-    ("text", TypeError, "got str"),
-    (None, TypeError, "got NoneType"),
-])
+@pytest.mark.parametrize(
+    "bad,error,match",
+    [
+        (b"x" * 127, ValueError, "128 bytes, got 127"),
+        (tuple(range(129)), ValueError, "128 bytes, got 129"),
+        ((300,) * 128, ValueError, "-128..255"),
+        ((1.5,) * 128, TypeError, "ints"),
+        ((True,) * 128, TypeError, "ints"),
+        ("text", TypeError, "got str"),
+        (None, TypeError, "got NoneType"),
+    ],
+)
 def test_unique_id_rejects(bad, error, match):
     with pytest.raises(error, match=match):
         nt.unique_id_bytes(bad)
@@ -76,25 +87,35 @@ class _Communicators:
         self.accepts, self.tried = accepts, []
 
     def NcclCommunicator(self, size: int, uid: object, rank: int) -> tuple:
-        form = ("bytes" if isinstance(uid, bytes)
-                else "signed" if any(v < 0 for v in uid) else "unsigned")
+        form = (
+            "bytes"
+            if isinstance(uid, bytes)
+            else "signed"
+            if any(v < 0 for v in uid)
+            else "unsigned"
+        )
         self.tried.append(form)
         if form != self.accepts:
             if self.accepts == "unsigned" and form == "signed":  # C char is unsigned
                 raise OverflowError("value too large to convert to char")
-            raise TypeError(f"Argument 'commId' has incorrect type (expected "
-                            f"{'bytes' if self.accepts == 'bytes' else 'tuple'}, got "
-                            f"{type(uid).__name__})")
+            raise TypeError(
+                f"Argument 'commId' has incorrect type (expected "
+                f"{'bytes' if self.accepts == 'bytes' else 'tuple'}, got "
+                f"{type(uid).__name__})"
+            )
         return (size, uid, rank)
 
 
-@pytest.mark.parametrize("version,accepts,tried", [
-    ("14.2.0", "bytes", ["bytes"]),
-    ("13.6.0", "signed", ["signed"]),
-    ("14.2.0", "signed", ["bytes", "signed"]),  # a CuPy 14 that still takes tuples
-    ("13.6.0", "unsigned", ["signed", "unsigned"]),  # CuPy 13 where char is unsigned
-    ("13.6.0", "bytes", ["signed", "unsigned", "bytes"]),
-])
+@pytest.mark.parametrize(
+    "version,accepts,tried",
+    [
+        ("14.2.0", "bytes", ["bytes"]),
+        ("13.6.0", "signed", ["signed"]),
+        ("14.2.0", "signed", ["bytes", "signed"]),  # a CuPy 14 that still takes tuples
+        ("13.6.0", "unsigned", ["signed", "unsigned"]),  # CuPy 13 where char is unsigned
+        ("13.6.0", "bytes", ["signed", "unsigned", "bytes"]),
+    ],
+)
 def test_create_communicator_finds_the_id_form(monkeypatch, version, accepts, tried):
     monkeypatch.setitem(sys.modules, "cupy", type(sys)("cupy"))
     sys.modules["cupy"].__version__ = version
@@ -102,7 +123,7 @@ def test_create_communicator_finds_the_id_form(monkeypatch, version, accepts, tr
     fake = _Communicators(accepts)
     size, uid, rank = nt.create_communicator(fake, 4, data, 2)
     assert (size, rank) == (4, 2) and nt.unique_id_bytes(uid) == data
-    assert fake.tried[:len(tried)] == tried and fake.tried[-1] == accepts
+    assert fake.tried[: len(tried)] == tried and fake.tried[-1] == accepts
 
 
 def test_create_communicator_keeps_other_type_errors(monkeypatch):
@@ -124,8 +145,7 @@ def test_comm_id_rejects_unknown_form():
 
 # -- dtypes and reductions ----------------------------------------------------------------------
 
-NATIVE = {"int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
-          "float64"}
+NATIVE = {"int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -152,25 +172,37 @@ CASES = [(op, d) for op in ReduceOp for d in DTYPES if _valid(op, d)]
 def test_reduction_plan(op, dtype):
     kind = dtype.kind
     bitwise = op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
-    if kind != "b" and (bitwise or dtype.name in ("int16", "uint16")
-                        or (kind == "c" and op is ReduceOp.PRODUCT)):
+    if kind != "b" and (
+        bitwise or dtype.name in ("int16", "uint16") or (kind == "c" and op is ReduceOp.PRODUCT)
+    ):
         with pytest.raises(TypeError, match="NCCL"):
             nt.reduction(dtype, op, NEW, "all_reduce")
         return
     plan = nt.reduction(dtype, op, NEW, "all_reduce")
     if kind == "b":
-        ops = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX",
-               ReduceOp.PRODUCT: "NCCL_MIN", ReduceOp.MIN: "NCCL_MIN",
-               ReduceOp.BAND: "NCCL_MIN", ReduceOp.BXOR: "NCCL_SUM"}
-        assert plan == nt.Reduction("NCCL_UINT8", 1, ops[op],
-                                    "parity" if op is ReduceOp.BXOR else "")
+        ops = {
+            ReduceOp.SUM: "NCCL_MAX",
+            ReduceOp.MAX: "NCCL_MAX",
+            ReduceOp.BOR: "NCCL_MAX",
+            ReduceOp.PRODUCT: "NCCL_MIN",
+            ReduceOp.MIN: "NCCL_MIN",
+            ReduceOp.BAND: "NCCL_MIN",
+            ReduceOp.BXOR: "NCCL_SUM",
+        }
+        assert plan == nt.Reduction(
+            "NCCL_UINT8", 1, ops[op], "parity" if op is ReduceOp.BXOR else ""
+        )
     elif kind == "c":
         part = "NCCL_FLOAT32" if dtype == np.complex64 else "NCCL_FLOAT64"
         assert plan == nt.Reduction(part, 2, "NCCL_SUM" if op is ReduceOp.SUM else "NCCL_AVG")
     else:
-        names = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_AVG",
-                 ReduceOp.PRODUCT: "NCCL_PROD", ReduceOp.MIN: "NCCL_MIN",
-                 ReduceOp.MAX: "NCCL_MAX"}
+        names = {
+            ReduceOp.SUM: "NCCL_SUM",
+            ReduceOp.AVG: "NCCL_AVG",
+            ReduceOp.PRODUCT: "NCCL_PROD",
+            ReduceOp.MIN: "NCCL_MIN",
+            ReduceOp.MAX: "NCCL_MAX",
+        }
         assert plan == nt.Reduction(f"NCCL_{dtype.name.upper()}", 1, names[op])
 
 
@@ -192,8 +224,11 @@ def test_avg_on_one_rank_is_sum(dtype):
 
 
 def test_reduction_messages_say_what_to_do():
-    with pytest.raises(TypeError, match=r"all_reduce: NCCL has no bitwise .*BAND on int32.*"
-                                        r"cpu:gloo,cuda:nccl"):
+    with pytest.raises(
+        TypeError,
+        match=r"all_reduce: NCCL has no bitwise .*BAND on int32.*"
+        r"cpu:gloo,cuda:nccl",
+    ):
         nt.reduction(np.dtype("int32"), ReduceOp.BAND, NEW, "all_reduce")
     with pytest.raises(TypeError, match=r"reduce: NCCL cannot reduce int16.*astype"):
         nt.reduction(np.dtype("int16"), ReduceOp.SUM, NEW, "reduce")
@@ -203,10 +238,13 @@ def test_reduction_messages_say_what_to_do():
 
 # -- without CuPy -------------------------------------------------------------------------------
 
+
 def test_importing_gpu_and_the_backend_does_not_import_cupy():
-    code = ("import sys, distcomm, distcomm.gpu, distcomm.gpu.nccl, distcomm.backends.nccl; "
-            "distcomm.gpu.is_cupy_array(1); "
-            "assert 'cupy' not in sys.modules, 'imported cupy'")
+    code = (
+        "import sys, distcomm, distcomm.gpu, distcomm.gpu.nccl, distcomm.backends.nccl; "
+        "distcomm.gpu.is_cupy_array(1); "
+        "assert 'cupy' not in sys.modules, 'imported cupy'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
 
 
@@ -224,15 +262,23 @@ def test_without_cupy_everything_says_what_to_install(no_cupy):
         assert package in reason
     assert "nccl backend" in reason
     assert not dist.is_nccl_available()
-    for call in (lambda: runtime.set_device(0), runtime.current_device, runtime.synchronize,
-                 runtime.current_stream, nt.import_nccl):
+    for call in (
+        lambda: runtime.set_device(0),
+        runtime.current_device,
+        runtime.synchronize,
+        runtime.current_stream,
+        nt.import_nccl,
+    ):
         with pytest.raises(BackendUnavailableError, match="pip install cupy-cuda12x"):
             call()
 
 
 def test_without_cupy_init_nccl_fails_with_the_install_hint(no_cupy):
-    with pytest.raises(BackendUnavailableError, match=r"backend 'nccl' is not available: "
-                                                      r".*pip install cupy-cuda12x"):
+    with pytest.raises(
+        BackendUnavailableError,
+        match=r"backend 'nccl' is not available: "
+        r".*pip install cupy-cuda12x",
+    ):
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     assert not dist.is_initialized()
 
@@ -264,9 +310,11 @@ def test_benchmark_refuses_nccl_without_a_gpu_and_bad_pairs(no_cupy, capsys):
         import collectives as bench
     finally:
         sys.path.pop(0)
-    cases = [(["--backend", "nccl"], "not available here: the nccl backend needs CuPy"),
-             (["--backend", "gloo", "--compare", "cupy"], "--compare cupy needs --backend nccl"),
-             (["--backend", "nosuch"], "unknown backend 'nosuch'")]
+    cases = [
+        (["--backend", "nccl"], "not available here: the nccl backend needs CuPy"),
+        (["--backend", "gloo", "--compare", "cupy"], "--compare cupy needs --backend nccl"),
+        (["--backend", "nosuch"], "unknown backend 'nosuch'"),
+    ]
     for argv, message in cases:
         parser = bench.build_parser()
         args = parser.parse_args(argv)
@@ -293,8 +341,18 @@ def test_real_bindings_have_every_name_distcomm_uses():
         assert isinstance(getattr(nccl, name), int), name
     for name in ("get_unique_id", "get_version", "groupStart", "groupEnd", "NcclError"):
         assert callable(getattr(nccl, name)), name
-    for method in ("allReduce", "reduce", "broadcast", "allGather", "reduceScatter", "send",
-                   "recv", "abort", "destroy", "check_async_error"):
+    for method in (
+        "allReduce",
+        "reduce",
+        "broadcast",
+        "allGather",
+        "reduceScatter",
+        "send",
+        "recv",
+        "abort",
+        "destroy",
+        "check_async_error",
+    ):
         assert callable(getattr(nccl.NcclCommunicator, method)), method
     assert nt.parse_version(nccl.get_version()) >= nt.MIN_VERSION
 

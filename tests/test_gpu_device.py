@@ -121,6 +121,7 @@ class Hold:
 
 # -- one-rank nccl bodies (each in a fresh process) -------------------------------------------
 
+
 def _cupy() -> Any:
     import cupy
 
@@ -128,8 +129,7 @@ def _cupy() -> Any:
 
 
 def _init_nccl(timeout: float, backend: str = "nccl") -> None:
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timeout)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def _warm(cp: Any) -> tuple[Any, Any]:
@@ -169,11 +169,16 @@ def _work_semantics() -> dict[str, Any]:
         hold.release()
         finished = work.wait(timeout=60)
         producer.synchronize()
-        return {"waited": waited, "pending_after_wait": pending, "finished": finished,
-                "completed": work.is_completed(), "hold": hold.outcome(),
-                "x": sorted(set(cp.asnumpy(x).tolist())),
-                "y": sorted(set(cp.asnumpy(y).tolist())),
-                "future": work.get_future().wait(60)[0] is x}
+        return {
+            "waited": waited,
+            "pending_after_wait": pending,
+            "finished": finished,
+            "completed": work.is_completed(),
+            "hold": hold.outcome(),
+            "x": sorted(set(cp.asnumpy(x).tolist())),
+            "y": sorted(set(cp.asnumpy(y).tolist())),
+            "future": work.get_future().wait(60)[0] is x,
+        }
     finally:
         dist.destroy_process_group()
 
@@ -191,8 +196,12 @@ def _blocking_wait() -> dict[str, Any]:
         completed = work.is_completed()
         releaser.join()
         producer.synchronize()
-        return {"waited": waited, "completed": completed, "hold": hold.outcome(),
-                "x": sorted(set(cp.asnumpy(x).tolist()))}
+        return {
+            "waited": waited,
+            "completed": completed,
+            "hold": hold.outcome(),
+            "x": sorted(set(cp.asnumpy(x).tolist())),
+        }
     finally:
         dist.destroy_process_group()
 
@@ -233,9 +242,14 @@ def _wait_timeout_aborts() -> dict[str, Any]:
     try:
         y = cp.arange(5, dtype=cp.float64)
         dist.all_reduce(y)
-        return {"waited": waited, "later": later, "hold": hold.outcome(),
-                "after": cp.asnumpy(y).tolist(), "raised_after_s": round(raised_after, 2),
-                "still_held_when_raised": still_held}
+        return {
+            "waited": waited,
+            "later": later,
+            "hold": hold.outcome(),
+            "after": cp.asnumpy(y).tolist(),
+            "raised_after_s": round(raised_after, 2),
+            "still_held_when_raised": still_held,
+        }
     finally:
         dist.destroy_process_group()
 
@@ -256,8 +270,12 @@ def _watchdog_times_out() -> dict[str, Any]:
     finally:
         producer.synchronize()
         dist.destroy_process_group()
-    return {"waited": waited, "later": later, "hold": hold.outcome(),
-            "failed_after_s": round(failed_after, 2)}
+    return {
+        "waited": waited,
+        "later": later,
+        "hold": hold.outcome(),
+        "failed_after_s": round(failed_after, 2),
+    }
 
 
 def _split_and_premul() -> dict[str, Any]:
@@ -270,13 +288,18 @@ def _split_and_premul() -> dict[str, Any]:
         z = cp.arange(6, dtype=cp.complex64) * (1 + 1j)
         dist.all_reduce(z, op=ReduceOp.PREMUL_SUM(2.0))
         out = cp.empty(4, dtype=cp.float64)
-        dist.reduce_scatter_single(out, cp.arange(4, dtype=cp.float64),
-                                   op=ReduceOp.PREMUL_SUM(3.0), group=sub)
+        dist.reduce_scatter_single(
+            out, cp.arange(4, dtype=cp.float64), op=ReduceOp.PREMUL_SUM(3.0), group=sub
+        )
         h = np.arange(5.0)
         dist.all_reduce(h, op=ReduceOp.PREMUL_SUM(0.5), group=sub)  # the gloo part
-        result = {"x": cp.asnumpy(x).tolist(), "z": cp.asnumpy(z).tolist(),
-                  "out": cp.asnumpy(out).tolist(), "h": h.tolist(),
-                  "sub": dist.get_world_size(sub)}
+        result = {
+            "x": cp.asnumpy(x).tolist(),
+            "z": cp.asnumpy(z).tolist(),
+            "out": cp.asnumpy(out).tolist(),
+            "h": h.tolist(),
+            "sub": dist.get_world_size(sub),
+        }
         dist.destroy_process_group(sub)
         return result
     finally:
@@ -315,9 +338,11 @@ def _destroy_leaves_nothing() -> dict[str, Any]:
     for _ in range(3):
         _one_cycle(cp)
     after = settled_free()
-    return {"freed_less_by": before - after, "pool_used": int(pool.used_bytes()),
-            "threads": sorted(t.name for t in threading.enumerate()
-                              if t.name.startswith("distcomm"))}
+    return {
+        "freed_less_by": before - after,
+        "pool_used": int(pool.used_bytes()),
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("distcomm")),
+    }
 
 
 def _in_fresh_process(fn, env: dict[str, str] | None = None) -> Any:
@@ -383,6 +408,7 @@ def test_destroy_process_group_leaves_nothing_on_the_device(nccl):
 
 # -- CuPy through the CPU backends, ranks sharing the GPU --------------------------------------
 
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_cupy_through_gloo(gpu, n):
     pool = RankPool(n, "gloo", init_timeout=120, start_timeout=120)
@@ -397,8 +423,9 @@ def test_cupy_through_gloo(gpu, n):
 def test_cupy_through_mpi(gpu, n):
     if mpijobs.LAUNCHER is None:
         pytest.skip(mpijobs.SKIP_REASON)
-    command = mpijobs.LAUNCHER.command(n, sys.executable, "-m", "tests.gpu_staged_job", "mpi",
-                                       "cupy")
+    command = mpijobs.LAUNCHER.command(
+        n, sys.executable, "-m", "tests.gpu_staged_job", "mpi", "cupy"
+    )
     done = mpijobs.run(command, timeout=300, merge_output=True)
     assert done.returncode == 0, done.stdout
     assert len(re.findall(r"mpi cupy: \d+ results checked", done.stdout)) == n, done.stdout

@@ -60,8 +60,7 @@ class FakePointer:
         ctypes.memmove(mem.value, self.ptr, size)
         self.array.fake.log.append(("d2h", stream.ptr, size))
 
-    def copy_from_host_async(self, mem: ctypes.c_void_p, size: int,
-                             stream: FakeStream) -> None:
+    def copy_from_host_async(self, mem: ctypes.c_void_p, size: int, stream: FakeStream) -> None:
         self.array.fake.check_device(self.array)
         ctypes.memmove(self.ptr, mem.value, size)
         self.array.fake.log.append(("h2d", stream.ptr, size))
@@ -97,7 +96,8 @@ class FakeCupy:
         self.module.cuda = types.SimpleNamespace(
             get_current_stream=lambda: self.current[self.device_stack[-1]],
             alloc_pinned_memory=self._alloc,
-            runtime=types.SimpleNamespace(getDeviceCount=lambda: self.device_count))
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: self.device_count),
+        )
 
     def _alloc(self, nbytes: int) -> bytearray:
         self.allocations.append(nbytes)
@@ -126,9 +126,11 @@ def fake(monkeypatch):
 
 
 def test_import_does_not_import_cupy():
-    code = ("import sys, distcomm.gpu.staging as s, numpy; "
-            "assert not s.is_cupy_array(numpy.zeros(1)); "
-            "assert 'cupy' not in sys.modules, 'staging imported cupy'")
+    code = (
+        "import sys, distcomm.gpu.staging as s, numpy; "
+        "assert not s.is_cupy_array(numpy.zeros(1)); "
+        "assert 'cupy' not in sys.modules, 'staging imported cupy'"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=root)
 
@@ -250,7 +252,7 @@ def test_fake_in_place_views_share_host_memory(fake):
 def test_fake_in_place_all_gather(fake):
     n, world, rank = 3, 4, 1
     output = fake.array(np.zeros(n * world, np.int64))
-    input = output[rank * n:(rank + 1) * n]
+    input = output[rank * n : (rank + 1) * n]
     input[...] = 7
 
     def gather(out: np.ndarray, inp: np.ndarray) -> None:
@@ -266,14 +268,14 @@ def test_fake_in_place_all_gather(fake):
 def test_fake_in_place_reduce_scatter(fake):
     n, world, rank = 2, 3, 2
     input = fake.array(np.arange(n * world, dtype=np.float32))
-    output = input[rank * n:(rank + 1) * n]
+    output = input[rank * n : (rank + 1) * n]
 
     def reduce_scatter(out: np.ndarray, inp: np.ndarray) -> None:
         out[...] = inp.reshape(world, n).sum(axis=0)
 
     run_staged(reduce_scatter, [output], [input], HostStaging())
     expected = np.arange(n * world, dtype=np.float32)
-    expected[rank * n:] = [6.0, 9.0]
+    expected[rank * n :] = [6.0, 9.0]
     np.testing.assert_array_equal(np.asarray(input), expected)
     assert fake.log[2] == ("h2d", 0, n * 4)  # only the output's bytes come back
 
@@ -402,14 +404,14 @@ def test_gpu_in_place_aliasing(cupy):
 
     n, world, rank = 1000, 4, 2
     output = cupy.zeros(n * world, dtype=cupy.int32)
-    output[rank * n:(rank + 1) * n] = 7
+    output[rank * n : (rank + 1) * n] = 7
 
     def all_gather(out: np.ndarray, inp: np.ndarray) -> None:
         assert inp.ctypes.data == out.ctypes.data + rank * n * 4
         np.testing.assert_array_equal(inp, 7)
         out[...] = np.arange(n * world)
 
-    run_staged(all_gather, [output], [output[rank * n:(rank + 1) * n]], staging)
+    run_staged(all_gather, [output], [output[rank * n : (rank + 1) * n]], staging)
     np.testing.assert_array_equal(cupy.asnumpy(output), np.arange(n * world))
 
     source = cupy.arange(n * world, dtype=cupy.float32)
@@ -417,9 +419,9 @@ def test_gpu_in_place_aliasing(cupy):
     def reduce_scatter(out: np.ndarray, inp: np.ndarray) -> None:
         out[...] = inp.reshape(world, n).sum(axis=0)
 
-    run_staged(reduce_scatter, [source[rank * n:(rank + 1) * n]], [source], staging)
+    run_staged(reduce_scatter, [source[rank * n : (rank + 1) * n]], [source], staging)
     expected = np.arange(n * world, dtype=np.float32)
-    expected[rank * n:(rank + 1) * n] = expected.reshape(world, n).sum(axis=0)
+    expected[rank * n : (rank + 1) * n] = expected.reshape(world, n).sum(axis=0)
     np.testing.assert_array_equal(cupy.asnumpy(source), expected)
 
 

@@ -19,8 +19,14 @@ REPO = Path(__file__).resolve().parent.parent
 def _info(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in job_env().items() if not k.startswith("DISTCOMM_")}
     environ.update(env)
-    return subprocess.run([sys.executable, "-m", "distcomm.info", *args], capture_output=True,
-                          text=True, timeout=120, env=environ, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "distcomm.info", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environ,
+        cwd=REPO,
+    )
 
 
 def test_the_text_report_names_versions_backends_and_the_environment():

@@ -26,8 +26,7 @@ REPO = str(Path(__file__).resolve().parent.parent)
 def _init_and_reduce(backend: str | None, init_method: str | None, pass_ranks: bool) -> tuple:
     kwargs = {}
     if pass_ranks:
-        kwargs = {"rank": int(os.environ["TEST_RANK"]),
-                  "world_size": int(os.environ["TEST_SIZE"])}
+        kwargs = {"rank": int(os.environ["TEST_RANK"]), "world_size": int(os.environ["TEST_SIZE"])}
     dist.init_process_group(backend, init_method=init_method, timeout=60, **kwargs)
     try:
         x = np.full(4, dist.get_rank() + 1, dtype=np.int64)
@@ -49,21 +48,39 @@ def _clear_torch_vars(rank: int) -> dict[str, str]:
 def test_env_init_rank0_hosts_the_store(n):
     port = free_port()
     # backend=None: the default for CPU arrays, gloo
-    _check(run_ranks(_init_and_reduce, n, None, None, False, timeout=60,
-                     env={"MASTER_PORT": str(port)}), n, backend="gloo")
+    _check(
+        run_ranks(
+            _init_and_reduce, n, None, None, False, timeout=60, env={"MASTER_PORT": str(port)}
+        ),
+        n,
+        backend="gloo",
+    )
 
 
 def test_tcp_url_with_explicit_ranks():
     port = free_port()
-    results = run_ranks(_init_and_reduce, 2, "tcp", f"tcp://127.0.0.1:{port}", True, timeout=60,
-                        rank_env=lambda r: {"TEST_RANK": str(r), "TEST_SIZE": "2", "RANK": "",
-                                            "WORLD_SIZE": ""})
+    results = run_ranks(
+        _init_and_reduce,
+        2,
+        "tcp",
+        f"tcp://127.0.0.1:{port}",
+        True,
+        timeout=60,
+        rank_env=lambda r: {"TEST_RANK": str(r), "TEST_SIZE": "2", "RANK": "", "WORLD_SIZE": ""},
+    )
     _check(results, 2)
 
 
 def test_file_url(tmp_path):
-    results = run_ranks(_init_and_reduce, 3, "tcp", f"file://{tmp_path}/rendezvous", True,
-                        timeout=60, rank_env=lambda r: {"TEST_RANK": str(r), "TEST_SIZE": "3"})
+    results = run_ranks(
+        _init_and_reduce,
+        3,
+        "tcp",
+        f"file://{tmp_path}/rendezvous",
+        True,
+        timeout=60,
+        rank_env=lambda r: {"TEST_RANK": str(r), "TEST_SIZE": "3"},
+    )
     _check(results, 3)
 
 
@@ -72,8 +89,12 @@ def test_open_mpi_environment():
 
     def ompi(rank: int) -> dict[str, str]:
         env = _clear_torch_vars(rank)
-        env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="3",
-                   OMPI_COMM_WORLD_LOCAL_RANK=str(rank), MASTER_PORT=str(port))
+        env.update(
+            OMPI_COMM_WORLD_RANK=str(rank),
+            OMPI_COMM_WORLD_SIZE="3",
+            OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+            MASTER_PORT=str(port),
+        )
         return env
 
     _check(run_ranks(_init_and_reduce, 3, "tcp", None, False, timeout=60, rank_env=ompi), 3)
@@ -95,9 +116,15 @@ def test_slurm_environment_takes_master_from_the_nodelist():
 
     def slurm(rank: int) -> dict[str, str]:
         env = _clear_torch_vars(rank)
-        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-                   SLURM_JOB_NODELIST="localhost,other-node[01-03]", MASTER_ADDR="",
-                   MASTER_PORT=str(port), SLURM_JOB_ID="4242")
+        env.update(
+            SLURM_PROCID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(rank),
+            SLURM_JOB_NODELIST="localhost,other-node[01-03]",
+            MASTER_ADDR="",
+            MASTER_PORT=str(port),
+            SLURM_JOB_ID="4242",
+        )
         return env
 
     _check(run_ranks(_init_and_reduce, 2, "tcp", None, False, timeout=60, rank_env=slurm), 2)
@@ -125,8 +152,9 @@ def _reinit_twice(path: str) -> list:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = []
     for round_ in range(2):
-        dist.init_process_group("tcp", init_method=f"file://{path}-{round_}", rank=rank,
-                                world_size=size, timeout=30)
+        dist.init_process_group(
+            "tcp", init_method=f"file://{path}-{round_}", rank=rank, world_size=size, timeout=30
+        )
         x = np.full(1, round_ + 1.0)
         dist.all_reduce(x)
         out.append(float(x[0]))
@@ -147,9 +175,12 @@ def _missing_rank() -> str:
 
 
 def test_missing_rank_lists_what_was_looked_for():
-    message = run_ranks(_missing_rank, 1, timeout=30,
-                        rank_env=lambda r: {"RANK": "", "WORLD_SIZE": "",
-                                            "MASTER_PORT": "29999"})[0]
+    message = run_ranks(
+        _missing_rank,
+        1,
+        timeout=30,
+        rank_env=lambda r: {"RANK": "", "WORLD_SIZE": "", "MASTER_PORT": "29999"},
+    )[0]
     for word in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         assert word in message, message
 
@@ -172,11 +203,20 @@ dist.destroy_process_group()
 
 def _start(script, url: str, rank: int, stall: str, backend: str) -> _Watched:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTCOMM_")}
-    env.update(DISTCOMM_STALL_WARN_S=stall, DISTCOMM_SOCKET_IFNAME="lo",
-               PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])))
-    return _Watched(subprocess.Popen(
-        [sys.executable, str(script), url, str(rank), backend], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    env.update(
+        DISTCOMM_STALL_WARN_S=stall,
+        DISTCOMM_SOCKET_IFNAME="lo",
+        PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])),
+    )
+    return _Watched(
+        subprocess.Popen(
+            [sys.executable, str(script), url, str(rank), backend],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    )
 
 
 class _Watched:
@@ -186,8 +226,9 @@ class _Watched:
         self.proc = proc
         self._cond = threading.Condition()
         self._out: dict[str, list[str]] = {"stdout": [], "stderr": []}
-        self._readers = [threading.Thread(target=self._read, args=(name,), daemon=True)
-                         for name in self._out]
+        self._readers = [
+            threading.Thread(target=self._read, args=(name,), daemon=True) for name in self._out
+        ]
         for reader in self._readers:
             reader.start()
 
@@ -228,8 +269,7 @@ def _joined(url: str, count: int, timeout: float) -> bool:
     """Whether `count` ranks have joined the roll call of the store at `url` (hosted by its
     rank 0) and so wait for the others, within `timeout` seconds."""
     host, port = url.removeprefix("tcp://").rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                          timeout=timeout)
+    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
     try:
         end = time.monotonic() + timeout
         while store.add(f"{JOINED}/count", 0) < count:
@@ -242,8 +282,9 @@ def _joined(url: str, count: int, timeout: float) -> bool:
 
 
 def _names_rank_2_alone(warnings: list[str]) -> bool:
-    return len(warnings) >= 2 and "2 of 3 ranks joined the store; missing rank(s) 2." in (
-        warnings[-1])
+    return (
+        len(warnings) >= 2 and "2 of 3 ranks joined the store; missing rank(s) 2." in (warnings[-1])
+    )
 
 
 @pytest.mark.timeout(300)
@@ -292,8 +333,13 @@ def test_init_timeout_names_the_ranks_that_never_joined():
     from distcomm.rendezvous import rendezvous
 
     with pytest.raises(dist.DistTimeoutError) as caught:
-        rendezvous(f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=3, timeout=1.0,
-                   environ={"DISTCOMM_STALL_WARN_S": "0"})
+        rendezvous(
+            f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=3,
+            timeout=1.0,
+            environ={"DISTCOMM_STALL_WARN_S": "0"},
+        )
     message = str(caught.value)
     assert "[rank 0/3]" in message and "only 1 of 3 ranks joined the store" in message
     assert "rank(s) 1, 2 never did" in message

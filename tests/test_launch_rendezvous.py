@@ -309,8 +309,15 @@ class _Desk:
         self.calls: dict[str, int] = {}
 
     def chair(self) -> Chair:
-        chair = Chair(self.store, self.store.clone(), self.keys, self.limits, "chair",
-                      RendezvousState.decode, self.dropped.extend)
+        chair = Chair(
+            self.store,
+            self.store.clone(),
+            self.keys,
+            self.limits,
+            "chair",
+            RendezvousState.decode,
+            self.dropped.extend,
+        )
         chair.load()
         return chair
 
@@ -364,7 +371,10 @@ def test_chair_a_member_lost_from_a_complete_round_ends_it_and_never_shrinks_it(
     chair.serve(heartbeats=True)
     round0 = {node: d.answer(node) for node in "abc"}
     assert {node: (a["rank"], a["size"], a["round"]) for node, a in round0.items()} == {
-        "a": (0, 3, 0), "b": (1, 3, 0), "c": (2, 3, 0)}
+        "a": (0, 3, 0),
+        "b": (1, 3, 0),
+        "c": (2, 3, 0),
+    }
     assert not d.summary()["lost"]
     chair.serve(heartbeats=True)  # the chair's first read of their heartbeats
     time.sleep(0.4)
@@ -380,7 +390,9 @@ def test_chair_a_member_lost_from_a_complete_round_ends_it_and_never_shrinks_it(
     d.join("b", after=0)
     chair.serve(heartbeats=False)  # every live member is back: no last call
     assert {node: (d.answer(node)["rank"], d.answer(node)["size"]) for node in "ab"} == {
-        "a": (0, 2), "b": (1, 2)}
+        "a": (0, 2),
+        "b": (1, 2),
+    }
     assert d.summary()["round"] == 1 and not d.summary()["lost"]
 
 
@@ -831,8 +843,9 @@ def test_bad_parameters(params: RendezvousParameters, flag: str) -> None:
 
 
 @pytest.mark.parametrize(("min_nodes", "max_nodes"), [(3, 2), (0, 2)])
-def test_bad_node_range_is_refused_when_the_parameters_are_made(min_nodes: int,
-                                                                 max_nodes: int) -> None:
+def test_bad_node_range_is_refused_when_the_parameters_are_made(
+    min_nodes: int, max_nodes: int
+) -> None:
     with pytest.raises(ValueError, match="--nnodes"):
         _params(min_nodes=min_nodes, max_nodes=max_nodes)
 

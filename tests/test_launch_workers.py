@@ -565,8 +565,11 @@ def test_no_descriptor_leak(tmp_path):
     before = me.num_fds()
     cycle(tmp_path / "measured")
     assert me.num_fds() == before
-    assert [t.name for t in threading.enumerate()
-            if t.name.startswith("distcomm-local") and t not in threads_before] == []
+    assert [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("distcomm-local") and t not in threads_before
+    ] == []
 
 
 # -- flag parsing -----------------------------------------------------------------------------
@@ -806,9 +809,7 @@ def test_report_names_no_file_that_is_not_kept(tmp_path):
     stderr.write_text("".join(f"line {i}\n" for i in range(30)))
     failures = {
         0: ProcessFailure(0, 100, 1, recorded, files_kept=False),
-        1: ProcessFailure(
-            1, 101, -11, rank=1, log_files={"stderr": str(stderr)}, files_kept=False
-        ),
+        1: ProcessFailure(1, 101, -11, rank=1, log_files={"stderr": str(stderr)}, files_kept=False),
     }
     failures[1].capture_logs()
     stderr.unlink()

@@ -692,8 +692,15 @@ def test_elastic_range_says_it_waits_for_the_last_call(tmp_path):
     out.mkdir()
     worker = _env_worker(tmp_path)
     (proc,) = _nodes(
-        tmp_path, "c10d", f"127.0.0.1:{free_port()}", "1:4", 1, worker, str(out),
-        extra=("--rdzv_conf=last_call_timeout=1",), run_id="lonely",
+        tmp_path,
+        "c10d",
+        f"127.0.0.1:{free_port()}",
+        "1:4",
+        1,
+        worker,
+        str(out),
+        extra=("--rdzv_conf=last_call_timeout=1",),
+        run_id="lonely",
     )
     try:
         code, _, err = finish(proc)
@@ -709,8 +716,10 @@ def test_elastic_range_says_it_waits_for_the_last_call(tmp_path):
 
 def _with_agent_logs(tmp_path: Path, exc: AssertionError) -> AssertionError:
     """`exc` with the end of every agent log under `tmp_path` (what each node saw)."""
-    logs = "".join(f"\n== {path.name}\n{path.read_text(errors='replace')[-6000:]}"
-                   for path in sorted(tmp_path.glob("*.log")))
+    logs = "".join(
+        f"\n== {path.name}\n{path.read_text(errors='replace')[-6000:]}"
+        for path in sorted(tmp_path.glob("*.log"))
+    )
     return AssertionError(f"{exc}{logs}")
 
 
@@ -720,12 +729,14 @@ def test_scale_up_third_node_joins(tmp_path):
     worker = script(tmp_path / "elastic.py", ELASTIC_WORKER)
     endpoint = f"127.0.0.1:{free_port()}"
     args = (worker, str(out), str(stop))
-    procs = _nodes(tmp_path, "c10d", endpoint, "2:3", 2, *args, extra=(FAST_RDZV,),
-                   log=tmp_path / "node")
+    procs = _nodes(
+        tmp_path, "c10d", endpoint, "2:3", 2, *args, extra=(FAST_RDZV,), log=tmp_path / "node"
+    )
     try:
         wait_for(lambda: _sizes(out).get(4) == {0, 1, 2, 3}, 90, "a 2-node group")
-        procs += _nodes(tmp_path, "c10d", endpoint, "2:3", 1, *args, extra=(FAST_RDZV,),
-                        log=tmp_path / "third")
+        procs += _nodes(
+            tmp_path, "c10d", endpoint, "2:3", 1, *args, extra=(FAST_RDZV,), log=tmp_path / "third"
+        )
         wait_for(lambda: _sizes(out).get(6) == set(range(6)), 90, "a 3-node group")
         stop.write_text("")
         for proc in procs:
@@ -860,8 +871,13 @@ def _named_paths(report: str) -> list[str]:
         (UNRECORDED_FAILURE, []),
         (UNRECORDED_FAILURE, ["--redirects=3"]),
     ],
-    ids=["recorded", "recorded-log-dir", "recorded-log-dir-redirects", "unrecorded",
-         "unrecorded-redirects"],
+    ids=[
+        "recorded",
+        "recorded-log-dir",
+        "recorded-log-dir-redirects",
+        "unrecorded",
+        "unrecorded-redirects",
+    ],
 )
 def test_failure_report_names_only_files_that_outlive_the_launcher(tmp_path, worker, flags):
     """The report of a failed run: the recorded exception for a decorated worker, the

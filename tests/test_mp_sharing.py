@@ -49,10 +49,25 @@ CHANNELS = ["queue", "pipe", "pool", "args"]
 TIMEOUT = 30.0  # seconds any single wait on a child may take
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-DTYPES = [np.dtype(t) for t in (
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128",
-)] + [np.dtype([("a", "<i4"), ("b", "<f8", (2,)), ("c", "S3")])]
+DTYPES = [
+    np.dtype(t)
+    for t in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+] + [np.dtype([("a", "<i4"), ("b", "<f8", (2,)), ("c", "S3")])]
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -120,8 +135,11 @@ def _describe(array: np.ndarray) -> dict:
 
 
 def _same_contents(a: np.ndarray, b: np.ndarray) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    )
 
 
 def _warm_up(strategy: str, method: str | None) -> None:
@@ -330,9 +348,15 @@ def test_share_memory_identity_and_views(strategy, no_leaks):
     assert _same_contents(shared, plain)
     shared[0, 0, 0] = 100  # a copy: the plain array is untouched
     assert plain[0, 0, 0] == 0
-    for view in (shared[1], shared[:, ::2, ::-1], shared.T, shared.reshape(-1),
-                 np.asarray(memoryview(shared)), shared.view(np.int32),
-                 np.broadcast_to(shared[0, 0], (5, 4))):
+    for view in (
+        shared[1],
+        shared[:, ::2, ::-1],
+        shared.T,
+        shared.reshape(-1),
+        np.asarray(memoryview(shared)),
+        shared.view(np.int32),
+        np.broadcast_to(shared[0, 0], (5, 4)),
+    ):
         assert mp.is_shared(view)
         assert mp.share_memory(view) is view
     segment, offset = sharing.find_segment(shared[1, 2, ::-1])
@@ -344,14 +368,17 @@ def test_share_memory_identity_and_views(strategy, no_leaks):
 @pytest.mark.parametrize("layout", ["C", "F", "transpose", "negative", "steps"])
 def test_share_memory_keeps_layout_and_flags(strategy, no_leaks, layout):
     base = np.arange(60, dtype=np.int64).reshape(3, 4, 5)
-    array = {"C": base, "F": np.asfortranarray(base), "transpose": base.transpose(1, 2, 0),
-             "negative": base[::-1], "steps": base[:, ::2]}[layout]
+    array = {
+        "C": base,
+        "F": np.asfortranarray(base),
+        "transpose": base.transpose(1, 2, 0),
+        "negative": base[::-1],
+        "steps": base[:, ::2],
+    }[layout]
     shared = mp.share_memory(array)
     assert _same_contents(shared, array)
-    assert shared.flags.c_contiguous == array.flags.c_contiguous or layout in (
-        "negative", "steps")
-    assert shared.flags.f_contiguous == array.flags.f_contiguous or layout in (
-        "negative", "steps")
+    assert shared.flags.c_contiguous == array.flags.c_contiguous or layout in ("negative", "steps")
+    assert shared.flags.f_contiguous == array.flags.f_contiguous or layout in ("negative", "steps")
     # the axes keep their order in memory (numpy's order="K"), compacted
     assert list(np.argsort(shared.strides)) == list(np.argsort(np.abs(array.strides)))
     readonly = array.copy()
@@ -431,8 +458,7 @@ def test_round_trip(strategy, no_leaks, method, channel):
     descriptions, echoed, child_pids = _round_trip(channel, method, strategy, shared + plain)
     pids |= child_pids
     inherited = channel == "args" and method == "fork"
-    for i, (sent, got, back) in enumerate(zip(shared + plain, descriptions, echoed,
-                                              strict=True)):
+    for i, (sent, got, back) in enumerate(zip(shared + plain, descriptions, echoed, strict=True)):
         is_shared = i < len(shared)
         where = f"array {i} ({'shared' if is_shared else 'plain'}), {got['dtype']}"
         expected = _describe(sent)
@@ -558,8 +584,7 @@ def test_child_that_returns_right_after_put(strategy, method):
 def _without_manager_env(inbox, outbox):
     mp.set_sharing_strategy("file_system")
     received = inbox.get(timeout=TIMEOUT)
-    outbox.put((ManagerClient.current().address, received.tolist(),
-                mp.share_memory(np.arange(4))))
+    outbox.put((ManagerClient.current().address, received.tolist(), mp.share_memory(np.arange(4))))
     inbox.get(timeout=TIMEOUT)
 
 
@@ -718,8 +743,9 @@ _DRIVER = textwrap.dedent("""
 """)
 
 
-def _run_script(source: str, *args: str, tmp: str, env: dict[str, str] | None = None,
-                timeout: float = 90.0) -> subprocess.CompletedProcess:
+def _run_script(
+    source: str, *args: str, tmp: str, env: dict[str, str] | None = None, timeout: float = 90.0
+) -> subprocess.CompletedProcess:
     """Run `source` as a script file (spawn re-imports it) in a fresh interpreter, without
     this process's shm manager (it starts its own); fails the test on a non-zero exit."""
     script = os.path.join(tmp, "script.py")
@@ -727,8 +753,14 @@ def _run_script(source: str, *args: str, tmp: str, env: dict[str, str] | None = 
         f.write(source)
     full_env = {k: v for k, v in os.environ.items() if k != "DISTCOMM_SHM_MANAGER"}
     full_env.update(PYTHONPATH=ROOT, **(env or {}))
-    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, script, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -764,8 +796,9 @@ def test_kill_sender_mid_transfer(strategy, method, shared, receive):
         if strategy == "file_system":
             assert report["outcome"] == "received ok shared=True", report
         else:
-            assert report["outcome"].startswith("DistNetworkError: cannot receive a shared "
-                                                "array: the process that sent it exited"), report
+            assert report["outcome"].startswith(
+                "DistNetworkError: cannot receive a shared array: the process that sent it exited"
+            ), report
             assert "file_system" in report["outcome"]
     assert report["fds_leaked"] <= 0, report
     assert report["shm_left"] == [], report
@@ -777,8 +810,9 @@ def test_kill_sender_mid_transfer(strategy, method, shared, receive):
 def _exhaust_descriptors(conn):
     try:
         used = len(os.listdir("/proc/self/fd"))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (used + 24, resource.getrlimit(
-            resource.RLIMIT_NOFILE)[1]))
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (used + 24, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
         mp.set_sharing_strategy("file_descriptor")
         kept = []
         error = None
@@ -788,8 +822,11 @@ def _exhaust_descriptors(conn):
             except OSError as exc:
                 error = exc
                 break
-        result = {"created": len(kept), "errno": getattr(error, "errno", None),
-                  "message": str(error)}
+        result = {
+            "created": len(kept),
+            "errno": getattr(error, "errno", None),
+            "message": str(error),
+        }
         del kept
         mp.set_sharing_strategy("file_system")  # what the message suggests: no fd each
         kept = [mp.share_memory(np.arange(10)) for _ in range(200)]
@@ -802,8 +839,9 @@ def _exhaust_descriptors(conn):
 def _receive_until_exhausted(inbox, conn):
     try:
         used = len(os.listdir("/proc/self/fd"))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (used + 24, resource.getrlimit(
-            resource.RLIMIT_NOFILE)[1]))
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (used + 24, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
         kept, error = [], None
         for _ in range(100):
             try:
@@ -811,8 +849,9 @@ def _receive_until_exhausted(inbox, conn):
             except OSError as exc:
                 error = exc
                 break
-        conn.send({"received": len(kept), "errno": getattr(error, "errno", None),
-                   "message": str(error)})
+        conn.send(
+            {"received": len(kept), "errno": getattr(error, "errno", None), "message": str(error)}
+        )
     except BaseException as exc:
         conn.send({"error": repr(exc)})
 
@@ -950,12 +989,20 @@ def test_cupy_missing_gives_install_hint():
 
 
 def test_numpy_pickling_does_not_import_cupy():
-    code = ("import sys, pickle; import numpy as np; import distcomm.multiprocessing as mp; "
-            "from multiprocessing.reduction import ForkingPickler as P; "
-            "pickle.loads(P.dumps([np.arange(3), mp.zeros(2), {'x': 1}])); "
-            "print('cupy' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    code = (
+        "import sys, pickle; import numpy as np; import distcomm.multiprocessing as mp; "
+        "from multiprocessing.reduction import ForkingPickler as P; "
+        "pickle.loads(P.dumps([np.arange(3), mp.zeros(2), {'x': 1}])); "
+        "print('cupy' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
 
@@ -987,8 +1034,7 @@ def _gpu_child(inbox, outbox):
     import cupy
 
     arrays = inbox.get(timeout=TIMEOUT)
-    outbox.put([(a.dtype.str, a.shape, a.strides, cupy.asnumpy(a).tobytes().hex())
-                for a in arrays])
+    outbox.put([(a.dtype.str, a.shape, a.strides, cupy.asnumpy(a).tobytes().hex()) for a in arrays])
     inbox.get(timeout=TIMEOUT)  # the parent has compared what this process saw
     arrays[0][0] = 99  # written through the IPC mapping
     cupy.cuda.Device(arrays[0].device.id).synchronize()
@@ -1001,8 +1047,14 @@ def _gpu_child(inbox, outbox):
 def test_gpu_round_trip(cupy, method):
     ctx = mp.get_context(method)
     base = cupy.arange(4 * 5 * 6, dtype=cupy.float32).reshape(4, 5, 6)
-    arrays = [base[0], base, base[::2, 1::2, ::-1], base.transpose(2, 0, 1),
-              cupy.arange(10, dtype=cupy.int64)[::-1], cupy.zeros((0, 3))]
+    arrays = [
+        base[0],
+        base,
+        base[::2, 1::2, ::-1],
+        base.transpose(2, 0, 1),
+        cupy.arange(10, dtype=cupy.int64)[::-1],
+        cupy.zeros((0, 3)),
+    ]
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_gpu_child, args=(inbox, outbox))
     with _reaped(proc):
@@ -1104,5 +1156,6 @@ def test_gpu_writes_both_ways_and_kill_9_leaves_nothing(cupy):
     while cupy.cuda.runtime.memGetInfo()[0] < free_before - (2 << 20):
         assert time.monotonic() < deadline, (
             f"device memory not returned after the child was killed: "
-            f"{free_before - cupy.cuda.runtime.memGetInfo()[0]} bytes less free than before")
+            f"{free_before - cupy.cuda.runtime.memGetInfo()[0]} bytes less free than before"
+        )
         time.sleep(0.1)

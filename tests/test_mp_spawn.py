@@ -30,10 +30,12 @@ from distcomm.multiprocessing.spawn import (
 from tests import processes
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = [m for m in ("spawn", "forkserver", "fork")
-           if m in multiprocessing.get_all_start_methods()]
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="PR_SET_PDEATHSIG is Linux-only")
+METHODS = [
+    m for m in ("spawn", "forkserver", "fork") if m in multiprocessing.get_all_start_methods()
+]
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only"
+)
 
 #: cmdline marks of the helpers multiprocessing keeps for the whole session
 _SESSION_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
@@ -156,8 +158,9 @@ def test_spawn_runs_fn_with_index_and_args(tmp_path, temp_root, nprocs):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("method", METHODS)
 def test_start_methods_run_and_report(tmp_path, temp_root, method):
-    ctx = start_processes(_write_result, args=(str(tmp_path), 7), nprocs=2, join=False,
-                          start_method=method)
+    ctx = start_processes(
+        _write_result, args=(str(tmp_path), 7), nprocs=2, join=False, start_method=method
+    )
     assert isinstance(ctx, ProcessContext)
     _join_all(ctx)
     results = _results(tmp_path, 2)
@@ -166,8 +169,7 @@ def test_start_methods_run_and_report(tmp_path, temp_root, method):
     assert ctx.sentinels == {}
     assert ctx.join() is True  # joining a finished context again is harmless
 
-    bad = start_processes(_raise_or_sleep, args=(1,), nprocs=2, join=False,
-                          start_method=method)
+    bad = start_processes(_raise_or_sleep, args=(1,), nprocs=2, join=False, start_method=method)
     with pytest.raises(ProcessRaisedException, match="boom from process 1") as info:
         _join_all(bad)
     assert (info.value.error_index, info.value.pid) == (1, bad.pids()[1])
@@ -178,8 +180,7 @@ def test_start_methods_run_and_report(tmp_path, temp_root, method):
 @pytest.mark.timeout(60)
 def test_fork_accepts_an_unpicklable_fn(tmp_path):
     out = str(tmp_path)
-    spawn(lambda i, base: _write_result(i, out, base), args=(5,), nprocs=2,
-          start_method="fork")
+    spawn(lambda i, base: _write_result(i, out, base), args=(5,), nprocs=2, start_method="fork")
     assert [r["value"] for r in _results(tmp_path, 2)] == [5, 6]
 
 
@@ -205,8 +206,9 @@ def test_join_with_timeout_polls_without_blocking(tmp_path, temp_root):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("daemon", [False, True])
 def test_daemon_flag_reaches_the_children(tmp_path, daemon):
-    ctx = start_processes(_write_result, args=(str(tmp_path), 0), nprocs=2, join=False,
-                          daemon=daemon)
+    ctx = start_processes(
+        _write_result, args=(str(tmp_path), 0), nprocs=2, join=False, daemon=daemon
+    )
     assert [p.daemon for p in ctx.processes] == [daemon, daemon]
     _join_all(ctx)
     assert [r["daemon"] for r in _results(tmp_path, 2)] == [daemon, daemon]
@@ -328,11 +330,14 @@ def test_unpicklable_args_are_a_clear_type_error(temp_root):
     assert _error_dirs(temp_root) == []
 
 
-@pytest.mark.parametrize(("kwargs", "error", "pattern"), [
-    ({"nprocs": 0}, ValueError, r"nprocs must be >= 1, got 0"),
-    ({"nprocs": 2.0}, TypeError, r"nprocs must be an int"),
-    ({"args": "abc"}, TypeError, r"args must be a tuple.*args=\(x,\)"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"nprocs": 0}, ValueError, r"nprocs must be >= 1, got 0"),
+        ({"nprocs": 2.0}, TypeError, r"nprocs must be an int"),
+        ({"args": "abc"}, TypeError, r"args must be a tuple.*args=\(x,\)"),
+    ],
+)
 def test_argument_errors(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         spawn(_write_result, **kwargs)
@@ -346,17 +351,25 @@ def test_fn_must_be_callable():
 # -------------------------------------------------------------------------- exceptions
 
 
-@pytest.mark.parametrize("exc", [
-    ProcessException("base", 2, 1234),
-    ProcessRaisedException("raised\nTraceback ...", 1, 4321),
-    ProcessExitedException("exited", 3, 999, -9, signal_name="SIGKILL"),
-    ProcessExitedException("exited", 0, 998, 3),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ProcessException("base", 2, 1234),
+        ProcessRaisedException("raised\nTraceback ...", 1, 4321),
+        ProcessExitedException("exited", 3, 999, -9, signal_name="SIGKILL"),
+        ProcessExitedException("exited", 0, 998, 3),
+    ],
+)
 def test_exceptions_survive_pickling(exc):
     copy = pickle.loads(pickle.dumps(exc))
     assert type(copy) is type(exc)
-    assert (str(copy), copy.msg, copy.error_index, copy.pid, copy.error_pid) == \
-        (str(exc), exc.msg, exc.error_index, exc.pid, exc.error_pid)
+    assert (str(copy), copy.msg, copy.error_index, copy.pid, copy.error_pid) == (
+        str(exc),
+        exc.msg,
+        exc.error_index,
+        exc.pid,
+        exc.error_pid,
+    )
     if isinstance(exc, ProcessExitedException):
         assert (copy.exit_code, copy.signal_name) == (exc.exit_code, exc.signal_name)
 
@@ -385,19 +398,29 @@ spawn(_record_pid_and_sleep, args=(sys.argv[1],), nprocs=2, start_method=sys.arg
 def test_children_die_when_the_parent_is_killed(tmp_path, method):
     temp_root = tmp_path / "tmp"
     temp_root.mkdir()
-    env = dict(os.environ, TMPDIR=str(temp_root), PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        TMPDIR=str(temp_root),
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     with open(tmp_path / "parent.err", "wb") as err:
-        parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path), method],
-                                  cwd=ROOT, env=env, stdout=err, stderr=err)
+        parent = subprocess.Popen(
+            [sys.executable, "-c", _PARENT, str(tmp_path), method],
+            cwd=ROOT,
+            env=env,
+            stdout=err,
+            stderr=err,
+        )
     pids: list[int] = []
     try:
         pid_files = [tmp_path / f"pid-{i}" for i in range(2)]
 
         def started() -> bool:
             if parent.poll() is not None:
-                raise AssertionError(f"the parent exited ({parent.returncode}):\n"
-                                     f"{(tmp_path / 'parent.err').read_text()}")
+                raise AssertionError(
+                    f"the parent exited ({parent.returncode}):\n"
+                    f"{(tmp_path / 'parent.err').read_text()}"
+                )
             return all(f.exists() for f in pid_files)
 
         _wait_until(started, "the children did not write their pids")
@@ -408,10 +431,14 @@ def test_children_die_when_the_parent_is_killed(tmp_path, method):
         assert set(children) <= set(pids)
         parent.kill()
         parent.wait(timeout=30)
-        _wait_until(lambda: not any(_alive(pid) for pid in children),
-                    f"children {children} outlived their SIGKILLed parent")
-        _wait_until(lambda: not any(_alive(pid) for pid in pids),
-                    f"processes {pids} started for the parent outlived it")
+        _wait_until(
+            lambda: not any(_alive(pid) for pid in children),
+            f"children {children} outlived their SIGKILLed parent",
+        )
+        _wait_until(
+            lambda: not any(_alive(pid) for pid in pids),
+            f"processes {pids} started for the parent outlived it",
+        )
         assert _error_dirs(temp_root) == []
     finally:
         if parent.poll() is None:
@@ -429,8 +456,9 @@ def test_the_death_signal_follows_the_thread_that_started_the_children(tmp_path)
     started: list[ProcessContext] = []
 
     def start() -> None:
-        started.append(start_processes(_record_pid_and_sleep, args=(str(tmp_path),),
-                                       nprocs=1, join=False))
+        started.append(
+            start_processes(_record_pid_and_sleep, args=(str(tmp_path),), nprocs=1, join=False)
+        )
         _wait_until(lambda: (tmp_path / "pid-0").exists(), "the child did not start")
 
     thread = threading.Thread(target=start)
@@ -451,7 +479,8 @@ def test_a_child_whose_parent_is_already_gone_ends_at_once(tmp_path):
 
     process = multiprocessing.get_context("spawn").Process(
         target=spawn_module._wrap,
-        args=(_write_result, 0, (str(tmp_path), 0), str(tmp_path / "error"), -1, False))
+        args=(_write_result, 0, (str(tmp_path), 0), str(tmp_path / "error"), -1, False),
+    )
     process.start()
     process.join(60)
     assert process.exitcode == -signal.SIGKILL

@@ -47,8 +47,9 @@ def _script(tmp_path: Path, body: str) -> str:
 
 def _suite_under_mpiexec(n: int, path: str) -> None:
     """Run the test module `path` on n ranks under mpiexec (tests.mpi_world's World)."""
-    done = mpiexec(n, sys.executable, "-m", "tests.mpi_world", path, "-q", "-x",
-                   "-p", "no:cacheprovider")
+    done = mpiexec(
+        n, sys.executable, "-m", "tests.mpi_world", path, "-q", "-x", "-p", "no:cacheprovider"
+    )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
 

@@ -278,8 +278,9 @@ def test_uncaught_exception_after_a_bootstrapped_init_aborts_the_job(
     raising rank would otherwise wait in MPI_Finalize and rank 0 for the group timeout."""
     script = _script(tmp_path, "raise.py", RAISE_AFTER_INIT_SCRIPT)
     traces = tmp_path / "traces"
-    status, output, _ = _mpiexec(2, script, backend, timeout=90,
-                                 env=job_env(DISTCOMM_TRACE_DIR=str(traces)))
+    status, output, _ = _mpiexec(
+        2, script, backend, timeout=90, env=job_env(DISTCOMM_TRACE_DIR=str(traces))
+    )
     assert status != 0, output
     assert "rank 1 ready" in output, output  # rank 0's line may be cut by the abort
     assert "[rank 1] RuntimeError: rank one failed on purpose" in output, output

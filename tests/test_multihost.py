@@ -676,9 +676,22 @@ def test_benchmark_runs_as_the_launchers_ranks(backend, tmp_path):
 def test_hosts_benchmark_runs_and_reports_every_kind():
     # benchmarks/hosts.py makes its own two namespaces (and removes them)
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "hosts.py"), "--sizes", "64K", "--iters",
-         "3", "--warmup", "1", "--repeat", "2"],
-        capture_output=True, text=True, timeout=180, check=False,
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "hosts.py"),
+            "--sizes",
+            "64K",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--repeat",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     row = [line for line in done.stdout.splitlines() if line.startswith("| 64 KiB |")]

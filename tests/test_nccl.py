@@ -56,6 +56,7 @@ def supported(op: ReduceOp, dtype: str) -> bool:
 
 # -- bodies, run on every rank -------------------------------------------------------------------
 
+
 def _cp():
     import cupy
 
@@ -98,8 +99,11 @@ def _broadcast_reduce(dtype: str) -> None:
             if supported(ReduceOp.SUM, dtype):
                 y = _on_gpu(values(r, count, dtype))
                 dist.reduce(y, dst=root)
-                want = (expected_reduction(n, count, dtype, ReduceOp.SUM) if r == root
-                        else values(r, count, dtype))
+                want = (
+                    expected_reduction(n, count, dtype, ReduceOp.SUM)
+                    if r == root
+                    else values(r, count, dtype)
+                )
                 check(_host(y), want, f"reduce to {root} x{count}")
 
 
@@ -123,8 +127,7 @@ def _gathers(dtype: str) -> None:
                 for k in range(n):
                     check(_host(slots[k]), values(k, count, dtype), f"gather[{k}] to {root}")
             got = cp.empty(count, dtype=dtype)
-            parts = ([_on_gpu(values(k + 10, count, dtype)) for k in range(n)] if r == root
-                     else None)
+            parts = [_on_gpu(values(k + 10, count, dtype)) for k in range(n)] if r == root else None
             dist.scatter(got, parts, src=root)
             check(_host(got), values(r + 10, count, dtype), f"scatter from {root} x{count}")
 
@@ -135,12 +138,11 @@ def _reduce_scatter(op_value: int, dtype: str) -> None:
     r, n = dist.get_rank(), dist.get_world_size()
     if not supported(op, dtype):
         with pytest.raises(TypeError, match="NCCL"):
-            dist.reduce_scatter_single(cp.empty(1, dtype), _on_gpu(values(r, n, dtype, op)),
-                                       op)
+            dist.reduce_scatter_single(cp.empty(1, dtype), _on_gpu(values(r, n, dtype, op)), op)
         return
     for count in (0, 1, 9_001):
         big = values(r, n * count, dtype, op)
-        want = expected_reduction(n, n * count, dtype, op)[r * count:(r + 1) * count]
+        want = expected_reduction(n, n * count, dtype, op)[r * count : (r + 1) * count]
         out = cp.empty(count, dtype)
         dist.reduce_scatter_single(out, _on_gpu(big), op)
         check(_host(out), want, f"reduce_scatter_single {op} x{count}")
@@ -154,8 +156,10 @@ def _all_to_all(dtype: str) -> None:
     r, n = dist.get_rank(), dist.get_world_size()
     # rank q sends (q + j) % 3 rows of 2 elements to rank j (some zero), tagged by q and j
     sizes = [[(q + j) % 3 for j in range(n)] for q in range(n)]
-    rows = [np.concatenate([np.full((sizes[q][j], 2), 10 * q + j) for j in range(n)])
-            .astype(dtype) for q in range(n)]
+    rows = [
+        np.concatenate([np.full((sizes[q][j], 2), 10 * q + j) for j in range(n)]).astype(dtype)
+        for q in range(n)
+    ]
     out = cp.empty((sum(sizes[q][r] for q in range(n)), 2), dtype)
     dist.all_to_all_single(out, _on_gpu(rows[r]), [sizes[q][r] for q in range(n)], sizes[r])
     want = np.concatenate([np.full((sizes[q][r], 2), 10 * q + r) for q in range(n)])
@@ -173,8 +177,12 @@ def _point_to_point(dtype: str) -> None:
         return
     nxt, prv = (r + 1) % n, (r - 1) % n
     got = cp.empty(1000, dtype)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, _on_gpu(values(r, 1000, dtype)), nxt),
-                                    dist.P2POp(dist.irecv, got, prv)])
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, _on_gpu(values(r, 1000, dtype)), nxt),
+            dist.P2POp(dist.irecv, got, prv),
+        ]
+    )
     for w in works:
         w.wait()
     check(_host(got), values(prv, 1000, dtype), "ring")
@@ -248,6 +256,7 @@ def _timeout_aborts() -> None:
 
 # -- worlds -----------------------------------------------------------------------------------
 
+
 class GpuWorld:
     """`n` spawned ranks on `SPEC`, one GPU each when there are enough GPUs."""
 
@@ -260,8 +269,9 @@ class GpuWorld:
         self.pool = self._start()
 
     def _start(self) -> RankPool:
-        return RankPool(self.nprocs, SPEC, env=self._env, rank_env=self._rank_env,
-                        init_timeout=120.0)
+        return RankPool(
+            self.nprocs, SPEC, env=self._env, rank_env=self._rank_env, init_timeout=120.0
+        )
 
     def run(self, fn, *args, timeout: float = 240.0):
         if self.refused:
@@ -273,10 +283,14 @@ class GpuWorld:
         except RankFailure as exc:
             if self.shared and "use the same GPU" in str(exc):
                 # the error's own line (NCCL's words and the ranks named), not a traceback
-                said = [line.strip() for line in str(exc).splitlines()
-                        if "ncclCommInitRank failed" in line]
-                self.refused = ("NCCL refuses ranks sharing a GPU here: "
-                                f"{(said or [str(exc)])[0][:600]}")
+                said = [
+                    line.strip()
+                    for line in str(exc).splitlines()
+                    if "ncclCommInitRank failed" in line
+                ]
+                self.refused = (
+                    f"NCCL refuses ranks sharing a GPU here: {(said or [str(exc)])[0][:600]}"
+                )
                 pytest.skip(self.refused)
             raise
 
@@ -309,8 +323,11 @@ def test_gathers(world, dtype):
     world.run(_gathers, dtype)
 
 
-RS_CASES = [(op, d) for op, d in OP_DTYPES if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX,
-                                                     ReduceOp.BXOR)]
+RS_CASES = [
+    (op, d)
+    for op, d in OP_DTYPES
+    if op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.BXOR)
+]
 
 
 @pytest.mark.parametrize("op,dtype", RS_CASES, ids=[f"{o.name}-{d}" for o, d in RS_CASES])

@@ -36,8 +36,17 @@ from tests.test_collectives import OP_DTYPES, expected_reduction, values
 SIZES = (1, 2, 3, 4)
 COUNTS = (0, 1, 13, 1000)
 ALL_DTYPES = [str(d) for d in DTYPES]
-NCCL_CALLS = {"allReduce", "reduce", "broadcast", "allGather", "reduceScatter", "send", "recv",
-              "groupStart", "groupEnd"}
+NCCL_CALLS = {
+    "allReduce",
+    "reduce",
+    "broadcast",
+    "allGather",
+    "reduceScatter",
+    "send",
+    "recv",
+    "groupStart",
+    "groupEnd",
+}
 COLLECTIVE_CALLS = {"allReduce", "reduce", "broadcast", "allGather", "reduceScatter"}
 NEW_NCCL, OLD_NCCL = 23203, 20906  # 2.32.3 (has ncclAvg) and 2.9.6 (has not)
 SUM, AVG = ReduceOp.SUM, ReduceOp.AVG
@@ -61,9 +70,11 @@ def same(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     if not np.array_equal(actual, expected):
         bad = np.flatnonzero(actual.reshape(-1) != expected.reshape(-1))[:5]
-        raise AssertionError(f"{what}: mismatch at {bad.tolist()}: got "
-                             f"{actual.reshape(-1)[bad].tolist()}, expected "
-                             f"{expected.reshape(-1)[bad].tolist()}")
+        raise AssertionError(
+            f"{what}: mismatch at {bad.tolist()}: got "
+            f"{actual.reshape(-1)[bad].tolist()}, expected "
+            f"{expected.reshape(-1)[bad].tolist()}"
+        )
 
 
 # -- fixtures and the thread harness ------------------------------------------------------
@@ -74,8 +85,12 @@ def cuda(monkeypatch):
     """The stand-in installed as `cupy` (4 fake GPUs); fails the test on misuse."""
     standin = CudaStandin(device_count=4).install(monkeypatch)
     monkeypatch.setattr(runtime, "_chosen", None)
-    for name in ("LOCAL_RANK", "DISTCOMM_DEBUG", "DISTCOMM_NCCL_BLOCKING_WAIT",
-                 "CUDA_VISIBLE_DEVICES"):
+    for name in (
+        "LOCAL_RANK",
+        "DISTCOMM_DEBUG",
+        "DISTCOMM_NCCL_BLOCKING_WAIT",
+        "CUDA_VISIBLE_DEVICES",
+    ):
         monkeypatch.delenv(name, raising=False)
     yield standin
     assert not standin.violations, f"misuse of the CUDA stand-in: {standin.violations}"
@@ -104,24 +119,43 @@ class Rank:
         return [c for c in calls if names is None or c.name in names]
 
     def group(self) -> ProcessGroup:
-        return ProcessGroup("g", list(range(self.size)), self.rank,
-                            {"cuda": self.backend}, "nccl", self.cluster.timeout, self.rank)
+        return ProcessGroup(
+            "g",
+            list(range(self.size)),
+            self.rank,
+            {"cuda": self.backend},
+            "nccl",
+            self.cluster.timeout,
+            self.rank,
+        )
 
 
 class Cluster:
     """`size` NcclBackends of one group over one HashStore; `run` drives them in threads."""
 
-    def __init__(self, standin: CudaStandin, size: int, timeout: float = 30.0,
-                 devices: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        standin: CudaStandin,
+        size: int,
+        timeout: float = 30.0,
+        devices: list[int] | None = None,
+    ) -> None:
         self.standin, self.size, self.timeout = standin, size, timeout
         self.devices = devices or [r % standin.device_count for r in range(size)]
         self.store = dist.HashStore()
-        self.backends = [NcclBackend(dist.PrefixStore("nccl", self.store), r, size, timeout,
-                                     group_name="g") for r in range(size)]
+        self.backends = [
+            NcclBackend(dist.PrefixStore("nccl", self.store), r, size, timeout, group_name="g")
+            for r in range(size)
+        ]
         self._runs = 0
 
-    def outcomes(self, fn: Callable[..., Any], *args: Any, ranks: list[int] | None = None,
-                 timeout: float = 60.0) -> list[tuple[Any, BaseException | None]]:
+    def outcomes(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        ranks: list[int] | None = None,
+        timeout: float = 60.0,
+    ) -> list[tuple[Any, BaseException | None]]:
         """Run `fn(Rank, *args)` on `ranks` (default: all), one thread each; the
         (result, exception) of each, in the order of `ranks`."""
         ranks = list(range(self.size)) if ranks is None else ranks
@@ -140,8 +174,10 @@ class Cluster:
             except BaseException as exc:
                 out[rank] = (None, exc)
 
-        threads = [threading.Thread(target=body, args=(r,), daemon=True,
-                                    name=f"rank{r}-run{self._runs}") for r in ranks]
+        threads = [
+            threading.Thread(target=body, args=(r,), daemon=True, name=f"rank{r}-run{self._runs}")
+            for r in ranks
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -150,8 +186,13 @@ class Cluster:
         assert not stuck, f"ranks {stuck} did not finish within {timeout} s"
         return [out[r] for r in ranks]
 
-    def run(self, fn: Callable[..., Any], *args: Any, ranks: list[int] | None = None,
-            timeout: float = 60.0) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        ranks: list[int] | None = None,
+        timeout: float = 60.0,
+    ) -> list[Any]:
         """As `outcomes`, but re-raise the first rank's exception."""
         results = self.outcomes(fn, *args, ranks=ranks, timeout=timeout)
         for rank, (_, exc) in zip(ranks or range(self.size), results, strict=True):
@@ -196,8 +237,11 @@ def _reductions(me: Rank, pairs: list[tuple[ReduceOp, str]]) -> None:
             full = me.array(values(r, n * count, dtype, op))
             out = me.cp.empty(count, dtype)
             if not nccl_reduces(op, dtype):
-                for fn, args in ((b.all_reduce, (x, op)), (b.reduce, (x, 0, op)),
-                                 (b.reduce_scatter, (out, full, op))):
+                for fn, args in (
+                    (b.all_reduce, (x, op)),
+                    (b.reduce, (x, 0, op)),
+                    (b.reduce_scatter, (out, full, op)),
+                ):
                     with pytest.raises(TypeError, match="NCCL"):
                         fn(*args)
                 continue
@@ -206,11 +250,14 @@ def _reductions(me: Rank, pairs: list[tuple[ReduceOp, str]]) -> None:
             for root in range(n):
                 y = me.array(values(r, count, dtype, op))
                 b.reduce(y, root, op).wait()
-                want = (expected_reduction(n, count, dtype, op) if r == root
-                        else values(r, count, dtype, op))
+                want = (
+                    expected_reduction(n, count, dtype, op)
+                    if r == root
+                    else values(r, count, dtype, op)
+                )
                 same(y.get(), want, f"reduce to {root} {what}")
             b.reduce_scatter(out, full, op).wait()
-            want = expected_reduction(n, n * count, dtype, op)[r * count:(r + 1) * count]
+            want = expected_reduction(n, n * count, dtype, op)[r * count : (r + 1) * count]
             same(out.get(), want, f"reduce_scatter {what}")
             same(full.get(), values(r, n * count, dtype, op), f"reduce_scatter input {what}")
 
@@ -235,26 +282,34 @@ def test_avg_without_nccl_avg(cuda, make_cluster, size):
 def _mapping(me: Rank, version: int) -> list[tuple]:
     b, r, cp = me.backend, me.rank, me.cp
     seen = []
-    cases = [("bool", ReduceOp.SUM), ("bool", ReduceOp.MAX), ("bool", ReduceOp.BOR),
-             ("bool", ReduceOp.PRODUCT), ("bool", ReduceOp.MIN), ("bool", ReduceOp.BAND),
-             ("bool", ReduceOp.BXOR), ("complex64", SUM), ("complex128", AVG),
-             ("float16", AVG), ("int64", ReduceOp.PRODUCT)]
+    cases = [
+        ("bool", ReduceOp.SUM),
+        ("bool", ReduceOp.MAX),
+        ("bool", ReduceOp.BOR),
+        ("bool", ReduceOp.PRODUCT),
+        ("bool", ReduceOp.MIN),
+        ("bool", ReduceOp.BAND),
+        ("bool", ReduceOp.BXOR),
+        ("complex64", SUM),
+        ("complex128", AVG),
+        ("float16", AVG),
+        ("int64", ReduceOp.PRODUCT),
+    ]
     for dtype, op in cases:
         x = me.array(values(r, 5, dtype, op))
         mark = me.mark()
         b.all_reduce(x, op).wait()
-        call, = me.calls_since(mark, {"allReduce"})
-        seen.append((dtype, op.name, call.args["datatype"], call.args["op"],
-                     call.args["count"]))
+        (call,) = me.calls_since(mark, {"allReduce"})
+        seen.append((dtype, op.name, call.args["datatype"], call.args["op"], call.args["count"]))
     x = me.array(values(r, 6, "int16"))
     mark = me.mark()
     b.broadcast(x, 0).wait()
-    call, = me.calls_since(mark, {"broadcast"})
+    (call,) = me.calls_since(mark, {"broadcast"})
     seen.append(("int16", "broadcast", call.args["datatype"], None, call.args["count"]))
     x = cp.zeros(3, cp.complex64)
     mark = me.mark()
     b.send(x, (r + 1) % me.size, 0) if r == 0 else b.recv(x, 0, 0)
-    call, = me.calls_since(mark, {"send", "recv"})
+    (call,) = me.calls_since(mark, {"send", "recv"})
     seen.append(("complex64", call.name, call.args["datatype"], None, call.args["count"]))
     return seen
 
@@ -266,9 +321,12 @@ def test_dtype_and_op_mapping(cuda, make_cluster, version):
     avg = NCCL_AVG if version == NEW_NCCL else NCCL_SUM
     first = make_cluster(2).run(_mapping, version)[0]
     assert first == [
-        ("bool", "SUM", UINT8, NCCL_MAX, 5), ("bool", "MAX", UINT8, NCCL_MAX, 5),
-        ("bool", "BOR", UINT8, NCCL_MAX, 5), ("bool", "PRODUCT", UINT8, NCCL_MIN, 5),
-        ("bool", "MIN", UINT8, NCCL_MIN, 5), ("bool", "BAND", UINT8, NCCL_MIN, 5),
+        ("bool", "SUM", UINT8, NCCL_MAX, 5),
+        ("bool", "MAX", UINT8, NCCL_MAX, 5),
+        ("bool", "BOR", UINT8, NCCL_MAX, 5),
+        ("bool", "PRODUCT", UINT8, NCCL_MIN, 5),
+        ("bool", "MIN", UINT8, NCCL_MIN, 5),
+        ("bool", "BAND", UINT8, NCCL_MIN, 5),
         ("bool", "BXOR", UINT8, NCCL_SUM, 5),  # then only the parity bit is kept
         ("complex64", "SUM", FLOAT32, NCCL_SUM, 10),  # (real, imaginary) float pairs
         ("complex128", "AVG", FLOAT64, avg, 10),
@@ -281,13 +339,21 @@ def test_dtype_and_op_mapping(cuda, make_cluster, version):
 
 def _unsupported(me: Rank) -> None:
     b, cp = me.backend, me.cp
-    cases = [("int16", SUM, "no 16-bit integer"), ("uint16", ReduceOp.MAX, "no 16-bit integer"),
-             ("int32", ReduceOp.BAND, "no bitwise"), ("uint64", ReduceOp.BXOR, "no bitwise"),
-             ("int8", ReduceOp.BOR, "no bitwise"), ("complex64", ReduceOp.PRODUCT, "complex")]
+    cases = [
+        ("int16", SUM, "no 16-bit integer"),
+        ("uint16", ReduceOp.MAX, "no 16-bit integer"),
+        ("int32", ReduceOp.BAND, "no bitwise"),
+        ("uint64", ReduceOp.BXOR, "no bitwise"),
+        ("int8", ReduceOp.BOR, "no bitwise"),
+        ("complex64", ReduceOp.PRODUCT, "complex"),
+    ]
     for dtype, op, text in cases:
         x = cp.zeros(4, dtype)
-        for fn, args in ((b.all_reduce, (x, op)), (b.reduce, (x, 0, op)),
-                         (b.reduce_scatter, (x[:2], x, op))):
+        for fn, args in (
+            (b.all_reduce, (x, op)),
+            (b.reduce, (x, 0, op)),
+            (b.reduce_scatter, (x[:2], x, op)),
+        ):
             with pytest.raises(TypeError, match=rf"NCCL.*{text}|{text}.*NCCL") as info:
                 fn(*args)
             assert "NCCL" in str(info.value)
@@ -318,24 +384,35 @@ def _movement(me: Rank, dtypes: list[str]) -> None:
                 same(x.get(), values(root, count, dtype), f"broadcast from {root} {what}")
             out = cp.empty(n * count, dtype)
             b.all_gather(out, me.array(values(r, count, dtype))).wait()
-            same(out.get(), np.concatenate([values(k, count, dtype) for k in range(n)]),
-                 f"all_gather {what}")
+            same(
+                out.get(),
+                np.concatenate([values(k, count, dtype) for k in range(n)]),
+                f"all_gather {what}",
+            )
             # in place: the input is this rank's slice of the output
             out = me.array(np.concatenate([values(r, count, dtype)] * n))
-            b.all_gather(out, out[r * count:(r + 1) * count]).wait()
-            same(out.get(), np.concatenate([values(k, count, dtype) for k in range(n)]),
-                 f"in-place all_gather {what}")
+            b.all_gather(out, out[r * count : (r + 1) * count]).wait()
+            same(
+                out.get(),
+                np.concatenate([values(k, count, dtype) for k in range(n)]),
+                f"in-place all_gather {what}",
+            )
             for root in range(n):
                 mine = me.array(values(r + 10, count, dtype))
                 gathered = cp.empty(n * count, dtype) if r == root else None
                 b.gather(gathered, mine, root).wait()
                 if r == root:
-                    same(gathered.get(),
-                         np.concatenate([values(k + 10, count, dtype) for k in range(n)]),
-                         f"gather to {root} {what}")
+                    same(
+                        gathered.get(),
+                        np.concatenate([values(k + 10, count, dtype) for k in range(n)]),
+                        f"gather to {root} {what}",
+                    )
                 out = cp.empty(count, dtype)
-                parts = (me.array(np.concatenate([values(k + 20, count, dtype)
-                                                  for k in range(n)])) if r == root else None)
+                parts = (
+                    me.array(np.concatenate([values(k + 20, count, dtype) for k in range(n)]))
+                    if r == root
+                    else None
+                )
                 b.scatter(out, parts, root).wait()
                 same(out.get(), values(r + 20, count, dtype), f"scatter from {root} {what}")
             for m in (0, 1, count):
@@ -348,7 +425,7 @@ def _movement(me: Rank, dtypes: list[str]) -> None:
                 for k in range(n):
                     theirs = values(k + 30, sum(_split(k, j, m) for j in range(n)), dtype)
                     at = sum(_split(k, j, m) for j in range(r))
-                    pieces.append(theirs[at:at + _split(k, r, m)])
+                    pieces.append(theirs[at : at + _split(k, r, m)])
                 same(out.get(), np.concatenate(pieces), f"all_to_all m={m} {what}")
             if n > 1:  # rank 0 talks with each other rank: send, then the reply
                 peers = range(1, n) if r == 0 else [0]
@@ -388,14 +465,20 @@ def _zero_elements(me: Rank) -> list[Call]:
     b.barrier().wait()  # creates the communicator
     mark = me.mark()
     empty = cp.empty(0, cp.float32)
-    for call in (lambda: b.broadcast(empty, 0), lambda: b.all_reduce(empty, SUM),
-                 lambda: b.all_reduce(cp.empty(0, cp.bool_), ReduceOp.BXOR),
-                 lambda: b.all_reduce(empty, AVG), lambda: b.reduce(empty, 1 % n, SUM),
-                 lambda: b.all_gather(empty, empty), lambda: b.reduce_scatter(empty, empty, SUM),
-                 lambda: b.gather(empty if r == 0 else None, empty, 0),
-                 lambda: b.scatter(empty, empty if r == 0 else None, 0),
-                 lambda: b.all_to_all(empty, empty, [0] * n, [0] * n),
-                 lambda: b.send(empty, (r + 1) % n, 0), lambda: b.recv(empty, (r - 1) % n, 0)):
+    for call in (
+        lambda: b.broadcast(empty, 0),
+        lambda: b.all_reduce(empty, SUM),
+        lambda: b.all_reduce(cp.empty(0, cp.bool_), ReduceOp.BXOR),
+        lambda: b.all_reduce(empty, AVG),
+        lambda: b.reduce(empty, 1 % n, SUM),
+        lambda: b.all_gather(empty, empty),
+        lambda: b.reduce_scatter(empty, empty, SUM),
+        lambda: b.gather(empty if r == 0 else None, empty, 0),
+        lambda: b.scatter(empty, empty if r == 0 else None, 0),
+        lambda: b.all_to_all(empty, empty, [0] * n, [0] * n),
+        lambda: b.send(empty, (r + 1) % n, 0),
+        lambda: b.recv(empty, (r - 1) % n, 0),
+    ):
         work = call()
         assert work.wait() is True and work.is_completed()
     calls = me.calls_since(mark)
@@ -420,12 +503,18 @@ def _grouped(me: Rank) -> dict[str, list[tuple]]:
         issue().wait()
         seen[name] = [(c.name, c.args.get("peer")) for c in me.calls_since(mark)]
 
-    record("gather", lambda: b.gather(cp.empty(3 * n, cp.int32) if r == 1 else None,
-                                      cp.zeros(3, cp.int32), 1))
-    record("scatter", lambda: b.scatter(cp.empty(2, cp.int32),
-                                        cp.zeros(2 * n, cp.int32) if r == 0 else None, 0))
-    record("all_to_all", lambda: b.all_to_all(cp.empty(n, cp.int32), cp.zeros(n, cp.int32),
-                                              [1] * n, [1] * n))
+    record(
+        "gather",
+        lambda: b.gather(cp.empty(3 * n, cp.int32) if r == 1 else None, cp.zeros(3, cp.int32), 1),
+    )
+    record(
+        "scatter",
+        lambda: b.scatter(cp.empty(2, cp.int32), cp.zeros(2 * n, cp.int32) if r == 0 else None, 0),
+    )
+    record(
+        "all_to_all",
+        lambda: b.all_to_all(cp.empty(n, cp.int32), cp.zeros(n, cp.int32), [1] * n, [1] * n),
+    )
     return seen
 
 
@@ -441,8 +530,12 @@ def test_gather_scatter_all_to_all_are_grouped_sends_and_receives(make_cluster):
         assert seen[r]["scatter"] == [start, ("recv", 0), end]
     for r in range(3):
         peers = [p for p in range(3) if p != r]
-        assert seen[r]["all_to_all"] == [start, *[("send", p) for p in peers],
-                                         *[("recv", p) for p in peers], end]
+        assert seen[r]["all_to_all"] == [
+            start,
+            *[("send", p) for p in peers],
+            *[("recv", p) for p in peers],
+            end,
+        ]
 
 
 # -- the public list-shaped API over a ProcessGroup ---------------------------------------
@@ -495,9 +588,12 @@ def _public(me: Rank, dtype: str) -> list[Call]:
     right, left = (r + 1) % n, (r - 1) % n
     got = cp.empty(5, dtype)
     mark = me.mark()
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, me.array(values(r + 3, 5, dtype)), right, group=pg),
-        dist.P2POp(dist.irecv, got, left, group=pg)])
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, me.array(values(r + 3, 5, dtype)), right, group=pg),
+            dist.P2POp(dist.irecv, got, left, group=pg),
+        ]
+    )
     for work in works:
         assert work.wait() is True
     calls = me.calls_since(mark)
@@ -517,7 +613,11 @@ def test_public_list_api(solo, make_cluster, size, dtype):
             continue
         right, left = (r + 1) % size, (r - 1) % size
         assert [(c.name, c.args.get("peer")) for c in seen] == [
-            ("groupStart", None), ("send", right), ("recv", left), ("groupEnd", None)]
+            ("groupStart", None),
+            ("send", right),
+            ("recv", left),
+            ("groupEnd", None),
+        ]
 
 
 # -- Work: streams, events, futures -------------------------------------------------------
@@ -540,14 +640,18 @@ def _stream_semantics(me: Rank) -> None:
         before, follow, op, after = issued
         group_stream = op.args["stream"]
         assert before.args["stream"] == caller.ptr and group_stream not in (0, caller.ptr)
-        assert follow.args == {"stream": group_stream, "device": me.device,
-                               "event": before.args["event"]}
+        assert follow.args == {
+            "stream": group_stream,
+            "device": me.device,
+            "event": before.args["event"],
+        }
         assert after.args["stream"] == group_stream
         mark = me.mark()
         assert work.wait() is True  # no timeout: the caller's stream waits for the event
         waits = me.calls_since(mark, {"Stream.wait_event"})
         assert [(c.args["stream"], c.args["event"]) for c in waits] == [
-            (caller.ptr, after.args["event"])]
+            (caller.ptr, after.args["event"])
+        ]
         same(x.get(), np.full(4, n * (n + 1) / 2, np.float32), "after wait")
     assert work.is_completed() and work.is_success() and work.exception() is None
     assert work.get_future().value()[0] is x
@@ -613,8 +717,11 @@ def _wait_timeout(me: Rank, issued: list) -> None:
     b, cp = me.backend, me.cp
     x, work = issued[me.rank]
     assert not work.is_completed()
-    with pytest.raises(DistTimeoutError, match=r"all_reduce #2 on 'nccl' \(group 'g'\) did "
-                                               r"not complete within 0\.2 s") as info:
+    with pytest.raises(
+        DistTimeoutError,
+        match=r"all_reduce #2 on 'nccl' \(group 'g'\) did "
+        r"not complete within 0\.2 s",
+    ) as info:
         work.wait(timeout=0.2)
     assert "aborted" in str(info.value)
     _wait_for_aborts(me.standin, {me.rank})  # on a thread of its own
@@ -624,9 +731,13 @@ def _wait_timeout(me: Rank, issued: list) -> None:
     with pytest.raises(DistTimeoutError):
         work.wait()
     y = cp.ones(2, cp.float32)
-    for call in (lambda: b.all_reduce(y, SUM), lambda: b.broadcast(y, 0),
-                 lambda: b.send(y, 0, 0), lambda: b.barrier(),
-                 lambda: b.all_gather(cp.empty(2 * me.size, cp.float32), y)):
+    for call in (
+        lambda: b.all_reduce(y, SUM),
+        lambda: b.broadcast(y, 0),
+        lambda: b.send(y, 0, 0),
+        lambda: b.barrier(),
+        lambda: b.all_gather(cp.empty(2 * me.size, cp.float32), y),
+    ):
         with pytest.raises(DistTimeoutError, match="aborted"):
             call()
 
@@ -672,8 +783,9 @@ def test_async_error_fails_the_group_on_every_rank(cuda, make_cluster):
     issued = _hung(cuda, cluster)
     cuda.inject_async_error(rank=0)
     # rank 0's watchdog sees the error; rank 1's sees rank 0's abort notice in the store
-    (said0, exc0), (said1, exc1) = cluster.outcomes(_wait_for_failure, issued,
-                                                    DistBackendError, None)
+    (said0, exc0), (said1, exc1) = cluster.outcomes(
+        _wait_for_failure, issued, DistBackendError, None
+    )
     assert exc0 is None and exc1 is None, (exc0, exc1)
     assert "asynchronous error" in said0 and "NCCL_ERROR_REMOTE_ERROR" in said0, said0
     assert "another rank aborted the group" in said1, said1
@@ -779,8 +891,11 @@ def test_shutdown_with_hung_work_aborts(cuda, make_cluster):
     for _, work in issued:
         assert isinstance(work.exception(), RuntimeError)
         assert "destroy" in str(work.exception()) or "within" in str(work.exception())
-        expected = (dist.GroupDestroyedError if "was destroyed" in str(work.exception())
-                    else DistTimeoutError)
+        expected = (
+            dist.GroupDestroyedError
+            if "was destroyed" in str(work.exception())
+            else DistTimeoutError
+        )
         assert isinstance(work.exception(), expected), repr(work.exception())
     assert all(c.aborted for c in cuda.communicators())
 
@@ -849,7 +964,7 @@ def test_detail_names_a_rank_that_does_not_arrive(monkeypatch, cuda, make_cluste
 
 def _comm_info(me: Rank) -> tuple:
     _first_op(me)
-    comm, = me.standin.communicators(me.rank)
+    (comm,) = me.standin.communicators(me.rank)
     return comm.uid, comm.device, comm.rank_id(), comm.size(), comm.device_id()
 
 
@@ -882,12 +997,12 @@ def test_unique_id_form_falls_back_when_cupy_refuses_it(cuda, make_cluster):
 @pytest.mark.timeout(60)
 def test_a_missing_rank_times_out_naming_the_rank(cuda, make_cluster):
     cluster = make_cluster(2, timeout=1.0)
-    (_, exc), = cluster.outcomes(_first_op, ranks=[0])
+    ((_, exc),) = cluster.outcomes(_first_op, ranks=[0])
     assert isinstance(exc, DistTimeoutError), exc
     assert "rank(s) 1 never did" in str(exc) and "said which GPU" in str(exc), exc
     assert "gpu/" not in str(exc), exc
     cluster = make_cluster(2, timeout=1.0)
-    (_, exc), = cluster.outcomes(_first_op, ranks=[1])
+    ((_, exc),) = cluster.outcomes(_first_op, ranks=[1])
     assert isinstance(exc, DistTimeoutError), exc
     assert "rank(s) 0 never did" in str(exc) and "NCCL unique id" in str(exc), exc
     assert "uid" not in str(exc), exc
@@ -923,8 +1038,11 @@ def _other_device(me: Rank) -> None:
     _first_op(me)
     with me.cp.cuda.Device((me.device + 1) % 4):
         y = me.cp.ones(2, me.cp.float32)
-    with pytest.raises(ValueError, match=rf"on GPU {(me.device + 1) % 4}.*created on GPU "
-                                         rf"{me.device}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"on GPU {(me.device + 1) % 4}.*created on GPU "
+        rf"{me.device}",
+    ):
         me.backend.all_reduce(y, SUM)
     _first_op(me)  # the group still works
 
@@ -1124,8 +1242,15 @@ class _CompletesFirst:
 
 
 def _future_value(me: Rank) -> None:
-    pg = ProcessGroup("g", list(range(me.size)), me.rank,
-                      {"cuda": _CompletesFirst(me.backend)}, "nccl", 30.0, me.rank)
+    pg = ProcessGroup(
+        "g",
+        list(range(me.size)),
+        me.rank,
+        {"cuda": _CompletesFirst(me.backend)},
+        "nccl",
+        30.0,
+        me.rank,
+    )
     grid = me.array(np.ones((2, 3), np.float32))
     work = dist.all_reduce(grid, group=pg, async_op=True)
     work.synchronize()
@@ -1173,9 +1298,11 @@ def test_a_new_group_on_the_same_store_ignores_the_old_unique_id(cuda, make_clus
     old.shutdown()
     new = make_cluster(2, timeout=1.0)
     new.store = old.store
-    new.backends = [NcclBackend(dist.PrefixStore("nccl", old.store), r, 2, 1.0,
-                                group_name="g") for r in range(2)]
-    (_, exc), = new.outcomes(_first_op, ranks=[1])  # rank 0 of the new group never comes
+    new.backends = [
+        NcclBackend(dist.PrefixStore("nccl", old.store), r, 2, 1.0, group_name="g")
+        for r in range(2)
+    ]
+    ((_, exc),) = new.outcomes(_first_op, ranks=[1])  # rank 0 of the new group never comes
     assert isinstance(exc, DistTimeoutError), f"rank 1 did not wait for a new id: {exc!r}"
 
 
@@ -1195,8 +1322,10 @@ def test_an_old_abort_notice_does_not_abort_a_new_group(cuda, make_cluster):
         old.store.delete_key(key)
     new = make_cluster(2)
     new.store = old.store
-    new.backends = [NcclBackend(dist.PrefixStore("nccl", old.store), r, 2, 30.0,
-                                group_name="g") for r in range(2)]
+    new.backends = [
+        NcclBackend(dist.PrefixStore("nccl", old.store), r, 2, 30.0, group_name="g")
+        for r in range(2)
+    ]
     issued = _hung(cuda, new)
     # one rank at a time: the first to time out leaves the new group's notice, which the
     # other's watchdog may read before that one's own wait ends (an error naming rank 0)
@@ -1285,8 +1414,7 @@ def test_arrays_on_two_gpus_are_refused(solo, cuda, make_cluster):
         dist.all_gather_single(out, mine, group=group)
 
 
-def test_recorder_settles_a_synchronous_op_when_the_device_finishes_it(solo, cuda,
-                                                                       make_cluster):
+def test_recorder_settles_a_synchronous_op_when_the_device_finishes_it(solo, cuda, make_cluster):
     """A synchronous nccl collective returns once the caller's stream is ordered after it:
     the flight recorder (and so the stall inspector) keeps it running until its event
     completes on the device."""
@@ -1320,8 +1448,9 @@ def test_init_with_device_id_creates_the_communicator_there(cuda, monkeypatch):
     from distcomm.gpu import runtime
 
     monkeypatch.setattr(runtime, "_chosen", None)
-    dist.init_process_group("cpu:tcp,cuda:nccl", store=dist.HashStore(), rank=0,
-                            world_size=1, device_id="cuda:2")
+    dist.init_process_group(
+        "cpu:tcp,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1, device_id="cuda:2"
+    )
     try:
         backend = dist.group.WORLD._backends["cuda"]
         assert backend._comm is not None and backend._device.id == 2
@@ -1340,9 +1469,13 @@ def test_split_group_and_premul_sum_on_one_rank(cuda, monkeypatch):
     for key, value in LOOPBACK_ENV.items():
         monkeypatch.setenv(key, value)
     got = test_gpu_device._split_and_premul()
-    assert got == {"x": [k * 0.5 for k in range(8)],
-                   "z": [complex(2 * k, 2 * k) for k in range(6)],
-                   "out": [0.0, 3.0, 6.0, 9.0], "h": [k * 0.5 for k in range(5)], "sub": 1}
+    assert got == {
+        "x": [k * 0.5 for k in range(8)],
+        "z": [complex(2 * k, 2 * k) for k in range(6)],
+        "out": [0.0, 3.0, 6.0, 9.0],
+        "h": [k * 0.5 for k in range(5)],
+        "sub": 1,
+    }
 
 
 def test_avg_on_one_rank_runs_as_a_sum(cuda, monkeypatch):
@@ -1354,8 +1487,7 @@ def test_avg_on_one_rank_runs_as_a_sum(cuda, monkeypatch):
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=30)
     try:
         out = cp.empty(9001, cp.float32)
-        dist.reduce_scatter_single(out, cp.asarray(np.arange(9001, dtype=np.float32)),
-                                   ReduceOp.AVG)
+        dist.reduce_scatter_single(out, cp.asarray(np.arange(9001, dtype=np.float32)), ReduceOp.AVG)
         same(out.get(), np.arange(9001, dtype=np.float32), "one rank's AVG")
     finally:
         dist.destroy_process_group()

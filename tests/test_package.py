@@ -21,8 +21,9 @@ def test_version_is_the_installed_distributions():
 
 def test_the_launcher_says_its_version():
     for module in ("distcomm.run", "distcomm.launch.run"):
-        done = subprocess.run([sys.executable, "-m", module, "--version"],
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == f"distcomm-run (distcomm {distcomm.__version__})"
 
@@ -45,7 +46,12 @@ def test_every_folder_of_modules_is_a_package():
     # setup.cfg's `packages = find:` ships only folders with an __init__.py: one without
     # it (distcomm/backends/transport once) is missing from every wheel and sdist
     package = ROOT / "distcomm"
-    missing = sorted(str(d.relative_to(ROOT)) for d in [package, *package.rglob("*")]
-                     if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
-                     and not (d / "__init__.py").exists())
+    missing = sorted(
+        str(d.relative_to(ROOT))
+        for d in [package, *package.rglob("*")]
+        if d.is_dir()
+        and d.name != "__pycache__"
+        and any(d.glob("*.py"))
+        and not (d / "__init__.py").exists()
+    )
     assert not missing, f"folders of modules without __init__.py: {missing}"

@@ -28,8 +28,13 @@ CORES = psutil.cpu_count(logical=False) or psutil.cpu_count(logical=True) or 1
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter whose thread variables are exactly `env`."""
     base = {k: v for k, v in os.environ.items() if k not in THREAD_ENV}
-    proc = subprocess.run([sys.executable, "-c", code], env={**base, **env}, timeout=60,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**base, **env},
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -49,28 +54,36 @@ def restore_threads():
 
 # -- defaults -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("env", "expected"), [
-    ({}, CORES),
-    ({"OMP_NUM_THREADS": "3"}, 3),
-    ({"MKL_NUM_THREADS": "5"}, 5),
-    ({"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "5"}, 5),  # torch: MKL_NUM_THREADS wins
-    ({"OMP_NUM_THREADS": "4,2"}, 4),  # OpenMP's nested list: the outer level
-    ({"OMP_NUM_THREADS": "3", "LOCAL_WORLD_SIZE": "2"}, 3),  # explicit beats the division
-    ({"LOCAL_WORLD_SIZE": "2"}, max(1, CORES // 2)),
-    ({"LOCAL_WORLD_SIZE": str(CORES * 4)}, 1),
-], ids=lambda v: repr(v) if isinstance(v, dict) else str(v))
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, CORES),
+        ({"OMP_NUM_THREADS": "3"}, 3),
+        ({"MKL_NUM_THREADS": "5"}, 5),
+        ({"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "5"}, 5),  # torch: MKL_NUM_THREADS wins
+        ({"OMP_NUM_THREADS": "4,2"}, 4),  # OpenMP's nested list: the outer level
+        ({"OMP_NUM_THREADS": "3", "LOCAL_WORLD_SIZE": "2"}, 3),  # explicit beats the division
+        ({"LOCAL_WORLD_SIZE": "2"}, max(1, CORES // 2)),
+        ({"LOCAL_WORLD_SIZE": str(CORES * 4)}, 1),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else str(v),
+)
 def test_default_intraop_threads(env, expected):
     proc = run_python("from distcomm import parallel; print(parallel.get_num_threads())", **env)
     assert int(proc.stdout) == expected
     assert "Warning" not in proc.stderr
 
 
-@pytest.mark.parametrize(("env", "bad", "expected"), [
-    ({"OMP_NUM_THREADS": "lots"}, "OMP_NUM_THREADS='lots'", CORES),
-    ({"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'", CORES),
-    ({"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "-2"}, "MKL_NUM_THREADS='-2'", 3),
-    ({"LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE='x'", CORES),
-])
+@pytest.mark.parametrize(
+    ("env", "bad", "expected"),
+    [
+        ({"OMP_NUM_THREADS": "lots"}, "OMP_NUM_THREADS='lots'", CORES),
+        ({"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'", CORES),
+        ({"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "-2"}, "MKL_NUM_THREADS='-2'", 3),
+        ({"LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE='x'", CORES),
+    ],
+)
 def test_invalid_thread_variables_warn_and_fall_back(env, bad, expected):
     proc = run_python("from distcomm import parallel; print(parallel.get_num_threads())", **env)
     assert int(proc.stdout) == expected
@@ -78,12 +91,16 @@ def test_invalid_thread_variables_warn_and_fall_back(env, bad, expected):
 
 
 def test_default_interop_threads_are_the_cores():
-    proc = run_python("from distcomm import parallel; print(parallel.get_num_interop_threads())",
-                      OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="4")
+    proc = run_python(
+        "from distcomm import parallel; print(parallel.get_num_interop_threads())",
+        OMP_NUM_THREADS="1",
+        LOCAL_WORLD_SIZE="4",
+    )
     assert int(proc.stdout) == CORES
 
 
 # -- intra-op settings --------------------------------------------------------------------
+
 
 def test_set_get_round_trip():
     for n in (1, 3, 2, np.int64(5)):
@@ -92,10 +109,17 @@ def test_set_get_round_trip():
         assert type(parallel.get_num_threads()) is int
 
 
-@pytest.mark.parametrize(("value", "error"), [
-    (0, ValueError), (-1, ValueError), (2.0, TypeError), ("2", TypeError), (True, TypeError),
-    (None, TypeError),
-])
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (0, ValueError),
+        (-1, ValueError),
+        (2.0, TypeError),
+        ("2", TypeError),
+        (True, TypeError),
+        (None, TypeError),
+    ],
+)
 def test_bad_counts_are_rejected(value, error):
     before = parallel.get_num_threads()
     for call in (parallel.set_num_threads, parallel.threads, parallel.set_num_interop_threads):
@@ -135,6 +159,7 @@ def test_threads_restores_count_and_blas_on_exit_and_on_error():
 
 
 # -- inter-op pool, fork and wait ---------------------------------------------------------
+
 
 def test_interop_threads_settable_once_before_use():
     code = """
@@ -194,6 +219,7 @@ def test_forked_calls_run_concurrently():
 
 # -- parallel_info --------------------------------------------------------------------------
 
+
 def test_parallel_info(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
@@ -203,8 +229,9 @@ def test_parallel_info(monkeypatch):
     assert f"get_num_interop_threads() : {parallel.get_num_interop_threads()}" in info
     assert "OMP_NUM_THREADS : 7" in info and "MKL_NUM_THREADS : [not set]" in info
     assert "LOCAL_WORLD_SIZE :" in info
-    assert (f"{psutil.cpu_count(logical=False)} physical, "
-            f"{psutil.cpu_count(logical=True)} logical") in info
+    assert (
+        f"{psutil.cpu_count(logical=False)} physical, {psutil.cpu_count(logical=True)} logical"
+    ) in info
     if hasattr(os, "sched_getaffinity"):
         assert f"CPU affinity : {len(os.sched_getaffinity(0))} CPUs" in info
     for pool in blas_pools():
@@ -214,6 +241,7 @@ def test_parallel_info(monkeypatch):
 
 
 # -- parallel_for ---------------------------------------------------------------------------
+
 
 def run_pieces(count: int, min_chunk: int) -> list[tuple[int, int]]:
     calls = []
@@ -228,9 +256,19 @@ def run_pieces(count: int, min_chunk: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("nthreads", [1, 2, 3, 7])
-@pytest.mark.parametrize(("count", "min_chunk"), [
-    (0, 1), (1, 1), (5, 1), (17, 2), (101, 3), (1001, 7), (9999, 1000), (50, 100),
-])
+@pytest.mark.parametrize(
+    ("count", "min_chunk"),
+    [
+        (0, 1),
+        (1, 1),
+        (5, 1),
+        (17, 2),
+        (101, 3),
+        (1001, 7),
+        (9999, 1000),
+        (50, 100),
+    ],
+)
 def test_parallel_for_covers_every_index_once(nthreads, count, min_chunk):
     parallel.set_num_threads(nthreads)
     pieces = run_pieces(count, min_chunk)
@@ -253,8 +291,9 @@ def test_parallel_for_runs_on_named_daemon_threads():
     parallel.parallel_for(3, fn, min_chunk=1)
     workers = [t for t in threading.enumerate() if t.name.startswith("distcomm-intraop-")]
     assert len(names) == 3 and threading.current_thread().name in names
-    assert all(name.startswith("distcomm-intraop-") for name in names - {
-        threading.current_thread().name})
+    assert all(
+        name.startswith("distcomm-intraop-") for name in names - {threading.current_thread().name}
+    )
     assert len(workers) >= 2 and all(t.daemon for t in workers)
 
 
@@ -295,8 +334,7 @@ def test_parallel_for_nested_call_runs_inline():
         seen[start:stop] += 1
 
     def outer(start: int, stop: int) -> None:
-        parallel.parallel_for(stop - start, lambda a, b: inner(start + a, start + b),
-                              min_chunk=1)
+        parallel.parallel_for(stop - start, lambda a, b: inner(start + a, start + b), min_chunk=1)
 
     parallel.parallel_for(300, outer, min_chunk=1)
     assert (seen == 1).all()
@@ -354,6 +392,7 @@ def test_parallel_for_and_fork_work_in_a_forked_child():
 
 
 # -- threaded reduce_into -----------------------------------------------------------------
+
 
 def operands(dtype: np.dtype, count: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)

@@ -90,10 +90,12 @@ def master() -> Iterator[TCPStore]:
     store.close()
 
 
-def _params(backend: str = "dummy_backend", min_nodes: int = 3, max_nodes: int = 6,
-            **kwargs: Any) -> RendezvousParameters:
-    return RendezvousParameters(backend, "dummy_endpoint", "dummy_run_id", min_nodes,
-                                max_nodes, **kwargs)
+def _params(
+    backend: str = "dummy_backend", min_nodes: int = 3, max_nodes: int = 6, **kwargs: Any
+) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend, "dummy_endpoint", "dummy_run_id", min_nodes, max_nodes, **kwargs
+    )
 
 
 # -- 6. RendezvousParameters ------------------------------------------------------------------
@@ -102,7 +104,10 @@ def _params(backend: str = "dummy_backend", min_nodes: int = 3, max_nodes: int =
 def test_parameters_take_torch_keyword_options_into_config() -> None:
     params = _params(dummy_param="x", rank=0, timeout=60)
     assert (params.backend, params.endpoint, params.run_id) == (
-        "dummy_backend", "dummy_endpoint", "dummy_run_id")
+        "dummy_backend",
+        "dummy_endpoint",
+        "dummy_run_id",
+    )
     assert (params.min_nodes, params.max_nodes, params.local_addr) == (3, 6, None)
     assert params.config == {"dummy_param": "x", "rank": 0, "timeout": 60}
     assert params.get("dummy_param") == "x"
@@ -121,17 +126,23 @@ def test_parameters_refuse_an_empty_backend(backend: object) -> None:
 
 @pytest.mark.parametrize("min_nodes", [0, -1, -5])
 def test_parameters_refuse_min_nodes_below_one(min_nodes: int) -> None:
-    with pytest.raises(ValueError, match=rf"minimum number of rendezvous nodes \({min_nodes}\) "
-                                         r"must be greater than zero") as info:
+    with pytest.raises(
+        ValueError,
+        match=rf"minimum number of rendezvous nodes \({min_nodes}\) "
+        r"must be greater than zero",
+    ) as info:
         _params(min_nodes=min_nodes)
     assert "--nnodes" in str(info.value)
 
 
 @pytest.mark.parametrize("max_nodes", [2, 1, -2])
 def test_parameters_refuse_max_nodes_below_min_nodes(max_nodes: int) -> None:
-    with pytest.raises(ValueError, match=rf"maximum number of rendezvous nodes \({max_nodes}\) "
-                       r"must be greater than or equal to the minimum number of rendezvous "
-                       r"nodes \(3\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"maximum number of rendezvous nodes \({max_nodes}\) "
+        r"must be greater than or equal to the minimum number of rendezvous "
+        r"nodes \(3\)",
+    ):
         _params(max_nodes=max_nodes)
 
 
@@ -157,8 +168,9 @@ def test_get_as_bool_false(value: object) -> None:
 
 @pytest.mark.parametrize("value", ["01", "Flse", "Ture", "g", "4", "_", "truefalse", 2, -1, 1.0])
 def test_get_as_bool_refuses(value: object) -> None:
-    with pytest.raises(ValueError, match="option 'dummy_param' does not represent a valid "
-                                         "boolean value"):
+    with pytest.raises(
+        ValueError, match="option 'dummy_param' does not represent a valid boolean value"
+    ):
         _params(dummy_param=value).get_as_bool("dummy_param")
 
 
@@ -178,8 +190,9 @@ def test_get_as_int_parses(value: object) -> None:
 
 @pytest.mark.parametrize("value", ["a", "0a", "3b", "abc", "1.5"])
 def test_get_as_int_refuses(value: str) -> None:
-    with pytest.raises(ValueError, match="option 'dummy_param' does not represent a valid "
-                                         "integer value"):
+    with pytest.raises(
+        ValueError, match="option 'dummy_param' does not represent a valid integer value"
+    ):
         _params(dummy_param=value).get_as_int("dummy_param")
 
 
@@ -228,8 +241,9 @@ def test_registry_registers_creates_and_checks_names() -> None:
     assert isinstance(handler, _Dummy) and handler.params is params
     registry.register("dummy_backend_2", _make_dummy)
     params.backend = "dummy_backend_2"
-    with pytest.raises(RuntimeError, match="'dummy_backend' does not match the requested "
-                                           "backend 'dummy_backend_2'"):
+    with pytest.raises(
+        RuntimeError, match="'dummy_backend' does not match the requested backend 'dummy_backend_2'"
+    ):
         registry.create_handler(params)
     params.backend = "nobody"
     with pytest.raises(ValueError, match="'nobody' is not registered") as info:
@@ -247,14 +261,15 @@ def test_the_global_registry_is_the_one_behind_distcomms_functions() -> None:
     assert "port-global" in registered_rendezvous_backends()
     assert get_rendezvous_handler(_params("port-global")).get_backend() == "port-global"
     register_rendezvous_backend("port-global", creator)  # same creator: fine
-    assert {"static", "c10d", "etcd", "etcd-v2", "file"} <= set(
-        rendezvous_handler_registry.names())
+    assert {"static", "c10d", "etcd", "etcd-v2", "file"} <= set(rendezvous_handler_registry.names())
 
 
 def test_a_backend_declared_as_an_entry_point_is_found_by_name(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     package = tmp_path / "port_rdzv_plugin.py"
-    package.write_text(textwrap.dedent("""
+    package.write_text(
+        textwrap.dedent("""
         from distcomm.launch.rendezvous import RendezvousHandler
 
         class Handler(RendezvousHandler):
@@ -270,13 +285,14 @@ def test_a_backend_declared_as_an_entry_point_is_found_by_name(
 
         def get_handler():
             return Handler
-    """))
+    """)
+    )
     info = tmp_path / "port_rdzv_plugin-1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: port-rdzv-plugin\n"
-                                   "Version: 1.0\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: port-rdzv-plugin\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[distcomm.rendezvous_handlers]\nport-plugin = port_rdzv_plugin:get_handler\n")
+        "[distcomm.rendezvous_handlers]\nport-plugin = port_rdzv_plugin:get_handler\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "port-plugin" in registered_rendezvous_backends()
     handler = get_rendezvous_handler(_params("port-plugin"))
@@ -288,8 +304,10 @@ def test_a_backend_declared_as_an_entry_point_is_found_by_name(
 
 def test_static_handler_reads_rank_and_endpoint() -> None:
     port = free_port()
-    params = [RendezvousParameters("static", f"{HOST}:{port}", "static-ep", 2, 2, rank=rank,
-                                   timeout=30) for rank in (0, 1)]
+    params = [
+        RendezvousParameters("static", f"{HOST}:{port}", "static-ep", 2, 2, rank=rank, timeout=30)
+        for rank in (0, 1)
+    ]
     handlers = [create_rdzv_handler(p) for p in params]
     assert all(h.get_backend() == "static" for h in handlers)
     try:
@@ -305,8 +323,9 @@ def test_static_handler_reads_rank_and_endpoint() -> None:
 
 def test_static_handler_single_node_rounds_at_a_given_port() -> None:
     port = free_port()
-    handler = create_rdzv_handler(RendezvousParameters(
-        "static", f"localhost:{port}", "test_id", 1, 1, rank=0))
+    handler = create_rdzv_handler(
+        RendezvousParameters("static", f"localhost:{port}", "test_id", 1, 1, rank=0)
+    )
     try:
         for _ in range(2):
             info = handler.next_rendezvous()
@@ -318,8 +337,7 @@ def test_static_handler_single_node_rounds_at_a_given_port() -> None:
 
 def test_static_handler_refuses_an_endpoint_without_port() -> None:
     with pytest.raises(ValueError, match="Port is absent in endpoint"):
-        create_rdzv_handler(RendezvousParameters("static", "localhost", "test_id", 1, 1,
-                                                 rank=0))
+        create_rdzv_handler(RendezvousParameters("static", "localhost", "test_id", 1, 1, rank=0))
 
 
 def test_static_tcp_rendezvous_has_torchs_constructor() -> None:
@@ -355,15 +373,16 @@ def _check_backend_contract(backend: RendezvousBackend, corrupt: Callable[[], No
 def test_c10d_backend_over_a_tcp_store(master: TCPStore) -> None:
     backend = C10dRendezvousBackend(master, "contract")
     assert backend.name == "c10d"
-    _check_backend_contract(backend, lambda: master.set("torch.rendezvous.contract",
-                                                        "non_base64"))
+    _check_backend_contract(backend, lambda: master.set("torch.rendezvous.contract", "non_base64"))
 
 
 def test_c10d_backend_over_a_file_store(tmp_path: Any) -> None:
     store = FileStore(str(tmp_path / "store"), world_size=-1)
     try:
-        _check_backend_contract(C10dRendezvousBackend(store, "contract"),
-                                lambda: store.set("torch.rendezvous.contract", "non_base64"))
+        _check_backend_contract(
+            C10dRendezvousBackend(store, "contract"),
+            lambda: store.set("torch.rendezvous.contract", "non_base64"),
+        )
     finally:
         store.close()
 
@@ -380,8 +399,7 @@ def test_etcd_backend_over_an_etcd_store(etcd_endpoint: str) -> None:
     try:
         backend = EtcdRendezvousBackend(store, "contract", "/dummy_prefix")
         assert backend.name == "etcd-v2"
-        _check_backend_contract(backend, lambda: store.set("/dummy_prefix/contract",
-                                                           "non_base64"))
+        _check_backend_contract(backend, lambda: store.set("/dummy_prefix/contract", "non_base64"))
     finally:
         store.close()
 
@@ -395,8 +413,9 @@ def _c10d_params(endpoint: str, **conf: Any) -> RendezvousParameters:
 
 def test_c10d_create_backend_over_tcp_and_file(tmp_path: Any) -> None:
     port = free_port()
-    backend, store = create_c10d_backend(_c10d_params(
-        f"localhost:{port}", is_host="true", store_type="tCp", read_timeout="10"))
+    backend, store = create_c10d_backend(
+        _c10d_params(f"localhost:{port}", is_host="true", store_type="tCp", read_timeout="10")
+    )
     try:
         assert backend.name == "c10d" and isinstance(store, TCPStore)
         assert store.port == port
@@ -422,17 +441,22 @@ def test_c10d_create_backend_refusals() -> None:
     for read_timeout in ("0", "-10"):
         with pytest.raises(ValueError, match="The read timeout must be a positive integer"):
             create_c10d_backend(_c10d_params("localhost:1", read_timeout=read_timeout))
-    with pytest.raises(RendezvousConnectionError,
-                       match="The connection to the C10d store has failed"):
-        create_c10d_backend(_c10d_params(f"{HOST}:{free_port()}", is_host="false",
-                                         read_timeout="1"))
+    with pytest.raises(
+        RendezvousConnectionError, match="The connection to the C10d store has failed"
+    ):
+        create_c10d_backend(
+            _c10d_params(f"{HOST}:{free_port()}", is_host="false", read_timeout="1")
+        )
 
 
 def test_etcd_create_backend(etcd_endpoint: str) -> None:
     from distcomm.store.etcd import EtcdStore
 
-    backend, store = create_etcd_backend(RendezvousParameters(
-        "etcd-v2", etcd_endpoint, "port-etcd-v2", 1, 1, protocol="hTTp", read_timeout="10"))
+    backend, store = create_etcd_backend(
+        RendezvousParameters(
+            "etcd-v2", etcd_endpoint, "port-etcd-v2", 1, 1, protocol="hTTp", read_timeout="10"
+        )
+    )
     reader = EtcdStore(etcd_endpoint, prefix="/", timeout=10)
     try:
         assert backend.name == "etcd-v2" and isinstance(store, EtcdStore)
@@ -443,8 +467,9 @@ def test_etcd_create_backend(etcd_endpoint: str) -> None:
         reader.close()
         store.close()
     with pytest.raises(ValueError, match="The protocol must be HTTP or HTTPS"):
-        create_etcd_backend(RendezvousParameters("etcd-v2", etcd_endpoint, "x", 1, 1,
-                                                 protocol="dummy"))
+        create_etcd_backend(
+            RendezvousParameters("etcd-v2", etcd_endpoint, "x", 1, 1, protocol="dummy")
+        )
 
 
 # -- 6. a custom backend in torch's shape: rounds through distcomm's dynamic handler ----------
@@ -467,12 +492,12 @@ class DictBackend(RendezvousBackend):
         with self._lock:
             return self.data.get("state")
 
-    def set_state(self, state: bytes, token: Token | None = None
-                  ) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
         with self._lock:
             current = self.data.get("state")
-            if (current is None and token is None) or (
-                    current is not None and token == current[1]):
+            if (current is None and token is None) or (current is not None and token == current[1]):
                 new_token = 1 if current is None else current[1] + 1
                 self.data["state"] = (state, new_token)
                 self.writers.add(threading.current_thread().name)
@@ -489,10 +514,20 @@ def _join_all(handlers: list[DynamicRendezvousHandler]) -> list[RendezvousInfo]:
 def test_from_backend_forms_rounds_with_the_state_in_the_backend(master: TCPStore) -> None:
     backend = DictBackend()
     stores = [master.clone() for _ in range(3)]
-    handlers = [DynamicRendezvousHandler.from_backend(
-        "custom-run", store, backend, 3, 3, local_addr=f"node{i}",
-        timeout=RendezvousTimeout(last_call=_seconds(0.3), close=_seconds(10)),
-        keep_alive_interval=0.2, keep_alive_max_attempt=5) for i, store in enumerate(stores)]
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            "custom-run",
+            store,
+            backend,
+            3,
+            3,
+            local_addr=f"node{i}",
+            timeout=RendezvousTimeout(last_call=_seconds(0.3), close=_seconds(10)),
+            keep_alive_interval=0.2,
+            keep_alive_max_attempt=5,
+        )
+        for i, store in enumerate(stores)
+    ]
     try:
         assert {h.get_backend() for h in handlers} == {"dictrdzv"}
         first = _join_all(handlers)
@@ -522,8 +557,7 @@ def _seconds(value: float) -> Any:
     return timedelta(seconds=value)
 
 
-def test_a_registered_custom_backend_forms_rounds_through_the_registry(
-        master: TCPStore) -> None:
+def test_a_registered_custom_backend_forms_rounds_through_the_registry(master: TCPStore) -> None:
     backend = DictBackend("port-dict")
     opened: list[Store] = []
 
@@ -534,9 +568,14 @@ def test_a_registered_custom_backend_forms_rounds_through_the_registry(
         return create_handler(store, backend, params)
 
     rendezvous_handler_registry.register("port-dict", creator)
-    handlers = [get_rendezvous_handler(RendezvousParameters(
-        "port-dict", "", "dict-run", 2, 3, f"n{i}", **FAST, custom_option="kept"))
-        for i in range(3)]
+    handlers = [
+        get_rendezvous_handler(
+            RendezvousParameters(
+                "port-dict", "", "dict-run", 2, 3, f"n{i}", **FAST, custom_option="kept"
+            )
+        )
+        for i in range(3)
+    ]
     try:
         infos = _join_all(handlers)  # type: ignore[arg-type]
         assert sorted(i.rank for i in infos) == [0, 1, 2]
@@ -551,26 +590,44 @@ def test_a_registered_custom_backend_forms_rounds_through_the_registry(
 
 
 def test_create_handler_reads_torchs_timeout_options(master: TCPStore) -> None:
-    params = RendezvousParameters("dictrdzv", "", "opts", 1, 1, join_timeout="7",
-                                  last_call_timeout=2, close_timeout="3",
-                                  heartbeat_timeout="4", keep_alive_interval="1",
-                                  keep_alive_max_attempt=2, backend_own_key="x")
+    params = RendezvousParameters(
+        "dictrdzv",
+        "",
+        "opts",
+        1,
+        1,
+        join_timeout="7",
+        last_call_timeout=2,
+        close_timeout="3",
+        heartbeat_timeout="4",
+        keep_alive_interval="1",
+        keep_alive_max_attempt=2,
+        backend_own_key="x",
+    )
     handler = create_handler(master, DictBackend(), params)
     assert handler.get_backend() == "dictrdzv"
     assert handler._join_timeout == 7 and handler._close_timeout == 3
     assert handler._limits.last_call_timeout == 2 and handler._limits.dead_after == 2
     with pytest.raises(ValueError, match="keep_alive_max_attempt"):
-        create_handler(master, DictBackend(), RendezvousParameters(
-            "dictrdzv", "", "opts", 1, 1, keep_alive_max_attempt="x"))
+        create_handler(
+            master,
+            DictBackend(),
+            RendezvousParameters("dictrdzv", "", "opts", 1, 1, keep_alive_max_attempt="x"),
+        )
     with pytest.raises(TypeError, match="RendezvousBackend"):
         create_handler(master, object(), params)  # type: ignore[arg-type]
 
 
 def test_the_c10d_backend_forms_rounds_through_create_handler(master: TCPStore) -> None:
     stores = [master.clone() for _ in range(2)]
-    handlers = [create_handler(store, C10dRendezvousBackend(store, "c10d-api"),
-                               RendezvousParameters("c10d", "", "c10d-api", 2, 2, **FAST))
-                for store in stores]
+    handlers = [
+        create_handler(
+            store,
+            C10dRendezvousBackend(store, "c10d-api"),
+            RendezvousParameters("c10d", "", "c10d-api", 2, 2, **FAST),
+        )
+        for store in stores
+    ]
     try:
         infos = _join_all(handlers)
         assert sorted(i.rank for i in infos) == [0, 1]
@@ -583,7 +640,8 @@ def test_the_c10d_backend_forms_rounds_through_create_handler(master: TCPStore) 
 
 
 def test_a_custom_backend_runs_a_job_through_the_launch_api(
-        master: TCPStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    master: TCPStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
     from distcomm.launch.api import LaunchConfig, elastic_launch
     from tests.launchjobs import launcher_env
 
@@ -595,12 +653,20 @@ def test_a_custom_backend_runs_a_job_through_the_launch_api(
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     backend = DictBackend("port-launch")
     rendezvous_handler_registry.register(
-        "port-launch", lambda params: create_handler(master, backend, params))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2,
-                          rdzv_backend="port-launch", rdzv_endpoint="", run_id="launch-run",
-                          rdzv_configs=dict(FAST), max_restarts=0, monitor_interval=0.05)
-    result = elastic_launch(config, sys.executable)(
-        "-c", "import os; print(os.environ['RANK'])")
+        "port-launch", lambda params: create_handler(master, backend, params)
+    )
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=2,
+        rdzv_backend="port-launch",
+        rdzv_endpoint="",
+        run_id="launch-run",
+        rdzv_configs=dict(FAST),
+        max_restarts=0,
+        monitor_interval=0.05,
+    )
+    result = elastic_launch(config, sys.executable)("-c", "import os; print(os.environ['RANK'])")
     assert set(result) == {0, 1}
     assert backend.get_state() is not None
 
@@ -608,8 +674,9 @@ def test_a_custom_backend_runs_a_job_through_the_launch_api(
 # -- 12. the endpoint parser ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("endpoint", ["dummy.com:0", "dummy-1.com:65535", "123.123.123.123:123",
-                                      "[2001:db8::1]:123"])
+@pytest.mark.parametrize(
+    "endpoint", ["dummy.com:0", "dummy-1.com:65535", "123.123.123.123:123", "[2001:db8::1]:123"]
+)
 def test_parse_endpoint_host_and_port(endpoint: str) -> None:
     host, port = endpoint.rsplit(":", 1)
     assert parse_rendezvous_endpoint(endpoint, 123) == (host.strip("[]"), int(port))
@@ -625,12 +692,25 @@ def test_parse_endpoint_empty_is_localhost(endpoint: str | None) -> None:
     assert parse_rendezvous_endpoint(endpoint, 123) == ("localhost", 123)
 
 
-@pytest.mark.parametrize("endpoint", ["dummy.com:", "host:", "[::1]:", "dummy.com:abc",
-                                      "dummy.com:-123", "dummy.com:-", "dummy.com:65536",
-                                      "dummy.com:70000"])
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "dummy.com:",
+        "host:",
+        "[::1]:",
+        "dummy.com:abc",
+        "dummy.com:-123",
+        "dummy.com:-",
+        "dummy.com:65536",
+        "dummy.com:70000",
+    ],
+)
 def test_parse_endpoint_refuses_a_bad_port(endpoint: str) -> None:
-    with pytest.raises(ValueError, match=r"port number of the rendezvous endpoint .* must be an "
-                                         r"integer between 0 and 65536") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"port number of the rendezvous endpoint .* must be an "
+        r"integer between 0 and 65536",
+    ) as info:
         parse_rendezvous_endpoint(endpoint, 123)
     assert "--rdzv_endpoint" in str(info.value)
 
@@ -691,7 +771,8 @@ def _install_plugin(where: Any) -> None:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cli-dict-rdzv\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[distcomm.rendezvous_handlers]\ncli-dict = cli_dict_rdzv:get_handler\n")
+        "[distcomm.rendezvous_handlers]\ncli-dict = cli_dict_rdzv:get_handler\n"
+    )
 
 
 def _cli(tmp_path: Any, *flags: str, pythonpath: str = "") -> Any:
@@ -702,9 +783,19 @@ def _cli(tmp_path: Any, *flags: str, pythonpath: str = "") -> Any:
     env = launcher_env()
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env["PYTHONPATH"]])
-    return run_launcher(["--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
-                         "--monitor-interval=0.05", *flags, str(worker)], tmp_path, env,
-                        timeout=90)
+    return run_launcher(
+        [
+            "--nnodes=1",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            "--monitor-interval=0.05",
+            *flags,
+            str(worker),
+        ],
+        tmp_path,
+        env,
+        timeout=90,
+    )
 
 
 def test_distcomm_run_refuses_an_endpoint_with_an_empty_port(tmp_path: Any) -> None:
@@ -719,9 +810,13 @@ def test_distcomm_run_loads_a_plugin_backend_by_name(tmp_path: Any) -> None:
     plugin = tmp_path / "plugin"
     plugin.mkdir()
     _install_plugin(plugin)
-    done = _cli(tmp_path, "--rdzv-backend=cli-dict", "--rdzv-id=cli",
-                "--rdzv-conf=last_call_timeout=0.3,keep_alive_interval=0.2",
-                pythonpath=str(plugin))
+    done = _cli(
+        tmp_path,
+        "--rdzv-backend=cli-dict",
+        "--rdzv-id=cli",
+        "--rdzv-conf=last_call_timeout=0.3,keep_alive_interval=0.2",
+        pythonpath=str(plugin),
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "cli-dict: state written" in output
@@ -739,15 +834,23 @@ def test_a_handler_shows_its_settings_as_torchs_does() -> None:
     store = HashStore()
     timeout = RendezvousTimeout(join=timedelta(seconds=9))
     handler = DynamicRendezvousHandler.from_backend(
-        "settings", store, C10dRendezvousBackend(store, "settings"), 2, 4, timeout=timeout,
-        keep_alive_interval=2, keep_alive_max_attempt=4)
+        "settings",
+        store,
+        C10dRendezvousBackend(store, "settings"),
+        2,
+        4,
+        timeout=timeout,
+        keep_alive_interval=2,
+        keep_alive_max_attempt=4,
+    )
     settings = handler.settings
     assert (settings.run_id, settings.min_nodes, settings.max_nodes) == ("settings", 2, 4)
     assert settings.timeout is timeout  # the very object given, as torch's tests check
     assert settings.keep_alive_interval == timedelta(seconds=2)
     assert settings.keep_alive_max_attempt == 4
     plain = DynamicRendezvousHandler.from_backend(
-        "plain", store, C10dRendezvousBackend(store, "plain"), 1, 1)
+        "plain", store, C10dRendezvousBackend(store, "plain"), 1, 1
+    )
     assert plain.settings.timeout.join == timedelta(seconds=600)
     assert plain.settings.timeout.last_call == timedelta(seconds=30)
 
@@ -755,20 +858,30 @@ def test_a_handler_shows_its_settings_as_torchs_does() -> None:
 class SilentBackend(DictBackend):
     """As torch's own test backend: a lost write returns None, not the state it lost to."""
 
-    def set_state(self, state: bytes, token: Token | None = None
-                  ) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
         result = super().set_state(state, token)
         return result if result is not None and result[2] else None
 
 
-def test_a_backend_that_answers_a_lost_write_with_none_still_forms_rounds(
-        master: TCPStore) -> None:
+def test_a_backend_that_answers_a_lost_write_with_none_still_forms_rounds(master: TCPStore) -> None:
     backend = SilentBackend("silent")
     stores = [master.clone() for _ in range(2)]
-    handlers = [DynamicRendezvousHandler.from_backend(
-        "silent-run", store, backend, 2, 2, local_addr=f"node{i}",
-        timeout=RendezvousTimeout(last_call=_seconds(0.3), close=_seconds(10)),
-        keep_alive_interval=0.2, keep_alive_max_attempt=5) for i, store in enumerate(stores)]
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            "silent-run",
+            store,
+            backend,
+            2,
+            2,
+            local_addr=f"node{i}",
+            timeout=RendezvousTimeout(last_call=_seconds(0.3), close=_seconds(10)),
+            keep_alive_interval=0.2,
+            keep_alive_max_attempt=5,
+        )
+        for i, store in enumerate(stores)
+    ]
     try:
         infos = _join_all(handlers)
         assert sorted(i.rank for i in infos) == [0, 1]
@@ -783,7 +896,8 @@ def test_a_backend_that_answers_a_lost_write_with_none_still_forms_rounds(
 def test_use_agent_store_follows_torchs_variable(master: TCPStore, monkeypatch) -> None:
     def make() -> DynamicRendezvousHandler:
         return DynamicRendezvousHandler.from_backend(
-            "share", master, DictBackend(), 1, 1, local_addr="node")
+            "share", master, DictBackend(), 1, 1, local_addr="node"
+        )
 
     assert make().use_agent_store
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

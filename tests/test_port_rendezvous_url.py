@@ -65,14 +65,17 @@ def test_file_rendezvous_gives_its_triple_to_next_once(tmp_path):
         store0.close()
 
 
-@pytest.mark.parametrize(("url", "phrase"), [
-    ("file://?rank=0&world_size=1", "path missing"),
-    ("file:///tmp/never?world_size=1", "rank parameter missing"),
-    ("file:///tmp/never?rank=0", "size parameter missing"),
-    ("tcp://127.0.0.1?rank=0&world_size=1", "port number missing"),
-    ("tcp://127.0.0.1:23456?world_size=1", "rank parameter missing"),
-    ("tcp://127.0.0.1:23456?rank=0", "size parameter missing"),
-])
+@pytest.mark.parametrize(
+    ("url", "phrase"),
+    [
+        ("file://?rank=0&world_size=1", "path missing"),
+        ("file:///tmp/never?world_size=1", "rank parameter missing"),
+        ("file:///tmp/never?rank=0", "size parameter missing"),
+        ("tcp://127.0.0.1?rank=0&world_size=1", "port number missing"),
+        ("tcp://127.0.0.1:23456?world_size=1", "rank parameter missing"),
+        ("tcp://127.0.0.1:23456?rank=0", "size parameter missing"),
+    ],
+)
 def test_a_url_missing_a_part_says_so_in_torchs_words_too(url, phrase):
     with pytest.raises(ValueError, match=phrase):
         next(dist.rendezvous(url, environ={}))
@@ -129,7 +132,9 @@ def test_a_tcp_url_on_master_port_under_distcomm_run_is_the_agents_store(tmp_pat
     rendezvouses afresh on the same store (its first attempt failed after joining)."""
     from tests.launchjobs import run_launcher, script
 
-    worker = script(tmp_path / "worker.py", """
+    worker = script(
+        tmp_path / "worker.py",
+        """
         import os, sys
         import numpy as np
         import distcomm as dist
@@ -143,9 +148,21 @@ def test_a_tcp_url_on_master_port_under_distcomm_run_is_the_agents_store(tmp_pat
         with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}-{attempt}"), "w") as f:
             f.write(f"{x[0]:g} {dist.get_world_size()}")
         dist.destroy_process_group()
-    """)
-    done = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                         str(worker), str(tmp_path)], tmp_path, timeout=180)
+    """,
+    )
+    done = run_launcher(
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            str(worker),
+            str(tmp_path),
+        ],
+        tmp_path,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr
     results = {path.name: path.read_text() for path in tmp_path.glob("rank*-1")}
     assert results == {"rank0-1": "3 2", "rank1-1": "3 2"}, (results, done.stderr)

@@ -170,8 +170,10 @@ def test_record_writes_nothing_when_the_child_recorded_nothing(tmp_path, monkeyp
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(parent))
     monkeypatch.delenv("DISTCOMM_ERROR_FILE", raising=False)
     # the logger's own level: an earlier test may have set the package's
-    with caplog.at_level(logging.INFO, logger="distcomm.launch.errors.api"), \
-            pytest.raises(ChildFailedError):
+    with (
+        caplog.at_level(logging.INFO, logger="distcomm.launch.errors.api"),
+        pytest.raises(ChildFailedError),
+    ):
         _raises_child_failure("")()
     assert not parent.exists()
     assert "no error file to pass on" in caplog.text and "@record" in caplog.text
@@ -257,16 +259,20 @@ def test_a_worker_error_file_without_message_is_reported_not_fatal_to_the_launch
     then reports the worker's exit and that the file was not an error handler's."""
     from tests.launchjobs import run_launcher, script
 
-    worker = script(tmp_path / "worker.py", """
+    worker = script(
+        tmp_path / "worker.py",
+        """
         import json, os, sys
         path = os.environ["TORCHELASTIC_ERROR_FILE"]
         with open(path, "w") as fp:
             json.dump({"not": "an error record"}, fp)
         sys.exit(3)
-    """)
+    """,
+    )
     done = run_launcher(["--nproc-per-node", "1", "--max-restarts", "0", str(worker)], tmp_path)
     assert done.returncode != 0, done
     assert "has no 'message' field" in done.stderr, done.stderr
     assert "exit code 3" in done.stderr or "exitcode: 3" in done.stderr, done.stderr
-    assert "Traceback (most recent call last)" not in done.stderr.split("Root Cause")[0], \
+    assert "Traceback (most recent call last)" not in done.stderr.split("Root Cause")[0], (
         done.stderr
+    )

@@ -72,7 +72,7 @@ def test_the_readme_reaches_distcomm_only_through_public_modules():
         re.search(r"<!-- public-modules -->.*?<!-- /public-modules -->", README, re.S).group(0), ""
     )
     named = set(re.findall(r"\b(distcomm(?:\.[a-z_][a-z0-9_]*)+)", text))
-    named = {n for n in named if not n.startswith("distcomm.backends\" ")}
+    named = {n for n in named if not n.startswith('distcomm.backends" ')}
     internal = sorted(n for n in named if not _public_or_under_public(n))
     assert not internal, (
         f"the README names internal modules {internal}: use a public module "

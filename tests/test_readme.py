@@ -210,7 +210,7 @@ def _program_argv(argv: list[str]) -> list[str] | None:
     ours = ("python", "python3", "distcomm-run", "pytest", "pip")
     for at, token in enumerate(argv):
         if os.path.basename(token) in ours:
-            return [os.path.basename(token), *argv[at + 1:]]
+            return [os.path.basename(token), *argv[at + 1 :]]
         if at == 0 and token not in WRAPPERS:
             return None
     return None
@@ -348,8 +348,7 @@ def test_shell_command_runs_here(line, tmp_path):
         env[name] = value
     if "HYDRA_IFACE" in line and mpijobs.LAUNCHER and mpijobs.LAUNCHER.kind != "mpich":
         pytest.skip(f"an MPICH command; the MPI under test is {mpijobs.LAUNCHER.name}")
-    done = mpijobs.run(_program(argv), timeout=TIMEOUT, cwd=tmp_path, env=env,
-                       merge_output=True)
+    done = mpijobs.run(_program(argv), timeout=TIMEOUT, cwd=tmp_path, env=env, merge_output=True)
     assert done.returncode == 0, f"`{line}` exited {done.returncode}:\n{done.stdout}"
     assert "OK" in done.stdout, done.stdout
 
@@ -360,14 +359,15 @@ def test_the_first_mpiexec_example_says_how_to_keep_a_job_on_loopback():
     # first a reader meets is in the backends page's mpi section
     lines = (REPO / "docs" / "backends.md").read_text().splitlines()
     first = next(i for i, line in enumerate(lines) if re.match(r"(mpiexec|mpirun) ", line))
-    nearby = "\n".join(lines[first:first + 15])
+    nearby = "\n".join(lines[first : first + 15])
     assert "HYDRA_IFACE=lo UCX_NET_DEVICES=lo" in nearby, nearby
 
 
 def test_the_docs_say_how_to_write_the_loop_without_ddp_or_a_sampler():
     text = TUTORIAL.read_text()
-    section = re.split(r"^(#+) Data parallelism without DDP or DistributedSampler$", text,
-                       maxsplit=1, flags=re.M)
+    section = re.split(
+        r"^(#+) Data parallelism without DDP or DistributedSampler$", text, maxsplit=1, flags=re.M
+    )
     assert len(section) == 3, "the tutorial lacks the section on data parallelism without DDP"
     level, body, fenced = len(section[1]), [], False
     for line in section[2].splitlines():  # up to the next heading of its level or above
@@ -384,8 +384,11 @@ def test_the_docs_say_how_to_write_the_loop_without_ddp_or_a_sampler():
 def test_every_public_module_has_a_reference_entry():
     """The API reference (docs/reference/, rendered by mkdocstrings) covers every module of
     the public-modules table; `distcomm` itself through the hook's marker."""
-    table = re.search(r"<!-- public-modules -->\n(.*?)\n<!-- /public-modules -->",
-                      (REPO / "docs" / "api.md").read_text(), re.S)
+    table = re.search(
+        r"<!-- public-modules -->\n(.*?)\n<!-- /public-modules -->",
+        (REPO / "docs" / "api.md").read_text(),
+        re.S,
+    )
     assert table, "docs/api.md lacks the <!-- public-modules --> section"
     listed = re.findall(r"^\| `([a-z_.]+)` \|", table.group(1), re.M)
     text = "\n".join(p.read_text() for p in sorted((REPO / "docs" / "reference").glob("*.md")))

@@ -14,8 +14,7 @@ from tests.harness import run_ranks
 
 def _sync(name: str, count: int) -> None:
     """A barrier of `count` ranks on the test's own store (the groups may be broken)."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          timeout=60)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=60)
     store.barrier(name, count)
     store.close()
 
@@ -55,8 +54,16 @@ def _survivors_shrink(victim: int) -> tuple[int, int, list[int]]:
 @pytest.mark.parametrize("backend", ["tcp", "gloo"])
 @pytest.mark.parametrize("victim", [0, 2])
 def test_survivors_of_a_dead_rank_shrink_the_world_and_go_on(backend, victim):
-    outcomes = run_ranks(_survivors_shrink, 4, victim, backend=backend, timeout=90,
-                         init_timeout=60, may_die={victim}, check=False)
+    outcomes = run_ranks(
+        _survivors_shrink,
+        4,
+        victim,
+        backend=backend,
+        timeout=90,
+        init_timeout=60,
+        may_die={victim},
+        check=False,
+    )
     survivors = [o for rank, o in enumerate(outcomes) if rank != victim]
     assert all(o.ok for o in survivors), "\n".join(o.describe()[-1500:] for o in survivors)
     assert sorted(o.value[0] for o in survivors) == [0, 1, 2]
@@ -65,10 +72,13 @@ def test_survivors_of_a_dead_rank_shrink_the_world_and_go_on(backend, victim):
 
 def _bad_shrinks() -> None:
     for args, error, words in [
-            (((1,),), TypeError, "must be a list"), (([],), ValueError, "is empty"),
-            (([5],), ValueError, "out of range"), (([1, 1],), ValueError, "twice"),
-            (([0, 1],), ValueError, "names all 2 ranks"),
-            (([1], None, 7), ValueError, "SHRINK_DEFAULT")]:
+        (((1,),), TypeError, "must be a list"),
+        (([],), ValueError, "is empty"),
+        (([5],), ValueError, "out of range"),
+        (([1, 1],), ValueError, "twice"),
+        (([0, 1],), ValueError, "names all 2 ranks"),
+        (([1], None, 7), ValueError, "SHRINK_DEFAULT"),
+    ]:
         with pytest.raises(error, match=words):
             dist.shrink_group(*args)
     pair = dist.new_group([0, 1])

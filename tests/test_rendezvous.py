@@ -438,7 +438,8 @@ def test_missing_world_size_lists_every_source() -> None:
         rendezvous("tcp://127.0.0.1:1", rank=0, environ={"PMIX_RANK": "0"})
     message = str(info.value)
     assert message.startswith(
-        "cannot determine the world size (size parameter missing): pass world_size=")
+        "cannot determine the world size (size parameter missing): pass world_size="
+    )
     for word in (
         "WORLD_SIZE",
         "OMPI_COMM_WORLD_SIZE",

@@ -46,6 +46,7 @@ def _zero_d(dtype: str, r: int, op: ReduceOp = ReduceOp.SUM) -> np.ndarray:
 
 # -- 0-d arrays through every op ----------------------------------------------------------------
 
+
 def _zero_d_reductions(dtype: str) -> None:
     r, n = dist.get_rank(), dist.get_world_size()
     for op in (o for o in ReduceOp if valid(o, dtype)):
@@ -62,14 +63,14 @@ def _zero_d_reductions(dtype: str) -> None:
                 work = dist.reduce(x, dst=root, op=op, async_op=async_op)
                 if async_op:
                     work.wait()
-                check(x, want if r == root else _zero_d(dtype, r, op),
-                      f"reduce {what} to {root}")
+                check(x, want if r == root else _zero_d(dtype, r, op), f"reduce {what} to {root}")
             # rank r's slot i holds element i of its n-element input
             full = values(r, n, dtype, op)
             mine = expected_reduction(n, n, dtype, op)[r, ...]
             out = np.empty((), dtype=dtype)
-            work = dist.reduce_scatter(out, [full[i, ...].copy() for i in range(n)],
-                                       op=op, async_op=async_op)
+            work = dist.reduce_scatter(
+                out, [full[i, ...].copy() for i in range(n)], op=op, async_op=async_op
+            )
             if async_op:
                 work.wait()
             check(out, mine, f"reduce_scatter {what}")
@@ -88,8 +89,11 @@ def _zero_d_reductions(dtype: str) -> None:
     if np.dtype(dtype).kind in "fc":
         x = _zero_d(dtype, r)
         dist.all_reduce(x, op=ReduceOp.PREMUL_SUM(2))
-        check(x, (expected_reduction(n, 1, dtype, ReduceOp.SUM) * 2).astype(dtype).reshape(()),
-              "all_reduce PREMUL_SUM")
+        check(
+            x,
+            (expected_reduction(n, 1, dtype, ReduceOp.SUM) * 2).astype(dtype).reshape(()),
+            "all_reduce PREMUL_SUM",
+        )
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
@@ -145,8 +149,7 @@ def _zero_d_data_movement(dtype: str) -> None:
             check(recv[k], _zero_d(dtype, k * n + r), f"all_to_all{what} from {k}")
 
 
-@pytest.mark.parametrize("dtype", ["bool", "int8", "uint64", "float16", "float64",
-                                   "complex64"])
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint64", "float16", "float64", "complex64"])
 def test_zero_d_arrays_in_every_data_movement(world, dtype):
     world.run(_zero_d_data_movement, dtype)
 
@@ -173,10 +176,12 @@ def _zero_d_point_to_point(dtype: str) -> None:
     check(got, _zero_d(dtype, left), "irecv")
     # batch_isend_irecv both ways round the ring
     from_left, from_right = np.empty((), dtype=dtype), np.empty((), dtype=dtype)
-    ops = [dist.P2POp(dist.isend, _zero_d(dtype, r), right, tag=4),
-           dist.P2POp(dist.isend, _zero_d(dtype, r + 20), left, tag=5),
-           dist.P2POp(dist.irecv, from_left, left, tag=4),
-           dist.P2POp(dist.irecv, from_right, right, tag=5)]
+    ops = [
+        dist.P2POp(dist.isend, _zero_d(dtype, r), right, tag=4),
+        dist.P2POp(dist.isend, _zero_d(dtype, r + 20), left, tag=5),
+        dist.P2POp(dist.irecv, from_left, left, tag=4),
+        dist.P2POp(dist.irecv, from_right, right, tag=5),
+    ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     check(from_left, _zero_d(dtype, left), "batch_isend_irecv from the left")
@@ -219,10 +224,18 @@ def _scalar_errors(index: int) -> list[tuple[str, str, bool, str]]:
     calls = [
         ("all_reduce", "tensor", True, lambda: dist.all_reduce(value)),
         ("broadcast", "tensor", True, lambda: dist.broadcast(value, src=0)),
-        ("all_gather", "tensor", False,
-         lambda: dist.all_gather([np.zeros(())] * dist.get_world_size(), value)),
-        ("all_gather", "tensor_list[0]", True,
-         lambda: dist.all_gather([value] * dist.get_world_size(), np.zeros(()))),
+        (
+            "all_gather",
+            "tensor",
+            False,
+            lambda: dist.all_gather([np.zeros(())] * dist.get_world_size(), value),
+        ),
+        (
+            "all_gather",
+            "tensor_list[0]",
+            True,
+            lambda: dist.all_gather([value] * dist.get_world_size(), np.zeros(())),
+        ),
     ]
     found = []
     for where, name, written, call in calls:
@@ -238,8 +251,11 @@ def _scalar_errors(index: int) -> list[tuple[str, str, bool, str]]:
 @pytest.mark.parametrize("index", range(len(SCALARS)), ids=SCALAR_IDS)
 def test_a_scalar_gets_a_type_error_that_says_what_to_pass(world, index):
     value = SCALARS[index]
-    kind = (f"a numpy scalar (numpy.{type(value).__name__})" if isinstance(value, np.generic)
-            else f"a Python {type(value).__name__}")
+    kind = (
+        f"a numpy scalar (numpy.{type(value).__name__})"
+        if isinstance(value, np.generic)
+        else f"a Python {type(value).__name__}"
+    )
     for where, name, written, message in world.run(_scalar_errors, index)[0]:
         assert message.startswith(f"{where}: {name} is {kind}, which is immutable"), message
         if written:
@@ -264,11 +280,11 @@ def test_np_mean_is_refused_and_np_asarray_is_the_remedy(world):
 
 # -- reductions stay quiet ------------------------------------------------------------------------
 
+
 def _numpy_result(inputs: list[np.ndarray], op: ReduceOp, n: int) -> np.ndarray:
     """What numpy computes for these inputs, in rank order (warnings off, as we reduce)."""
     with np.errstate(all="ignore"):
-        ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add,
-                 ReduceOp.PRODUCT: np.multiply}[op]
+        ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply}[op]
         result = functools.reduce(lambda a, b: ufunc(a, b), inputs)
         if op is ReduceOp.AVG:
             result = np.divide(result, n).astype(result.dtype)
@@ -278,8 +294,10 @@ def _numpy_result(inputs: list[np.ndarray], op: ReduceOp, n: int) -> np.ndarray:
 def _check_same(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     if not np.array_equal(actual, expected, equal_nan=expected.dtype.kind in "fc"):
-        raise AssertionError(f"{what}: got {actual.reshape(-1)[:3]}, expected "
-                             f"{expected.reshape(-1)[:3]} (rank {dist.get_rank()})")
+        raise AssertionError(
+            f"{what}: got {actual.reshape(-1)[:3]}, expected "
+            f"{expected.reshape(-1)[:3]} (rank {dist.get_rank()})"
+        )
 
 
 #: element counts that take every reduction path: 0-d, the shared-memory engine's inline
@@ -300,8 +318,11 @@ def _quiet_reductions() -> None:
             for op in (ReduceOp.SUM, ReduceOp.AVG):
                 x = np.full(shape, f16_big, dtype=np.float16)
                 dist.all_reduce(x, op=op)
-                _check_same(x, np.full(shape, np.inf, dtype=np.float16),
-                            f"float16 all_reduce {op.name} x{shape}")
+                _check_same(
+                    x,
+                    np.full(shape, np.inf, dtype=np.float16),
+                    f"float16 all_reduce {op.name} x{shape}",
+                )
             x = np.full(shape, f16_big, dtype=np.float16)
             dist.all_reduce(x, async_op=True).wait()
             _check_same(x, np.full(shape, np.inf, dtype=np.float16), f"async x{shape}")
@@ -309,8 +330,9 @@ def _quiet_reductions() -> None:
                 x = np.full(shape, f16_big, dtype=np.float16)
                 dist.reduce(x, dst=root)
                 want = np.inf if r == root else f16_big
-                _check_same(x, np.full(shape, want, dtype=np.float16),
-                            f"float16 reduce to {root} x{shape}")
+                _check_same(
+                    x, np.full(shape, want, dtype=np.float16), f"float16 reduce to {root} x{shape}"
+                )
             # PREMUL_SUM: the scaling itself overflows
             x = np.full(shape, 40000.0, dtype=np.float16)
             dist.all_reduce(x, op=ReduceOp.PREMUL_SUM(2.0))
@@ -318,12 +340,15 @@ def _quiet_reductions() -> None:
             # inf + -inf is nan (numpy's 'invalid value'), averaged or not
             for dtype in ("float32", "complex64"):
                 for op in (ReduceOp.SUM, ReduceOp.AVG):
-                    inputs = [np.full(shape, np.inf if k == 0 else -np.inf if k == 1 else 1,
-                                      dtype=dtype) for k in range(n)]
+                    inputs = [
+                        np.full(shape, np.inf if k == 0 else -np.inf if k == 1 else 1, dtype=dtype)
+                        for k in range(n)
+                    ]
                     x = inputs[r].copy()
                     dist.all_reduce(x, op=op)
-                    _check_same(x, _numpy_result(inputs, op, n), f"{dtype} inf - inf "
-                                f"{op.name} x{shape}")
+                    _check_same(
+                        x, _numpy_result(inputs, op, n), f"{dtype} inf - inf {op.name} x{shape}"
+                    )
             # AVG of complex infinities: the division makes nan parts
             inputs = [np.full(shape, complex(np.inf, 0), dtype=np.complex64)] * n
             x = inputs[r].copy()
@@ -344,10 +369,10 @@ def _quiet_reductions() -> None:
             dist.reduce_scatter_single(out, full[: n * size])
             _check_same(out, np.full(size, np.inf, dtype=np.float16), f"reduce_scatter x{size}")
             out = np.empty(size, dtype=np.float16)
-            dist.reduce_scatter(out, [full[k * size:(k + 1) * size] for k in range(n)],
-                                op=ReduceOp.AVG)
-            _check_same(out, np.full(size, np.inf, dtype=np.float16),
-                        f"reduce_scatter AVG x{size}")
+            dist.reduce_scatter(
+                out, [full[k * size : (k + 1) * size] for k in range(n)], op=ReduceOp.AVG
+            )
+            _check_same(out, np.full(size, np.inf, dtype=np.float16), f"reduce_scatter AVG x{size}")
         with threads(2):
             for shape in _THREADED:
                 x = np.full(shape, 3e38, dtype=np.float32)
@@ -381,10 +406,13 @@ def _wrapping_integers() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for shape in _COUNTS[:3]:
-            for dtype, op, value in (("int8", ReduceOp.SUM, 100), ("uint8", ReduceOp.SUM, 200),
-                                     ("int64", ReduceOp.SUM, 2**62),
-                                     ("int32", ReduceOp.PRODUCT, 70000),
-                                     ("uint64", ReduceOp.PRODUCT, 2**40)):
+            for dtype, op, value in (
+                ("int8", ReduceOp.SUM, 100),
+                ("uint8", ReduceOp.SUM, 200),
+                ("int64", ReduceOp.SUM, 2**62),
+                ("int32", ReduceOp.PRODUCT, 70000),
+                ("uint64", ReduceOp.PRODUCT, 2**40),
+            ):
                 inputs = [np.full(shape, value + k, dtype=dtype) for k in range(n)]
                 x = inputs[r].copy()
                 dist.all_reduce(x, op=op)

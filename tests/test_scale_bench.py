@@ -33,12 +33,31 @@ def test_counting_store_counts_each_call_and_shares_counts_with_clones():
 
 def test_two_ranks_of_tcp_and_gloo_give_sane_counts(tmp_path):
     out = tmp_path / "scale.csv"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     res = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "scale.py"), "--sizes", "2", "--backends",
-         "tcp,gloo", "--iters", "3", "--timeout", "120", "--csv", str(out)],
-        env=env, capture_output=True, text=True, timeout=280)
+        [
+            sys.executable,
+            str(BENCHMARKS / "scale.py"),
+            "--sizes",
+            "2",
+            "--backends",
+            "tcp,gloo",
+            "--iters",
+            "3",
+            "--timeout",
+            "120",
+            "--csv",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))

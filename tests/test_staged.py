@@ -51,9 +51,15 @@ def run(n: int, fn: Callable[..., Any], cuda: CudaStandin) -> list[Any]:
         try:
             cuda.cuda.Device(rank % 2).use()
             gloo = GlooBackend(dist.PrefixStore("gloo", store), rank, n, 30.0, group_name="s")
-            group = ProcessGroup("s", list(range(n)), rank,
-                                 {"cpu": gloo, "cuda": StagedBackend(gloo)}, "gloo", 30.0,
-                                 rank)
+            group = ProcessGroup(
+                "s",
+                list(range(n)),
+                rank,
+                {"cpu": gloo, "cuda": StagedBackend(gloo)},
+                "gloo",
+                30.0,
+                rank,
+            )
             results[rank] = fn(group, cuda.cupy)
         except BaseException as exc:
             results[rank] = exc
@@ -75,8 +81,12 @@ def run(n: int, fn: Callable[..., Any], cuda: CudaStandin) -> list[Any]:
 
 def _ops(group: ProcessGroup, cp: Any) -> None:
     r, n = group.rank(), group.size()
-    for op, dtype in ((ReduceOp.SUM, "int32"), (ReduceOp.AVG, "float32"),
-                      (ReduceOp.BXOR, "uint8"), (ReduceOp.MAX, "float16")):
+    for op, dtype in (
+        (ReduceOp.SUM, "int32"),
+        (ReduceOp.AVG, "float32"),
+        (ReduceOp.BXOR, "uint8"),
+        (ReduceOp.MAX, "float16"),
+    ):
         x = cp.asarray(values(r, 1000, dtype, op))
         dist.all_reduce(x, op, group=group)
         assert np.array_equal(x.get(), expected_reduction(n, 1000, dtype, op)), op
@@ -90,8 +100,7 @@ def _ops(group: ProcessGroup, cp: Any) -> None:
     mine = cp.asarray(values(r, 5, "float64"))
     flat = cp.empty(5 * n, "float64")
     dist.all_gather_single(flat, mine, group=group)
-    assert np.array_equal(flat.get(), np.concatenate([values(k, 5, "float64")
-                                                      for k in range(n)]))
+    assert np.array_equal(flat.get(), np.concatenate([values(k, 5, "float64") for k in range(n)]))
     parts = [cp.empty(5, "float64") for _ in range(n)]
     dist.all_gather(parts, mine, group=group)
     assert all(np.array_equal(parts[k].get(), values(k, 5, "float64")) for k in range(n))
@@ -106,12 +115,13 @@ def _ops(group: ProcessGroup, cp: Any) -> None:
     out = cp.empty(4, "float32")
     dist.reduce_scatter_single(out, cp.asarray(values(r, 4 * n, "float32")), group=group)
     full = expected_reduction(n, 4 * n, "float32", ReduceOp.SUM)
-    assert np.array_equal(out.get(), full[4 * r:4 * (r + 1)])
+    assert np.array_equal(out.get(), full[4 * r : 4 * (r + 1)])
     sizes = [[(q + j) % 3 for j in range(n)] for q in range(n)]
     rows = np.concatenate([np.full(sizes[r][j], 10 * r + j) for j in range(n)]).astype("int32")
     received = cp.empty(sum(sizes[q][r] for q in range(n)), "int32")
-    dist.all_to_all_single(received, cp.asarray(rows), [sizes[q][r] for q in range(n)],
-                           sizes[r], group=group)
+    dist.all_to_all_single(
+        received, cp.asarray(rows), [sizes[q][r] for q in range(n)], sizes[r], group=group
+    )
     want = np.concatenate([np.full(sizes[q][r], 10 * q + r) for q in range(n)])
     assert np.array_equal(received.get(), want.astype("int32"))
     dist.barrier(group=group, device_ids=[0])

@@ -109,29 +109,44 @@ def jobs(tmp_path_factory):
         for name, (backend, extra, stop) in VARIANTS.items():
             args = [str(worker), backend, str(tmp / f"rdzv-{name}")]
             if backend == "mpi":
-                command = MPI_LAUNCHER.command(3, sys.executable, *args, "-1", str(LATE),
-                                               str(SEND_LATE), stop)
+                command = MPI_LAUNCHER.command(
+                    3, sys.executable, *args, "-1", str(LATE), str(SEND_LATE), stop
+                )
                 env = mpi_env(DISTCOMM_STALL_WARN_S=WARN, **extra)
-                running[name] = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, text=True,
-                                                  start_new_session=True)]
+                running[name] = [
+                    subprocess.Popen(
+                        command,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,
+                    )
+                ]
                 continue
             running[name] = [
-                subprocess.Popen([sys.executable, *args, str(r), str(LATE), str(SEND_LATE), stop],
-                                 env=_env(**extra), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+                subprocess.Popen(
+                    [sys.executable, *args, str(r), str(LATE), str(SEND_LATE), stop],
+                    env=_env(**extra),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
                 for r in range(3)
             ]
             if stop:
-                helper = threading.Thread(target=_continue_when_stopped,
-                                          args=(running[name][2], LATE), daemon=True)
+                helper = threading.Thread(
+                    target=_continue_when_stopped, args=(running[name][2], LATE), daemon=True
+                )
                 helper.start()
                 helpers.append(helper)
         results = {}
         for name, procs in running.items():
             outputs = [p.communicate(timeout=180) for p in procs]
-            results[name] = [(p.returncode, out, err)
-                             for p, (out, err) in zip(procs, outputs, strict=True)]
+            results[name] = [
+                (p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)
+            ]
         return results
     finally:
         for procs in running.values():
@@ -153,13 +168,17 @@ def _ranks(name: str, results: list[tuple[int, str, str]]) -> dict[int, str]:
     if len(results) == 3:
         return {rank: results[rank][2] for rank in range(3)}
     lines = err.splitlines()
-    return {rank: "\n".join(line for line in lines if f"stall: rank {rank} " in line)
-            for rank in range(3)}
+    return {
+        rank: "\n".join(line for line in lines if f"stall: rank {rank} " in line)
+        for rank in range(3)
+    }
 
 
 def _ages(text: str, rank: int, what: str) -> list[int]:
-    return [int(a) for a in re.findall(
-        rf"stall: rank {rank} has waited (\d+) s in {re.escape(what)}", text)]
+    return [
+        int(a)
+        for a in re.findall(rf"stall: rank {rank} has waited (\d+) s in {re.escape(what)}", text)
+    ]
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -167,8 +186,7 @@ def test_a_late_rank_is_named_while_the_others_wait(jobs, name):
     err = _ranks(name, jobs[name])
     shared_store = VARIANTS[name][0] != "mpi"
     for rank in (0, 1):
-        ages = _ages(err[rank], rank, "#3 all_reduce (float32, 4 elements, SUM) of group "
-                                      "'default'")
+        ages = _ages(err[rank], rank, "#3 all_reduce (float32, 4 elements, SUM) of group 'default'")
         # warnings at about 3, 6 and 12 s while rank 2 is 20 s late: backoff, no flood
         assert 2 <= len(ages) <= 4 and ages == sorted(ages), (name, err[rank])
         for k, age in enumerate(ages):  # at 3, 6 and 12 s (or a tick later)
@@ -180,8 +198,10 @@ def test_a_late_rank_is_named_while_the_others_wait(jobs, name):
         assert "not entered by: rank 2 " in err[rank], (name, err[rank])
         if VARIANTS[name][2] == "stop":
             # stopped before it could say it completed #2: heard of at start-up only
-            assert re.search(r"rank 2 has not answered for \d+ s \(last heard: it ",
-                             err[rank]), (name, err[rank])
+            assert re.search(r"rank 2 has not answered for \d+ s \(last heard: it ", err[rank]), (
+                name,
+                err[rank],
+            )
         else:
             assert "rank 2 completed #2 broadcast" in err[rank], (name, err[rank])
     # rank 2 never waited on #3; rank 0 then waited for rank 2's send
@@ -189,8 +209,10 @@ def test_a_late_rank_is_named_while_the_others_wait(jobs, name):
     recv_ages = _ages(err[0], 0, "recv from rank 2 (int64, 2 elements)")
     assert recv_ages and recv_ages[0] >= 3, (name, err[0])
     if shared_store:
-        assert "rank 2 has not posted the matching send to rank 0; it completed #3 all_reduce" \
-            in err[0], (name, err[0])
+        assert (
+            "rank 2 has not posted the matching send to rank 0; it completed #3 all_reduce"
+            in err[0]
+        ), (name, err[0])
 
 
 # -- in this process ---------------------------------------------------------------------
@@ -207,8 +229,12 @@ def test_a_long_store_wait_says_so_then_times_out(monkeypatch, caplog):
         caplog.set_level("WARNING", logger="distcomm.store.tcp")
         with pytest.raises(DistStoreTimeoutError, match=r"'late' was not set within 2\.5 s"):
             store.get("late")
-        ages = [float(a) for a in re.findall(
-            r"get\('late'\) on .* has waited ([\d.]+) s for 'late', not set yet", caplog.text)]
+        ages = [
+            float(a)
+            for a in re.findall(
+                r"get\('late'\) on .* has waited ([\d.]+) s for 'late', not set yet", caplog.text
+            )
+        ]
         assert len(ages) == len(caplog.records) and len(ages) in (3, 4), caplog.text
         assert ages == sorted(ages) and ages[0] >= 0.3 and ages[2] >= 1.2, ages  # backoff
         other = store.clone()  # a connection of its own: this one is busy waiting
@@ -285,10 +311,16 @@ def test_each_rank_deletes_its_progress_keys_when_its_groups_go():
     from tests.harness import run_ranks
 
     with TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=30) as store:
-        results = run_ranks(_stall_keys_then_destroy, 2, timeout=120,
-                            env={"MASTER_PORT": str(store.port),
-                                 "DISTCOMM_USE_AGENT_STORE": "1",
-                                 "DISTCOMM_STALL_WARN_S": "1"})
+        results = run_ranks(
+            _stall_keys_then_destroy,
+            2,
+            timeout=120,
+            env={
+                "MASTER_PORT": str(store.port),
+                "DISTCOMM_USE_AGENT_STORE": "1",
+                "DISTCOMM_STALL_WARN_S": "1",
+            },
+        )
         assert results == [True, True]  # each subgroup key went with its group
         left = [key for key in store.list_keys() if key.startswith("distcomm/stall/")]
     assert left == [], left
@@ -302,10 +334,12 @@ def test_stopping_the_inspector_does_not_hang_when_the_store_is_gone():
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=5)
     client = TCPStore("127.0.0.1", server.port, timeout=5)
-    trace = SimpleNamespace(size=1, oldest_running=lambda cursor, p2p, now: (None, cursor),
-                            newest=lambda p2p: None)
-    group = SimpleNamespace(store_key="0", is_member=True, ranks=[0], recorder=trace,
-                            rank=lambda: 0)
+    trace = SimpleNamespace(
+        size=1, oldest_running=lambda cursor, p2p, now: (None, cursor), newest=lambda p2p: None
+    )
+    group = SimpleNamespace(
+        store_key="0", is_member=True, ranks=[0], recorder=trace, rank=lambda: 0
+    )
     inspector = StallInspector(1.0, client, lambda: [group])
     inspector.inspect()  # publishes its key
     server.wait(["distcomm/stall/0/0"], 5)

@@ -63,8 +63,9 @@ def _etcd_prefix() -> str:
 
 def _make(kind: str, tmp_path, opened: list, request=None) -> Store:
     if kind == "etcd":  # a real etcd on loopback (tests/etcd_server.py), one per module
-        store: Store = EtcdStore(request.getfixturevalue("etcd_endpoint"), _etcd_prefix(),
-                                 timeout=10)
+        store: Store = EtcdStore(
+            request.getfixturevalue("etcd_endpoint"), _etcd_prefix(), timeout=10
+        )
     elif kind == "hash":
         store: Store = HashStore()
         store.set_timeout(10)
@@ -246,8 +247,9 @@ def test_wait_and_check(store_pair):
     assert reader.check(["x", "y", "z"])
 
 
-@pytest.mark.parametrize("timeout", [timedelta(days=30), float("inf"), 1e300],
-                         ids=["30-days", "inf", "1e300"])
+@pytest.mark.parametrize(
+    "timeout", [timedelta(days=30), float("inf"), 1e300], ids=["30-days", "inf", "1e300"]
+)
 def test_timeouts_of_any_length(store_pair, timeout):
     writer, reader = store_pair
     reader.set_timeout(timeout)
@@ -340,8 +342,10 @@ def test_keys_and_values_are_validated(store):
 def test_large_values(store_pair):
     writer, reader = store_pair
     if isinstance(writer, EtcdStore):
-        pytest.skip("etcd takes requests up to about 1.5 MiB (its --max-request-bytes); "
-                    "test_etcd_store checks that larger values are refused clearly")
+        pytest.skip(
+            "etcd takes requests up to about 1.5 MiB (its --max-request-bytes); "
+            "test_etcd_store checks that larger values are refused clearly"
+        )
     big = os.urandom(1 << 20) * 6  # 6 MiB: under the TCPStore limit of 8 MiB per value
     writer.set("big", big)
     assert reader.get("big") == big
@@ -502,10 +506,14 @@ def test_a_request_sets_its_kernel_timeout_only_when_the_one_set_does_not_serve(
         reader.join(30)
         assert sock.options == [socket.SO_RCVTIMEO] * 4 + [socket.SO_SNDTIMEO]
         timeval = struct.Struct("@ll")
-        assert timeval.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)) \
-            == (0, 0)  # inf: the kernel's none
-        assert timeval.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16)) \
-            == (301, 0)
+        assert timeval.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)) == (
+            0,
+            0,
+        )  # inf: the kernel's none
+        assert timeval.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16)) == (
+            301,
+            0,
+        )
     finally:
         conn.close(shutdown=True)
         server.close()

@@ -319,8 +319,11 @@ def test_barrier_timeout_says_how_many_arrived(store):
     try:
         thread, box = _in_thread(other.barrier, "partial", 3, timedelta(seconds=WAIT))
         _until(lambda: store.check(["partial/num_members"]), "the first arrival")
-        with pytest.raises(DistStoreTimeoutError, match=r"barrier 'partial' .*: 2 of 3 "
-                                                         r"callers arrived within 0\.2 s"):
+        with pytest.raises(
+            DistStoreTimeoutError,
+            match=r"barrier 'partial' .*: 2 of 3 "
+            r"callers arrived within 0\.2 s",
+        ):
             store.barrier("partial", 3, timeout=0.2)
         store.barrier("partial", 3, timeout=WAIT)  # the third arrival releases the first
         assert _join(thread, box) is None
@@ -390,8 +393,12 @@ def test_a_minimal_store_has_no_extended_api_but_a_barrier():
     minimal = _Minimal()
     assert minimal.has_extended_api() is False
     assert PrefixStore("p", minimal).has_extended_api() is False
-    for call in (minimal.list_keys, lambda: minimal.queue_push("q", "x"),
-                 lambda: minimal.queue_pop("q"), lambda: minimal.queue_len("q")):
+    for call in (
+        minimal.list_keys,
+        lambda: minimal.queue_push("q", "x"),
+        lambda: minimal.queue_pop("q"),
+        lambda: minimal.queue_len("q"),
+    ):
         with pytest.raises(NotImplementedError, match="_Minimal does not implement"):
             call()
     minimal.barrier("b", 1)  # built on add and wait
@@ -434,8 +441,7 @@ def test_tcp_pops_waiting_together_are_served_in_order(master):
         started = []
         for index, client in enumerate(clients):
             started.append(_in_thread(client.queue_pop, "line"))
-            _until(lambda n=index + 1: len(server._poppers.get(b"line", ())) == n,
-                   "the parked pop")
+            _until(lambda n=index + 1: len(server._poppers.get(b"line", ())) == n, "the parked pop")
         for item in ("0", "1", "2"):
             master.queue_push("line", item)
         assert [_join(thread, box) for thread, box in started] == [b"0", b"1", b"2"]
@@ -471,8 +477,7 @@ def test_tcp_serves_on_a_given_listening_socket():
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         port = sock.getsockname()[1]
-        store = TCPStore(HOST, port, is_master=True, master_listen_fd=sock.fileno(),
-                         timeout=WAIT)
+        store = TCPStore(HOST, port, is_master=True, master_listen_fd=sock.fileno(), timeout=WAIT)
         try:
             client = TCPStore(HOST, port, timeout=WAIT)
             client.set("k", "v")
@@ -546,8 +551,10 @@ def _torch_and_ours(kind: str, tmp_path):
     if kind == "hash":
         pair = dist.HashStore(), HashStore()
     elif kind == "tcp":
-        pair = (dist.TCPStore(HOST, 0, 1, True, timedelta(seconds=WAIT)),
-                TCPStore(HOST, 0, is_master=True, timeout=WAIT))
+        pair = (
+            dist.TCPStore(HOST, 0, 1, True, timedelta(seconds=WAIT)),
+            TCPStore(HOST, 0, is_master=True, timeout=WAIT),
+        )
     else:  # prefix over hash
         pair = dist.PrefixStore("ns", dist.HashStore()), PrefixStore("ns", HashStore())
     for each in pair:
@@ -591,13 +598,23 @@ def test_queues_as_torch(kind, tmp_path):
         store.queue_push("q", b"y")
         store.set("q", "value")
         store.queue_push("z", "other")
-        steps += [store.queue_len("q"), store.check(["q"]), store.get("q"),
-                  store.delete_key("q"), store.queue_len("q"), store.check(["q"])]
+        steps += [
+            store.queue_len("q"),
+            store.check(["q"]),
+            store.get("q"),
+            store.delete_key("q"),
+            store.queue_len("q"),
+            store.check(["q"]),
+        ]
         steps += [store.queue_pop("q"), store.queue_pop("q", False)]
-        steps += [_outcome(lambda s=store: s.queue_pop("q", False)),
-                  _outcome(lambda s=store: s.queue_pop("never", False)),
-                  store.queue_len("q"), store.check(["q"]), store.queue_len("z"),
-                  store.wait(["z"], timedelta(seconds=WAIT))]
+        steps += [
+            _outcome(lambda s=store: s.queue_pop("q", False)),
+            _outcome(lambda s=store: s.queue_pop("never", False)),
+            store.queue_len("q"),
+            store.check(["q"]),
+            store.queue_len("z"),
+            store.wait(["z"], timedelta(seconds=WAIT)),
+        ]
         answers.append(steps)
     assert answers[0] == answers[1]
     assert answers[1][10] == "QueueEmptyError"
@@ -614,8 +631,10 @@ def test_barrier_as_torch(kind, tmp_path):
         store.barrier("b", 2, timedelta(seconds=0.2))  # finished already: returns
         store.add("two/num_members", 1)  # another caller arrived
         store.barrier("two", 2, timedelta(seconds=WAIT))
-        steps += [sorted(store.list_keys()),
-                  _outcome(lambda s=store: s.barrier("three", 2, timedelta(seconds=0.2)))]
+        steps += [
+            sorted(store.list_keys()),
+            _outcome(lambda s=store: s.barrier("three", 2, timedelta(seconds=0.2))),
+        ]
         answers.append(steps)
     assert answers[0][:3] == answers[1][:3]
     assert answers[1][3] == "DistStoreTimeoutError"  # torch: DistStoreError (its base)

@@ -61,8 +61,9 @@ def _server(store: TCPStore) -> StoreServer:
 # -- 1. timeouts of any size never stop the server ----------------------------------------------
 
 
-@pytest.mark.parametrize("timeout", [timedelta(days=30), 1e300, math.inf],
-                         ids=["30-days", "1e300", "inf"])
+@pytest.mark.parametrize(
+    "timeout", [timedelta(days=30), 1e300, math.inf], ids=["30-days", "1e300", "inf"]
+)
 def test_long_waits_are_served(master, timeout):
     client = TCPStore(HOST, master.port, timeout=timeout)
     try:
@@ -157,7 +158,8 @@ def test_a_huge_declared_request_is_refused_at_its_header(master):
         assert status == Status.ERROR and b"over the limit" in args[0]
         assert _closed_by_server(sock)
     assert not _server(master)._conns or all(
-        len(conn.inbuf) < (1 << 20) for conn in _server(master)._conns.values())
+        len(conn.inbuf) < (1 << 20) for conn in _server(master)._conns.values()
+    )
     assert master.num_keys() == 0
 
 
@@ -294,7 +296,7 @@ def test_a_wait_on_many_keys_is_answered_once_all_are_set(master):
             master.multi_set(batch, ["1"] * len(batch))
         thread.join(30)
         assert not thread.is_alive()
-        values = client.multi_get(keys[:: 997])
+        values = client.multi_get(keys[::997])
         assert values == [b"1"] * len(values)
     finally:
         client.close()
@@ -306,7 +308,8 @@ def test_a_key_deleted_after_it_was_seen_is_waited_for_again(master):
         master.set("a", "1")
         box: dict = {}
         thread = threading.Thread(
-            target=lambda: box.update(value=client.multi_get(["a", "b"])), daemon=True)
+            target=lambda: box.update(value=client.multi_get(["a", "b"])), daemon=True
+        )
         thread.start()
         time.sleep(0.2)
         assert master.delete_key("a")
@@ -376,7 +379,8 @@ def test_warnings_are_rate_limited(caplog):
     with caplog.at_level(logging.WARNING, "distcomm.store"):
         throttle.warn("drop", "dropping client %d", 100)
     assert caplog.records[-1].getMessage() == (
-        "dropping client 100 (99 more like this in the last 60 s)")
+        "dropping client 100 (99 more like this in the last 60 s)"
+    )
 
 
 def _crowded_master(conn) -> None:
@@ -501,4 +505,5 @@ def test_binding_beyond_loopback_without_a_key_warns(monkeypatch):
 
 def test_frames_are_length_prefixed():
     assert frame(Cmd.SET, [b"k", b"vv"]) == (
-        HEADER.pack(11, Cmd.SET) + LENGTH.pack(1) + b"k" + LENGTH.pack(2) + b"vv")
+        HEADER.pack(11, Cmd.SET) + LENGTH.pack(1) + b"k" + LENGTH.pack(2) + b"vv"
+    )

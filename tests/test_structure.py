@@ -72,7 +72,7 @@ def house_map() -> tuple[dict[str, str], set[str]]:
             name = match.group(1)
             assert name not in floors, f"the map names {name} twice"
             floors[name] = floor
-            if cell[match.end():].lstrip().startswith("(public)"):
+            if cell[match.end() :].lstrip().startswith("(public)"):
                 public.add(name)
     return floors, public
 
@@ -97,8 +97,11 @@ def _room_graph() -> dict[str, set[str]]:
 def test_the_map_of_the_house_names_every_room_once_and_nothing_else():
     floors, _ = house_map()
     root = package_root()
-    rooms = {p.stem if p.is_file() else p.name for p in root.iterdir()
-             if (p.suffix == ".py") or (p.is_dir() and (p / "__init__.py").exists())}
+    rooms = {
+        p.stem if p.is_file() else p.name
+        for p in root.iterdir()
+        if (p.suffix == ".py") or (p.is_dir() and (p / "__init__.py").exists())
+    }
     missing, extra = sorted(rooms - set(floors)), sorted(set(floors) - rooms)
     assert not missing and not extra, (
         f"docs/architecture.md's map of the house lacks {missing} and names {extra}, "
@@ -120,11 +123,17 @@ def test_imports_only_go_down_the_floors_and_no_two_rooms_import_each_other():
     order = list(dict.fromkeys(floors.values()))  # top floor first
     height = {room: len(order) - order.index(floor) for room, floor in floors.items()}
     graph = _room_graph()
-    upward = sorted(f"{a} ({floors[a]}) imports {b} ({floors[b]})"
-                    for a, targets in graph.items() for b in targets
-                    if a in height and b in height and height[b] > height[a])
-    assert not upward, ("imports that go up a floor of docs/architecture.md's map: "
-                        + "; ".join(upward) + ". Hand the lower room what it needs, or "
-                        "move a room to the floor where it belongs")
+    upward = sorted(
+        f"{a} ({floors[a]}) imports {b} ({floors[b]})"
+        for a, targets in graph.items()
+        for b in targets
+        if a in height and b in height and height[b] > height[a]
+    )
+    assert not upward, (
+        "imports that go up a floor of docs/architecture.md's map: "
+        + "; ".join(upward)
+        + ". Hand the lower room what it needs, or "
+        "move a room to the floor where it belongs"
+    )
     loops = [c for c in strongly_connected(graph) if len(c) > 1]
     assert not loops, f"rooms that import each other: {loops}"

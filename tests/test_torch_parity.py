@@ -67,9 +67,16 @@ def _run(tmp_path, framework: str, script: str, world: int) -> list[dict]:
     env.update(LOOPBACK_ENV, GLOO_SOCKET_IFNAME="lo")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     rendezvous = tmp_path / f"rdzv-{framework}"
-    procs = [subprocess.Popen([sys.executable, str(path), framework, str(rendezvous), str(r),
-                               str(world)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(path), framework, str(rendezvous), str(r), str(world)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
     results = []
     try:
         for proc in procs:
@@ -93,8 +100,8 @@ def test_collectives_on_a_group_this_rank_is_not_in_do_nothing_as_in_torch(tmp_p
         assert ours[rank]["x"] == [1.0, 2.0] and ours[rank]["objs"] == ["kept"]
         assert ours[rank]["returns"]["recv"] == "-1"
         assert ours[rank]["warnings"][0] == (
-            f"Running all_reduce on global rank {rank} which does not belong to the given "
-            "group.")
+            f"Running all_reduce on global rank {rank} which does not belong to the given group."
+        )
     assert ours[0]["x"] == [2.0, 4.0] and ours[1]["out"] == [0, 1]
     assert ours[2]["out"] == [None, None]
 
@@ -116,8 +123,11 @@ def test_every_function_takes_torchs_keyword_arguments():
         if not (inspect.isfunction(theirs) and inspect.isfunction(ours)):
             continue
         names = set(inspect.signature(ours).parameters)
-        lacking = [p for p in inspect.signature(theirs).parameters
-                   if not p.startswith("_") and p not in names]
+        lacking = [
+            p
+            for p in inspect.signature(theirs).parameters
+            if not p.startswith("_") and p not in names
+        ]
         if lacking:
             missing[name] = lacking
     assert missing == {}
@@ -127,14 +137,18 @@ def test_readme_shows_the_api_tables_and_nothing_is_missing():
     """The docs' copy of `python -m tests.torch_api_table` is the script's output, and
     no torch name is missing from distcomm except those left out on purpose."""
     readme = (Path(__file__).resolve().parent.parent / "docs" / "torch-differences.md").read_text()
-    match = re.search(r"<!-- torch-api-table -->\n(.*?)\n<!-- /torch-api-table -->", readme,
-                      re.S)
+    match = re.search(r"<!-- torch-api-table -->\n(.*?)\n<!-- /torch-api-table -->", readme, re.S)
     assert match, "docs/torch-differences.md lacks the <!-- torch-api-table --> section"
-    result = subprocess.run([sys.executable, "-m", "tests.torch_api_table"],
-                            capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).resolve().parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.torch_api_table"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert result.returncode == 0, result.stderr
     assert match.group(1).strip() == result.stdout.strip(), (
         "docs/torch-differences.md's API tables are stale: paste the output of "
-        "python -m tests.torch_api_table")
+        "python -m tests.torch_api_table"
+    )
     assert "missing:" not in result.stderr, result.stderr

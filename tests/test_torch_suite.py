@@ -20,10 +20,13 @@ def test_aliased_package_import_points_at_distcomm():
 
 
 def test_submodule_import_keeps_its_local_name():
-    out = rewrite("import torch.distributed.elastic.timer as timer\n"
-                  "import torch.multiprocessing as torch_mp\n")
-    assert out == ("import distcomm.launch.timer as timer\n"
-                   "import distcomm.multiprocessing as torch_mp\n")
+    out = rewrite(
+        "import torch.distributed.elastic.timer as timer\n"
+        "import torch.multiprocessing as torch_mp\n"
+    )
+    assert out == (
+        "import distcomm.launch.timer as timer\nimport distcomm.multiprocessing as torch_mp\n"
+    )
 
 
 def test_multiline_from_import_keeps_line_numbers():
@@ -35,8 +38,9 @@ def test_multiline_from_import_keeps_line_numbers():
         x = 1
     """)
     out = ts.rewrite_source(source).text
-    assert out.splitlines()[0] == ("from distcomm.launch.rendezvous import RendezvousError, "
-                                   "RendezvousParameters")
+    assert out.splitlines()[0] == (
+        "from distcomm.launch.rendezvous import RendezvousError, RendezvousParameters"
+    )
     assert out.splitlines()[1:3] == ["", ""]
     assert out.splitlines()[4] == "x = 1"
     assert len(out.splitlines()) == len(source.splitlines())
@@ -60,10 +64,14 @@ def test_name_distcomm_lacks_becomes_a_placeholder_on_the_same_line():
     """)
     result = ts.rewrite_source(source, has_name=lambda mod, name: not name.startswith("_"))
     first = result.text.splitlines()[0]
-    assert first.startswith("from distcomm.launch.rendezvous.dynamic_rendezvous import "
-                            "create_handler; from _torch_suite_plugin import missing_name")
-    assert first.endswith("_NodeDesc = _torch_suite_missing("
-                          "'distcomm.launch.rendezvous.dynamic_rendezvous', '_NodeDesc')")
+    assert first.startswith(
+        "from distcomm.launch.rendezvous.dynamic_rendezvous import "
+        "create_handler; from _torch_suite_plugin import missing_name"
+    )
+    assert first.endswith(
+        "_NodeDesc = _torch_suite_missing("
+        "'distcomm.launch.rendezvous.dynamic_rendezvous', '_NodeDesc')"
+    )
     assert len(result.text.splitlines()) == len(source.splitlines())
     assert result.missing == ["distcomm.launch.rendezvous.dynamic_rendezvous._NodeDesc"]
 
@@ -98,14 +106,16 @@ def test_create_tcp_store_is_rerouted_to_the_stand_in():
     """)
     assert out.splitlines()[0] == (
         "from torch.testing._internal.common_distributed import skip_if_win32; "
-        "from _torch_suite_plugin import create_tcp_store")
+        "from _torch_suite_plugin import create_tcp_store"
+    )
 
 
 def test_create_tcp_store_stand_in_builds_a_distcomm_store():
     from distcomm.store import TCPStore
 
-    store = ts.create_tcp_store("localhost", 1, wait_for_workers=False,
-                                timeout=ts.timedelta(seconds=30))
+    store = ts.create_tcp_store(
+        "localhost", 1, wait_for_workers=False, timeout=ts.timedelta(seconds=30)
+    )
     try:
         assert isinstance(store, TCPStore)
         store.set("k", "v")
@@ -131,9 +141,11 @@ def test_unaliased_submodule_import_is_left_whole():
 
 
 def test_torch_testing_and_plain_torch_are_untouched():
-    source = ("import torch\n"
-              "from torch.testing._internal.common_utils import TestCase, run_tests\n"
-              "import torch.nn.functional as F\n")
+    source = (
+        "import torch\n"
+        "from torch.testing._internal.common_utils import TestCase, run_tests\n"
+        "import torch.nn.functional as F\n"
+    )
     assert rewrite(source) == source
 
 
@@ -166,7 +178,8 @@ def test_prose_and_other_strings_are_untouched():
 def test_map_dotted():
     assert ts.map_dotted("torch.distributed.run.metadata") == "distcomm.run.metadata"
     assert ts.map_dotted("torch.distributed.elastic.events.record") == (
-        "distcomm.launch.events.record")
+        "distcomm.launch.events.record"
+    )
     assert ts.map_dotted("torch.distributed.elastic.utils.x") is None
     assert ts.map_dotted("numpy.zeros") is None
 
@@ -193,33 +206,52 @@ def _events(*records: dict) -> list[str]:
 
 
 def test_fold_events_keeps_first_failure_and_finds_the_running_test():
-    results, running = ts.fold_events([*_events(
-        {"event": "collected", "nodeids": ["a.py::T::x", "a.py::T::y", "a.py::T::z"]},
-        {"event": "start", "nodeid": "a.py::T::x"},
-        {"event": "result", "nodeid": "a.py::T::x", "when": "call", "outcome": "failed",
-         "message": "AssertionError: 1 != 2"},
-        {"event": "result", "nodeid": "a.py::T::x", "when": "teardown", "outcome": "error",
-         "message": "OSError: late"},
-        {"event": "end", "nodeid": "a.py::T::x"},
-        {"event": "start", "nodeid": "a.py::T::y"},
-    ), "not json"])
+    results, running = ts.fold_events(
+        [
+            *_events(
+                {"event": "collected", "nodeids": ["a.py::T::x", "a.py::T::y", "a.py::T::z"]},
+                {"event": "start", "nodeid": "a.py::T::x"},
+                {
+                    "event": "result",
+                    "nodeid": "a.py::T::x",
+                    "when": "call",
+                    "outcome": "failed",
+                    "message": "AssertionError: 1 != 2",
+                },
+                {
+                    "event": "result",
+                    "nodeid": "a.py::T::x",
+                    "when": "teardown",
+                    "outcome": "error",
+                    "message": "OSError: late",
+                },
+                {"event": "end", "nodeid": "a.py::T::x"},
+                {"event": "start", "nodeid": "a.py::T::y"},
+            ),
+            "not json",
+        ]
+    )
     assert results["a.py::T::x"] == ts.Outcome("failed", "AssertionError: 1 != 2")
     assert results["a.py::T::z"].outcome == ts.NOT_RUN
     assert running == "a.py::T::y"
 
 
 def test_fold_events_collection_error():
-    results, running = ts.fold_events(_events(
-        {"event": "collect-error", "nodeid": "a.py", "message": "ImportError: nope"}))
+    results, running = ts.fold_events(
+        _events({"event": "collect-error", "nodeid": "a.py", "message": "ImportError: nope"})
+    )
     assert results == {"a.py": ts.Outcome("error", "collection: ImportError: nope")}
     assert running is None
 
 
-@pytest.mark.parametrize(("message", "expected"), [
-    ("ValueError: bad port 29500 at 0x7f00dead", "ValueError: bad port N at 0x…"),
-    ("FileNotFoundError: /tmp/tmpab12/x.json\nmore", "FileNotFoundError: /tmp/…"),
-    ("", "(no message)"),
-])
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("ValueError: bad port 29500 at 0x7f00dead", "ValueError: bad port N at 0x…"),
+        ("FileNotFoundError: /tmp/tmpab12/x.json\nmore", "FileNotFoundError: /tmp/…"),
+        ("", "(no message)"),
+    ],
+)
 def test_cause_blanks_noise(message, expected):
     assert ts.cause(message) == expected
 
@@ -227,12 +259,14 @@ def test_cause_blanks_noise(message, expected):
 def test_report_groups_failures_and_sets_classified_apart():
     files = ["test/distributed/x_test.py"]
     base = {files[0]: {f"x_test.py::T::{n}": ts.Outcome("passed") for n in "abcd"}}
-    ours = {files[0]: {
-        "x_test.py::T::a": ts.Outcome("passed"),
-        "x_test.py::T::b": ts.Outcome("failed", "AttributeError: no foo"),
-        "x_test.py::T::c": ts.Outcome("failed", "AttributeError: no foo"),
-        "x_test.py::T::d": ts.Outcome("failed", "RuntimeError: rpc"),
-    }}
+    ours = {
+        files[0]: {
+            "x_test.py::T::a": ts.Outcome("passed"),
+            "x_test.py::T::b": ts.Outcome("failed", "AttributeError: no foo"),
+            "x_test.py::T::c": ts.Outcome("failed", "AttributeError: no foo"),
+            "x_test.py::T::d": ts.Outcome("failed", "RuntimeError: rpc"),
+        }
+    }
     expect = {"x_test.py::T::d": ("not applicable", "RPC")}
     report = ts.build_report(files, base, ours, expect, {})
     assert "| x_test.py | 4 | 4 | 1 | 2 | 1 | 0 | 0 |" in report

@@ -123,7 +123,8 @@ def test_rank_that_never_joins_is_named(tmp_path, backend):
     assert default["name"] == "default"
     # new_group's barrier of the default group is recorded there: every rank reached it
     assert [(e["seq"], e["op"], e["state"]) for e in default["entries"]] == [
-        (0, "new_group", "completed")]
+        (0, "new_group", "completed")
+    ]
     assert group["name"] == "short" and group["ranks"] == [0, 1]
     ops = [(e["seq"], e["op"], e["state"]) for e in group["entries"]]
     assert ops == [
@@ -240,7 +241,11 @@ def test_record_comm_names_the_operations_of_its_block(solo, tmp_path):
     data = json.loads(Path(dist.dump_trace(str(tmp_path))).read_text())
     ring = {g["name"]: g for g in data["groups"]}["default"]["entries"]
     assert [e["profiling_name"] for e in ring] == [
-        None, "FSDP::all_gather (layer1)", "FSDP::all_gather (layer1)", None]
+        None,
+        "FSDP::all_gather (layer1)",
+        "FSDP::all_gather (layer1)",
+        None,
+    ]
     assert "'FSDP::all_gather (layer1)'" in describe_entry(ring[1])
 
 
@@ -424,13 +429,20 @@ def test_states_queued_started_completed_failed():
 
     rec = Recorder(8)
     x = np.zeros(3, dtype=np.float32)
-    ids = [rec.record("all_reduce", x), rec.record("broadcast", x, 0), rec.record("barrier",
-                                                                                  NO_ARRAY)]
+    ids = [
+        rec.record("all_reduce", x),
+        rec.record("broadcast", x, 0),
+        rec.record("barrier", NO_ARRAY),
+    ]
     sends = [rec.record_p2p("send", x, 1), rec.record_p2p("recv", x, 1)]
     rec.settle(ids[0])
     rec.settle(sends[0], RuntimeError("peer gone"))
     states = {(e["op"], e["seq"]): e["state"] for e in rec.as_dicts([0, 1])}
-    assert states == {("all_reduce", 0): "completed", ("broadcast", 1): "started",
-                      ("barrier", 2): "queued", ("send", None): "failed",
-                      ("recv", None): "started"}
+    assert states == {
+        ("all_reduce", 0): "completed",
+        ("broadcast", 1): "started",
+        ("barrier", 2): "queued",
+        ("send", None): "failed",
+        ("recv", None): "started",
+    }
     assert [e["peer"] for e in rec.as_dicts([0, 1]) if e["seq"] is None] == [1, 1]

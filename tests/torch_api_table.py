@@ -18,7 +18,7 @@ from collections.abc import Iterable
 #: what a torch name stays missing for, on purpose (shown in the table)
 NOT_MIRRORED = {
     "ProcessGroupGloo": "torch's C++ gloo backend class: distcomm's is made by "
-                        "init_process_group/new_group (backend='gloo')",
+    "init_process_group/new_group (backend='gloo')",
 }
 
 #: (torch module, distcomm module) of the elastic package's Python APIs
@@ -46,8 +46,10 @@ def c10d_rows() -> list[tuple[str, bool, bool]]:
 
     theirs = set(c10d.__all__)
     ours = set(distcomm.__all__)
-    return [(name, name in theirs or hasattr(torch_dist, name), name in ours)
-            for name in sorted(theirs | ours, key=str.lower)]
+    return [
+        (name, name in theirs or hasattr(torch_dist, name), name in ours)
+        for name in sorted(theirs | ours, key=str.lower)
+    ]
 
 
 def store_rows() -> list[tuple[str, bool, bool]]:
@@ -57,17 +59,28 @@ def store_rows() -> list[tuple[str, bool, bool]]:
     import distcomm
 
     theirs = {m for m in dir(torch_dist.Store) if not m.startswith("_")}
-    stores = [distcomm.TCPStore, distcomm.FileStore, distcomm.HashStore,
-              distcomm.PrefixStore, distcomm.EtcdStore]
+    stores = [
+        distcomm.TCPStore,
+        distcomm.FileStore,
+        distcomm.HashStore,
+        distcomm.PrefixStore,
+        distcomm.EtcdStore,
+    ]
     ours = set.intersection(*({m for m in dir(s) if not m.startswith("_")} for s in stores))
-    return [(name, name in theirs, name in ours)
-            for name in sorted(theirs | (ours & theirs), key=str.lower)]
+    return [
+        (name, name in theirs, name in ours)
+        for name in sorted(theirs | (ours & theirs), key=str.lower)
+    ]
 
 
 def _flags(parser: argparse.ArgumentParser) -> set[str]:
     """The parser's long options, each under its dashed spelling (--nproc-per-node)."""
-    return {opt.replace("_", "-") for action in parser._actions
-            for opt in action.option_strings if opt.startswith("--")}
+    return {
+        opt.replace("_", "-")
+        for action in parser._actions
+        for opt in action.option_strings
+        if opt.startswith("--")
+    }
 
 
 def flag_rows() -> list[tuple[str, bool, bool]]:
@@ -97,17 +110,26 @@ def elastic_rows() -> list[tuple[str, bool, bool]]:
     return rows
 
 
-def _table(title: str, header: tuple[str, str, str],
-           rows: Iterable[tuple[str, bool, bool]]) -> tuple[list[str], list[str]]:
+def _table(
+    title: str, header: tuple[str, str, str], rows: Iterable[tuple[str, bool, bool]]
+) -> tuple[list[str], list[str]]:
     rows = list(rows)
     missing = [name for name, in_torch, in_ours in rows if in_torch and not in_ours]
-    lines = [f"#### {title}", "",
-             f"{sum(t for _, t, _ in rows)} of torch's, {sum(o for _, _, o in rows)} of "
-             f"distcomm's; {len(missing)} of torch's missing from distcomm", "",
-             f"| {header[0]} | {header[1]} | {header[2]} |", "|---|---|---|"]
+    lines = [
+        f"#### {title}",
+        "",
+        f"{sum(t for _, t, _ in rows)} of torch's, {sum(o for _, _, o in rows)} of "
+        f"distcomm's; {len(missing)} of torch's missing from distcomm",
+        "",
+        f"| {header[0]} | {header[1]} | {header[2]} |",
+        "|---|---|---|",
+    ]
     for name, in_torch, in_ours in rows:
-        mark = "✓" if in_ours else (f"not mirrored: {NOT_MIRRORED[name]}"
-                                    if name in NOT_MIRRORED else "**missing**")
+        mark = (
+            "✓"
+            if in_ours
+            else (f"not mirrored: {NOT_MIRRORED[name]}" if name in NOT_MIRRORED else "**missing**")
+        )
         lines.append(f"| `{name}` | {'✓' if in_torch else ''} | {mark} |")
     lines.append("")
     return lines, [m for m in missing if m not in NOT_MIRRORED]
@@ -117,18 +139,23 @@ def main() -> int:
     try:
         import torch
     except ImportError as exc:
-        print(f"torch is needed to compare with it: {exc} (pip install torch==2.13.0)",
-              file=sys.stderr)
+        print(
+            f"torch is needed to compare with it: {exc} (pip install torch==2.13.0)",
+            file=sys.stderr,
+        )
         return 2
     out = [f"torch {torch.__version__} against distcomm", ""]
     missing: list[str] = []
     for title, header, rows in [
-            ("Process groups and collectives", ("name", "torch.distributed", "distcomm"),
-             c10d_rows()),
-            ("Store methods (every distcomm store)", ("method", "torch Store", "distcomm"),
-             store_rows()),
-            ("torchrun flags", ("flag", "torchrun", "distcomm-run"), flag_rows()),
-            ("Launch, errors and timers", ("name", "torch", "distcomm"), elastic_rows())]:
+        ("Process groups and collectives", ("name", "torch.distributed", "distcomm"), c10d_rows()),
+        (
+            "Store methods (every distcomm store)",
+            ("method", "torch Store", "distcomm"),
+            store_rows(),
+        ),
+        ("torchrun flags", ("flag", "torchrun", "distcomm-run"), flag_rows()),
+        ("Launch, errors and timers", ("name", "torch", "distcomm"), elastic_rows()),
+    ]:
         lines, gone = _table(title, header, rows)
         out += lines
         missing += gone

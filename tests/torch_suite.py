@@ -70,65 +70,122 @@ HELPERS: tuple[str, ...] = ("test/distributed/elastic/rendezvous/rendezvous_back
 #: (``mock.patch`` targets); a module under no entry but ``torch.distributed`` is kept.
 MODULE_MAP: tuple[tuple[str, str | None, str], ...] = (
     ("torch.distributed", "distcomm", "README public-modules: the package itself"),
-    ("torch.distributed.distributed_c10d", "distcomm",
-     "torch's c10d module; distcomm keeps its names at the top level"),
+    (
+        "torch.distributed.distributed_c10d",
+        "distcomm",
+        "torch's c10d module; distcomm keeps its names at the top level",
+    ),
     ("torch.distributed.constants", "distcomm", "default timeouts live at the top level"),
     ("torch.distributed.run", "distcomm.run", "README public-modules"),
     ("torch.distributed.rendezvous", "distcomm.rendezvous", "README public-modules"),
     ("torch.distributed.launch", "distcomm.launch", "README public-modules"),
-    ("torch.distributed.launcher", "distcomm.launch.api",
-     "torch re-exports launcher.api's names from the package"),
+    (
+        "torch.distributed.launcher",
+        "distcomm.launch.api",
+        "torch re-exports launcher.api's names from the package",
+    ),
     ("torch.distributed.launcher.api", "distcomm.launch.api", "README public-modules"),
     ("torch.distributed.elastic.timer", "distcomm.launch.timer", "README public-modules"),
-    ("torch.distributed.elastic.timer.api", "distcomm.launch.timer.api",
-     "README public-modules"),
-    ("torch.distributed.elastic.timer.local_timer", "distcomm.launch.timer.local_timer",
-     "README public-modules"),
-    ("torch.distributed.elastic.timer.file_based_local_timer",
-     "distcomm.launch.timer.file_based_local_timer", "README public-modules"),
-    ("torch.distributed.elastic.timer.debug_info_logging",
-     "distcomm.launch.timer.debug_info_logging", "README public-modules"),
-    ("torch.distributed.elastic.rendezvous", "distcomm.launch.rendezvous",
-     "README public-modules"),
-    ("torch.distributed.elastic.rendezvous.api", "distcomm.launch.rendezvous.api",
-     "the interface module, as torch's (RendezvousBackend, the errors, parameters)"),
-    ("torch.distributed.elastic.rendezvous.registry", "distcomm.launch.rendezvous.registry",
-     "the handler registry (get_rendezvous_handler)"),
-    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
-     "distcomm.launch.rendezvous.dynamic_rendezvous",
-     "torch's module path: DynamicRendezvousHandler, create_handler, RendezvousBackend, Token"),
-    ("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
-     "distcomm.launch.rendezvous.c10d_rendezvous_backend",
-     "torch's module path: C10dRendezvousBackend and create_backend"),
-    ("torch.distributed.elastic.rendezvous.etcd_rendezvous_backend",
-     "distcomm.launch.rendezvous.etcd_rendezvous_backend",
-     "torch's module path: EtcdRendezvousBackend and create_backend"),
-    ("torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
-     "distcomm.launch.rendezvous.static_tcp_rendezvous",
-     "torch's module path: StaticTCPRendezvous and create_rdzv_handler"),
-    ("torch.distributed.elastic.rendezvous.utils", "distcomm.launch.rendezvous.utils",
-     "torch's module path: parse_rendezvous_endpoint"),
-    ("torch.distributed.elastic.multiprocessing", "distcomm.launch.logs_specs",
-     "README public-modules (LogsSpecs, DefaultLogsSpecs)"),
-    ("torch.distributed.elastic.multiprocessing.errors", "distcomm.launch.errors",
-     "README public-modules"),
-    ("torch.distributed.elastic.multiprocessing.errors.error_handler",
-     "distcomm.launch.errors.error_handler", "torch's module path: ErrorHandler"),
-    ("torch.distributed.elastic.multiprocessing.errors.handlers",
-     "distcomm.launch.errors.handlers", "torch's module path: get_error_handler"),
+    ("torch.distributed.elastic.timer.api", "distcomm.launch.timer.api", "README public-modules"),
+    (
+        "torch.distributed.elastic.timer.local_timer",
+        "distcomm.launch.timer.local_timer",
+        "README public-modules",
+    ),
+    (
+        "torch.distributed.elastic.timer.file_based_local_timer",
+        "distcomm.launch.timer.file_based_local_timer",
+        "README public-modules",
+    ),
+    (
+        "torch.distributed.elastic.timer.debug_info_logging",
+        "distcomm.launch.timer.debug_info_logging",
+        "README public-modules",
+    ),
+    ("torch.distributed.elastic.rendezvous", "distcomm.launch.rendezvous", "README public-modules"),
+    (
+        "torch.distributed.elastic.rendezvous.api",
+        "distcomm.launch.rendezvous.api",
+        "the interface module, as torch's (RendezvousBackend, the errors, parameters)",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.registry",
+        "distcomm.launch.rendezvous.registry",
+        "the handler registry (get_rendezvous_handler)",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "distcomm.launch.rendezvous.dynamic_rendezvous",
+        "torch's module path: DynamicRendezvousHandler, create_handler, RendezvousBackend, Token",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+        "distcomm.launch.rendezvous.c10d_rendezvous_backend",
+        "torch's module path: C10dRendezvousBackend and create_backend",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.etcd_rendezvous_backend",
+        "distcomm.launch.rendezvous.etcd_rendezvous_backend",
+        "torch's module path: EtcdRendezvousBackend and create_backend",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
+        "distcomm.launch.rendezvous.static_tcp_rendezvous",
+        "torch's module path: StaticTCPRendezvous and create_rdzv_handler",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.utils",
+        "distcomm.launch.rendezvous.utils",
+        "torch's module path: parse_rendezvous_endpoint",
+    ),
+    (
+        "torch.distributed.elastic.multiprocessing",
+        "distcomm.launch.logs_specs",
+        "README public-modules (LogsSpecs, DefaultLogsSpecs)",
+    ),
+    (
+        "torch.distributed.elastic.multiprocessing.errors",
+        "distcomm.launch.errors",
+        "README public-modules",
+    ),
+    (
+        "torch.distributed.elastic.multiprocessing.errors.error_handler",
+        "distcomm.launch.errors.error_handler",
+        "torch's module path: ErrorHandler",
+    ),
+    (
+        "torch.distributed.elastic.multiprocessing.errors.handlers",
+        "distcomm.launch.errors.handlers",
+        "torch's module path: get_error_handler",
+    ),
     ("torch.distributed.elastic.events", "distcomm.launch.events", "README public-modules"),
-    ("torch.distributed.elastic.agent.server", "distcomm.launch.agent",
-     "the elastic agent (ElasticAgent); torch's package of agent modules"),
-    ("torch.distributed.elastic.agent.server.api", None,
-     "keep torch's: test_run.py takes only RunResult/WorkerState from it, to build the value "
-     "its mock of LocalElasticAgent.run returns; a torch type there judges the test on its own "
-     "instead of failing the whole file's import"),
-    ("torch.distributed.elastic.agent.server.local_elastic_agent", "distcomm.launch.agent",
-     "the agent that starts local workers"),
-    ("torch.distributed.elastic.utils", None,
-     "test helpers (free ports, sockets) that exercise nothing of distcomm; torch's kept"),
-    ("torch.distributed.elastic.utils.distributed", None,
-     "test helper get_free_port; torch's kept"),
+    (
+        "torch.distributed.elastic.agent.server",
+        "distcomm.launch.agent",
+        "the elastic agent (ElasticAgent); torch's package of agent modules",
+    ),
+    (
+        "torch.distributed.elastic.agent.server.api",
+        None,
+        "keep torch's: test_run.py takes only RunResult/WorkerState from it, to build the value "
+        "its mock of LocalElasticAgent.run returns; a torch type there judges the test on its own "
+        "instead of failing the whole file's import",
+    ),
+    (
+        "torch.distributed.elastic.agent.server.local_elastic_agent",
+        "distcomm.launch.agent",
+        "the agent that starts local workers",
+    ),
+    (
+        "torch.distributed.elastic.utils",
+        None,
+        "test helpers (free ports, sockets) that exercise nothing of distcomm; torch's kept",
+    ),
+    (
+        "torch.distributed.elastic.utils.distributed",
+        None,
+        "test helper get_free_port; torch's kept",
+    ),
     ("torch.multiprocessing", "distcomm.multiprocessing", "README public-modules"),
 )
 
@@ -136,9 +193,13 @@ MODULE_MAP: tuple[tuple[str, str | None, str], ...] = (
 #: the rewriter reroutes, because torch's would build a torch object where the test means
 #: the library under test
 NAME_MAP: tuple[tuple[str, str, str, str], ...] = (
-    ("torch.testing._internal.common_distributed", "create_tcp_store", "_torch_suite_plugin",
-     "torch.testing's helper builds torch's TCPStore, so test_store.py's TCPStore tests would "
-     "judge torch; `create_tcp_store` here takes its arguments and builds distcomm's"),
+    (
+        "torch.testing._internal.common_distributed",
+        "create_tcp_store",
+        "_torch_suite_plugin",
+        "torch.testing's helper builds torch's TCPStore, so test_store.py's TCPStore tests would "
+        "judge torch; `create_tcp_store` here takes its arguments and builds distcomm's",
+    ),
 )
 
 _MAP: dict[str, str | None] = {torch: ours for torch, ours, _ in MODULE_MAP}
@@ -149,7 +210,13 @@ _ROOTS = ("torch.distributed", "torch.multiprocessing")
 _QUOTED = re.compile(r"""(?<=["'])(torch\.(?:distributed|multiprocessing)(?:\.\w+)*)(?=["'])""")
 #: the pytest outcome words this runner records
 PASSED, FAILED, ERROR, SKIPPED, TIMEOUT, NOT_RUN = (
-    "passed", "failed", "error", "skipped", "timeout", "not run")
+    "passed",
+    "failed",
+    "error",
+    "skipped",
+    "timeout",
+    "not run",
+)
 
 
 def _in_roots(module: str) -> bool:
@@ -228,8 +295,9 @@ def _reroute_names(node: ast.ImportFrom, out: Rewrite) -> str | None:
     return "; ".join(stmts)
 
 
-def _rewrite_import(node: ast.Import | ast.ImportFrom, out: Rewrite,
-                    has_name: Callable[[str, str], bool]) -> str | None:
+def _rewrite_import(
+    node: ast.Import | ast.ImportFrom, out: Rewrite, has_name: Callable[[str, str], bool]
+) -> str | None:
     """The replacement statement(s) for one import node, or None to leave it.
 
     A name that torch's module has and distcomm's counterpart lacks (`has_name` says) is
@@ -266,8 +334,9 @@ def _rewrite_import(node: ast.Import | ast.ImportFrom, out: Rewrite,
             stmts.append(f"import {sub} as {alias.asname or alias.name}")
         elif base is not None and not has_name(base, alias.name):
             out.missing.append(f"{base}.{alias.name}")
-            holders.append(f"{alias.asname or alias.name} = "
-                           f"_torch_suite_missing({base!r}, {alias.name!r})")
+            holders.append(
+                f"{alias.asname or alias.name} = _torch_suite_missing({base!r}, {alias.name!r})"
+            )
         else:
             plain.append(_alias(alias))
     if plain:
@@ -278,15 +347,13 @@ def _rewrite_import(node: ast.Import | ast.ImportFrom, out: Rewrite,
             out.changed.append(f"{node.module} -> {base}")
             stmts.insert(0, f"from {base} import {', '.join(plain)}")
     if holders:
-        stmts += ["from _torch_suite_plugin import missing_name as _torch_suite_missing",
-                  *holders]
+        stmts += ["from _torch_suite_plugin import missing_name as _torch_suite_missing", *holders]
     if base is None and not any(s.startswith("import ") for s in stmts):
         return None
     return "; ".join(stmts)
 
 
-def rewrite_source(text: str,
-                   has_name: Callable[[str, str], bool] = distcomm_has) -> Rewrite:
+def rewrite_source(text: str, has_name: Callable[[str, str], bool] = distcomm_has) -> Rewrite:
     """Point `text`'s torch.distributed imports and patch strings at distcomm.
 
     Import statements are replaced in place (a multi-line one becomes one line followed by
@@ -303,15 +370,16 @@ def rewrite_source(text: str,
         return out
     for node in sorted(
         (n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)),
-        key=lambda n: n.lineno, reverse=True,
+        key=lambda n: n.lineno,
+        reverse=True,
     ):
         new = _rewrite_import(node, out, has_name)
         if new is None:
             continue
         first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
         head = lines[first][: node.col_offset]
-        tail = lines[last][node.end_col_offset:]
-        lines[first: last + 1] = [head + new + tail] + ["\n"] * (last - first)
+        tail = lines[last][node.end_col_offset :]
+        lines[first : last + 1] = [head + new + tail] + ["\n"] * (last - first)
     text = "".join(lines)
 
     def quoted(match: re.Match[str]) -> str:
@@ -356,8 +424,9 @@ def _first_line(report: object) -> str:
 
 
 def pytest_collection_finish(session: object) -> None:  # pragma: no cover
-    _emit({"event": "collected",
-           "nodeids": [item.nodeid for item in getattr(session, "items", [])]})
+    _emit(
+        {"event": "collected", "nodeids": [item.nodeid for item in getattr(session, "items", [])]}
+    )
 
 
 def pytest_runtest_logstart(nodeid: str, location: object) -> None:  # pragma: no cover
@@ -372,16 +441,28 @@ def pytest_runtest_logreport(report: object) -> None:  # pragma: no cover
             word = ERROR
         if hasattr(report, "wasxfail"):
             word = "xfail" if outcome == "skipped" else "xpass"
-        _emit({"event": "result", "nodeid": report.nodeid, "when": when,  # type: ignore[attr-defined]
-               "outcome": word, "message": _first_line(report)})
+        _emit(
+            {
+                "event": "result",
+                "nodeid": report.nodeid,
+                "when": when,  # type: ignore[attr-defined]
+                "outcome": word,
+                "message": _first_line(report),
+            }
+        )
     if when == "teardown":
         _emit({"event": "end", "nodeid": report.nodeid})  # type: ignore[attr-defined]
 
 
 def pytest_collectreport(report: object) -> None:  # pragma: no cover
     if getattr(report, "outcome", "") == "failed":
-        _emit({"event": "collect-error", "nodeid": report.nodeid,  # type: ignore[attr-defined]
-               "message": _first_line(report)})
+        _emit(
+            {
+                "event": "collect-error",
+                "nodeid": report.nodeid,  # type: ignore[attr-defined]
+                "message": _first_line(report),
+            }
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -402,8 +483,10 @@ class MissingName:
 
     def _error(self) -> ImportError:
         module, name = self._where
-        return ImportError(f"cannot import name {name!r} from {module!r} (torch_suite: "
-                           "distcomm has no counterpart; the test uses it)")
+        return ImportError(
+            f"cannot import name {name!r} from {module!r} (torch_suite: "
+            "distcomm has no counterpart; the test uses it)"
+        )
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         raise self._error()
@@ -444,10 +527,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def create_tcp_store(addr: str = "localhost", world_size: int = 1, is_master: bool = True,
-                     timeout: timedelta = timedelta(minutes=5), wait_for_workers: bool = True,
-                     jit_class: bool = False, use_libuv: bool = True, *,
-                     port: int | None = None, **kwargs: object) -> object:
+def create_tcp_store(
+    addr: str = "localhost",
+    world_size: int = 1,
+    is_master: bool = True,
+    timeout: timedelta = timedelta(minutes=5),
+    wait_for_workers: bool = True,
+    jit_class: bool = False,
+    use_libuv: bool = True,
+    *,
+    port: int | None = None,
+    **kwargs: object,
+) -> object:
     """A distcomm TCPStore where torch.testing's helper of this name builds torch's.
 
     Takes torch 2.13's parameters in its order (plus `port`, and keywords passed through
@@ -458,14 +549,23 @@ def create_tcp_store(addr: str = "localhost", world_size: int = 1, is_master: bo
     from distcomm.store import TCPStore
 
     if jit_class:
-        raise NotImplementedError("create_tcp_store(jit_class=True) builds torch's "
-                                  "TorchScript TCPStore; distcomm has no TorchScript class")
+        raise NotImplementedError(
+            "create_tcp_store(jit_class=True) builds torch's "
+            "TorchScript TCPStore; distcomm has no TorchScript class"
+        )
     for attempt in range(3):
         chosen = _free_port() if port is None else port
         try:
-            return TCPStore(addr, chosen, world_size, is_master, timeout=timeout,
-                            wait_for_workers=wait_for_workers, use_libuv=use_libuv,
-                            **kwargs)  # type: ignore[arg-type]
+            return TCPStore(
+                addr,
+                chosen,
+                world_size,
+                is_master,
+                timeout=timeout,
+                wait_for_workers=wait_for_workers,
+                use_libuv=use_libuv,
+                **kwargs,
+            )  # type: ignore[arg-type]
         except Exception as exc:
             if port is not None or attempt == 2 or not _address_in_use(exc):
                 raise
@@ -543,9 +643,17 @@ def fold_events(lines: Iterable[str]) -> tuple[dict[str, Outcome], str | None]:
     return results, running
 
 
-def run_file(python: str, root: Path, rel: str, env: dict[str, str], *,
-             test_timeout: float, file_timeout: float, log: Path,
-             skip: Iterable[str] = ()) -> dict[str, Outcome]:
+def run_file(
+    python: str,
+    root: Path,
+    rel: str,
+    env: dict[str, str],
+    *,
+    test_timeout: float,
+    file_timeout: float,
+    log: Path,
+    skip: Iterable[str] = (),
+) -> dict[str, Outcome]:
     """Run pytest on `root`/`rel` until every test has an outcome; return them by nodeid.
 
     A test running past `test_timeout` is killed (with its process tree), recorded as
@@ -560,16 +668,37 @@ def run_file(python: str, root: Path, rel: str, env: dict[str, str], *,
     done: set[str] = set(skip)
     for _attempt in range(20):
         events.unlink(missing_ok=True)  # each attempt folds only its own events
-        cmd = [python, "-m", "pytest", str(test), "-p", "_torch_suite_plugin", "-p",
-               "no:cacheprovider", "-q", "-rN", "--rootdir", str(test.parent),
-               "-c", os.devnull, "-o", f"faulthandler_timeout={int(test_timeout - 5)}"]
+        cmd = [
+            python,
+            "-m",
+            "pytest",
+            str(test),
+            "-p",
+            "_torch_suite_plugin",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rN",
+            "--rootdir",
+            str(test.parent),
+            "-c",
+            os.devnull,
+            "-o",
+            f"faulthandler_timeout={int(test_timeout - 5)}",
+        ]
         cmd += [f"--deselect={nodeid}" for nodeid in sorted(done)]
         child_env = dict(env, **{_EVENTS_ENV: str(events)})
         with open(log, "a", encoding="utf-8") as out:
             out.write(f"$ {' '.join(cmd)}\n")
             out.flush()
-            proc = subprocess.Popen(cmd, cwd=test.parent, env=child_env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=test.parent,
+                env=child_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             hung: str | None = None
             try:
                 while proc.poll() is None:
@@ -589,13 +718,15 @@ def run_file(python: str, root: Path, rel: str, env: dict[str, str], *,
         results.update(got)
         if hung or (running and time.monotonic() > deadline):
             stuck = hung or running
-            results[stuck] = Outcome(TIMEOUT, f"killed after {test_timeout:.0f} s"
-                                     if hung else "file deadline reached")
+            results[stuck] = Outcome(
+                TIMEOUT, f"killed after {test_timeout:.0f} s" if hung else "file deadline reached"
+            )
         if not hung or time.monotonic() > deadline:
             left = [n for n, o in results.items() if o.outcome == NOT_RUN]
             for nodeid in left:
-                results[nodeid] = Outcome(NOT_RUN, f"pytest exited (status {proc.returncode}) "
-                                          "before this test ran")
+                results[nodeid] = Outcome(
+                    NOT_RUN, f"pytest exited (status {proc.returncode}) before this test ran"
+                )
             break
         done = {n for n, o in results.items() if o.outcome != NOT_RUN}
     return results
@@ -621,8 +752,9 @@ def _start_time(path: Path, nodeid: str | None) -> float | None:
 # the tree copies
 
 
-def find_files(torch_tests: Path, patterns: Sequence[str],
-               only: str | Sequence[str] | None) -> list[str]:
+def find_files(
+    torch_tests: Path, patterns: Sequence[str], only: str | Sequence[str] | None
+) -> list[str]:
     """The test files under `torch_tests` matching `patterns` (minus helpers), sorted."""
     found: set[str] = set()
     for pattern in patterns:
@@ -632,8 +764,7 @@ def find_files(torch_tests: Path, patterns: Sequence[str],
                 found.add(rel)
     if only:
         wanted = [only] if isinstance(only, str) else list(only)
-        found = {rel for rel in found
-                 if any(w in rel or fnmatch.fnmatch(rel, w) for w in wanted)}
+        found = {rel for rel in found if any(w in rel or fnmatch.fnmatch(rel, w) for w in wanted)}
     return sorted(found)
 
 
@@ -653,10 +784,16 @@ def copy_tree(src: Path, dst: Path, rewrite: bool) -> dict[str, Rewrite]:
 def child_env(extra_path: Sequence[str], plugin_dir: Path) -> dict[str, str]:
     """The environment of a suite's pytest: loopback networking, quiet torch, no DISTCOMM_*."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTCOMM_", "PET_"))}
-    env.update(HYDRA_IFACE="lo", UCX_NET_DEVICES="lo", RES_OPTIONS="timeout:1 attempts:1",
-               TORCH_CPP_LOG_LEVEL="ERROR", PYTHONDONTWRITEBYTECODE="1",
-               PYTHONPATH=os.pathsep.join([str(plugin_dir), *extra_path,
-                                           env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.update(
+        HYDRA_IFACE="lo",
+        UCX_NET_DEVICES="lo",
+        RES_OPTIONS="timeout:1 attempts:1",
+        TORCH_CPP_LOG_LEVEL="ERROR",
+        PYTHONDONTWRITEBYTECODE="1",
+        PYTHONPATH=os.pathsep.join(
+            [str(plugin_dir), *extra_path, env.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep),
+    )
     return env
 
 
@@ -703,9 +840,13 @@ def cause(message: str) -> str:
     return line[:240]
 
 
-def build_report(files: Sequence[str], torch_runs: dict[str, dict[str, Outcome]],
-                 ours_runs: dict[str, dict[str, Outcome]],
-                 expect: dict[str, tuple[str, str]], rewrites: dict[str, Rewrite]) -> str:
+def build_report(
+    files: Sequence[str],
+    torch_runs: dict[str, dict[str, Outcome]],
+    ours_runs: dict[str, dict[str, Outcome]],
+    expect: dict[str, tuple[str, str]],
+    rewrites: dict[str, Rewrite],
+) -> str:
     """The Markdown report of one run (see the module docstring)."""
     rows, groups, per_test = [], defaultdict(list), []
     classified: list[tuple[str, str, str, str]] = []
@@ -715,8 +856,7 @@ def build_report(files: Sequence[str], torch_runs: dict[str, dict[str, Outcome]]
         short = rel.removeprefix("test/distributed/")
         counts = defaultdict(int)
         # a file distcomm cannot even import: its tests take the collection error
-        broken = next((o for n, o in ours.items() if "::" not in n and o.outcome == ERROR),
-                      None)
+        broken = next((o for n, o in ours.items() if "::" not in n and o.outcome == ERROR), None)
         for nodeid in sorted(set(base) | set(ours)):
             if "::" not in nodeid:  # a collection error, reported through its tests
                 continue
@@ -744,50 +884,85 @@ def build_report(files: Sequence[str], torch_runs: dict[str, dict[str, Outcome]]
             totals[key] += value
         rows.append((short, counts))
     out = ["# distcomm against PyTorch 2.13's own tests", ""]
-    out.append(f"Generated by `tests/torch_suite.py` on {time.strftime('%Y-%m-%d %H:%M')}. "
-               "A test counts for distcomm only where torch itself passes it; "
-               "\"failed\" excludes the tests classified in `tests/torch_suite_expect.py`.")
-    out += ["", "## Counts per file", "",
-            "| file | tests | torch passed | distcomm passed | distcomm failed "
-            "| not applicable | documented difference | torch did not pass |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out.append(
+        f"Generated by `tests/torch_suite.py` on {time.strftime('%Y-%m-%d %H:%M')}. "
+        "A test counts for distcomm only where torch itself passes it; "
+        '"failed" excludes the tests classified in `tests/torch_suite_expect.py`.'
+    )
+    out += [
+        "",
+        "## Counts per file",
+        "",
+        "| file | tests | torch passed | distcomm passed | distcomm failed "
+        "| not applicable | documented difference | torch did not pass |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for short, c in [*rows, ("**total**", totals)]:
-        out.append(f"| {short} | {c['tests']} | {c['torch']} | {c['ours']} | {c['failed']} "
-                   f"| {c['na']} | {c['documented']} | {c['torch_not_passed']} |")
-    out += ["", "## distcomm failures grouped by cause", "",
-            "Each group: the first line of the error (addresses, temp paths and long numbers "
-            "blanked), how many tests, and which.", ""]
-    for i, (line, tests) in enumerate(sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])),
-                                      1):
+        out.append(
+            f"| {short} | {c['tests']} | {c['torch']} | {c['ours']} | {c['failed']} "
+            f"| {c['na']} | {c['documented']} | {c['torch_not_passed']} |"
+        )
+    out += [
+        "",
+        "## distcomm failures grouped by cause",
+        "",
+        "Each group: the first line of the error (addresses, temp paths and long numbers "
+        "blanked), how many tests, and which.",
+        "",
+    ]
+    for i, (line, tests) in enumerate(sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])), 1):
         out.append(f"### {i}. `{line}` ({len(tests)})")
         out.append("")
         out += [f"- {t}" for t in tests]
         out.append("")
     if classified:
-        out += ["## Classified (not counted as failures)", "",
-                "| test | kind | reason | distcomm's error |", "|---|---|---|---|"]
+        out += [
+            "## Classified (not counted as failures)",
+            "",
+            "| test | kind | reason | distcomm's error |",
+            "|---|---|---|---|",
+        ]
         for kind, reason, test, line in sorted(classified, key=lambda c: c[2]):
             out.append(f"| {test} | {kind} | {reason} | `{line}` |")
         out.append("")
-    out += ["## Every test", "", "<details><summary>torch's and distcomm's outcome per test"
-            "</summary>", "", "| test | torch | distcomm |", "|---|---|---|"]
+    out += [
+        "## Every test",
+        "",
+        "<details><summary>torch's and distcomm's outcome per test</summary>",
+        "",
+        "| test | torch | distcomm |",
+        "|---|---|---|",
+    ]
     out += [f"| {t} | {b} | {o} |" for t, b, o in per_test]
-    out += ["", "</details>", "", "## Import rewriting", "",
-            "| torch module | distcomm module | why |", "|---|---|---|"]
-    out += [f"| `{t}` | {f'`{o}`' if o else 'kept (torch)'} | {why} |"
-            for t, o, why in MODULE_MAP]
-    out += [f"| `{m}.{n}` | `tests/torch_suite.py`'s `{n}` (as `{o}`) | {why} |"
-            for m, n, o, why in NAME_MAP]
+    out += [
+        "",
+        "</details>",
+        "",
+        "## Import rewriting",
+        "",
+        "| torch module | distcomm module | why |",
+        "|---|---|---|",
+    ]
+    out += [f"| `{t}` | {f'`{o}`' if o else 'kept (torch)'} | {why} |" for t, o, why in MODULE_MAP]
+    out += [
+        f"| `{m}.{n}` | `tests/torch_suite.py`'s `{n}` (as `{o}`) | {why} |"
+        for m, n, o, why in NAME_MAP
+    ]
     missing = sorted({k for r in rewrites.values() for k in r.missing})
     if missing:
-        out += ["", "Names torch's modules have and distcomm's counterparts lack, bound to a "
-                "placeholder so the file imports (a test that uses one fails with "
-                "`ImportError: cannot import name ...`): "
-                + ", ".join(f"`{k}`" for k in missing)]
+        out += [
+            "",
+            "Names torch's modules have and distcomm's counterparts lack, bound to a "
+            "placeholder so the file imports (a test that uses one fails with "
+            "`ImportError: cannot import name ...`): " + ", ".join(f"`{k}`" for k in missing),
+        ]
     kept = sorted({k for r in rewrites.values() for k in r.kept})
     if kept:
-        out += ["", "torch.distributed modules left pointing at torch (no counterpart): "
-                + ", ".join(f"`{k}`" for k in kept)]
+        out += [
+            "",
+            "torch.distributed modules left pointing at torch (no counterpart): "
+            + ", ".join(f"`{k}`" for k in kept),
+        ]
     out.append("")
     return "\n".join(out)
 
@@ -798,15 +973,19 @@ def build_report(files: Sequence[str], torch_runs: dict[str, dict[str, Outcome]]
 def _save(path: Path | None, runs: dict[str, dict[str, dict[str, Outcome]]]) -> None:
     if path is None:
         return
-    data = {mode: {rel: {n: vars(o) for n, o in res.items()} for rel, res in by_file.items()}
-            for mode, by_file in runs.items()}
+    data = {
+        mode: {rel: {n: vars(o) for n, o in res.items()} for rel, res in by_file.items()}
+        for mode, by_file in runs.items()
+    }
     path.write_text(json.dumps(data, indent=1), encoding="utf-8")
 
 
 def _load(path: Path) -> dict[str, dict[str, dict[str, Outcome]]]:
     data = json.loads(path.read_text(encoding="utf-8"))
-    return {mode: {rel: {n: Outcome(**o) for n, o in res.items()} for rel, res in by.items()}
-            for mode, by in data.items()}
+    return {
+        mode: {rel: {n: Outcome(**o) for n, o in res.items()} for rel, res in by.items()}
+        for mode, by in data.items()
+    }
 
 
 def _reported(every: Sequence[str], runs: dict[str, dict[str, dict[str, Outcome]]]) -> list[str]:
@@ -815,30 +994,60 @@ def _reported(every: Sequence[str], runs: dict[str, dict[str, dict[str, Outcome]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--torch-tests", type=Path, required=True,
-                        help="a copy of torch's test/ tree's files (the repository's paths)")
-    parser.add_argument("--only", action="append",
-                        help="run only files whose path contains (or globs) this (repeatable)")
+    parser.add_argument(
+        "--torch-tests",
+        type=Path,
+        required=True,
+        help="a copy of torch's test/ tree's files (the repository's paths)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        help="run only files whose path contains (or globs) this (repeatable)",
+    )
     parser.add_argument("--report", type=Path, default=Path("torch-suite-report.md"))
-    parser.add_argument("--results", type=Path,
-                        help="JSON of every outcome, written after each file")
-    parser.add_argument("--reuse-baseline", action="store_true",
-                        help="keep torch's outcomes from --results instead of rerunning")
-    parser.add_argument("--report-only", action="store_true",
-                        help="rebuild the report from --results without running anything")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the interpreter with torch and distcomm (default: this one)")
-    parser.add_argument("--extra-path", action="append", default=[],
-                        help="a folder added to the children's PYTHONPATH (pytest, expecttest)")
-    parser.add_argument("--logs", type=Path,
-                        help="keep each run's pytest output here (default: discarded)")
+    parser.add_argument(
+        "--results", type=Path, help="JSON of every outcome, written after each file"
+    )
+    parser.add_argument(
+        "--reuse-baseline",
+        action="store_true",
+        help="keep torch's outcomes from --results instead of rerunning",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild the report from --results without running anything",
+    )
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the interpreter with torch and distcomm (default: this one)",
+    )
+    parser.add_argument(
+        "--extra-path",
+        action="append",
+        default=[],
+        help="a folder added to the children's PYTHONPATH (pytest, expecttest)",
+    )
+    parser.add_argument(
+        "--logs", type=Path, help="keep each run's pytest output here (default: discarded)"
+    )
     parser.add_argument("--test-timeout", type=float, default=240.0)
     parser.add_argument("--file-timeout", type=float, default=1500.0)
-    parser.add_argument("--keep-previous", action="append", default=[], metavar="GLOB",
-                        help="tests (nodeid globs) not run again: their outcome in --results "
-                        "stays (for known hangs, such as test_store.py's RPC tests)")
-    parser.add_argument("--skip-torch", action="store_true",
-                        help="run only distcomm (the report then counts nothing)")
+    parser.add_argument(
+        "--keep-previous",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="tests (nodeid globs) not run again: their outcome in --results "
+        "stays (for known hangs, such as test_store.py's RPC tests)",
+    )
+    parser.add_argument(
+        "--skip-torch",
+        action="store_true",
+        help="run only distcomm (the report then counts nothing)",
+    )
     args = parser.parse_args(argv)
 
     files = find_files(args.torch_tests, SUITES, args.only)
@@ -854,8 +1063,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def write_report() -> None:
         if args.report:
-            text = build_report(_reported(every, runs), runs["torch"], runs["distcomm"],
-                                load_expect(), rewrites)
+            text = build_report(
+                _reported(every, runs), runs["torch"], runs["distcomm"], load_expect(), rewrites
+            )
             args.report.write_text(text, encoding="utf-8")
 
     try:
@@ -873,19 +1083,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log.unlink(missing_ok=True)
                 began = time.monotonic()
                 old = runs[mode].get(rel, {})
-                kept = {n: o for n, o in old.items()
-                        if any(fnmatch.fnmatchcase(n, g) for g in args.keep_previous)}
-                res = run_file(args.python, trees[mode], rel,
-                               child_env(args.extra_path, trees[mode]),
-                               test_timeout=args.test_timeout,
-                               file_timeout=args.file_timeout, log=log, skip=kept)
+                kept = {
+                    n: o
+                    for n, o in old.items()
+                    if any(fnmatch.fnmatchcase(n, g) for g in args.keep_previous)
+                }
+                res = run_file(
+                    args.python,
+                    trees[mode],
+                    rel,
+                    child_env(args.extra_path, trees[mode]),
+                    test_timeout=args.test_timeout,
+                    file_timeout=args.file_timeout,
+                    log=log,
+                    skip=kept,
+                )
                 res.update(kept)
                 runs[mode][rel] = res
                 tally: dict[str, int] = defaultdict(int)
                 for o in res.values():
                     tally[o.outcome] += 1
-                print(f"[{mode:8}] {rel}: {dict(tally)} in {time.monotonic() - began:.0f} s"
-                      f" (log: {log})", flush=True)
+                print(
+                    f"[{mode:8}] {rel}: {dict(tally)} in {time.monotonic() - began:.0f} s"
+                    f" (log: {log})",
+                    flush=True,
+                )
                 _save(args.results, runs)
                 write_report()
         write_report()

@@ -46,9 +46,7 @@ class OpQueue:
             if async_op:
                 self._queue.append((fn, work))
                 if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._loop, name=self._name, daemon=True
-                    )
+                    self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                     self._thread.start()
                 self._cond.notify_all()
                 return work
@@ -65,8 +63,14 @@ class OpQueue:
         if self._closed:
             raise GroupDestroyedError(f"{work.description}: the process group was destroyed")
 
-    def run_now(self, description: str, outputs: list[Any], timeout: float,
-                fn: Callable[..., Any], *args: Any) -> Work | None:
+    def run_now(
+        self,
+        description: str,
+        outputs: list[Any],
+        timeout: float,
+        fn: Callable[..., Any],
+        *args: Any,
+    ) -> Work | None:
         """Run a synchronous call `fn(*args)` here and now if nothing runs or waits ahead
         of it: the common case, with no thread hand-off and nothing queued.
 
@@ -206,8 +210,9 @@ class Backend(ABC):
     #: serves CUDA arrays by host staging: its group wraps it in a `StagedBackend` for them
     stages_device_arrays: ClassVar[bool] = False
 
-    def __init__(self, store: Store, rank: int, size: int, timeout: float,
-                 group_name: str = "") -> None:
+    def __init__(
+        self, store: Store, rank: int, size: int, timeout: float, group_name: str = ""
+    ) -> None:
         self.store = store
         self.rank = rank
         self.size = size
@@ -218,7 +223,10 @@ class Backend(ABC):
     def from_options(cls, options: BackendOptions, pg_options: Any = None) -> Backend:
         """The backend of one group (the registry's factory for a built-in backend)."""
         return cls(
-            options.store, options.group_rank, options.group_size, options.timeout,
+            options.store,
+            options.group_rank,
+            options.group_size,
+            options.timeout,
             options.group_id,
         )
 
@@ -264,23 +272,29 @@ class Backend(ABC):
         """Concatenate every rank's `input` (in rank order) into every rank's `output`."""
 
     @abstractmethod
-    def gather(self, output: Any | None, input: Any, root: int, *,
-               async_op: bool = False) -> Work:
+    def gather(self, output: Any | None, input: Any, root: int, *, async_op: bool = False) -> Work:
         """Concatenate every rank's `input` into `root`'s `output` (None elsewhere)."""
 
     @abstractmethod
-    def scatter(self, output: Any, input: Any | None, root: int, *,
-                async_op: bool = False) -> Work:
+    def scatter(self, output: Any, input: Any | None, root: int, *, async_op: bool = False) -> Work:
         """Give rank i the i-th equal slice of `root`'s `input` (None elsewhere)."""
 
     @abstractmethod
-    def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
-                       async_op: bool = False) -> Work:
+    def reduce_scatter(
+        self, output: Any, input: Any, op: ReduceOp, *, async_op: bool = False
+    ) -> Work:
         """Reduce `input` (size x len(output)) over ranks; rank i gets slice i in `output`."""
 
     @abstractmethod
-    def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
-                   input_splits: Sequence[int], *, async_op: bool = False) -> Work:
+    def all_to_all(
+        self,
+        output: Any,
+        input: Any,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        async_op: bool = False,
+    ) -> Work:
         """Send slice j of `input` (sizes `input_splits`, in elements) to rank j; receive
         rank j's slice into slice j of `output` (sizes `output_splits`)."""
 

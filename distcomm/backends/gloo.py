@@ -36,6 +36,7 @@ __all__ = ["GlooBackend", "transport_mode"]
 
 log = logging.getLogger(__name__)
 
+
 def transport_mode(environ: Mapping[str, str] | None = None) -> str:
     """DISTCOMM_GLOO_TRANSPORT in `environ` (default: os.environ): "auto" (shared memory
     on one host, the default) or "tcp".
@@ -55,26 +56,50 @@ class GlooBackend(TcpBackend):
     tuning_preset = algo.Tuning.tuned()
 
     def __init__(
-        self, store: Store, rank: int, size: int, timeout: float, group_name: str = "", *,
-        global_ranks: Sequence[int] | None = None, process_store: Store | None = None,
+        self,
+        store: Store,
+        rank: int,
+        size: int,
+        timeout: float,
+        group_name: str = "",
+        *,
+        global_ranks: Sequence[int] | None = None,
+        process_store: Store | None = None,
         setup_round: int | None = None,
     ) -> None:
         self._mode = transport_mode()
-        super().__init__(store, rank, size, timeout, group_name, global_ranks=global_ranks,
-                         process_store=process_store, setup_round=setup_round)
+        super().__init__(
+            store,
+            rank,
+            size,
+            timeout,
+            group_name,
+            global_ranks=global_ranks,
+            process_store=process_store,
+            setup_round=setup_round,
+        )
 
     def _choose_path(self, store: Store) -> Any:
         if self.size == 1:
             return self._tcp
         fabric = self._transport.fabric
-        layout = same_host_setup(store, self.rank, self.size, Deadline(self.timeout), self._mode,
-                                 self.describe("setup"), self._transport.generation,
-                                 fabric.address if fabric is not None else "")
+        layout = same_host_setup(
+            store,
+            self.rank,
+            self.size,
+            Deadline(self.timeout),
+            self._mode,
+            self.describe("setup"),
+            self._transport.generation,
+            fabric.address if fabric is not None else "",
+        )
         if isinstance(layout, str):
             log.info("%s: collectives over TCP: %s", self.describe("setup"), layout)
             return self._tcp
-        self._transport.know_local_peers(dict(zip(layout.local, layout.pids, strict=True)),
-                                         dict(zip(layout.local, layout.addresses, strict=True)))
+        self._transport.know_local_peers(
+            dict(zip(layout.local, layout.pids, strict=True)),
+            dict(zip(layout.local, layout.addresses, strict=True)),
+        )
         engine = None
         if layout.segment is not None:
             engine = IntraNode(

@@ -175,8 +175,12 @@ class MpiBackend(Backend):
     def from_options(cls, options: BackendOptions, pg_options: Any = None) -> MpiBackend:
         """The group's communicator is made from its ranks in MPI.COMM_WORLD."""
         return cls(
-            options.store, options.group_rank, options.group_size, options.timeout,
-            options.group_id, options.global_ranks_in_group or None,
+            options.store,
+            options.group_rank,
+            options.group_size,
+            options.timeout,
+            options.group_id,
+            options.global_ranks_in_group or None,
         )
 
     def __init__(
@@ -292,8 +296,9 @@ class MpiBackend(Backend):
         `async_op`), then `finish()`."""
         if not async_op and not self._broken:
             # the common synchronous call: nothing queued before it, so run it right here
-            done = self._queue.run_now(what, outputs, self.timeout, self._call, what,
-                                       blocking, finish)
+            done = self._queue.run_now(
+                what, outputs, self.timeout, self._call, what, blocking, finish
+            )
             if done is not None:
                 return done
         description = self._check(what)

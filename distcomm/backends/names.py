@@ -37,18 +37,26 @@ class Backend(str):
     default_device_backend_map: ClassVar[dict[str, str]] = {"cpu": GLOO, "cuda": NCCL}
     #: the device types each backend serves
     backend_capability: ClassVar[dict[str, list[str]]] = {
-        TCP: ["cpu"], GLOO: ["cpu", "cuda"], NCCL: ["cuda"], MPI: ["cpu", "cuda"]}
+        TCP: ["cpu"],
+        GLOO: ["cpu", "cuda"],
+        NCCL: ["cuda"],
+        MPI: ["cpu", "cuda"],
+    }
 
     def __new__(cls, name: str) -> Backend:  # type: ignore[misc] - torch returns a str
         if not isinstance(name, str):
-            raise ValueError(f"Backend: a backend name is a string such as 'gloo', got "
-                             f"{name!r}")
+            raise ValueError(f"Backend: a backend name is a string such as 'gloo', got {name!r}")
         value = getattr(Backend, name.upper(), None)
         return value if isinstance(value, str) else name.lower()  # type: ignore[return-value]
 
     @classmethod
-    def register_backend(cls, name: str, func: Callable[..., Any], extended_api: bool = False,
-                         devices: str | Sequence[str] | None = None) -> None:
+    def register_backend(
+        cls,
+        name: str,
+        func: Callable[..., Any],
+        extended_api: bool = False,
+        devices: str | Sequence[str] | None = None,
+    ) -> None:
         """Register a third-party backend under `name` (see
         `distcomm.backends.register_backend`): `func(store, rank, size, timeout)` returns a
         `distcomm.backends.Backend` subclass instance; `devices` "cpu", "cuda" or both."""
@@ -60,7 +68,7 @@ class Backend(str):
             setattr(Backend, name.upper(), lower)
         if lower not in Backend.backend_list:
             Backend.backend_list.append(lower)
-        served = ([devices] if isinstance(devices, str) else list(devices or ("cpu", "cuda")))
+        served = [devices] if isinstance(devices, str) else list(devices or ("cpu", "cuda"))
         Backend.backend_capability[lower] = served
         for device in served:
             Backend.default_device_backend_map.setdefault(device, lower)

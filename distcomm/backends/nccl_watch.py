@@ -64,8 +64,18 @@ class NcclWork(Work):
         then: queues `chain()`'s GPU work after this operation.
     """
 
-    def __init__(self, watch: NcclWatchdog, cupy: Any, description: str, outputs: list[Any],
-                 keep: list[Any], *, host_wait: bool, source_rank: int, then: Then) -> None:
+    def __init__(
+        self,
+        watch: NcclWatchdog,
+        cupy: Any,
+        description: str,
+        outputs: list[Any],
+        keep: list[Any],
+        *,
+        host_wait: bool,
+        source_rank: int,
+        then: Then,
+    ) -> None:
         super().__init__(description, outputs, timeout=watch.timeout)
         self._source_rank = source_rank
         self._watch = watch
@@ -176,8 +186,15 @@ class NcclWatchdog:
             message says so).
     """
 
-    def __init__(self, store: Store, rank: int, timeout: float, describe: Callable[[str], str],
-                 name: str, detail: bool) -> None:
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        timeout: float,
+        describe: Callable[[str], str],
+        name: str,
+        detail: bool,
+    ) -> None:
         self.store = store
         self.rank = rank
         self.timeout = timeout
@@ -204,8 +221,9 @@ class NcclWatchdog:
     def start(self, comm: Any, device: Any) -> None:
         """Watch `comm` (a `NcclCommunicator` on the `cupy.cuda.Device` `device`) from now."""
         self._comm, self.device = comm, device
-        self._watchdog = threading.Thread(target=self._run, daemon=True,
-                                          name=f"distcomm-nccl-watchdog-{self._name}")
+        self._watchdog = threading.Thread(
+            target=self._run, daemon=True, name=f"distcomm-nccl-watchdog-{self._name}"
+        )
         self._watchdog.start()
 
     def raise_if_failed(self, description: str) -> None:
@@ -246,12 +264,16 @@ class NcclWatchdog:
 
     def timed_out(self, work: NcclWork, seconds: float) -> DistTimeoutError:
         """Fail the group because `work` did not finish in `seconds`; the error to raise."""
-        check = ("every rank issued it (DISTCOMM_DEBUG=DETAIL checked)" if self._detail else
-                 "set DISTCOMM_DEBUG=DETAIL to check that every rank issued it with the "
-                 "same arguments")
+        check = (
+            "every rank issued it (DISTCOMM_DEBUG=DETAIL checked)"
+            if self._detail
+            else "set DISTCOMM_DEBUG=DETAIL to check that every rank issued it with the "
+            "same arguments"
+        )
         error = DistTimeoutError(
             f"{work.description} did not complete within {seconds:g} s; {check}. The "
-            "group's NCCL communicator was aborted: destroy the group and create a new one")
+            "group's NCCL communicator was aborted: destroy the group and create a new one"
+        )
         self.fail(error)
         return error
 
@@ -270,8 +292,9 @@ class NcclWatchdog:
         # NCCL 2.28.9: a wait(timeout=1) raised only after 8 s, when a kernel ahead of
         # the op ended). It runs on a thread of its own, so the caller and the watchdog
         # report the failure at once; destroying the group waits for it.
-        self._aborter = threading.Thread(target=self.release, args=(True,), daemon=True,
-                                         name=f"distcomm-nccl-abort-{self._name}")
+        self._aborter = threading.Thread(
+            target=self.release, args=(True,), daemon=True, name=f"distcomm-nccl-abort-{self._name}"
+        )
         self._aborter.start()
         # kernels queued behind the aborted ones may still run: keep their arrays until
         # the group is destroyed
@@ -300,8 +323,12 @@ class NcclWatchdog:
         while True:
             with self._cond:
                 woken = False
-                while (not self._closed and self._failure is None and not self._pending
-                       and self._launching is None):
+                while (
+                    not self._closed
+                    and self._failure is None
+                    and not self._pending
+                    and self._launching is None
+                ):
                     delay = _WATCH_FIRST
                     woken = True
                     self._cond.wait(1.0)
@@ -312,10 +339,13 @@ class NcclWatchdog:
                     return
                 pending, launching = list(self._pending), self._launching
             if launching is not None and time.monotonic() - launching[1] > self.timeout:
-                self.fail(DistTimeoutError(
-                    f"{launching[0]}: NCCL did not return within {self.timeout:g} s (it "
-                    "waits for a peer that never connected?); the communicator was "
-                    "aborted: destroy the group and create a new one"))
+                self.fail(
+                    DistTimeoutError(
+                        f"{launching[0]}: NCCL did not return within {self.timeout:g} s (it "
+                        "waits for a peer that never connected?); the communicator was "
+                        "aborted: destroy the group and create a new one"
+                    )
+                )
                 return
             done = {id(w) for w in pending if w._poll()}
             with self._cond:
@@ -338,9 +368,12 @@ class NcclWatchdog:
         try:
             self._comm.check_async_error()
         except Exception as exc:  # NcclError
-            self.fail(DistBackendError(
-                f"{self.describe('watchdog')}: NCCL reported an asynchronous error ({exc}); "
-                "a peer rank probably failed or its connection broke"))
+            self.fail(
+                DistBackendError(
+                    f"{self.describe('watchdog')}: NCCL reported an asynchronous error ({exc}); "
+                    "a peer rank probably failed or its connection broke"
+                )
+            )
             return True
         return False
 
@@ -352,9 +385,14 @@ class NcclWatchdog:
             reason = self.store.get(_ABORT_KEY).decode(errors="replace")
         except Exception:  # an unreachable store is no notice
             return False
-        self.fail(caused_by_peers(DistBackendError(
-            f"{self.describe('watchdog')}: another rank aborted the group ({reason})")),
-            notify=False)
+        self.fail(
+            caused_by_peers(
+                DistBackendError(
+                    f"{self.describe('watchdog')}: another rank aborted the group ({reason})"
+                )
+            ),
+            notify=False,
+        )
         return True
 
     def release(self, abort: bool) -> None:
@@ -370,8 +408,12 @@ class NcclWatchdog:
             else:
                 comm.destroy()
         except Exception as exc:  # an NcclError while releasing changes nothing
-            log.warning("%s: %s of the NCCL communicator failed: %s",
-                        self.describe("shutdown"), "abort" if abort else "destroy", exc)
+            log.warning(
+                "%s: %s of the NCCL communicator failed: %s",
+                self.describe("shutdown"),
+                "abort" if abort else "destroy",
+                exc,
+            )
 
     def finish_abort(self, timeout: float) -> None:
         """Wait up to `timeout` s for an abort under way (`fail`) to return; say so if it
@@ -382,9 +424,13 @@ class NcclWatchdog:
             return
         aborter.join(timeout)
         if aborter.is_alive():
-            log.warning("%s: ncclCommAbort has not returned after %g s: it waits for the "
-                        "kernels queued on this GPU before the aborted operations to end; "
-                        "the communicator is left to it", self.describe("shutdown"), timeout)
+            log.warning(
+                "%s: ncclCommAbort has not returned after %g s: it waits for the "
+                "kernels queued on this GPU before the aborted operations to end; "
+                "the communicator is left to it",
+                self.describe("shutdown"),
+                timeout,
+            )
 
     def stop(self) -> list[NcclWork] | None:
         """Stop the watchdog; the operations still pending after up to 10 s (at most the

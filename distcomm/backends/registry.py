@@ -65,9 +65,11 @@ class BackendRecord:
         try:
             factory = self.load()
         except ImportError as exc:  # a module of the backend is missing: a broken install
-            return (f"its factory {self.factory} cannot be imported ({type(exc).__name__}: "
-                    f"{exc}): the package that provides it is installed incompletely; "
-                    f"reinstall it (`pip install --force-reinstall distcomm` for a built-in)")
+            return (
+                f"its factory {self.factory} cannot be imported ({type(exc).__name__}: "
+                f"{exc}): the package that provides it is installed incompletely; "
+                f"reinstall it (`pip install --force-reinstall distcomm` for a built-in)"
+            )
         if inspect.isclass(factory) and issubclass(factory, Backend):
             return "" if factory.is_available() else factory.unavailable_reason()
         return ""
@@ -98,15 +100,18 @@ def _normalise_devices(devices: str | Sequence[str] | None) -> tuple[str, ...]:
     items = (devices,) if isinstance(devices, str) else tuple(devices)
     for device in items:
         if device not in _DEVICES:
-            raise ValueError(
-                f"unknown device {device!r} for a backend: use 'cpu' and/or 'cuda'")
+            raise ValueError(f"unknown device {device!r} for a backend: use 'cpu' and/or 'cuda'")
     if not items:
         raise ValueError("a backend must serve at least one device ('cpu' or 'cuda')")
     return items
 
 
-def register_backend(name: str, func: Callable[..., Backend], extended_api: bool = False,
-                     devices: str | Sequence[str] | None = None) -> None:
+def register_backend(
+    name: str,
+    func: Callable[..., Backend],
+    extended_api: bool = False,
+    devices: str | Sequence[str] | None = None,
+) -> None:
     """Register a backend under `name` (torch.distributed.Backend.register_backend).
 
     Args:
@@ -153,8 +158,9 @@ def _load_plugins() -> None:
             else:
                 target()
         except Exception as exc:  # a broken plug-in must not break distcomm
-            log.warning("distcomm: backend plug-in %r (%s) failed to load: %s",
-                        entry.name, entry.value, exc)
+            log.warning(
+                "distcomm: backend plug-in %r (%s) failed to load: %s", entry.name, entry.value, exc
+            )
 
 
 def registered_backends() -> dict[str, BackendRecord]:
@@ -179,14 +185,22 @@ def get_backend_record(name: str) -> BackendRecord:
     record = records.get(key)
     if record is None:
         raise ValueError(
-            f"unknown backend {name!r}; registered backends: {', '.join(sorted(records))}")
+            f"unknown backend {name!r}; registered backends: {', '.join(sorted(records))}"
+        )
     return record
 
 
-def create_backend(name: str, store: Store, rank: int, size: int, timeout: float,
-                   group_name: str, global_ranks: Sequence[int] | None = None,
-                   process_store: Store | None = None,
-                   setup_round: int | None = None) -> Backend:
+def create_backend(
+    name: str,
+    store: Store,
+    rank: int,
+    size: int,
+    timeout: float,
+    group_name: str,
+    global_ranks: Sequence[int] | None = None,
+    process_store: Store | None = None,
+    setup_round: int | None = None,
+) -> Backend:
     """Instantiate backend `name` for one group (`BackendRecord.create`).
 
     `global_ranks`: the group's ranks in the world, in group-rank order (default: 0..size-1);
@@ -201,12 +215,14 @@ def create_backend(name: str, store: Store, rank: int, size: int, timeout: float
     if reason:
         raise BackendUnavailableError(f"backend {record.name!r} is not available: {reason}")
     ranks = tuple(global_ranks) if global_ranks is not None else tuple(range(size))
-    backend = record.create(BackendOptions(store, rank, size, timeout, group_name, ranks,
-                                           process_store, setup_round))
+    backend = record.create(
+        BackendOptions(store, rank, size, timeout, group_name, ranks, process_store, setup_round)
+    )
     if not isinstance(backend, Backend):
         raise TypeError(
             f"backend {record.name!r} factory returned {type(backend).__name__}, "
-            "not a distcomm.backends.Backend")
+            "not a distcomm.backends.Backend"
+        )
     return backend
 
 

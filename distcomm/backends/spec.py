@@ -64,14 +64,16 @@ def parse_backend(backend: str | None) -> dict[str, str]:
         if not sep or device not in ("cpu", "cuda") or not name:
             raise ValueError(
                 f"backend {backend!r}: {part!r} is not 'device:backend' with device cpu or "
-                "cuda (example: 'cpu:tcp,cuda:nccl')")
+                "cuda (example: 'cpu:tcp,cuda:nccl')"
+            )
         if device in spec:
             raise ValueError(f"backend {backend!r} names device {device!r} twice")
         record = get_backend_record(name)
         if device not in record.devices:
             raise ValueError(
                 f"backend {backend!r}: backend {name!r} does not serve {device} arrays "
-                f"(it serves: {', '.join(record.devices)})")
+                f"(it serves: {', '.join(record.devices)})"
+            )
         spec[device] = name
     return spec
 
@@ -83,9 +85,16 @@ def spec_text(spec: dict[str, str]) -> str:
     return ",".join(f"{device}:{name}" for device, name in spec.items())
 
 
-def create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
-                    timeout: float, name: str, members: list[int],
-                    process_store: Store | None = None) -> dict[str, Backend]:
+def create_backends(
+    spec: dict[str, str],
+    store: Store,
+    rank: int,
+    size: int,
+    timeout: float,
+    name: str,
+    members: list[int],
+    process_store: Store | None = None,
+) -> dict[str, Backend]:
     """A group's backends, one per device of `spec`, once every rank of the group has
     asked for the same ones (`check_same_backends`). `process_store`: the job's store
     (`BackendOptions.process_store`).
@@ -96,16 +105,25 @@ def create_backends(spec: dict[str, str], store: Store, rank: int, size: int,
     """
     setup_round = None
     if _shared(store):
-        setup_round = check_same_backends(store, rank, size, spec, Deadline(timeout),
-                                          f"[rank {rank}/{size}] group {name!r}")
+        setup_round = check_same_backends(
+            store, rank, size, spec, Deadline(timeout), f"[rank {rank}/{size}] group {name!r}"
+        )
     backends: dict[str, Backend] = {}
     shared: dict[str, Backend] = {}
     try:
         for device, backend_name in spec.items():
             if backend_name not in shared:
                 shared[backend_name] = create_backend(
-                    backend_name, PrefixStore(backend_name, store), rank, size, timeout, name,
-                    members, process_store, setup_round)
+                    backend_name,
+                    PrefixStore(backend_name, store),
+                    rank,
+                    size,
+                    timeout,
+                    name,
+                    members,
+                    process_store,
+                    setup_round,
+                )
             backend = shared[backend_name]
             if device == "cuda" and backend.stages_device_arrays:
                 backend = StagedBackend(backend)  # CuPy arrays through pinned host memory
@@ -125,8 +143,9 @@ def _shared(store: Store) -> bool:
     return not isinstance(store, HashStore)
 
 
-def check_same_backends(store: Store, rank: int, size: int, spec: dict[str, str],
-                        deadline: Deadline, where: str) -> int:
+def check_same_backends(
+    store: Store, rank: int, size: int, spec: dict[str, str], deadline: Deadline, where: str
+) -> int:
     """Check that every rank asked for the same backends, before any backend waits for
     its peers: a roll call (`distcomm.store.ranks.roll_call`) of the spec, compared with
     rank 0's device by device (a device one of the two does not serve, CuPy missing on one
@@ -154,10 +173,19 @@ def check_same_backends(store: Store, rank: int, size: int, spec: dict[str, str]
 
     number = store.add(f"backends/round/{rank}", 1) - 1  # its n-th check here
     base = f"backends/{number}"
-    roll_call(store, base, rank, size, deadline, where, record={"backends": spec},
-              differs=differs, arrived="reached the backends' set-up",
-              hint="did every rank of the group call init_process_group (or new_group)? "
-              "Look at the missing ranks' output for an error")
+    roll_call(
+        store,
+        base,
+        rank,
+        size,
+        deadline,
+        where,
+        record={"backends": spec},
+        differs=differs,
+        arrived="reached the backends' set-up",
+        hint="did every rank of the group call init_process_group (or new_group)? "
+        "Look at the missing ranks' output for an error",
+    )
     return number
 
 
@@ -200,7 +228,8 @@ def get_default_backend_for_device(device: Any) -> str:
     if name is None:
         raise ValueError(
             f"get_default_backend_for_device: {device!r} is not a device distcomm serves; "
-            f"use one of {', '.join(_DEVICE_DEFAULTS)}")
+            f"use one of {', '.join(_DEVICE_DEFAULTS)}"
+        )
     return name
 
 

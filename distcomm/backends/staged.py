@@ -35,8 +35,9 @@ class StagedBackend(Backend):
         self.name = inner.name  # type: ignore[misc]  # messages name the real backend
         self._staging: HostStaging | None = None
 
-    def _run(self, op: str, call: Callable[..., Work], outputs: Sequence[Any],
-             inputs: Sequence[Any]) -> Work:
+    def _run(
+        self, op: str, call: Callable[..., Work], outputs: Sequence[Any], inputs: Sequence[Any]
+    ) -> Work:
         """`call(*outputs, *inputs)` on host copies (or on the arrays, for a backend that
         takes device memory); the CPU op's errors are raised, as from a synchronous op."""
         if self.inner.takes_device_arrays():
@@ -48,41 +49,45 @@ class StagedBackend(Backend):
         return Work.completed(self.describe(op), [a for a in outputs if a is not None])
 
     def broadcast(self, array: Any, root: int, *, async_op: bool = False) -> Work:
-        return self._run("broadcast", lambda a, _: self.inner.broadcast(a, root), [array],
-                         [array])
+        return self._run("broadcast", lambda a, _: self.inner.broadcast(a, root), [array], [array])
 
     def all_reduce(self, array: Any, op: ReduceOp, *, async_op: bool = False) -> Work:
-        return self._run("all_reduce", lambda a, _: self.inner.all_reduce(a, op), [array],
-                         [array])
+        return self._run("all_reduce", lambda a, _: self.inner.all_reduce(a, op), [array], [array])
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
-        return self._run("reduce", lambda a, _: self.inner.reduce(a, root, op), [array],
-                         [array])
+        return self._run("reduce", lambda a, _: self.inner.reduce(a, root, op), [array], [array])
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         return self._run("all_gather", self.inner.all_gather, [output], [input])
 
-    def gather(self, output: Any | None, input: Any, root: int, *,
-               async_op: bool = False) -> Work:
-        return self._run("gather", lambda o, i: self.inner.gather(o, i, root), [output],
-                         [input])
+    def gather(self, output: Any | None, input: Any, root: int, *, async_op: bool = False) -> Work:
+        return self._run("gather", lambda o, i: self.inner.gather(o, i, root), [output], [input])
 
-    def scatter(self, output: Any, input: Any | None, root: int, *,
-                async_op: bool = False) -> Work:
-        return self._run("scatter", lambda o, i: self.inner.scatter(o, i, root), [output],
-                         [input])
+    def scatter(self, output: Any, input: Any | None, root: int, *, async_op: bool = False) -> Work:
+        return self._run("scatter", lambda o, i: self.inner.scatter(o, i, root), [output], [input])
 
-    def reduce_scatter(self, output: Any, input: Any, op: ReduceOp, *,
-                       async_op: bool = False) -> Work:
-        return self._run("reduce_scatter", lambda o, i: self.inner.reduce_scatter(o, i, op),
-                         [output], [input])
+    def reduce_scatter(
+        self, output: Any, input: Any, op: ReduceOp, *, async_op: bool = False
+    ) -> Work:
+        return self._run(
+            "reduce_scatter", lambda o, i: self.inner.reduce_scatter(o, i, op), [output], [input]
+        )
 
-    def all_to_all(self, output: Any, input: Any, output_splits: Sequence[int],
-                   input_splits: Sequence[int], *, async_op: bool = False) -> Work:
+    def all_to_all(
+        self,
+        output: Any,
+        input: Any,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        *,
+        async_op: bool = False,
+    ) -> Work:
         return self._run(
             "all_to_all",
             lambda o, i: self.inner.all_to_all(o, i, output_splits, input_splits),
-            [output], [input])
+            [output],
+            [input],
+        )
 
     def send(self, array: Any, dst: int, tag: int) -> Work:
         return self.inner.send(array, dst, tag)

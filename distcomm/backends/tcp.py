@@ -46,16 +46,30 @@ class TcpBackend(Backend):
     tuning_preset: ClassVar[algo.Tuning] = algo.Tuning.simple()
 
     def __init__(
-        self, store: Store, rank: int, size: int, timeout: float, group_name: str = "", *,
-        global_ranks: Sequence[int] | None = None, process_store: Store | None = None,
+        self,
+        store: Store,
+        rank: int,
+        size: int,
+        timeout: float,
+        group_name: str = "",
+        *,
+        global_ranks: Sequence[int] | None = None,
+        process_store: Store | None = None,
         setup_round: int | None = None,
     ) -> None:
         super().__init__(store, rank, size, timeout, group_name)
         self.tuning = algo.Tuning.from_env(self.tuning_preset)
         label = f"{self.label()} {self.name} backend (group '{self.group_name}')"
         self._transport = TcpTransport(
-            store, rank, size, Deadline(timeout), label, link_timeout=link_timeout(timeout),
-            global_ranks=global_ranks, process_store=process_store, generation=setup_round,
+            store,
+            rank,
+            size,
+            Deadline(timeout),
+            label,
+            link_timeout=link_timeout(timeout),
+            global_ranks=global_ranks,
+            process_store=process_store,
+            generation=setup_round,
         )
         self._runner = Runner(self._transport, self.name, self.describe, timeout)
         self._scratch = ScratchPool()
@@ -72,9 +86,14 @@ class TcpBackend(Backend):
         """The backend of one group: its ranks' process ranks and the job's store let it
         share the process's connections with the other groups (`transport/fabric.py`)."""
         return cls(
-            options.store, options.group_rank, options.group_size, options.timeout,
-            options.group_id, global_ranks=options.global_ranks_in_group or None,
-            process_store=options.process_store, setup_round=options.setup_round,
+            options.store,
+            options.group_rank,
+            options.group_size,
+            options.timeout,
+            options.group_id,
+            global_ranks=options.global_ranks_in_group or None,
+            process_store=options.process_store,
+            setup_round=options.setup_round,
         )
 
     def _choose_path(self, store: Store) -> Any:
@@ -203,8 +222,14 @@ class TcpBackend(Backend):
         description = self.describe(f"send to rank {dst} (tag {tag})")
         payload = as_bytes(array)
         header = Header(
-            P2P, OP_CODES["send"], dtype_code(array.dtype), NO_REDOP, root=-1, seq=tag,
-            count=array.size, nbytes=len(payload),
+            P2P,
+            OP_CODES["send"],
+            dtype_code(array.dtype),
+            NO_REDOP,
+            root=-1,
+            seq=tag,
+            count=array.size,
+            nbytes=len(payload),
         )
 
         def run() -> None:

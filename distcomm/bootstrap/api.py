@@ -103,8 +103,7 @@ def rendezvous(
         )
     if scheme not in BUILTIN_SCHEMES:
         url = with_node_parameters(url, rank_arg, size_arg)
-    found = handler(url, rank=rank_arg, world_size=size_arg, timeout=seconds, environ=env,
-                    **kwargs)
+    found = handler(url, rank=rank_arg, world_size=size_arg, timeout=seconds, environ=env, **kwargs)
     return _outcome(found, scheme, env)
 
 

@@ -64,4 +64,3 @@ class Rendezvous:
             )
         self._given.append(True)
         return self.store, self.rank, self.world_size
-

@@ -165,8 +165,7 @@ def address_rendezvous(
     # is on MASTER_PORT, which the launcher's agent serves (torch connects any tcp:// URL
     # to the agent's store then): no rank could host it there
     agent = cfg.use_agent_store and (
-        method.scheme == "env"
-        or str(method.port) == (environ.get("MASTER_PORT") or "").strip()
+        method.scheme == "env" or str(method.port) == (environ.get("MASTER_PORT") or "").strip()
     )
     hint = ""
     if method.scheme == "env" and not agent:

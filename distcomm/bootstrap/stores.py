@@ -29,6 +29,7 @@ from ..store.ranks import roll_call
 
 __all__: list[str] = []
 
+
 class _RoundStore(PrefixStore):
     """The workers' namespace in a launcher's store; closing it closes the connection."""
 
@@ -53,8 +54,15 @@ def open_store(make: Callable[[], Store], context: str, os_error: type[DistError
 _JOINED = "distcomm/rendezvous/joined"  # the roll call's keys: /<rank>, /count, /outcome
 
 
-def join(store: Store, rank: int, size: int, seconds: float, warn_after: float, where: str,
-         size_from: str = "world_size") -> None:
+def join(
+    store: Store,
+    rank: int,
+    size: int,
+    seconds: float,
+    warn_after: float,
+    where: str,
+    size_from: str = "world_size",
+) -> None:
     """Join the store as `rank` of `size` and wait until every rank has, for at most `seconds`.
 
     A roll call (`distcomm.store.ranks.roll_call`) of the world size: a rank started with

@@ -153,8 +153,11 @@ def _unsupported(url: object, scheme: str, schemes: str) -> UnknownSchemeError:
 def with_node_parameters(url: str, rank: int | None, world_size: int | None) -> str:
     """`url` with the rank and world size given as arguments added to its query, as torch
     hands them to a scheme's handler (which also gets them as keywords)."""
-    items = [f"{name}={value}" for name, value in (("rank", rank), ("world_size", world_size))
-             if value is not None]
+    items = [
+        f"{name}={value}"
+        for name, value in (("rank", rank), ("world_size", world_size))
+        if value is not None
+    ]
     if not items:
         return url
     parts = urlsplit(url)
@@ -178,8 +181,11 @@ def refuse_node_parameters_twice(url: object, rank: int | None, world_size: int 
     in_url = [item.partition("=")[0] for item in filter(None, query.split("&"))]
     in_url = [key for key in in_url if key in ("rank", "world_size")]
     if in_url:
-        given = [f"{name}={value}" for name, value in (("rank", rank), ("world_size", world_size))
-                 if value is not None]
+        given = [
+            f"{name}={value}"
+            for name, value in (("rank", rank), ("world_size", world_size))
+            if value is not None
+        ]
         raise NodeParametersGivenTwice(
             f"init_method {url!r} has node-specific arguments in its query "
             f"({', '.join('?' + key for key in in_url)}), and {', '.join(given)} came as "
@@ -251,7 +257,5 @@ def parse_init_method(url: str) -> InitMethod:
             f"URL holds a path, absolute after three slashes: file:///shared/path"
         )
     if not parts.path:
-        raise ValueError(
-            f"init_method {url!r} has no path (path missing): use file:///shared/path"
-        )
+        raise ValueError(f"init_method {url!r} has no path (path missing): use file:///shared/path")
     return InitMethod("file", bare, path=parts.path, **query)

@@ -53,6 +53,7 @@ RANK_LAUNCHERS = ("Open MPI", "PMIx", "MPICH")
 
 __all__ = ["main", "train"]
 
+
 def make_shard(rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """This rank's rows (x, y) of the dataset, and the true weights (the same everywhere)."""
     rng = np.random.default_rng(SEED)

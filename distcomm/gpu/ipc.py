@@ -105,15 +105,17 @@ def check_fork_safe(action: str) -> None:
             "fork from a process that had already initialised CUDA, and CUDA does not "
             "survive fork. Start processes that use CuPy arrays with the 'spawn' or "
             "'forkserver' start method: multiprocessing.set_start_method('spawn') or "
-            "multiprocessing.get_context('spawn')")
+            "multiprocessing.get_context('spawn')"
+        )
 
 
 _get_address_range: Any = None
 
 
 def _import_cupy(action: str) -> Any:
-    return import_cupy(f"cannot {action} a CuPy array in process {os.getpid()}: this",
-                       need_device=False)
+    return import_cupy(
+        f"cannot {action} a CuPy array in process {os.getpid()}: this", need_device=False
+    )
 
 
 def _allocation_range(ptr: int) -> tuple[int, int]:
@@ -131,15 +133,19 @@ def _allocation_range(ptr: int) -> tuple[int, int]:
             raise DistBackendError(f"CUDA IPC needs the CUDA driver library ({exc})") from exc
         fn = libcuda.cuMemGetAddressRange_v2
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                       ctypes.c_uint64]
+        fn.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64,
+        ]
         _get_address_range = fn
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     status = fn(ctypes.byref(base), ctypes.byref(size), ptr)
     if status != 0:
         raise DistBackendError(
             f"CUDA IPC: cuMemGetAddressRange({ptr:#x}) failed with CUresult {status}; the "
-            "array's memory is not a device allocation CUDA can export")
+            "array's memory is not a device allocation CUDA can export"
+        )
     return base.value, size.value
 
 
@@ -168,10 +174,19 @@ def reduce_cupy_array(array: Any) -> tuple[Any, tuple[Any, ...]]:
         raise DistBackendError(
             f"CUDA IPC: cannot export a CuPy array on device {array.device.id} ({exc}); "
             "only memory from cudaMalloc (CuPy's default pool) can be shared, not managed "
-            "memory or a stream-ordered (async) pool") from exc
+            "memory or a stream-ordered (async) pool"
+        ) from exc
     _remember_export(handle, array, base)
-    return rebuild_cupy_array, (handle, size, ptr - base, array.shape, array.strides, dtype,
-                                bus_id, os.getpid())
+    return rebuild_cupy_array, (
+        handle,
+        size,
+        ptr - base,
+        array.shape,
+        array.strides,
+        dtype,
+        bus_id,
+        os.getpid(),
+    )
 
 
 def _remember_export(handle: bytes, array: Any, base: int) -> None:
@@ -224,14 +239,22 @@ def _same_process_memory(cupy: Any, handle: bytes, size: int) -> Any:
     if original is None:
         raise DistBackendError(
             "cannot receive a CuPy array in the process that sent it: the array it was a "
-            "view of has been freed (keep sent arrays alive while they are in flight)")
+            "view of has been freed (keep sent arrays alive while they are in flight)"
+        )
     # the allocation itself, kept alive by the array this process sent
     return cupy.cuda.UnownedMemory(entry[1], size, original, original.device.id)
 
 
-def rebuild_cupy_array(handle: bytes, size: int, offset: int, shape: tuple[int, ...],
-                       strides: tuple[int, ...], dtype: Any, bus_id: str,
-                       sender_pid: int) -> Any:
+def rebuild_cupy_array(
+    handle: bytes,
+    size: int,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: Any,
+    bus_id: str,
+    sender_pid: int,
+) -> Any:
     """Receiver side: open the IPC handle (once per process) and build the same view.
 
     Raises:
@@ -244,8 +267,9 @@ def rebuild_cupy_array(handle: bytes, size: int, offset: int, shape: tuple[int, 
     if sender_pid == os.getpid():
         memory = _same_process_memory(cupy, handle, size)
         with cupy.cuda.Device(memory.device_id):
-            return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(memory, offset),
-                                strides=strides)
+            return cupy.ndarray(
+                shape, dtype, memptr=cupy.cuda.MemoryPointer(memory, offset), strides=strides
+            )
     runtime = cupy.cuda.runtime
     try:
         device_id = runtime.deviceGetByPCIBusId(bus_id)
@@ -253,7 +277,8 @@ def rebuild_cupy_array(handle: bytes, size: int, offset: int, shape: tuple[int, 
         raise DistBackendError(
             f"cannot receive a CuPy array from GPU {bus_id} (sent by process {sender_pid}): "
             f"that GPU is not visible to this process ({exc}); check CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}") from exc
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+        ) from exc
     with _lock:
         mapping = _opened.get(handle)
         if mapping is None:
@@ -268,5 +293,6 @@ def rebuild_cupy_array(handle: bytes, size: int, offset: int, shape: tuple[int, 
             _opened[handle] = mapping
     memory = cupy.cuda.UnownedMemory(mapping.ptr, size, mapping, device_id)
     with cupy.cuda.Device(device_id):
-        return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(memory, offset),
-                            strides=strides)
+        return cupy.ndarray(
+            shape, dtype, memptr=cupy.cuda.MemoryPointer(memory, offset), strides=strides
+        )

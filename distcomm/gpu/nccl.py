@@ -44,13 +44,23 @@ MIN_VERSION = (2, 7, 0)
 AVG_VERSION = (2, 10, 0)
 
 _NATIVE = {
-    "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
-    "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
-    "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+    "int8": "NCCL_INT8",
+    "uint8": "NCCL_UINT8",
+    "int32": "NCCL_INT32",
+    "uint32": "NCCL_UINT32",
+    "int64": "NCCL_INT64",
+    "uint64": "NCCL_UINT64",
+    "float16": "NCCL_FLOAT16",
+    "float32": "NCCL_FLOAT32",
+    "float64": "NCCL_FLOAT64",
 }
 _BOOL_OPS = {
-    ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX",
-    ReduceOp.PRODUCT: "NCCL_MIN", ReduceOp.MIN: "NCCL_MIN", ReduceOp.BAND: "NCCL_MIN",
+    ReduceOp.SUM: "NCCL_MAX",
+    ReduceOp.MAX: "NCCL_MAX",
+    ReduceOp.BOR: "NCCL_MAX",
+    ReduceOp.PRODUCT: "NCCL_MIN",
+    ReduceOp.MIN: "NCCL_MIN",
+    ReduceOp.BAND: "NCCL_MIN",
     ReduceOp.BXOR: "NCCL_SUM",
 }
 
@@ -78,27 +88,31 @@ def import_nccl() -> tuple[Any, tuple[int, int, int]]:
         from cupy.cuda import nccl
     except ImportError as exc:
         raise BackendUnavailableError(
-            f"the nccl backend: CuPy's NCCL bindings failed to import ({exc}); "
-            f"{INSTALL_HINT}") from exc
+            f"the nccl backend: CuPy's NCCL bindings failed to import ({exc}); {INSTALL_HINT}"
+        ) from exc
     if not getattr(nccl, "available", False):
         raise BackendUnavailableError(
             "the nccl backend: CuPy is installed but found no NCCL library; install the "
             "NCCL wheel for your CUDA version: pip install nvidia-nccl-cu12 (CUDA 12) or "
-            "pip install nvidia-nccl-cu13 (CUDA 13)")
+            "pip install nvidia-nccl-cu13 (CUDA 13)"
+        )
     try:
         version = parse_version(int(nccl.get_version()))
     except Exception as exc:  # NcclError from a broken library
         raise BackendUnavailableError(
             f"the nccl backend: the NCCL library does not answer ncclGetVersion ({exc}); "
-            f"reinstall it: {INSTALL_HINT}") from exc
+            f"reinstall it: {INSTALL_HINT}"
+        ) from exc
     if version < MIN_VERSION:
         raise BackendUnavailableError(
             f"the nccl backend needs NCCL >= {_text(MIN_VERSION)} (for send/recv), found "
-            f"{_text(version)}; upgrade: pip install -U nvidia-nccl-cu12")
+            f"{_text(version)}; upgrade: pip install -U nvidia-nccl-cu12"
+        )
     return nccl, version
 
 
 # -- unique ids -------------------------------------------------------------------------------
+
 
 def unique_id_bytes(uid: Any) -> bytes:
     """An NCCL unique id as 128 bytes, from CuPy 14's bytes or CuPy 13's tuple of ints.
@@ -113,12 +127,13 @@ def unique_id_bytes(uid: Any) -> bytes:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in uid):
             raise TypeError("an NCCL unique id tuple must hold ints (CuPy 13's form)")
         if any(not -128 <= v <= 255 for v in uid):
-            raise ValueError("an NCCL unique id tuple holds bytes: every int must be in "
-                             "-128..255")
+            raise ValueError("an NCCL unique id tuple holds bytes: every int must be in -128..255")
         data = bytes(v & 0xFF for v in uid)
     else:
-        raise TypeError(f"an NCCL unique id is bytes (CuPy >= 14) or a tuple of ints "
-                        f"(CuPy 13), got {type(uid).__name__}")
+        raise TypeError(
+            f"an NCCL unique id is bytes (CuPy >= 14) or a tuple of ints "
+            f"(CuPy 13), got {type(uid).__name__}"
+        )
     if len(data) != UNIQUE_ID_BYTES:
         raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(data)}")
     return data
@@ -151,8 +166,11 @@ def create_communicator(nccl: Any, size: int, data: bytes, rank: int) -> Any:
     a tuple of signed chars, a tuple of unsigned chars.
     """
     signed, unsigned = comm_id(data, tuple), tuple(data)
-    forms = [bytes(data), signed, unsigned] if _cupy_form() is bytes else [
-        signed, unsigned, bytes(data)]
+    forms = (
+        [bytes(data), signed, unsigned]
+        if _cupy_form() is bytes
+        else [signed, unsigned, bytes(data)]
+    )
     refused: BaseException | None = None
     for form in forms:
         try:
@@ -168,6 +186,7 @@ def create_communicator(nccl: Any, size: int, data: bytes, rank: int) -> Any:
 
 
 # -- dtypes and reductions --------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Movement:
@@ -197,8 +216,9 @@ def movement(dtype: np.dtype) -> Movement:
     return Movement("NCCL_UINT8", np.dtype(dtype).itemsize)
 
 
-def reduction(dtype: np.dtype, op: ReduceOp, version: tuple[int, int, int],
-              where: str, ranks: int = 2) -> Reduction:
+def reduction(
+    dtype: np.dtype, op: ReduceOp, version: tuple[int, int, int], where: str, ranks: int = 2
+) -> Reduction:
     """How NCCL reduces arrays of `dtype` with `op` (already validated by check_reduce_op)
     in a communicator of `ranks` ranks.
 
@@ -208,26 +228,28 @@ def reduction(dtype: np.dtype, op: ReduceOp, version: tuple[int, int, int],
     """
     dt = np.dtype(dtype)
     if dt.kind == "b":
-        return Reduction("NCCL_UINT8", 1, _BOOL_OPS[op],
-                         "parity" if op is ReduceOp.BXOR else "")
+        return Reduction("NCCL_UINT8", 1, _BOOL_OPS[op], "parity" if op is ReduceOp.BXOR else "")
     if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
         raise TypeError(
             f"{where}: NCCL has no bitwise reductions (ReduceOp.{op.name} on {dt}); reduce "
             "on a CPU backend (a group created with backend='cpu:gloo,cuda:nccl' and "
-            "numpy arrays), or use bool arrays, for which BAND/BOR/BXOR work on NCCL")
+            "numpy arrays), or use bool arrays, for which BAND/BOR/BXOR work on NCCL"
+        )
     if dt.kind == "c":
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
             raise TypeError(
                 f"{where}: ReduceOp.{op.name} of complex arrays cannot run on NCCL, which "
                 "has no complex type (SUM and AVG work, as sums of the real and imaginary "
-                "parts); multiply on a CPU backend instead")
+                "parts); multiply on a CPU backend instead"
+            )
         part = _NATIVE["float32" if dt.itemsize == 8 else "float64"]
         return _with_avg(Reduction(part, 2, NCCL_OP_NAMES[op]), version, ranks)
     name = _NATIVE.get(dt.name)
     if name is None:
         raise TypeError(
             f"{where}: NCCL cannot reduce {dt} arrays (it has no 16-bit integer type); "
-            "cast to int32 (array.astype(cupy.int32)) and back")
+            "cast to int32 (array.astype(cupy.int32)) and back"
+        )
     return _with_avg(Reduction(name, 1, NCCL_OP_NAMES[op]), version, ranks)
 
 

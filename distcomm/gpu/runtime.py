@@ -35,8 +35,10 @@ __all__ = [
 ]
 
 #: what to install for the GPU path, by CUDA major version
-INSTALL_HINT = ("pip install cupy-cuda12x nvidia-nccl-cu12 (CUDA 12) or pip install "
-                "cupy-cuda13x nvidia-nccl-cu13 (CUDA 13)")
+INSTALL_HINT = (
+    "pip install cupy-cuda12x nvidia-nccl-cu12 (CUDA 12) or pip install "
+    "cupy-cuda13x nvidia-nccl-cu13 (CUDA 13)"
+)
 
 _lock = threading.Lock()
 _chosen: int | None = None  # set by set_device
@@ -71,7 +73,8 @@ def import_cupy(purpose: str = "the GPU path", *, need_device: bool = True) -> A
     except ImportError as exc:
         raise BackendUnavailableError(
             f"{purpose} needs CuPy, which failed to import ({exc}); install the packages "
-            f"matching your CUDA version: {INSTALL_HINT}") from exc
+            f"matching your CUDA version: {INSTALL_HINT}"
+        ) from exc
     if not need_device:
         return cupy
     try:
@@ -79,11 +82,13 @@ def import_cupy(purpose: str = "the GPU path", *, need_device: bool = True) -> A
     except Exception as exc:  # CUDARuntimeError: no device, no driver, driver too old
         raise BackendUnavailableError(
             f"{purpose}: CuPy is installed but CUDA reports no usable device ({exc}); check "
-            "the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES") from exc
+            "the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+        ) from exc
     if count < 1:
         raise BackendUnavailableError(
             f"{purpose}: CuPy is installed but CUDA reports no device (cudaGetDeviceCount() "
-            "= 0); check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+            "= 0); check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+        )
     return cupy
 
 
@@ -120,13 +125,15 @@ def _index(device: Any, count: int, where: str) -> int:
     elif getattr(device, "type", None) == "cuda":  # a torch.device
         value = current_device() if device.index is None else device.index
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: device must be an int, 'cuda:N' or a cupy.cuda.Device, "
-                        f"got {device!r}")
+        raise TypeError(
+            f"{where}: device must be an int, 'cuda:N' or a cupy.cuda.Device, got {device!r}"
+        )
     if not 0 <= value < count:
         raise ValueError(
             f"{where}: device {value} does not exist: CUDA sees {count} device(s) (0 to "
             f"{count - 1}); check CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}")
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+        )
     return value
 
 
@@ -178,8 +185,11 @@ def device_of(array: Any) -> int:
 def _device(device: Any, where: str) -> Any:
     """`device` (default: `current_device()`) as a `cupy.cuda.Device`."""
     cupy = import_cupy(where)
-    index = current_device() if device is None else _index(
-        device, cupy.cuda.runtime.getDeviceCount(), where)
+    index = (
+        current_device()
+        if device is None
+        else _index(device, cupy.cuda.runtime.getDeviceCount(), where)
+    )
     return cupy.cuda.Device(index)
 
 

@@ -46,12 +46,15 @@ def import_cupy() -> Any:
 
 def _check(array: Any, name: str, contiguous: bool = True) -> None:
     if not is_cupy_array(array):
-        raise TypeError(f"host staging: {name} must be a cupy.ndarray, got "
-                        f"{type(array).__module__}.{type(array).__name__}")
+        raise TypeError(
+            f"host staging: {name} must be a cupy.ndarray, got "
+            f"{type(array).__module__}.{type(array).__name__}"
+        )
     if contiguous and not array.flags.c_contiguous:
         raise ValueError(
             f"host staging: {name} must be C-contiguous (it is copied as one block of "
-            f"memory); pass cupy.ascontiguousarray({name}) and copy results back")
+            f"memory); pass cupy.ascontiguousarray({name}) and copy results back"
+        )
 
 
 def current_stream(array: Any) -> Any:
@@ -99,8 +102,7 @@ def _to_host_async(array: Any, host: np.ndarray, stream: Any) -> None:
 
 def _to_device_async(host: np.ndarray, array: Any, stream: Any) -> None:
     with array.device:
-        array.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), array.nbytes,
-                                        stream)
+        array.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), array.nbytes, stream)
 
 
 class HostStaging:
@@ -137,8 +139,9 @@ class HostStaging:
             self._buffers[slot] = buffer
         return buffer[:nbytes]
 
-    def to_host(self, array: Any, slot: int, copy: bool = True, *,
-                stream: Any = None) -> np.ndarray:
+    def to_host(
+        self, array: Any, slot: int, copy: bool = True, *, stream: Any = None
+    ) -> np.ndarray:
         """A flat numpy array over slot `slot`'s pinned buffer, sized and typed as `array`.
 
         Args:
@@ -178,14 +181,17 @@ class HostStaging:
         if not isinstance(host, np.ndarray) or host.dtype != array.dtype:
             raise TypeError(
                 f"host staging: host must be a numpy.ndarray of dtype {array.dtype}, got "
-                + (f"dtype {host.dtype}" if isinstance(host, np.ndarray)
-                   else type(host).__name__))
+                + (f"dtype {host.dtype}" if isinstance(host, np.ndarray) else type(host).__name__)
+            )
         if host.size != array.size:
-            raise ValueError(f"host staging: host has {host.size} elements but the CuPy "
-                             f"array has {array.size}; they must match")
+            raise ValueError(
+                f"host staging: host has {host.size} elements but the CuPy "
+                f"array has {array.size}; they must match"
+            )
         if not host.flags.c_contiguous:
-            raise ValueError("host staging: host must be C-contiguous; pass "
-                             "numpy.ascontiguousarray(host)")
+            raise ValueError(
+                "host staging: host must be C-contiguous; pass numpy.ascontiguousarray(host)"
+            )
         if array.size:
             streams = _Streams(stream)
             _to_device_async(host, array, streams.get(array))
@@ -196,9 +202,14 @@ class HostStaging:
         self._buffers.clear()
 
 
-def run_staged(fn: Callable[..., T], outputs: Sequence[Any | None],
-               inputs: Sequence[Any | None], staging: HostStaging, *,
-               stream: Any = None) -> T:
+def run_staged(
+    fn: Callable[..., T],
+    outputs: Sequence[Any | None],
+    inputs: Sequence[Any | None],
+    staging: HostStaging,
+    *,
+    stream: Any = None,
+) -> T:
     """Run the CPU operation `fn` on pinned host copies of CuPy arrays.
 
     Calls `fn(*host_outputs, *host_inputs)`, one flat numpy array per position (None stays
@@ -228,8 +239,7 @@ def run_staged(fn: Callable[..., T], outputs: Sequence[Any | None],
     arrays = [*outputs, *inputs]
     for i, array in enumerate(arrays):
         if array is not None:
-            _check(array, f"outputs[{i}]" if i < len(outputs)
-                   else f"inputs[{i - len(outputs)}]")
+            _check(array, f"outputs[{i}]" if i < len(outputs) else f"inputs[{i - len(outputs)}]")
     hosts = _layout(arrays, staging)
     streams = _Streams(stream)
 
@@ -266,8 +276,7 @@ def _distinct(arrays: list[Any], positions: range) -> list[int]:
 def _layout(arrays: list[Any], staging: HostStaging) -> list[np.ndarray | None]:
     """Host arrays for `arrays`: each group of overlapping ones shares one slot's buffer,
     at the same relative offsets as on the device."""
-    hosts: list[np.ndarray | None] = [
-        None if a is None else np.empty(0, a.dtype) for a in arrays]
+    hosts: list[np.ndarray | None] = [None if a is None else np.empty(0, a.dtype) for a in arrays]
     extents: list[tuple[int, int, int, list[int]]] = []  # device, start, end, members
     spans = sorted((*_span(a), i) for i, a in enumerate(arrays) if a is not None and a.size)
     for device, start, end, i in spans:
@@ -281,5 +290,5 @@ def _layout(arrays: list[Any], staging: HostStaging) -> list[np.ndarray | None]:
         for i in members:
             array = arrays[i]
             offset = array.data.ptr - start
-            hosts[i] = buffer[offset:offset + array.nbytes].view(array.dtype)
+            hosts[i] = buffer[offset : offset + array.nbytes].view(array.dtype)
     return hosts

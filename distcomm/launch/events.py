@@ -85,10 +85,18 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 _lock = threading.Lock()
 _plugins: NamedPlugins[Callable[[], logging.Handler]] = NamedPlugins(
-    "--event-log-handler", "event handler", ENTRY_POINT_GROUP, "register_event_handler",
-    {"console": _StderrHandler, "null": logging.NullHandler,
-     "dynamic_rendezvous": logging.NullHandler},
-    callable, "callable (a factory of a logging.Handler)")
+    "--event-log-handler",
+    "event handler",
+    ENTRY_POINT_GROUP,
+    "register_event_handler",
+    {
+        "console": _StderrHandler,
+        "null": logging.NullHandler,
+        "dynamic_rendezvous": logging.NullHandler,
+    },
+    callable,
+    "callable (a factory of a logging.Handler)",
+)
 _loggers: dict[str, logging.Logger] = {}
 
 

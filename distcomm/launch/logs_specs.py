@@ -126,10 +126,14 @@ class DefaultLogsSpecs(LogsSpecs):
 
 
 _plugins: NamedPlugins[type[LogsSpecs]] = NamedPlugins(
-    "--logs-specs", "LogsSpecs", ENTRY_POINT_GROUP, "register_logs_specs",
+    "--logs-specs",
+    "LogsSpecs",
+    ENTRY_POINT_GROUP,
+    "register_logs_specs",
     {DEFAULT_NAME: DefaultLogsSpecs},
     lambda cls: isinstance(cls, type) and issubclass(cls, LogsSpecs),
-    "a subclass of distcomm.launch.logs_specs.LogsSpecs")
+    "a subclass of distcomm.launch.logs_specs.LogsSpecs",
+)
 
 
 def register_logs_specs(name: str, cls: type[LogsSpecs]) -> None:

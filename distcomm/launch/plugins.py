@@ -32,9 +32,16 @@ class NamedPlugins(Generic[T]):
         expected: what `accepts` wants, for messages ("a subclass of LogsSpecs").
     """
 
-    def __init__(self, flag: str, kind: str, group: str, register_name: str,
-                 builtins: dict[str, T], accepts: Callable[[object], bool],
-                 expected: str) -> None:
+    def __init__(
+        self,
+        flag: str,
+        kind: str,
+        group: str,
+        register_name: str,
+        builtins: dict[str, T],
+        accepts: Callable[[object], bool],
+        expected: str,
+    ) -> None:
         self.flag, self.kind, self.group = flag, kind, group
         self._register_name, self._accepts, self._expected = register_name, accepts, expected
         self._lock = threading.Lock()
@@ -84,7 +91,8 @@ class NamedPlugins(Generic[T]):
                 f"{self.flag}={name!r} is not a known {self.kind} (could not find entrypoint "
                 f"{name!r} in the {self.group!r} group); the known ones are "
                 f"{', '.join(self.names())} (add one with {self._register_name} or the "
-                f"{self.group!r} entry-point group)")
+                f"{self.group!r} entry-point group)"
+            )
         try:
             loaded = entry.load()
         except Exception as exc:  # a broken plug-in: say which
@@ -92,6 +100,7 @@ class NamedPlugins(Generic[T]):
                 f"{self.flag}={name!r}: loading entry point {entry.value!r} failed: {exc}"
             ) from exc
         if not self._accepts(loaded):
-            raise ValueError(f"{self.flag}={name!r}: entry point {entry.value!r} is not "
-                             f"{self._expected}")
+            raise ValueError(
+                f"{self.flag}={name!r}: entry point {entry.value!r} is not {self._expected}"
+            )
         return loaded  # type: ignore[no-any-return]

@@ -74,8 +74,7 @@ __all__ = [
 #: (``file_descriptor``); see the module docstring.
 SENDER_EXIT_TIMEOUT = 10.0
 
-_SENDER_GONE = (ConnectionRefusedError, ConnectionResetError, FileNotFoundError,
-                BrokenPipeError)
+_SENDER_GONE = (ConnectionRefusedError, ConnectionResetError, FileNotFoundError, BrokenPipeError)
 
 
 def _dtype_arg(dtype: np.dtype) -> np.dtype | str:
@@ -142,8 +141,12 @@ def _wait_for_receivers() -> None:
         if not left:
             return
         if time.monotonic() >= end:
-            util.info("distcomm: %d shared arrays sent by this process were not received "
-                      "within %.0f s; exiting anyway", left, SENDER_EXIT_TIMEOUT)
+            util.info(
+                "distcomm: %d shared arrays sent by this process were not received "
+                "within %.0f s; exiting anyway",
+                left,
+                SENDER_EXIT_TIMEOUT,
+            )
             return
         time.sleep(0.005)
 
@@ -206,8 +209,13 @@ def reduce_ndarray(array: np.ndarray) -> tuple[Any, tuple[Any, ...]]:
         if found is None:  # pragma: no cover - share_memory always returns a shared array
             raise RuntimeError("share_memory() returned an array outside shared memory")
     segment, offset = found
-    layout = (offset, array.shape, array.strides, _dtype_arg(array.dtype),
-              bool(array.flags.writeable))
+    layout = (
+        offset,
+        array.shape,
+        array.strides,
+        _dtype_arg(array.dtype),
+        bool(array.flags.writeable),
+    )
     if segment.name is not None:
         manager = segments.send_reference(segment)
         return rebuild_ndarray_named, (segment.name, segment.size, manager, *layout)
@@ -228,7 +236,8 @@ def _detach(handle: Any) -> int:
     except RuntimeError as exc:  # recvfds: the descriptor was dropped (MSG_CTRUNC)
         if "ancdata" in str(exc):
             raise segments.fd_limit_error(
-                OSError(errno.EMFILE, str(exc)), "receive a shared array") from exc
+                OSError(errno.EMFILE, str(exc)), "receive a shared array"
+            ) from exc
         raise
 
 
@@ -239,11 +248,19 @@ def _sender_gone(exc: BaseException) -> DistNetworkError:
         "strategy the sender hands the descriptor over when the array is received, so it "
         "must stay alive until then (e.g. wait on an Event or join it only after the "
         "receiver got everything); the 'file_system' strategy has no such rule "
-        "(distcomm.multiprocessing.set_sharing_strategy('file_system') in the sender)")
+        "(distcomm.multiprocessing.set_sharing_strategy('file_system') in the sender)"
+    )
 
 
-def rebuild_ndarray_fd(handle: Any, size: int, offset: int, shape: tuple[int, ...],
-                       strides: tuple[int, ...], dtype: Any, writeable: bool) -> np.ndarray:
+def rebuild_ndarray_fd(
+    handle: Any,
+    size: int,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: Any,
+    writeable: bool,
+) -> np.ndarray:
     """Receiver side of a ``file_descriptor`` handle: map the segment, build the view.
 
     Raises:
@@ -254,9 +271,16 @@ def rebuild_ndarray_fd(handle: Any, size: int, offset: int, shape: tuple[int, ..
     return sharing.array_in(segment, offset, shape, strides, dtype, writeable)
 
 
-def rebuild_ndarray_named(name: str, size: int, manager: str, offset: int,
-                          shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any,
-                          writeable: bool) -> np.ndarray:
+def rebuild_ndarray_named(
+    name: str,
+    size: int,
+    manager: str,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: Any,
+    writeable: bool,
+) -> np.ndarray:
     """Receiver side of a ``file_system`` handle: map the named segment, build the view.
 
     `manager` is the address of the shm manager that tracks the segment: a receiver not
@@ -297,4 +321,3 @@ def init_reductions() -> None:
     if current is not _reducer_override:
         _previous_override = current
         reduction.ForkingPickler.reducer_override = _reducer_override
-

@@ -47,8 +47,14 @@ _NAME_RE = re.compile(re.escape(NAME_PREFIX) + r"[0-9]+_[0-9]+_[0-9a-f]+\Z")
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
 _mmap.restype = ctypes.c_void_p
-_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                  ctypes.c_long]
+_mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _munmap = _libc.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -77,8 +83,11 @@ def fd_limit_error(exc: OSError, action: str) -> OSError:
         count = f"{len(os.listdir('/proc/self/fd'))} open"
     except OSError:
         count = "the limit reached"
-    scope = ("the system-wide limit (fs.file-max)" if exc.errno == errno.ENFILE
-             else f"this process's RLIMIT_NOFILE (soft {soft}, hard {hard}; {count})")
+    scope = (
+        "the system-wide limit (fs.file-max)"
+        if exc.errno == errno.ENFILE
+        else f"this process's RLIMIT_NOFILE (soft {soft}, hard {hard}; {count})"
+    )
     return OSError(
         exc.errno,
         f"cannot {action}: too many open file descriptors: {scope}. The "
@@ -86,7 +95,8 @@ def fd_limit_error(exc: OSError, action: str) -> OSError:
         "array's segment in every process that maps it. Raise the limit (ulimit -n, "
         "resource.setrlimit(resource.RLIMIT_NOFILE, ...)) or call "
         f"distcomm.multiprocessing.set_sharing_strategy('{FILE_SYSTEM}') before sharing "
-        "arrays")
+        "arrays",
+    )
 
 
 def _map(fd: int, size: int) -> int:
@@ -135,8 +145,9 @@ class SharedSegment:
 
     __slots__ = ("__weakref__", "address", "fd", "key", "name", "pid", "size", "strategy")
 
-    def __init__(self, address: int, size: int, *, fd: int | None = None,
-                 name: str | None = None, key: Any) -> None:
+    def __init__(
+        self, address: int, size: int, *, fd: int | None = None, name: str | None = None, key: Any
+    ) -> None:
         self.address, self.size, self.fd, self.name, self.key = address, size, fd, name, key
         self.strategy = FILE_SYSTEM if name is not None else FILE_DESCRIPTOR
         self.pid = os.getpid()
@@ -147,8 +158,12 @@ class SharedSegment:
 
     @property
     def __array_interface__(self) -> dict[str, Any]:
-        return {"data": (self.address, False), "shape": (self.size,), "typestr": "|u1",
-                "version": 3}
+        return {
+            "data": (self.address, False),
+            "shape": (self.size,),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
     def __repr__(self) -> str:
         where = f"name={self.name!r}" if self.name else f"fd={self.fd}"
@@ -179,7 +194,8 @@ def manager_client(address: str | None = None) -> Any:
             f"shm manager {address!r}, but it already uses the manager {current.address!r}: "
             "one process tree must share one manager. Call "
             f"set_sharing_strategy('{FILE_SYSTEM}') in the main process before starting "
-            "other processes (the forkserver included), so that they all find its manager")
+            "other processes (the forkserver included), so that they all find its manager"
+        )
     return current
 
 
@@ -225,7 +241,8 @@ def create_named_segment(size: int) -> SharedSegment:
                 f"cannot create a {size}-byte shared segment: {SHM_DIR} is full "
                 f"({stat.f_bavail * stat.f_frsize} of {stat.f_blocks * stat.f_frsize} bytes "
                 f"free); enlarge it (docker run --shm-size) or use "
-                f"set_sharing_strategy('{FILE_DESCRIPTOR}')") from exc
+                f"set_sharing_strategy('{FILE_DESCRIPTOR}')",
+            ) from exc
         address = _map(fd, size)
     except BaseException:
         if fd is not None:
@@ -291,8 +308,9 @@ def open_named_segment(name: str, size: int, manager: str | None = None) -> Shar
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError as exc:
         raise FileNotFoundError(
-            exc.errno, f"shared segment {path} no longer exists: the shm manager unlinked it "
-            "because no process held a reference to it (was the manager restarted?)"
+            exc.errno,
+            f"shared segment {path} no longer exists: the shm manager unlinked it "
+            "because no process held a reference to it (was the manager restarted?)",
         ) from exc
     except OSError as exc:
         raise fd_limit_error(exc, f"open shared segment {path}") from exc

@@ -120,7 +120,8 @@ def set_sharing_strategy(new_strategy: str) -> None:
         valid = ", ".join(repr(s) for s in sorted(_ALL_STRATEGIES))
         raise ValueError(
             f"invalid sharing strategy {new_strategy!r}: this system supports {valid} "
-            "(see get_all_sharing_strategies())")
+            "(see get_all_sharing_strategies())"
+        )
     if new_strategy == FILE_SYSTEM and multiprocessing.parent_process() is None:
         manager_client()
     _strategy = new_strategy
@@ -131,7 +132,6 @@ def _create_segment(nbytes: int) -> SharedSegment:
     if _strategy == FILE_SYSTEM:
         return create_named_segment(size)
     return create_fd_segment(size)
-
 
 
 # -- arrays -----------------------------------------------------------------------------------
@@ -191,8 +191,10 @@ def is_shared(array: Any) -> bool:
     if is_cupy_array(array):
         return True
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"is_shared() takes a numpy or CuPy array, got "
-                        f"{type(array).__module__}.{type(array).__name__}")
+        raise TypeError(
+            f"is_shared() takes a numpy or CuPy array, got "
+            f"{type(array).__module__}.{type(array).__name__}"
+        )
     return find_segment(array) is not None
 
 
@@ -202,12 +204,18 @@ def _check_dtype(dtype: np.dtype, what: str) -> None:
             f"{what}: dtype {dtype} holds Python object references, which mean nothing in "
             "another process, so it cannot live in shared memory; use a numeric, bool, "
             "string or structured dtype without object fields (such arrays are still "
-            "pickled when sent)")
+            "pickled when sent)"
+        )
 
 
-def array_in(segment: SharedSegment, offset: int, shape: tuple[int, ...],
-             strides: tuple[int, ...] | None, dtype: np.dtype | str,
-             writeable: bool = True) -> np.ndarray:
+def array_in(
+    segment: SharedSegment,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...] | None,
+    dtype: np.dtype | str,
+    writeable: bool = True,
+) -> np.ndarray:
     """An array over `segment` whose first element is at byte `offset`.
 
     Raises:
@@ -297,7 +305,7 @@ def _write_through(shared: np.ndarray, array: np.ndarray) -> bool:
         data = array.reshape(-1).view(np.uint8)
         done = 0
         while done < data.nbytes:
-            done += os.pwrite(fd, data[done:done + _MAX_WRITE], offset + done)
+            done += os.pwrite(fd, data[done : done + _MAX_WRITE], offset + done)
     finally:
         if opened:
             os.close(fd)
@@ -319,15 +327,18 @@ def share_memory(array: Any) -> np.ndarray:
     if is_cupy_array(array):
         return array
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"share_memory() takes a numpy array, got "
-                        f"{type(array).__module__}.{type(array).__name__}; convert it with "
-                        "numpy.asarray() first")
+        raise TypeError(
+            f"share_memory() takes a numpy array, got "
+            f"{type(array).__module__}.{type(array).__name__}; convert it with "
+            "numpy.asarray() first"
+        )
     _check_dtype(array.dtype, "share_memory()")
     if find_segment(array) is not None:
         return array
     shared = _allocate(array.shape, array.dtype, _axes_like(array))
-    if not (array.flags.c_contiguous and shared.flags.c_contiguous and _write_through(shared,
-                                                                                     array)):
+    if not (
+        array.flags.c_contiguous and shared.flags.c_contiguous and _write_through(shared, array)
+    ):
         np.copyto(shared, array, casting="no")
     if not array.flags.writeable:
         shared.flags.writeable = False

@@ -126,15 +126,20 @@ class ProcessExitedException(ProcessException):
         signal_name: the name of that signal ("SIGKILL"), None when it exited by itself.
     """
 
-    def __init__(self, msg: str, error_index: int, error_pid: int, exit_code: int,
-                 signal_name: str | None = None) -> None:
+    def __init__(
+        self,
+        msg: str,
+        error_index: int,
+        error_pid: int,
+        exit_code: int,
+        signal_name: str | None = None,
+    ) -> None:
         super().__init__(msg, error_index, error_pid)
         self.exit_code = exit_code
         self.signal_name = signal_name
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.msg, self.error_index, self.pid, self.exit_code,
-                            self.signal_name)
+        return type(self), (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name)
 
 
 # ---------------------------------------------------------------------------- the child
@@ -153,8 +158,12 @@ def _die_with_parent(parent_pid: int, via_fork_server: bool) -> None:
         # we hold its liveness pipe; watch the pipe the caller keeps open to us instead.
         parent = multiprocessing.parent_process()
         if parent is not None and parent.sentinel is not None:
-            threading.Thread(target=_watch_parent, args=(parent.sentinel,),
-                             name="distcomm-spawn-parent-watch", daemon=True).start()
+            threading.Thread(
+                target=_watch_parent,
+                args=(parent.sentinel,),
+                name="distcomm-spawn-parent-watch",
+                daemon=True,
+            ).start()
         return
     if set_pdeathsig(signal.SIGKILL) and os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGKILL)  # the parent died before prctl took effect
@@ -182,8 +191,14 @@ def _write_error_file(path: str, text: str) -> None:
         sys.stderr.write(f"{text}\n(could not write the error file {path}: {exc})\n")
 
 
-def _wrap(fn: Callable[..., Any], i: int, args: tuple[Any, ...], error_file: str,
-          parent_pid: int, via_fork_server: bool) -> None:
+def _wrap(
+    fn: Callable[..., Any],
+    i: int,
+    args: tuple[Any, ...],
+    error_file: str,
+    parent_pid: int,
+    via_fork_server: bool,
+) -> None:
     """The target of every child: die with the parent, run ``fn(i, *args)``, report errors."""
     _die_with_parent(parent_pid, via_fork_server)
     try:
@@ -220,24 +235,35 @@ class ProcessContext:
         sentinels: ``{process.sentinel: index}`` of the processes not joined yet.
     """
 
-    def __init__(self, processes: Sequence[BaseProcess], error_files: Sequence[str], *,
-                 error_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        processes: Sequence[BaseProcess],
+        error_files: Sequence[str],
+        *,
+        error_dir: str | None = None,
+    ) -> None:
         if len(processes) != len(error_files):
-            raise ValueError(f"got {len(processes)} processes but {len(error_files)} error "
-                             f"files; give one error file per process")
+            raise ValueError(
+                f"got {len(processes)} processes but {len(error_files)} error "
+                f"files; give one error file per process"
+            )
         self.processes = list(processes)
         self.error_files = list(error_files)
         self.sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
         self._failure: ProcessException | None = None
-        self._cleanup = (weakref.finalize(self, _remove_dir, error_dir, os.getpid())
-                         if error_dir is not None else None)
+        self._cleanup = (
+            weakref.finalize(self, _remove_dir, error_dir, os.getpid())
+            if error_dir is not None
+            else None
+        )
 
     def pids(self) -> list[int]:
         """The processes' pids, in index order."""
         return [int(p.pid) for p in self.processes]
 
-    def join(self, timeout: float | timedelta | None = None,
-             grace_period: float | None = None) -> bool:
+    def join(
+        self, timeout: float | timedelta | None = None, grace_period: float | None = None
+    ) -> bool:
         """Wait until processes exit; on the first failure stop the others and raise.
 
         As torch's: one call waits until at least one more process has exited (or
@@ -267,8 +293,9 @@ class ProcessContext:
         # raised by the main thread only when it runs Python again, at the next slice
         deadline = Deadline(wait_s)
         while True:
-            ready = multiprocessing.connection.wait(list(self.sentinels),
-                                                    timeout=deadline.slice(_WAIT_SLICE_S))
+            ready = multiprocessing.connection.wait(
+                list(self.sentinels), timeout=deadline.slice(_WAIT_SLICE_S)
+            )
             if ready or deadline.expired():
                 break
         error_index = None
@@ -306,10 +333,17 @@ class ProcessContext:
             name = signal_name(-code, f"<Unknown signal {-code}>")
             return ProcessExitedException(
                 f"process {index} terminated with signal {name} (pid {pid})",
-                index, pid, code, signal_name=name)
+                index,
+                pid,
+                code,
+                signal_name=name,
+            )
         return ProcessExitedException(
-            f"process {index} terminated with exit code {code} (pid {pid})", index, pid,
-            code if code is not None else -1)
+            f"process {index} terminated with exit code {code} (pid {pid})",
+            index,
+            pid,
+            code if code is not None else -1,
+        )
 
     def _wait_all_exited(self, seconds: float) -> None:
         """Block until every process has exited or `seconds` have passed."""
@@ -328,16 +362,14 @@ class ProcessContext:
             if p.exitcode is None:
                 log.warning("Terminating process %s via signal SIGTERM", p.pid)
                 p.terminate()
-        self._wait_all_exited(DEFAULT_TERMINATE_GRACE_S if grace_period is None
-                              else grace_period)
+        self._wait_all_exited(DEFAULT_TERMINATE_GRACE_S if grace_period is None else grace_period)
         for p in self.processes:
             if p.exitcode is None:
                 log.warning("Process %s did not exit after SIGTERM; sending SIGKILL", p.pid)
                 p.kill()
             p.join(KILL_WAIT_S)
             if p.exitcode is None:
-                log.error("process %s is still there %.0f s after SIGKILL", p.pid,
-                          KILL_WAIT_S)
+                log.error("process %s is still there %.0f s after SIGKILL", p.pid, KILL_WAIT_S)
         self.sentinels.clear()
 
     def _remove_error_dir(self) -> None:
@@ -349,17 +381,21 @@ def _check_arguments(fn: Any, args: Any, nprocs: Any, start_method: Any) -> None
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(i, *args), got {type(fn).__name__}")
     if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple of the arguments that follow the process "
-                        f"index, got {type(args).__name__}; write args=(x,) for one argument")
+        raise TypeError(
+            f"args must be a tuple of the arguments that follow the process "
+            f"index, got {type(args).__name__}; write args=(x,) for one argument"
+        )
     if not isinstance(nprocs, int) or isinstance(nprocs, bool):
         raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__}")
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     methods = multiprocessing.get_all_start_methods()
     if start_method not in methods:
-        raise ValueError(f"start_method={start_method!r} is not a multiprocessing start "
-                         f"method on this platform; choose one of "
-                         f"{', '.join(map(repr, methods))}")
+        raise ValueError(
+            f"start_method={start_method!r} is not a multiprocessing start "
+            f"method on this platform; choose one of "
+            f"{', '.join(map(repr, methods))}"
+        )
     if start_method != "fork":
         try:
             ForkingPickler.dumps(fn)
@@ -368,7 +404,8 @@ def _check_arguments(fn: Any, args: Any, nprocs: Any, start_method: Any) -> None
                 f"fn={fn!r} cannot be pickled ({type(exc).__name__}: {exc}), and "
                 f"start_method={start_method!r} sends it to each child by pickle; define it "
                 f"at module level (not a lambda, closure or local function), or use "
-                f"start_method='fork'") from exc
+                f"start_method='fork'"
+            ) from exc
 
 
 def _stop_started(processes: list[BaseProcess]) -> None:
@@ -379,9 +416,14 @@ def _stop_started(processes: list[BaseProcess]) -> None:
         p.join(KILL_WAIT_S)
 
 
-def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
-                    join: bool = True, daemon: bool = False,
-                    start_method: str = "spawn") -> ProcessContext | None:
+def start_processes(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> ProcessContext | None:
     """Start `nprocs` processes that each run ``fn(i, *args)``, ``i`` in ``0..nprocs-1``.
 
     Args:
@@ -407,26 +449,32 @@ def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: 
     mp = multiprocessing.get_context(start_method)
     # Only a failing child creates the directory: a parent that is killed before it can
     # clean up then leaves nothing behind unless a child had failed.
-    error_dir = os.path.join(tempfile.gettempdir(),
-                             f"{_ERROR_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+    error_dir = os.path.join(
+        tempfile.gettempdir(), f"{_ERROR_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    )
     error_files = [os.path.join(error_dir, f"error-{i}.txt") for i in range(nprocs)]
     parent_pid = os.getpid()
     processes: list[BaseProcess] = []
     try:
         for i in range(nprocs):
             process = mp.Process(
-                target=_wrap, daemon=daemon,
-                args=(fn, i, tuple(args), error_files[i], parent_pid,
-                      start_method == "forkserver"))
+                target=_wrap,
+                daemon=daemon,
+                args=(fn, i, tuple(args), error_files[i], parent_pid, start_method == "forkserver"),
+            )
             try:
                 process.start()
             except Exception as exc:
-                if start_method != "fork" and i == 0 and isinstance(
-                        exc, (TypeError, AttributeError, pickle.PicklingError)):
+                if (
+                    start_method != "fork"
+                    and i == 0
+                    and isinstance(exc, (TypeError, AttributeError, pickle.PicklingError))
+                ):
                     raise TypeError(
                         f"args cannot be pickled ({type(exc).__name__}: {exc}), and "
                         f"start_method={start_method!r} sends them to each child by pickle; "
-                        f"pass picklable arguments or use start_method='fork'") from exc
+                        f"pass picklable arguments or use start_method='fork'"
+                    ) from exc
                 raise
             processes.append(process)
     except BaseException:
@@ -448,9 +496,14 @@ def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: 
     return None
 
 
-def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
-          join: bool = True, daemon: bool = False,
-          start_method: str = "spawn") -> ProcessContext | None:
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> ProcessContext | None:
     """Start `nprocs` processes running ``fn(i, *args)``: `start_processes`, under torch's name.
 
     Args:

@@ -242,8 +242,7 @@ class Store:
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement queues")
 
-    def barrier(self, key: str, world_size: int,
-                timeout: float | timedelta | None = None) -> None:
+    def barrier(self, key: str, world_size: int, timeout: float | timedelta | None = None) -> None:
         """Block until `world_size` callers (any processes, threads or store objects on this
         store) have called `barrier` with the same `key`.
 

@@ -150,8 +150,9 @@ def _torch_phrase(seconds: float, keys: Sequence[str], key_prefix: str | None) -
     return phrase + ":"
 
 
-def timeout_error(missing: Sequence[str], seconds: float, where: str,
-                  key_prefix: str | None = None) -> DistStoreTimeoutError:
+def timeout_error(
+    missing: Sequence[str], seconds: float, where: str, key_prefix: str | None = None
+) -> DistStoreTimeoutError:
     """The error for keys that did not appear: names them, the time waited and the store.
 
     It opens with torch's words ("wait timeout after 500ms"), so that code matching torch's
@@ -167,8 +168,9 @@ def timeout_error(missing: Sequence[str], seconds: float, where: str,
     )
 
 
-def queue_timeout_error(key: str, seconds: float, where: str,
-                        key_prefix: str | None = None) -> DistStoreTimeoutError:
+def queue_timeout_error(
+    key: str, seconds: float, where: str, key_prefix: str | None = None
+) -> DistStoreTimeoutError:
     """The error of a blocking queue_pop that got no item: names the queue and the time,
     after torch's words as `timeout_error` does."""
     return DistStoreTimeoutError(
@@ -186,17 +188,24 @@ def queue_empty_error(key: str, where: str) -> QueueEmptyError:
     )
 
 
-def log_still_waiting(logger: Any, what: str, waited: float, missing: Sequence[str],
-                      seconds: float, next_at: float) -> None:
+def log_still_waiting(
+    logger: Any, what: str, waited: float, missing: Sequence[str], seconds: float, next_at: float
+) -> None:
     """The warning of a store wait still waiting after DISTCOMM_STALL_WARN_S (`what`: the
     request and the store), naming the keys still missing."""
     shown = ", ".join(repr(key) for key in missing[:8]) + (
-        f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+    )
     logger.warning(
         "%s has waited %.1f s for %s, not set yet: the process that sets it may be late, "
         "stuck or gone (waiting up to %.1f s; next report at %.1f s; "
         "DISTCOMM_STALL_WARN_S=0 turns these warnings off)",
-        what, waited, shown, seconds, next_at)
+        what,
+        waited,
+        shown,
+        seconds,
+        next_at,
+    )
 
 
 def check_keys(keys: Sequence[str]) -> list[str]:

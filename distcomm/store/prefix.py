@@ -134,8 +134,11 @@ class PrefixStore(Store):
         """The keys under this prefix, without it (keys of other namespaces are left out)."""
         head = f"{self.prefix}/"
         size = len(head)
-        return [key[size:] for key in self.underlying_store.list_keys()
-                if key.startswith(head) and len(key) > size]
+        return [
+            key[size:]
+            for key in self.underlying_store.list_keys()
+            if key.startswith(head) and len(key) > size
+        ]
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """Append `value` to the queue `key` (see Store.queue_push)."""

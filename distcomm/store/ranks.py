@@ -145,16 +145,31 @@ def wait_for_ranks(
             log_missing(where, waited, missing, total, arrived, hint, deadline, stall.next)
 
 
-def log_missing(where: str, waited: float, missing: Sequence[int], total: int, arrived: str,
-                hint: str, deadline: Deadline, next_at: float) -> None:
+def log_missing(
+    where: str,
+    waited: float,
+    missing: Sequence[int],
+    total: int,
+    arrived: str,
+    hint: str,
+    deadline: Deadline,
+    next_at: float,
+) -> None:
     """The warning of a wait for ranks that is still waiting, naming the missing ones."""
     seconds = deadline.seconds if deadline.seconds is not None else float("inf")
     log.warning(
         "%s: still waiting after %.0f s: %d of %d ranks %s; missing rank(s) %s. %s "
         "(waiting up to the timeout, %.0f s; next report at %.0f s; "
         "DISTCOMM_STALL_WARN_S=0 turns this warning off)",
-        where, waited, total - len(missing), total, arrived, show_ranks(missing) or "none",
-        hint, seconds, next_at,
+        where,
+        waited,
+        total - len(missing),
+        total,
+        arrived,
+        show_ranks(missing) or "none",
+        hint,
+        seconds,
+        next_at,
     )
 
 
@@ -249,13 +264,27 @@ def roll_call(
     """
     keys = {r: f"{base}/{r}" for r in range(size)}
     outcome_key, seen_key = f"{base}/outcome", f"{base}/seen"
-    mine = {**(record or {}), "size": size, "from": size_from, "pid": os.getpid(),
-            "host": socket.gethostname(), "id": secrets.token_hex(8)}
+    mine = {
+        **(record or {}),
+        "size": size,
+        "from": size_from,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "id": secrets.token_hex(8),
+    }
     text = json.dumps(mine)
 
     def wait(done: str) -> None:
-        wait_for_ranks(store, keys, deadline, where, arrived=arrived, hint=hint, done=done,
-                       warn_after=warn_after)
+        wait_for_ranks(
+            store,
+            keys,
+            deadline,
+            where,
+            arrived=arrived,
+            hint=hint,
+            done=done,
+            warn_after=warn_after,
+        )
 
     def fail(message: str, counted: bool) -> None:
         if counted:  # one of the ranks rank 0 lingers for
@@ -265,9 +294,12 @@ def roll_call(
 
     held = store.compare_set(keys[rank], "", text)
     if held != text.encode():
-        fail(f"rank {rank} was started twice ({_who(_record(held))} came first, then "
-             f"{_who(mine)}), so another rank is missing: give every process its own rank, "
-             f"from 0 to the world size - 1", False)
+        fail(
+            f"rank {rank} was started twice ({_who(_record(held))} came first, then "
+            f"{_who(mine)}), so another rank is missing: give every process its own rank, "
+            f"from 0 to the world size - 1",
+            False,
+        )
     if rank != 0:
         wait(keys[0])
         theirs = _record(store.get(keys[0]))

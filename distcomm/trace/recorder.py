@@ -63,7 +63,8 @@ def _stack() -> str:
 
 
 _comm_name: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "distcomm_record_comm", default=None)
+    "distcomm_record_comm", default=None
+)
 #: how many record_comm blocks are open, in any thread: `record` reads the name only then
 _open_names = 0
 _names_lock = threading.Lock()
@@ -140,10 +141,13 @@ class Recorder:
 
     def __init__(self, size: int, stack: bool = False) -> None:
         del stack  # the class says it (`create`)
-        if type(self) is not OffRecorder and (isinstance(size, bool) or
-                                               not isinstance(size, int) or size < 1):
-            raise ValueError(f"Recorder: size must be an int of at least 1, got {size!r}; "
-                             "Recorder.create(0) makes one that records nothing")
+        if type(self) is not OffRecorder and (
+            isinstance(size, bool) or not isinstance(size, int) or size < 1
+        ):
+            raise ValueError(
+                f"Recorder: size must be an int of at least 1, got {size!r}; "
+                "Recorder.create(0) makes one that records nothing"
+            )
         self.size = size
         self._ops: list[tuple[Any, ...] | None] = [None] * size
         #: the id of each slot's collective once it completed (ids are >= 0)
@@ -321,8 +325,10 @@ class Recorder:
         running_ids = [op[0] for op, finished, _ in slots if not finished]
         started = {
             pick(ids)  # a send or receive's id is -1 - its number: the oldest is the largest
-            for ids, pick in (([i for i in running_ids if i >= 0], min),
-                              ([i for i in running_ids if i < 0], max))
+            for ids, pick in (
+                ([i for i in running_ids if i >= 0], min),
+                ([i for i in running_ids if i < 0], max),
+            )
             if ids
         }
         for op, finished, end in sorted(slots, key=lambda item: (item[0][6], item[0][0])):

@@ -81,8 +81,9 @@ class StallInspector:
         owns_store: close `store` in `stop` (not when it is the job's store itself).
     """
 
-    def __init__(self, warn_s: float, store: Store | None, groups: Any,
-                 owns_store: bool = True) -> None:
+    def __init__(
+        self, warn_s: float, store: Store | None, groups: Any, owns_store: bool = True
+    ) -> None:
         self.warn_s = warn_s
         self._owns_store = owns_store
         self.period = max(warn_s / 2, 0.5)  # how often a rank publishes its progress
@@ -92,8 +93,9 @@ class StallInspector:
         self._state: dict[int, _GroupState] = {}
         self._published: dict[int, str] = {}  # group id -> the progress key set for it
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="distcomm-stall-inspector")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name="distcomm-stall-inspector"
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -207,8 +209,13 @@ class StallInspector:
                 entry, running, end = newest
                 since = (entry[6] if running else now_ns if end is None else end) / _NS + to_wall
                 peer = entry[4]
-                status[field] = [entry[0], entry[1], running, since,
-                                 group.ranks[peer] if field == "p" and peer >= 0 else None]
+                status[field] = [
+                    entry[0],
+                    entry[1],
+                    running,
+                    since,
+                    group.ranks[peer] if field == "p" and peer >= 0 else None,
+                ]
         key = self._key(group, group.rank())
         try:
             self._store.set(key, json.dumps(status))
@@ -235,8 +242,7 @@ class StallInspector:
 
     # -- the warning ---------------------------------------------------------------------
 
-    def _doing(self, status: dict[str, Any] | None, now: float, want: int | None,
-               name: str) -> str:
+    def _doing(self, status: dict[str, Any] | None, now: float, want: int | None, name: str) -> str:
         """What a rank is doing, from its published progress, in words."""
         if status is None:
             return "has not reported to the store (not started, or stuck before its first report)"
@@ -257,8 +263,9 @@ class StallInspector:
             text = f"has not answered for {stale:.0f} s (last heard: it {text})"
         return text
 
-    def _warn(self, group: Any, op: tuple[Any, ...], p2p: bool, age: float,
-              next_age: float) -> None:
+    def _warn(
+        self, group: Any, op: tuple[Any, ...], p2p: bool, age: float, next_age: float
+    ) -> None:
         me = group.ranks[group.rank()]
         what = _describe_op(op, group.ranks, p2p)
         statuses = self._statuses(group)
@@ -273,13 +280,16 @@ class StallInspector:
                 status = statuses.get(peer)
                 match = "send to" if op[1] == "recv" else "recv from"
                 other = status.get("p") if status else None
-                if (other and other[2] and other[1] == match.split()[0]
-                        and other[4] == me):
-                    others = (f"rank {group.ranks[peer]} is in the matching {match} rank {me} "
-                              f"(for {max(0.0, now - other[3]):.0f} s)")
+                if other and other[2] and other[1] == match.split()[0] and other[4] == me:
+                    others = (
+                        f"rank {group.ranks[peer]} is in the matching {match} rank {me} "
+                        f"(for {max(0.0, now - other[3]):.0f} s)"
+                    )
                 else:
-                    others = (f"rank {group.ranks[peer]} has not posted the matching {match} "
-                              f"rank {me}; it " + self._doing(status, now, None, ""))
+                    others = (
+                        f"rank {group.ranks[peer]} has not posted the matching {match} "
+                        f"rank {me}; it " + self._doing(status, now, None, "")
+                    )
         else:
             seq, name = op[0], op[1]
             late, stale = [], []
@@ -293,19 +303,32 @@ class StallInspector:
                 elif now - status["t"] > 2 * self.period + 2:
                     stale.append(f"rank {group.ranks[r]} {self._doing(status, now, seq, name)}")
             if late:
-                others = "not entered by: " + "; ".join(late[:16]) + (
-                    f"; and {len(late) - 16} more" if len(late) > 16 else "")
+                others = (
+                    "not entered by: "
+                    + "; ".join(late[:16])
+                    + (f"; and {len(late) - 16} more" if len(late) > 16 else "")
+                )
             elif stale:
                 others = "every rank entered it, but: " + "; ".join(stale[:16])
             else:
-                others = ("every rank has entered it: the ranks may wait on each other "
-                          "for another reason (the network, a mismatched send and receive)")
+                others = (
+                    "every rank has entered it: the ranks may wait on each other "
+                    "for another reason (the network, a mismatched send and receive)"
+                )
         timeout = group.timeout.total_seconds()
         log.warning(
             "stall: rank %d has waited %.0f s in %s of group '%s' (backend %s; it times out after "
             "%.0f s); %s. The operation goes on; next report at %.0f s "
             "(DISTCOMM_STALL_WARN_S=0 turns these warnings off)",
-            me, age, what, group.group_name, group.name(), timeout, others, next_age)
+            me,
+            age,
+            what,
+            group.group_name,
+            group.name(),
+            timeout,
+            others,
+            next_age,
+        )
 
 
 # -- the process's inspector ---------------------------------------------------------------

@@ -28,17 +28,41 @@ from .transport.exchange import Exchange
 from .tuning import ENV_VAR, NEVER, Tuning
 
 __all__ = [
-    "ENV_VAR", "NEVER", "Tuning", "all_gather", "all_gather_ring", "all_reduce",
-    "all_reduce_halving_doubling", "all_reduce_recursive_doubling", "all_reduce_ring",
-    "all_reduce_tree", "all_to_all", "all_to_all_pairwise", "barrier", "barrier_dissemination",
-    "broadcast", "broadcast_binomial", "choose_all_reduce", "choose_gather", "choose_scatter",
-    "gather", "gather_binomial", "gather_flat", "reduce", "reduce_binomial", "reduce_scatter",
-    "reduce_scatter_ring", "scatter", "scatter_binomial", "scatter_flat",
+    "ENV_VAR",
+    "NEVER",
+    "Tuning",
+    "all_gather",
+    "all_gather_ring",
+    "all_reduce",
+    "all_reduce_halving_doubling",
+    "all_reduce_recursive_doubling",
+    "all_reduce_ring",
+    "all_reduce_tree",
+    "all_to_all",
+    "all_to_all_pairwise",
+    "barrier",
+    "barrier_dissemination",
+    "broadcast",
+    "broadcast_binomial",
+    "choose_all_reduce",
+    "choose_gather",
+    "choose_scatter",
+    "gather",
+    "gather_binomial",
+    "gather_flat",
+    "reduce",
+    "reduce_binomial",
+    "reduce_scatter",
+    "reduce_scatter_ring",
+    "scatter",
+    "scatter_binomial",
+    "scatter_flat",
 ]
 
 # step bases that keep the phases of a composed algorithm, and the rounds of a phase, apart
 _PHASE = 1 << 48
 _ROUND = 1 << 24  # also the most pieces one message is split into
+
 
 def _bounds(count: int, parts: int) -> list[int]:
     return [count * i // parts for i in range(parts + 1)]
@@ -50,9 +74,18 @@ def _pieces(size: int, itemsize: int, piece_bytes: int) -> list[int]:
     return [*range(0, size, per), size] if size else [0, 0]
 
 
-def _exchange_reduce(ex: Exchange, dst: int, src: int, step: int, outgoing: np.ndarray,
-                     incoming: np.ndarray, acc: np.ndarray, other: np.ndarray, op: ReduceOp,
-                     piece_bytes: int = 0) -> None:
+def _exchange_reduce(
+    ex: Exchange,
+    dst: int,
+    src: int,
+    step: int,
+    outgoing: np.ndarray,
+    incoming: np.ndarray,
+    acc: np.ndarray,
+    other: np.ndarray,
+    op: ReduceOp,
+    piece_bytes: int = 0,
+) -> None:
     """Send `outgoing` to `dst` and receive `incoming` from `src`, then acc <- acc (op) other.
 
     `acc` and `other` are the size of `incoming` (one of them is it). With `piece_bytes`
@@ -61,11 +94,12 @@ def _exchange_reduce(ex: Exchange, dst: int, src: int, step: int, outgoing: np.n
     """
     sends = _pieces(outgoing.size, outgoing.itemsize, piece_bytes)
     recvs = _pieces(incoming.size, incoming.itemsize, piece_bytes)
-    pending = [ex.post(src, step + j, incoming[recvs[j]:recvs[j + 1]])
-               for j in range(len(recvs) - 1)]
+    pending = [
+        ex.post(src, step + j, incoming[recvs[j] : recvs[j + 1]]) for j in range(len(recvs) - 1)
+    ]
     for j in range(max(len(sends), len(recvs)) - 1):
         if j < len(sends) - 1:
-            ex.send(dst, step + j, outgoing[sends[j]:sends[j + 1]])
+            ex.send(dst, step + j, outgoing[sends[j] : sends[j + 1]])
         if j < len(pending):
             ex.wait(pending[j])
             lo, hi = recvs[j], recvs[j + 1]
@@ -73,6 +107,7 @@ def _exchange_reduce(ex: Exchange, dst: int, src: int, step: int, outgoing: np.n
 
 
 # -- trees --------------------------------------------------------------------------------------
+
 
 def broadcast_binomial(ex: Exchange, buf: np.ndarray, root: int, base: int = 0) -> None:
     """Binomial-tree broadcast of `root`'s `buf`: log2(n) rounds."""
@@ -91,8 +126,9 @@ def broadcast_binomial(ex: Exchange, buf: np.ndarray, root: int, base: int = 0) 
         mask >>= 1
 
 
-def reduce_binomial(ex: Exchange, buf: np.ndarray, root: int, op: ReduceOp,
-                    base: int = 0, keep_input: bool = True) -> None:
+def reduce_binomial(
+    ex: Exchange, buf: np.ndarray, root: int, op: ReduceOp, base: int = 0, keep_input: bool = True
+) -> None:
     """Binomial-tree reduction into `root`'s `buf`.
 
     Other ranks' `buf` is left unchanged, unless `keep_input` is False (then inner
@@ -124,8 +160,7 @@ def _subtree(vrank: int, n: int) -> int:
     return min(vrank & -vrank if vrank else n, n - vrank)
 
 
-def gather_binomial(ex: Exchange, output: np.ndarray | None, input: np.ndarray,
-                    root: int) -> None:
+def gather_binomial(ex: Exchange, output: np.ndarray | None, input: np.ndarray, root: int) -> None:
     """Binomial-tree gather: inner ranks forward their subtree's blocks in one message."""
     n, rank, m = ex.size, ex.rank, input.size
     vrank = (rank - root) % n
@@ -139,21 +174,19 @@ def gather_binomial(ex: Exchange, output: np.ndarray | None, input: np.ndarray,
     mask = 1
     while mask < span:
         count = min(mask, span - mask)
-        pending.append(ex.post((rank + mask) % n, mask,
-                               staging[mask * m:(mask + count) * m]))
+        pending.append(ex.post((rank + mask) % n, mask, staging[mask * m : (mask + count) * m]))
         mask <<= 1
     staging[:m] = input
     for recv in pending:
         ex.wait(recv)
     if vrank:
-        ex.send((rank - (vrank & -vrank)) % n, vrank & -vrank, staging[:span * m])
+        ex.send((rank - (vrank & -vrank)) % n, vrank & -vrank, staging[: span * m])
     elif root:  # virtual rank v holds real rank (v + root) % n
-        output[root * m:] = staging[:(n - root) * m]
-        output[:root * m] = staging[(n - root) * m:]
+        output[root * m :] = staging[: (n - root) * m]
+        output[: root * m] = staging[(n - root) * m :]
 
 
-def scatter_binomial(ex: Exchange, output: np.ndarray, input: np.ndarray | None,
-                     root: int) -> None:
+def scatter_binomial(ex: Exchange, output: np.ndarray, input: np.ndarray | None, root: int) -> None:
     """Binomial-tree scatter: each rank receives its subtree's blocks and passes them down."""
     n, rank, m = ex.size, ex.rank, output.size
     vrank = (rank - root) % n
@@ -166,15 +199,15 @@ def scatter_binomial(ex: Exchange, output: np.ndarray, input: np.ndarray | None,
         ex.recv((rank - (vrank & -vrank)) % n, vrank & -vrank, staging)
     elif root:  # blocks in virtual-rank order
         staging = ex.scratch.get(0, n * m, output.dtype)
-        staging[:(n - root) * m] = input[root * m:]
-        staging[(n - root) * m:] = input[:root * m]
+        staging[: (n - root) * m] = input[root * m :]
+        staging[(n - root) * m :] = input[: root * m]
     else:
         staging = input
     mask = 1 << max(0, (span - 1).bit_length() - 1)
     while mask:
         if mask < span:
             count = min(mask, span - mask)
-            ex.send((rank + mask) % n, mask, staging[mask * m:(mask + count) * m])
+            ex.send((rank + mask) % n, mask, staging[mask * m : (mask + count) * m])
         mask >>= 1
     output[...] = staging[:m]
 
@@ -186,6 +219,7 @@ def all_reduce_tree(ex: Exchange, buf: np.ndarray, op: ReduceOp) -> None:
 
 
 # -- recursive doubling and halving ---------------------------------------------------------
+
 
 def _fold(ex: Exchange, buf: np.ndarray, op: ReduceOp) -> tuple[int, int, int]:
     """Reduce a non-power-of-two group to the largest power of two p2 <= n.
@@ -235,12 +269,10 @@ def all_reduce_recursive_doubling(ex: Exchange, buf: np.ndarray, op: ReduceOp) -
         while mask < p2:
             peer = _real(vrank ^ mask, extra)
             if vrank & mask:  # the partner holds the lower half: theirs (op) mine
-                _exchange_reduce(ex, peer, peer, _PHASE + mask, current, spare, spare,
-                                 current, op)
+                _exchange_reduce(ex, peer, peer, _PHASE + mask, current, spare, spare, current, op)
                 current, spare = spare, current
             else:
-                _exchange_reduce(ex, peer, peer, _PHASE + mask, current, spare, current,
-                                 spare, op)
+                _exchange_reduce(ex, peer, peer, _PHASE + mask, current, spare, current, spare, op)
             mask <<= 1
         if current is not buf:
             buf[...] = current
@@ -265,18 +297,27 @@ def all_reduce_halving_doubling(ex: Exchange, buf: np.ndarray, op: ReduceOp) -> 
             peer = _real(vrank ^ mask, extra)
             mid = (lo + hi) // 2
             keep, give = ((mid, hi), (lo, mid)) if vrank & mask else ((lo, mid), (mid, hi))
-            kept = buf[bounds[keep[0]]:bounds[keep[1]]]
-            target = incoming[:kept.size]
-            _exchange_reduce(ex, peer, peer, _PHASE + mask, buf[bounds[give[0]]:bounds[give[1]]],
-                             target, kept, target, op)
+            kept = buf[bounds[keep[0]] : bounds[keep[1]]]
+            target = incoming[: kept.size]
+            _exchange_reduce(
+                ex,
+                peer,
+                peer,
+                _PHASE + mask,
+                buf[bounds[give[0]] : bounds[give[1]]],
+                target,
+                kept,
+                target,
+                op,
+            )
             lo, hi = keep
             mask >>= 1
         mask = 1
         while mask < p2:  # doubling: the partner holds the run of blocks next to ours
             peer = _real(vrank ^ mask, extra)
             theirs = (lo - mask, lo) if vrank & mask else (hi, hi + mask)
-            pending = ex.post(peer, 2 * _PHASE + mask, buf[bounds[theirs[0]]:bounds[theirs[1]]])
-            ex.send(peer, 2 * _PHASE + mask, buf[bounds[lo]:bounds[hi]])
+            pending = ex.post(peer, 2 * _PHASE + mask, buf[bounds[theirs[0]] : bounds[theirs[1]]])
+            ex.send(peer, 2 * _PHASE + mask, buf[bounds[lo] : bounds[hi]])
             ex.wait(pending)
             lo, hi = min(lo, theirs[0]), max(hi, theirs[1])
             mask <<= 1
@@ -285,8 +326,14 @@ def all_reduce_halving_doubling(ex: Exchange, buf: np.ndarray, op: ReduceOp) -> 
 
 # -- rings --------------------------------------------------------------------------------------
 
-def _ring_reduce_scatter(ex: Exchange, chunks: Sequence[np.ndarray], out: np.ndarray | None,
-                         op: ReduceOp, piece_bytes: int) -> None:
+
+def _ring_reduce_scatter(
+    ex: Exchange,
+    chunks: Sequence[np.ndarray],
+    out: np.ndarray | None,
+    op: ReduceOp,
+    piece_bytes: int,
+) -> None:
     """Ring reduce-scatter: rank r ends with the reduction of every rank's `chunks[r]`.
 
     The result goes to `out`, leaving `chunks` unchanged, or (`out` None) into chunks[r].
@@ -295,21 +342,24 @@ def _ring_reduce_scatter(ex: Exchange, chunks: Sequence[np.ndarray], out: np.nda
     n, rank = ex.size, ex.rank
     right, left = (rank + 1) % n, (rank - 1) % n
     largest = max(c.size for c in chunks)
-    partials = (ex.scratch.get(0, largest, chunks[0].dtype),
-                ex.scratch.get(1, largest, chunks[0].dtype))
+    partials = (
+        ex.scratch.get(0, largest, chunks[0].dtype),
+        ex.scratch.get(1, largest, chunks[0].dtype),
+    )
     outgoing = chunks[left]
     for k in range(n - 1):
         i = (rank - k - 2) % n
         if k == n - 2 and out is not None:
             incoming, acc, other = out, out, chunks[i]
         elif k == n - 2:
-            incoming = partials[k % 2][:chunks[i].size]
+            incoming = partials[k % 2][: chunks[i].size]
             acc, other = chunks[i], incoming
         else:
-            incoming = acc = partials[k % 2][:chunks[i].size]
+            incoming = acc = partials[k % 2][: chunks[i].size]
             other = chunks[i]
-        _exchange_reduce(ex, right, left, k * _ROUND, outgoing, incoming, acc, other, op,
-                         piece_bytes)
+        _exchange_reduce(
+            ex, right, left, k * _ROUND, outgoing, incoming, acc, other, op, piece_bytes
+        )
         outgoing = incoming
 
 
@@ -329,7 +379,7 @@ def all_reduce_ring(ex: Exchange, buf: np.ndarray, op: ReduceOp, piece_bytes: in
     Needs at least one element per rank; `piece_bytes` pipelines the reduce-scatter.
     """
     bounds = _bounds(buf.size, ex.size)
-    chunks = [buf[bounds[i]:bounds[i + 1]] for i in range(ex.size)]
+    chunks = [buf[bounds[i] : bounds[i + 1]] for i in range(ex.size)]
     _ring_reduce_scatter(ex, chunks, None, op, piece_bytes)
     _ring_all_gather(ex, chunks, _PHASE)
 
@@ -337,20 +387,21 @@ def all_reduce_ring(ex: Exchange, buf: np.ndarray, op: ReduceOp, piece_bytes: in
 def all_gather_ring(ex: Exchange, output: np.ndarray, input: np.ndarray) -> None:
     """Ring all-gather: rank i's `input` lands in slice i of every rank's `output`."""
     n, rank, m = ex.size, ex.rank, input.size
-    chunks = [output[i * m:(i + 1) * m] for i in range(n)]
+    chunks = [output[i * m : (i + 1) * m] for i in range(n)]
     if chunks[rank].ctypes.data != input.ctypes.data:
         chunks[rank][...] = input
     _ring_all_gather(ex, chunks, 0)
 
 
-def reduce_scatter_ring(ex: Exchange, output: np.ndarray, input: np.ndarray, op: ReduceOp,
-                        piece_bytes: int = 0) -> None:
+def reduce_scatter_ring(
+    ex: Exchange, output: np.ndarray, input: np.ndarray, op: ReduceOp, piece_bytes: int = 0
+) -> None:
     """Ring reduce-scatter: rank i ends with the reduction of every rank's slice i.
 
     `input` is not modified; `piece_bytes` pipelines each step.
     """
     n, m = ex.size, output.size
-    chunks = [input[i * m:(i + 1) * m] for i in range(n)]
+    chunks = [input[i * m : (i + 1) * m] for i in range(n)]
     if n == 1:
         output[...] = chunks[0]
     else:
@@ -359,15 +410,19 @@ def reduce_scatter_ring(ex: Exchange, output: np.ndarray, input: np.ndarray, op:
 
 # -- flat and pairwise --------------------------------------------------------------------------
 
+
 def gather_flat(ex: Exchange, output: np.ndarray | None, input: np.ndarray, root: int) -> None:
     """Every rank sends to `root`, which receives each into its slice of `output`."""
     if ex.rank != root:
         ex.send(root, 0, input)
         return
     m = input.size
-    pending = [ex.post(peer, 0, output[peer * m:(peer + 1) * m])
-               for peer in range(ex.size) if peer != root]
-    output[root * m:(root + 1) * m] = input
+    pending = [
+        ex.post(peer, 0, output[peer * m : (peer + 1) * m])
+        for peer in range(ex.size)
+        if peer != root
+    ]
+    output[root * m : (root + 1) * m] = input
     for recv in pending:
         ex.wait(recv)
 
@@ -380,23 +435,29 @@ def scatter_flat(ex: Exchange, output: np.ndarray, input: np.ndarray | None, roo
     m = output.size
     for peer in range(ex.size):
         if peer != root:
-            ex.send(peer, 0, input[peer * m:(peer + 1) * m])
-    output[...] = input[root * m:(root + 1) * m]
+            ex.send(peer, 0, input[peer * m : (peer + 1) * m])
+    output[...] = input[root * m : (root + 1) * m]
 
 
-def all_to_all_pairwise(ex: Exchange, output: np.ndarray, input: np.ndarray,
-                        output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
+def all_to_all_pairwise(
+    ex: Exchange,
+    output: np.ndarray,
+    input: np.ndarray,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+) -> None:
     """Exchange slice j of `input` with every rank j: all receives posted, then all sends."""
     n, rank = ex.size, ex.rank
     out_at = np.concatenate(([0], np.cumsum(output_splits))).astype(int)
     in_at = np.concatenate(([0], np.cumsum(input_splits))).astype(int)
-    pending = [ex.post((rank - k) % n, 0, output[out_at[(rank - k) % n]:
-                                                  out_at[(rank - k) % n + 1]])
-               for k in range(1, n)]
+    pending = [
+        ex.post((rank - k) % n, 0, output[out_at[(rank - k) % n] : out_at[(rank - k) % n + 1]])
+        for k in range(1, n)
+    ]
     for k in range(1, n):
         peer = (rank + k) % n
-        ex.send(peer, 0, input[in_at[peer]:in_at[peer + 1]])
-    output[out_at[rank]:out_at[rank + 1]] = input[in_at[rank]:in_at[rank + 1]]
+        ex.send(peer, 0, input[in_at[peer] : in_at[peer + 1]])
+    output[out_at[rank] : out_at[rank + 1]] = input[in_at[rank] : in_at[rank + 1]]
     for recv in pending:
         ex.wait(recv)
 
@@ -415,14 +476,19 @@ def barrier_dissemination(ex: Exchange) -> None:
 
 # -- dispatch: what the backends call -----------------------------------------------------------
 
-def choose_all_reduce(tuning: Tuning, array: np.ndarray,
-                      size: int) -> Callable[[Exchange, np.ndarray, ReduceOp], None]:
+
+def choose_all_reduce(
+    tuning: Tuning, array: np.ndarray, size: int
+) -> Callable[[Exchange, np.ndarray, ReduceOp], None]:
     """The all_reduce algorithm `tuning` picks for `array` in a group of `size` ranks."""
     nbytes, count = array.nbytes, array.size
     if size > 1 and nbytes >= tuning.all_reduce_ring_min and count >= size:
         return partial(all_reduce_ring, piece_bytes=tuning.ring_chunk)
-    if (size > 1 and nbytes >= tuning.all_reduce_halving_doubling_min
-            and count >= 1 << (size.bit_length() - 1)):
+    if (
+        size > 1
+        and nbytes >= tuning.all_reduce_halving_doubling_min
+        and count >= 1 << (size.bit_length() - 1)
+    ):
         return all_reduce_halving_doubling
     if nbytes >= tuning.all_reduce_doubling_min:
         return all_reduce_recursive_doubling
@@ -467,20 +533,23 @@ def all_gather(ex: Exchange, output: np.ndarray, input: np.ndarray, tuning: Tuni
     all_gather_ring(ex, output, input)
 
 
-def gather(ex: Exchange, output: np.ndarray | None, input: np.ndarray, root: int,
-           tuning: Tuning) -> None:
+def gather(
+    ex: Exchange, output: np.ndarray | None, input: np.ndarray, root: int, tuning: Tuning
+) -> None:
     """Rank i's `input` into slice i of `root`'s `output` (None elsewhere)."""
     choose_gather(tuning, input, ex.size)(ex, output, input, root)
 
 
-def scatter(ex: Exchange, output: np.ndarray, input: np.ndarray | None, root: int,
-            tuning: Tuning) -> None:
+def scatter(
+    ex: Exchange, output: np.ndarray, input: np.ndarray | None, root: int, tuning: Tuning
+) -> None:
     """Slice i of `root`'s `input` (None elsewhere) into rank i's `output`."""
     choose_scatter(tuning, output, ex.size)(ex, output, input, root)
 
 
-def reduce_scatter(ex: Exchange, output: np.ndarray, input: np.ndarray, op: ReduceOp,
-                   tuning: Tuning) -> None:
+def reduce_scatter(
+    ex: Exchange, output: np.ndarray, input: np.ndarray, op: ReduceOp, tuning: Tuning
+) -> None:
     """Rank i's `output` <- the reduction of slice i of every rank's `input` (ring).
 
     `input` is not modified; AVG divides by the group size.
@@ -489,9 +558,14 @@ def reduce_scatter(ex: Exchange, output: np.ndarray, input: np.ndarray, op: Redu
     finish_average(output, op, ex.size)
 
 
-def all_to_all(ex: Exchange, output: np.ndarray, input: np.ndarray,
-               output_splits: Sequence[int], input_splits: Sequence[int],
-               tuning: Tuning) -> None:
+def all_to_all(
+    ex: Exchange,
+    output: np.ndarray,
+    input: np.ndarray,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    tuning: Tuning,
+) -> None:
     """Slice j of `input` to rank j, slice i of `output` from rank i (pairwise)."""
     all_to_all_pairwise(ex, output, input, output_splits, input_splits)
 

@@ -118,8 +118,16 @@ class Signature(NamedTuple):
         code = NO_REDOP if redop is None else int(redop)
         if array is None:
             return _new_tuple(cls, (OP_CODES[op], 0, code, root, 0 if count is None else count))
-        return _new_tuple(cls, (OP_CODES[op], dtype_code(array.dtype), code, root,
-                                array.size if count is None else count))
+        return _new_tuple(
+            cls,
+            (
+                OP_CODES[op],
+                dtype_code(array.dtype),
+                code,
+                root,
+                array.size if count is None else count,
+            ),
+        )
 
     def to_text(self) -> str:
         """The signature as a store value ("op,dtype,redop,root,count")."""

@@ -77,8 +77,9 @@ class Runner:
         if not async_op:
             # nothing runs or waits ahead: run it here and now, its waits bounded by the
             # call's deadline, and hand back a finished Work (nothing to wait on)
-            done = self._collectives.run_now(description, outputs, self.timeout, self._run,
-                                             description, signature, step, args)
+            done = self._collectives.run_now(
+                description, outputs, self.timeout, self._run, description, signature, step, args
+            )
             if done is not None:
                 return done
         running: list[int] = []  # the seq, once the collective starts
@@ -101,8 +102,9 @@ class Runner:
 
         return self._collectives.submit(run, work, async_op)
 
-    def _run(self, description: str, signature: Signature, step: Callable[..., None],
-             args: tuple) -> None:
+    def _run(
+        self, description: str, signature: Signature, step: Callable[..., None], args: tuple
+    ) -> None:
         """Number the collective and run its step (the op queue is this caller's)."""
         seq = self.seq
         self.seq += 1

@@ -23,7 +23,6 @@ ENV_VAR = "DISTCOMM_TUNING"
 NEVER = sys.maxsize
 
 
-
 @dataclass(frozen=True)
 class Tuning:
     """Which algorithm each collective uses: thresholds in bytes, one per algorithm boundary.
@@ -130,15 +129,18 @@ class Tuning:
             if not equals:
                 raise ValueError(f"{ENV_VAR}: {entry!r} is not a 'field=value' entry; {valid}")
             if name not in names:
-                raise ValueError(f"{ENV_VAR}: {entry!r}: {name!r} is not a field of the "
-                                 f"tuning; {valid}")
+                raise ValueError(
+                    f"{ENV_VAR}: {entry!r}: {name!r} is not a field of the tuning; {valid}"
+                )
             size = parse_size(value)
             if value.lower() == "never":
                 changes[name] = NEVER
             elif size is not None:
                 changes[name] = size
             else:
-                raise ValueError(f"{ENV_VAR}: {entry!r}: {value!r} is not a size in bytes "
-                                 "(an integer with an optional K, M or G suffix, e.g. 256K, "
-                                 f"or 'never'); {valid}")
+                raise ValueError(
+                    f"{ENV_VAR}: {entry!r}: {value!r} is not a size in bytes "
+                    "(an integer with an optional K, M or G suffix, e.g. 256K, "
+                    f"or 'never'); {valid}"
+                )
         return replace(preset, **changes) if changes else preset

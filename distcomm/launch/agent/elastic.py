@@ -450,7 +450,10 @@ class ElasticAgent:
         if info.rank == 0:
             host = self._advertised_host()
             self._worker_store = TCPStore(
-                resolve_ipv4(host), 0, is_master=True, wait_for_workers=False,
+                resolve_ipv4(host),
+                0,
+                is_master=True,
+                wait_for_workers=False,
                 auth_key=self._auth_key,
             )
             port = self._worker_store.port  # type: ignore[attr-defined]

@@ -60,7 +60,6 @@ def slow_store(what: str) -> Iterator[None]:
             )
 
 
-
 def failed_round_key(round_: int) -> str:
     """The run-store key a node sets (with `add`) when round `round_` failed on it."""
     return f"failed_round_{round_}"

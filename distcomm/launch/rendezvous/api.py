@@ -487,8 +487,10 @@ class RendezvousHandlerRegistry:
                 f"the rendezvous backend name must be a non-empty string, got {backend!r}"
             )
         if not callable(creator):
-            raise TypeError(f"the creator of rendezvous backend {backend!r} must be callable, "
-                            f"got {type(creator).__name__}")
+            raise TypeError(
+                f"the creator of rendezvous backend {backend!r} must be callable, "
+                f"got {type(creator).__name__}"
+            )
         with self._lock:
             current = self._registry.get(backend)
             if current is not None and current != creator:
@@ -553,8 +555,10 @@ class RendezvousHandlerRegistry:
             )
         handler = creator(params)
         if not isinstance(handler, RendezvousHandler):
-            raise TypeError(f"rendezvous backend {params.backend!r} returned "
-                            f"{type(handler).__name__}, not a RendezvousHandler")
+            raise TypeError(
+                f"rendezvous backend {params.backend!r} returned "
+                f"{type(handler).__name__}, not a RendezvousHandler"
+            )
         if handler.get_backend() != params.backend:
             raise RuntimeError(
                 f"The rendezvous backend '{handler.get_backend()}' does not match the "
@@ -567,8 +571,11 @@ class RendezvousHandlerRegistry:
 def _entry_points() -> list[Any]:
     from importlib import metadata  # ~40 ms of imports: only when a plug-in is looked up
 
-    return [entry for group in HANDLER_ENTRY_POINT_GROUPS
-            for entry in metadata.entry_points(group=group)]
+    return [
+        entry
+        for group in HANDLER_ENTRY_POINT_GROUPS
+        for entry in metadata.entry_points(group=group)
+    ]
 
 
 #: The registry distcomm-run creates its handlers with.

@@ -125,8 +125,9 @@ def is_local_host(host: str) -> bool:
         resolved = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except (socket.gaierror, UnicodeError):
         return False
-    local = {addr.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
-             for addr in addrs}
+    local = {
+        addr.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for addr in addrs
+    }
     return any(_is_loopback(address) or address in local for address in resolved)
 
 
@@ -138,16 +139,21 @@ def bind_address(host: str) -> str:
     return "::" if ":" in host else "0.0.0.0"
 
 
-def host_tcp_store(host: str, port: int, timeout: float,
-                   auth_key: bytes | None = None) -> TCPStore:
+def host_tcp_store(host: str, port: int, timeout: float, auth_key: bytes | None = None) -> TCPStore:
     """A TCPStore served by this process for clients that reach it at `host:port`, with
     `auth_key` (None: DISTCOMM_AUTH_KEY).
 
     Raises:
         DistNetworkError: the port cannot be bound (in use, not local).
     """
-    return TCPStore(bind_address(host), port, is_master=True, timeout=timeout,
-                    wait_for_workers=False, auth_key=auth_key)
+    return TCPStore(
+        bind_address(host),
+        port,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        auth_key=auth_key,
+    )
 
 
 def _address_in_use(exc: DistNetworkError) -> bool:
@@ -163,8 +169,9 @@ def _address_in_use(exc: DistNetworkError) -> bool:
     return False
 
 
-def create_c10d_store(params: RendezvousParameters,
-                      settings: RendezvousSettings) -> tuple[TCPStore, tuple[str, int], bool]:
+def create_c10d_store(
+    params: RendezvousParameters, settings: RendezvousSettings
+) -> tuple[TCPStore, tuple[str, int], bool]:
     """The c10d rendezvous's TCPStore, its (host, port) and whether this process hosts it.
 
     Raises:
@@ -190,18 +197,27 @@ def create_c10d_store(params: RendezvousParameters,
                     f"--rdzv_backend=c10d: this agent cannot host the store at {address}: {exc}"
                 ) from exc
             taken = True
-            log.info("c10d rendezvous: %s is taken (another agent hosts the store): "
-                     "connecting to it", address)
+            log.info(
+                "c10d rendezvous: %s is taken (another agent hosts the store): connecting to it",
+                address,
+            )
         else:
-            log.info("c10d rendezvous: this agent hosts the store at %s",
-                     format_address(host, store.port))
+            log.info(
+                "c10d rendezvous: this agent hosts the store at %s",
+                format_address(host, store.port),
+            )
             return store, (host, store.port), True
     try:
-        store = TCPStore(host, port, is_master=False, timeout=settings.read_timeout,
-                         auth_key=params.auth_key)
+        store = TCPStore(
+            host, port, is_master=False, timeout=settings.read_timeout, auth_key=params.auth_key
+        )
     except DistError as exc:
-        note = (" (this agent found the port taken, so it connected to what holds it as to "
-                "another agent's store)" if taken else "")
+        note = (
+            " (this agent found the port taken, so it connected to what holds it as to "
+            "another agent's store)"
+            if taken
+            else ""
+        )
         raise RendezvousConnectionError(
             f"--rdzv_backend=c10d: cannot reach the store at {address} within "
             f"read_timeout={settings.read_timeout:g} s{note}: {exc}"
@@ -218,15 +234,20 @@ def create_etcd_store(params: RendezvousParameters, settings: RendezvousSettings
         RendezvousConnectionError: the etcd server cannot be used.
     """
     if not params.endpoint.strip():
-        raise ValueError("--rdzv_backend=etcd needs --rdzv_endpoint=HOST[:PORT] of an etcd "
-                         "server (port 2379 when left out)")
+        raise ValueError(
+            "--rdzv_backend=etcd needs --rdzv_endpoint=HOST[:PORT] of an etcd "
+            "server (port 2379 when left out)"
+        )
     try:
         from ...store.etcd import EtcdStore
     except ImportError as exc:
         raise RendezvousError(f"--rdzv_backend=etcd is not available: {exc}") from exc
     try:
-        return EtcdStore(params.endpoint, prefix=f"{settings.etcd_prefix}/{params.run_id}/",
-                         timeout=settings.read_timeout)
+        return EtcdStore(
+            params.endpoint,
+            prefix=f"{settings.etcd_prefix}/{params.run_id}/",
+            timeout=settings.read_timeout,
+        )
     except ValueError as exc:
         raise ValueError(f"--rdzv_endpoint={params.endpoint!r}: {exc}") from exc
     except DistError as exc:
@@ -244,20 +265,26 @@ def create_file_store(params: RendezvousParameters, settings: RendezvousSettings
     """
     path = params.endpoint.strip()
     if not path:
-        raise ValueError("--rdzv_backend=file needs --rdzv_endpoint=PATH: a file on a "
-                         "filesystem every node shares (created if missing)")
+        raise ValueError(
+            "--rdzv_backend=file needs --rdzv_endpoint=PATH: a file on a "
+            "filesystem every node shares (created if missing)"
+        )
     try:
         return FileStore(path, world_size=-1, timeout=settings.read_timeout)
     except DistError as exc:
         raise RendezvousConnectionError(f"--rdzv_backend=file: {exc}") from exc
 
 
-def _handler_over(store: Store, params: RendezvousParameters,
-                  bootstrap_address: tuple[str, int] | None = None,
-                  hosts_store: bool = False) -> DynamicRendezvousHandler:
+def _handler_over(
+    store: Store,
+    params: RendezvousParameters,
+    bootstrap_address: tuple[str, int] | None = None,
+    hosts_store: bool = False,
+) -> DynamicRendezvousHandler:
     try:
-        return create_store_handler(store, params, bootstrap_address, owned_store=store,
-                                    hosts_store=hosts_store)
+        return create_store_handler(
+            store, params, bootstrap_address, owned_store=store, hosts_store=hosts_store
+        )
     except BaseException:
         store.close()
         raise

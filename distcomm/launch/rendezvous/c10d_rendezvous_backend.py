@@ -36,8 +36,7 @@ class C10dRendezvousBackend(StoreStateBackend):
 
     def __init__(self, store: Store, run_id: str) -> None:
         if not run_id or not isinstance(run_id, str):
-            raise ValueError(f"The run id must be a non-empty string, got {run_id!r} "
-                             "(--rdzv_id)")
+            raise ValueError(f"The run id must be a non-empty string, got {run_id!r} (--rdzv_id)")
         super().__init__(store, f"torch.rendezvous.{run_id}", "c10d", "the C10d store")
 
 
@@ -86,14 +85,17 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
     """
     store_type = str(params.get("store_type", "tcp")).strip().lower()
     if store_type not in ("tcp", "file"):
-        raise ValueError(f"--rdzv_conf store_type={store_type!r}: Invalid store type given. "
-                         "Currently only supports file and tcp.")
+        raise ValueError(
+            f"--rdzv_conf store_type={store_type!r}: Invalid store type given. "
+            "Currently only supports file and tcp."
+        )
     read_timeout = _read_timeout(params)
     if store_type == "file":
         store: Store = _file_store(params)
     else:
-        settings = RendezvousSettings(read_timeout=float(read_timeout),
-                                      is_host=params.get_as_bool("is_host"))
+        settings = RendezvousSettings(
+            read_timeout=float(read_timeout), is_host=params.get_as_bool("is_host")
+        )
         try:
             store, _, _ = create_c10d_store(params, settings)
         except RendezvousConnectionError as exc:

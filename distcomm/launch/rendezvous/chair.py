@@ -126,10 +126,15 @@ class Request:
     after: int | None = None
 
     def encode(self) -> bytes:
-        return json.dumps({
-            "node": self.node, "call": self.call, "op": self.op, "expired": self.expired,
-            "after": self.after,
-        }).encode()
+        return json.dumps(
+            {
+                "node": self.node,
+                "call": self.call,
+                "op": self.op,
+                "expired": self.expired,
+                "after": self.after,
+            }
+        ).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Request | None:
@@ -137,8 +142,13 @@ class Request:
         try:
             data = json.loads(raw)
             after = data.get("after")
-            request = cls(str(data["node"]), int(data["call"]), str(data["op"]),
-                          bool(data.get("expired", False)), None if after is None else int(after))
+            request = cls(
+                str(data["node"]),
+                int(data["call"]),
+                str(data["op"]),
+                bool(data.get("expired", False)),
+                None if after is None else int(after),
+            )
         except (ValueError, KeyError, TypeError):
             return None
         return request if request.op in ("join", "leave") else None
@@ -249,8 +259,11 @@ class Chair:
         answers = self._apply(taken, now)
         signature = _signature(self.state)
         self._unwritten = signature != self._written
-        if (answers or self._due_write or (self._unwritten and (
-                heartbeats or time.monotonic() >= self._next_write))):
+        if (
+            answers
+            or self._due_write
+            or (self._unwritten and (heartbeats or time.monotonic() >= self._next_write))
+        ):
             self._write(signature)
             self._publish(answers)  # the summary never runs ahead of the stored state
 
@@ -266,8 +279,11 @@ class Chair:
                 continue
             request = Request.decode(raw)
             if request is None:
-                log.warning("rendezvous %r: skipped a request that is not one: %r",
-                            self._keys.run_id, raw[:80])
+                log.warning(
+                    "rendezvous %r: skipped a request that is not one: %r",
+                    self._keys.run_id,
+                    raw[:80],
+                )
                 continue
             taken.append(request)
             self._requests.append(request)  # kept until written, whatever fails next
@@ -348,11 +364,13 @@ class Chair:
                 action = decide(state, node, self._limits, now, expired=False)
                 if action is Action.FINISH:
                     key = self._keys.answer(node, state.pending.pop(node))
-                    answers[key] = json.dumps({
-                        "round": state.round,
-                        "rank": state.participants[node],
-                        "size": len(state.participants),
-                    }).encode()
+                    answers[key] = json.dumps(
+                        {
+                            "round": state.round,
+                            "rank": state.participants[node],
+                            "size": len(state.participants),
+                        }
+                    ).encode()
                 elif action is Action.CLOSED:
                     answers[self._keys.answer(node, state.pending.pop(node))] = b'{"closed":true}'
                 elif action is not Action.WAIT:

@@ -62,8 +62,11 @@ def create_store_handler(
 
 
 def create_handler(
-    store: Store, backend: RendezvousBackend, params: RendezvousParameters,
-    *, owned_store: Store | None = None,
+    store: Store,
+    backend: RendezvousBackend,
+    params: RendezvousParameters,
+    *,
+    owned_store: Store | None = None,
 ) -> DynamicRendezvousHandler:
     """A handler for `params` whose state `backend` keeps (torch's `create_handler`):
     the options join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
@@ -88,8 +91,9 @@ def create_handler(
             timedelta(seconds=settings.join_timeout),
             timedelta(seconds=settings.last_call_timeout),
             timedelta(seconds=settings.close_timeout),
-            None if heartbeat is None else timedelta(
-                seconds=params.get_as_float("heartbeat_timeout", 5.0)),
+            None
+            if heartbeat is None
+            else timedelta(seconds=params.get_as_float("heartbeat_timeout", 5.0)),
         ),
         keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,

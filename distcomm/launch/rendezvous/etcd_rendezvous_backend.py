@@ -40,11 +40,11 @@ class EtcdRendezvousBackend(StoreStateBackend):
         TypeError: `client` is not a distcomm Store.
     """
 
-    def __init__(self, client: Store, run_id: str, key_prefix: str | None = None,
-                 ttl: int | None = None) -> None:
+    def __init__(
+        self, client: Store, run_id: str, key_prefix: str | None = None, ttl: int | None = None
+    ) -> None:
         if not run_id or not isinstance(run_id, str):
-            raise ValueError(f"The run id must be a non-empty string, got {run_id!r} "
-                             "(--rdzv_id)")
+            raise ValueError(f"The run id must be a non-empty string, got {run_id!r} (--rdzv_id)")
         key = f"{key_prefix.rstrip('/')}/{run_id}" if key_prefix else run_id
         super().__init__(client, key, "etcd-v2", "etcd")
         self.ttl = ttl
@@ -72,15 +72,21 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         )
     protocol = str(params.get("protocol", "http")).strip().lower()
     if protocol not in ("http", "https"):
-        raise ValueError(f"--rdzv_conf protocol={protocol!r}: The protocol must be HTTP or "
-                         "HTTPS (distcomm supports http only)")
+        raise ValueError(
+            f"--rdzv_conf protocol={protocol!r}: The protocol must be HTTP or "
+            "HTTPS (distcomm supports http only)"
+        )
     if protocol == "https" or any(params.get(key) for key in ("ssl_cert", "ca_cert")):
-        raise ValueError("--rdzv_conf protocol=https / ssl_cert / ca_cert: TLS to etcd is not "
-                         "supported by distcomm's EtcdStore; use protocol=http")
+        raise ValueError(
+            "--rdzv_conf protocol=https / ssl_cert / ca_cert: TLS to etcd is not "
+            "supported by distcomm's EtcdStore; use protocol=http"
+        )
     endpoint = (params.endpoint or "").strip()
     if not endpoint:
-        raise ValueError("--rdzv_backend=etcd-v2 needs --rdzv_endpoint=HOST[:PORT] of an etcd "
-                         "server (port 2379 when left out)")
+        raise ValueError(
+            "--rdzv_backend=etcd-v2 needs --rdzv_endpoint=HOST[:PORT] of an etcd "
+            "server (port 2379 when left out)"
+        )
     try:
         store = EtcdStore(endpoint, prefix=PREFIX, timeout=float(read_timeout))
     except DistError as exc:

@@ -146,14 +146,27 @@ class Keeper:
             if self._store.compare_set(self._keys.chair, current, mine) != mine:
                 return False
             if holder != self.node_id:
-                log.info("%s: node %s takes the chair from %s (silent for over %.1f s)",
-                         self._where, self.node_id, holder, self._limits.dead_after)
+                log.info(
+                    "%s: node %s takes the chair from %s (silent for over %.1f s)",
+                    self._where,
+                    self.node_id,
+                    holder,
+                    self._limits.dead_after,
+                )
         self.chair_seen, self._chair_raw = self.node_id, mine
         if self._chair_store is None:
             self._chair_store = self._store.clone()
-        chair = Chair(self._store, self._chair_store, self._keys, self._limits, self.node_id,
-                      self._decode, self._log_dropped, read_every=self._interval / 2,
-                      slot=self._slot)
+        chair = Chair(
+            self._store,
+            self._chair_store,
+            self._keys,
+            self._limits,
+            self.node_id,
+            self._decode,
+            self._log_dropped,
+            read_every=self._interval / 2,
+            slot=self._slot,
+        )
         chair.load()
         self.chair = chair
         return True

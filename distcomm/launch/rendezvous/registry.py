@@ -24,8 +24,11 @@ from .backends import create_c10d_handler, create_etcd_handler, create_file_hand
 from .dynamic_rendezvous import create_handler
 from .static import create_static_handler
 
-__all__ = ["get_rendezvous_handler", "register_rendezvous_backend",
-           "registered_rendezvous_backends"]
+__all__ = [
+    "get_rendezvous_handler",
+    "register_rendezvous_backend",
+    "registered_rendezvous_backends",
+]
 
 log = logging.getLogger("distcomm.launch.rendezvous")
 
@@ -81,8 +84,13 @@ def _register_out_of_tree_handlers() -> None:
         try:
             rendezvous_handler_registry.register(entry.name, entry.load()())
         except Exception:
-            log.warning("rendezvous plug-in %r (%s, group %s) failed to load: skipped",
-                        entry.name, entry.value, entry.group, exc_info=True)
+            log.warning(
+                "rendezvous plug-in %r (%s, group %s) failed to load: skipped",
+                entry.name,
+                entry.value,
+                entry.group,
+                exc_info=True,
+            )
 
 
 register_rendezvous_backend("static", create_static_handler)

@@ -82,8 +82,7 @@ class BackendSlot(StateSlot):
     def _checked(self, result: object, method: str, size: int) -> tuple | None:
         if result is None:
             return None
-        if not isinstance(result, tuple) or len(result) != size or not isinstance(
-                result[0], bytes):
+        if not isinstance(result, tuple) or len(result) != size or not isinstance(result[0], bytes):
             raise RendezvousStateError(
                 f"rendezvous backend {self._backend.name!r}: {method} returned {result!r}, "
                 f"not None or a tuple of {size} starting with the state's bytes"

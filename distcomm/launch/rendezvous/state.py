@@ -177,8 +177,7 @@ def _previous_still_coming(state: RendezvousState) -> bool:
     """Whether a participant of the previous round that is still alive (has a heartbeat)
     has not joined the current round yet."""
     return any(
-        node in state.last_heartbeats and node not in state.participants
-        for node in state.previous
+        node in state.last_heartbeats and node not in state.participants for node in state.previous
     )
 
 

@@ -65,18 +65,27 @@ class StaticRendezvous(RendezvousHandler):
         if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
             raise ValueError(f"--nnodes must be an integer >= 1, got {nnodes!r}")
         if nnodes > 1 and node_rank < 0:
-            raise ValueError(f"--rdzv_backend=static with --nnodes={nnodes} needs --node_rank "
-                             f"(0..{nnodes - 1}) on every node")
+            raise ValueError(
+                f"--rdzv_backend=static with --nnodes={nnodes} needs --node_rank "
+                f"(0..{nnodes - 1}) on every node"
+            )
         node_rank = 0 if node_rank < 0 else node_rank
         if node_rank >= nnodes:
-            raise ValueError(f"--node_rank={node_rank} is out of range for --nnodes={nnodes}: "
-                             f"use 0..{nnodes - 1}")
-        if (isinstance(master_port, bool) or not isinstance(master_port, int)
-                or not 0 <= master_port <= 65535):
+            raise ValueError(
+                f"--node_rank={node_rank} is out of range for --nnodes={nnodes}: "
+                f"use 0..{nnodes - 1}"
+            )
+        if (
+            isinstance(master_port, bool)
+            or not isinstance(master_port, int)
+            or not 0 <= master_port <= 65535
+        ):
             raise ValueError(f"--master_port={master_port!r} must be an integer in 0..65535")
         if master_port == 0 and nnodes > 1:
-            raise ValueError(f"--rdzv_backend=static with --nnodes={nnodes} needs --master_port: "
-                             "every node must know the port of node 0's store")
+            raise ValueError(
+                f"--rdzv_backend=static with --nnodes={nnodes} needs --master_port: "
+                "every node must know the port of node 0's store"
+            )
         self._run_id = run_id
         self._nnodes = nnodes
         self._node_rank = node_rank
@@ -103,11 +112,13 @@ class StaticRendezvous(RendezvousHandler):
         left = deadline.remaining() or 0.0
         try:
             if self._node_rank == 0:
-                store = host_tcp_store(self._master_addr, self._master_port, self._join_timeout,
-                                       self._auth_key)
+                store = host_tcp_store(
+                    self._master_addr, self._master_port, self._join_timeout, self._auth_key
+                )
             else:
-                store = TCPStore(self._master_addr, self._master_port, timeout=left,
-                                 auth_key=self._auth_key)
+                store = TCPStore(
+                    self._master_addr, self._master_port, timeout=left, auth_key=self._auth_key
+                )
                 store.set_timeout(self._join_timeout)
         except DistError as exc:
             if self._node_rank == 0:
@@ -125,8 +136,10 @@ class StaticRendezvous(RendezvousHandler):
 
     def _check_closed(self, store: TCPStore) -> None:
         if store.check([self._closed_key]):
-            raise RendezvousClosedError(f"{self._where()} is closed: the run is over or was "
-                                        "stopped, and no new round will form")
+            raise RendezvousClosedError(
+                f"{self._where()} is closed: the run is over or was "
+                "stopped, and no new round will form"
+            )
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Meet the other nodes for the next round (every call is one round).
@@ -165,8 +178,14 @@ class StaticRendezvous(RendezvousHandler):
             raise RendezvousConnectionError(
                 f"{self._where()}: node 0's store at {self._address} failed: {exc}"
             ) from exc
-        return RendezvousInfo.for_round(store, self._run_id, round_, self._node_rank,
-                                        self._nnodes, (self._master_addr, store.port))
+        return RendezvousInfo.for_round(
+            store,
+            self._run_id,
+            round_,
+            self._node_rank,
+            self._nnodes,
+            (self._master_addr, store.port),
+        )
 
     def get_backend(self) -> str:
         """'static'."""
@@ -209,8 +228,10 @@ class StaticRendezvous(RendezvousHandler):
         return True
 
     def __repr__(self) -> str:
-        return (f"StaticRendezvous(run_id={self._run_id!r}, node {self._node_rank} of "
-                f"{self._nnodes}, master={self._address})")
+        return (
+            f"StaticRendezvous(run_id={self._run_id!r}, node {self._node_rank} of "
+            f"{self._nnodes}, master={self._address})"
+        )
 
 
 def _node_rank(params: RendezvousParameters) -> int:

@@ -17,7 +17,20 @@ class StaticTCPRendezvous(StaticRendezvous):
         ValueError: a bad parameter (named).
     """
 
-    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int,
-                 run_id: str, timeout: float) -> None:
-        super().__init__(run_id, world_size, node_rank=rank, master_addr=master_addr,
-                         master_port=master_port, join_timeout=float(timeout))
+    def __init__(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        run_id: str,
+        timeout: float,
+    ) -> None:
+        super().__init__(
+            run_id,
+            world_size,
+            node_rank=rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            join_timeout=float(timeout),
+        )

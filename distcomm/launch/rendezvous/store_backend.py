@@ -37,8 +37,9 @@ class StoreStateBackend(RendezvousBackend):
 
     def __init__(self, store: Store, key: str, name: str, what: str) -> None:
         if not isinstance(store, Store):
-            raise TypeError(f"the {name} rendezvous backend needs a distcomm Store, got "
-                            f"{type(store).__name__}")
+            raise TypeError(
+                f"the {name} rendezvous backend needs a distcomm Store, got {type(store).__name__}"
+            )
         self._store, self._key, self._name, self._what = store, key, name, what
 
     @property
@@ -85,8 +86,9 @@ class StoreStateBackend(RendezvousBackend):
         if token is not None and token != b"" and not isinstance(token, bytes):
             current = self.get_state()
             return None if current is None else (*current, False)
-        stored = self._call("compare_set", lambda: self._store.compare_set(
-            self._key, token or b"", encoded))
+        stored = self._call(
+            "compare_set", lambda: self._store.compare_set(self._key, token or b"", encoded)
+        )
         decoded = self._decode(stored)
         if decoded is None:
             return None

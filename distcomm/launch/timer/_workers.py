@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=TimerRequest)
 
+
 class WorkerTimers(Generic[R]):
     """Timers keyed by (worker pid, scope id), with the worker's process captured on first use.
 

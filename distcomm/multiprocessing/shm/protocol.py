@@ -82,5 +82,3 @@ def _validate_address(address: str) -> str:
             f"bytes without NUL (check {ADDRESS_ENV})"
         )
     return address
-
-

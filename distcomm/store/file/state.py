@@ -94,7 +94,6 @@ class LogState:
             self.pos = start + offset  # after the last record applied, even on error
         return offset < len(data)
 
-
     def apply(self, op: int, key: str, key_size: int, value: bytes, where: int) -> None:
         """Apply one record to the state, keeping the live size up to date."""
         data = self.data
@@ -151,8 +150,9 @@ class LogState:
         out += RECORD.pack(OP_USERS, 0, len(users), zlib.crc32(users)) + users
         written = 0
         records = [(OP_SET, key, self.data[key]) for key in list(self.data.keys())]
-        records += [(OP_QUEUE_PUSH, key, value)
-                    for key, items in self.queues.items() for value in items]
+        records += [
+            (OP_QUEUE_PUSH, key, value) for key, items in self.queues.items() for value in items
+        ]
         for op, key, value in records:
             key_bytes = key.encode()
             crc = zlib.crc32(value, zlib.crc32(key_bytes))

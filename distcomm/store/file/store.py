@@ -354,9 +354,14 @@ class FileStore(CloseOnCollect, Store):
                     raise timeout_error(missing, timeout, f"the FileStore {self.path!r}")
             waited = stall.due()
             if waited is not None:
-                log_still_waiting(log, f"a wait on the FileStore {self.path!r}", waited,
-                                  [key for key in keys if key not in data], timeout,
-                                  stall.next)
+                log_still_waiting(
+                    log,
+                    f"a wait on the FileStore {self.path!r}",
+                    waited,
+                    [key for key in keys if key not in data],
+                    timeout,
+                    stall.next,
+                )
             delay = deadline.nap(delay, _KEY_POLL_MOST)
 
     # -- the Store methods ----------------------------------------------------------------
@@ -409,8 +414,9 @@ class FileStore(CloseOnCollect, Store):
             DistStoreTimeoutError: names the keys still missing.
         """
         names = check_keys(keys)
-        self._wait_for(names, self._timeout if timeout is None else to_seconds(timeout),
-                       queues=True)
+        self._wait_for(
+            names, self._timeout if timeout is None else to_seconds(timeout), queues=True
+        )
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key in `keys` is set (or its queue holds an item), without waiting."""
@@ -506,8 +512,9 @@ class FileStore(CloseOnCollect, Store):
                 raise queue_timeout_error(key, self._timeout, where)
             waited = stall.due()
             if waited is not None:
-                log_still_waiting(log, f"queue_pop({key!r}) on {where}", waited, [key],
-                                  self._timeout, stall.next)
+                log_still_waiting(
+                    log, f"queue_pop({key!r}) on {where}", waited, [key], self._timeout, stall.next
+                )
             delay = deadline.nap(delay, _KEY_POLL_MOST)
 
     def queue_len(self, key: str) -> int:

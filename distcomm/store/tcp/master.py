@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 #: getaddrinfo errors that a name which does not resolve *yet* gives (no such name, a
 #: temporary failure, no address): retried; any other lookup error fails at once.
 _NOT_YET = frozenset(
-    code for code in (getattr(socket, name, None)
-                      for name in ("EAI_NONAME", "EAI_AGAIN", "EAI_NODATA"))
+    code
+    for code in (getattr(socket, name, None) for name in ("EAI_NONAME", "EAI_AGAIN", "EAI_NODATA"))
     if code is not None
 )
 
@@ -74,8 +74,9 @@ def unresolved(exc: BaseException) -> bool:
     return isinstance(cause, socket.gaierror) and cause.errno in _NOT_YET
 
 
-def unresolved_error(host: str, port: int, seconds: float | None,
-                     exc: BaseException) -> DistNetworkError:
+def unresolved_error(
+    host: str, port: int, seconds: float | None, exc: BaseException
+) -> DistNetworkError:
     """The error of a host name that still did not resolve at the timeout: torch's words
     ("The client socket has timed out after 1000ms while trying to connect to (host,
     port)"), then why and what to check."""
@@ -149,8 +150,7 @@ def listener_from_fd(fd: int, port: int) -> socket.socket:
             "the fileno() of a TCP socket bound to the store's port"
         ) from exc
     try:
-        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
-                                                                  socket.AF_INET6):
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
             raise ValueError(
                 f"TCPStore master_listen_fd {fd} is not a TCP socket; pass the fileno() of "
                 "a TCP socket bound to the store's port"
@@ -172,9 +172,15 @@ def listener_from_fd(fd: int, port: int) -> socket.socket:
     return sock
 
 
-def open_server(host: str, port: int, auth_key: bytes | None,
-                listener: socket.socket | None, multi_tenant: bool, deadline: Deadline,
-                stall_warn: float) -> tuple[StoreServer | None, bool]:
+def open_server(
+    host: str,
+    port: int,
+    auth_key: bytes | None,
+    listener: socket.socket | None,
+    multi_tenant: bool,
+    deadline: Deadline,
+    stall_warn: float,
+) -> tuple[StoreServer | None, bool]:
     """The master's server, started (or the tenant's server that runs already), and
     whether it is shared; (None, False) where a launcher's agent serves the store already.
 
@@ -220,9 +226,14 @@ def open_server(host: str, port: int, auth_key: bytes | None,
                     time.sleep(deadline.slice(next(delays)))
                     continue
                 if port and agent_serves(port):
-                    log.info("%s: the launcher's agent serves the store there already (%s, "
-                             "MASTER_PORT=%d): this master is its client (%s)",
-                             where, AGENT_STORE_VAR, port, exc)
+                    log.info(
+                        "%s: the launcher's agent serves the store there already (%s, "
+                        "MASTER_PORT=%d): this master is its client (%s)",
+                        where,
+                        AGENT_STORE_VAR,
+                        port,
+                        exc,
+                    )
                     return None, False
                 raise DistNetworkError(f"{BIND_FAILED}: {exc}") from exc
     finally:

@@ -131,8 +131,9 @@ class Limits:
             return cls()
         return cls(*(int(arg) for arg in args[:3]))
 
-    def check_request(self, what: str, keys: Sequence[bytes], values: Sequence[bytes],
-                      body: int) -> None:
+    def check_request(
+        self, what: str, keys: Sequence[bytes], values: Sequence[bytes], body: int
+    ) -> None:
         """Refuse, before sending, a request the server would refuse.
 
         Raises:

@@ -64,8 +64,10 @@ SAFETY_MARGIN = 1.0
 #: late, so the client keeps waiting); DISTCOMM_STALL_WARN_S when that is shorter.
 GREETING_WARN_S = 5.0
 #: What to do when what answers at the address is not a TCPStore.
-FOREIGN_HINT = ("is another program using this port? Pick another port (MASTER_PORT, or "
-                "the port of distcomm-run's --rdzv_endpoint)")
+FOREIGN_HINT = (
+    "is another program using this port? Pick another port (MASTER_PORT, or "
+    "the port of distcomm-run's --rdzv_endpoint)"
+)
 log = logging.getLogger(__name__)
 
 _ERROR, _TIMEOUT = int(Status.ERROR), int(Status.TIMEOUT)
@@ -75,8 +77,9 @@ TORCH_KEYS = "/"
 _REGISTER = encode_frame(Cmd.REGISTER, [])[0]
 #: Requests that a repetition would apply again (or, for a pop, whose item would be lost
 #: with its answer): one whose answer is lost may or may not have been applied.
-_UNREPEATABLE = frozenset({Cmd.ADD, Cmd.COMPARE_SET, Cmd.DELETE_KEY, Cmd.APPEND,
-                           Cmd.QUEUE_PUSH, Cmd.QUEUE_POP})
+_UNREPEATABLE = frozenset(
+    {Cmd.ADD, Cmd.COMPARE_SET, Cmd.DELETE_KEY, Cmd.APPEND, Cmd.QUEUE_PUSH, Cmd.QUEUE_POP}
+)
 #: What the server does to a connection it sheds while it is being made: the errors
 #: (a `__cause__`) after which a client connects again.
 _DROPPED = (PeerClosed, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
@@ -88,14 +91,15 @@ def _fate(frame: list[bytes], what: str | tuple[str, object]) -> str:
     if HEADER.unpack_from(frame[0])[1] not in _UNREPEATABLE:
         return ""
     name = what[0] if isinstance(what, tuple) else what
-    return (f"; the {name} may or may not have been applied, and it is not sent again: "
-            "look at the store before repeating it")
+    return (
+        f"; the {name} may or may not have been applied, and it is not sent again: "
+        "look at the store before repeating it"
+    )
 
 
 def _describe(what: str | tuple[str, object]) -> str:
     """A request for messages: "num_keys", or ("get", "k") as "get('k')" (made on error only)."""
     return what if isinstance(what, str) else f"{what[0]}({what[1]!r})"
-
 
 
 class StoreClient:
@@ -112,7 +116,6 @@ class StoreClient:
     def _where(self) -> str:
         return f"the TCPStore at {format_address(self._host, self._port)}"
 
-
     # -- the connection -------------------------------------------------------------------
 
     def _connect(self, deadline: Deadline) -> None:
@@ -128,8 +131,9 @@ class StoreClient:
                 return
             except DistNetworkError as exc:
                 unknown = exc if unresolved(exc) else None  # retried until the deadline
-                if unknown is None and (not isinstance(exc.__cause__, _DROPPED)
-                                        or deadline.expired()):
+                if unknown is None and (
+                    not isinstance(exc.__cause__, _DROPPED) or deadline.expired()
+                ):
                     raise
                 self._broken = None  # a registration cut short: not the store gone
                 log_retrying(stall, f"connecting to {self._where}", exc, deadline)
@@ -139,8 +143,9 @@ class StoreClient:
             delays = delays or retry_delays()
             time.sleep(deadline.slice(next(delays)))
             if unknown is not None and deadline.expired():
-                raise unresolved_error(self._host, self._port, deadline.seconds,
-                                       unknown) from unknown
+                raise unresolved_error(
+                    self._host, self._port, deadline.seconds, unknown
+                ) from unknown
 
     def _connect_once(self, deadline: Deadline, stall: StallClock, early: bool) -> None:
         """One connection; with `early`, a keyless client's REGISTER goes out before the
@@ -151,9 +156,16 @@ class StoreClient:
             register = not self._registered
             first = _REGISTER if register and (early or self._auth_key) else b""
             rest = auth.client_handshake(
-                sock, self._auth_key, deadline, self._where, expected="a distcomm TCPStore",
-                hint=FOREIGN_HINT, warn_after=min(GREETING_WARN_S, self._stall_warn),
-                first=first, address=format_address(self._host, self._port))
+                sock,
+                self._auth_key,
+                deadline,
+                self._where,
+                expected="a distcomm TCPStore",
+                hint=FOREIGN_HINT,
+                warn_after=min(GREETING_WARN_S, self._stall_warn),
+                first=first,
+                address=format_address(self._host, self._port),
+            )
             self._conn = Connection(sock, rest)
             self._local_address = ""
             if register:
@@ -161,8 +173,11 @@ class StoreClient:
                 # likely shed unserved, and this connection registers anew
                 left = deadline.remaining()
                 _, result = self._exchange(
-                    [_REGISTER], FOREVER if left is None else left + SAFETY_MARGIN,
-                    "register", sent=bool(first))
+                    [_REGISTER],
+                    FOREVER if left is None else left + SAFETY_MARGIN,
+                    "register",
+                    sent=bool(first),
+                )
                 self._limits = Limits.decode(result[1:])
                 self._registered = True
         except BaseException:
@@ -176,8 +191,12 @@ class StoreClient:
             conn.close(shutdown=os.getpid() == self._pid)  # it would cut the parent's too
 
     def _exchange(
-        self, frame: list[bytes], seconds: float, what: str | tuple[str, object],
-        quiet: bool = False, sent: bool = False
+        self,
+        frame: list[bytes],
+        seconds: float,
+        what: str | tuple[str, object],
+        quiet: bool = False,
+        sent: bool = False,
     ) -> tuple[int, list[bytes]]:
         """Send one request and (unless `quiet`) read its answer; lock held. With `sent`,
         `frame` went out already (with the handshake): only its answer is read.
@@ -196,8 +215,7 @@ class StoreClient:
         except (TimeoutError, BlockingIOError) as exc:  # a kernel timeout surfaces as EAGAIN
             self._drop()
             if self._closed:
-                raise DistStoreError(
-                    f"{self._where} was closed during {_describe(what)}") from exc
+                raise DistStoreError(f"{self._where} was closed during {_describe(what)}") from exc
             raise DistStoreTimeoutError(
                 f"{self._where} did not answer {_describe(what)} within {seconds:.1f} s; "
                 "the connection was reset and is reopened by the next request"
@@ -206,15 +224,15 @@ class StoreClient:
         except (PeerClosed, OSError) as exc:
             self._drop()
             if self._closed:
-                raise DistStoreError(
-                    f"{self._where} was closed during {_describe(what)}") from exc
+                raise DistStoreError(f"{self._where} was closed during {_describe(what)}") from exc
             reason = "" if isinstance(exc, PeerClosed) else f" ({exc})"
             self._broken = (
                 f"store at {format_address(self._host, self._port)} closed the connection"
                 f"{reason} (did the master process exit?)"
             )
             raise DistNetworkError(
-                f"{self._broken}; {_describe(what)} failed{_fate(frame, what)}") from exc
+                f"{self._broken}; {_describe(what)} failed{_fate(frame, what)}"
+            ) from exc
         if late is not None:
             raise DistStoreError(
                 f"{self._where} refused an earlier set, append or multi_set of this process: "
@@ -223,9 +241,14 @@ class StoreClient:
         return status, result
 
     def _request(
-        self, code: int, args: list[bytes], what: str | tuple[str, object],
+        self,
+        code: int,
+        args: list[bytes],
+        what: str | tuple[str, object],
         wait: float | None = None,
-        keys: Sequence[bytes] = (), values: Sequence[bytes] = (), quiet: bool = False,
+        keys: Sequence[bytes] = (),
+        values: Sequence[bytes] = (),
+        quiet: bool = False,
     ) -> tuple[int, list[bytes]]:
         """One request: (status, arguments); `wait` is the server-side wait, if any.
 
@@ -243,13 +266,11 @@ class StoreClient:
         frame = encode_frame(code, args)
         limits = self._limits
         body = (len(frame[0]) if len(frame) == 1 else sum(map(len, frame))) - HEADER.size
-        if (body > limits.max_value or len(keys) > 1
-                or (keys and len(keys[0]) > limits.max_key)):
+        if body > limits.max_value or len(keys) > 1 or (keys and len(keys[0]) > limits.max_key):
             limits.check_request(_describe(what), keys, values, body)
         budget = (self._timeout if wait is None else wait) + SAFETY_MARGIN
         lock = self._lock
-        if not lock.acquire(False) and not lock.acquire(
-                timeout=min(budget, threading.TIMEOUT_MAX)):
+        if not lock.acquire(False) and not lock.acquire(timeout=min(budget, threading.TIMEOUT_MAX)):
             raise DistStoreTimeoutError(
                 f"{_describe(what)} on {self._where} waited {budget:.1f} s for another thread "
                 "of this process to finish its request on the shared connection"
@@ -273,9 +294,14 @@ class StoreClient:
         self._connect(Deadline(self._timeout))
 
     def _call(
-        self, code: int, args: list[bytes], what: str | tuple[str, object],
+        self,
+        code: int,
+        args: list[bytes],
+        what: str | tuple[str, object],
         wait: float | None = None,
-        keys: Sequence[bytes] = (), values: Sequence[bytes] = (), quiet: bool = False,
+        keys: Sequence[bytes] = (),
+        values: Sequence[bytes] = (),
+        quiet: bool = False,
     ) -> list[bytes]:
         """A request that must succeed: its results, or the right exception."""
         status, result = self._request(code, args, what, wait, keys, values, quiet)
@@ -283,8 +309,9 @@ class StoreClient:
             self._failed(status, result, what, wait)
         return result
 
-    def _failed(self, status: int, result: list[bytes], what: str | tuple[str, object],
-                wait: float | None) -> None:
+    def _failed(
+        self, status: int, result: list[bytes], what: str | tuple[str, object], wait: float | None
+    ) -> None:
         """Raise for an answer that is not OK."""
         if status == _TIMEOUT:
             missing = [key.decode(errors="replace") for key in result]
@@ -294,23 +321,24 @@ class StoreClient:
         message = result[0].decode(errors="replace") if result else "unknown error"
         raise DistStoreError(f"{self._where} refused {_describe(what)}: {message}")
 
-    def _waiting(self, code: int, names: list[bytes], seconds: float,
-                 what: str | tuple[str, object]) -> list[bytes]:
+    def _waiting(
+        self, code: int, names: list[bytes], seconds: float, what: str | tuple[str, object]
+    ) -> list[bytes]:
         """A WAIT, MULTI_GET or QUEUE_POP of up to `seconds`, which, when it is still waiting
         after DISTCOMM_STALL_WARN_S, logs the keys still missing, then again after twice as
         long each time (the server is asked in slices that end at each warning)."""
         warn = self._stall_warn
         if not 0 < warn < seconds:
-            return self._call(code, [SECONDS.pack(seconds), *names], what, wait=seconds,
-                              keys=names)
+            return self._call(code, [SECONDS.pack(seconds), *names], what, wait=seconds, keys=names)
         # slices end at each warning; the first is `warn` long, and most waits end within
         # it, so the clocks of the later ones start only when one is needed
         started = time.monotonic()
         step = warn
         deadline = stall = None
         while True:
-            status, result = self._request(code, [SECONDS.pack(step), *names], what,
-                                           wait=step, keys=names)
+            status, result = self._request(
+                code, [SECONDS.pack(step), *names], what, wait=step, keys=names
+            )
             if status != _TIMEOUT:
                 if status:
                     self._failed(status, result, what, step)
@@ -325,6 +353,7 @@ class StoreClient:
                 raise timeout_error(missing, seconds, self._where, TORCH_KEYS)
             waited = stall.due()
             if waited is not None:
-                log_still_waiting(log, f"{_describe(what)} on {self._where}", waited, missing,
-                                  seconds, stall.next)
+                log_still_waiting(
+                    log, f"{_describe(what)} on {self._where}", waited, missing, seconds, stall.next
+                )
             step = deadline.slice(stall.until_next())

@@ -90,8 +90,14 @@ class StoreServer(Serving):
     #: Requests served per connection per turn of the loop.
     frames_per_turn = 32
 
-    def __init__(self, host: str, port: int, auth_key: bytes | None,
-                 limits: Limits | None = None, listener: socket.socket | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        auth_key: bytes | None,
+        limits: Limits | None = None,
+        listener: socket.socket | None = None,
+    ) -> None:
         self._key = auth_key
         self._open_hello = auth.hello_message(None)[0]  # the greeting when no key is set
         self.limits = limits or Limits.from_env()
@@ -102,8 +108,9 @@ class StoreServer(Serving):
         # gave (`listener`), which it shares, is left as it is
         self._inherited = listener is None
         if listener is None:
-            listener = listen(host, port, self._backlog, authenticated=auth_key is not None,
-                              what="the TCPStore")
+            listener = listen(
+                host, port, self._backlog, authenticated=auth_key is not None, what="the TCPStore"
+            )
             _tune(listener)
         else:
             try:
@@ -183,8 +190,10 @@ class StoreServer(Serving):
                 except Exception:
                     faults += 1
                     self._throttle.warn(
-                        "loop", "TCPStore server on port %d: internal error in its event loop; "
-                        "serving on", self.port, exc_info=True,
+                        "loop",
+                        "TCPStore server on port %d: internal error in its event loop; serving on",
+                        self.port,
+                        exc_info=True,
                     )
                     time.sleep(min(0.5, 0.001 * faults))  # never spin on a lasting fault
         finally:
@@ -231,7 +240,9 @@ class StoreServer(Serving):
     def _fault(self, conn: Conn) -> None:
         """Serving `conn` raised: close that connection, not the server (in an except)."""
         self._throttle.warn(
-            "internal", "TCPStore server: closing %s after an internal error", conn.name,
+            "internal",
+            "TCPStore server: closing %s after an internal error",
+            conn.name,
             exc_info=True,
         )
         self._close(conn)
@@ -269,15 +280,23 @@ class StoreServer(Serving):
         """Drop `conn` if it overstayed a limit; else re-arm for the next one that applies."""
         checks = []
         if conn.pending:
-            checks.append((conn.accepted + self.handshake_timeout,
-                           f"no complete request within {self.handshake_timeout:g} s of "
-                           "connecting"))
+            checks.append(
+                (
+                    conn.accepted + self.handshake_timeout,
+                    f"no complete request within {self.handshake_timeout:g} s of connecting",
+                )
+            )
         if conn.partial_since is not None:
-            checks.append((conn.partial_since + self.io_timeout,
-                           f"a request left half-sent for {self.io_timeout:g} s"))
+            checks.append(
+                (
+                    conn.partial_since + self.io_timeout,
+                    f"a request left half-sent for {self.io_timeout:g} s",
+                )
+            )
         if conn.out_since is not None:
-            checks.append((conn.out_since + self.io_timeout,
-                           f"answers left unread for {self.io_timeout:g} s"))
+            checks.append(
+                (conn.out_since + self.io_timeout, f"answers left unread for {self.io_timeout:g} s")
+            )
         for due, why in checks:
             if due <= now:
                 self._throttle.warn("drop", "TCPStore server: dropping %s: %s", conn.name, why)
@@ -299,9 +318,11 @@ class StoreServer(Serving):
                 return
             except OSError as exc:  # out of file descriptors, typically
                 self._throttle.warn(
-                    "accept", "TCPStore server on port %d cannot accept connections (%s); "
+                    "accept",
+                    "TCPStore server on port %d cannot accept connections (%s); "
                     "pausing for 0.1 s and dropping the oldest connection without a request",
-                    self.port, exc,
+                    self.port,
+                    exc,
                 )
                 if self._pending:
                     self._close(next(iter(self._pending)))
@@ -322,8 +343,11 @@ class StoreServer(Serving):
         if len(self._pending) >= cap:
             oldest = next(iter(self._pending))
             self._throttle.warn(
-                "pending", "TCPStore server: more than %d connections without a request; "
-                "dropping the oldest, %s", cap, oldest.name,
+                "pending",
+                "TCPStore server: more than %d connections without a request; "
+                "dropping the oldest, %s",
+                cap,
+                oldest.name,
             )
             self._close(oldest)
         conn = Conn(sock, address, now)
@@ -372,4 +396,3 @@ def _tune(sock: socket.socket) -> None:
     """No Nagle delay, and keep-alive to notice a client whose host vanished."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     set_keepalive(sock)
-

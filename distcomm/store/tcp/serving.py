@@ -99,8 +99,9 @@ class Serving:
         conn.inbuf.clear()
         if accept is None:
             self._throttle.warn(
-                "auth", "TCPStore server: %s failed authentication (wrong DISTCOMM_AUTH_KEY?); "
-                "closing it", conn.name,
+                "auth",
+                "TCPStore server: %s failed authentication (wrong DISTCOMM_AUTH_KEY?); closing it",
+                conn.name,
             )
             try:  # the request sent with the proof, unread, would make the close a reset,
                 conn.sock.recv(_RECV_SIZE)  # which the client takes for a shed connection
@@ -260,11 +261,14 @@ class Serving:
                 break
             size, code = HEADER.unpack_from(buf, pos)
             if size > self._max_request:
-                self._refuse(conn, (
-                    f"a request of {size:,} bytes is over the limit of {self._max_request:,} "
-                    "(DISTCOMM_STORE_MAX_VALUE_BYTES, plus 1 MiB, on the process hosting "
-                    "the store)"
-                ))
+                self._refuse(
+                    conn,
+                    (
+                        f"a request of {size:,} bytes is over the limit of {self._max_request:,} "
+                        "(DISTCOMM_STORE_MAX_VALUE_BYTES, plus 1 MiB, on the process hosting "
+                        "the store)"
+                    ),
+                )
                 return size_buf
             end = pos + 5 + size
             if end > size_buf:
@@ -273,12 +277,14 @@ class Serving:
             try:
                 handler = handlers.get(code)
                 if handler is None:
-                    raise ProtocolError(f"unknown store command {code} (client newer than "
-                                        "server?)")
+                    raise ProtocolError(f"unknown store command {code} (client newer than server?)")
                 result = handler(conn, decode_args(buf, pos + 5, end))
             except (DistStoreError, ValueError, IndexError, TypeError, OverflowError) as exc:
-                message = str(exc) if isinstance(exc, DistStoreError) else (
-                    f"malformed {Cmd(code).name} request: {exc}")
+                message = (
+                    str(exc)
+                    if isinstance(exc, DistStoreError)
+                    else (f"malformed {Cmd(code).name} request: {exc}")
+                )
                 status = Status.LATE_ERROR if code in QUIET else Status.ERROR
                 self._reply(conn, status, [message.encode()])
             else:

@@ -37,7 +37,6 @@ class Waiter:
         self.next = 0  # keys before this index were set when last looked at
 
 
-
 class ServerState:
     """The keys, the queues and the parked requests of one TCPStore server.
 
@@ -49,9 +48,13 @@ class ServerState:
         add_timer: calls for `expire(waiter)` at a monotonic time (inf: never).
     """
 
-    def __init__(self, limits: Limits, reply: Callable[[Conn, int, list[bytes]], None],
-                 answered: Callable[[Conn], None],
-                 add_timer: Callable[[float, object], None]) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        reply: Callable[[Conn, int, list[bytes]], None],
+        answered: Callable[[Conn], None],
+        add_timer: Callable[[float, object], None],
+    ) -> None:
         self.limits = limits
         self._limits_args = limits.encode()  # the tail of every REGISTER answer
         self._reply, self._answered, self._add_timer = reply, answered, add_timer
@@ -100,8 +103,9 @@ class ServerState:
     def _check_keys(self, keys: list[bytes]) -> None:
         limits = self.limits
         if len(keys) > limits.max_keys:
-            raise DistStoreError(f"{len(keys):,} keys in one request; the limit is "
-                                 f"{limits.max_keys:,}")
+            raise DistStoreError(
+                f"{len(keys):,} keys in one request; the limit is {limits.max_keys:,}"
+            )
         for key in keys:
             if len(key) > limits.max_key:
                 raise DistStoreError(
@@ -238,8 +242,9 @@ class ServerState:
         self._check_keys(keys)
         return self._wait_for(conn, Cmd.WAIT, keys, seconds)
 
-    def _wait_for(self, conn: Conn, cmd: int, keys: list[bytes],
-                  seconds: float) -> list[bytes] | None:
+    def _wait_for(
+        self, conn: Conn, cmd: int, keys: list[bytes], seconds: float
+    ) -> list[bytes] | None:
         waiter = Waiter(conn, cmd, keys)
         if self._watch(waiter):
             return self._results(waiter)

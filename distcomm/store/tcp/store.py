@@ -121,8 +121,9 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
         ):
             # torch's words for 0 first, which its users match
             lead = "TCPStore world size cannot be 0: " if world_size == 0 else "TCPStore "
-            raise ValueError(f"{lead}world_size must be None (unknown) or an int >= 1, got "
-                             f"{world_size!r}")
+            raise ValueError(
+                f"{lead}world_size must be None (unknown) or an int >= 1, got {world_size!r}"
+            )
         if port == 0 and not is_master:
             raise ValueError("TCPStore port 0 (any free port) only works with is_master=True")
         listener = None
@@ -137,8 +138,9 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
         elif auth_key is not None and not isinstance(auth_key, bytes):
             raise TypeError(f"TCPStore auth_key must be bytes, str or None, got {auth_key!r}")
         if auth_key == b"":
-            raise ValueError("TCPStore auth_key must not be empty: give a key, or None for "
-                             "DISTCOMM_AUTH_KEY")
+            raise ValueError(
+                "TCPStore auth_key must not be empty: give a key, or None for DISTCOMM_AUTH_KEY"
+            )
         if auth_key is None:  # the two variables a client reads (config.load reads them all)
             auth_key = (config.get("DISTCOMM_AUTH_KEY") or "").encode() or None
         self._auth_key = auth_key
@@ -154,15 +156,20 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
             deadline = Deadline(self._timeout)
             if is_master:  # None: the launcher's agent serves the store (see master.open_server)
                 self._server, self._shared = open_server(
-                    host_name, port, self._auth_key, listener, multi_tenant, deadline,
-                    self._stall_warn)
+                    host_name,
+                    port,
+                    self._auth_key,
+                    listener,
+                    multi_tenant,
+                    deadline,
+                    self._stall_warn,
+                )
                 if self._server is not None:
                     self._port = self._server.port
             with self._lock:
                 self._connect(deadline)
             # a master that became the agent's client waits for no one, as torch's
-            if (self._server is not None and wait_for_workers
-                    and world_size is not None):
+            if self._server is not None and wait_for_workers and world_size is not None:
                 self._wait_for_workers(world_size, deadline)
         except BaseException:
             self.close()
@@ -230,8 +237,7 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
     def set(self, key: str, value: str | bytes) -> None:
         """Store `value` under `key`, replacing any previous value."""
         name, data = check_key(key).encode(), to_bytes(value)
-        self._call(Cmd.SET, [name, data], ("set", key), keys=(name,), values=(data,),
-                   quiet=True)
+        self._call(Cmd.SET, [name, data], ("set", key), keys=(name,), values=(data,), quiet=True)
 
     def get(self, key: str) -> bytes:
         """The value of `key`, waiting up to the store timeout for it to be set.
@@ -258,8 +264,13 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
         name = check_key(key).encode()
         expected = to_bytes(expected_value, "expected_value")
         desired = to_bytes(desired_value, "desired_value")
-        return self._call(Cmd.COMPARE_SET, [name, expected, desired], ("compare_set", key),
-                          keys=(name,), values=(expected, desired))[0]
+        return self._call(
+            Cmd.COMPARE_SET,
+            [name, expected, desired],
+            ("compare_set", key),
+            keys=(name,),
+            values=(expected, desired),
+        )[0]
 
     def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
         """Block until every key in `keys` is set, up to `timeout` (default: the store's).
@@ -293,8 +304,9 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
     def append(self, key: str, value: str | bytes) -> None:
         """Append `value` to the value of `key` (created empty)."""
         name, data = check_key(key).encode(), to_bytes(value)
-        self._call(Cmd.APPEND, [name, data], ("append", key), keys=(name,), values=(data,),
-                   quiet=True)
+        self._call(
+            Cmd.APPEND, [name, data], ("append", key), keys=(name,), values=(data,), quiet=True
+        )
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of `keys`, waiting up to the store timeout for all of them.
@@ -324,15 +336,20 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
 
     def list_keys(self) -> list[str]:
         """Every key in the store (queues are not keys)."""
-        return [key.decode(errors="replace")
-                for key in self._call(Cmd.LIST_KEYS, [], "list_keys")]
+        return [key.decode(errors="replace") for key in self._call(Cmd.LIST_KEYS, [], "list_keys")]
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """Append `value` to the queue `key` (see Store.queue_push); returns once sent, as
         `set` does."""
         name, data = check_key(key).encode(), to_bytes(value)
-        self._call(Cmd.QUEUE_PUSH, [name, data], ("queue_push", key), keys=(name,),
-                   values=(data,), quiet=True)
+        self._call(
+            Cmd.QUEUE_PUSH,
+            [name, data],
+            ("queue_push", key),
+            keys=(name,),
+            values=(data,),
+            quiet=True,
+        )
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """The oldest item of queue `key`, removed (see Store.queue_pop).
@@ -347,8 +364,9 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
         name = check_key(key).encode()
         what = ("queue_pop", key)
         if not check_block(block):
-            result = self._call(Cmd.QUEUE_POP, [SECONDS.pack(0.0), name], what, wait=0.0,
-                                keys=(name,))
+            result = self._call(
+                Cmd.QUEUE_POP, [SECONDS.pack(0.0), name], what, wait=0.0, keys=(name,)
+            )
             if not result:
                 raise queue_empty_error(key, self._where)
             return result[0]
@@ -375,9 +393,15 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
         """
         if self._closed:
             raise DistStoreError(f"{self._where} is closed; it cannot be cloned")
-        return TCPStore(self._host, self._port, is_master=False, timeout=self._timeout,
-                        wait_for_workers=False, use_libuv=self._use_libuv,
-                        auth_key=self._auth_key)
+        return TCPStore(
+            self._host,
+            self._port,
+            is_master=False,
+            timeout=self._timeout,
+            wait_for_workers=False,
+            use_libuv=self._use_libuv,
+            auth_key=self._auth_key,
+        )
 
     def close(self) -> None:
         """Close the connection and, on the master, stop the server (idempotent).
@@ -389,8 +413,11 @@ class TCPStore(StoreClient, CloseOnCollect, Store):
         self._closed = True
         self._drop()
         server, self._server = self._server, None
-        if (server is not None and os.getpid() == self._pid
-                and (not self._shared or SHARED.release(self._host, server))):
+        if (
+            server is not None
+            and os.getpid() == self._pid
+            and (not self._shared or SHARED.release(self._host, server))
+        ):
             server.stop()
 
     def __repr__(self) -> str:

@@ -133,8 +133,7 @@ class IntraNode:
         self._left_at = [self._word(r, "arrive") + _LEFT for r in range(size)]
         self._slot_at = [[self._slot_offset(g, r) for r in range(size)] for g in (0, 1)]
         self._payloads = [
-            [segment.bytes[at + self._header : at + self._header + self.INLINE_MAX]
-             for at in slots]
+            [segment.bytes[at + self._header : at + self._header + self.INLINE_MAX] for at in slots]
             for slots in self._slot_at
         ]
         self._typed: dict[np.dtype, list[list[np.ndarray]]] = {}  # _payloads as a dtype
@@ -215,8 +214,11 @@ class IntraNode:
             failure = self._watch.failed(self.names[peer])
             if failure is None and words[self._left_at[peer]]:
                 name = self.names[peer]
-                failure = Failure(DistNetworkError, f"rank {name} has left the group "
-                                  "(destroy_process_group or exit)", (name,))
+                failure = Failure(
+                    DistNetworkError,
+                    f"rank {name} has left the group (destroy_process_group or exit)",
+                    (name,),
+                )
             if failure is not None:
                 raise failure.error(f"{call.describe}: ")
             left = call.deadline.remaining()
@@ -432,9 +434,7 @@ class IntraNode:
     def reduce(self, call: Call, buf: np.ndarray, root: int, op: ReduceOp) -> None:
         self._reduction(call, buf, op, root)
 
-    def _reduction(
-        self, call: Call, buf: np.ndarray, op: ReduceOp, root: int | None
-    ) -> None:
+    def _reduction(self, call: Call, buf: np.ndarray, op: ReduceOp, root: int | None) -> None:
         """Reduce every rank's `buf` into `root`'s (None: into every rank's)."""
         seq = call.seq
         avg = op is _AVG
@@ -479,9 +479,7 @@ class IntraNode:
         if not inline:
             self._finish(call, range(self.size))
 
-    def gather(
-        self, call: Call, output: np.ndarray | None, input: np.ndarray, root: int
-    ) -> None:
+    def gather(self, call: Call, output: np.ndarray | None, input: np.ndarray, root: int) -> None:
         seq = call.seq
         m = input.size
         inline = input.nbytes <= self.inline_max
@@ -494,9 +492,7 @@ class IntraNode:
         if not inline:
             self._finish(call, [root] if self.rank != root else ())
 
-    def scatter(
-        self, call: Call, output: np.ndarray, input: np.ndarray | None, root: int
-    ) -> None:
+    def scatter(self, call: Call, output: np.ndarray, input: np.ndarray | None, root: int) -> None:
         seq = call.seq
         m = output.size
         inline = m * self.size * output.itemsize <= self.inline_max

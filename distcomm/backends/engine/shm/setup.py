@@ -51,8 +51,14 @@ class HostLayout:
 
 
 def same_host_setup(
-    store: Store, rank: int, size: int, deadline: Deadline, mode: str, label: str = "",
-    generation: int | None = None, address: str = "",
+    store: Store,
+    rank: int,
+    size: int,
+    deadline: Deadline,
+    mode: str,
+    label: str = "",
+    generation: int | None = None,
+    address: str = "",
 ) -> HostLayout | str:
     """Agree with the peers which ranks share a host, and map each host's segment.
 
@@ -70,11 +76,15 @@ def same_host_setup(
         generation = setup_round(store, "gloo/joined", size)
     key = f"gloo/{generation}"
     label = label or f"[rank {rank}/{size}] gloo set-up"
-    hint = ("did every rank of the group call init_process_group (or new_group) with the "
-            "gloo backend? Look at the missing ranks' output for an error")
+    hint = (
+        "did every rank of the group call init_process_group (or new_group) with the "
+        "gloo backend? Look at the missing ranks' output for an error"
+    )
     allow_peer_access()
-    store.set(f"{key}/who/{rank}",
-              f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}|{address}")
+    store.set(
+        f"{key}/who/{rank}",
+        f"{mode}|{host_identity()}|{os.getpid()}|{_PROBE.ctypes.data}|{address}",
+    )
 
     def gather(name: str, arrived: str) -> list[str]:
         keys = {r: f"{key}/{name}/{r}" for r in range(size)}
@@ -110,8 +120,14 @@ def same_host_setup(
                 segment = Segment(nbytes)
                 store.set(name, f"{os.getpid()} {segment.fd}")
             else:
-                wait_for_ranks(store, {local[0]: name}, deadline, label, hint=hint,
-                               arrived="created this host's shared-memory segment")
+                wait_for_ranks(
+                    store,
+                    {local[0]: name},
+                    deadline,
+                    label,
+                    hint=hint,
+                    arrived="created this host's shared-memory segment",
+                )
                 pid, fd = map(int, store.get(name).split())
                 segment = Segment(nbytes, owner=(pid, fd))
             right = local[(local.index(rank) + 1) % len(local)]

@@ -35,8 +35,14 @@ class Transport(ABC):
         self.rank, self.size = rank, size
 
     @abstractmethod
-    def send(self, peer: int, header: Header, payload: memoryview, deadline: Deadline,
-             first: Header | None = None) -> None:
+    def send(
+        self,
+        peer: int,
+        header: Header,
+        payload: memoryview,
+        deadline: Deadline,
+        first: Header | None = None,
+    ) -> None:
         """Send one message (`header`, then `payload`) to `peer`, blocking until written;
         `first`, a message without payload (a signature), goes just before it, in the same
         write.

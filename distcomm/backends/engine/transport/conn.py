@@ -45,8 +45,9 @@ class _Sink:
 
     __slots__ = ("done", "got", "skip", "view")
 
-    def __init__(self, view: memoryview | None, done: Callable[[], None] | None,
-                 skip: int = 0) -> None:
+    def __init__(
+        self, view: memoryview | None, done: Callable[[], None] | None, skip: int = 0
+    ) -> None:
         self.view, self.done, self.got, self.skip = view, done, 0, skip
 
 
@@ -87,12 +88,14 @@ class Conn:
             self.address = "?"
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.idle = max(1, int(link_timeout / 3))  # seconds before keep-alive probes
-        net.set_keepalive(sock, idle=self.idle, interval=max(1, int(link_timeout / 6)),
-                          user_timeout=link_timeout)
+        net.set_keepalive(
+            sock, idle=self.idle, interval=max(1, int(link_timeout / 6)), user_timeout=link_timeout
+        )
         # sends block in the kernel (faster than polling from Python), but never for
         # longer than this at a time, so the sender notices deadlines and aborts
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", 0, int(_SEND_SLICE * 1e6)))
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, int(_SEND_SLICE * 1e6))
+        )
         self.stall: links.Stall | None = None
         self.lock = threading.Lock()  # one message at a time: frames never interleave
         self.dirty = False  # a send stopped half-way: the stream can carry nothing more
@@ -143,15 +146,16 @@ def _queued(conn: Conn) -> list[bytes | memoryview]:
     return frames
 
 
-def _check_progress(deadline: Deadline, failed: Callable[[], DistError | None],
-                    who: str) -> None:
+def _check_progress(deadline: Deadline, failed: Callable[[], DistError | None], who: str) -> None:
     """A send that waits: raise the group's failure, or a timeout once `deadline` passed."""
     error = failed()
     if error is not None:
         raise error
     if deadline.expired():
-        raise DistTimeoutError(f"sending to {who} made no progress for "
-                               f"{deadline.seconds:.1f} s (is it alive and reading?)")
+        raise DistTimeoutError(
+            f"sending to {who} made no progress for "
+            f"{deadline.seconds:.1f} s (is it alive and reading?)"
+        )
 
 
 class Sending:
@@ -166,8 +170,14 @@ class Sending:
     _to_flush: set[Conn]
     link_timeout: float
 
-    def send(self, conn: Conn, views: list[bytes | memoryview], deadline: Deadline,
-             failed: Callable[[], DistError | None], who: str) -> None:
+    def send(
+        self,
+        conn: Conn,
+        views: list[bytes | memoryview],
+        deadline: Deadline,
+        failed: Callable[[], DistError | None],
+        who: str,
+    ) -> None:
         """Write one frame (`views`: channel id, header, payload) on `conn`, blocking until
         written; `failed()` says when the group failed meanwhile (the send stops), `who`
         names the peer in messages.
@@ -183,7 +193,8 @@ class Sending:
         try:
             if conn.dirty:
                 raise DistNetworkError(
-                    f"the connection to {who} was cut: a message to it stopped half-way")
+                    f"the connection to {who} was cut: a message to it stopped half-way"
+                )
             self._write(conn, _queued(conn) + views, deadline, failed, who)
         except DistError:
             self._spoil(conn)
@@ -198,15 +209,22 @@ class Sending:
             conn.dirty = True
             self._post("cut", conn)
 
-    def _acquire(self, conn: Conn, deadline: Deadline,
-                 failed: Callable[[], DistError | None], who: str) -> None:
+    def _acquire(
+        self, conn: Conn, deadline: Deadline, failed: Callable[[], DistError | None], who: str
+    ) -> None:
         if conn.lock.acquire(False):
             return
         while not conn.lock.acquire(timeout=deadline.slice(_SEND_SLICE)):
             _check_progress(deadline, failed, who)
 
-    def _write(self, conn: Conn, views: list[bytes | memoryview], deadline: Deadline,
-               failed: Callable[[], DistError | None], who: str) -> None:
+    def _write(
+        self,
+        conn: Conn,
+        views: list[bytes | memoryview],
+        deadline: Deadline,
+        failed: Callable[[], DistError | None],
+        who: str,
+    ) -> None:
         total = sum(map(len, views))
         while total:
             try:
@@ -244,8 +262,7 @@ class Sending:
         try:
             if conn.dirty:
                 return False
-            self._write(conn, [*_queued(conn), frame], Deadline(1.0), lambda: None,
-                        conn.name())
+            self._write(conn, [*_queued(conn), frame], Deadline(1.0), lambda: None, conn.name())
             return True
         except DistTimeoutError:  # stopped half-way: the peer does not read
             self._spoil(conn)

@@ -39,8 +39,10 @@ _REFUSED, _ACCEPTED, _OTHER_WINS = 0, 1, 2
 #: how long an accepted connection may take to finish its handshake
 _HANDSHAKE_S = 10.0
 _JOIN_SLICE = 3600.0
-_HINT = ("did every rank of the group call init_process_group (or new_group) with this "
-         "backend? Look at the missing ranks' output for an error")
+_HINT = (
+    "did every rank of the group call init_process_group (or new_group) with this "
+    "backend? Look at the missing ranks' output for an error"
+)
 
 
 class _Handshake:
@@ -54,8 +56,6 @@ class _Handshake:
         self.need = auth.PROOF_SIZE if keyed else _HELLO.size
         self.buf = bytearray()
         self.deadline = time.monotonic() + _HANDSHAKE_S
-
-
 
 
 class Dialling:
@@ -83,8 +83,9 @@ class Dialling:
     _listener_paused_until: float
     _thread: threading.Thread
 
-    def connection(self, prank: int, deadline: Deadline, who: str, label: str,
-                   members: Sequence[int]) -> Conn:
+    def connection(
+        self, prank: int, deadline: Deadline, who: str, label: str, members: Sequence[int]
+    ) -> Conn:
         """The connection to process `prank`, dialled now if there is none.
 
         `who` names the peer in messages ("rank 3"), `label` is the group's message prefix
@@ -110,8 +111,8 @@ class Dialling:
                     break
                 if deadline.expired():
                     raise DistTimeoutError(
-                        f"{label}: connecting to {who} took longer than "
-                        f"{deadline.seconds:.1f} s")
+                        f"{label}: connecting to {who} took longer than {deadline.seconds:.1f} s"
+                    )
                 self._lock.wait(deadline.slice(_SEND_SLICE))
         try:
             return self._dial(prank, deadline, who, label, members)
@@ -120,8 +121,9 @@ class Dialling:
                 self._dialing.discard(prank)
                 self._lock.notify_all()
 
-    def _dial(self, prank: int, deadline: Deadline, who: str, label: str,
-              members: Sequence[int]) -> Conn:
+    def _dial(
+        self, prank: int, deadline: Deadline, who: str, label: str, members: Sequence[int]
+    ) -> Conn:
         if prank not in self._addresses:
             self._look_up(members, deadline, label)
         host, port = self._addresses[prank]
@@ -133,7 +135,8 @@ class Dialling:
                 raise DistNetworkError(
                     f"{who} is gone: nothing listens at its address "
                     f"{net.format_address(host, int(port))} any more (its process ended, or "
-                    "it destroyed its process group: exit or crash?)") from exc
+                    "it destroyed its process group: exit or crash?)"
+                ) from exc
             raise
         try:
             auth.client_handshake(sock, self._key, deadline, where)
@@ -156,23 +159,31 @@ class Dialling:
         raise DistNetworkError(
             f"{label}: {where} refused the connection: it belongs to another set-up of "
             "the job (was the job re-initialised on the same store a different number of "
-            "times by different ranks?)" if verdict else
-            self._closed_in_handshake(label, who, where))
+            "times by different ranks?)"
+            if verdict
+            else self._closed_in_handshake(label, who, where)
+        )
 
     @staticmethod
     def _closed_in_handshake(label: str, who: str, where: str) -> str:
-        return (f"{label}: connecting to {who}: {who} closed the connection (exit or "
-                f"crash?) during the handshake ({where})")
+        return (
+            f"{label}: connecting to {who}: {who} closed the connection (exit or "
+            f"crash?) during the handshake ({where})"
+        )
 
     def _look_up(self, members: Sequence[int], deadline: Deadline, label: str) -> None:
         """Learn the addresses of the group's members not known yet: one wait (naming the
         ranks that have not published theirs) and one `multi_get`, however many."""
-        keys = {rank: self._address_key(p) for rank, p in enumerate(members)
-                if p != self.prank and p not in self._addresses}
+        keys = {
+            rank: self._address_key(p)
+            for rank, p in enumerate(members)
+            if p != self.prank and p not in self._addresses
+        }
         if not keys:
             return
-        wait_for_ranks(self.store, keys, deadline, label, hint=_HINT,
-                       arrived="published their address")
+        wait_for_ranks(
+            self.store, keys, deadline, label, hint=_HINT, arrived="published their address"
+        )
         values = self.store.multi_get(list(keys.values()))
         with self._lock:
             for rank, value in zip(keys, values, strict=True):
@@ -188,12 +199,21 @@ class Dialling:
                 if deadline.expired():
                     raise DistTimeoutError(
                         f"{label}: {who} dialled this rank but did not finish connecting "
-                        f"within {deadline.seconds:.1f} s")
+                        f"within {deadline.seconds:.1f} s"
+                    )
                 self._lock.wait(deadline.slice(min(stall.until_next(), _JOIN_SLICE)))
                 waited = stall.due()
                 if waited is not None:
-                    log_missing(label, waited, [prank], 1, "connected to this rank", _HINT,
-                                deadline, stall.next)
+                    log_missing(
+                        label,
+                        waited,
+                        [prank],
+                        1,
+                        "connected to this rank",
+                        _HINT,
+                        deadline,
+                        stall.next,
+                    )
 
     def _adopt(self, prank: int, sock: socket.socket) -> Conn:
         conn = Conn(prank, sock, self.link_timeout)
@@ -270,7 +290,8 @@ class Dialling:
         with self._lock:
             existing = self._conns.get(dialer)
             other_wins = (existing is not None and not existing.closed) or (
-                dialer in self._dialing and self.prank < dialer)
+                dialer in self._dialing and self.prank < dialer
+            )
         if other_wins:
             self._send_small(hs.sock, bytes([_OTHER_WINS]))
             self._drop_handshake(hs)

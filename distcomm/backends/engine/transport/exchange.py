@@ -17,8 +17,17 @@ __all__ = ["Exchange", "SubExchange", "diagnose"]
 class Exchange:
     """One collective's view of the transport: its seq, signature, deadline and messages."""
 
-    __slots__ = ("deadline", "describe", "rank", "scratch", "seq", "signal", "signature", "size",
-                 "transport")
+    __slots__ = (
+        "deadline",
+        "describe",
+        "rank",
+        "scratch",
+        "seq",
+        "signal",
+        "signature",
+        "size",
+        "transport",
+    )
 
     def __init__(
         self,

@@ -163,8 +163,7 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def attach(store: Store, prank: int, link_timeout: float,
-           generation: int | None = None) -> Fabric:
+def attach(store: Store, prank: int, link_timeout: float, generation: int | None = None) -> Fabric:
     """The fabric of process rank `prank` on `store` (the job's store), opened if needed;
     every `attach` is matched by one `Fabric.release`.
 
@@ -186,8 +185,9 @@ class Fabric(Dialling, Sending, Reading):
     Use `attach` (one fabric per job store and process); see the module doc.
     """
 
-    def __init__(self, store: Store, prank: int, link_timeout: float,
-                 generation: int | None = None) -> None:
+    def __init__(
+        self, store: Store, prank: int, link_timeout: float, generation: int | None = None
+    ) -> None:
         self.store, self.prank, self.link_timeout = store, prank, link_timeout
         self.refs = 0
         self.closing = False
@@ -215,11 +215,13 @@ class Fabric(Dialling, Sending, Reading):
         self._next_watch = time.monotonic() + links.WATCH_EVERY
         #: the number of the set-up that opened it: its first group's, the same in every
         #: process of the job (else counted per process rank on `store`)
-        self.generation = generation if generation is not None else store.add(
-            f"distcomm/fabric/{prank}/n", 1)
+        self.generation = (
+            generation if generation is not None else store.add(f"distcomm/fabric/{prank}/n", 1)
+        )
         host = local_address(store)
-        self._listener = net.listen(host, 0, backlog=4096, authenticated=self._key is not None,
-                                    what="the tcp transport")
+        self._listener = net.listen(
+            host, 0, backlog=4096, authenticated=self._key is not None, what="the tcp transport"
+        )
         self._listener.setblocking(False)
         port = self._listener.getsockname()[1]
         self.address = net.format_address(host, port)
@@ -233,8 +235,7 @@ class Fabric(Dialling, Sending, Reading):
         except BaseException:
             self._release_os()
             raise
-        self._thread = threading.Thread(target=self._run, name=f"distcomm-io-{prank}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"distcomm-io-{prank}", daemon=True)
         self._thread.start()
 
     def _address_key(self, prank: int) -> str:
@@ -361,9 +362,14 @@ class Fabric(Dialling, Sending, Reading):
                         self._process_ended(what)
                     elif what is not None:
                         self._handshake_step(what)
-                if (self._todo or self._to_flush or self._paused or self._handshakes
-                        or self._listener_paused_until
-                        or time.monotonic() >= self._next_watch):
+                if (
+                    self._todo
+                    or self._to_flush
+                    or self._paused
+                    or self._handshakes
+                    or self._listener_paused_until
+                    or time.monotonic() >= self._next_watch
+                ):
                     self._chores()
         except Exception:  # the engine must not die silently: every group would hang
             log.exception("%s: the I/O thread failed", self.label)
@@ -400,8 +406,10 @@ class Fabric(Dialling, Sending, Reading):
             elif what == "pid":
                 self._watch_pid(*item)
             elif what == "cut" and not item.closed:
-                self._lost(item, OSError("a message to it was cut off half-way (a send "
-                                         "timed out or failed)"))
+                self._lost(
+                    item,
+                    OSError("a message to it was cut off half-way (a send timed out or failed)"),
+                )
         for conn in list(self._to_flush):
             self._flush(conn)
         for conn in list(self._paused):
@@ -550,12 +558,20 @@ class Fabric(Dialling, Sending, Reading):
             if not conn.answered.is_set() and not logged:
                 logged = True
                 late = [c.prank for c in told if not c.answered.is_set()]
-                log.info("%s: leaving: waiting up to %.0f s for rank(s) %s to read what was "
-                         "sent to them", self.label, max(0.0, end - time.monotonic()), late)
+                log.info(
+                    "%s: leaving: waiting up to %.0f s for rank(s) %s to read what was "
+                    "sent to them",
+                    self.label,
+                    max(0.0, end - time.monotonic()),
+                    late,
+                )
             conn.answered.wait(max(0.0, end - time.monotonic()))
         late = [c.prank for c in told if not c.answered.is_set()]
         if late:
             log.warning(
                 "%s: rank(s) %s did not answer this rank's goodbye within %.0f s (busy, "
                 "stopped or hung?); closing anyway: what they had not read yet may be lost",
-                self.label, late, _GOODBYE_WAIT)
+                self.label,
+                late,
+                _GOODBYE_WAIT,
+            )

@@ -91,9 +91,7 @@ def check_link(link: Link, label: str, peer: str, timeout: float) -> None:
     since_ack = struct.unpack_from("I", info, _TCPI_LAST_ACK_RECV)[0] / 1000.0
     since_data = struct.unpack_from("I", info, _TCPI_LAST_DATA_RECV)[0] / 1000.0
     window = (
-        struct.unpack_from("I", info, _TCPI_SND_WND)[0]
-        if len(info) >= _TCPI_SND_WND + 4
-        else None
+        struct.unpack_from("I", info, _TCPI_SND_WND)[0] if len(info) >= _TCPI_SND_WND + 4 else None
     )
     now = time.monotonic()
     kind, quiet = "", 0.0
@@ -107,8 +105,13 @@ def check_link(link: Link, label: str, peer: str, timeout: float) -> None:
     stall = link.stall
     if not kind:
         if stall is not None and stall.logged:
-            log.warning("%s: the link to %s (%s) recovered after a stall of %.1f s",
-                        label, peer, link.address, now - stall.since)
+            log.warning(
+                "%s: the link to %s (%s) recovered after a stall of %.1f s",
+                label,
+                peer,
+                link.address,
+                now - stall.since,
+            )
         link.stall = None
         return
     if stall is None or stall.kind != kind:
@@ -135,7 +138,11 @@ def check_link(link: Link, label: str, peer: str, timeout: float) -> None:
     log.warning(
         "%s: the link to %s (%s) has stalled: %s; it is dropped and the groups using it "
         "aborted if this lasts %.0f s",
-        label, peer, link.address, what, timeout,
+        label,
+        peer,
+        link.address,
+        what,
+        timeout,
     )
 
 
@@ -146,9 +153,7 @@ def failure_reason(link: Link | None, exc: BaseException, peer: str, timeout: fl
     # the kernel gave up on the link (TCP_USER_TIMEOUT or keep-alive): ETIMEDOUT goes to
     # whichever of the reader and a sender asks first; the other finds the stream closed,
     # which a stall that has lasted about the link timeout explains too
-    expired = stall is not None and (
-        time.monotonic() - stall.since >= timeout - 2 * WATCH_EVERY
-    )
+    expired = stall is not None and (time.monotonic() - stall.since >= timeout - 2 * WATCH_EVERY)
     if code == errno.ETIMEDOUT or expired:
         where = f" ({link.address})" if link is not None else ""
         limit = f"{timeout:.0f} s"

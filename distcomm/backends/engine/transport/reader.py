@@ -58,9 +58,12 @@ class Reading:
                 if conn.paused is not None or conn.closed:
                     return
                 sink = conn.sink
-                if sink is not None and sink.view is not None \
-                        and len(sink.view) - sink.got >= _STAGING:
-                    got = sock.recv_into(sink.view[sink.got:], 0, socket.MSG_DONTWAIT)
+                if (
+                    sink is not None
+                    and sink.view is not None
+                    and len(sink.view) - sink.got >= _STAGING
+                ):
+                    got = sock.recv_into(sink.view[sink.got :], 0, socket.MSG_DONTWAIT)
                     if not got:
                         raise EOFError
                     sink.got += got
@@ -86,11 +89,11 @@ class Reading:
             sink = conn.sink
             if sink is None:
                 if conn.got == 0 and end - pos >= FRAME_SIZE:
-                    head = data[pos:pos + FRAME_SIZE]
+                    head = data[pos : pos + FRAME_SIZE]
                     pos += FRAME_SIZE
                 else:
                     take = min(FRAME_SIZE - conn.got, end - pos)
-                    conn.head[conn.got:conn.got + take] = data[pos:pos + take]
+                    conn.head[conn.got : conn.got + take] = data[pos : pos + take]
                     conn.got += take
                     pos += take
                     if conn.got < FRAME_SIZE:
@@ -112,7 +115,7 @@ class Reading:
                 view, done = where
                 if nbytes <= end - pos:  # all of it is here: it lands now
                     if nbytes:
-                        view[:] = data[pos:pos + nbytes]
+                        view[:] = data[pos : pos + nbytes]
                         pos += nbytes
                     done()
                     continue
@@ -122,7 +125,7 @@ class Reading:
                 sink.skip -= take
                 done_now = not sink.skip
             else:
-                sink.view[sink.got:sink.got + take] = data[pos:pos + take]
+                sink.view[sink.got : sink.got + take] = data[pos : pos + take]
                 sink.got += take
                 done_now = sink.got == len(sink.view)
             pos += take
@@ -176,8 +179,9 @@ class Reading:
             return
         channel, rank, header, until = conn.paused
         patient = time.monotonic() < until and channel.cid in self._channels
-        where = channel.incoming(rank, header, patient) if channel.cid in self._channels \
-            else DISCARD
+        where = (
+            channel.incoming(rank, header, patient) if channel.cid in self._channels else DISCARD
+        )
         if isinstance(where, float):
             return
         conn.paused = None

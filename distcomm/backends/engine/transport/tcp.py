@@ -134,8 +134,12 @@ class TcpTransport(Transport):
         self.generation = generation
         self.cid = channel_id(store, generation)
         self._cid_bytes = memoryview(_CID.pack(self.cid))
-        self.fabric = attach(process_store if process_store is not None else store,
-                             self._pranks[rank], link_timeout, generation)
+        self.fabric = attach(
+            process_store if process_store is not None else store,
+            self._pranks[rank],
+            link_timeout,
+            generation,
+        )
         self.mailbox.on_post = self.fabric.wake_if_paused
         self.fabric.add_channel(self)
 
@@ -197,9 +201,16 @@ class TcpTransport(Transport):
                 reason = payload.decode(errors="replace")
                 code = header.op if header.op < len(_FAILURE_KINDS) else 1
                 origin = header.root if 0 <= header.root < self.size else rank
-                self.abort(Failure(_FAILURE_KINDS[code],
-                                   f"rank {origin} aborted the group: {reason}", (origin,)),
-                           tell=rank, origin=origin, reason=reason)
+                self.abort(
+                    Failure(
+                        _FAILURE_KINDS[code],
+                        f"rank {origin} aborted the group: {reason}",
+                        (origin,),
+                    ),
+                    tell=rank,
+                    origin=origin,
+                    reason=reason,
+                )
 
             return memoryview(payload), aborted
         if kind == BYE:  # the peer left this group (destroy, or a shrink without it)
@@ -208,13 +219,20 @@ class TcpTransport(Transport):
         return DISCARD
 
     def peer_left(self, rank: int) -> None:
-        self.mailbox.peer_gone(rank, Failure(
-            DistNetworkError,
-            f"rank {rank} has left the group (destroy_process_group or exit)", (rank,)))
+        self.mailbox.peer_gone(
+            rank,
+            Failure(
+                DistNetworkError,
+                f"rank {rank} has left the group (destroy_process_group or exit)",
+                (rank,),
+            ),
+        )
 
     def peer_ended(self, rank: int) -> None:
-        self.mailbox.peer_gone(rank, Failure(
-            DistNetworkError, f"rank {rank}'s process ended (exit or crash?)", (rank,)))
+        self.mailbox.peer_gone(
+            rank,
+            Failure(DistNetworkError, f"rank {rank}'s process ended (exit or crash?)", (rank,)),
+        )
 
     def know_local_peers(self, pids: dict[int, int], addresses: dict[int, str]) -> None:
         """The members on this host (the shared-memory set-up's): waits for one fail as
@@ -226,8 +244,9 @@ class TcpTransport(Transport):
         for rank, pid in pids.items():
             if rank != self.rank:
                 self.fabric.watch_process(self._pranks[rank], pid)
-        self.fabric.learn_addresses({self._pranks[r]: a for r, a in addresses.items()
-                                     if r != self.rank and a})
+        self.fabric.learn_addresses(
+            {self._pranks[r]: a for r, a in addresses.items() if r != self.rank and a}
+        )
 
     def peer_lost(self, rank: int, conn: Conn, exc: BaseException) -> None:
         if self._closing or self.fabric is None:
@@ -240,8 +259,9 @@ class TcpTransport(Transport):
         if conn is None or conn.closed:
             if self.fabric is None:
                 raise DistNetworkError(f"{self._label}: the group was destroyed")
-            conn = self.fabric.connection(self._pranks[rank], deadline, f"rank {rank}",
-                                          self._label, self._pranks)
+            conn = self.fabric.connection(
+                self._pranks[rank], deadline, f"rank {rank}", self._label, self._pranks
+            )
             self._conns[rank] = conn
         return conn
 
@@ -251,8 +271,14 @@ class TcpTransport(Transport):
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, peer: int, header: Header, payload: memoryview, deadline: Deadline,
-             first: Header | None = None) -> None:
+    def send(
+        self,
+        peer: int,
+        header: Header,
+        payload: memoryview,
+        deadline: Deadline,
+        first: Header | None = None,
+    ) -> None:
         mailbox = self.mailbox
         if mailbox.failure is not None:
             raise mailbox.failure.error()
@@ -287,7 +313,8 @@ class TcpTransport(Transport):
     @staticmethod
     def _left(peer: int) -> DistNetworkError:
         return caused_by_peers(
-            DistNetworkError(f"rank {peer} has left the group; cannot send to it"), [peer])
+            DistNetworkError(f"rank {peer} has left the group; cannot send to it"), [peer]
+        )
 
     def _members(self) -> list[tuple[int, Conn]]:
         """The members this rank holds a connection to, with it, in rank order (one look
@@ -305,8 +332,9 @@ class TcpTransport(Transport):
     def _control(self, conn: Conn, kind: int, payload: bytes = b"", code: int = 0) -> bool:
         if conn.gone or self.fabric is None:
             return False
-        return self.fabric.control(conn, self.cid, Header(kind, code, nbytes=len(payload)),
-                                   payload[:4096])
+        return self.fabric.control(
+            conn, self.cid, Header(kind, code, nbytes=len(payload)), payload[:4096]
+        )
 
     def probe(self, timeout: float) -> dict[int, tuple[int, int] | None]:
         """Ask members how far they got: every member of a group of up to `PROBE_ALL`
@@ -314,14 +342,19 @@ class TcpTransport(Transport):
         connected yet are dialled (at once, each in a short-lived thread: this only runs
         when a collective is late), within the same `timeout`."""
         members = dict(self._members())
-        wanted = set(range(self.size)) if self.size <= PROBE_ALL else {
-            p for p in self.mailbox.pending_peers() if p >= 0}
+        wanted = (
+            set(range(self.size))
+            if self.size <= PROBE_ALL
+            else {p for p in self.mailbox.pending_peers() if p >= 0}
+        )
         wanted -= set(members) | {self.rank}
         if wanted:
             deadline = Deadline(timeout)
 
-            dialers = [self._dial_aside(rank, deadline, members.__setitem__, "probe")
-                       for rank in sorted(wanted)]
+            dialers = [
+                self._dial_aside(rank, deadline, members.__setitem__, "probe")
+                for rank in sorted(wanted)
+            ]
             for thread in dialers:
                 thread.join(deadline.slice(timeout))
         peers = sorted(r for r, c in list(members.items()) if not c.gone and not c.dirty)
@@ -335,8 +368,13 @@ class TcpTransport(Transport):
 
     # -- failure and shutdown --------------------------------------------------------------
 
-    def abort(self, failure: Failure, tell: int | None = None, origin: int | None = None,
-              reason: str | None = None) -> None:
+    def abort(
+        self,
+        failure: Failure,
+        tell: int | None = None,
+        origin: int | None = None,
+        reason: str | None = None,
+    ) -> None:
         """Fail the group here and pass the news on; idempotent.
 
         The news of one rank's abort (its `origin`, and its `reason`) spreads over a
@@ -367,14 +405,17 @@ class TcpTransport(Transport):
             elif not self.mailbox.has_left(rank):
                 # a process exiting on the error waits a little for these (`_join_tellers`)
                 teller = self._dial_aside(
-                    rank, Deadline(_TELL_DIAL_S),
+                    rank,
+                    Deadline(_TELL_DIAL_S),
                     lambda _rank, conn: self.fabric.control(conn, self.cid, header, text),
-                    "abort")
+                    "abort",
+                )
                 self._tellers.append(teller)
                 _TELLERS.add(teller)
 
-    def _dial_aside(self, rank: int, deadline: Deadline,
-                    then: Callable[[int, Conn], object], what: str) -> threading.Thread:
+    def _dial_aside(
+        self, rank: int, deadline: Deadline, then: Callable[[int, Conn], object], what: str
+    ) -> threading.Thread:
         """Connect to member `rank` in a short-lived thread (dialling blocks: never in the
         caller's or the I/O thread; one per member, so an unreachable one holds up no
         other), then call `then(rank, conn)`; a member gone or unreachable is skipped (it
@@ -387,8 +428,9 @@ class TcpTransport(Transport):
                 return
             then(rank, conn)
 
-        thread = threading.Thread(target=dial, daemon=True,
-                                  name=f"distcomm-{what}-{self.rank}-{rank}")
+        thread = threading.Thread(
+            target=dial, daemon=True, name=f"distcomm-{what}-{self.rank}-{rank}"
+        )
         thread.start()
         return thread
 
