@@ -10,8 +10,6 @@ import numpy as np
 
 from .arrays import adapt, check_same, flat
 from .ops import PremulSum, ReduceOp, scaled
-from .trace.recorder import Recorder
-from .work import Work
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
@@ -20,7 +18,6 @@ __all__ = [
     "MAX_TAG",
     "array_list",
     "check_tag",
-    "finish",
     "output_list",
     "premultiplied",
     "rank_arg",
@@ -141,27 +138,3 @@ def premultiplied(op: ReduceOp | PremulSum, array: Any, in_place: bool) -> tuple
     if not isinstance(op, PremulSum):
         return op, array
     return ReduceOp.SUM, scaled(array, op.factor, in_place)
-
-
-def finish(
-    trace: Recorder, entry: int | None, work: Work, async_op: bool, outputs: list[Any] | None = None
-) -> Work | None:
-    """Wait for `work` unless `async_op`; settle its flight-recorder `entry` either way."""
-    if async_op:
-        if outputs is not None:
-            work.set_outputs(outputs)  # the caller's arrays, not the flat views the backend saw
-        trace.settle_later(entry, work)
-        return work
-    try:
-        work.wait()
-    except BaseException as exc:
-        trace.settle(entry, exc)
-        raise
-    if entry is not None:
-        if work.finished_on_wait:  # settled without an end time: every op's path
-            trace.complete(entry)
-        else:  # the op may still run on the device: settled when it completes there
-            if outputs is not None:
-                work.set_outputs(outputs)
-            trace.settle_later(entry, work)
-    return None

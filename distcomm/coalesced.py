@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._calls import finish, premultiplied, split_into
+from ._calls import premultiplied, split_into
 from .arrays import adapt, check_same, concatenate, empty
 from .ops import ReduceOp, check_reduce_op
 from .work import Work
@@ -54,7 +54,7 @@ def all_reduce_coalesced(
     plain, joined = premultiplied(op, joined, in_place=True)  # joined is our own copy
     inner = backend.all_reduce(joined, plain, async_op=async_op)
     outputs = list(tensors)
-    return finish(pg.recorder, entry, inner.chain(split_into(arrays, joined), outputs), async_op)
+    return pg.recorder.finish(entry, inner.chain(split_into(arrays, joined), outputs), async_op)
 
 
 def all_gather_coalesced(
@@ -98,4 +98,4 @@ def all_gather_coalesced(
     entry = pg.recorder.record(where, joined)
     inner = backend.all_gather(gathered, joined, async_op=async_op)
     results = [t for row in output_tensor_lists for t in row]
-    return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), results), async_op)
+    return pg.recorder.finish(entry, inner.chain(split_into(outputs, gathered), results), async_op)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._calls import array_list, finish, output_list, premultiplied, rank_arg, same_size, split_into
+from ._calls import array_list, output_list, premultiplied, rank_arg, same_size, split_into
 from .arrays import adapt, check_same, concatenate, empty, flat
 from .deadline import to_seconds
 from .errors import DistTimeoutError
@@ -74,8 +74,7 @@ def broadcast(
     array = adapt(tensor, "broadcast", "tensor", writable=True)
     backend = pg.backend_for(array, "broadcast")
     root = rank_arg(pg, src, group_src, "broadcast", "src")
-    return finish(
-        pg.recorder,
+    return pg.recorder.finish(
         pg.recorder.record("broadcast", array, root),
         backend.broadcast(flat(array), root, async_op=async_op),
         async_op,
@@ -98,8 +97,7 @@ def all_reduce(
     op = check_reduce_op(op, array.dtype, "all_reduce")
     entry = pg.recorder.record("all_reduce", array, -1, op)
     plain, array = premultiplied(op, array, in_place=True)
-    return finish(
-        pg.recorder,
+    return pg.recorder.finish(
         entry,
         backend.all_reduce(flat(array), plain, async_op=async_op),
         async_op,
@@ -128,7 +126,7 @@ def reduce(
     work = backend.reduce(flat(scaled), root, plain, async_op=async_op)
     if scaled is not array and pg.rank() == root:
         work = work.chain(split_into([array], flat(scaled)), [tensor])
-    return finish(pg.recorder, entry, work, async_op, [tensor])
+    return pg.recorder.finish(entry, work, async_op, [tensor])
 
 
 def all_gather_single(
@@ -152,8 +150,7 @@ def all_gather_single(
             f"({pg.size()} x {input.size} = {pg.size() * input.size}), "
             f"got {output.size}"
         )
-    return finish(
-        pg.recorder,
+    return pg.recorder.finish(
         pg.recorder.record(where, input),
         backend.all_gather(flat(output), flat(input), async_op=async_op),
         async_op,
@@ -174,7 +171,7 @@ def all_gather(
     gathered = empty(pg.size() * input.size, input)
     entry = pg.recorder.record("all_gather", input)
     inner = backend.all_gather(gathered, flat(input), async_op=async_op)
-    return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
+    return pg.recorder.finish(entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
 
 
 def gather(
@@ -195,8 +192,7 @@ def gather(
     if pg.rank() != root:
         if gather_list:
             raise ValueError("gather: gather_list must be None (or empty) on ranks other than dst")
-        return finish(
-            pg.recorder,
+        return pg.recorder.finish(
             pg.recorder.record("gather", input, root),
             backend.gather(None, flat(input), root, async_op=async_op),
             async_op,
@@ -208,7 +204,7 @@ def gather(
     gathered = empty(pg.size() * input.size, input)
     entry = pg.recorder.record("gather", input, root)
     inner = backend.gather(gathered, flat(input), root, async_op=async_op)
-    return finish(pg.recorder, entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
+    return pg.recorder.finish(entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
 
 
 def scatter(
@@ -231,8 +227,7 @@ def scatter(
             raise ValueError(
                 "scatter: scatter_list must be None (or empty) on ranks other than src"
             )
-        return finish(
-            pg.recorder,
+        return pg.recorder.finish(
             pg.recorder.record("scatter", output, root),
             backend.scatter(flat(output), None, root, async_op=async_op),
             async_op,
@@ -247,8 +242,7 @@ def scatter(
     check_same([output, *inputs], "scatter", "scatter_list and tensor")
     same_size(inputs, output.size, "scatter", "scatter_list")
     joined = concatenate(inputs, output)
-    return finish(
-        pg.recorder,
+    return pg.recorder.finish(
         pg.recorder.record("scatter", output, root),
         backend.scatter(flat(output), joined, root, async_op=async_op),
         async_op,
@@ -281,8 +275,7 @@ def reduce_scatter_single(
         )
     entry = pg.recorder.record(where, out, -1, op)
     plain, inp = premultiplied(op, inp, in_place=False)
-    return finish(
-        pg.recorder,
+    return pg.recorder.finish(
         entry,
         backend.reduce_scatter(flat(out), flat(inp), plain, async_op=async_op),
         async_op,
@@ -313,8 +306,7 @@ def reduce_scatter(
     joined = concatenate(inputs, out)
     entry = pg.recorder.record("reduce_scatter", out, -1, op)
     plain, joined = premultiplied(op, joined, in_place=True)  # joined is our own copy
-    return finish(
-        pg.recorder,
+    return pg.recorder.finish(
         entry,
         backend.reduce_scatter(flat(out), joined, plain, async_op=async_op),
         async_op,
@@ -404,8 +396,7 @@ def all_to_all_single(
     n = pg.size()
     out_splits = _splits(output_split_sizes, out, n, where, "output_split_sizes")
     in_splits = _splits(input_split_sizes, inp, n, where, "input_split_sizes")
-    return finish(
-        pg.recorder,
+    return pg.recorder.finish(
         pg.recorder.record(where, inp),
         backend.all_to_all(flat(out), flat(inp), out_splits, in_splits, async_op=async_op),
         async_op,
@@ -440,7 +431,7 @@ def all_to_all(
     inner = backend.all_to_all(
         received, joined, [t.size for t in outputs], [t.size for t in inputs], async_op=async_op
     )
-    return finish(pg.recorder, entry, inner.chain(split_into(outputs, received), outputs), async_op)
+    return pg.recorder.finish(entry, inner.chain(split_into(outputs, received), outputs), async_op)
 
 
 def barrier(
@@ -468,7 +459,7 @@ def barrier(
         backend = pg.default_backend("barrier")
         work = backend.barrier(async_op=async_op or bool(seconds))
     if async_op or not seconds:
-        return finish(pg.recorder, entry, work, async_op)
+        return pg.recorder.finish(entry, work, async_op)
     try:
         work.wait(seconds)
     except BaseException as exc:
