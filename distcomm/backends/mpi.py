@@ -296,9 +296,7 @@ class MpiBackend(Backend):
         `async_op`), then `finish()`."""
         if not async_op and not self._broken:
             # the common synchronous call: nothing queued before it, so run it right here
-            done = self._queue.run_now(
-                what, outputs, self.timeout, self._call, what, blocking, finish
-            )
+            done = self._queue.run_now(what, outputs, self.timeout, self._call, blocking, finish)
             if done is not None:
                 return done
         description = self._check(what)

@@ -78,7 +78,7 @@ class Runner:
             # nothing runs or waits ahead: run it here and now, its waits bounded by the
             # call's deadline, and hand back a finished Work (nothing to wait on)
             done = self._collectives.run_now(
-                description, outputs, self.timeout, self._run, description, signature, step, args
+                description, outputs, self.timeout, self._run, signature, (step, args)
             )
             if done is not None:
                 return done
@@ -98,14 +98,16 @@ class Runner:
 
         def run() -> None:
             running.append(self.seq)
-            self._run(description, signature, step, args)
+            self._run(description, signature, (step, args))
 
         return self._collectives.submit(run, work, async_op)
 
     def _run(
-        self, description: str, signature: Signature, step: Callable[..., None], args: tuple
+        self, description: str, signature: Signature, job: tuple[Callable[..., None], tuple]
     ) -> None:
-        """Number the collective and run its step (the op queue is this caller's)."""
+        """Number the collective and run its step, `job` = (step, args) (the op queue is
+        this caller's)."""
+        step, args = job
         seq = self.seq
         self.seq += 1
         describe = f"{description} #{seq}"
