@@ -26,8 +26,8 @@ import numpy as np
 import distcomm as dist
 from distcomm.backends.engine.protocol import OP_CODES, Call, Signature
 from distcomm.deadline import Deadline
-from distcomm.group import resolve
 from distcomm.ops import ReduceOp
+from distcomm.world import resolve
 
 
 def best_of(fn: Callable[[], object], calls: int, sync: Callable[[], object]) -> float:

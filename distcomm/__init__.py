@@ -1,7 +1,7 @@
 """distcomm: torch.distributed's model for numpy and CuPy arrays (public API, re-exported).
 
-The public modules are listed in the README ("Public modules", kept in step by
-tests/test_public_modules.py); every other module of the package is internal.
+The public modules are listed on the API page (docs/api.md, "Public modules", kept in step
+by tests/test_public_modules.py); every other module of the package is internal.
 
 The names below are imported on first use (PEP 562), not at `import distcomm`: a process
 that only needs a store or the launcher (`distcomm-run`'s agent) does not pay for numpy and

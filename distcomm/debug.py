@@ -4,7 +4,8 @@ get/set_debug_level) and `breakpoint` (pdb on one rank while the others wait).
 The level comes from DISTCOMM_DEBUG, or from torch's name for it,
 TORCH_DISTRIBUTED_DEBUG (DISTCOMM_DEBUG wins when both are set); `set_debug_level`
 overrides both in this process until `set_debug_level_from_env` goes back to them.
-What each level logs is described with DISTCOMM_DEBUG in the README.
+What each level logs is described with DISTCOMM_DEBUG on the environment-variables page
+(docs/environment.md).
 """
 
 from __future__ import annotations

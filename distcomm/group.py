@@ -28,14 +28,9 @@ from .backends.spec import (
     is_ucc_available,
     is_xccl_available,
 )
-from .backends.spec import parse_backend as parse_backend  # tests import it from here
 from .lifecycle import destroy_process_group, init_process_group, new_group
 from .process_group import GroupName, ProcessGroup
-from .world import GroupMember, is_available, is_initialized
-from .world import default_group as default_group  # benchmarks import these from here
-from .world import outside as outside
-from .world import resolve as resolve
-from .world import state as _world  # the old name of world.state (tests read its store)
+from .world import GroupMember, is_available, is_initialized, state
 
 __all__ = [
     "GroupMember",
@@ -59,7 +54,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "WORLD":
-        return _world.default
+        return state.default
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

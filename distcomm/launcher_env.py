@@ -82,14 +82,14 @@ __all__ = [
 ]
 
 # Per value, (variable, launcher) in precedence order.
-_RANK_VARS = (
+RANK_VARIABLES = (
     ("RANK", "torch style"),
     ("OMPI_COMM_WORLD_RANK", "Open MPI"),
     ("PMIX_RANK", "PMIx"),
     ("PMI_RANK", "MPICH"),
     ("SLURM_PROCID", "Slurm"),
 )
-_SIZE_VARS = (
+SIZE_VARIABLES = (
     ("WORLD_SIZE", "torch style"),
     ("OMPI_COMM_WORLD_SIZE", "Open MPI"),
     ("PMI_SIZE", "MPICH"),
@@ -107,10 +107,8 @@ _LOCAL_SIZE_VARS = (
     ("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI"),
     ("MPI_LOCALNRANKS", "MPICH"),
 )
-#: The variables, in precedence order, that name this process's rank, the world size, and
-#: the ranks on this host (Slurm's tasks per node come after the last).
-RANK_VARIABLES = _RANK_VARS
-SIZE_VARIABLES = _SIZE_VARS
+#: The variables, in precedence order, that name the ranks on this host (Slurm's tasks per
+#: node come after the last).
 LOCAL_SIZE_VARIABLES = tuple(var for var, _ in _LOCAL_SIZE_VARS)
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 _MPI_LAUNCHERS = ("Open MPI", "PMIx", "MPICH")
@@ -389,9 +387,13 @@ def mpi_launcher(env: Mapping[str, str] | None = None) -> tuple[str, str] | None
         ValueError: a variable srun's check compares holds no integer.
     """
     env = _environ(env)
-    if srun_task(env):
+    return _mpi_launcher(env, srun_task(env))
+
+
+def _mpi_launcher(env: Mapping[str, str], srun: bool) -> tuple[str, str] | None:
+    if srun:
         return None
-    for var, launcher in _RANK_VARS:
+    for var, launcher in RANK_VARIABLES:
         if env.get(var, "").strip():
             return (var, launcher) if var in _MPI_RANK_VARS else None
     return None
@@ -447,8 +449,8 @@ def detect(
     sources: dict[str, str] = {}
     srun = srun_task(env)
     for name, table in (
-        ("rank", _RANK_VARS),
-        ("world_size", _SIZE_VARS),
+        ("rank", RANK_VARIABLES),
+        ("world_size", SIZE_VARIABLES),
         ("local_rank", _LOCAL_RANK_VARS),
         ("local_world_size", _LOCAL_SIZE_VARS),
     ):
@@ -482,7 +484,7 @@ def detect(
         **values,  # type: ignore[arg-type]
         sources=tuple(sources.items()),
         srun=srun,
-        mpi_launcher=mpi_launcher(env),
+        mpi_launcher=_mpi_launcher(env, srun),
     )
 
 

@@ -229,7 +229,7 @@ def new_group(
     Returns:
         The group; on a rank not in it, `GroupMember.NON_GROUP_MEMBER`, as in torch:
         collectives on that do nothing (they warn once and return None), and `get_rank`
-        and `getstate_size` of it are -1.
+        and `get_world_size` of it are -1.
     """
     del pg_options, device_id
     with state.lock:

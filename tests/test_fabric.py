@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import distcomm as dist
-from distcomm import auth
+from distcomm import auth, world
 from distcomm.backends.engine.transport import dial as dial_module
 from distcomm.backends.engine.transport import fabric as fabric_module
 from distcomm.backends.tcp import TcpBackend
@@ -95,7 +95,7 @@ def test_threads_per_rank_stay_constant(nprocs, backend):
 
 def _store_barrier(name: str) -> None:
     """Every rank is here (through the job's store, not the group's connections)."""
-    store, n = dist.group._world.store, dist.get_world_size()
+    store, n = world.state.store, dist.get_world_size()
     if store.add(f"test/{name}/count", 1) == n:
         store.set(f"test/{name}/all", "1")
     store.wait([f"test/{name}/all"])

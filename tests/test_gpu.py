@@ -19,10 +19,10 @@ import distcomm as dist
 from distcomm import config
 from distcomm.arrays import DTYPES
 from distcomm.backends import get_backend_record
+from distcomm.backends.spec import parse_backend
 from distcomm.errors import BackendUnavailableError
 from distcomm.gpu import nccl as nt
 from distcomm.gpu import runtime
-from distcomm.group import parse_backend
 from distcomm.ops import ReduceOp, check_reduce_op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -292,12 +292,17 @@ def _check_launcher(args: list[str], where: str) -> None:
     _check_python(["-m", *target] if parsed.module else target, where)
 
 
-def _extra_requirements() -> set[str]:
-    """The names of the packages setup.cfg's extras install (`mkdocs`, `mpi4py`, ...)."""
+def _extras() -> dict[str, str]:
+    """setup.cfg's extras: name -> its requirements, one per line."""
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
+    return dict(cfg["options.extras_require"])
+
+
+def _extra_requirements() -> set[str]:
+    """The names of the packages setup.cfg's extras install (`mkdocs`, `mpi4py`, ...)."""
     names = set()
-    for requirements in cfg["options.extras_require"].values():
+    for requirements in _extras().values():
         for line in requirements.split():
             found = re.match(r"[A-Za-z0-9_.-]+", line)
             if found:
@@ -306,9 +311,7 @@ def _extra_requirements() -> set[str]:
 
 
 def _check_pip(args: list[str], where: str) -> None:
-    cfg = configparser.ConfigParser()
-    cfg.read(REPO / "setup.cfg")
-    extras = set(cfg["options.extras_require"])
+    extras = set(_extras())
     for arg in args:
         found = re.fullmatch(r"\.\[([\w,-]+)\]", arg)
         if found:

@@ -1,4 +1,5 @@
-"""Tests of shm_manager, shm_client and shm_protocol: real daemons, clients and /dev/shm files."""
+"""Tests of the shared-memory manager (shm/manager, client, protocol): real daemons, clients
+and /dev/shm files."""
 
 from __future__ import annotations
 

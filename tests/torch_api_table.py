@@ -5,7 +5,7 @@
 Areas: the process-group and collective API (torch.distributed.distributed_c10d.__all__
 and distcomm.__all__), the stores' methods, torchrun's flags, and the Python launch,
 error and timer APIs of torch's elastic package, each beside the distcomm module a port
-imports instead. The README's "Differences from torch.distributed" shows the output.
+imports instead. docs/torch-differences.md shows the output.
 """
 
 from __future__ import annotations

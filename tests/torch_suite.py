@@ -69,40 +69,48 @@ HELPERS: tuple[str, ...] = ("test/distributed/elastic/rendezvous/rendezvous_back
 #: longest entry that is the module itself (imports) or a dotted prefix of the string
 #: (``mock.patch`` targets); a module under no entry but ``torch.distributed`` is kept.
 MODULE_MAP: tuple[tuple[str, str | None, str], ...] = (
-    ("torch.distributed", "distcomm", "README public-modules: the package itself"),
+    ("torch.distributed", "distcomm", "docs/api.md public-modules: the package itself"),
     (
         "torch.distributed.distributed_c10d",
         "distcomm",
         "torch's c10d module; distcomm keeps its names at the top level",
     ),
     ("torch.distributed.constants", "distcomm", "default timeouts live at the top level"),
-    ("torch.distributed.run", "distcomm.run", "README public-modules"),
-    ("torch.distributed.rendezvous", "distcomm.rendezvous", "README public-modules"),
-    ("torch.distributed.launch", "distcomm.launch", "README public-modules"),
+    ("torch.distributed.run", "distcomm.run", "docs/api.md public-modules"),
+    ("torch.distributed.rendezvous", "distcomm.rendezvous", "docs/api.md public-modules"),
+    ("torch.distributed.launch", "distcomm.launch", "docs/api.md public-modules"),
     (
         "torch.distributed.launcher",
         "distcomm.launch.api",
         "torch re-exports launcher.api's names from the package",
     ),
-    ("torch.distributed.launcher.api", "distcomm.launch.api", "README public-modules"),
-    ("torch.distributed.elastic.timer", "distcomm.launch.timer", "README public-modules"),
-    ("torch.distributed.elastic.timer.api", "distcomm.launch.timer.api", "README public-modules"),
+    ("torch.distributed.launcher.api", "distcomm.launch.api", "docs/api.md public-modules"),
+    ("torch.distributed.elastic.timer", "distcomm.launch.timer", "docs/api.md public-modules"),
+    (
+        "torch.distributed.elastic.timer.api",
+        "distcomm.launch.timer.api",
+        "docs/api.md public-modules",
+    ),
     (
         "torch.distributed.elastic.timer.local_timer",
         "distcomm.launch.timer.local_timer",
-        "README public-modules",
+        "docs/api.md public-modules",
     ),
     (
         "torch.distributed.elastic.timer.file_based_local_timer",
         "distcomm.launch.timer.file_based_local_timer",
-        "README public-modules",
+        "docs/api.md public-modules",
     ),
     (
         "torch.distributed.elastic.timer.debug_info_logging",
         "distcomm.launch.timer.debug_info_logging",
-        "README public-modules",
+        "docs/api.md public-modules",
     ),
-    ("torch.distributed.elastic.rendezvous", "distcomm.launch.rendezvous", "README public-modules"),
+    (
+        "torch.distributed.elastic.rendezvous",
+        "distcomm.launch.rendezvous",
+        "docs/api.md public-modules",
+    ),
     (
         "torch.distributed.elastic.rendezvous.api",
         "distcomm.launch.rendezvous.api",
@@ -141,12 +149,12 @@ MODULE_MAP: tuple[tuple[str, str | None, str], ...] = (
     (
         "torch.distributed.elastic.multiprocessing",
         "distcomm.launch.logs_specs",
-        "README public-modules (LogsSpecs, DefaultLogsSpecs)",
+        "docs/api.md public-modules (LogsSpecs, DefaultLogsSpecs)",
     ),
     (
         "torch.distributed.elastic.multiprocessing.errors",
         "distcomm.launch.errors",
-        "README public-modules",
+        "docs/api.md public-modules",
     ),
     (
         "torch.distributed.elastic.multiprocessing.errors.error_handler",
@@ -158,7 +166,7 @@ MODULE_MAP: tuple[tuple[str, str | None, str], ...] = (
         "distcomm.launch.errors.handlers",
         "torch's module path: get_error_handler",
     ),
-    ("torch.distributed.elastic.events", "distcomm.launch.events", "README public-modules"),
+    ("torch.distributed.elastic.events", "distcomm.launch.events", "docs/api.md public-modules"),
     (
         "torch.distributed.elastic.agent.server",
         "distcomm.launch.agent",
@@ -186,7 +194,7 @@ MODULE_MAP: tuple[tuple[str, str | None, str], ...] = (
         None,
         "test helper get_free_port; torch's kept",
     ),
-    ("torch.multiprocessing", "distcomm.multiprocessing", "README public-modules"),
+    ("torch.multiprocessing", "distcomm.multiprocessing", "docs/api.md public-modules"),
 )
 
 #: (module, name, module that provides ours, why): single names outside torch.distributed that

@@ -2,10 +2,10 @@
 
 `EXPECT` maps a test ("path under test/distributed::Class::test", fnmatch globs allowed) to
 (kind, reason): kind "not applicable" for a test of torch's internals (its C++ protocol,
-private names, RPC, torch.cuda), "documented difference" for behaviour the README says
-distcomm changes on purpose (the reason names the README section). The report lists these
-apart from the real failures; a test listed here that passes is simply counted as passed.
-Keep the list short and every reason checkable.
+private names, RPC, torch.cuda), "documented difference" for behaviour the docs say
+distcomm changes on purpose (the reason names the section of docs/torch-differences.md).
+The report lists these apart from the real failures; a test listed here that passes is
+simply counted as passed. Keep the list short and every reason checkable.
 """
 
 from __future__ import annotations
@@ -20,24 +20,24 @@ _PRIVATE_STATE = (
 )
 
 _STATIC_DEFAULTS = (
-    "README 'Differences' > Semantics > Rendezvous plug-ins: the static handler lets a single "
+    "docs/torch-differences.md > Semantics > Rendezvous plug-ins: the static handler lets a single "
     "node leave out its rank (it is 0); torch raises ValueError for the missing rank"
 )
 _TIMER_REAP = (
-    "README 'Differences' > The launcher > Timers: the timer server reaps the worker's whole "
+    "docs/torch-differences.md > The launcher > Timers: the timer server reaps the worker's whole "
     "process tree (SIGTERM, a grace period, SIGKILL)"
 )
 
 _C10D = "elastic/rendezvous/c10d_rendezvous_backend_test.py::CreateBackendTest"
 _RDZV_WORDING = (
-    "README 'Differences' > Semantics: rendezvous parameter errors raise torch's types with "
+    "docs/torch-differences.md > Semantics: rendezvous parameter errors raise torch's types with "
     "torch's sentence inside, after the flag and before what to do, so torch's anchored "
     "^...$ pattern does not match"
 )
 
 _NUM_KEYS = (
-    "README 'Differences' > Semantics: FileStore.num_keys and TCPStore.num_keys count the keys "
-    "set; torch 2.13's count one internal key more"
+    "docs/torch-differences.md > Semantics: FileStore.num_keys and TCPStore.num_keys count "
+    "the keys set; torch 2.13's count one internal key more"
 )
 
 #: torch's tests of a rendezvous error message, by file and class
@@ -114,17 +114,17 @@ EXPECT: dict[str, tuple[str, str]] = {
     # elastic/multiprocessing/errors
     "elastic/multiprocessing/errors/api_test.py::ApiTest::test_process_failure_no_error_file": (
         DOC,
-        "README 'Differences' > The launcher > Error files: a worker that recorded nothing "
+        "docs/torch-differences.md > The launcher > Error files: a worker that recorded nothing "
         "is described by its exit, where torch links to its docs",
     ),
     "elastic/multiprocessing/errors/api_test.py::ApiTest::test_process_failure_signal": (
         DOC,
-        "README 'Differences' > The launcher > Error files: the worker's exit is described "
+        "docs/torch-differences.md > The launcher > Error files: the worker's exit is described "
         "as 'process N ended with signal SIGSEGV (-11)', not torch's 'Signal 11 ... received'",
     ),
     "elastic/multiprocessing/errors/error_handler_test.py::ErrorHandlerTest::test_initialize*": (
         DOC,
-        "README 'Differences' > The launcher > Error files: ErrorHandler.initialize() "
+        "docs/torch-differences.md > The launcher > Error files: ErrorHandler.initialize() "
         "leaves faulthandler as it is when it is on already (pytest turns it on)",
     ),
     # elastic/rendezvous/dynamic_rendezvous_test.py: torch's private state machine
@@ -153,7 +153,7 @@ EXPECT: dict[str, tuple[str, str]] = {
     },
     "elastic/rendezvous/dynamic_rendezvous_test.py::IntegrationTest::test_redundancy_*": (
         NA,
-        "unpickles the backend's state blob (README 'Differences' > Semantics > "
+        "unpickles the backend's state blob (docs/torch-differences.md > Semantics > "
         "Rendezvous plug-ins: distcomm's state is JSON) and calls private _stop_heartbeats",
     ),
     # elastic/timer
@@ -200,7 +200,7 @@ EXPECT: dict[str, tuple[str, str]] = {
     "test_store.py::*TCPStoreTest::test_numkeys_delkeys": (DOC, _NUM_KEYS),
     "test_store.py::Rendezvous*Test::test_common_errors": (
         DOC,
-        "README 'Differences' > Semantics: a tcp:// or file:// init_method without "
+        "docs/torch-differences.md > Semantics: a tcp:// or file:// init_method without "
         "?rank= or ?world_size= takes them from the environment, where torch raises",
     ),
     # launcher/test_run.py
@@ -233,7 +233,7 @@ EXPECT: dict[str, tuple[str, str]] = {
     ),
     f"{_C10D}::test_create_backend_raises_error_if_endpoint_is_invalid": (
         DOC,
-        "README 'Differences' > Done better on purpose: a store for a non-loopback "
+        "docs/torch-differences.md > Done better on purpose: a store for a non-loopback "
         "endpoint host listens on every interface, so is_host=True succeeds where torch's "
         "fails to bind the made-up name",
     ),

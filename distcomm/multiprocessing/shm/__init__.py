@@ -11,38 +11,9 @@ nobody holds. The family:
 - `channel`: one client connection to the daemon (line I/O under a deadline);
 - `client`: `ManagerClient`, what a process uses, and `start_manager`.
 
-Names are imported from their module on first use: `import distcomm.multiprocessing`
-needs only the protocol's, and the client and the daemon load when the ``file_system``
-strategy is first used (as `segments` imports them).
+It re-exports nothing: import the module you need, so that `import
+distcomm.multiprocessing` loads only what it uses (`segments` imports the client and the
+protocol when the ``file_system`` strategy is first used).
 """
 
-from __future__ import annotations
-
-from importlib import import_module
-
-__all__ = [
-    "ADDRESS_ENV",
-    "NAME_PREFIX",
-    "ManagerClient",
-    "SegmentTable",
-    "ShmManager",
-    "StartedManager",
-    "start_manager",
-]
-
-_HOMES = {
-    "ADDRESS_ENV": "protocol",
-    "NAME_PREFIX": "protocol",
-    "ManagerClient": "client",
-    "SegmentTable": "table",
-    "ShmManager": "manager",
-    "StartedManager": "client",
-    "start_manager": "client",
-}
-
-
-def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f".{home}", __name__), name)
+__all__: list[str] = []
