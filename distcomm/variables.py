@@ -246,6 +246,24 @@ VARIABLES: tuple[EnvVar, ...] = (
         for name in ("DISTCOMM_RESTART_COUNT", "DISTCOMM_MAX_RESTARTS")
     ),
     EnvVar(
+        "DISTCOMM_REPLACEMENT",
+        "count",
+        "",
+        "set by `distcomm-run --on-failure=replace` only in a worker started in place of a "
+        "failed one: which replacement of its slot it is (1 for the first); the worker must "
+        "join the running group",
+        _RUN,
+        read_by=_WORKER,
+    ),
+    EnvVar(
+        "DISTCOMM_REPLACED_PID",
+        "text",
+        "",
+        "set with `DISTCOMM_REPLACEMENT`: the process id of the failed worker replaced",
+        _RUN,
+        read_by=_WORKER,
+    ),
+    EnvVar(
         "DISTCOMM_RUN_ID",
         "text",
         "",

@@ -22,6 +22,8 @@ from .._version import __version__
 from ..config import positive_seconds
 from ..net import format_address
 from .agent import DEFAULT_SIGNALS_TO_HANDLE, AgentConfig, launch
+from .agent.replace import DEFAULT_MAX_REPLACEMENTS, ON_FAILURE_MODES, check_on_failure
+from .agent.worker_env import script_command
 from .api import LaunchConfig, run_agent
 from .env_flags import EnvDefault, EnvFlag, flag_names
 from .events import get_event_handler
@@ -163,6 +165,23 @@ def get_args_parser() -> argparse.ArgumentParser:
         "(counted over the whole run, not per node; default 0)",
         type=int,
         default=0,
+    )
+    add(
+        "on_failure",
+        "what a failed worker costs: 'restart' (the default) stops every worker and "
+        "restarts the group, as torchrun does; 'replace' starts a new worker with the same "
+        "ranks in its place (DISTCOMM_REPLACEMENT=<k> and DISTCOMM_REPLACED_PID set) while "
+        "the others run on, no rendezvous redone: it must join the running group",
+        default="restart",
+        choices=ON_FAILURE_MODES,
+    )
+    add(
+        "max_replacements",
+        "--on_failure=replace: replacements this node starts over the whole run; a "
+        f"failure past them restarts the workers as --max_restarts allows (default "
+        f"{DEFAULT_MAX_REPLACEMENTS})",
+        type=int,
+        default=DEFAULT_MAX_REPLACEMENTS,
     )
     add(
         "monitor_interval",
@@ -351,28 +370,6 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
     runpy.run_path(training_script, run_name="__main__")
 
 
-def _command(args: argparse.Namespace) -> list[str]:
-    script, rest = args.training_script, list(args.training_script_args)
-    if args.run_path:
-        if not os.path.isabs(script):
-            raise ValueError(f"--run_path needs the script as an absolute path, got {script!r}")
-        runner = (
-            "import runpy, sys; sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')"
-        )
-        return [sys.executable, "-u", "-c", runner, script, *rest]
-    if args.no_python and args.module:
-        raise ValueError(
-            "--no_python and -m/--module cannot be used at the same time: a module needs "
-            "the Python interpreter; drop one of the two flags"
-        )
-    if args.no_python:
-        return [script, *rest]
-    if args.module:
-        return [sys.executable, "-u", "-m", script, *rest]
-    return [sys.executable, "-u", script, *rest]
-
-
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """The launch configuration the parsed flags describe.
 
@@ -408,6 +405,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     max_restarts = int(args.max_restarts)
     if max_restarts < 0:
         raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
+    on_failure, max_replacements = check_on_failure(args.on_failure, args.max_replacements)
     monitor = positive_seconds("--monitor_interval", float(args.monitor_interval))
     shutdown = positive_seconds(
         "--shutdown_timeout (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT)", args.shutdown_timeout, zero=True
@@ -460,7 +458,13 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=nproc,
-        command=_command(args),
+        command=script_command(
+            args.training_script,
+            args.training_script_args,
+            run_path=args.run_path,
+            no_python=args.no_python,
+            module=args.module,
+        ),
         name=os.path.basename(args.training_script),
         run_id=run_id,
         role=args.role,
@@ -468,6 +472,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_conf,
         max_restarts=max_restarts,
+        on_failure=on_failure,
+        max_replacements=max_replacements,
         monitor_interval=monitor,
         log_dir=args.log_dir,
         redirects=redirects,
@@ -504,8 +510,14 @@ def launch_config_from_args(
 
     Raises:
         ValueError: a flag's value is invalid or contradicts another; the message names it.
+            --on_failure=replace is refused: LaunchConfig cannot carry it.
     """
     agent = config_from_args(args)
+    if agent.on_failure != "restart":  # LaunchConfig has torch's fields, and only those
+        raise ValueError(
+            f"--on_failure={agent.on_failure} has no LaunchConfig field (torch's fields only): "
+            "run these flags with distcomm.run.run(args) or distcomm-run"
+        )
     endpoint, conf = agent.rdzv_endpoint, dict(agent.rdzv_configs)
     if agent.rdzv_backend == "static":
         endpoint = format_address(agent.master_addr, agent.master_port)

@@ -36,8 +36,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import IO
+from collections.abc import Callable, Iterable, Mapping
+from typing import IO, Any
 
 import psutil
 
@@ -208,15 +208,81 @@ class WorkerProcesses:
             log.warning("no --log_dir given: worker logs go to %s", self._temp_dir)
         return self._temp_dir
 
-    def _start_one(self, local_rank: int, setup: Callable[[], None] | None) -> None:
+    def replace(self, local_rank: int, extra_env: Mapping[str, str], subdir: str) -> int:
+        """Start a new worker in the slot of `local_rank`, whose worker has ended; the
+        others are left alone. Returns the new worker's pid.
+
+        The new worker gets the slot's command, environment (plus `extra_env`), streams,
+        console prefix and CPUs; its log and error files go to
+        ``<log_dir>/<local_rank>/<subdir>/``, so the ended worker's stay as they were.
+        What is left of the ended worker's process group gets SIGKILL (`kill_remains`).
+        From now on `poll`, `pids`, `stderr_tail`, `error_file` and `log_files` are the
+        new worker's; `stop()` ends it with the others. Call it from the thread that
+        called `start()` (see the module's docstring).
+
+        Raises:
+            RuntimeError: the workers were not started, are being stopped, or this one
+                still runs.
+            OSError: the new worker could not be started (the slot keeps the ended one).
+        """
+        with self._lock:
+            if not self._started or self._terminated is not None or self._closed:
+                raise RuntimeError(
+                    f"local rank {local_rank}: a worker is replaced only while the others run"
+                )
+            old = self._procs[local_rank]
+            if old.poll() is None:
+                raise RuntimeError(
+                    f"local rank {local_rank}: worker pid {old.pid} still runs; only an "
+                    "ended worker is replaced"
+                )
+            self.kill_remains(local_rank)
+            setup = _child_setup(os.getpid(), self._affinity.get(local_rank))
+            # the ended worker's records, back in place if the new one cannot start
+            kept = [(table, table.pop(local_rank, None)) for table in self._slot_tables()]
+            try:
+                self._start_one(local_rank, setup, extra_env, subdir)
+            except BaseException:
+                for table, value in kept:
+                    if value is not None:
+                        table[local_rank] = value
+                raise
+            return self._procs[local_rank].pid
+
+    def kill_remains(self, local_rank: int) -> None:
+        """SIGKILL what is left of this ended worker's process group (children that may
+        still hold its output open); nothing while it runs."""
+        with self._lock:
+            proc = self._procs[local_rank]
+            if proc.poll() is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # it led the group: pgid == pid
+
+    def _slot_tables(self) -> list[dict[int, Any]]:
+        """The per-slot records of a worker that a replacement gets anew."""
+        return [
+            self._error_files,
+            self._log_files,
+            self._tails,
+            self._stderr_pumps,
+            self._exit_times,
+        ]
+
+    def _start_one(
+        self,
+        local_rank: int,
+        setup: Callable[[], None] | None,
+        extra_env: Mapping[str, str] | None = None,
+        subdir: str = "",
+    ) -> None:
         assert self._log_dir is not None and self._wake is not None
-        rank_dir = os.path.join(self._log_dir, str(local_rank))
+        rank_dir = os.path.join(self._log_dir, str(local_rank), subdir)
         os.makedirs(rank_dir, exist_ok=True)
         error_file = os.path.join(rank_dir, "error.json")
         with contextlib.suppress(FileNotFoundError):
             os.remove(error_file)  # a stale one would be read as this attempt's error
         self._error_files[local_rank] = error_file
-        env = dict(self._envs[local_rank])
+        env = {**self._envs[local_rank], **(extra_env or {})}
         env[ERROR_FILE_ENV] = env[TORCH_ERROR_FILE_ENV] = error_file
 
         shown = self._console_ranks is None or local_rank in self._console_ranks

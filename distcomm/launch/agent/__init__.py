@@ -8,6 +8,7 @@ The agent's family, one job per module:
 - `watch`: the other nodes seen from a thread of its own, and what the agent does next;
 - `round_sync`: what the agents of a round agree on through its store (exit barrier, ...);
 - `failures`: what the agent reads about its failed workers;
+- `replace`: --on-failure=replace, a failed worker replaced while the others run on;
 - `report`: the agent's events, and the failure report of a round across the nodes;
 - `address`: the IP the agent advertises to the other nodes;
 - `tempdir`: the agent's temporary directory, and those of agents that died without

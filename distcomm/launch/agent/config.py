@@ -36,6 +36,7 @@ class AgentConfig:
     `logs_specs`, when given, names each attempt's log directory (else `log_dir` does, in
     torchrun's layout). `numa_binding` is --numa-binding. Workers started with
     `virtual_local_rank` all see LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES set to their GPU.
+    `on_failure` and `max_replacements` are --on-failure and --max-replacements.
     """
 
     min_nodes: int
@@ -71,6 +72,10 @@ class AgentConfig:
     duplicate_stdout_filters: list[str] = field(default_factory=list)
     duplicate_stderr_filters: list[str] = field(default_factory=list)
     virtual_local_rank: bool = False
+    #: --on-failure: "restart" (every worker of the node) or "replace" (the failed one
+    #: only, up to `max_replacements` over the run; see `replace.py`)
+    on_failure: str = "restart"
+    max_replacements: int = 3
 
 
 class SignalException(Exception):

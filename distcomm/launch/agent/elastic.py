@@ -15,7 +15,8 @@ slow store or a dead link never stops the agent from watching its workers:
   count is the run's, not the node's: every node that sees the failure of round R counts
   it once together) and stop the local workers. Within `max_restarts` every node joins
   the next round; past it the rendezvous is closed and every node prints the report of
-  the round's failures, on all nodes, and exits 1;
+  the round's failures, on all nodes, and exits 1. With --on-failure=replace a failed
+  worker is first replaced alone while the others run on (`replace.py`), within a budget;
 - another node waits to join (scale-up) or this node's round is over (a new round began,
   a node left it): stop the workers and join the next round (not counted as a restart);
 - the rendezvous was closed by another node: stop and exit with the run's outcome (1,
@@ -73,6 +74,7 @@ from .config import (
     SignalException,
 )
 from .failures import observe_failures, wait_for_root_cause
+from .replace import Replacer
 from .report import AgentEvents, round_report, share_failures, trace_dir
 from .round_sync import (
     RDZV_CHECK_INTERVAL,
@@ -128,6 +130,7 @@ class ElasticAgent:
         self.ranks: dict[int, int] = {}
         self._affinity: dict[int, frozenset[int]] | None = None
         self._events = AgentEvents(config)
+        self._replacer = Replacer(config, self._events)  # --on-failure=replace
         self._restarts = 0
         self._handler: RendezvousHandler | None = None
         self._workers: WorkerProcesses | None = None
@@ -406,6 +409,7 @@ class ElasticAgent:
         self.failures, text = round_report(
             run_store, round_, world_size, local, node, c.name, c.nproc_per_node, self._trace_dir
         )
+        text = "\n".join(filter(None, [text, self._replacer.summary()]))
         print(text, file=sys.stderr, flush=True)
         for failure in self.failures.values():
             if not failure.files_kept:  # its logs go with the temporary directory
@@ -509,11 +513,14 @@ class ElasticAgent:
         self._record_workers(info, "START", {})
 
     def _monitor(self, watch: RoundWatch) -> RunResult:
-        """Watch the workers every monitor_interval; never waits for the store."""
-        assert self._workers is not None
+        """Watch the workers every monitor_interval; never waits for the store. In replace
+        mode a failed worker may be replaced here, the others running on (`replace.py`)."""
+        assert self._workers is not None and self._last_info is not None
+        info, workers = self._last_info, self._workers
         while True:
             time.sleep(self.config.monitor_interval)
-            result = next_step(self._workers.poll(), watch.latest())
+            codes = self._replacer.step(workers, info, self._restarts, self._observe_failures)
+            result = next_step(codes, watch.latest())
             if result is not None:
                 return result
             watch.check_stall()

@@ -121,6 +121,29 @@ class AgentEvents:
                 self.config.event_log_handler,
             )
 
+    def replaced(
+        self,
+        info: RendezvousInfo | None,
+        restarts: int,
+        failure: ProcessFailure,
+        number: int,
+        pid: int,
+    ) -> None:
+        """Two worker events for a replacement (--on-failure=replace): FAILED for the dead
+        worker (``replaced_by_pid`` in its metadata), START for the replacement (``replacement``:
+        its number in the slot, ``replaced_pid``)."""
+        rank = failure.rank
+        ranks = {"local_rank": failure.local_rank, "global_rank": rank, "role_rank": rank}
+        dead = {**ranks, "exit_code": failure.exitcode, "worker_pid": failure.pid}
+        dead["replaced_by_pid"] = pid
+        new = {**ranks, "exit_code": None, "worker_pid": pid, "replacement": number}
+        new["replaced_pid"] = failure.pid
+        for state, worker, raw in (("FAILED", dead, failure.message), ("START", new, None)):
+            record(
+                self.event(state, EventSource.WORKER, info, restarts, raw, worker=worker),
+                self.config.event_log_handler,
+            )
+
 
 def round_report(
     run_store: Store,

@@ -3,16 +3,20 @@ sets them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... and their TORCHELASTIC
 
 from __future__ import annotations
 
+import os
 import signal
 import string
+import sys
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from ...parallel import physical_cores
 from ..output import Std
 from ..rendezvous import RendezvousInfo
 from .config import AgentConfig
+from .replace import REPLACEMENT_VARS
 
-__all__ = ["DEFAULT_PREFIX_TEMPLATE", "WorkerSpecs", "worker_specs"]
+__all__ = ["DEFAULT_PREFIX_TEMPLATE", "WorkerSpecs", "script_command", "worker_specs"]
 
 #: torchrun's prefix of teed console lines: role name and *local* rank ("[default0]:")
 DEFAULT_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"
@@ -58,6 +62,8 @@ def worker_specs(
         signal.Signals(sig).name for sig in c.signals_to_handle
     )
     base.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    for name in REPLACEMENT_VARS:  # a launcher inside a replacement: its workers are not
+        base.pop(name, None)
     visible = base.get("CUDA_VISIBLE_DEVICES")
     commands, envs, prefixes = {}, {}, {}
     ranks = {}
@@ -110,6 +116,38 @@ def worker_specs(
             rank=rank, local_rank=local_rank, role_name=c.role
         )
     return WorkerSpecs(commands, envs, prefixes, ranks)
+
+
+def script_command(
+    script: str, script_args: Sequence[str], *, run_path: bool, no_python: bool, module: bool
+) -> list[str]:
+    """Every worker's command for distcomm-run's script and its arguments: ``python -u
+    SCRIPT ...``, ``python -u -m MODULE ...`` (`module`), the program itself
+    (`no_python`), or the script run through ``runpy.run_path`` (`run_path`, which wins).
+
+    Raises:
+        ValueError: `run_path` with a relative script, or both `no_python` and `module`
+            (the message names the flags).
+    """
+    rest = list(script_args)
+    if run_path:
+        if not os.path.isabs(script):
+            raise ValueError(f"--run_path needs the script as an absolute path, got {script!r}")
+        runner = (
+            "import runpy, sys; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')"
+        )
+        return [sys.executable, "-u", "-c", runner, script, *rest]
+    if no_python and module:
+        raise ValueError(
+            "--no_python and -m/--module cannot be used at the same time: a module needs "
+            "the Python interpreter; drop one of the two flags"
+        )
+    if no_python:
+        return [script, *rest]
+    if module:
+        return [sys.executable, "-u", "-m", script, *rest]
+    return [sys.executable, "-u", script, *rest]
 
 
 def _visible_device(visible: str | None, local_rank: int) -> str:
