@@ -1,32 +1,43 @@
 """What every public operation shares: argument checks (ranks, tags, array lists) and
-how an issued Work is waited for and settled in the flight recorder."""
+how an issued Work is waited for and settled in the flight recorder; a call's own
+`timeout=` (`op_timeout`, `timed`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .arrays import adapt, check_same, flat
+from .deadline import Deadline
 from .ops import PremulSum, ReduceOp, scaled
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
+    from .work import Work
 
 __all__ = [
     "MAX_TAG",
     "array_list",
     "check_tag",
+    "op_timeout",
     "output_list",
     "premultiplied",
     "rank_arg",
     "same_size",
     "split_into",
+    "timed",
 ]
 
 #: user tags are below this (and >= 0: the negative ones are monitored_barrier's)
 MAX_TAG = 2**62
+
+#: the least wait of an operation handed a `Deadline` that has passed: a Work's wait(0)
+#: would mean "no timeout of its own" (torch's kNoTimeout), not "give up at once"
+_LEAST_WAIT = 0.001
 
 
 def rank_arg(
@@ -138,3 +149,76 @@ def premultiplied(op: ReduceOp | PremulSum, array: Any, in_place: bool) -> tuple
     if not isinstance(op, PremulSum):
         return op, array
     return ReduceOp.SUM, scaled(array, op.factor, in_place)
+
+
+def op_timeout(timeout: Any, pg: ProcessGroup, where: str) -> float:
+    """A call's `timeout=` in seconds: checked to be a positive number of seconds or a
+    `datetime.timedelta`, at most the timeout of the group `pg` (which bounds the
+    backend's own waits, so a longer one could not be honoured). A `Deadline` is what a
+    call made of several operations (the object collectives) hands each of them: the time
+    it has left, already checked.
+
+    Raises:
+        TypeError: `timeout` is neither a number (a bool is not one) nor a timedelta.
+        ValueError: it is zero, negative or NaN, or longer than the group's timeout.
+    """
+    if isinstance(timeout, Deadline):
+        return max(timeout.remaining() or 0.0, _LEAST_WAIT)
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(
+        timeout, bool
+    ):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"{where}: timeout must be a number of seconds or a datetime.timedelta, got "
+            f"{timeout!r} ({type(timeout).__name__}); pass e.g. timeout=30 or "
+            "timeout=timedelta(seconds=30), or None for the group's timeout"
+        )
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(
+            f"{where}: timeout must be a positive number of seconds, got {timeout!r}; pass "
+            "e.g. timeout=30, or None for the group's timeout"
+        )
+    limit = pg.timeout.total_seconds()
+    if seconds > limit:
+        raise ValueError(
+            f"{where}: timeout={timeout!r} ({seconds:g} s) is longer than the timeout of "
+            f"group '{pg.group_name}' ({limit:g} s), which bounds the backend's own waits, "
+            f"so it cannot be honoured; pass at most {limit:g} s, or create the group with "
+            "a longer timeout= in init_process_group or new_group"
+        )
+    return seconds
+
+
+def timed(
+    pg: ProcessGroup,
+    timeout: Any,
+    where: str,
+    async_op: bool,
+    issue: Callable[..., Work | None],
+    *args: Any,
+) -> Work | None:
+    """What a public function called with a `timeout` (not None) returns.
+
+    It checks `timeout` (`op_timeout`), then issues the operation with `issue(*args)`
+    (the function again, asked for async_op and no timeout, so that the flight recorder
+    settles its entry when it completes or its wait expires), and makes `timeout` what the
+    Work's `wait()` waits at most. An asynchronous call (`async_op`) gets that Work; a
+    synchronous one waits for it here, up to `timeout`, and gets None (a device Work is
+    waited on the host: its plain `wait()` would only order the caller's stream).
+
+    Raises:
+        DistTimeoutError: a synchronous call did not complete in time; the operation was
+            cancelled (a pending receive, on tcp and gloo) or its group aborted.
+    """
+    seconds = op_timeout(timeout, pg, where)
+    work = issue(*args)
+    if work is None:  # this rank is not in the group
+        return None
+    work.set_default_timeout(seconds)
+    if async_op:
+        return work
+    work.wait(seconds)
+    return None

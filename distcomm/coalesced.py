@@ -1,11 +1,11 @@
 """torch's coalesced collectives: one operation on a list of arrays, through one fused
-buffer (all_reduce_coalesced, all_gather_coalesced)."""
+buffer (all_reduce_coalesced, all_gather_coalesced); `timeout=` as in `distcomm.collectives`."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._calls import premultiplied, split_into
+from ._calls import premultiplied, split_into, timed
 from .arrays import adapt, check_same, concatenate, empty
 from .ops import ReduceOp, check_reduce_op
 from .work import Work
@@ -32,10 +32,16 @@ def all_reduce_coalesced(
     op: ReduceOp = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Reduce each array of `tensors` over the group, in place, as one fused all_reduce
     (torch.distributed.all_reduce_coalesced). The arrays share a dtype and a device; their
     shapes may differ, but every rank must pass the same shapes in the same order.
+
+    Args:
+        timeout: seconds or timedelta bounding this call alone (see
+            `distcomm.collectives`); default: the group's timeout.
 
     Raises:
         TypeError: `tensors` is not a list of arrays, or their dtypes differ.
@@ -46,6 +52,8 @@ def all_reduce_coalesced(
     if outside(group, where):
         return None
     pg = resolve(group, where)
+    if timeout is not None:
+        return timed(pg, timeout, where, async_op, all_reduce_coalesced, tensors, op, pg, True)
     arrays = _arrays(tensors, where, "tensors", writable=True)
     op = check_reduce_op(op, arrays[0].dtype, where)
     backend = pg.backend_for(arrays[0], where)
@@ -62,10 +70,16 @@ def all_gather_coalesced(
     input_tensor_list: list[Any],
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Gather every rank's `input_tensor_list` as one fused all_gather
     (torch.distributed.all_gather_coalesced): `output_tensor_lists[i][j]` receives rank
     i's `input_tensor_list[j]` (i a group rank).
+
+    Args:
+        timeout: seconds or timedelta bounding this call alone (see
+            `distcomm.collectives`); default: the group's timeout.
 
     Raises:
         TypeError: a list is not a list of arrays, or dtypes differ.
@@ -76,6 +90,9 @@ def all_gather_coalesced(
     if outside(group, where):
         return None
     pg = resolve(group, where)
+    if timeout is not None:
+        outputs, inputs = output_tensor_lists, input_tensor_list
+        return timed(pg, timeout, where, async_op, all_gather_coalesced, outputs, inputs, pg, True)
     inputs = _arrays(input_tensor_list, where, "input_tensor_list", writable=False)
     n = pg.size()
     if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != n:

@@ -2,7 +2,10 @@
 
 Peers are global ranks (`dst`, `src`, `peer`) or ranks within the group (`group_dst`,
 `group_src`, `group_peer`); a receive may name no source. Each is validated, recorded in
-the group's flight recorder and posted on the backend of its array's device.
+the group's flight recorder and posted on the backend of its array's device. Each but
+batch_isend_irecv takes `timeout=` (seconds or a timedelta): it bounds that call alone, as
+for the collectives (`distcomm.collectives`); a receive that times out is cancelled where
+the backend can (tcp, gloo), else the group is aborted.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
-from ._calls import check_tag, rank_arg
+from ._calls import check_tag, op_timeout, rank_arg, timed
 from .arrays import adapt, flat
 from .work import Work
 from .world import outside, resolve
@@ -35,7 +38,7 @@ class _Posting:
         issue: posts the operation on `backend`; its Work.
     """
 
-    __slots__ = ("_group", "_issue", "_kind", "_peer", "_tensor", "array", "backend")
+    __slots__ = ("_issue", "_kind", "_peer", "_tensor", "array", "backend", "group")
 
     def __init__(
         self,
@@ -47,16 +50,16 @@ class _Posting:
         peer: int | None,
         issue: Callable[[], Work],
     ) -> None:
-        self._group, self._kind, self._tensor, self._peer = group, kind, tensor, peer
+        self.group, self._kind, self._tensor, self._peer = group, kind, tensor, peer
         self.array, self.backend, self._issue = array, backend, issue
 
     def post(self) -> Work:
         """Record the operation in the group's flight recorder and post it; its Work."""
-        trace = self._group.recorder
+        trace = self.group.recorder
         entry = trace.record_p2p(self._kind, self.array, -1 if self._peer is None else self._peer)
         work = self._issue()
         trace.settle_later(entry, work)
-        work.global_ranks = self._group.ranks
+        work.global_ranks = self.group.ranks
         work.set_outputs([self._tensor])
         return work
 
@@ -105,12 +108,22 @@ def isend(
     group: ProcessGroup | None = None,
     tag: int = 0,
     group_dst: int | None = None,
+    *,
+    timeout: Any = None,
 ) -> Work:
     """Send `tensor` to `dst` without blocking; returns the Work to wait on (None on a
-    rank outside `group`)."""
+    rank outside `group`).
+
+    Args:
+        timeout: seconds or timedelta that the Work's `wait()` waits at most (default:
+            the group's timeout); on expiry the group is aborted.
+    """
     if outside(group, "isend"):
         return None
-    return _sending(tensor, dst, group, tag, group_dst).post()
+    posting = _sending(tensor, dst, group, tag, group_dst)
+    if timeout is not None:
+        return timed(posting.group, timeout, "isend", True, posting.post)
+    return posting.post()
 
 
 def irecv(
@@ -119,12 +132,23 @@ def irecv(
     group: ProcessGroup | None = None,
     tag: int = 0,
     group_src: int | None = None,
+    *,
+    timeout: Any = None,
 ) -> Work:
     """Post a receive into `tensor` from `src` (None: any rank); `Work.source_rank()` tells
-    (None on a rank outside `group`)."""
+    (None on a rank outside `group`).
+
+    Args:
+        timeout: seconds or timedelta that the Work's `wait()` waits at most (default:
+            the group's timeout); on expiry the receive is cancelled (tcp, gloo) or the
+            group aborted.
+    """
     if outside(group, "irecv"):
         return None
-    return _receiving(tensor, src, group, tag, group_src).post()
+    posting = _receiving(tensor, src, group, tag, group_src)
+    if timeout is not None:
+        return timed(posting.group, timeout, "irecv", True, posting.post)
+    return posting.post()
 
 
 def send(
@@ -133,11 +157,22 @@ def send(
     group: ProcessGroup | None = None,
     tag: int = 0,
     group_dst: int | None = None,
+    *,
+    timeout: Any = None,
 ) -> None:
-    """Send `tensor` to `dst`, blocking until it is handed to the transport."""
+    """Send `tensor` to `dst`, blocking until it is handed to the transport.
+
+    Args:
+        timeout: seconds or timedelta this call waits at most (default: the group's
+            timeout); on expiry the group is aborted and `DistTimeoutError` raised.
+    """
     if outside(group, "isend"):  # torch's send is an isend, and warns so
         return
-    _sending(tensor, dst, group, tag, group_dst).post().wait()
+    posting = _sending(tensor, dst, group, tag, group_dst)
+    if timeout is not None:
+        timed(posting.group, timeout, "send", False, posting.post)
+        return
+    posting.post().wait()
 
 
 def recv(
@@ -146,12 +181,26 @@ def recv(
     group: ProcessGroup | None = None,
     tag: int = 0,
     group_src: int | None = None,
+    *,
+    timeout: Any = None,
 ) -> int:
     """Receive into `tensor` from `src` (None: any rank); returns the sender's global rank
-    (-1 on a rank outside `group`)."""
+    (-1 on a rank outside `group`).
+
+    Args:
+        timeout: seconds or timedelta this call waits at most (default: the group's
+            timeout); on expiry the receive is cancelled (tcp, gloo) or the group aborted,
+            and `DistTimeoutError` raised.
+    """
     if outside(group, "irecv"):  # torch's recv is an irecv, and warns so
         return -1
-    work = _receiving(tensor, src, group, tag, group_src).post()
+    posting = _receiving(tensor, src, group, tag, group_src)
+    if timeout is not None:
+        seconds = op_timeout(timeout, posting.group, "recv")
+        work = posting.post()
+        work.wait(seconds)  # explicit: a device Work's plain wait() only orders a stream
+        return work.source_rank()
+    work = posting.post()
     work.wait()
     return work.source_rank()
 

@@ -142,7 +142,8 @@ class Work:
         outputs: the arrays the operation writes, returned by `result()`.
         on_timeout: called with the seconds waited when `wait(timeout)` expires; it
             cancels or aborts the operation and returns the exception to raise.
-        timeout: what `wait()` without a timeout waits at most (the group's timeout).
+        timeout: what `wait()` without a timeout waits at most (the group's timeout;
+            `set_default_timeout` sets a call's own).
     """
 
     #: `wait()` returns once the operation finished; False where it only orders a device
@@ -193,9 +194,9 @@ class Work:
         self._outputs[:] = outputs
 
     def set_default_timeout(self, seconds: float) -> None:
-        """Make `seconds` what `wait()` without a timeout waits at most (an option's own
-        timeout in the method API, `ProcessGroup.allreduce(..., opts)`, in place of the
-        group's)."""
+        """Make `seconds` what `wait()` without a timeout waits at most, in place of the
+        group's timeout: a call's own `timeout=` (`all_reduce(x, async_op=True,
+        timeout=5)`), or an option's in the method API (`ProcessGroup.allreduce(..., opts)`)."""
         self._default_timeout = seconds
 
     def add_timeout_callback(self, callback: Callable[[BaseException], None]) -> None:
@@ -220,10 +221,10 @@ class Work:
         """Block until the operation completes; True on success.
 
         Without `timeout`, or with a zero one (``timedelta(0)``, torch's ``kNoTimeout``:
-        "no explicit timeout", never "give up at once"), the group's timeout bounds the
-        wait. When `timeout` expires the operation is cancelled (a pending receive) or its
-        group aborted (a collective, which cannot be abandoned half-way), and
-        `DistTimeoutError` is raised.
+        "no explicit timeout", never "give up at once"), the operation's own timeout (the
+        `timeout=` it was called with) or else the group's bounds the wait. When the wait
+        expires the operation is cancelled (a pending receive) or its group aborted (a
+        collective, which cannot be abandoned half-way), and `DistTimeoutError` is raised.
 
         Raises:
             DistError: the operation failed; the error names the op, the group and the peers.
