@@ -123,6 +123,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ".store": ("EtcdStore", "FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"),
     ".subgroups": ("new_subgroups", "new_subgroups_by_enumeration"),
     ".trace": ("dump_trace", "record_comm"),
+    ".uneven": ("all_gather_v", "reduce_scatter_v"),
     ".work": ("Work",),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -5,6 +5,15 @@ tensors. Roots are global ranks (`src`, `dst`) or ranks within the group (`group
 `group_dst`). List-shaped variants are built here on the backend's single-array
 primitives. The point-to-point functions live in `distcomm.p2p` and are importable from
 here too.
+
+Every collective but the barriers (whose `timeout` is their own) takes a keyword `timeout=`
+(seconds or a `datetime.timedelta`, at most the group's timeout; None: the group's), said
+here once, that bounds that call alone. The operation is then issued as with
+`async_op=True`: a synchronous call waits for it up to `timeout` (on nccl, on the host),
+an asynchronous one returns a Work whose `wait()` (on nccl `synchronize()`) waits at most
+`timeout`. On expiry the group is aborted (every rank's pending and later operations
+fail; on mpi only this rank's) and `DistTimeoutError` names the operation and, on tcp and
+gloo, the ranks not heard from; destroy the group and create a new one.
 """
 
 from __future__ import annotations
@@ -15,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._calls import array_list, output_list, premultiplied, rank_arg, same_size, split_into
+from ._calls import array_list, premultiplied, rank_arg, same_size, split_into, timed
 from .arrays import adapt, check_same, concatenate, empty, flat
 from .deadline import to_seconds
 from .errors import DistTimeoutError
 from .ops import ReduceOp, check_reduce_op
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .trace.recorder import NO_ARRAY
+from .uneven import all_gather_list, check_own_piece, gather_any, scatter_any
 from .work import Work
 from .world import outside, resolve
 
@@ -66,11 +76,16 @@ def broadcast(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_src: int | None = None,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Copy `src`'s `tensor` into `tensor` on every rank of the group."""
     if outside(group, "broadcast"):
         return None
     pg = resolve(group, "broadcast")
+    if timeout is not None:
+        args = (tensor, src, pg, True, group_src)
+        return timed(pg, timeout, "broadcast", async_op, broadcast, *args)
     array = adapt(tensor, "broadcast", "tensor", writable=True)
     backend = pg.backend_for(array, "broadcast")
     root = rank_arg(pg, src, group_src, "broadcast", "src")
@@ -87,11 +102,15 @@ def all_reduce(
     op: ReduceOp = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Reduce `tensor` over the group with `op`; every rank gets the result in place."""
     if outside(group, "all_reduce"):
         return None
     pg = resolve(group, "all_reduce")
+    if timeout is not None:
+        return timed(pg, timeout, "all_reduce", async_op, all_reduce, tensor, op, pg, True)
     array = adapt(tensor, "all_reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "all_reduce")
     op = check_reduce_op(op, array.dtype, "all_reduce")
@@ -112,11 +131,15 @@ def reduce(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_dst: int | None = None,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Reduce `tensor` over the group into `dst`'s `tensor` (default dst: global rank 0)."""
     if outside(group, "reduce"):
         return None
     pg = resolve(group, "reduce")
+    if timeout is not None:
+        return timed(pg, timeout, "reduce", async_op, reduce, tensor, dst, op, pg, True, group_dst)
     array = adapt(tensor, "reduce", "tensor", writable=True)
     backend = pg.backend_for(array, "reduce")
     root = rank_arg(pg, dst, group_dst, "reduce", "dst", default=0)
@@ -130,7 +153,12 @@ def reduce(
 
 
 def all_gather_single(
-    output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+    output_tensor: Any,
+    input_tensor: Any,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Gather every rank's `input_tensor` into `output_tensor` (group size x its elements).
 
@@ -140,6 +168,9 @@ def all_gather_single(
     if outside(group, where):
         return None
     pg = resolve(group, where)
+    if timeout is not None:
+        args = (output_tensor, input_tensor, pg, True)
+        return timed(pg, timeout, where, async_op, all_gather_single, *args)
     output = adapt(output_tensor, where, "output_tensor", writable=True)
     input = adapt(input_tensor, where, "input_tensor", writable=False)
     check_same([output, input], where, "output_tensor and input_tensor")
@@ -159,19 +190,21 @@ def all_gather_single(
 
 
 def all_gather(
-    tensor_list: list[Any], tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+    tensor_list: list[Any],
+    tensor: Any,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Gather every rank's `tensor` into `tensor_list` (one array per rank, in rank order)."""
     if outside(group, "all_gather"):
         return None
     pg = resolve(group, "all_gather")
-    input = adapt(tensor, "all_gather", "tensor", writable=False)
-    outputs = output_list(tensor_list, input, pg.size(), "all_gather", "tensor_list")
-    backend = pg.backend_for(input, "all_gather")
-    gathered = empty(pg.size() * input.size, input)
-    entry = pg.recorder.record("all_gather", input)
-    inner = backend.all_gather(gathered, flat(input), async_op=async_op)
-    return pg.recorder.finish(entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
+    if timeout is not None:
+        return timed(pg, timeout, "all_gather", async_op, all_gather, tensor_list, tensor, pg, True)
+    # sizes may differ per rank (tensor_list[i]: rank i's); an even call runs as before
+    return all_gather_list(pg, tensor_list, tensor, async_op, "all_gather")
 
 
 def gather(
@@ -181,30 +214,21 @@ def gather(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_dst: int | None = None,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Gather every rank's `tensor` into `dst`'s `gather_list` (default dst: global rank 0)."""
     if outside(group, "gather"):
         return None
     pg = resolve(group, "gather")
+    if timeout is not None:
+        args = (tensor, gather_list, dst, pg, True, group_dst)
+        return timed(pg, timeout, "gather", async_op, gather, *args)
     input = adapt(tensor, "gather", "tensor", writable=False)
     backend = pg.backend_for(input, "gather")
     root = rank_arg(pg, dst, group_dst, "gather", "dst", default=0)
-    if pg.rank() != root:
-        if gather_list:
-            raise ValueError("gather: gather_list must be None (or empty) on ranks other than dst")
-        return pg.recorder.finish(
-            pg.recorder.record("gather", input, root),
-            backend.gather(None, flat(input), root, async_op=async_op),
-            async_op,
-            [],
-        )
-    if gather_list is None:
-        raise ValueError("gather: gather_list is required on dst: one array per rank")
-    outputs = output_list(gather_list, input, pg.size(), "gather", "gather_list")
-    gathered = empty(pg.size() * input.size, input)
-    entry = pg.recorder.record("gather", input, root)
-    inner = backend.gather(gathered, flat(input), root, async_op=async_op)
-    return pg.recorder.finish(entry, inner.chain(split_into(outputs, gathered), outputs), async_op)
+    # sizes may differ per rank, which only dst knows: every rank takes the uneven route
+    return gather_any(pg, backend, input, gather_list, root, async_op)
 
 
 def scatter(
@@ -214,40 +238,21 @@ def scatter(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_src: int | None = None,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Give rank i the i-th array of `src`'s `scatter_list` in `tensor` (default src: 0)."""
     if outside(group, "scatter"):
         return None
     pg = resolve(group, "scatter")
+    if timeout is not None:
+        args = (tensor, scatter_list, src, pg, True, group_src)
+        return timed(pg, timeout, "scatter", async_op, scatter, *args)
     output = adapt(tensor, "scatter", "tensor", writable=True)
     backend = pg.backend_for(output, "scatter")
     root = rank_arg(pg, src, group_src, "scatter", "src", default=0)
-    if pg.rank() != root:
-        if scatter_list:
-            raise ValueError(
-                "scatter: scatter_list must be None (or empty) on ranks other than src"
-            )
-        return pg.recorder.finish(
-            pg.recorder.record("scatter", output, root),
-            backend.scatter(flat(output), None, root, async_op=async_op),
-            async_op,
-            [tensor],
-        )
-    if scatter_list is None:
-        raise ValueError("scatter: scatter_list is required on src: one array per rank")
-    inputs = [
-        adapt(t, "scatter", f"scatter_list[{i}]", writable=False)
-        for i, t in enumerate(array_list(scatter_list, "scatter", "scatter_list", pg.size()))
-    ]
-    check_same([output, *inputs], "scatter", "scatter_list and tensor")
-    same_size(inputs, output.size, "scatter", "scatter_list")
-    joined = concatenate(inputs, output)
-    return pg.recorder.finish(
-        pg.recorder.record("scatter", output, root),
-        backend.scatter(flat(output), joined, root, async_op=async_op),
-        async_op,
-        [tensor],
-    )
+    # sizes may differ per rank, which only src knows: every rank takes the uneven route
+    return scatter_any(pg, backend, tensor, output, scatter_list, root, async_op)
 
 
 def reduce_scatter_single(
@@ -256,12 +261,17 @@ def reduce_scatter_single(
     op: ReduceOp = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Reduce `input` (group size x output elements) over the group; rank i gets slice i."""
     where = "reduce_scatter_single"
     if outside(group, where):
         return None
     pg = resolve(group, where)
+    if timeout is not None:
+        args = (output, input, op, pg, True)
+        return timed(pg, timeout, where, async_op, reduce_scatter_single, *args)
     out = adapt(output, where, "output", writable=True)
     inp = adapt(input, where, "input", writable=False)
     check_same([out, inp], where, "output and input")
@@ -289,11 +299,16 @@ def reduce_scatter(
     op: ReduceOp = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Reduce the i-th arrays of every rank's `input_list` into rank i's `output`."""
     if outside(group, "reduce_scatter"):
         return None
     pg = resolve(group, "reduce_scatter")
+    if timeout is not None:
+        args = (output, input_list, op, pg, True)
+        return timed(pg, timeout, "reduce_scatter", async_op, reduce_scatter, *args)
     out = adapt(output, "reduce_scatter", "output", writable=True)
     inputs = [
         adapt(t, "reduce_scatter", f"input_list[{i}]", writable=False)
@@ -315,7 +330,12 @@ def reduce_scatter(
 
 
 def all_gather_into_tensor(
-    output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+    output_tensor: Any,
+    input_tensor: Any,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Deprecated (as in torch 2.13): use `all_gather_single`, which it calls."""
     warnings.warn(
@@ -323,7 +343,7 @@ def all_gather_into_tensor(
         FutureWarning,
         stacklevel=2,
     )
-    return all_gather_single(output_tensor, input_tensor, group, async_op)
+    return all_gather_single(output_tensor, input_tensor, group, async_op, timeout=timeout)
 
 
 def reduce_scatter_tensor(
@@ -332,6 +352,8 @@ def reduce_scatter_tensor(
     op: ReduceOp = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Deprecated (as in torch 2.13): use `reduce_scatter_single`, which it calls."""
     warnings.warn(
@@ -339,7 +361,7 @@ def reduce_scatter_tensor(
         FutureWarning,
         stacklevel=2,
     )
-    return reduce_scatter_single(output, input, op, group, async_op)
+    return reduce_scatter_single(output, input, op, group, async_op, timeout=timeout)
 
 
 def _splits(splits: Sequence[int] | None, array: Any, n: int, where: str, name: str) -> list[int]:
@@ -383,12 +405,17 @@ def all_to_all_single(
     input_split_sizes: Sequence[int] | None = None,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Split `input` along dim 0, send piece j to rank j, and concatenate what arrives."""
     where = "all_to_all_single"
     if outside(group, where):
         return None
     pg = resolve(group, where)
+    if timeout is not None:
+        args = (output, input, output_split_sizes, input_split_sizes, pg, True)
+        return timed(pg, timeout, where, async_op, all_to_all_single, *args)
     out = adapt(output, where, "output", writable=True)
     inp = adapt(input, where, "input", writable=False)
     check_same([out, inp], where, "output and input")
@@ -409,11 +436,16 @@ def all_to_all(
     input_tensor_list: list[Any],
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Any = None,
 ) -> Work | None:
     """Send `input_tensor_list[j]` to rank j; receive rank j's into `output_tensor_list[j]`."""
     if outside(group, "all_to_all"):
         return None
     pg = resolve(group, "all_to_all")
+    if timeout is not None:
+        args = (output_tensor_list, input_tensor_list, pg, True)
+        return timed(pg, timeout, "all_to_all", async_op, all_to_all, *args)
     n = pg.size()
     outputs = [
         adapt(t, "all_to_all", f"output_tensor_list[{i}]", writable=True)
@@ -424,6 +456,7 @@ def all_to_all(
         for i, t in enumerate(array_list(input_tensor_list, "all_to_all", "input_tensor_list", n))
     ]
     check_same([*outputs, *inputs], "all_to_all", "output_tensor_list and input_tensor_list")
+    check_own_piece(outputs, inputs, pg.rank())  # the other pieces' sizes may differ
     backend = pg.backend_for(inputs[0], "all_to_all")
     joined = concatenate(inputs, inputs[0])
     received = empty(sum(t.size for t in outputs), inputs[0])

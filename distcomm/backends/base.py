@@ -326,9 +326,79 @@ class Backend(ABC):
         `array` is the first one's. Backends that post each at once need nothing."""
         return nullcontext()
 
+    # -- optional: uneven collectives (MPI's v-calls); counts[i] is rank i's elements --------
+    # A backend with native calls overrides these (mpi). The defaults return None: no
+    # native call, and distcomm runs the operation on the op set above instead.
+
+    def all_gather_v(
+        self, output: Any, input: Any, counts: Sequence[int], *, async_op: bool = False
+    ) -> Work | None:
+        """Concatenate every rank's `input` (rank i's: counts[i] elements) into `output`."""
+        return None
+
+    def gather_v(
+        self,
+        output: Any | None,
+        input: Any,
+        counts: Sequence[int] | None,
+        root: int,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """As `all_gather_v` into `root`'s `output` only (`output` and `counts`: None on
+        the other ranks, which know their own count alone)."""
+        return None
+
+    def scatter_v(
+        self,
+        output: Any,
+        input: Any | None,
+        counts: Sequence[int] | None,
+        root: int,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Give rank i piece i (counts[i] elements) of `root`'s `input` in `output`
+        (`input` and `counts`: None on the other ranks)."""
+        return None
+
+    def reduce_scatter_v(
+        self,
+        output: Any,
+        input: Any,
+        counts: Sequence[int],
+        op: ReduceOp,
+        *,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Reduce `input` (pieces of counts[i] elements) over ranks; rank i gets piece i."""
+        return None
+
     @abstractmethod
     def abort(self, reason: str) -> None:
         """Fail every pending and future operation, and tell the peers, with `reason`."""
+
+    def abort_reason(self) -> str | None:
+        """Why the group failed here (this rank's abort, a peer's, a timeout or a lost
+        peer), or None while it is well. A plug-in that cannot tell returns None; the
+        group layer then knows only of `ProcessGroup.abort()` calls."""
+        return None
+
+    def add_abort_listener(self, fn: Callable[[str], None]) -> None:
+        """Call `fn(reason)` once, from any thread, when the group fails here. Built-in
+        backends call it for every failure they see (`notify_abort`); a plug-in that
+        never calls `notify_abort` leaves it to `ProcessGroup.abort()`."""
+        listeners = self.__dict__.setdefault("_abort_listeners", [])
+        listeners.append(fn)
+
+    def notify_abort(self, reason: str) -> None:
+        """Tell the listeners (`add_abort_listener`) that the group failed, once."""
+        listeners = self.__dict__.get("_abort_listeners")
+        # setdefault is atomic: of two threads failing the group, one tells
+        if not listeners or self.__dict__.setdefault("_abort_told", reason) is not reason:
+            return
+        for fn in list(listeners):
+            fn(reason)
 
     @abstractmethod
     def shutdown(self) -> None:

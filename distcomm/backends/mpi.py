@@ -37,6 +37,7 @@ from ..ops import MPI_OP_NAMES, ReduceOp, average_into, reduce_into
 from ..store.base import Store
 from ..work import Future, Work
 from .base import Backend, BackendOptions, OpQueue
+from .mpi_uneven import MpiUneven
 
 __all__ = ["MpiBackend", "mpi"]
 
@@ -156,8 +157,9 @@ def _mpi_error(exc: BaseException) -> str:
     return getter() if getter is not None else str(exc)
 
 
-class MpiBackend(Backend):
-    """MPI through mpi4py: zero-copy buffer methods on a communicator per group."""
+class MpiBackend(MpiUneven, Backend):
+    """MPI through mpi4py: zero-copy buffer methods on a communicator per group (the
+    uneven collectives, MPI's v-calls, in `mpi_uneven.py`)."""
 
     name = "mpi"
     devices = ("cpu", "cuda")
@@ -283,6 +285,7 @@ class MpiBackend(Backend):
     def _break(self, description: str) -> None:
         """Refuse every later operation: `description` timed out and is still in MPI."""
         self._broken = f"{description} timed out and could not be cancelled"
+        self.notify_abort(self._broken)
 
     def _run(
         self,
@@ -534,6 +537,10 @@ class MpiBackend(Backend):
 
     def abort(self, reason: str) -> None:
         self._broken = reason
+        self.notify_abort(reason)
+
+    def abort_reason(self) -> str | None:
+        return self._broken or None
 
     def shutdown(self) -> None:
         if self._closed:
