@@ -46,6 +46,7 @@ __all__ = [
     "DistStoreTimeoutError",
     "DistTimeoutError",
     "GroupDestroyedError",
+    "JobFinishedError",
     "QueueEmptyError",
     "caused_by_peers",
     "peer_failure",
@@ -76,6 +77,12 @@ class BackendUnavailableError(DistBackendError, ImportError):
 
 class GroupDestroyedError(DistBackendError):
     """An operation was issued on, or was still queued in, a destroyed process group."""
+
+
+class JobFinishedError(DistError):
+    """A process that was to join a running job found it finished: its members ended
+    their loop (`distcomm.recovery.Manager.close`) before taking it in. Nothing is left
+    to do: a replacement exits 0 on it."""
 
 
 class DistNetworkError(DistError, ConnectionError):

@@ -9,6 +9,9 @@ mixed in above them (`process_group.ProcessGroup`): no import goes up.
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +22,9 @@ from .errors import GroupDestroyedError
 from .trace.recorder import Recorder
 
 __all__ = ["GroupHandle"]
+
+log = logging.getLogger("distcomm.group")
+_HOOKS_LOCK = threading.Lock()  # guards every group's abort state and hooks (rarely taken)
 
 
 class GroupHandle:
@@ -64,6 +70,32 @@ class GroupHandle:
         self.recorder = Recorder.create(
             cfg.trace_buffer if group_rank >= 0 else 0, stack=cfg.debug == "DETAIL"
         )
+        self._abort_hooks: list[Callable[[str], None]] = []
+        self._aborted: str | None = None  # why, once the group failed or was aborted
+        self._listen(backends)
+
+    def _listen(self, backends: dict[str, Backend]) -> None:
+        for backend in {id(b): b for b in backends.values()}.values():
+
+            def heard(reason: str, backend: Backend = backend) -> None:
+                # a backend re-forming replaced may still report its shutdown: not ours
+                if any(b is backend for b in self._backends.values()):
+                    self._on_abort(reason)
+
+            backend.add_abort_listener(heard)
+
+    def _on_abort(self, reason: str) -> None:
+        """(any thread) A backend of the group failed: remember it and run the hooks, once."""
+        with _HOOKS_LOCK:
+            if self._aborted is not None:
+                return
+            self._aborted = reason
+            hooks = list(self._abort_hooks)
+        for hook in hooks:
+            try:
+                hook(reason)
+            except Exception:  # a hook's error must not stop the others or the abort
+                log.exception("group '%s': an abort hook raised", self.group_name)
 
     def rank(self) -> int:
         """This process's rank in the group, or -1 when it is not a member."""
@@ -131,10 +163,63 @@ class GroupHandle:
             return self._backends[device]
         return self._backends.get("cpu") or next(iter(self._backends.values()))
 
-    def abort(self) -> None:
-        """Abort the group's operations on this rank (its peers' fail too)."""
+    def abort(self, reason: str | None = None) -> None:
+        """Abort the group, from any thread: every pending and later operation of it
+        fails, here and (tcp, gloo, nccl) on every other rank, which hear of it at once
+        instead of waiting out a timeout. The abort hooks run. Re-form the group to go on
+        (`reconfigure`, `distcomm.recovery`) or destroy it.
+
+        Args:
+            reason: said in every error the abort causes (default: that abort was called).
+        """
+        why = reason or f"ProcessGroup.abort() was called on rank {self.global_rank}"
+        for backend in {id(b): b for b in self._backends.values()}.values():
+            backend.abort(why)
+        self._on_abort(why)  # also for a plug-in that tells no listener
+
+    def is_aborted(self) -> bool:
+        """Whether the group was aborted or failed (an abort here or on another rank, a
+        timeout, a lost peer): its operations fail until it is re-formed or destroyed."""
+        return self.abort_reason() is not None
+
+    def abort_reason(self) -> str | None:
+        """Why the group was aborted or failed, or None while it is well."""
+        if self._aborted is not None:
+            return self._aborted
         for backend in self._backends.values():
-            backend.abort("ProcessGroup.abort() was called")
+            reason = backend.abort_reason()
+            if reason is not None:
+                return reason
+        return None
+
+    def register_abort_hook(self, hook: Callable[[str], None]) -> None:
+        """Call `hook(reason)` once when the group is aborted or fails, from the thread
+        that saw it (a reader or watchdog thread, or the caller of `abort`): keep it short
+        and issue no operation of the group in it (set a flag, wake a thread). A hook
+        registered after the failure runs at once."""
+        if not callable(hook):
+            raise TypeError(f"register_abort_hook: hook must be callable, got {hook!r}")
+        with _HOOKS_LOCK:
+            reason = self._aborted
+            if reason is None:
+                self._abort_hooks.append(hook)
+                return
+        hook(reason)
+
+    def rebuild(
+        self, ranks: list[int], group_rank: int, backends: dict[str, Backend], store_key: str
+    ) -> None:
+        """Make this object the group `ranks` with `backends` (a reconfigure): the old
+        backends are shut down by the caller; the recorder and the hooks stay, the abort
+        state is cleared."""
+        self.ranks = ranks
+        self._rank = group_rank
+        self._backends = backends
+        self.store_key = store_key
+        self._splits = 0
+        with _HOOKS_LOCK:
+            self._aborted = None
+        self._listen(backends)
 
     def shutdown(self) -> None:
         """Release the group's connections: shut every backend down, also when one of them

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from . import config, mpiutil
+from . import config, membership, mpiutil
 from .backends import registered_backends
 from .backends.base import Backend
 from .backends.spec import create_backends, parse_backend, spec_text
@@ -59,6 +60,7 @@ def init_process_group(
     group_name: str = "",
     pg_options: Any = None,
     device_id: Any = None,
+    join: bool | None = None,
 ) -> None:
     """Initialise the default process group (torch.distributed.init_process_group).
 
@@ -79,6 +81,10 @@ def init_process_group(
         device_id: the GPU of this rank (an index, "cuda:N", a cupy.cuda.Device or a
             torch.device): made current, and an nccl backend creates its communicator
             there now instead of at the first collective.
+        join: join a running job instead of starting one (not in torch): register with
+            its store and return once its members have taken this process in (they do
+            between steps: `distcomm.recovery`). Default: True in a replacement that
+            distcomm-run --on-failure=replace started (DISTCOMM_REPLACEMENT is set).
 
     Raises:
         RuntimeError: the default group already exists.
@@ -116,6 +122,14 @@ def init_process_group(
         config.configure_logging(cfg, rdzv.rank)
         owns = store is None
         name = group_name or "default"
+        if join is None:
+            join = bool(os.environ.get("DISTCOMM_REPLACEMENT"))
+        if join:
+            _start_joining(rdzv.store, owns, name, spec, seconds)
+    if join:
+        _join(seconds)
+        return
+    with state.lock:
         try:
             backends = create_backends(
                 spec,
@@ -162,6 +176,37 @@ def init_process_group(
         if device_id is not None and hasattr(cuda, "connect"):
             cuda.connect()  # nccl: the communicator now, on the chosen GPU
         stall.start(cfg.stall_warn_s, rdzv.store, lambda: list(state.groups.values()))
+
+
+def _start_joining(
+    store: Store, owns: bool, name: str, spec: dict[str, str], seconds: float
+) -> None:
+    """The world of a process that joins a running job: a default group with no member
+    yet, which `_join` re-forms once the members take this process in."""
+    group = ProcessGroup(name, [], -1, {}, spec_text(spec), seconds, -1)
+    state.default, state.store, state.owns_store = group, store, owns
+    state.groups = {name: group}
+    state.next_id, state.local_ids, state.spec = 1, {}, spec
+    state.process_ranks = []
+
+
+def _join(seconds: float) -> None:
+    group = state.default
+    assert group is not None
+    try:
+        decision = membership.join(group, timeout=seconds)
+    except BaseException:
+        destroy_process_group()
+        raise
+    install_signal_handlers(state.every_group)
+    mpiutil.call_before_abort(dump)
+    install_exception_hook()
+    log.info(
+        "joined the job at epoch %d: rank %d of %d",
+        decision.epoch,
+        group.rank(),
+        group.size(),
+    )
 
 
 def check_ranks(ranks: Iterable[int] | None, world_size: int, sort: bool = True) -> list[int]:
@@ -244,7 +289,8 @@ def new_group(
                 return GroupMember.NON_GROUP_MEMBER
             group_id = _local_group_id(members)  # agreed by the members alone
         else:
-            group_id = str(state.next_id)  # agreed by every rank calling in the same order
+            # agreed by every rank calling in the same order (since the last re-forming)
+            group_id = f"{state.id_prefix}{state.next_id}"
             state.next_id += 1
         name = group_desc or group_id
         if not use_local_synchronization:
@@ -299,7 +345,7 @@ def _local_group_id(members: list[int]) -> str:
     digest = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
     count = state.local_ids.get(digest, 0)
     state.local_ids[digest] = count + 1
-    return f"local-{digest}-{count}"
+    return f"{state.id_prefix}local-{digest}-{count}"
 
 
 def _every_rank_is_there(world: ProcessGroup, members: list[int], name: str) -> None:
@@ -372,5 +418,9 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
                 state.groups = {}
                 state.spec = {}
                 state.process_ranks = []
+                state.process_rank = None
+                state.epoch = 0
+                state.id_prefix, state.next_id = "", 1
+                state.local_ids = {}
         if errors:
             raise errors[0]

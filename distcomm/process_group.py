@@ -8,10 +8,13 @@ functions need only the state below them; `lifecycle` makes the instances.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import NewType
 
+from . import reconfigure
 from .group_methods import GroupMethods
 from .handle import GroupHandle
+from .work import Work
 
 __all__ = ["GroupName", "ProcessGroup"]
 
@@ -28,3 +31,20 @@ class ProcessGroup(GroupHandle, GroupMethods):
     them (`pg.allreduce([x], AllreduceOptions())`; see `distcomm.group_methods`); its
     state and backend choice are `distcomm.handle.GroupHandle`'s.
     """
+
+    # -- re-forming (torchcomms' shape) ------------------------------------------------------
+
+    def get_init_handle(self) -> str:
+        """This process's init handle: what the other processes of a re-formed group pass
+        to `reconfigure` to name it (the same string every time it is asked)."""
+        return reconfigure.init_handle(self)
+
+    def reconfigure(
+        self, uuid: str, init_handles: list[str], timeout: float | timedelta | None = None
+    ) -> Work:
+        """Re-form this group, in place, as the processes of `init_handles` (their
+        `get_init_handle()`, in the new rank order); every one of them calls it with the
+        same `uuid` and list, and old members left out do not. The default group renumbers
+        the world and drops the other groups. Returns a completed Work once connected.
+        See `distcomm.reconfigure.reconfigure` for the errors."""
+        return reconfigure.reconfigure(self, uuid, init_handles, timeout)

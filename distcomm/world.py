@@ -44,12 +44,19 @@ class World:
     owns_store: bool = False
     groups: dict[str, GroupHandle] = field(default_factory=dict)
     next_id: int = 1
+    #: heads the ids of groups made since the world was last re-formed (`reconfigure`)
+    id_prefix: str = ""
     #: groups made with use_local_synchronization, per hash of their ranks
     local_ids: dict[str, int] = field(default_factory=dict)
     spec: dict[str, str] = field(default_factory=dict)
     #: each world rank's rank when the job started (they differ once shrink_group has
     #: shrunk the default group); backends that address processes (mpi) get these
     process_ranks: list[int] = field(default_factory=list)
+    #: this process's process rank where it is not its world rank at the job's start (a
+    #: process that joined a running job, or one whose world was re-formed)
+    process_rank: int | None = None
+    #: the world's epoch: 0 at the job's start, one more at each re-forming (membership)
+    epoch: int = 0
 
     def every_group(self) -> tuple[GroupHandle | None, list[GroupHandle]]:
         """(the default group or None, every group): what the flight recorder dumps."""

@@ -345,6 +345,68 @@ def _destroy_leaves_nothing() -> dict[str, Any]:
     }
 
 
+def _op_timeout_then_reconfigure() -> dict[str, Any]:
+    """A per-operation timeout on a held stream aborts the group (hook, is_aborted); the
+    world is then re-formed in place: a new NCCL communicator, and the group works."""
+    cp = _cupy()
+    _init_nccl(60)
+    pg = dist.group.WORLD
+    heard: list[str] = []
+    pg.register_abort_hook(heard.append)
+    _hold, x, producer = _held(cp, cap=_HELD_FOR)
+    try:
+        with producer:
+            start = time.monotonic()
+            timed_out = _raised(lambda: dist.all_reduce(x, timeout=1))
+            raised_after = time.monotonic() - start
+        aborted = pg.is_aborted()
+        producer.synchronize()
+        old_comm = id(pg.backends()["cuda"])
+        pg.reconfigure("after-timeout", [pg.get_init_handle()]).wait()
+        y = cp.arange(5, dtype=cp.float64)
+        dist.all_reduce(y)
+        return {
+            "timed_out": timed_out,
+            "raised_after_s": round(raised_after, 2),
+            "aborted": aborted,
+            "heard": heard[:1],
+            "new_backend": id(pg.backends()["cuda"]) != old_comm,
+            "aborted_after": pg.is_aborted(),
+            "after": cp.asnumpy(y).tolist(),
+        }
+    finally:
+        producer.synchronize()
+        dist.destroy_process_group()
+
+
+def _abort_from_another_thread() -> dict[str, Any]:
+    """ProcessGroup.abort from another thread fails a pending nccl operation at once."""
+    cp = _cupy()
+    _init_nccl(60)
+    pg = dist.group.WORLD
+    heard: list[str] = []
+    pg.register_abort_hook(heard.append)
+    _hold, x, producer = _held(cp, cap=_HELD_FOR)
+    try:
+        with producer:
+            work = dist.all_reduce(x, async_op=True)
+        threading.Timer(0.5, pg.abort, args=("stopped by the test",)).start()
+        start = time.monotonic()
+        waited = _raised(work.synchronize)  # wait() only orders the stream: on the host
+        raised_after = time.monotonic() - start
+        later = _raised(lambda: dist.all_reduce(cp.ones(4)))
+        return {
+            "waited": waited,
+            "later": later,
+            "raised_after_s": round(raised_after, 2),
+            "aborted": pg.is_aborted(),
+            "heard": heard[:1],
+        }
+    finally:
+        producer.synchronize()
+        dist.destroy_process_group()
+
+
 def _in_fresh_process(fn, env: dict[str, str] | None = None) -> Any:
     pool = RankPool(1, env={"NCCL_SOCKET_IFNAME": "lo", **(env or {})}, start_timeout=120)
     try:
@@ -386,6 +448,23 @@ def test_watchdog_fails_an_operation_past_the_group_timeout(nccl):
     assert re.match(r"DistTimeoutError: .*did not complete within 3 s", got["waited"]), got
     assert re.match(r"DistTimeoutError: .*aborted", got["later"]), got
     assert got["hold"] == "ran out", got
+
+
+def test_op_timeout_aborts_and_reconfigure_makes_a_new_communicator(nccl):
+    got = _in_fresh_process(_op_timeout_then_reconfigure)
+    print(got)  # how long the timeout took, for the log
+    assert re.match(r"DistTimeoutError: .*all_reduce", got["timed_out"]), got
+    assert got["aborted"] is True and got["heard"], got
+    assert got["new_backend"] is True and got["aborted_after"] is False
+    assert got["after"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_abort_from_another_thread_fails_the_pending_op(nccl):
+    got = _in_fresh_process(_abort_from_another_thread)
+    print(got)
+    assert "stopped by the test" in got["waited"], got
+    assert got["later"] != "nothing", got
+    assert got["aborted"] is True and "stopped by the test" in got["heard"][0], got
 
 
 def test_split_group_and_premul_sum_on_nccl(nccl):

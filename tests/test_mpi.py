@@ -240,3 +240,30 @@ def test_shrink_and_split_groups(tmp_path):
     done = mpiexec(3, sys.executable, script, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("shrunk") == 2, done.stdout
+
+
+def test_reconfigure_is_refused_with_what_is_missing(tmp_path):
+    """Re-forming an mpi group (torchcomms' reconfigure, the recovery Manager) needs
+    MPI's dynamic processes, which the mpi backend does not drive: a clear error, and
+    the group still works."""
+    script = _script(
+        tmp_path,
+        """
+        import numpy as np
+        import distcomm as dist
+        dist.init_process_group("mpi")
+        pg = dist.group.WORLD
+        try:
+            pg.reconfigure("again", [pg.get_init_handle()])
+        except dist.DistBackendError as exc:
+            assert "MPI_Comm_connect/accept" in str(exc) and "tcp or gloo" in str(exc), exc
+            print("refused", flush=True)
+        x = np.ones(2)
+        dist.all_reduce(x)
+        assert x.tolist() == [2.0, 2.0], x
+        dist.destroy_process_group()
+    """,
+    )
+    done = mpiexec(2, sys.executable, script, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("refused") == 2, done.stdout

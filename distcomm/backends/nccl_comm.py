@@ -191,6 +191,10 @@ class NcclCommunicator:
     def abort(self, reason: str) -> None:
         self._watch.fail(DistBackendError(reason))
 
+    def abort_reason(self) -> str | None:
+        failure = self._watch.failure
+        return None if failure is None else str(failure)
+
     def shutdown(self) -> None:
         pending = self._watch.stop()
         if pending is None:  # shut down already

@@ -212,6 +212,8 @@ class NcclWatchdog:
         self._failed_works: list[NcclWork] = []  # their arrays live until shutdown
         self._released = False  # the communicator was aborted or destroyed
         self._aborter: threading.Thread | None = None  # runs the abort `fail` started
+        #: called with the failure's text once the group failed (the abort listeners)
+        self.on_failure: Callable[[str], None] | None = None
 
     @property
     def failure(self) -> DistError | None:
@@ -287,6 +289,8 @@ class NcclWatchdog:
             pending, self._pending = self._pending, []
             self._cond.notify_all()
         log.error("%s: aborting the NCCL communicator: %s", self.describe("abort"), error)
+        if self.on_failure is not None:
+            self.on_failure(str(error))
         # ncclCommAbort frees the communicator's device memory, which waits for the GPU
         # to finish what is queued before it, other streams' kernels included (seen with
         # NCCL 2.28.9: a wait(timeout=1) raised only after 8 s, when a kernel ahead of

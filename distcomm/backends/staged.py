@@ -101,6 +101,12 @@ class StagedBackend(Backend):
     def abort(self, reason: str) -> None:
         self.inner.abort(reason)
 
+    def abort_reason(self) -> str | None:
+        return self.inner.abort_reason()
+
+    def add_abort_listener(self, fn: Callable[[str], None]) -> None:
+        self.inner.add_abort_listener(fn)
+
     def shutdown(self) -> None:
         if self._staging is not None:
             self._staging.clear()

@@ -72,6 +72,7 @@ class TcpBackend(Backend):
             generation=setup_round,
         )
         self._runner = Runner(self._transport, self.name, self.describe, timeout)
+        self._transport.mailbox.add_listener(self._maybe_failed)
         self._scratch = ScratchPool()
         self._closed = False
         self._tcp = TcpPath(self._transport, self.tuning, self._scratch)
@@ -295,6 +296,17 @@ class TcpBackend(Backend):
 
     def abort(self, reason: str) -> None:
         self._transport.abort(Failure(DistBackendError, reason))
+
+    def abort_reason(self) -> str | None:
+        failure = self._transport.mailbox.failure
+        return None if failure is None else failure.message
+
+    def _maybe_failed(self) -> None:
+        """(any thread) The mailbox failed or a peer left: tell the abort listeners of a
+        failure."""
+        failure = self._transport.mailbox.failure
+        if failure is not None:
+            self.notify_abort(failure.message)
 
     def shutdown(self) -> None:
         if self._closed:

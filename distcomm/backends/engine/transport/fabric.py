@@ -179,6 +179,13 @@ def attach(store: Store, prank: int, link_timeout: float, generation: int | None
         return fabric
 
 
+def generation_of(store: Store, prank: int) -> int | None:
+    """The generation of this process's open fabric for process rank `prank` on `store`,
+    or None where none is open (a process that joined a job and has no group yet)."""
+    fabric = _registry.get((id(store), prank))
+    return None if fabric is None or fabric.closing else fabric.generation
+
+
 class Fabric(Dialling, Sending, Reading):
     """A process's connections to the processes of its job, and the I/O thread serving them.
 

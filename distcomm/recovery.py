@@ -1,0 +1,226 @@
+"""A training loop that survives lost workers without restarting the others: per-step
+commit, re-forming the world, and catching newcomers up from a survivor.
+
+`Manager` wraps a loop's steps. At the end of each step every rank votes, with one
+all_reduce, whether it finished the step; the step is committed only when every rank did,
+else every rank discards it. A failed vote (a rank was lost, the group aborted) marks the
+world for re-forming, which the next `start_step` does (`distcomm.membership`: the live
+members, plus any newcomer that registered, decided once through the job's store). After
+each re-forming every rank compares its committed step count: the lowest rank holding the
+highest count sends its state (`state_dict()`) to the others, which load it
+(`load_state_dict`), so a newcomer, and any rank that missed the last commit, continues
+from the same committed state as the rest, bit for bit.
+
+Under `distcomm-run --on-failure=replace` the agent starts a replacement for a worker that
+died; the replacement's `init_process_group()` registers it and returns once the members
+took it in, which they do at the step after rank 0 sees it registered (the vote carries
+that news). The job's store must outlive the workers (distcomm-run's agent store does).
+This is torchft's idea on one job, with the store as the quorum's arbiter; see the
+recovery page of the docs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from . import membership
+from .collectives import all_reduce, broadcast
+from .errors import DistError, JobFinishedError
+from .objects import all_gather_object, broadcast_object_list
+from .reconfigure import NEWCOMER_RANKS
+from .world import default_group, state
+
+__all__ = ["JobFinishedError", "Manager"]
+
+log = logging.getLogger("distcomm.recovery")
+
+
+class Manager:
+    """Per-step commit and re-forming for a loop on the default group.
+
+    Args:
+        state_dict: returns the state a newcomer needs, a dict of numpy arrays and
+            picklable values (weights, optimizer state); called on the rank that sends.
+        load_state_dict: loads such a dict (arrays arrive as new numpy arrays).
+        settle: seconds without news after which members on other hosts that did not
+            come to a re-forming are left out (on this host an ended process is seen at
+            once).
+        timeout: bound of a re-forming and of the state transfer (default: the group's).
+        step: the committed step count to start from (a loop resumed from a checkpoint).
+
+    Use::
+
+        mgr = Manager(state_dict, load_state_dict)
+        while mgr.step < steps:
+            mgr.start_step()                 # re-forms and catches up when needed
+            try:
+                ...                          # the step's collectives
+                ok = True
+            except dist.DistError:
+                ok = False
+            if mgr.should_commit(ok):        # every rank finished it: apply the update
+                ...
+    """
+
+    def __init__(
+        self,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        *,
+        settle: float = 1.0,
+        timeout: float | timedelta | None = None,
+        step: int = 0,
+    ) -> None:
+        if not callable(state_dict) or not callable(load_state_dict):
+            raise TypeError(
+                "Manager: state_dict and load_state_dict must be callables (a function "
+                "returning the state as a dict, and one loading such a dict)"
+            )
+        if isinstance(settle, bool) or not isinstance(settle, (int, float)) or settle <= 0:
+            raise ValueError(
+                f"Manager: settle must be a positive number of seconds, got {settle!r}"
+            )
+        self._pg = default_group("Manager")
+        self._state_dict, self._load = state_dict, load_state_dict
+        self._settle, self._timeout = float(settle), timeout
+        #: the number of committed steps
+        self.step = int(step)
+        #: re-formings this process took part in, and steps discarded
+        self.reforms = 0
+        self.discarded = 0
+        joined = state.process_rank is not None and state.process_rank >= NEWCOMER_RANKS
+        last = membership.current()
+        if joined and last is not None:
+            self._members, self._admitted = list(last.handles), last.admitted
+            self._catch_up = True  # the members send the state at their next start_step
+            self._fresh = True  # no state of the job's yet
+        else:
+            handles: list[Any] = [None] * self._pg.size()
+            all_gather_object(handles, self._pg.get_init_handle())
+            self._members, self._admitted = handles, 0
+            self._catch_up = False
+            self._fresh = False
+        self._reform = False
+        self._grow = False
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current world."""
+        return self._pg.rank()
+
+    @property
+    def world_size(self) -> int:
+        """The current world's size."""
+        return self._pg.size()
+
+    def start_step(self) -> None:
+        """Begin a step: re-form the world if the last vote failed or newcomers wait,
+        then, after any re-forming (or in a newcomer), bring every rank to the highest
+        committed state."""
+        if self._reform or self._grow or self._pg.is_aborted():
+            decision = membership.reform(
+                self._pg, self._members, self._admitted, self._settle, self._timeout
+            )
+            self._members, self._admitted = list(decision.handles), decision.admitted
+            self._reform = self._grow = False
+            self.reforms += 1
+            self._catch_up = True
+            log.warning(
+                "re-formed the world at epoch %d: %d ranks, this one rank %d (step %d)",
+                decision.epoch,
+                self._pg.size(),
+                self._pg.rank(),
+                self.step,
+            )
+        if self._catch_up:
+            self._sync()
+            self._catch_up = False
+
+    def should_commit(self, ok: bool = True) -> bool:
+        """End a step: vote whether every rank finished it (`ok`: this one did). True on
+        every rank when all did (the caller applies the step); False on every rank that
+        can still vote otherwise, and the step is to be done again. A vote that fails (a
+        rank was lost) returns False and marks the world for re-forming."""
+        news = 0
+        if self._pg.rank() == 0:
+            try:
+                news = membership.pending(self._admitted)
+            except Exception as exc:  # the store is unreachable: the vote still runs
+                log.warning("could not ask the store for newcomers: %s", exc)
+        vote = np.array([0 if ok else 1, news], dtype=np.int64)
+        try:
+            all_reduce(vote, group=self._pg)
+        except DistError as exc:
+            log.warning("step %d discarded: the vote failed: %s", self.step, exc)
+            self._reform = True
+            self.discarded += 1
+            return False
+        if vote[1] > 0:
+            self._grow = True
+        if vote[0] > 0:
+            self.discarded += 1
+            self._reform = self._pg.is_aborted()
+            return False
+        self.step += 1
+        return True
+
+    def close(self) -> None:
+        """End the loop: a newcomer still waiting to join (a replacement that came too
+        late) gets `JobFinishedError` instead of waiting out its timeout. Every rank may
+        call it; leaving the `with` block of the Manager calls it."""
+        try:
+            membership.close()
+        except Exception as exc:  # the store is gone: nobody can be waiting on it
+            log.debug("could not mark the job finished: %s", exc)
+
+    def __enter__(self) -> Manager:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if kind is None:  # the loop ended; an exception is a failure the agent handles
+            self.close()
+
+    # -- catching up ---------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        """Every rank to the state of the lowest rank with the most committed steps."""
+        steps: list[Any] = [None] * self._pg.size()
+        all_gather_object(steps, -1 if self._fresh else self.step, group=self._pg)
+        best = max(steps)
+        if all(s == best for s in steps):
+            return
+        src = steps.index(best)
+        me = self._pg.rank()
+        layout: list[Any] = [None]
+        arrays: dict[str, np.ndarray] = {}
+        if me == src:
+            current = self._state_dict()
+            if not isinstance(current, dict):
+                raise TypeError(f"Manager: state_dict() must return a dict, got {current!r}")
+            arrays = {k: np.ascontiguousarray(v) for k, v in current.items() if _is_array(v)}
+            others = {k: v for k, v in current.items() if not _is_array(v)}
+            shapes = {k: (a.shape, a.dtype.str) for k, a in arrays.items()}
+            layout[0] = (self.step, shapes, others)
+        broadcast_object_list(layout, group_src=src, group=self._pg)
+        step, shapes, others = layout[0]
+        for key in sorted(shapes):
+            shape, dtype = shapes[key]
+            buf = arrays[key] if me == src else np.empty(shape, dtype=np.dtype(dtype))
+            broadcast(buf, group_src=src, group=self._pg)
+            arrays[key] = buf
+        if me != src:
+            self._load({**others, **arrays})
+            self.step = step
+        self._fresh = False
+        log.info("caught up from rank %d at step %d", src, step)
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray)

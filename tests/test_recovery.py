@@ -1,0 +1,193 @@
+"""Re-forming the world without restarting the survivors: abort from another thread,
+the low-level reconfigure, growing 3 -> 4 and shrinking then growing under the recovery
+Manager (tcp and gloo), and the resilient SGD example under distcomm-run's replace mode.
+
+Each job's workers are real processes; the store is hosted by this test, as distcomm-run's
+agent hosts it, so it outlives any worker. The tests assert results (weights, ranks,
+errors), never durations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distcomm.store import TCPStore
+
+from .processes import no_process_left
+
+JOB = str(Path(__file__).with_name("recovery_job.py"))
+BACKENDS = ["tcp", "gloo"]
+
+
+class Job:
+    """Workers of tests/recovery_job.py around a store this test hosts."""
+
+    def __init__(self, world_size: int, backend: str, **env: str) -> None:
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.store.port),
+            "WORLD_SIZE": str(world_size),
+            "DISTCOMM_USE_AGENT_STORE": "1",
+            "BACKEND": backend,
+            "PYTHONUNBUFFERED": "1",
+            **env,
+        }
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, scenario: str, rank: int, **env: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, JOB, scenario],
+            env={**self.env, "RANK": str(rank), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def results(self, procs: list[subprocess.Popen], timeout: float = 180.0) -> list[dict]:
+        found = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, (
+                f"worker failed ({proc.returncode}):\n{err[-3000:]}"
+            )
+            found.append(json.loads(lines[-1][7:]))
+        return found
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        self.store.close()
+
+
+@pytest.fixture
+def job_factory():
+    jobs: list[Job] = []
+
+    def make(world_size: int, backend: str, **env: str) -> Job:
+        jobs.append(Job(world_size, backend, **env))
+        return jobs[-1]
+
+    with no_process_left():
+        yield make
+        for job in jobs:
+            job.close()
+
+
+def _same_weights(results: list[dict], steps: int) -> None:
+    expected = [steps * (steps + 1) / 2] * 4  # the sum of every step's (step + 1)
+    for result in results:
+        assert result["steps"] == steps
+        assert result["w"] == expected, result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_from_another_thread_fails_every_rank(job_factory, backend):
+    job = job_factory(3, backend)
+    procs = [job.start("abort", r) for r in range(3)]
+    results = job.results(procs)
+    for result in results:
+        assert result["error"] is not None, result
+        assert "stopped by the test" in result["error"], result
+        assert result["later"] is not None
+        assert result["aborted"] is True
+        assert result["hooks"] and "stopped by the test" in result["hooks"][0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reconfigure_renumbers_the_world(job_factory, backend):
+    job = job_factory(3, backend)
+    results = job.results([job.start("reconfigure", r) for r in range(3)])
+    for result in results:
+        assert result["new"] == 2 - result["old"]
+        assert result["size"] == 3
+        assert result["sum"] == 3.0  # 0 + 1 + 2 over the re-formed group
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grow_from_3_to_4(job_factory, backend, tmp_path):
+    hold = tmp_path / "newcomer-started"
+    job = job_factory(3, backend, STEPS="40", HOLD=str(hold))
+    members = [job.start("member", r) for r in range(3)]
+    time.sleep(1.0)
+    newcomer = job.start("newcomer", 2)
+    hold.touch()
+    results = job.results([*members, newcomer])
+    _same_weights(results, 40)
+    assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
+    assert all(r["size"] == 4 for r in results)
+    assert results[-1]["rank"] == 3  # newcomers come after the members
+    assert 3 in results[0]["sizes"] and 4 in results[0]["sizes"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shrink_after_kill_9_then_grow_back(job_factory, backend, tmp_path):
+    stop_file = tmp_path / "victim-died"
+    hold = tmp_path / "newcomer-started"
+    job = job_factory(4, backend, STEPS="40", STOP_FILE=str(stop_file), HOLD=str(hold))
+    survivors = [job.start("member", r) for r in (0, 2, 3)]
+    victim = job.start("victim", 1, VICTIM="1")
+    victim.wait(120)
+    assert victim.returncode == -signal.SIGKILL
+    newcomer = job.start("newcomer", 1)
+    hold.touch()
+    results = job.results([*survivors, newcomer])
+    _same_weights(results, 40)
+    assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
+    assert {3, 4} <= set(results[0]["sizes"])  # went on at 3, came back to 4
+    assert results[-1]["rank"] == 3
+
+
+def test_resilient_sgd_survives_kill_9_under_replace_mode(tmp_path):
+    """The example: worker 1 kills itself at step 20; the others go on at 3, the
+    replacement distcomm-run starts joins, and every rank ends with the same weights."""
+    with no_process_left():
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "distcomm.run",
+                "--standalone",
+                "--nproc_per_node=4",
+                "--on-failure=replace",
+                "-m",
+                "distcomm.examples.resilient_sgd",
+                "--steps",
+                "60",
+                "--crash-rank",
+                "1",
+                "--crash-step",
+                "20",
+                "--sleep",
+                "0.1",  # 4 s of steps after the crash: time for the replacement to start
+                "--settle",
+                "0.5",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 4, done.stdout
+    assert len({row["sha"] for row in rows}) == 1, rows  # bit-identical weights
+    assert all(row["steps"] == 60 for row in rows)
+    assert sorted(row["rank"] for row in rows) == [0, 1, 2, 3]
+    assert sum(row["replacement"] for row in rows) == 1
+    assert all(row["sizes"] == [3, 4] for row in rows if not row["replacement"])
+    assert "replaced by pid" in done.stderr
