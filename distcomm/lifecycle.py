@@ -113,17 +113,25 @@ def init_process_group(
                 "no backend is available for any device; registered: "
                 + ", ".join(sorted(registered_backends()))
             )
-        if set(spec.values()) == {"mpi"} and store is None and init_method is None:
+        if join is None:
+            join = bool(os.environ.get("DISTCOMM_REPLACEMENT"))
+        if set(spec.values()) == {"mpi"} and store is None and init_method is None and not join:
             rdzv = world_rendezvous(rank, world_size)
         else:
+            # a process joining a running job connects to its store as a client, as a
+            # launcher's worker does (no roll call: the job's ranks met long ago)
+            environ = {**os.environ, "DISTCOMM_USE_AGENT_STORE": "1"} if join else None
             rdzv = rendezvous(
-                init_method, rank=rank, world_size=world_size, store=store, timeout=seconds
+                init_method,
+                rank=rank,
+                world_size=world_size,
+                store=store,
+                timeout=seconds,
+                environ=environ,
             )
         config.configure_logging(cfg, rdzv.rank)
         owns = store is None
         name = group_name or "default"
-        if join is None:
-            join = bool(os.environ.get("DISTCOMM_REPLACEMENT"))
         if join:
             _start_joining(rdzv.store, owns, name, spec, seconds)
     if join:
@@ -414,6 +422,12 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
                 if state.owns_store and state.store is not None:
                     state.store.close()
             finally:
+                if "mpi" in state.spec.values():
+                    from .backends import mpi  # loaded already: the world used it
+
+                    for comm in mpi.WORLD:  # a re-formed world's communicator
+                        comm.Free()
+                    mpi.WORLD.clear()
                 state.default, state.store, state.owns_store = None, None, False
                 state.groups = {}
                 state.spec = {}

@@ -11,9 +11,9 @@ list do not call it; their group fails once the others have left it.
 
 Re-forming the default group renumbers the world (`get_rank()`, `get_world_size()`) and
 drops every other group, whose ranks no longer mean the same processes, as `shrink_group`
-does. The mpi backend cannot re-form (its communicator is MPI's: growing one needs
-MPI_Comm_connect/accept or MPI sessions, which this backend does not drive); nccl makes
-a new communicator.
+does. nccl makes a new communicator; mpi grows its communicator with MPI's dynamic
+processes (`backends/mpi_reform.py`: the members accept MPI singletons that connect
+through a port left in the job's store), so it needs a store the processes share.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def reconfigure(
 
     Raises:
         TypeError, ValueError: a bad uuid or list, or this process's handle is not in it.
-        DistBackendError: the group's backend cannot re-form (mpi).
+        DistBackendError: the group cannot re-form: mpi mixed with another backend, a
+            subgroup on mpi, or an mpi world without a shared store.
         DistTimeoutError: some process of the list did not come in time.
     """
     where = "reconfigure"
@@ -149,34 +150,33 @@ def reconfigure(
             "holds its own get_init_handle()"
         )
     spec = parse_backend(group.name())
-    if "mpi" in spec.values():
-        raise DistBackendError(
-            f"{where}: group '{group.group_name}' uses the mpi backend, which cannot take in "
-            "new processes (that needs MPI_Comm_connect/accept or MPI sessions, which "
-            "distcomm's mpi backend does not drive); re-form on tcp or gloo, or restart the "
-            "job with mpiexec"
-        )
     if state.store is None:
         raise ValueError(f"{where}: the world is not initialized; call init_process_group")
     seconds = to_seconds(timeout) or group.timeout.total_seconds()
     rank = list(init_handles).index(mine)
     pranks = [h.prank for h in handles]
     me = handles[rank]
-    held = _hold_fabric(me.prank, [h.generation for h in handles], seconds)
-    try:
-        backends = create_backends(
-            spec,
-            PrefixStore(f"distcomm/reconf/{uuid}", state.store),
-            rank,
-            len(handles),
-            seconds,
-            group.group_name,
-            pranks,
-            state.store,
-        )
-    finally:
-        if held is not None:
-            held.release()  # the new group's transport holds it now, if it needed it
+    store = PrefixStore(f"distcomm/reconf/{uuid}", state.store)
+    if "mpi" in spec.values():
+        backends = _mpi_backends(group, spec, handles, rank, store, seconds)
+        pranks = list(range(len(handles)))  # MPI ranks of the re-formed world
+        me = InitHandle(mine, rank, None, me.host, me.pid)
+    else:
+        held = _hold_fabric(me.prank, [h.generation for h in handles], seconds)
+        try:
+            backends = create_backends(
+                spec,
+                store,
+                rank,
+                len(handles),
+                seconds,
+                group.group_name,
+                pranks,
+                state.store,
+            )
+        finally:
+            if held is not None:
+                held.release()  # the new group's transport holds it now, if it needed it
     old = group.backends()
     with state.lock:
         group.rebuild(list(range(len(handles))), rank, backends, f"reconf.{uuid}")
@@ -199,6 +199,61 @@ def reconfigure(
         rank,
     )
     return Work.completed(f"reconfigure {uuid} of group '{group.group_name}'")
+
+
+def _mpi_backends(
+    group: GroupHandle,
+    spec: dict[str, str],
+    handles: list[InitHandle],
+    rank: int,
+    store: Any,
+    seconds: float,
+) -> dict[str, Any]:
+    """The re-formed world's mpi backends: MPI's dynamic processes (`mpi_reform`)."""
+    from .backends.mpi import MpiBackend  # mpi4py's MPI is loaded only for an mpi group
+    from .backends.mpi_reform import reform_mpi
+    from .backends.staged import StagedBackend
+
+    where = "reconfigure"
+    if set(spec.values()) != {"mpi"}:
+        raise DistBackendError(
+            f"{where}: group '{group.group_name}' mixes the mpi backend with others "
+            f"({group.name()!r}); re-forming takes one backend family: use 'mpi' alone, or "
+            "tcp/gloo with nccl"
+        )
+    if group is not state.default:
+        raise DistBackendError(
+            f"{where}: on mpi only the default group (the world) can be re-formed; re-form "
+            "it, then make subgroups of the new world with new_group"
+        )
+    if type(state.store).__name__ == "HashStore":
+        raise DistBackendError(
+            f"{where}: re-forming an mpi world needs a store its processes share, to meet "
+            "the newcomers: init_process_group('mpi', init_method='env://') with "
+            "MASTER_ADDR and MASTER_PORT set (the newcomers use the same), not the "
+            "process-local store of a bare init_process_group('mpi')"
+        )
+    # members have process ranks below NEWCOMER_RANKS (their world's); joiners above
+    kept = [h.prank for h in handles if h.prank < NEWCOMER_RANKS]
+    if not kept:
+        raise DistBackendError(
+            f"{where}: none of init_handles is a member of the mpi world; an mpi world "
+            "grows from its members (MPI_Comm_accept), so list at least one of them"
+        )
+    old = next((b for b in group.backends().values() if isinstance(b, MpiBackend)), None)
+    current = state.process_ranks
+    old_ranks = [current.index(p) for p in kept] if group.rank() >= 0 else kept
+    newcomers = len(handles) - len(kept)
+    backend = reform_mpi(
+        old if group.rank() >= 0 else None,
+        old_ranks,
+        rank,
+        newcomers,
+        store,
+        seconds,
+        group.group_name,
+    )
+    return {d: StagedBackend(backend) if d == "cuda" else backend for d in spec}
 
 
 def _hold_fabric(prank: int, generations: list[int | None], seconds: float) -> Any:

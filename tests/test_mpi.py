@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -22,6 +23,7 @@ from tests.mpijobs import (  # noqa: F401 - the fixture applies to every test he
     no_mpi_segment_left,
     run,
 )
+from tests.processes import free_port
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -242,10 +244,9 @@ def test_shrink_and_split_groups(tmp_path):
     assert done.stdout.count("shrunk") == 2, done.stdout
 
 
-def test_reconfigure_is_refused_with_what_is_missing(tmp_path):
-    """Re-forming an mpi group (torchcomms' reconfigure, the recovery Manager) needs
-    MPI's dynamic processes, which the mpi backend does not drive: a clear error, and
-    the group still works."""
+def test_reconfigure_without_a_shared_store_is_refused_saying_what_to_do(tmp_path):
+    """A bare init_process_group("mpi") has a store private to each process, where no
+    newcomer can meet the members: re-forming says so, and the group still works."""
     script = _script(
         tmp_path,
         """
@@ -256,7 +257,7 @@ def test_reconfigure_is_refused_with_what_is_missing(tmp_path):
         try:
             pg.reconfigure("again", [pg.get_init_handle()])
         except dist.DistBackendError as exc:
-            assert "MPI_Comm_connect/accept" in str(exc) and "tcp or gloo" in str(exc), exc
+            assert "a store its processes share" in str(exc) and "env://" in str(exc), exc
             print("refused", flush=True)
         x = np.ones(2)
         dist.all_reduce(x)
@@ -267,3 +268,87 @@ def test_reconfigure_is_refused_with_what_is_missing(tmp_path):
     done = mpiexec(2, sys.executable, script, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("refused") == 2, done.stdout
+
+
+_GROWN = """
+    import numpy as np
+    import distcomm as dist
+    x = np.array([1.0])
+    dist.all_reduce(x)
+    pair = dist.new_group([0, 2])  # made from the re-formed world
+    y = np.array([float(dist.get_rank())])
+    if dist.get_rank() in (0, 2):
+        dist.all_reduce(y, group=pair)
+    print("RESULT", dist.get_rank(), dist.get_world_size(), x[0], y[0], flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(
+    LAUNCHER is not None and LAUNCHER.kind != "mpich",
+    reason="Open MPI connects separate jobs only through its PRRTE runtime (ompi-server)",
+)
+def test_an_mpi_world_grows_by_a_process_mpiexec_did_not_start(tmp_path):
+    """Two ranks under mpiexec take in an MPI singleton (MPI_Comm_accept/connect through
+    the job's store): three ranks, one all_reduce over them, a subgroup of the new world."""
+    port = str(free_port())
+    members = _script(
+        tmp_path,
+        textwrap.dedent(
+            """
+        import time
+        import distcomm as dist
+        from distcomm import membership
+        dist.init_process_group("mpi", init_method="env://")
+        pg = dist.group.WORLD
+        handles = [None] * dist.get_world_size()
+        dist.all_gather_object(handles, pg.get_init_handle())
+        end = time.monotonic() + 60
+        while membership.pending(0) < 1:
+            assert time.monotonic() < end, "no newcomer registered"
+            time.sleep(0.05)
+        membership.reform(pg, handles, 0, settle=10.0)
+    """
+        )
+        + textwrap.dedent(_GROWN),
+    )
+    newcomer_script = tmp_path / "newcomer.py"
+    newcomer_script.write_text(
+        textwrap.dedent(
+            """
+            import distcomm as dist
+            dist.init_process_group("mpi", join=True)
+        """
+        )
+        + textwrap.dedent(_GROWN)
+    )
+    env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    newcomer = subprocess.Popen(
+        [sys.executable, str(newcomer_script)],
+        env={**env, "RANK": "1", "WORLD_SIZE": "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        done = mpiexec(
+            2,
+            sys.executable,
+            members,
+            timeout=120,
+            env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        out, err = newcomer.communicate(timeout=60)
+    finally:
+        if newcomer.poll() is None:
+            newcomer.kill()
+            newcomer.wait(10)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert newcomer.returncode == 0, out + err
+    rows = sorted(
+        line.split()[1:] for line in (done.stdout + out).splitlines() if line.startswith("RESULT")
+    )
+    assert rows == [["0", "3", "3.0", "2.0"], ["1", "3", "3.0", "1.0"], ["2", "3", "3.0", "2.0"]], (
+        rows
+    )

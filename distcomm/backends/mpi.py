@@ -32,14 +32,18 @@ from ..bootstrap.mpi import MPI_BACKEND_NEEDS
 from ..bootstrap.mpi import world_mpi as mpi  # MPI.COMM_WORLD checked (re-exported here)
 from ..errors import DistBackendError, DistTimeoutError, GroupDestroyedError
 from ..gpu.runtime import is_cupy_array
-from ..mpiutil import abort, install_abort_hook, is_mpi4py_available
+from ..mpiutil import abort, install_abort_hook, is_mpi4py_available, load_mpi
 from ..ops import MPI_OP_NAMES, ReduceOp, average_into, reduce_into
 from ..store.base import Store
 from ..work import Future, Work
 from .base import Backend, BackendOptions, OpQueue
 from .mpi_uneven import MpiUneven
 
-__all__ = ["MpiBackend", "mpi"]
+__all__ = ["WORLD", "MpiBackend", "mpi"]
+
+#: the world's communicator once it was re-formed (`mpi_reform`): groups made later are
+#: made from it, not from MPI.COMM_WORLD (empty until then)
+WORLD: list[Any] = []
 
 _AVG = ReduceOp.AVG  # a module global: faster to reach than the enum's attribute
 
@@ -193,19 +197,25 @@ class MpiBackend(MpiUneven, Backend):
         timeout: float,
         group_name: str = "",
         global_ranks: Sequence[int] | None = None,
+        comm: Any = None,
     ) -> None:
         super().__init__(store, rank, size, timeout, group_name)
-        MPI = self._MPI = mpi()
+        # `comm`: a communicator made elsewhere (a re-formed world, `mpi_reform`), owned now
+        MPI = self._MPI = mpi() if comm is None and not WORLD else load_mpi()
         install_abort_hook()  # an uncaught exception ends the job instead of hanging it
-        world = MPI.COMM_WORLD
+        world = WORLD[0] if WORLD else MPI.COMM_WORLD
         ranks = list(global_ranks) if global_ranks is not None else list(range(size))
-        if world.size < len(ranks) or max(ranks, default=0) >= world.size:
+        if comm is not None:
+            pass
+        elif world.size < len(ranks) or max(ranks, default=0) >= world.size:
             raise DistBackendError(
                 f"{self.label()} mpi backend: the group needs ranks {ranks} but "
                 f"MPI.COMM_WORLD has {world.size} process(es); start the job with "
                 f"mpiexec -n {max(ranks) + 1} or more"
             )
-        if ranks == list(range(world.size)):
+        if comm is not None:
+            pass
+        elif ranks == list(range(world.size)):
             comm = world.Dup()
         else:
             everyone = world.Get_group()
@@ -238,6 +248,11 @@ class MpiBackend(MpiUneven, Backend):
         self._inflight: tuple[float, str] | None = None
         self._watchdog: threading.Thread | None = None
         self._watch_stop = threading.Event()
+
+    @property
+    def comm(self) -> Any:
+        """The group's MPI communicator (re-forming makes a new one from it)."""
+        return self._comm
 
     # -- plumbing -----------------------------------------------------------------------------
 
