@@ -452,12 +452,6 @@ def test_nccl_timeout_aborts_and_a_new_group_works(solo, make_cluster, size, asy
     assert sums == [total, total + 5.0] + [total] * (size - 2), sums
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the nccl backend cannot tell which rank has not called: NCCL does not say, "
-    "and only DISTCOMM_DEBUG=DETAIL's signature check (bounded by the group's timeout, "
-    "not the call's) names it",
-)
 def test_nccl_names_the_missing_rank(solo, make_cluster):  # noqa: F811
     cluster = make_cluster(2, timeout=GROUP_TIMEOUT)
     cluster.run(_nccl_first)

@@ -95,6 +95,7 @@ class NcclBackend(NcclCommunicator, Backend):
             self.store, rank, timeout, self.describe, self.group_name, self._detail
         )
         self._watch.on_failure = self.notify_abort
+        self._watch.size = size
         self._comm: Any = None
         self._device: Any = None
         self._stream: Any = None

@@ -43,6 +43,10 @@ _POLL_MOST = 0.001
 #: pending work older than this makes the watchdog look for other ranks' abort notices
 _NOTICE_AFTER = 1.0
 _ABORT_KEY = "abort"
+#: "who waits in an operation?": a rank whose operation timed out asks, the others answer
+_QUERY_KEY = "waiting"
+#: how long it waits for answers: past the answering watchdogs' period (_NOTICE_AFTER)
+_ASK_S = 2.5 * _NOTICE_AFTER
 _UNBOUNDED = Deadline(None)  # the watchdog's naps have no end of their own
 
 #: queues, after an operation, the GPU work `Work.chain` asks for; returns its Work
@@ -214,6 +218,9 @@ class NcclWatchdog:
         self._aborter: threading.Thread | None = None  # runs the abort `fail` started
         #: called with the failure's text once the group failed (the abort listeners)
         self.on_failure: Callable[[str], None] | None = None
+        #: the group's size (set by the backend): how many ranks a timeout asks about
+        self.size = 1
+        self._answered = 0  # the last "who waits?" question this rank answered
 
     @property
     def failure(self) -> DistError | None:
@@ -272,12 +279,48 @@ class NcclWatchdog:
             else "set DISTCOMM_DEBUG=DETAIL to check that every rank issued it with the "
             "same arguments"
         )
+        missing = self._not_waiting()
+        who = (
+            f"rank(s) {', '.join(map(str, missing))} did not answer: they wait in no "
+            "operation of this group (not called yet, or gone); "
+            if missing
+            else ""
+        )
         error = DistTimeoutError(
-            f"{work.description} did not complete within {seconds:g} s; {check}. The "
+            f"{work.description} did not complete within {seconds:g} s; {who}{check}. The "
             "group's NCCL communicator was aborted: destroy the group and create a new one"
         )
+        if missing:
+            error = caused_by_peers(error, tuple(missing))
         self.fail(error)
         return error
+
+    def _not_waiting(self) -> list[int]:
+        """The other ranks that wait in no operation of the group: this rank asks through
+        the store, and a rank whose operations have been pending a while answers from its
+        watchdog (`_answer`); those silent after `_ASK_S` are named. NCCL itself cannot
+        tell which rank has not called."""
+        if self.size < 2:
+            return []
+        try:
+            query = int(self.store.add(_QUERY_KEY, 1))
+            keys = {r: f"{_QUERY_KEY}/{query}/{r}" for r in range(self.size) if r != self.rank}
+            end = time.monotonic() + _ASK_S
+            while True:
+                silent = [r for r, key in keys.items() if not self.store.check([key])]
+                if not silent or time.monotonic() > end:
+                    return silent
+                time.sleep(0.05)
+        except Exception:  # the store is gone: name nobody rather than guess
+            return []
+
+    def _answer(self) -> None:
+        """Answer the other ranks' questions "who waits in an operation?" (`_not_waiting`):
+        this rank does (its watchdog calls this only while operations are pending)."""
+        asked = int(self.store.add(_QUERY_KEY, 0))
+        for query in range(self._answered + 1, asked + 1):
+            self.store.set(f"{_QUERY_KEY}/{query}/{self.rank}", "1")
+        self._answered = max(self._answered, asked)
 
     def fail(self, error: DistError, notify: bool = True) -> None:
         """Abort the communicator, fail every pending operation, and (`notify`) leave a
@@ -366,6 +409,10 @@ class NcclWatchdog:
                     last_notice = time.monotonic()
                     if self.abort_notice():
                         return
+                    try:
+                        self._answer()
+                    except Exception:  # an unreachable store: nobody can ask either
+                        pass
             delay = _UNBOUNDED.nap(delay, _WATCH_MOST)
 
     def _async_error(self) -> bool:
