@@ -18,12 +18,14 @@ The uneven route is chosen here, once, for every backend:
 
 - a backend with native v-calls runs them (`Backend.all_gather_v`, `gather_v`,
   `scatter_v`, `reduce_scatter_v` return a Work; mpi: Allgatherv, Gatherv, Scatterv,
-  Reduce_scatter with recvcounts);
-- otherwise (they return None: tcp, gloo, nccl, CuPy arrays staged through host memory)
-  all_gather and reduce_scatter pad every rank's piece to the largest and run the even
-  op, then copy each piece out (the padding is never read); gather and scatter are
-  all_to_all calls whose only non-empty pieces go to dst or come from src, the
-  messages nccl's gather and scatter send anyway.
+  Reduce_scatter with recvcounts; tcp and gloo: gather_v and scatter_v, a flat gather
+  or scatter over TCP and one copy per piece in shared memory, so an even gather or
+  scatter costs what it did before sizes could differ);
+- otherwise (they return None: nccl, CuPy arrays staged through host memory, and tcp's
+  and gloo's all_gather_v and reduce_scatter_v) all_gather and reduce_scatter pad every
+  rank's piece to the largest and run the even op, then copy each piece out (the padding
+  is never read); gather and scatter are all_to_all calls whose only non-empty pieces go
+  to dst or come from src, the messages nccl's gather and scatter send anyway.
 
 What one rank can see is checked before anything is sent: a list of the wrong length, a
 dtype or device that differs, this rank's own piece against its array. The sizes of

@@ -20,6 +20,7 @@ import pytest
 import distcomm as dist
 from distcomm.ops import ReduceOp
 from tests.conftest import UNDER_MPIEXEC
+from tests.harness import run_ranks
 from tests.mpijobs import (  # noqa: F401 - the fixture applies to every test here
     LAUNCHER,
     SKIP_REASON,
@@ -188,6 +189,44 @@ def test_under_mpiexec(n):
     done = run(LAUNCHER.command(n, *argv), env=job_env(), timeout=300)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
+
+
+# -- sizes that dst (src) and a rank disagree on ----------------------------------------------
+
+
+def _disagree(op: str, m: int, theirs: int) -> tuple[str, str]:
+    """dst (src) 0 expects `m` elements of every rank; rank 1 passes `theirs`."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    mine = theirs if r == 1 else m
+    try:
+        if op == "gather":
+            slots = [np.empty(m, dtype=np.float32) for _ in range(n)] if r == 0 else None
+            dist.gather(np.ones(mine, dtype=np.float32), slots, dst=0)
+        else:
+            parts = [np.ones(m, dtype=np.float32)] * n if r == 0 else None
+            dist.scatter(np.empty(mine, dtype=np.float32), parts, src=0)
+        dist.barrier()  # the failure aborts the group: every rank hears of it here at the latest
+    except dist.DistError as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+@local
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("m,theirs", [(5, 6), (40_000, 39_999)], ids=["inline", "large"])
+@pytest.mark.parametrize("op", ["gather", "scatter"])
+@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+def test_sizes_that_disagree_fail_on_every_rank(backend, op, m, theirs):
+    """The sizes are not in the collective's signature (only dst or src knows them all):
+    the rank that sees a piece of the wrong size (dst in gather, the receiver in scatter)
+    raises a mismatch naming both sizes, before any byte lands, and the others fail too
+    instead of hanging (gloo: its shared-memory path, inline and single-copy pieces)."""
+    results = run_ranks(_disagree, 3, op, m, theirs, backend=backend, timeout=40, init_timeout=60)
+    sees, peer = (0, 1) if op == "gather" else (1, 0)
+    kind, message = results[sees]
+    assert kind == "DistBackendError", results
+    assert all(w in message for w in (str(m), str(theirs), f"rank {peer}")), results
+    assert all(kind != "ok" for kind, _ in results), results
 
 
 # -- what one rank can check, before anything is sent -----------------------------------------

@@ -182,6 +182,45 @@ class TcpBackend(Backend):
             async_op,
         )
 
+    # gather and scatter with a size per rank, which only the root knows: the signature
+    # leaves the count out (-1), and the root's receives or the peers' own check the sizes
+
+    def gather_v(
+        self,
+        output: Any | None,
+        input: Any,
+        counts: Sequence[int] | None,
+        root: int,
+        *,
+        async_op: bool = False,
+    ) -> Work:
+        return self._collective(
+            "gather",
+            Signature.of("gather", input, root=root, count=-1),
+            self._path.gather_v,
+            (output, input, counts, root),
+            [output] if output is not None else [],
+            async_op,
+        )
+
+    def scatter_v(
+        self,
+        output: Any,
+        input: Any | None,
+        counts: Sequence[int] | None,
+        root: int,
+        *,
+        async_op: bool = False,
+    ) -> Work:
+        return self._collective(
+            "scatter",
+            Signature.of("scatter", output, root=root, count=-1),
+            self._path.scatter_v,
+            (output, input, counts, root),
+            [output],
+            async_op,
+        )
+
     def reduce_scatter(
         self, output: Any, input: Any, op: ReduceOp, *, async_op: bool = False
     ) -> Work:

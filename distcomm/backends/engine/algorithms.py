@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from itertools import accumulate
 
 import numpy as np
 
@@ -411,32 +412,53 @@ def reduce_scatter_ring(
 # -- flat and pairwise --------------------------------------------------------------------------
 
 
-def gather_flat(ex: Exchange, output: np.ndarray | None, input: np.ndarray, root: int) -> None:
-    """Every rank sends to `root`, which receives each into its slice of `output`."""
+def _starts(counts: Sequence[int] | None, size: int, n: int) -> list[int]:
+    """Where each rank's piece begins in the root's array, then its end: counts[i]
+    elements for rank i, or `size` each when `counts` is None (the even call)."""
+    if counts is None:
+        return [size * i for i in range(n + 1)]
+    return [0, *accumulate(counts)]
+
+
+def gather_flat(
+    ex: Exchange,
+    output: np.ndarray | None,
+    input: np.ndarray,
+    root: int,
+    counts: Sequence[int] | None = None,
+) -> None:
+    """Every rank sends to `root`, which receives each into its slice of `output`: rank
+    i's is counts[i] elements (gather_v; root only) or `input.size` long. A sender of
+    another size fails the root's receive (the transport checks each payload's size)."""
     if ex.rank != root:
         ex.send(root, 0, input)
         return
-    m = input.size
+    at = _starts(counts, input.size, ex.size)
     pending = [
-        ex.post(peer, 0, output[peer * m : (peer + 1) * m])
-        for peer in range(ex.size)
-        if peer != root
+        ex.post(peer, 0, output[at[peer] : at[peer + 1]]) for peer in range(ex.size) if peer != root
     ]
-    output[root * m : (root + 1) * m] = input
+    output[at[root] : at[root + 1]] = input
     for recv in pending:
         ex.wait(recv)
 
 
-def scatter_flat(ex: Exchange, output: np.ndarray, input: np.ndarray | None, root: int) -> None:
-    """`root` sends slice i of `input` to rank i."""
+def scatter_flat(
+    ex: Exchange,
+    output: np.ndarray,
+    input: np.ndarray | None,
+    root: int,
+    counts: Sequence[int] | None = None,
+) -> None:
+    """`root` sends slice i of `input` to rank i: counts[i] elements (scatter_v; root
+    only) or `output.size`. A receiver of another size fails its receive."""
     if ex.rank != root:
         ex.recv(root, 0, output)
         return
-    m = output.size
+    at = _starts(counts, output.size, ex.size)
     for peer in range(ex.size):
         if peer != root:
-            ex.send(peer, 0, input[peer * m : (peer + 1) * m])
-    output[...] = input[root * m : (root + 1) * m]
+            ex.send(peer, 0, input[at[peer] : at[peer + 1]])
+    output[...] = input[at[root] : at[root + 1]]
 
 
 def all_to_all_pairwise(

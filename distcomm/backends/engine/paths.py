@@ -10,7 +10,7 @@ returns once this rank's part is done; `diagnose(seq)` says why collective `seq`
   over shared memory.
 - `HierPath` (gloo's when the group spans hosts and some share one): all_reduce, reduce,
   broadcast and barrier run in shared memory within each host and over TCP between one
-  rank per host; the other ops take the TCP path.
+  rank per host; the other ops (gather_v and scatter_v too) take the TCP path.
 """
 
 from __future__ import annotations
@@ -98,6 +98,22 @@ class TcpPath:
         algo.scatter(self.open(call), output, input, root, self.tuning)
         self.close_call(call)
 
+    # gather_v and scatter_v are always flat, whatever `tuning` picks for gather and
+    # scatter: a binomial tree's inner ranks forward their subtree's pieces, whose sizes
+    # only the root knows. `counts` is the root's (None elsewhere).
+
+    def gather_v(
+        self, call: Call, output: Any | None, input: Any, counts: Sequence[int] | None, root: int
+    ) -> None:
+        algo.gather_flat(self.open(call), output, input, root, counts)
+        self.close_call(call)
+
+    def scatter_v(
+        self, call: Call, output: Any, input: Any | None, counts: Sequence[int] | None, root: int
+    ) -> None:
+        algo.scatter_flat(self.open(call), output, input, root, counts)
+        self.close_call(call)
+
     def reduce_scatter(self, call: Call, output: Any, input: Any, op: ReduceOp) -> None:
         algo.reduce_scatter(self.open(call), output, input, op, self.tuning)
         self.close_call(call)
@@ -152,6 +168,8 @@ class HierPath:
         self.all_gather = tcp.all_gather
         self.gather = tcp.gather
         self.scatter = tcp.scatter
+        self.gather_v = tcp.gather_v
+        self.scatter_v = tcp.scatter_v
         self.reduce_scatter = tcp.reduce_scatter
         self.all_to_all = tcp.all_to_all
         self.diagnose = tcp.diagnose

@@ -1,8 +1,9 @@
 """The shared-memory path of the gloo backend: collectives among the ranks of one host.
 
 `setup.same_host_setup` finds which ranks share a host and maps each host's segment;
-`engine.IntraNode` runs the collectives over it; `primitives` holds the OS calls they
-use (memfd segments, futexes, cross-memory attach).
+`engine.IntraNode` runs the collectives over it (its gather and scatter, even and with a
+size per rank, in `rooted`); `primitives` holds the OS calls they use (memfd segments,
+futexes, cross-memory attach).
 """
 
 from .engine import FailureWatch, IntraNode

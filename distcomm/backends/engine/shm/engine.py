@@ -42,6 +42,7 @@ from ....parallel import parallel_for
 from ..protocol import Call, Failure, Signature, mismatch_message
 from ..scratch import ScratchPool
 from .primitives import Segment, cma_read, cma_write, futex_wait, futex_wake, store_load_fence
+from .rooted import RootedOps
 
 __all__ = ["FailureWatch", "IntraNode"]
 
@@ -91,7 +92,7 @@ class FailureWatch(Protocol):
         """Call `callback()` (from any thread) whenever a failure is recorded."""
 
 
-class IntraNode:
+class IntraNode(RootedOps):
     """Collectives among all ranks of a group that share one host.
 
     Args:
@@ -132,6 +133,8 @@ class IntraNode:
         self._finish_at = [self._word(r, "finish") for r in range(size)]
         self._left_at = [self._word(r, "arrive") + _LEFT for r in range(size)]
         self._slot_at = [[self._slot_offset(g, r) for r in range(size)] for g in (0, 1)]
+        # each slot's area after the metadata: all_to_all's offsets, gather_v's sizes
+        self._extra_at = [[at + _META for at in slots] for slots in self._slot_at]
         self._payloads = [
             [segment.bytes[at + self._header : at + self._header + self.INLINE_MAX] for at in slots]
             for slots in self._slot_at
@@ -478,33 +481,6 @@ class IntraNode:
             self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
         if not inline:
             self._finish(call, range(self.size))
-
-    def gather(self, call: Call, output: np.ndarray | None, input: np.ndarray, root: int) -> None:
-        seq = call.seq
-        m = input.size
-        inline = input.nbytes <= self.inline_max
-        self._arrive(call, input.ctypes.data, inline=input if inline else None)
-        if self.rank == root:
-            assert output is not None
-            output[root * m : (root + 1) * m] = input
-            for peer in self._others():
-                self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
-        if not inline:
-            self._finish(call, [root] if self.rank != root else ())
-
-    def scatter(self, call: Call, output: np.ndarray, input: np.ndarray | None, root: int) -> None:
-        seq = call.seq
-        m = output.size
-        inline = m * self.size * output.itemsize <= self.inline_max
-        if self.rank == root:
-            assert input is not None
-            self._arrive(call, input.ctypes.data, inline=input if inline else None)
-            output[...] = input[root * m : (root + 1) * m]
-        else:
-            self._arrive(call)
-            self._fetch(seq, root, output, self.rank * m * output.itemsize)
-        if not inline:
-            self._finish(call, self._others() if self.rank == root else ())
 
     def reduce_scatter(
         self, call: Call, output: np.ndarray, input: np.ndarray, op: ReduceOp
