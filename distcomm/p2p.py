@@ -237,11 +237,15 @@ class P2POp:
         return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
 
 
-def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp], *, timeout: Any = None) -> list[Work]:
     """Post every operation of the list in order; returns their Works.
 
     On a backend that groups operations (nccl), the list is issued as one group, so
     sends and receives between the same ranks cannot block one another.
+
+    Args:
+        timeout: seconds or timedelta (at most each operation's group's timeout): what
+            each returned Work's `wait()` waits at most, as for `isend`/`irecv`.
     """
     if not isinstance(p2p_op_list, (list, tuple)) or not all(
         isinstance(p, P2POp) for p in p2p_op_list
@@ -253,7 +257,16 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
         (_sending if p.op is isend else _receiving)(p.tensor, p.peer, p.group, p.tag, p.group_peer)
         for p in p2p_op_list
     ]
+    seconds = (
+        None
+        if timeout is None
+        else [op_timeout(timeout, p.group, "batch_isend_irecv") for p in postings]
+    )
     first = postings[0]
     together = all(p.backend is first.backend for p in postings)
     with first.backend.coalesce(first.array) if together else nullcontext():
-        return [p.post() for p in postings]
+        works = [p.post() for p in postings]
+    if seconds is not None:
+        for work, limit in zip(works, seconds, strict=True):
+            work.set_default_timeout(limit)
+    return works

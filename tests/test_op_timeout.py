@@ -246,6 +246,8 @@ def _engine_body(backend: str, path: str) -> dict[str, Any]:
         dist.send(np.arange(3.0), dst=1, tag=1, timeout=30)
         dist.isend(np.arange(2.0), dst=1, tag=2, timeout=30).wait()
         seen["recv"] = _outcome(dist.recv, np.zeros(3), src=late, tag=3, timeout=OP_TIMEOUT)
+        batch = [dist.P2POp(dist.irecv, np.zeros(1), late, tag=4)]
+        seen["batch"] = _outcome(dist.batch_isend_irecv(batch, timeout=OP_TIMEOUT)[0].wait)
         _flag(path, "0-recv")
     if rank == 1:
         got, more = np.zeros(3), np.zeros(2)
@@ -279,6 +281,8 @@ def test_a_timeout_aborts_the_group_names_the_missing_rank_and_a_new_group_works
         assert seen["sum"] == size * (size + 1) / 2, results
     kind, message = results[0]["recv"]
     assert kind == "DistTimeoutError" and f"recv from rank {late} (tag 3)" in message, results
+    kind, message = results[0]["batch"]  # batch_isend_irecv's Works wait at most its timeout
+    assert kind == "DistTimeoutError" and f"recv from rank {late} (tag 4)" in message, results
     assert results[1]["sender"] == 0 and results[1]["got"] == [0.0, 1.0, 2.0, 0.0, 1.0], results
 
 
