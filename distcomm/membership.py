@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from .deadline import to_seconds
-from .errors import DistTimeoutError, JobFinishedError
+from .errors import DistError, DistTimeoutError, JobFinishedError
 from .handle import GroupHandle
 from .reconfigure import NEWCOMER_RANKS, init_handle, parse_handle, reconfigure
 from .store import Store
@@ -140,7 +140,13 @@ def reform(
             epoch,
         )
         return join(group, timeout=max(1.0, end - time.monotonic()))
-    _enter(group, decision)
+    try:
+        _enter(group, decision)
+    except DistError:
+        # a member of the list was lost meanwhile: this epoch is spent, the next roll
+        # (the caller's retry) leaves it out
+        state.epoch = decision.epoch
+        raise
     return decision
 
 

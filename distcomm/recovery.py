@@ -39,6 +39,12 @@ __all__ = ["JobFinishedError", "Manager"]
 
 log = logging.getLogger("distcomm.recovery")
 
+#: re-forming attempts before start_step gives up (a member may be lost while connecting)
+_ATTEMPTS = 3
+#: the default bound of one re-forming's connecting, where the group's is longer: a member
+#: lost between the roll and the connecting is found out this soon
+_REFORM_TIMEOUT_S = 120.0
+
 
 class Manager:
     """Per-step commit and re-forming for a loop on the default group.
@@ -50,7 +56,9 @@ class Manager:
         settle: seconds without news after which members on other hosts that did not
             come to a re-forming are left out (on this host an ended process is seen at
             once).
-        timeout: bound of a re-forming and of the state transfer (default: the group's).
+        timeout: bound of one re-forming attempt (default: the group's timeout, at most
+            120 s); a member lost while connecting fails the attempt, and the next one
+            leaves it out (3 attempts).
         step: the committed step count to start from (a loop resumed from a checkpoint).
 
     Use::
@@ -87,7 +95,10 @@ class Manager:
             )
         self._pg = default_group("Manager")
         self._state_dict, self._load = state_dict, load_state_dict
-        self._settle, self._timeout = float(settle), timeout
+        self._settle = float(settle)
+        if timeout is None:
+            timeout = min(self._pg.timeout.total_seconds(), _REFORM_TIMEOUT_S)
+        self._timeout = timeout
         #: the number of committed steps
         self.step = int(step)
         #: re-formings this process took part in, and steps discarded
@@ -125,9 +136,7 @@ class Manager:
         then, after any re-forming (or in a newcomer), bring every rank to the highest
         committed state."""
         if self._reform or self._grow or self._pg.is_aborted():
-            decision = membership.reform(
-                self._pg, self._members, self._admitted, self._settle, self._timeout
-            )
+            decision = self._reform_world()
             self._members, self._admitted = list(decision.handles), decision.admitted
             self._reform = self._grow = False
             self.reforms += 1
@@ -142,6 +151,20 @@ class Manager:
         if self._catch_up:
             self._sync()
             self._catch_up = False
+
+    def _reform_world(self) -> membership.Decision:
+        """Re-form the world; a member lost while connecting fails the attempt, and the
+        next epoch's roll leaves it out (a few attempts, then the error is raised)."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                return membership.reform(
+                    self._pg, self._members, self._admitted, self._settle, self._timeout
+                )
+            except DistError as exc:
+                if attempt == _ATTEMPTS:
+                    raise
+                log.warning("re-forming the world failed (attempt %d): %s", attempt, exc)
+        raise AssertionError("unreachable")
 
     def should_commit(self, ok: bool = True) -> bool:
         """End a step: vote whether every rank finished it (`ok`: this one did). True on
