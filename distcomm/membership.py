@@ -141,7 +141,7 @@ def reform(
         )
         return join(group, timeout=max(1.0, end - time.monotonic()))
     try:
-        _enter(group, decision)
+        _enter(group, decision, seconds)
     except DistError:
         # a member of the list was lost meanwhile: this epoch is spent, the next roll
         # (the caller's retry) leaves it out
@@ -286,7 +286,7 @@ def join(group: GroupHandle, timeout: float | timedelta | None = None) -> Decisi
                 log.warning("newcomer %d: still waiting to be taken in (%.0f s left)", k, left)
     epoch = int(store.get(key))
     decision = Decision.load(epoch, store.get(f"{_p()}e/{epoch}/list"))
-    _enter(group, decision)
+    _enter(group, decision, seconds)
     return decision
 
 
@@ -307,7 +307,7 @@ def current() -> Decision | None:
     return None
 
 
-def _enter(group: GroupHandle, decision: Decision) -> None:
-    reconfigure(group, f"m{decision.epoch}", decision.handles)
+def _enter(group: GroupHandle, decision: Decision, seconds: float) -> None:
+    reconfigure(group, f"m{decision.epoch}", decision.handles, timeout=seconds)
     state.epoch = decision.epoch
     _last[:] = [decision]

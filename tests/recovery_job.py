@@ -118,6 +118,36 @@ def main() -> None:
         while int(store.add("abort-test/done", 0)) < dist.get_world_size():
             assert time.monotonic() < deadline, "the other ranks did not finish"
             time.sleep(0.05)
+    elif SCENARIO == "lost-while-connecting":
+        # epoch 1's list names a process that is gone (as if it died after the roll):
+        # connecting fails, and the Manager's next attempt leaves it out
+        import socket
+        import subprocess
+
+        from distcomm import membership
+        from distcomm.reconfigure import NEWCOMER_RANKS
+
+        pg = dist.group.WORLD
+        mgr = Manager(lambda: {}, lambda state: None, settle=0.5, timeout=3)
+        handles = [None] * dist.get_world_size()
+        dist.all_gather_object(handles, pg.get_init_handle())
+        if dist.get_rank() == 0:
+            gone = subprocess.Popen(["true"])
+            gone.wait()
+            ghost = f"dc1:{NEWCOMER_RANKS + 999}:0:{socket.gethostname()}:{gone.pid}:gone"
+            decided = membership.Decision(1, [*handles, ghost], 0, [])
+            state.store.compare_set(membership._p() + "e/1/list", "", decided.dump())
+        dist.barrier()
+        if dist.get_rank() == 0:
+            pg.abort("the test re-forms the world")
+        deadline = time.monotonic() + 30
+        while not pg.is_aborted():  # the others hear of it before their next step
+            assert time.monotonic() < deadline, "the abort did not arrive"
+            time.sleep(0.02)
+        mgr.start_step()
+        x = np.ones(2)
+        dist.all_reduce(x)
+        OUT.update(size=dist.get_world_size(), sum=x.tolist(), reforms=mgr.reforms)
     print("RESULT " + json.dumps(OUT), flush=True)
     dist.destroy_process_group()
 

@@ -118,6 +118,14 @@ def test_reconfigure_renumbers_the_world(job_factory, backend):
         assert result["sum"] == 3.0  # 0 + 1 + 2 over the re-formed group
 
 
+def test_a_member_lost_while_connecting_is_left_out_by_the_next_attempt(job_factory):
+    job = job_factory(3, "tcp")
+    results = job.results([job.start("lost-while-connecting", r) for r in range(3)])
+    for result in results:
+        assert result["size"] == 3 and result["sum"] == [3.0, 3.0], result
+        assert result["reforms"] == 1, result
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grow_from_3_to_4(job_factory, backend, tmp_path):
     hold = tmp_path / "newcomer-started"
