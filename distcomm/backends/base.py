@@ -224,6 +224,8 @@ class Backend(ABC):
         self.size = size
         self.timeout = timeout
         self.group_name = group_name or "default"
+        self._abort_listeners: list[Callable[[str], None]] = []
+        self._abort_told: str | None = None
 
     @classmethod
     def from_options(cls, options: BackendOptions, pg_options: Any = None) -> Backend:
@@ -388,15 +390,19 @@ class Backend(ABC):
         """Call `fn(reason)` once, from any thread, when the group fails here. Built-in
         backends call it for every failure they see (`notify_abort`); a plug-in that
         never calls `notify_abort` leaves it to `ProcessGroup.abort()`."""
-        listeners = self.__dict__.setdefault("_abort_listeners", [])
+        listeners = getattr(self, "_abort_listeners", None)
+        if listeners is None:  # a plug-in that did not call Backend.__init__
+            listeners = self._abort_listeners = []
         listeners.append(fn)
 
     def notify_abort(self, reason: str) -> None:
         """Tell the listeners (`add_abort_listener`) that the group failed, once."""
-        listeners = self.__dict__.get("_abort_listeners")
-        # setdefault is atomic: of two threads failing the group, one tells
-        if not listeners or self.__dict__.setdefault("_abort_told", reason) is not reason:
+        # (attributes, not self.__dict__: reading that makes CPython give up the fast
+        # attribute access of every later operation on this backend)
+        listeners = getattr(self, "_abort_listeners", None)
+        if not listeners or getattr(self, "_abort_told", None) is not None:
             return
+        self._abort_told = reason  # two threads failing at once may both tell: hooks run once
         for fn in list(listeners):
             fn(reason)
 
