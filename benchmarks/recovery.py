@@ -49,7 +49,7 @@ Examples::
 
     python benchmarks/recovery.py
     python benchmarks/recovery.py --repeat 5 --modes replace,restart --csv recovery.csv
-    python benchmarks/recovery.py --torch-python /tmp/torchenv/bin/python --csv recovery.csv
+    python benchmarks/recovery.py --torch-python TORCH_VENV/bin/python --csv recovery.csv
 """
 
 from __future__ import annotations
