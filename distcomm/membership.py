@@ -130,10 +130,8 @@ def reform(
     end = time.monotonic() + seconds
     mine = init_handle(group)
     epoch = state.epoch + 1
-    while True:
-        decision = _roll(store, epoch, mine, members, admitted, settle, end)
-        if mine in decision.handles:
-            break
+    decision = _roll(store, epoch, mine, members, admitted, settle, end)
+    if mine not in decision.handles:
         # decided without this process (it came late): it is a newcomer of a later epoch
         log.warning(
             "epoch %d was decided without this process (it arrived late); joining as a newcomer",

@@ -42,9 +42,9 @@ class ProcessGroup(GroupHandle, GroupMethods):
     def reconfigure(
         self, uuid: str, init_handles: list[str], timeout: float | timedelta | None = None
     ) -> Work:
-        """Re-form this group, in place, as the processes of `init_handles` (their
-        `get_init_handle()`, in the new rank order); every one of them calls it with the
-        same `uuid` and list, and old members left out do not. The default group renumbers
-        the world and drops the other groups. Returns a completed Work once connected.
-        See `distcomm.reconfigure.reconfigure` for the errors."""
+        """Re-form this group, the default one, in place, as the processes of
+        `init_handles` (their `get_init_handle()`, in the new rank order); every one of
+        them calls it with the same `uuid` and list, and old members left out do not. The
+        world is renumbered and the other groups are dropped. Returns a completed Work once
+        connected. See `distcomm.reconfigure.reconfigure` for the errors."""
         return reconfigure.reconfigure(self, uuid, init_handles, timeout)

@@ -9,11 +9,12 @@ group object stays the same: its backends are replaced by new ones connected und
 store prefix of the id, and the old ones are shut down. Old members that are not in the
 list do not call it; their group fails once the others have left it.
 
-Re-forming the default group renumbers the world (`get_rank()`, `get_world_size()`) and
-drops every other group, whose ranks no longer mean the same processes, as `shrink_group`
-does. nccl makes a new communicator; mpi grows its communicator with MPI's dynamic
-processes (`backends/mpi_reform.py`: the members accept MPI singletons that connect
-through a port left in the job's store), so it needs a store the processes share.
+Only the default group (the world) is re-formed: that renumbers the world (`get_rank()`,
+`get_world_size()`) and drops every other group, whose ranks no longer mean the same
+processes, as `shrink_group` does; subgroups of the new world are made with `new_group`.
+nccl makes a new communicator; mpi grows its communicator with MPI's dynamic processes
+(`backends/mpi_reform.py`: the members accept MPI singletons that connect through a port
+left in the job's store), so it needs a store the processes share.
 """
 
 from __future__ import annotations
@@ -113,17 +114,18 @@ def reconfigure(
     returns once the new backends are connected, with a completed Work.
 
     Args:
-        group: the group to re-form: the default group, or the group of a process that
-            joins (`init_process_group(join=True)` makes one).
+        group: the default group (the world; in a process that joins, the one
+            `init_process_group(join=True)` made).
         uuid: this re-forming's id, the same on every process and never used before on
             this job's store (an epoch number, a uuid4).
         init_handles: every new member's `get_init_handle()`, in the new rank order.
         timeout: how long connecting may take (default: the group's timeout).
 
     Raises:
-        TypeError, ValueError: a bad uuid or list, or this process's handle is not in it.
-        DistBackendError: the group cannot re-form: mpi mixed with another backend, a
-            subgroup on mpi, or an mpi world without a shared store.
+        TypeError, ValueError: a bad uuid or list, this process's handle is not in it, or
+            `group` is not the default group.
+        DistBackendError: the group cannot re-form: mpi mixed with another backend, or an
+            mpi world without a shared store.
         DistTimeoutError: some process of the list did not come in time.
     """
     where = "reconfigure"
@@ -136,6 +138,13 @@ def reconfigure(
         raise TypeError(
             f"{where}: init_handles must be a list of the new members' get_init_handle() "
             f"strings, got {type(init_handles).__name__}"
+        )
+    if state.store is None:
+        raise ValueError(f"{where}: the world is not initialized; call init_process_group")
+    if group is not state.default:
+        raise ValueError(
+            f"{where}: group '{group.group_name}' is not the default group; re-form the "
+            "world (the default group), then make subgroups of the new world with new_group"
         )
     handles = [parse_handle(h, where) for h in init_handles]
     if not handles:
@@ -150,8 +159,6 @@ def reconfigure(
             "holds its own get_init_handle()"
         )
     spec = parse_backend(group.name())
-    if state.store is None:
-        raise ValueError(f"{where}: the world is not initialized; call init_process_group")
     seconds = to_seconds(timeout) or group.timeout.total_seconds()
     rank = list(init_handles).index(mine)
     pranks = [h.prank for h in handles]
@@ -178,17 +185,16 @@ def reconfigure(
             if held is not None:
                 held.release()  # the new group's transport holds it now, if it needed it
     old = group.backends()
-    with state.lock:
+    with state.lock:  # the world is renumbered; its other groups mean other processes now
         group.rebuild(list(range(len(handles))), rank, backends, f"reconf.{uuid}")
-        if group is state.default:
-            group.global_rank = rank
-            state.process_ranks = pranks
-            state.process_rank = me.prank
-            for other in list(state.groups.values()):
-                if other is not group:
-                    _shut(other.backends())
-            state.groups = {key: g for key, g in state.groups.items() if g is group}
-            state.id_prefix, state.next_id, state.local_ids = f"r{uuid}.", 1, {}
+        group.global_rank = rank
+        state.process_ranks = pranks
+        state.process_rank = me.prank
+        for other in list(state.groups.values()):
+            if other is not group:
+                _shut(other.backends())
+        state.groups = {key: g for key, g in state.groups.items() if g is group}
+        state.id_prefix, state.next_id, state.local_ids = f"r{uuid}.", 1, {}
     _shut(old)
     log.info(
         "reconfigure %s: group '%s' is now %d processes (process ranks %s); this one is rank %d",
@@ -220,11 +226,6 @@ def _mpi_backends(
             f"{where}: group '{group.group_name}' mixes the mpi backend with others "
             f"({group.name()!r}); re-forming takes one backend family: use 'mpi' alone, or "
             "tcp/gloo with nccl"
-        )
-    if group is not state.default:
-        raise DistBackendError(
-            f"{where}: on mpi only the default group (the world) can be re-formed; re-form "
-            "it, then make subgroups of the new world with new_group"
         )
     if type(state.store).__name__ == "HashStore":
         raise DistBackendError(

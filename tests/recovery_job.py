@@ -78,6 +78,12 @@ def main() -> None:
         dist.all_gather_object(handles, pg.get_init_handle())
         assert pg.get_init_handle() == pg.get_init_handle()
         old = dist.get_rank()
+        sub = dist.new_group(list(range(dist.get_world_size())))
+        try:
+            sub.reconfigure("test-sub", handles)
+            OUT["sub"] = "accepted"
+        except ValueError as exc:
+            OUT["sub"] = "is not the default group" in str(exc)
         work = pg.reconfigure("test-reverse", list(reversed(handles)))
         work.wait()
         x = np.array([float(old)])

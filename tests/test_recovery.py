@@ -113,6 +113,7 @@ def test_reconfigure_renumbers_the_world(job_factory, backend):
     job = job_factory(3, backend)
     results = job.results([job.start("reconfigure", r) for r in range(3)])
     for result in results:
+        assert result["sub"] is True  # only the world is re-formed
         assert result["new"] == 2 - result["old"]
         assert result["size"] == 3
         assert result["sum"] == 3.0  # 0 + 1 + 2 over the re-formed group
