@@ -73,11 +73,26 @@ def _gpu() -> dict[str, Any]:
     try:
         from cupy.cuda import nccl
 
-        info["nccl"] = nccl.get_version()
+        from .gpu.nccl import build_version, version_text
+
+        if not getattr(nccl, "available", False):  # CuPy without an NCCL library
+            raise ImportError("CuPy found no NCCL library")
+        info["nccl"] = int(nccl.get_version())
+        info["nccl_version"] = version_text(info["nccl"])
+        built = build_version(nccl)
+        info["nccl_built"] = ".".join(map(str, built)) if built is not None else None
     except Exception as exc:
         info["nccl"] = None
         info["nccl_why_not"] = f"{type(exc).__name__}: {exc}"
     return info
+
+
+def _nccl_line(gpu: dict[str, Any]) -> str:
+    """ "2.28.9 (CuPy built against 2.27.7)", or why there is no NCCL."""
+    if gpu.get("nccl") is None:
+        return f"N/A ({gpu['nccl_why_not']})" if gpu.get("nccl_why_not") else "N/A"
+    built = gpu.get("nccl_built")
+    return gpu["nccl_version"] + (f" (CuPy built against {built})" if built else "")
 
 
 def _backends() -> dict[str, Any]:
@@ -208,7 +223,7 @@ def render(info: Mapping[str, Any]) -> str:
     if gpu.get("cupy"):
         lines += [
             f"CUDA runtime / driver: {gpu.get('cuda_runtime')} / {gpu.get('cuda_driver')}",
-            f"NCCL version: {gpu.get('nccl') or 'N/A'}",
+            f"NCCL version: {_nccl_line(gpu)}",
             f"GPUs: {', '.join(gpu.get('devices') or []) or 'none'}",
         ]
     if gpu.get("why_not"):

@@ -72,7 +72,8 @@ def split_group(
     Every rank of the parent calls it, with the same `split_ranks`, in the same order
     relative to other split_group calls on the parent. Unlike torch's (nccl only, and only
     with a device bound to the default group), it works on every backend; an nccl group
-    gets a communicator of its own (CuPy has no ncclCommSplit).
+    gets a communicator of its own, made like any group's (CuPy 14 binds ncclCommSplit as
+    `commSplit`, CuPy 13 does not; a split through it is collective over the parent).
 
     Args:
         parent_pg: the group to split (default: the default group).

@@ -906,6 +906,8 @@ class CudaStandin:
     ) -> None:
         self.device_count = device_count
         self.nccl_version = nccl_version
+        #: what `nccl.get_build_version()` returns (None: the runtime's version)
+        self.nccl_build_version: int | None = None
         self.wait_timeout = wait_timeout
         #: None: the id form follows cupy.__version__; else bytes or tuple
         self.comm_id_form: type | None = None
@@ -986,7 +988,9 @@ class CudaStandin:
         nccl.NcclError = NcclError
         nccl.NcclCommunicator = self.NcclCommunicator
         nccl.get_version = lambda: self.nccl_version
-        nccl.get_build_version = lambda: self.nccl_version
+        nccl.get_build_version = lambda: (
+            self.nccl_version if self.nccl_build_version is None else self.nccl_build_version
+        )
         nccl.get_unique_id = self._get_unique_id
         nccl.groupStart = self._group_start
         nccl.groupEnd = self._group_end

@@ -126,6 +126,24 @@ def test_create_communicator_finds_the_id_form(monkeypatch, version, accepts, tr
     assert fake.tried[: len(tried)] == tried and fake.tried[-1] == accepts
 
 
+@pytest.mark.parametrize(
+    "version,form",
+    [
+        ("13.6.0", tuple),
+        ("14.0.0a1", tuple),  # CuPy 14's alphas and betas still gave tuples
+        ("14.0.0b2", tuple),
+        ("14.0.0rc1", bytes),  # the switch
+        ("14.0.0", bytes),
+        ("14.2.0", bytes),
+        ("15.0.0.dev0", bytes),
+    ],
+)
+def test_the_unique_id_form_switches_at_cupy_14_rc1(monkeypatch, version, form):
+    monkeypatch.setitem(sys.modules, "cupy", type(sys)("cupy"))
+    sys.modules["cupy"].__version__ = version
+    assert nt._cupy_form() is form
+
+
 def test_create_communicator_keeps_other_type_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", type(sys)("cupy"))
     sys.modules["cupy"].__version__ = "14.2.0"

@@ -1078,6 +1078,27 @@ def test_backend_availability(cuda):
     assert not NcclBackend.is_available()
 
 
+def test_a_cupy_built_against_an_old_nccl_is_refused(cuda):
+    cuda.nccl_build_version = 2604  # CuPy's bindings lack what NCCL 2.6 lacked
+    reason = NcclBackend.unavailable_reason()
+    assert "built against NCCL 2.6.4" in reason and "install a newer CuPy" in reason, reason
+    cuda.nccl_build_version = None
+    assert NcclBackend.unavailable_reason() == ""
+
+
+def test_info_names_the_nccl_version_and_says_why_there_is_none(cuda):
+    from distcomm import info
+
+    cuda.nccl_version, cuda.nccl_build_version = 22809, 22707
+    found = info.collect()
+    assert found["gpu"]["nccl_version"] == "2.28.9" and found["gpu"]["nccl_built"] == "2.27.7"
+    assert "NCCL version: 2.28.9 (CuPy built against 2.27.7)" in info.render(found)
+    cuda.nccl.available = False
+    found = info.collect()
+    assert found["gpu"]["nccl"] is None
+    assert "NCCL version: N/A (ImportError: CuPy found no NCCL library)" in info.render(found)
+
+
 def test_backend_unavailable_without_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     assert not NcclBackend.is_available()

@@ -5,7 +5,8 @@ on the device of that operation's array. Rank 0 makes the unique id and puts it 
 group's store; the others read it; then every rank registers itself in the store and
 waits (with the group timeout) until all have, so a missing rank is reported instead of
 hanging in ncclCommInitRank. Each group, subgroups included, has its own unique id and
-communicator (CuPy's `commSplit` would need every rank of the parent, members or not).
+communicator (CuPy 14's `commSplit`, absent from CuPy 13, would need every rank of the
+parent, members or not).
 
 With DISTCOMM_DEBUG=DETAIL every collective first compares its signature (op, dtype,
 count, reduce op, root) with every rank's through the store, so a mismatch raises

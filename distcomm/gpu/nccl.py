@@ -1,7 +1,8 @@
 """NCCL through CuPy: the guarded import, versions, unique ids, and dtype/op mapping.
 
-Unique ids: `cupy.cuda.nccl.get_unique_id()` returns 128 `bytes` from CuPy 14 on and a
-tuple of 128 signed ints before; `NcclCommunicator` takes the same form back. Ids travel
+Unique ids: `cupy.cuda.nccl.get_unique_id()` returns 128 `bytes` from CuPy 14.0.0rc1 on
+(its alphas and betas still used the old form) and a tuple of 128 signed ints before;
+`NcclCommunicator` takes the same form back. Ids travel
 as bytes (`unique_id_bytes`) and are turned into the installed CuPy's form by
 `create_communicator`.
 
@@ -15,6 +16,7 @@ bitwise reductions and no 16-bit integers; those raise `TypeError` saying what t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +30,16 @@ __all__ = [
     "UNIQUE_ID_BYTES",
     "Movement",
     "Reduction",
+    "build_version",
     "comm_id",
     "create_communicator",
+    "cupy_version_key",
     "import_nccl",
     "movement",
     "parse_version",
     "reduction",
     "unique_id_bytes",
+    "version_text",
 ]
 
 UNIQUE_ID_BYTES = 128
@@ -108,7 +113,31 @@ def import_nccl() -> tuple[Any, tuple[int, int, int]]:
             f"the nccl backend needs NCCL >= {_text(MIN_VERSION)} (for send/recv), found "
             f"{_text(version)}; upgrade: pip install -U nvidia-nccl-cu12"
         )
+    built = build_version(nccl)
+    if built is not None and built < MIN_VERSION:  # CuPy's bindings lack what it lacked
+        raise BackendUnavailableError(
+            f"the nccl backend needs a CuPy built against NCCL >= {_text(MIN_VERSION)} (for "
+            f"send/recv), but this CuPy was built against NCCL {_text(built)} (it runs "
+            f"{_text(version)}); install a newer CuPy: {INSTALL_HINT}"
+        )
     return nccl, version
+
+
+def build_version(nccl: Any) -> tuple[int, int, int] | None:
+    """The NCCL version CuPy was built against (`get_build_version`), or None where this
+    CuPy cannot say."""
+    getter = getattr(nccl, "get_build_version", None)
+    if getter is None:
+        return None
+    try:
+        return parse_version(int(getter()))
+    except Exception:  # a CuPy whose getter fails: nothing to check against
+        return None
+
+
+def version_text(code: Any) -> str:
+    """An NCCL version code as text: 22809 -> "2.28.9"."""
+    return _text(parse_version(int(code)))
 
 
 # -- unique ids -------------------------------------------------------------------------------
@@ -149,13 +178,34 @@ def comm_id(data: bytes, form: type) -> bytes | tuple[int, ...]:
     raise ValueError(f"comm_id: form must be bytes or tuple, got {form!r}")
 
 
+#: the first CuPy whose unique ids are bytes: 14.0.0rc1 (its alphas and betas: tuples)
+_BYTES_IDS_FROM = (14, 0, 0, 2, 1)
+_PRE_RELEASE = {"a": 0, "b": 1, "rc": 2}
+
+
+def cupy_version_key(text: str) -> tuple[int, ...] | None:
+    """A CuPy version ("14.0.0rc1", "13.6.0") as a sortable key: (major, minor, patch,
+    stage, number), where a final release's stage (3) sorts after a, b and rc (0, 1, 2);
+    None for a version this cannot read."""
+    found = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:(a|b|rc)(\d+))?", text.strip())
+    if found is None:
+        return None
+    major, minor, patch, stage, number = found.groups()
+    return (
+        int(major),
+        int(minor),
+        int(patch or 0),
+        _PRE_RELEASE[stage] if stage else 3,
+        int(number or 0),
+    )
+
+
 def _cupy_form() -> type:
     cupy = import_cupy("the nccl backend", need_device=False)
-    try:
-        major = int(cupy.__version__.split(".", 1)[0])
-    except ValueError:
-        major = 14
-    return bytes if major >= 14 else tuple
+    key = cupy_version_key(str(cupy.__version__))
+    if key is None:  # an unreadable version: a recent CuPy, probably; others are tried too
+        return bytes
+    return bytes if key >= _BYTES_IDS_FROM else tuple
 
 
 def create_communicator(nccl: Any, size: int, data: bytes, rank: int) -> Any:
