@@ -195,13 +195,11 @@ def recv(
     if outside(group, "irecv"):  # torch's recv is an irecv, and warns so
         return -1
     posting = _receiving(tensor, src, group, tag, group_src)
-    if timeout is not None:
-        seconds = op_timeout(timeout, posting.group, "recv")
-        work = posting.post()
-        work.wait(seconds)  # explicit: a device Work's plain wait() only orders a stream
-        return work.source_rank()
+    # validated before the receive is posted; passed explicitly, since a device Work's
+    # plain wait() only orders a stream
+    seconds = None if timeout is None else op_timeout(timeout, posting.group, "recv")
     work = posting.post()
-    work.wait()
+    work.wait(seconds)
     return work.source_rank()
 
 

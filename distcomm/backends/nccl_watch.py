@@ -221,6 +221,7 @@ class NcclWatchdog:
         #: the group's size (set by the backend): how many ranks a timeout asks about
         self.size = 1
         self._answered = 0  # the last "who waits?" question this rank answered
+        self._asked: set[int] = set()  # the questions this rank asked
 
     @property
     def failure(self) -> DistError | None:
@@ -304,13 +305,20 @@ class NcclWatchdog:
             return []
         try:
             query = int(self.store.add(_QUERY_KEY, 1))
-            keys = {r: f"{_QUERY_KEY}/{query}/{r}" for r in range(self.size) if r != self.rank}
+            self._asked.add(query)  # this rank's watchdog does not answer its own question
+            count = f"{_QUERY_KEY}/{query}/n"
             end = time.monotonic() + _ASK_S
-            while True:
-                silent = [r for r, key in keys.items() if not self.store.check([key])]
-                if not silent or time.monotonic() > end:
-                    return silent
+            # one request a look (the count of answers); each rank's key is read once, at
+            # the end, only when some did not answer
+            while int(self.store.add(count, 0)) < self.size - 1:
+                if time.monotonic() > end:
+                    return [
+                        r
+                        for r in range(self.size)
+                        if r != self.rank and not self.store.check([f"{_QUERY_KEY}/{query}/{r}"])
+                    ]
                 time.sleep(0.05)
+            return []
         except Exception:  # the store is gone: name nobody rather than guess
             return []
 
@@ -319,7 +327,10 @@ class NcclWatchdog:
         this rank does (its watchdog calls this only while operations are pending)."""
         asked = int(self.store.add(_QUERY_KEY, 0))
         for query in range(self._answered + 1, asked + 1):
+            if query in self._asked:
+                continue
             self.store.set(f"{_QUERY_KEY}/{query}/{self.rank}", "1")
+            self.store.add(f"{_QUERY_KEY}/{query}/n", 1)
         self._answered = max(self._answered, asked)
 
     def fail(self, error: DistError, notify: bool = True) -> None:
