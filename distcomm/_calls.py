@@ -24,7 +24,7 @@ __all__ = [
     "array_list",
     "check_tag",
     "op_timeout",
-    "output_list",
+    "output_arrays",
     "premultiplied",
     "rank_arg",
     "same_size",
@@ -119,14 +119,14 @@ def same_size(arrays: Sequence[Any], size: int, where: str, name: str) -> None:
             )
 
 
-def output_list(arrays: Any, input: Any, n: int, where: str, name: str) -> list[Any]:
-    """Validate a list of `n` writable output arrays shaped like `input` (same dtype, size)."""
+def output_arrays(arrays: Any, like: Any, n: int, where: str, name: str) -> list[Any]:
+    """Validate a list of `n` writable output arrays of `like`'s dtype and device (their
+    sizes may differ: the uneven collectives)."""
     outputs = [
         adapt(t, where, f"{name}[{i}]", writable=True)
         for i, t in enumerate(array_list(arrays, where, name, n))
     ]
-    check_same([input, *outputs], where, f"{name} and the input array")
-    same_size(outputs, input.size, where, name)
+    check_same([like, *outputs], where, f"{name} and the input array")
     return outputs
 
 

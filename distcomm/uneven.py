@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._calls import array_list, premultiplied, split_into, timed
+from ._calls import array_list, output_arrays, premultiplied, split_into, timed
 from .arrays import adapt, check_same, concatenate, empty, flat
 from .ops import ReduceOp, check_reduce_op
 from .work import Work
@@ -172,7 +172,7 @@ def all_gather_list(
     """all_gather (and all_gather_v): every rank's `tensor` into `tensor_list[rank]` on
     every rank; an even call runs the backend's all_gather as it always did."""
     input = adapt(tensor, where, "tensor", writable=False)
-    outputs = _output_arrays(tensor_list, input, pg.size(), where, "tensor_list")
+    outputs = output_arrays(tensor_list, input, pg.size(), where, "tensor_list")
     backend = pg.backend_for(input, where)
     m = input.size
     if _even(outputs, m):
@@ -222,7 +222,7 @@ def gather_any(
     else:
         if gather_list is None:
             raise ValueError("gather: gather_list is required on dst: one array per rank")
-        outputs = _output_arrays(gather_list, input, n, "gather", "gather_list")
+        outputs = output_arrays(gather_list, input, n, "gather", "gather_list")
         counts = [o.size for o in outputs]
         if counts[me] != input.size:
             raise ValueError(
@@ -304,16 +304,6 @@ def check_own_piece(outputs: list[Any], inputs: list[Any], rank: int) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def _output_arrays(arrays: Any, like: Any, n: int, where: str, name: str) -> list[Any]:
-    """`n` writable output arrays of `like`'s dtype and device; their sizes may differ."""
-    outputs = [
-        adapt(t, where, f"{name}[{i}]", writable=True)
-        for i, t in enumerate(array_list(arrays, where, name, n))
-    ]
-    check_same([like, *outputs], where, f"{name} and the input array")
-    return outputs
 
 
 def _even(arrays: list[Any], size: int) -> bool:
