@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..deadline import Deadline
+from ..gpu import runtime
 from ..store import HashStore, PrefixStore, Store
 from ..store.ranks import roll_call
 from .base import Backend
@@ -35,11 +36,16 @@ __all__ = [
 
 
 def _default_spec() -> dict[str, str]:
+    """Each device's default backend: nccl for CUDA arrays where CuPy, NCCL and a GPU are
+    there, else gloo. Nothing here initialises CUDA (`runtime.device_visible`), so a
+    process can still fork workers that use it."""
     spec: dict[str, str] = {}
     for device, preferred in (("cpu", ("gloo", "tcp")), ("cuda", ("nccl", "gloo"))):
         for name in preferred:  # built-ins: a plug-in cannot take their names
             record = get_backend_record(name)
             if device in record.devices and not record.availability():
+                if name == "nccl" and not runtime.device_visible():
+                    continue
                 spec[device] = name
                 break
     return spec
@@ -208,7 +214,10 @@ def is_mpi_available() -> bool:
 
 
 def is_nccl_available() -> bool:
-    """Whether the nccl backend can run here."""
+    """Whether CuPy and its NCCL library (2.7 or later) are installed, as torch's says
+    whether NCCL was built in. It does not look for a GPU, so it does not initialise CUDA
+    (a process forked after that cannot use it); `init_process_group("nccl")` reports a
+    missing GPU."""
     return is_backend_available("nccl")
 
 

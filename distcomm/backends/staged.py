@@ -6,16 +6,17 @@ instead of a CuPy check in every op of every such backend. Each op copies its in
 pinned host buffers (`distcomm.gpu.staging`), runs the CPU op synchronously, and copies
 its outputs back; the returned Work is complete. A backend that takes device memory itself
 (`takes_device_arrays()`: a CUDA-aware MPI) gets the CuPy arrays directly, after the
-caller's current stream is synchronised. Point-to-point operations go to the CPU backend
+caller's current stream on each array's device is synchronised (the backend does the
+same for point-to-point operations). Point-to-point operations go to the CPU backend
 unchanged (mpi stages them itself, gloo refuses CuPy arrays).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..gpu.runtime import synchronize_arrays
 from ..gpu.staging import HostStaging, run_staged
 from ..ops import ReduceOp
 from ..work import Work
@@ -41,7 +42,9 @@ class StagedBackend(Backend):
         """`call(*outputs, *inputs)` on host copies (or on the arrays, for a backend that
         takes device memory); the CPU op's errors are raised, as from a synchronous op."""
         if self.inner.takes_device_arrays():
-            sys.modules["cupy"].cuda.get_current_stream().synchronize()
+            # the library reads and writes them outside CUDA's streams: the kernels queued
+            # before, on each array's device, must have run
+            synchronize_arrays([*outputs, *inputs])
             return call(*outputs, *inputs)
         if self._staging is None:
             self._staging = HostStaging()

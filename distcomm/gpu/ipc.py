@@ -33,23 +33,27 @@ cannot be guarded: use spawn or forkserver for processes that use CUDA.
 A process receiving a handle it exported itself (a Queue read by its own writer) gets a
 view of the original allocation, as long as the array it sent (or the array that one is
 a view of) is still alive: CUDA cannot open a handle in the process that exported it.
+
+Passing on: CUDA cannot export memory that a process mapped from another's handle
+(`cudaIpcGetMemHandle` refuses it). An array received this way, or a view of it, is sent
+on as the original handle with its offset in the original allocation and the original
+sender's process id, so a third process opens the original allocation, and the original
+sender gets a view of its own allocation back. The original sender must keep the array
+alive while any process uses it, as above.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import threading
 import weakref
 from typing import Any
 
 from ..errors import DistBackendError
-from .runtime import import_cupy
+from .runtime import cuda_initialized, import_cupy, with_device
 
 __all__ = ["check_fork_safe", "rebuild_cupy_array", "reduce_cupy_array"]
-
-_CUDA_ERROR_NOT_INITIALIZED = 3
 
 # set in a child forked from a process that had initialised CUDA
 _forked_after_cuda = False
@@ -64,14 +68,7 @@ _exported: dict[bytes, tuple[weakref.ref, int]] = {}
 
 def _cuda_initialized() -> bool:
     """Whether this process has initialised the CUDA driver; never initialises it."""
-    cupy = sys.modules.get("cupy")
-    if cupy is None:
-        return False
-    try:
-        cupy.cuda.driver.ctxGetCurrent()
-    except Exception as exc:
-        return getattr(exc, "status", None) != _CUDA_ERROR_NOT_INITIALIZED
-    return True
+    return cuda_initialized()
 
 
 def _before_fork() -> None:
@@ -165,8 +162,20 @@ def reduce_cupy_array(array: Any) -> tuple[Any, tuple[Any, ...]]:
     runtime = cupy.cuda.runtime
     ptr = array.data.ptr
     try:
-        with array.device:
+        with with_device(array.device):
             cupy.cuda.get_current_stream().synchronize()
+            mapping = _mapping_holding(ptr)
+            if mapping is not None:  # memory another process exported: pass its handle on
+                return rebuild_cupy_array, (
+                    mapping.handle,
+                    mapping.size,
+                    ptr - mapping.ptr,
+                    array.shape,
+                    array.strides,
+                    dtype,
+                    mapping.bus_id,
+                    mapping.sender_pid,
+                )
             base, size = _allocation_range(ptr)
             handle = bytes(runtime.ipcGetMemHandle(base))
             bus_id = runtime.deviceGetPCIBusId(array.device.id)
@@ -208,16 +217,30 @@ def _rebuild_empty(shape: tuple[int, ...], dtype: Any) -> Any:
     return _import_cupy("receive").empty(shape, dtype)
 
 
+def _mapping_holding(ptr: int) -> _IpcMapping | None:
+    """The mapping this process opened that holds device address `ptr`, if any."""
+    with _lock:
+        for mapping in list(_opened.values()):
+            if mapping.ptr <= ptr < mapping.ptr + mapping.size:
+                return mapping
+    return None
+
+
 class _IpcMapping:
-    """An opened IPC handle; closed when the last array over it is collected."""
+    """An opened IPC handle; closed when the last array over it is collected. It keeps
+    what passing the memory on needs: the handle, the allocation's size, its GPU's bus id
+    and the process that exported it."""
 
-    __slots__ = ("__weakref__", "device_id", "ptr")
+    __slots__ = ("__weakref__", "bus_id", "device_id", "handle", "ptr", "sender_pid", "size")
 
-    def __init__(self, cupy: Any, handle: bytes, device_id: int) -> None:
+    def __init__(
+        self, cupy: Any, handle: bytes, device_id: int, size: int, bus_id: str, sender_pid: int
+    ) -> None:
         runtime = cupy.cuda.runtime
-        with cupy.cuda.Device(device_id):
+        with with_device(cupy.cuda.Device(device_id)):
             self.ptr = runtime.ipcOpenMemHandle(handle)  # lazily enables peer access
         self.device_id = device_id
+        self.handle, self.size, self.bus_id, self.sender_pid = handle, size, bus_id, sender_pid
         fin = weakref.finalize(self, _close, cupy, self.ptr, device_id, os.getpid())
         fin.atexit = False  # CUDA tears its contexts down itself at exit
 
@@ -226,7 +249,7 @@ def _close(cupy: Any, ptr: int, device_id: int, pid: int) -> None:
     if os.getpid() != pid:
         return
     try:
-        with cupy.cuda.Device(device_id):
+        with with_device(cupy.cuda.Device(device_id)):
             cupy.cuda.runtime.ipcCloseMemHandle(ptr)
     except Exception:  # the context is already gone (shutdown): nothing left to close
         pass
@@ -266,7 +289,7 @@ def rebuild_cupy_array(
     cupy = _import_cupy("receive")
     if sender_pid == os.getpid():
         memory = _same_process_memory(cupy, handle, size)
-        with cupy.cuda.Device(memory.device_id):
+        with with_device(cupy.cuda.Device(memory.device_id)):
             return cupy.ndarray(
                 shape, dtype, memptr=cupy.cuda.MemoryPointer(memory, offset), strides=strides
             )
@@ -283,7 +306,7 @@ def rebuild_cupy_array(
         mapping = _opened.get(handle)
         if mapping is None:
             try:
-                mapping = _IpcMapping(cupy, handle, device_id)
+                mapping = _IpcMapping(cupy, handle, device_id, size, bus_id, sender_pid)
             except runtime.CUDARuntimeError as exc:
                 raise DistBackendError(
                     f"cannot open the CUDA IPC handle of a CuPy array sent by process "
@@ -292,7 +315,7 @@ def rebuild_cupy_array(
                 ) from exc
             _opened[handle] = mapping
     memory = cupy.cuda.UnownedMemory(mapping.ptr, size, mapping, device_id)
-    with cupy.cuda.Device(device_id):
+    with with_device(cupy.cuda.Device(device_id)):
         return cupy.ndarray(
             shape, dtype, memptr=cupy.cuda.MemoryPointer(memory, offset), strides=strides
         )

@@ -81,14 +81,20 @@ def _text(version: tuple[int, int, int]) -> str:
     return ".".join(map(str, version))
 
 
-def import_nccl() -> tuple[Any, tuple[int, int, int]]:
+def import_nccl(*, need_device: bool = True) -> tuple[Any, tuple[int, int, int]]:
     """`cupy.cuda.nccl` and the NCCL runtime version, checked usable.
 
+    Args:
+        need_device: also check that CUDA sees a device, which initialises CUDA in this
+            process (a process forked afterwards cannot use it). False: only CuPy and the
+            NCCL library are checked (NCCL's version query does not touch CUDA), as the
+            availability probes do.
+
     Raises:
-        BackendUnavailableError: CuPy, a device or the NCCL library is missing, or NCCL is
-            older than 2.7; the message says what to install.
+        BackendUnavailableError: CuPy, a device (`need_device`) or the NCCL library is
+            missing, or NCCL is older than 2.7; the message says what to install.
     """
-    import_cupy("the nccl backend")
+    import_cupy("the nccl backend", need_device=need_device)
     try:
         from cupy.cuda import nccl
     except ImportError as exc:

@@ -4,6 +4,12 @@ Nothing here imports CuPy at module import. `device_count()` and `is_available()
 raise (0 and False without CuPy, a driver or a device), as torch.cuda's do; everything
 that needs a device raises `BackendUnavailableError` naming what to install or check.
 
+CUDA and fork: the first CUDA call of a process initialises the driver (cuInit), and a
+process forked after that cannot use CUDA. `device_count()` and `is_available()` ask
+CUDA, so they initialise it; `cuda_initialized()` and `device_visible()` never do (the
+availability probes and the default backend choice use them), so a program can ask
+before it forks its workers.
+
 Device selection: `set_device(i)` makes device i current for the calling thread (CuPy's
 current device is per thread, as CUDA's is) and remembers it for the process. Until it is
 called, `current_device()` is `LOCAL_RANK % device_count()` when LOCAL_RANK is set (the
@@ -12,9 +18,12 @@ launcher sets it, one worker per GPU) and CUDA's current device otherwise.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import BackendUnavailableError
@@ -23,15 +32,19 @@ from ..launcher_env import node_local_rank
 __all__ = [
     "INSTALL_HINT",
     "chosen_device",
+    "cuda_initialized",
     "current_device",
     "current_stream",
     "device_count",
     "device_of",
+    "device_visible",
     "import_cupy",
     "is_available",
     "is_cupy_array",
     "set_device",
     "synchronize",
+    "synchronize_arrays",
+    "with_device",
 ]
 
 #: what to install for the GPU path, by CUDA major version
@@ -92,8 +105,79 @@ def import_cupy(purpose: str = "the GPU path", *, need_device: bool = True) -> A
     return cupy
 
 
+def cuda_initialized() -> bool:
+    """Whether this process has initialised the CUDA driver; never initialises it (nor
+    imports CuPy: False until something imported it).
+
+    `cuCtxGetCurrent` answers CUDA_ERROR_NOT_INITIALIZED before `cuInit`.
+    """
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return False
+    try:
+        cupy.cuda.driver.ctxGetCurrent()
+    except Exception as exc:
+        return getattr(exc, "status", None) != _CUDA_ERROR_NOT_INITIALIZED
+    return True
+
+
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def _nvml_device_count() -> int | None:
+    """The GPUs NVML (the driver's management library) lists, or None where it cannot
+    say. NVML does not initialise CUDA, so this is safe before a fork (torch's
+    PYTORCH_NVML_BASED_CUDA_CHECK); it ignores CUDA_VISIBLE_DEVICES."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+    except (OSError, AttributeError):  # no NVIDIA driver
+        return None
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        return int(count.value)
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _visible(listed: int) -> int:
+    """How many of `listed` GPUs CUDA_VISIBLE_DEVICES leaves visible: CUDA takes the
+    entries up to the first invalid one (indices, GPU-/MIG- UUIDs)."""
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if text is None:
+        return listed
+    count = 0
+    for entry in (part.strip() for part in text.split(",")):
+        if (entry.isdigit() and int(entry) < listed) or entry.startswith(("GPU-", "MIG-")):
+            count += 1
+        else:
+            break
+    return count
+
+
+def device_visible() -> bool:
+    """Whether CUDA would see a device, found without initialising CUDA (safe before a
+    fork): CUDA's device count where this process initialised CUDA already, else NVML's
+    count under CUDA_VISIBLE_DEVICES; False without CuPy or an NVIDIA driver."""
+    if cuda_initialized():
+        return device_count() > 0
+    try:
+        import cupy  # noqa: F401 - importing CuPy does not initialise CUDA
+    except Exception:  # not installed, or an installation that fails to import
+        return False
+    listed = _nvml_device_count()
+    return listed is not None and _visible(listed) > 0
+
+
 def device_count() -> int:
-    """The number of CUDA devices CuPy sees; 0 without CuPy, a driver or a device."""
+    """The number of CUDA devices CuPy sees; 0 without CuPy, a driver or a device.
+
+    It asks CUDA, which initialises it in this process: a process forked afterwards cannot
+    use CUDA (`device_visible()` asks without initialising it).
+    """
     try:
         import cupy
     except Exception:  # not installed, or an installation that fails to import
@@ -105,7 +189,8 @@ def device_count() -> int:
 
 
 def is_available() -> bool:
-    """Whether CuPy is installed and sees at least one CUDA device."""
+    """Whether CuPy is installed and sees at least one CUDA device (initialising CUDA,
+    as `device_count()` does)."""
     return device_count() > 0
 
 
@@ -197,6 +282,56 @@ def current_stream(device: Any = None) -> Any:
     """The calling thread's current CuPy stream on `device` (default: `current_device()`)."""
     with _device(device, "current_stream"):
         return sys.modules["cupy"].cuda.get_current_stream()
+
+
+def synchronize_arrays(arrays: Iterable[Any]) -> None:
+    """Wait until the calling thread's current stream on the device of each CuPy array in
+    `arrays` (others are skipped) has run what was queued on it: the kernels that produce
+    or last used the arrays. Call it before a library that is not ordered by CUDA streams
+    (a CUDA-aware MPI) reads or writes their memory; each array's own device counts, not
+    the current one."""
+    cupy = sys.modules.get("cupy")
+    done: set[int] = set()
+    for array in arrays:
+        if array is None or not is_cupy_array(array):
+            continue
+        device = array.device
+        if device.id not in done:
+            done.add(device.id)
+            with with_device(device):
+                cupy.cuda.get_current_stream().synchronize()
+
+
+#: cuCtxGetCurrent's status before the driver was initialised
+_CUDA_NOT_INITIALIZED = 3
+
+
+@contextmanager
+def with_device(device: Any) -> Iterator[None]:
+    """Run the block with `device` (a `cupy.cuda.Device`) current in this thread, without
+    binding a CUDA context of another device here, as torch's device guard avoids doing.
+
+    CuPy's `with device:` switches back with cudaSetDevice, which in CUDA 12 makes the
+    previous device's context: on a thread that never chose a device (a new thread's is
+    0) that is an extra context on GPU 0, hundreds of MB of its memory. So a thread whose
+    device is `device` stays; a thread with no context bound yet is left on `device`; any
+    other switches and comes back to a device whose context it has already.
+    """
+    cuda = sys.modules["cupy"].cuda
+    if int(cuda.runtime.getDevice()) == device.id:
+        yield
+        return
+    driver = getattr(cuda, "driver", None)
+    try:
+        bound = driver is None or int(driver.ctxGetCurrent()) != 0
+    except Exception as exc:  # CUDA_ERROR_NOT_INITIALIZED: no context anywhere yet
+        bound = getattr(exc, "status", None) != _CUDA_NOT_INITIALIZED
+    if not bound:
+        device.use()
+        yield
+        return
+    with device:
+        yield
 
 
 def synchronize(device: Any = None) -> None:
