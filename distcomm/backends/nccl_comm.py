@@ -12,9 +12,20 @@ With DISTCOMM_DEBUG=DETAIL every collective first compares its signature (op, dt
 count, reduce op, root) with every rank's through the store, so a mismatch raises
 `DistBackendError` naming both sides instead of hanging in NCCL.
 
+Initialisation is bounded: before NCCL is called every rank's host and GPU are compared
+(two ranks on one GPU fail on every rank, naming them, where NCCL would fail the sharing
+ranks and leave the others hanging), and ncclCommInitRank, which has no time limit and
+hangs the healthy ranks when one fails, runs on a thread of its own: the caller waits
+up to the group timeout and learns through the store of a rank whose initialisation
+failed. A thread left inside a hung ncclCommInitRank stays blocked until the process
+exits (CuPy's blocking communicators cannot be aborted before they exist).
+
 Teardown: destroying a group fails its pending operations with `GroupDestroyedError`
-and destroys the communicator, or aborts it (ncclCommAbort) where operations are stuck
-or the group has failed, since ncclCommDestroy would wait for them.
+and releases the communicator with ncclCommAbort, never ncclCommDestroy: destroy is a
+collective of the node's ranks, which hangs after a peer's abort or when a peer never
+destroys. Communicators of groups never destroyed are aborted at interpreter exit, before
+CuPy's garbage collection would destroy them. The arrays of failed operations are kept
+until the group's stream has run the work an abort leaves queued behind them.
 
 This module holds the communicator's life: creating it (`connect`, `_ensure`: the unique
 id, the roll call of GPUs, an init failure's message), the DETAIL signature check, and
@@ -29,7 +40,7 @@ import threading
 from typing import Any
 
 from ..deadline import Deadline
-from ..errors import DistBackendError, DistTimeoutError, GroupDestroyedError
+from ..errors import DistBackendError, DistError, DistTimeoutError, GroupDestroyedError
 from ..gpu import nccl as nccl_types
 from ..gpu import runtime
 from ..store.base import Store
@@ -60,6 +71,7 @@ class NcclCommunicator:
     rank: int
     size: int
     timeout: float
+    group_name: str
     _nccl: Any
     _version: tuple[int, ...]
     _cupy: Any
@@ -95,11 +107,8 @@ class NcclCommunicator:
         deadline = Deadline(self.timeout)
         uid = self._unique_id(deadline)
         bus = self._register(device_id, deadline)
-        with device:
-            try:
-                comm = nccl_types.create_communicator(self._nccl, self.size, uid, self.rank)
-            except Exception as exc:  # NcclError
-                raise DistBackendError(self._init_failure(exc, bus)) from exc
+        comm = self._init_communicator(device_id, uid, deadline)
+        with runtime.with_device(device):
             stream = cupy.cuda.Stream(non_blocking=True)
         self._comm, self._device, self._stream = comm, device, stream
         self._watch.start(comm, device)
@@ -122,28 +131,117 @@ class NcclCommunicator:
         return nccl_types.unique_id_bytes(self.store.get("uid"))
 
     def _register(self, device_id: int, deadline: Deadline) -> str:
-        """Say which GPU this rank uses and wait until every rank has said so."""
+        """Say which GPU this rank uses, wait until every rank has said so, and refuse,
+        on every rank, a group where two ranks share a GPU (before NCCL is called: NCCL
+        fails only the sharing ranks, and the others would hang in ncclCommInitRank)."""
         bus = str(self._cupy.cuda.runtime.deviceGetPCIBusId(device_id))
         self.store.set(f"gpu/{self.rank}", f"{socket.gethostname()} {bus}")
+        keys = [f"gpu/{r}" for r in range(self.size)]
         self._wait_for_ranks(
-            {r: f"gpu/{r}" for r in range(self.size)},
+            dict(enumerate(keys)),
             deadline,
             "said which GPU it joins the NCCL communicator with",
         )
+        gpus = [v.decode() for v in self.store.multi_get(keys)]
+        users: dict[str, list[int]] = {}
+        for r, gpu in enumerate(gpus):
+            users.setdefault(gpu, []).append(r)
+        shared = {gpu: ranks for gpu, ranks in users.items() if len(ranks) > 1}
+        if shared:
+            mine = [r for r in users[gpus[self.rank]] if r != self.rank]
+            who = (
+                f"ranks {mine} use the same GPU ({bus}) as this rank"
+                if mine
+                else "; ".join(
+                    f"ranks {ranks} share the GPU {gpu.split()[-1]} of {gpu.split()[0]}"
+                    for gpu, ranks in shared.items()
+                )
+            )
+            raise DistBackendError(
+                f"{self.describe('init')}: {who}; NCCL needs one GPU per rank: call "
+                "distcomm.gpu.set_device(local_rank) before the first operation, set "
+                "CUDA_VISIBLE_DEVICES per rank, or start at most as many ranks per node as "
+                "it has GPUs"
+            )
         return bus
 
-    def _init_failure(self, exc: BaseException, bus: str) -> str:
-        text = f"{self.describe('init')}: ncclCommInitRank failed: {exc}"
-        gpus = [v.decode() for v in self.store.multi_get([f"gpu/{r}" for r in range(self.size)])]
-        shared = [r for r, v in enumerate(gpus) if v == gpus[self.rank] and r != self.rank]
-        if shared:
-            text += (
-                f". Ranks {shared} use the same GPU ({bus}) as this rank; NCCL needs one "
-                "GPU per rank: call distcomm.gpu.set_device(local_rank) before the first "
-                "operation, set CUDA_VISIBLE_DEVICES per rank, or start at most as many "
-                "ranks per node as it has GPUs"
-            )
-        return text
+    def _init_communicator(self, device_id: int, uid: bytes, deadline: Deadline) -> Any:
+        """ncclCommInitRank on a thread of its own, waited for up to `deadline`.
+
+        NCCL's initialisation has no time limit, and when one rank fails it the others
+        hang in it. A rank whose initialisation failed says so in the store (one counter
+        and its message); the others, waiting, look at the counter and raise naming it.
+
+        Raises:
+            DistBackendError: this rank's initialisation failed, or another rank's did.
+            DistTimeoutError: it did not finish within the group timeout.
+        """
+        outcome: dict[str, Any] = {}
+        abandoned = threading.Event()
+        nccl, size, rank = self._nccl, self.size, self.rank
+
+        def init() -> None:
+            try:
+                self._cupy.cuda.Device(device_id).use()  # a new thread: its device is 0
+                comm = nccl_types.create_communicator(nccl, size, uid, rank)
+            except BaseException as exc:  # NcclError (or the hung init ended at exit)
+                outcome["error"] = exc
+                return
+            outcome["comm"] = comm
+            if abandoned.is_set():  # the caller gave up meanwhile: nothing will use it
+                comm.abort()
+
+        thread = threading.Thread(
+            target=init, daemon=True, name=f"distcomm-nccl-init-{self.group_name}"
+        )
+        thread.start()
+        delay = 0.025  # a look at the store each 25, 50, 100, 200, 200... ms
+        while True:
+            thread.join(delay)
+            if not thread.is_alive():
+                break
+            failed = self._failed_inits()
+            if failed or deadline.expired():
+                abandoned.set()
+                error: DistError
+                if failed:
+                    error = DistBackendError(
+                        f"{self.describe('init')}: ncclCommInitRank failed on "
+                        + "; ".join(failed)
+                        + "; this rank's initialisation waits for them"
+                    )
+                else:
+                    error = DistTimeoutError(
+                        f"{self.describe('init')}: ncclCommInitRank did not finish within "
+                        f"{self.timeout:g} s and no rank reported a failure (a rank stuck "
+                        "before it, or a network NCCL cannot cross: NCCL_DEBUG=INFO says more)"
+                    )
+                log.error(
+                    "%s; a thread stays blocked inside ncclCommInitRank until the process "
+                    "exits (CuPy's communicators cannot be aborted before they exist)",
+                    error,
+                )
+                raise error
+            delay = min(delay * 2, 0.2)
+        if "comm" in outcome:
+            return outcome["comm"]
+        exc = outcome["error"]
+        text = f"rank {self.rank}: {exc}"
+        try:
+            self.store.set(f"initfail/{self.rank}", text)
+            self.store.add("initfail", 1)
+        except Exception:  # the store is gone: the others time out instead
+            pass
+        raise DistBackendError(f"{self.describe('init')}: ncclCommInitRank failed: {exc}") from exc
+
+    def _failed_inits(self) -> list[str]:
+        """What the ranks whose ncclCommInitRank failed said (one store request while none
+        did)."""
+        if not int(self.store.add("initfail", 0)):
+            return []
+        keys = [f"initfail/{r}" for r in range(self.size) if r != self.rank]
+        found = [k for k in keys if self.store.check([k])]
+        return [v.decode(errors="replace") for v in self.store.multi_get(found)]
 
     def _wait_for_ranks(self, keys: dict[int, str], deadline: Deadline, arrived: str) -> None:
         """Wait for the ranks of `keys` to set them, warning while some are late and
@@ -200,10 +298,14 @@ class NcclCommunicator:
         pending = self._watch.stop()
         if pending is None:  # shut down already
             return
-        # ncclCommDestroy would wait for stuck operations: abort those instead
-        self._watch.release(abort=bool(pending) or self._watch.failure is not None)
+        # always ncclCommAbort, never ncclCommDestroy: destroy is a collective of the
+        # node's ranks, which hangs after a peer's abort (that this rank may not have
+        # seen) or when a peer never destroys, and it would wait for stuck operations;
+        # with every operation finished, abort releases the same resources, locally
+        self._watch.release(abort=True)
         self._watch.finish_abort(_ABORT_WAIT)
         self._comm = None
+        self._watch.keep_until_settled(pending)
         for work in pending:
             try:
                 work.fail(
@@ -214,7 +316,7 @@ class NcclCommunicator:
                 )
             except RuntimeError:  # it completed meanwhile
                 pass
-        self._watch.forget()
+        self._watch.forget(self._stream)
         self._barrier_buffer = None
         self._caller_event = None
         self._stream = None

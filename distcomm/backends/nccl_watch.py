@@ -7,14 +7,27 @@ notices), and fails the group (ncclCommAbort, every pending Work failed, a notic
 store). `NcclBackend` owns one per group and hands it everything it uses: the store,
 rank, timeout and `describe` when it is made, the communicator and its device when
 `start()` is called, once the communicator exists. It knows nothing else of the backend.
+
+Where real CuPy and NCCL differ from what their names suggest: an event's status is read
+with `cudaEventQuery` (CuPy's `Event.done` stays False after a sticky CUDA error instead
+of raising); the abort waits for an NCCL call in progress to return (CuPy's communicators
+are blocking, and NCCL forbids aborting those while a call is inside them); events are
+queried and waited on with the group's device current, switching a thread's device only
+where that binds no new CUDA context (CUDA 12's cudaSetDevice makes one); and the arrays
+of failed operations outlive the abort until the group's stream has run what is queued
+behind them.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ..deadline import Deadline, to_seconds
@@ -25,6 +38,7 @@ from ..errors import (
     GroupDestroyedError,
     caused_by_peers,
 )
+from ..gpu import runtime
 from ..store.base import Store
 from ..work import Work
 
@@ -48,6 +62,38 @@ _QUERY_KEY = "waiting"
 #: how long it waits for answers: past the answering watchdogs' period (_NOTICE_AFTER)
 _ASK_S = 2.5 * _NOTICE_AFTER
 _UNBOUNDED = Deadline(None)  # the watchdog's naps have no end of their own
+#: cudaEventQuery's status for work not finished yet
+_CUDA_NOT_READY = 600
+#: how long destroying a failed group waits for its stream to run what an abort left
+_SETTLE_S = 10.0
+
+#: the watchdogs whose communicator is not released yet: released at interpreter exit,
+#: before CuPy's garbage collection would run ncclCommDestroy, a collective, on them
+_live: weakref.WeakSet[NcclWatchdog] = weakref.WeakSet()
+#: arrays the GPU may still touch after a failed group was destroyed (its stream did not
+#: finish in time): kept for the life of the process rather than handed back to CuPy
+_stranded: list[Any] = []
+
+
+def cuda_error_text(cupy: Any, status: int) -> str:
+    """A CUDA status code as CuPy's CUDARuntimeError words it ("cudaErrorIllegalAddress:
+    an illegal memory access was encountered"), with the code."""
+    try:
+        text = str(cupy.cuda.runtime.CUDARuntimeError(status))
+    except Exception:  # a CuPy without the error type's status constructor
+        text = ""
+    return f"CUDA error {status}" + (f" ({text})" if text and text != str(status) else "")
+
+
+def _release_at_exit() -> None:
+    """Abort the communicators of groups never destroyed, at interpreter exit: CuPy's
+    NcclCommunicator would otherwise call ncclCommDestroy when collected, which waits for
+    every rank of the node to do the same (a hang when one has exited or aborted)."""
+    for watch in list(_live):
+        watch.release(abort=True)
+
+
+atexit.register(_release_at_exit)
 
 #: queues, after an operation, the GPU work `Work.chain` asks for; returns its Work
 Then = Callable[["NcclWork", Callable[[], None], list[Any]], Work]
@@ -96,20 +142,43 @@ class NcclWork(Work):
         event.record(stream)
         self._event = event
 
-    def _poll(self) -> bool:
-        """Whether the operation has finished (completing the future when it has)."""
+    def _poll(self, here: bool = False) -> bool:
+        """Whether the operation has finished (completing the future when it has).
+
+        The event is queried with the operation's device current (`here`: the caller
+        knows it is, as the watchdog does; else `on_device` makes it so without binding a
+        CUDA context of another device in this thread).
+        """
         if self._future.done():
             return True
-        if self._event is None:
+        event = self._event
+        if event is None:
             return False
-        try:
-            with self._watch.device:  # never make another GPU current in this thread
-                done = self._event.done
-        except Exception as exc:  # CUDARuntimeError: a sticky error (illegal address, ...)
-            self._watch.fail(DistBackendError(f"{self.description}: CUDA failed: {exc}"))
+        watch = self._watch
+        if not here:
+            with watch.on_device():
+                return self._query(event)
+        return self._query(event)
+
+    def _query(self, event: Any) -> bool:
+        """`_poll`'s look at the event, on a thread whose current device is the op's."""
+        watch = self._watch
+        # CuPy's Event.done is eventQuery() == 0: after a sticky CUDA error (an illegal
+        # address, a kernel that faulted) it stays False for ever and never raises, so
+        # the status itself is read: 0 done, cudaErrorNotReady pending, else an error
+        status = watch.query(event)
+        if status == _CUDA_NOT_READY:
+            return False
+        if status:
+            watch.fail(
+                DistBackendError(
+                    f"{self.description}: CUDA failed on GPU {watch.device.id}: "
+                    f"{cuda_error_text(self._cupy, status)}. A sticky CUDA error leaves the "
+                    "GPU unusable in this process: end it and restart the job (e.g. from a "
+                    "checkpoint)"
+                )
+            )
             return True
-        if not done:
-            return False
         failure = self._watch.failure
         if failure is not None:  # ended by the abort, not by finishing: no result there
             try:
@@ -147,7 +216,7 @@ class NcclWork(Work):
             # torch orders the caller's stream even when the watchdog already saw the
             # event complete: the same calls either way
             if self._event is not None:
-                with watch.device:
+                with watch.on_device():
                     self._cupy.cuda.get_current_stream().wait_event(self._event)
             return True
         if done:
@@ -216,6 +285,7 @@ class NcclWatchdog:
         self._failed_works: list[NcclWork] = []  # their arrays live until shutdown
         self._released = False  # the communicator was aborted or destroyed
         self._aborter: threading.Thread | None = None  # runs the abort `fail` started
+        self._cuda: Any = None  # cupy.cuda, from start()
         #: called with the failure's text once the group failed (the abort listeners)
         self.on_failure: Callable[[str], None] | None = None
         #: the group's size (set by the backend): how many ranks a timeout asks about
@@ -231,10 +301,28 @@ class NcclWatchdog:
     def start(self, comm: Any, device: Any) -> None:
         """Watch `comm` (a `NcclCommunicator` on the `cupy.cuda.Device` `device`) from now."""
         self._comm, self.device = comm, device
+        self._cuda = sys.modules["cupy"].cuda
+        _live.add(self)
         self._watchdog = threading.Thread(
             target=self._run, daemon=True, name=f"distcomm-nccl-watchdog-{self._name}"
         )
         self._watchdog.start()
+
+    # -- the device, from any thread ------------------------------------------------------------
+
+    def is_current_device(self) -> bool:
+        """Whether the calling thread's current device is the group's (cudaGetDevice, which
+        binds no context)."""
+        return int(self._cuda.runtime.getDevice()) == self.device.id
+
+    def query(self, event: Any) -> int:
+        """cudaEventQuery's status for `event`: 0, cudaErrorNotReady, or an error."""
+        return int(self._cuda.runtime.eventQuery(event.ptr))
+
+    def on_device(self) -> AbstractContextManager[None]:
+        """The group's device current for a block, binding no CUDA context of another
+        device in this thread (`distcomm.gpu.runtime.with_device`)."""
+        return runtime.with_device(self.device)
 
     def raise_if_failed(self, description: str) -> None:
         """Raise if the group was aborted (its failure's type) or destroyed.
@@ -256,8 +344,11 @@ class NcclWatchdog:
         self._launching = (description, time.monotonic())
 
     def launch_ended(self) -> None:
-        """The NCCL call `launch_started` marked has returned."""
+        """The NCCL call `launch_started` marked has returned: an abort the group's failure
+        deferred until then starts now."""
         self._launching = None
+        if self._failure is not None:
+            self._start_abort()
 
     def track(self, works: list[NcclWork]) -> None:
         """Watch `works`, just issued, until they complete.
@@ -345,17 +436,14 @@ class NcclWatchdog:
         log.error("%s: aborting the NCCL communicator: %s", self.describe("abort"), error)
         if self.on_failure is not None:
             self.on_failure(str(error))
-        # ncclCommAbort frees the communicator's device memory, which waits for the GPU
-        # to finish what is queued before it, other streams' kernels included (seen with
-        # NCCL 2.28.9: a wait(timeout=1) raised only after 8 s, when a kernel ahead of
-        # the op ended). It runs on a thread of its own, so the caller and the watchdog
-        # report the failure at once; destroying the group waits for it.
-        self._aborter = threading.Thread(
-            target=self.release, args=(True,), daemon=True, name=f"distcomm-nccl-abort-{self._name}"
-        )
-        self._aborter.start()
+        # CuPy makes blocking communicators only, and NCCL forbids ncclCommAbort on one
+        # while another thread is inside an NCCL call on it: an abort that finds a call in
+        # progress waits for it to return (`launch_ended` starts it; a peer's abort or
+        # exit makes a call stuck on that peer return with an error)
+        if self._launching is None:
+            self._start_abort()
         # kernels queued behind the aborted ones may still run: keep their arrays until
-        # the group is destroyed
+        # the group is destroyed and its stream has run them
         self._failed_works = pending
         for work in pending:
             try:
@@ -367,6 +455,24 @@ class NcclWatchdog:
                 self.store.compare_set(_ABORT_KEY, "", f"rank {self.rank}: {error}")
         except Exception:  # the store may be gone with the failed rank
             pass
+
+    def _start_abort(self) -> None:
+        """Start the abort `fail` asked for, once. ncclCommAbort frees the communicator's
+        device memory, which waits for the GPU to finish what is queued before it, other
+        streams' kernels included (seen with NCCL 2.28.9: a wait(timeout=1) raised only
+        after 8 s, when a kernel ahead of the op ended). It runs on a thread of its own, so
+        the caller and the watchdog report the failure at once; destroying the group waits
+        for it."""
+        with self._cond:
+            if self._aborter is not None or self._released or self._comm is None:
+                return
+            self._aborter = threading.Thread(
+                target=self.release,
+                args=(True,),
+                daemon=True,
+                name=f"distcomm-nccl-abort-{self._name}",
+            )
+        self._aborter.start()
 
     def _run(self) -> None:
         try:
@@ -400,12 +506,14 @@ class NcclWatchdog:
                 self.fail(
                     DistTimeoutError(
                         f"{launching[0]}: NCCL did not return within {self.timeout:g} s (it "
-                        "waits for a peer that never connected?); the communicator was "
-                        "aborted: destroy the group and create a new one"
+                        "waits for a peer that never connected?); the group failed, and its "
+                        "communicator is aborted once that call returns (NCCL forbids "
+                        "aborting a blocking communicator while a call is inside it): "
+                        "destroy the group and create a new one"
                     )
                 )
                 return
-            done = {id(w) for w in pending if w._poll()}
+            done = {id(w) for w in pending if w._poll(True)}
             with self._cond:
                 self._pending = [w for w in self._pending if id(w) not in done]
                 oldest = self._pending[0] if self._pending else None
@@ -464,6 +572,7 @@ class NcclWatchdog:
             if self._released or comm is None:
                 return
             self._released = True
+        _live.discard(self)
         try:
             if abort:
                 comm.abort()
@@ -506,16 +615,54 @@ class NcclWatchdog:
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join(10.0)
         deadline = Deadline(min(self.timeout, 10.0))
-        while pending and not deadline.expired():
-            pending = [w for w in pending if not w._poll()]
-            if pending:
-                time.sleep(0.001)
+        if pending and self._comm is not None:
+            with self.on_device():
+                while pending and not deadline.expired():
+                    pending = [w for w in pending if not w._poll(True)]
+                    if pending:
+                        time.sleep(0.001)
         return pending
 
-    def forget(self) -> None:
+    def keep_until_settled(self, works: list[NcclWork]) -> None:
+        """Keep the arrays of `works` (failed, or abandoned at destroy) until `forget`
+        has seen the group's stream run what is queued on it."""
+        self._failed_works = [*self._failed_works, *works]
+
+    def forget(self, stream: Any) -> None:
         """Let go of the communicator and of the arrays of the operations a failure failed
-        (once `stop()` and `release()` are done: the group is gone); an abort still under
-        way keeps them until it returns."""
+        (once `stop()` and `release()` are done: the group is gone). An abort ends the
+        NCCL kernels, but the work queued behind them on `stream` (an average's division,
+        copies out of a joined buffer) still runs afterwards: the arrays are handed back
+        to CuPy (whose pool may give their memory to new arrays) only once the stream has
+        run it, else they stay referenced for the life of the process."""
         self._comm = None
-        if self._aborter is None or not self._aborter.is_alive():
-            self._failed_works = []
+        works, self._failed_works = self._failed_works, []
+        if not works:
+            return
+        arrays = [w._keep for w in works]
+        aborter = self._aborter
+        if (aborter is not None and aborter.is_alive()) or not self._settle(stream):
+            _stranded.append(arrays)
+            log.warning(
+                "%s: the GPU has not finished the work queued on the group's stream "
+                "behind its failed operations; their arrays stay allocated until the "
+                "process exits",
+                self.describe("shutdown"),
+            )
+
+    def _settle(self, stream: Any) -> bool:
+        """Whether `stream` ran everything queued on it, waiting up to `_SETTLE_S`."""
+        if stream is None:
+            return True
+        deadline = Deadline(_SETTLE_S)
+        delay = _WATCH_FIRST
+        with self.on_device():
+            event = self._cuda.Event(disable_timing=True)
+            event.record(stream)
+            while True:
+                status = self.query(event)
+                if status == 0:
+                    return True
+                if status != _CUDA_NOT_READY or deadline.expired():
+                    return False
+                delay = deadline.nap(delay, _POLL_MOST)
