@@ -11,7 +11,6 @@ the backend can (tcp, gloo), else the group is aborted.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from ._calls import check_tag, op_timeout, rank_arg, timed
@@ -239,7 +238,8 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp], *, timeout: Any = None) -> l
     """Post every operation of the list in order; returns their Works.
 
     On a backend that groups operations (nccl), the list is issued as one group, so
-    sends and receives between the same ranks cannot block one another.
+    sends and receives between the same ranks cannot block one another; a list spanning
+    several groups is issued as one group per group (in the order each first appears).
 
     Args:
         timeout: seconds or timedelta (at most each operation's group's timeout): what
@@ -262,8 +262,19 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp], *, timeout: Any = None) -> l
     )
     first = postings[0]
     together = all(p.backend is first.backend for p in postings)
-    with first.backend.coalesce(first.array) if together else nullcontext():
-        works = [p.post() for p in postings]
+    if together:
+        with first.backend.coalesce(first.array):
+            works = [p.post() for p in postings]
+    else:
+        # operations of several groups: each group's are posted in a row (in the order
+        # its first one comes in the list), and then together as one NCCL group (nccl),
+        # so none of them waits for a peer before the others are posted
+        backends = list({id(p.backend): p.backend for p in postings}.values())
+        order = sorted(range(len(postings)), key=lambda i: backends.index(postings[i].backend))
+        posted = {i: postings[i].post() for i in order}
+        for backend in backends:
+            backend.flush()
+        works = [posted[i] for i in range(len(postings))]
     if seconds is not None:
         for work, limit in zip(works, seconds, strict=True):
             work.set_default_timeout(limit)

@@ -328,6 +328,12 @@ class Backend(ABC):
         `array` is the first one's. Backends that post each at once need nothing."""
         return nullcontext()
 
+    def flush(self) -> None:
+        """Post the operations the backend holds back (nccl defers lone sends and
+        receives, to post them together as one NCCL group). Backends that post each at
+        once need nothing."""
+        return None
+
     # -- optional: uneven collectives (MPI's v-calls); counts[i] is rank i's elements --------
     # A backend with native calls overrides these (mpi). The defaults return None: no
     # native call, and distcomm runs the operation on the op set above instead.
