@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import numbers
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .gpu.runtime import import_cupy, is_cupy_array
+from .gpu.runtime import import_cupy, is_cupy_array, with_device
 
 __all__ = [
     "DTYPES",
     "adapt",
+    "address",
     "check_same",
     "concatenate",
+    "copy_on_device",
     "device_of",
     "dtype_code",
     "dtype_from_code",
     "empty",
+    "extent",
     "flat",
+    "may_share_memory",
+    "on_device",
 ]
 
 #: The dtypes collectives accept, in wire-code order (the code is the index).
@@ -213,3 +219,46 @@ def concatenate(arrays: list[Any], like: Any) -> Any:
         with like.device:
             return cupy.concatenate([flat(a) for a in arrays])
     return np.concatenate([flat(a) for a in arrays])
+
+
+# -- memory: where an array's elements lie (host or device) ------------------------------------
+
+
+def address(array: Any) -> int:
+    """The address of an array's first element (a CuPy array's is a device address)."""
+    return int(array.data.ptr) if is_cupy_array(array) else int(array.ctypes.data)
+
+
+def extent(array: Any) -> tuple[int, int]:
+    """[first byte, end) of the memory an array's elements span."""
+    start = address(array)
+    if array.size == 0:
+        return start, start
+    low = sum(min(0, (n - 1) * s) for n, s in zip(array.shape, array.strides, strict=True))
+    high = sum(max(0, (n - 1) * s) for n, s in zip(array.shape, array.strides, strict=True))
+    return start + low, start + high + array.itemsize
+
+
+def may_share_memory(a: Any, b: Any) -> bool:
+    """Whether two arrays may share memory. CuPy arrays cannot go to numpy's check (they
+    refuse conversion): their byte extents are compared; host and device never overlap."""
+    if not (is_cupy_array(a) or is_cupy_array(b)):
+        return bool(np.shares_memory(a, b))
+    if not (is_cupy_array(a) and is_cupy_array(b)):
+        return False
+    (a_start, a_end), (b_start, b_end) = extent(a), extent(b)
+    return a_start < b_end and b_start < a_end
+
+
+def on_device(array: Any, fn: Callable[[], Any]) -> Any:
+    """`fn()` with a CuPy array's device current (binding no CUDA context of another
+    device in this thread: `distcomm.gpu.runtime.with_device`)."""
+    with with_device(array.device):
+        return fn()
+
+
+def copy_on_device(array: Any) -> Any:
+    """A copy of `array`; a CuPy array's is made on its own device."""
+    if is_cupy_array(array):
+        return on_device(array, array.copy)
+    return array.copy()

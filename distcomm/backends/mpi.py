@@ -31,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import address, copy_on_device, may_share_memory, on_device
 from ..bootstrap.mpi import MPI_BACKEND_NEEDS
 from ..bootstrap.mpi import world_mpi as mpi  # MPI.COMM_WORLD checked (re-exported here)
 from ..errors import DistBackendError, DistTimeoutError, GroupDestroyedError
-from ..gpu.runtime import is_cupy_array, synchronize_arrays, with_device
+from ..gpu.runtime import is_cupy_array, synchronize_arrays
 from ..mpiutil import abort, install_abort_hook, is_mpi4py_available, load_mpi
 from ..ops import MPI_OP_NAMES, ReduceOp, average_into, reduce_into
 from ..store.base import Store
@@ -428,7 +429,7 @@ class MpiBackend(MpiUneven, Backend):
         if op is not _AVG:
             return None
         if is_cupy_array(array):  # a kernel on the array's device (the call may run elsewhere)
-            return lambda: _on_device(array, lambda: average_into(array, self.size))
+            return lambda: on_device(array, lambda: average_into(array, self.size))
         return lambda: average_into(array, self.size)
 
     def reduce(self, array: Any, root: int, op: ReduceOp, *, async_op: bool = False) -> Work:
@@ -445,12 +446,12 @@ class MpiBackend(MpiUneven, Backend):
     def _in_place(self, output: Any, input: Any, index: int) -> Any:
         """MPI.IN_PLACE when `input` already is slot `index` of `output`; else `input`'s
         buffer (copied first if it overlaps `output` elsewhere, which MPI forbids)."""
-        if output is None or not _overlaps(output, input):
+        if output is None or not may_share_memory(output, input):
             return self._buf(input)
         m = input.size
-        if _address(output[index * m : (index + 1) * m]) == _address(input):
+        if address(output[index * m : (index + 1) * m]) == address(input):
             return self._MPI.IN_PLACE
-        return self._buf(_copy(input))
+        return self._buf(copy_on_device(input))
 
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> Work:
         comm, send, recv = self._comm, self._in_place(output, input, self.rank), self._buf(output)
@@ -472,7 +473,9 @@ class MpiBackend(MpiUneven, Backend):
     def scatter(self, output: Any, input: Any | None, root: int, *, async_op: bool = False) -> Work:
         comm = self._comm
         if self.rank == root:
-            send = self._buf(input if not _overlaps(input, output) else _copy(input))
+            send = self._buf(
+                input if not may_share_memory(input, output) else copy_on_device(input)
+            )
         else:
             send = None
         recv = self._buf(output)
@@ -482,7 +485,7 @@ class MpiBackend(MpiUneven, Backend):
         self, output: Any, input: Any, op: ReduceOp, *, async_op: bool = False
     ) -> Work:
         comm, mop = self._comm, self._op(op, output.dtype)
-        send = self._buf(input if not _overlaps(input, output) else _copy(input))
+        send = self._buf(input if not may_share_memory(input, output) else copy_on_device(input))
         recv = self._buf(output)
         return self._run(
             "reduce_scatter",
@@ -502,7 +505,7 @@ class MpiBackend(MpiUneven, Backend):
         async_op: bool = False,
     ) -> Work:
         comm = self._comm
-        source = input if not _overlaps(input, output) else _copy(input)
+        source = input if not may_share_memory(input, output) else copy_on_device(input)
         dtype = self._buf(output)[1]
         if len(set(input_splits)) <= 1 and list(input_splits) == list(output_splits):
             send, recv = self._buf(source), self._buf(output)
@@ -582,44 +585,6 @@ class MpiBackend(MpiUneven, Backend):
             self._comm.Free()
         except self._MPI.Exception:
             pass
-
-
-def _address(array: Any) -> int:
-    """The address of an array's first element (a CuPy array's is a device address)."""
-    return int(array.data.ptr) if is_cupy_array(array) else int(array.ctypes.data)
-
-
-def _overlaps(a: Any, b: Any) -> bool:
-    """Whether two arrays may share memory (MPI forbids overlapping buffers). CuPy arrays
-    cannot go to numpy's check (they refuse conversion): their byte extents are compared."""
-    if not (is_cupy_array(a) or is_cupy_array(b)):
-        return bool(np.shares_memory(a, b))
-    if not (is_cupy_array(a) and is_cupy_array(b)):
-        return False  # host and device memory
-    return _extent(a)[0] < _extent(b)[1] and _extent(b)[0] < _extent(a)[1]
-
-
-def _extent(array: Any) -> tuple[int, int]:
-    """[first byte, end) of the memory an array's elements span."""
-    start = _address(array)
-    if array.size == 0:
-        return start, start
-    low = sum(min(0, (n - 1) * s) for n, s in zip(array.shape, array.strides, strict=True))
-    high = sum(max(0, (n - 1) * s) for n, s in zip(array.shape, array.strides, strict=True))
-    return start + low, start + high + array.itemsize
-
-
-def _copy(array: Any) -> Any:
-    """A copy of `array`; a CuPy array's is made on its own device."""
-    if is_cupy_array(array):
-        return _on_device(array, array.copy)
-    return array.copy()
-
-
-def _on_device(array: Any, fn: Callable[[], Any]) -> Any:
-    """`fn()` with the array's device current (binding no context of another device)."""
-    with with_device(array.device):
-        return fn()
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:

@@ -10,11 +10,11 @@ the timeout expires aborts the communicator (ncclCommAbort) and raises
 `DistTimeoutError` naming the op and its sequence number. `barrier()` blocks the host.
 Arrays an operation uses are kept alive by its Work until the event has passed.
 
-Watchdog (`nccl_watch.py`, with the Work; the backend owns one `NcclWatchdog` per group
-and passes it what it watches): while operations are pending, a thread polls
-their events (completing their futures), `check_async_error()` (a failed peer or
-network error becomes `DistBackendError` and aborts the communicator instead of a
-hang), the group timeout, and an abort notice other ranks leave in the store. After an
+Watchdog (`nccl_watch.py`; the Work is `nccl_work.py`; the backend owns one
+`NcclWatchdog` per group and passes it what it watches): while operations are pending, a
+thread polls their events (completing their futures), `check_async_error()` (a failed
+peer or network error becomes `DistBackendError` and aborts the communicator instead of
+a hang), the group timeout, and an abort notice other ranks leave in the store. After an
 abort every operation of the group raises; destroy the group and create a new one.
 
 Ops: all_reduce, broadcast, reduce, all_gather and reduce_scatter are NCCL collectives;
@@ -24,20 +24,9 @@ matched in the order they were posted; tags are accepted and ignored (as with to
 NCCL), and a receive must name its source. `batch_isend_irecv` runs as one NCCL group.
 Dtypes and reductions NCCL lacks are mapped as `distcomm.gpu.nccl` describes.
 
-Lone sends and receives: an ncclSend or ncclRecv outside an NCCL group blocks its stream
-until the peer runs the matching call, so `isend(right); irecv(left)` rings and crossing
-exchanges would deadlock if each were launched at once. A send or receive issued outside
-`batch_isend_irecv` is therefore deferred and posted, with the device's other deferred
-ones (of every group, in the order they were called; each group's run of them as one
-NCCL group), at the first of: a use of one of their Works (wait, is_completed, result,
-exception, the future's value or wait), any other operation on the device, a
-`batch_isend_irecv` (its list spanning several groups flushes each), and the group's
-destruction (posted, not dropped: a peer may wait for it). Messages between two ranks
-still match in posting order; the group timeout counts from the posting. Within a posted
-group a send whose array a receive before it wrote starts a new NCCL group (it sends what
-was received), and a receive into an array an earlier send reads lands in a temporary
-copied into it afterwards, so the deferred operations mean what they would have meant
-one by one.
+Lone sends and receives are deferred and posted together as NCCL groups, and every
+group on a GPU issues under one lock (its lane): `nccl_p2p.NcclPointToPoint`, a mixin of
+`NcclBackend`, says how and why.
 
 Order across groups: NCCL kernels of different communicators on one GPU may wait for
 each other, so every rank must issue the operations of different groups in the same
@@ -55,7 +44,7 @@ copied to a temporary on the group's stream first, kept alive until the operatio
 event.
 
 The communicator's life (made on a group's first operation, each group its own; aborted
-or destroyed with the group) and the DISTCOMM_DEBUG=DETAIL signature check are
+with the group) and the DISTCOMM_DEBUG=DETAIL signature check are
 `nccl_comm.NcclCommunicator`, a mixin of `NcclBackend`.
 """
 
@@ -63,10 +52,7 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from itertools import groupby
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import config
@@ -81,104 +67,18 @@ from ..launcher_env import node_local_rank
 from ..ops import ReduceOp, average_into
 from ..store.base import Store
 from ..store.prefix import PrefixStore
-from ..work import Future, Work
+from ..work import Work
 from .base import Backend, setup_round
 from .engine.protocol import Signature
 from .nccl_comm import NcclCommunicator
-from .nccl_watch import NcclWatchdog, NcclWork
+from .nccl_p2p import Lane, NcclPointToPoint, byte_span, device_lane, spans_overlap
+from .nccl_watch import NcclWatchdog
+from .nccl_work import NcclWork
 
 __all__ = ["NcclBackend", "NcclWork"]
 
 
-class _Lane:
-    """What every nccl group on one CUDA device of this process shares: the lock their
-    operations are issued under, and the lone sends and receives not posted yet, in the
-    order they were called (`_Deferred`)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.deferred: list[_Deferred] = []
-
-
-_LANES: dict[int, _Lane] = {}
-_LANES_LOCK = threading.Lock()
-
-
-def _lane(device_id: int) -> _Lane:
-    """The lane of CUDA device `device_id` (made on first use)."""
-    lane = _LANES.get(device_id)  # one atomic read: lanes are never removed
-    if lane is not None:
-        return lane
-    with _LANES_LOCK:
-        lane = _LANES.get(device_id)
-        if lane is None:
-            lane = _LANES[device_id] = _Lane()
-        return lane
-
-
-class _PostingFuture(Future):
-    """The future of a lone send or receive not posted yet: asking it anything (done,
-    value, exception, a wait, `then`) posts it first; a done-callback does not."""
-
-    __slots__ = ("_post",)
-
-    def __init__(self, post: Callable[[], None]) -> None:
-        super().__init__()
-        self._post: Callable[[], None] | None = post
-
-    def _posted(self) -> None:
-        post = self._post
-        if post is not None:
-            post()
-
-    def done(self) -> bool:
-        self._posted()
-        return super().done()
-
-    def exception(self) -> BaseException | None:
-        self._posted()
-        return super().exception()
-
-    def wait_done(self, timeout: float | None = None) -> bool:
-        self._posted()
-        return super().wait_done(timeout)
-
-    def value(self) -> Any:
-        self._posted()
-        return super().value()
-
-    def then(self, callback: Callable[[Future], Any]) -> Future:
-        self._posted()
-        return super().then(callback)
-
-
-class _Deferred:
-    """A lone send or receive (issued outside a coalesced batch), posted later as part of
-    one NCCL group with the others (`NcclBackend._post_deferred`)."""
-
-    __slots__ = ("array", "backend", "count", "dt", "kind", "peer", "work")
-
-    def __init__(
-        self, backend: NcclBackend, kind: str, array: Any, peer: int, dt: Any, count: int
-    ) -> None:
-        self.backend, self.kind, self.array, self.peer = backend, kind, array, peer
-        self.dt, self.count = dt, count
-        self.work: NcclWork | None = None
-
-    def span(self) -> tuple[int, int]:
-        return (self.array.data.ptr, self.array.nbytes) if self.count else (0, 0)
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    """Whether the byte spans (address, size) `a` and `b` share a byte."""
-    return a[1] > 0 and b[1] > 0 and a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
-
-
-def _span(array: Any) -> tuple[int, int]:
-    return (array.data.ptr, array.nbytes) if array is not None and array.nbytes else (0, 0)
-
-
-class NcclBackend(NcclCommunicator, Backend):
+class NcclBackend(NcclPointToPoint, NcclCommunicator, Backend):
     """Collectives on CuPy arrays through NCCL, one communicator and CUDA stream per group."""
 
     name = "nccl"
@@ -228,7 +128,7 @@ class NcclBackend(NcclCommunicator, Backend):
         self._seq = 0  # operations issued, for messages
         self._coll_seq = 0  # collectives issued, for the DETAIL signature check
         self._grouped: list[NcclWork] | None = None  # Works of an open coalesced batch
-        self._device_lane: _Lane | None = None  # what the groups on its GPU share
+        self._device_lane: Lane | None = None  # what the groups on its GPU share
         # the sends and receives of the NCCL group being posted, (kind, byte span) each,
         # and the copies out of the temporaries its overlapping receives used
         self._batch: list[tuple[str, tuple[int, int]]] = []
@@ -298,19 +198,6 @@ class NcclBackend(NcclCommunicator, Backend):
                     self._watch.track([work])
             return work
 
-    def _lane(self, device_id: int, op: str) -> _Lane:
-        """The lane of GPU `device_id`, once the group's communicator exists: it is made
-        (or the device checked against its) first, outside the lane's lock (making it
-        waits for every rank of the group)."""
-        if self._comm is None or device_id != self._device.id:
-            with self._issue:
-                self._watch.raise_if_failed(self.describe(op))
-                self._ensure(device_id, op)
-        lane = self._device_lane
-        if lane is None:  # the communicator's device, for the group's life
-            lane = self._device_lane = _lane(device_id)
-        return lane
-
     def _work(
         self,
         description: str,
@@ -353,7 +240,7 @@ class NcclBackend(NcclCommunicator, Backend):
         return error
 
     def _then(self, inner: NcclWork, finalize: Callable[[], None], outputs: list[Any]) -> NcclWork:
-        with _lane(self._device.id).lock, self._issue:
+        with device_lane(self._device.id).lock, self._issue:
             self._flush_lane(self._device.id)  # `inner` may be a lone send or receive
             self._watch.raise_if_failed(inner.description)
             # `finalize` holds the buffers it copies from: they live until the copies ran
@@ -364,190 +251,6 @@ class NcclBackend(NcclCommunicator, Backend):
             self._watch.track([work])
             return work
 
-    @contextmanager
-    def coalesce(self, array: Any) -> Iterator[None]:
-        """Issue the operations posted inside as one NCCL group (ncclGroupStart/End); their
-        Works complete together. `array` picks the device, as a first operation would.
-
-        The device's lone sends and receives not posted yet are posted first, and no other
-        group on the device issues anything until the batch is posted. Within the batch,
-        a send whose array overlaps an earlier receive's is sent from a copy made before
-        the batch, and a receive whose array overlaps an earlier send's or receive's lands
-        in a temporary copied into it after the batch: every send reads the data as it was
-        before the batch, and the receives are written in the order they were posted.
-        """
-        device_id = self._device_id(array, "batch_isend_irecv")
-        with self._lane(device_id, "batch_isend_irecv").lock, self._issue:
-            if self._grouped is not None:
-                yield
-                return
-            self._flush_lane(device_id)
-            self._watch.raise_if_failed(self.describe("batch_isend_irecv"))
-            self._ensure(device_id, "batch_isend_irecv")
-            with self._device:
-                self._follow_caller()
-                self._nccl.groupStart()
-                self._grouped, self._batch, self._after = [], [], []
-                try:
-                    yield
-                finally:
-                    works, self._grouped = self._grouped, None
-                    self._watch.launch_started(self.describe("batch_isend_irecv"))
-                    try:
-                        self._nccl.groupEnd()
-                    except Exception as exc:
-                        raise self._launch_failed(self.describe("batch_isend_irecv"), exc) from exc
-                    finally:
-                        self._watch.launch_ended()
-                    self._copy_after_batch()
-                    for work in works:
-                        work._record(self._stream)
-                    self._watch.track(works)
-
-    # -- lone sends and receives, and NCCL groups of sends and receives ---------------------
-
-    def _p2p(
-        self, op: str, array: Any, peer: int, dt: Any, count: int, source_rank: int = -1
-    ) -> NcclWork:
-        """A send or receive: in an open coalesced batch, one more operation of its NCCL
-        group; otherwise deferred, posted with the device's other lone ones as one NCCL
-        group when something needs it (`_flush_lane`)."""
-        device_id = self._device_id(array, op)
-        entry = _Deferred(self, op, array, peer, dt, count)
-        lane = self._lane(device_id, op)
-        with lane.lock, self._issue:
-            if self._grouped is not None:
-                keep = [array]
-
-                def launch(comm: Any, stream: int) -> None:
-                    self._batch_op(comm, entry, stream, keep)
-
-                return self._issue_op(op, device_id, launch, [array], keep, source_rank=source_rank)
-            self._seq += 1
-            description = self.describe(f"{op} #{self._seq}")
-            self._watch.raise_if_failed(description)
-            self._ensure(device_id, op)
-            work = self._work(description, [array], [array], source_rank=source_rank)
-            work._future = _PostingFuture(lambda: self._flush_lane(device_id))
-            entry.work = work
-            with self._device:
-                # ordered after the caller's work so far, as it would be if posted now
-                self._follow_caller()
-            lane.deferred.append(entry)
-            return work
-
-    def flush(self) -> None:
-        """Post the lone sends and receives not posted yet, this group's and those of the
-        other groups on its device (`batch_isend_irecv` calls it for every group of a
-        batch that spans several)."""
-        device = self._device
-        if device is not None:
-            with _lane(device.id).lock:
-                self._flush_lane(device.id)
-
-    def _flush_lane(self, device_id: int) -> None:
-        """Post every lone send and receive of device `device_id` not posted yet, in the
-        order they were called: each run of one group's as NCCL groups (`_post_deferred`)."""
-        lane = _lane(device_id)
-        if not lane.deferred:  # the common case: nothing to post, no lock to take
-            return
-        with lane.lock:
-            entries, lane.deferred = lane.deferred, []
-            for entry in entries:  # asking their Works no longer posts anything
-                entry.work._future._post = None
-            for backend, run in groupby(entries, key=lambda e: e.backend):
-                backend._post_deferred(list(run))
-
-    def _post_deferred(self, entries: list[_Deferred]) -> None:
-        """Post lone sends and receives of this group, in order, as few NCCL groups as keep
-        their meaning: a send whose array overlaps an earlier receive's starts a new group
-        (it sends what that receive wrote). A failure fails their Works, not the caller."""
-        with self._issue:
-            groups: list[list[_Deferred]] = []
-            received: list[tuple[int, int]] = []
-            for entry in entries:
-                span = entry.span()
-                if not groups or (
-                    entry.kind == "send" and any(_overlap(span, r) for r in received)
-                ):
-                    groups.append([])
-                    received = []
-                groups[-1].append(entry)
-                if entry.kind == "recv":
-                    received.append(span)
-            for at, group in enumerate(groups):
-                error = self._post_group(group)
-                if error is not None:
-                    for entry in [e for g in groups[at:] for e in g]:
-                        try:
-                            entry.work.fail(error)
-                        except RuntimeError:  # failed by the group's abort meanwhile
-                            pass
-                    return
-
-    def _post_group(self, entries: list[_Deferred]) -> DistError | None:
-        """Post `entries` as one NCCL group (a single one alone), then their events; the
-        error if the group failed or NCCL refused them."""
-        description = entries[0].work.description
-        if len(entries) > 1:
-            description += f" with {len(entries) - 1} more send(s)/recv(s)"
-        try:
-            self._watch.raise_if_failed(description)
-        except DistError as exc:
-            return exc
-        works = [entry.work for entry in entries]
-        posted = [entry for entry in entries if entry.count]
-        with self._device:
-            self._batch, self._after = [], []
-            self._watch.launch_started(description)
-            try:
-                if len(posted) > 1:
-                    self._nccl.groupStart()
-                try:
-                    for entry in posted:
-                        self._batch_op(self._comm, entry, self._stream.ptr, entry.work._keep)
-                finally:
-                    if len(posted) > 1:
-                        self._nccl.groupEnd()
-            except Exception as exc:
-                return self._launch_failed(description, exc)
-            finally:
-                self._watch.launch_ended()
-            self._copy_after_batch()
-            now = time.monotonic()
-            for work in works:
-                work._issued = now  # the group timeout counts from the posting
-                work._record(self._stream)
-            self._watch.track(works)
-        return None
-
-    def _batch_op(self, comm: Any, entry: _Deferred, stream: int, keep: list[Any]) -> None:
-        """Post a send or receive of the NCCL group being posted (they run concurrently):
-        a send whose array overlaps an earlier receive's goes from a copy made now; a
-        receive whose array overlaps an earlier operation's lands in a temporary copied
-        into it after the group (`_copy_after_batch`). The temporaries live in `keep`."""
-        if not entry.count:
-            return
-        array, span = entry.array, entry.span()
-        if entry.kind == "send":
-            if any(kind == "recv" and _overlap(span, s) for kind, s in self._batch):
-                array = self._staged(array, keep)
-            comm.send(array.data.ptr, entry.count, entry.dt, entry.peer, stream)
-        else:
-            if any(_overlap(span, s) for _, s in self._batch):
-                target, array = array, self._cupy.empty(array.shape, array.dtype)
-                keep.append(array)
-                self._after.append((target, array))
-            comm.recv(array.data.ptr, entry.count, entry.dt, entry.peer, stream)
-        self._batch.append((entry.kind, _span(array)))
-
-    def _copy_after_batch(self) -> None:
-        """Copy the temporaries of a group's overlapping receives into their arrays, in the
-        order the receives were posted (on the group's stream, after the group)."""
-        after, self._after, self._batch = self._after, [], []
-        for target, temporary in after:
-            self._copy(target, temporary)
-
     def _staged(self, array: Any, keep: list[Any]) -> Any:
         """A copy of `array` made on the group's stream, kept alive by `keep` (the Work's):
         the input of an operation whose output overlaps it in a way NCCL does not allow."""
@@ -555,17 +258,6 @@ class NcclBackend(NcclCommunicator, Backend):
         self._copy(copy, array)
         keep.append(copy)
         return copy
-
-    def shutdown(self) -> None:
-        """Post the lone sends and receives not posted yet (a peer may wait for them), then
-        release the communicator (`NcclCommunicator.shutdown`)."""
-        device = self._device
-        if device is not None:
-            lane = _lane(device.id)
-            with lane.lock:
-                if any(entry.backend is self for entry in lane.deferred):
-                    self._flush_lane(device.id)
-        super().shutdown()
 
     # -- the op set -----------------------------------------------------------------------------
 
@@ -659,12 +351,12 @@ class NcclBackend(NcclCommunicator, Backend):
         dt, count = self._moved(input)
         keep = [output, input]
         # NCCL's in-place form: the input is this rank's piece of the output
-        in_place = _span(input) == (output.data.ptr + self.rank * input.nbytes, input.nbytes)
+        in_place = byte_span(input) == (output.data.ptr + self.rank * input.nbytes, input.nbytes)
 
         def launch(comm: Any, stream: int) -> None:
             if count:
                 source = input
-                if not in_place and _overlap(_span(input), _span(output)):
+                if not in_place and spans_overlap(byte_span(input), byte_span(output)):
                     source = self._staged(input, keep)
                 comm.allGather(source.data.ptr, output.data.ptr, count, dt, stream)
 
@@ -684,12 +376,12 @@ class NcclBackend(NcclCommunicator, Backend):
         count = output.size * factor
         keep = [output, input]
         # NCCL's in-place form: the output is this rank's piece of the input
-        in_place = _span(output) == (input.data.ptr + self.rank * output.nbytes, output.nbytes)
+        in_place = byte_span(output) == (input.data.ptr + self.rank * output.nbytes, output.nbytes)
 
         def launch(comm: Any, stream: int) -> None:
             if count:
                 source = input
-                if not in_place and _overlap(_span(input), _span(output)):
+                if not in_place and spans_overlap(byte_span(input), byte_span(output)):
                     source = self._staged(input, keep)
                 comm.reduceScatter(source.data.ptr, output.data.ptr, count, dt, nop, stream)
                 self._post(post, output)
@@ -708,30 +400,6 @@ class NcclBackend(NcclCommunicator, Backend):
         if dst.nbytes and dst.data.ptr != src.data.ptr:
             dst.data.copy_from_device_async(src.data, dst.nbytes, self._stream)
 
-    def _grouped_p2p(
-        self,
-        comm: Any,
-        sends: Sequence[tuple[int, Any]],
-        recvs: Sequence[tuple[int, Any]],
-        stream: int,
-    ) -> None:
-        """Post `sends` and `recvs` ((peer, array) pairs) as one NCCL group."""
-        if not any(a.size for _, a in (*sends, *recvs)):
-            return
-        nccl = self._nccl
-        nccl.groupStart()
-        try:
-            for peer, array in sends:
-                if array.size:
-                    dt, count = self._moved(array)
-                    comm.send(array.data.ptr, count, dt, peer, stream)
-            for peer, array in recvs:
-                if array.size:
-                    dt, count = self._moved(array)
-                    comm.recv(array.data.ptr, count, dt, peer, stream)
-        finally:
-            nccl.groupEnd()
-
     def gather(self, output: Any | None, input: Any, root: int, *, async_op: bool = False) -> Work:
         m = input.size
         outputs = [output] if output is not None else []
@@ -743,7 +411,8 @@ class NcclBackend(NcclCommunicator, Backend):
                 return
             mine = output[root * m : (root + 1) * m]
             source = input
-            if _span(input) != _span(mine) and _overlap(_span(input), _span(output)):
+            whole = byte_span(input)
+            if whole != byte_span(mine) and spans_overlap(whole, byte_span(output)):
                 source = self._staged(input, keep)
             self._copy(mine, source)
             self._grouped_p2p(
@@ -771,8 +440,8 @@ class NcclBackend(NcclCommunicator, Backend):
                 self._grouped_p2p(comm, [], [(root, output)], stream)
                 return
             source = input
-            if _span(output) != _span(input[root * m : (root + 1) * m]) and _overlap(
-                _span(input), _span(output)
+            if byte_span(output) != byte_span(input[root * m : (root + 1) * m]) and spans_overlap(
+                byte_span(input), byte_span(output)
             ):
                 source = self._staged(input, keep)  # the copy below would overwrite a piece
             self._copy(output, source[root * m : (root + 1) * m])
@@ -818,7 +487,8 @@ class NcclBackend(NcclCommunicator, Backend):
 
         def launch(comm: Any, stream: int) -> None:
             source = input
-            if _overlap(_span(input), _span(output)):  # sends and receives run concurrently
+            # sends and receives run concurrently
+            if spans_overlap(byte_span(input), byte_span(output)):
                 source = self._staged(input, keep)
             self._copy(
                 piece(output, out_at, output_splits, me), piece(source, in_at, input_splits, me)

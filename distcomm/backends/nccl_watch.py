@@ -1,21 +1,22 @@
-"""The nccl backend's supervision: its Work, the watchdog, failures and aborts.
+"""The nccl backend's supervision: the watchdog, failures and aborts.
 
-`NcclWork` completes on a CUDA event. `NcclWatchdog` watches a group's operations after
-they were issued: it tracks pending Works, runs the watchdog thread (events, the group
-timeout, NCCL calls that block the host, `check_async_error`, other ranks' abort
-notices), and fails the group (ncclCommAbort, every pending Work failed, a notice in the
-store). `NcclBackend` owns one per group and hands it everything it uses: the store,
-rank, timeout and `describe` when it is made, the communicator and its device when
-`start()` is called, once the communicator exists. It knows nothing else of the backend.
+`NcclWork` (nccl_work.py) completes on a CUDA event. `NcclWatchdog` watches a group's
+operations after they were issued: it tracks pending Works, runs the watchdog thread
+(events, the group timeout, NCCL calls that block the host, `check_async_error`, other
+ranks' abort notices), and fails the group (ncclCommAbort, every pending Work failed, a
+notice in the store). `NcclBackend` owns one per group and hands it everything it uses:
+the store, rank, timeout and `describe` when it is made, the communicator and its device
+when `start()` is called, once the communicator exists. It knows nothing else of the
+backend.
 
 Where real CuPy and NCCL differ from what their names suggest: an event's status is read
 with `cudaEventQuery` (CuPy's `Event.done` stays False after a sticky CUDA error instead
-of raising); the abort waits for an NCCL call in progress to return (CuPy's communicators
-are blocking, and NCCL forbids aborting those while a call is inside them); events are
-queried and waited on with the group's device current, switching a thread's device only
-where that binds no new CUDA context (CUDA 12's cudaSetDevice makes one); and the arrays
-of failed operations outlive the abort until the group's stream has run what is queued
-behind them.
+of raising); the abort waits for an NCCL call in progress to return (CuPy's
+communicators are blocking, and NCCL forbids aborting those while a call is inside them;
+nccl4py's non-blocking ones are aborted at once); events are queried and waited on with
+the group's device current, switching a thread's device only where that binds no new
+CUDA context (CUDA 12's cudaSetDevice makes one); and the arrays of failed operations
+outlive the abort until the group's stream has run what is queued behind them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ..deadline import Deadline, to_seconds
+from ..deadline import Deadline
 from ..errors import (
     DistBackendError,
     DistError,
@@ -40,20 +41,16 @@ from ..errors import (
 )
 from ..gpu import runtime
 from ..store.base import Store
-from ..work import Work
+from .nccl_work import _CUDA_NOT_READY, _POLL_MOST, _WATCH_FIRST, _WATCH_MOST, NcclWork
 
-__all__ = ["NcclWatchdog", "NcclWork"]
+__all__ = ["NcclWatchdog"]
 
 log = logging.getLogger("distcomm.backends.nccl")
 
-#: how often the watchdog looks at pending operations: from the first to the last, doubling
-_WATCH_FIRST, _WATCH_MOST = 0.0005, 0.02
 #: how long the watchdog, woken by a first operation, lets more be issued before it looks:
 #: ops issued back to back then share one look (each look takes the GIL from the thread
 #: issuing them); what waits on the watchdog (future callbacks) learns of completion later
 _WAKE_GRACE = 0.002
-#: a host wait polls the event this often at most
-_POLL_MOST = 0.001
 #: pending work older than this makes the watchdog look for other ranks' abort notices
 _NOTICE_AFTER = 1.0
 _ABORT_KEY = "abort"
@@ -62,8 +59,6 @@ _QUERY_KEY = "waiting"
 #: how long it waits for answers: past the answering watchdogs' period (_NOTICE_AFTER)
 _ASK_S = 2.5 * _NOTICE_AFTER
 _UNBOUNDED = Deadline(None)  # the watchdog's naps have no end of their own
-#: cudaEventQuery's status for work not finished yet
-_CUDA_NOT_READY = 600
 #: how long destroying a failed group waits for its stream to run what an abort left
 _SETTLE_S = 10.0
 
@@ -75,16 +70,6 @@ _live: weakref.WeakSet[NcclWatchdog] = weakref.WeakSet()
 _stranded: list[Any] = []
 
 
-def cuda_error_text(cupy: Any, status: int) -> str:
-    """A CUDA status code as CuPy's CUDARuntimeError words it ("cudaErrorIllegalAddress:
-    an illegal memory access was encountered"), with the code."""
-    try:
-        text = str(cupy.cuda.runtime.CUDARuntimeError(status))
-    except Exception:  # a CuPy without the error type's status constructor
-        text = ""
-    return f"CUDA error {status}" + (f" ({text})" if text and text != str(status) else "")
-
-
 def _release_at_exit() -> None:
     """Abort the communicators of groups never destroyed, at interpreter exit: CuPy's
     NcclCommunicator would otherwise call ncclCommDestroy when collected, which waits for
@@ -94,155 +79,6 @@ def _release_at_exit() -> None:
 
 
 atexit.register(_release_at_exit)
-
-#: queues, after an operation, the GPU work `Work.chain` asks for; returns its Work
-Then = Callable[["NcclWork", Callable[[], None], list[Any]], Work]
-
-
-class NcclWork(Work):
-    """The Work of an NCCL operation: completes on a CUDA event recorded after it.
-
-    Args:
-        watch: the group's watchdog (its device, failure state and timeout).
-        cupy: the `cupy` module.
-        description: what the operation is, for messages.
-        outputs: the arrays `result()` returns.
-        keep: the arrays the GPU may still touch, kept alive until the event has passed.
-        host_wait: `wait()` blocks the host until the operation finished (a barrier, or
-            every op with DISTCOMM_NCCL_BLOCKING_WAIT=1).
-        source_rank: for a receive, the rank it names.
-        then: queues `chain()`'s GPU work after this operation.
-    """
-
-    def __init__(
-        self,
-        watch: NcclWatchdog,
-        cupy: Any,
-        description: str,
-        outputs: list[Any],
-        keep: list[Any],
-        *,
-        host_wait: bool,
-        source_rank: int,
-        then: Then,
-    ) -> None:
-        super().__init__(description, outputs, timeout=watch.timeout)
-        self._source_rank = source_rank
-        self._watch = watch
-        self._cupy = cupy
-        self._then = then
-        self._event: Any = None
-        self._keep: list[Any] | None = keep  # the arrays the GPU may still touch
-        self._host_wait = host_wait
-        self.finished_on_wait = host_wait
-        self._issued = time.monotonic()
-
-    def _record(self, stream: Any) -> None:
-        event = self._cupy.cuda.Event(disable_timing=True)
-        event.record(stream)
-        self._event = event
-
-    def _poll(self, here: bool = False) -> bool:
-        """Whether the operation has finished (completing the future when it has).
-
-        The event is queried with the operation's device current (`here`: the caller
-        knows it is, as the watchdog does; else `on_device` makes it so without binding a
-        CUDA context of another device in this thread).
-        """
-        if self._future.done():
-            return True
-        event = self._event
-        if event is None:
-            return False
-        watch = self._watch
-        if not here:
-            with watch.on_device():
-                return self._query(event)
-        return self._query(event)
-
-    def _query(self, event: Any) -> bool:
-        """`_poll`'s look at the event, on a thread whose current device is the op's."""
-        watch = self._watch
-        # CuPy's Event.done is eventQuery() == 0: after a sticky CUDA error (an illegal
-        # address, a kernel that faulted) it stays False for ever and never raises, so
-        # the status itself is read: 0 done, cudaErrorNotReady pending, else an error
-        status = watch.query(event)
-        if status == _CUDA_NOT_READY:
-            return False
-        if status:
-            watch.fail(
-                DistBackendError(
-                    f"{self.description}: CUDA failed on GPU {watch.device.id}: "
-                    f"{cuda_error_text(self._cupy, status)}. A sticky CUDA error leaves the "
-                    "GPU unusable in this process: end it and restart the job (e.g. from a "
-                    "checkpoint)"
-                )
-            )
-            return True
-        failure = self._watch.failure
-        if failure is not None:  # ended by the abort, not by finishing: no result there
-            try:
-                self.fail(failure)
-            except RuntimeError:  # failed (or completed) by another thread meanwhile
-                pass
-            return True
-        self._keep = None
-        try:
-            self.complete(self._source_rank)
-        except Exception as exc:  # done by another thread meanwhile, or a callback raised
-            if not str(exc).startswith("this Future is already completed"):
-                log.warning("%s: a done-callback raised: %r", self.description, exc)
-        return True
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Order the caller's current stream after the operation; True on success.
-
-        With `timeout` (or DISTCOMM_NCCL_BLOCKING_WAIT=1, or for a barrier) block the host
-        until the operation finished, up to `timeout` (default: the group's).
-
-        Raises:
-            DistTimeoutError: `timeout` expired; the group's communicator was aborted.
-            GroupDestroyedError: the group was destroyed.
-            DistError: the operation failed, or the group was aborted.
-        """
-        seconds = to_seconds(timeout)
-        watch = self._watch
-        done = self._future.done()
-        if done:
-            self._future.value()  # raises the operation's failure
-        else:
-            watch.raise_if_failed(self.description)
-        if seconds is None and not self._host_wait:
-            # torch orders the caller's stream even when the watchdog already saw the
-            # event complete: the same calls either way
-            if self._event is not None:
-                with watch.on_device():
-                    self._cupy.cuda.get_current_stream().wait_event(self._event)
-            return True
-        if done:
-            return True
-        deadline = Deadline(self._default_timeout if seconds is None else seconds)
-        delay = _WATCH_FIRST
-        while not self._poll():
-            watch.raise_if_failed(self.description)
-            if deadline.expired():
-                raise watch.timed_out(self, deadline.seconds or 0.0)
-            delay = deadline.nap(delay, _POLL_MOST)
-        self._future.value()
-        return True
-
-    def synchronize(self) -> None:
-        """Block the host until the operation finished (torch's Work.synchronize)."""
-        self.wait(self._default_timeout)
-
-    def is_completed(self) -> bool:
-        """Whether the operation has finished on the GPU, successfully or not."""
-        return self._poll()
-
-    def chain(self, finalize: Callable[[], None], outputs: list[Any]) -> Work:
-        """A Work that completes after this one and `finalize()`, which queues GPU work
-        (copies out of a joined buffer) on the group's stream, after this operation."""
-        return self._then(self, finalize, outputs)
 
 
 class NcclWatchdog:
@@ -436,11 +272,12 @@ class NcclWatchdog:
         log.error("%s: aborting the NCCL communicator: %s", self.describe("abort"), error)
         if self.on_failure is not None:
             self.on_failure(str(error))
-        # CuPy makes blocking communicators only, and NCCL forbids ncclCommAbort on one
-        # while another thread is inside an NCCL call on it: an abort that finds a call in
-        # progress waits for it to return (`launch_ended` starts it; a peer's abort or
-        # exit makes a call stuck on that peer return with an error)
-        if self._launching is None:
+        # NCCL forbids ncclCommAbort on a blocking communicator (CuPy's) while another
+        # thread is inside an NCCL call on it: an abort that finds a call in progress waits
+        # for it to return (`launch_ended` starts it; a peer's abort or exit makes a call
+        # stuck on that peer return with an error). A non-blocking one (nccl4py's) may be
+        # aborted at any time: its calls return at once, and their polls end on the abort
+        if self._launching is None or getattr(self._comm, "nonblocking", False):
             self._start_abort()
         # kernels queued behind the aborted ones may still run: keep their arrays until
         # the group is destroyed and its stream has run them
@@ -503,13 +340,17 @@ class NcclWatchdog:
                     return
                 pending, launching = list(self._pending), self._launching
             if launching is not None and time.monotonic() - launching[1] > self.timeout:
+                when = (
+                    "is aborted"
+                    if getattr(self._comm, "nonblocking", False)
+                    else "is aborted once that call returns (NCCL forbids aborting a "
+                    "blocking communicator while a call is inside it)"
+                )
                 self.fail(
                     DistTimeoutError(
                         f"{launching[0]}: NCCL did not return within {self.timeout:g} s (it "
                         "waits for a peer that never connected?); the group failed, and its "
-                        "communicator is aborted once that call returns (NCCL forbids "
-                        "aborting a blocking communicator while a call is inside it): "
-                        "destroy the group and create a new one"
+                        f"communicator {when}: destroy the group and create a new one"
                     )
                 )
                 return
