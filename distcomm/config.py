@@ -102,6 +102,9 @@ class Config:
         nccl_blocking_wait: DISTCOMM_NCCL_BLOCKING_WAIT (default off): `Work.wait()` of an
             nccl operation blocks the host until it finished (bounded by the group
             timeout) instead of only ordering the caller's CUDA stream after it.
+        nccl_bindings: DISTCOMM_NCCL_BINDINGS (default cupy): the NCCL bindings of the nccl
+            backend, "cupy" (CuPy's `cupy.cuda.nccl`) or "nccl4py" (NVIDIA's nccl4py,
+            non-blocking communicators).
         store_max_key_bytes: DISTCOMM_STORE_MAX_KEY_BYTES (default 8K): the longest key a
             TCPStore server hosted by this process accepts.
         store_max_value_bytes: DISTCOMM_STORE_MAX_VALUE_BYTES (default 8M): the largest
@@ -122,6 +125,7 @@ class Config:
     store_prefix: str = ""
     mpi_abort_on_exception: bool = True
     nccl_blocking_wait: bool = False
+    nccl_bindings: str = "cupy"
     store_max_key_bytes: int = 8 << 10
     store_max_value_bytes: int = 8 << 20
     trace_buffer: int = 2000
@@ -155,6 +159,7 @@ def load(environ: Mapping[str, str] | None = None) -> Config:
         store_prefix=read("DISTCOMM_STORE_PREFIX") or "",
         mpi_abort_on_exception=read("DISTCOMM_MPI_ABORT_ON_EXCEPTION"),
         nccl_blocking_wait=read("DISTCOMM_NCCL_BLOCKING_WAIT"),
+        nccl_bindings=read("DISTCOMM_NCCL_BINDINGS"),
         store_max_key_bytes=read("DISTCOMM_STORE_MAX_KEY_BYTES"),
         store_max_value_bytes=read("DISTCOMM_STORE_MAX_VALUE_BYTES"),
         trace_buffer=read("DISTCOMM_TRACE_BUFFER"),

@@ -31,6 +31,8 @@ __all__ = [
 #: The levels of DISTCOMM_DEBUG and TORCH_DISTRIBUTED_DEBUG.
 DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")
 _GLOO_TRANSPORTS = ("auto", "tcp")
+#: the NCCL bindings the nccl backend can use (DISTCOMM_NCCL_BINDINGS)
+NCCL_BINDINGS = ("cupy", "nccl4py")
 _SIZE = re.compile(r"(\d+)\s*([KMG]?)", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _TRUE = ("1", "true", "yes", "on")
@@ -164,3 +166,14 @@ def as_gloo_transport(name: str, text: str) -> str:
             "ranks on one host, TCP otherwise) or 'tcp' (TCP for everything)"
         )
     return mode
+
+
+def as_nccl_bindings(name: str, text: str) -> str:
+    """cupy or nccl4py, in any case."""
+    choice = text.lower()
+    if choice not in NCCL_BINDINGS:
+        raise ValueError(
+            f"{name}={text!r} is not valid: use 'cupy' (CuPy's NCCL bindings, the default) "
+            "or 'nccl4py' (NVIDIA's nccl4py, non-blocking communicators)"
+        )
+    return choice

@@ -19,6 +19,7 @@ from .parsers import (
     as_debug_level,
     as_flag,
     as_gloo_transport,
+    as_nccl_bindings,
     as_non_negative,
     as_stall_seconds,
     as_text,
@@ -411,6 +412,15 @@ VARIABLES: tuple[EnvVar, ...] = (
         "bounded by the group timeout (`0`: it only orders the caller's CUDA stream after "
         "it)",
         parse=as_flag,
+    ),
+    EnvVar(
+        "DISTCOMM_NCCL_BINDINGS",
+        "cupy, nccl4py",
+        "cupy",
+        "the NCCL bindings of the `nccl` backend: `cupy` (CuPy's, blocking communicators) or "
+        "`nccl4py` (NVIDIA's nccl4py, non-blocking communicators that can be aborted while "
+        "they initialise or while a call is in progress; `pip install nccl4py`)",
+        parse=as_nccl_bindings,
     ),
     EnvVar(
         "DISTCOMM_DEBUG",

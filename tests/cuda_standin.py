@@ -80,7 +80,11 @@ What is modelled
   argument), as CuPy's do on a released communicator. CuPy's communicators are blocking:
   `abort()` while another thread is inside an NCCL call on the communicator (its
   collectives, send, recv, or a groupEnd holding its operations) is a violation, as
-  NCCL forbids it. An abort ends the communicator's hung operations, but the work queued
+  NCCL forbids it. A non-blocking communicator (`nonblocking=True`: nccl4py's, made by
+  tests/nccl4py_standin.py, which runs its rendezvous with `join()` on a thread of its
+  own) may be aborted at any time, from any thread: that is no violation, and the abort
+  ends its hung initialisation (the peers' wait, or the hang after a peer failed). An
+  abort ends the communicator's hung operations, but the work queued
   behind them on their streams runs later, asynchronously: when something waits for
   that stream or one of its events, or at `settle()`. `destroy()` is a collective of
   the node's ranks (every rank of a clique here): it waits for the others to destroy
@@ -848,8 +852,13 @@ class _NcclCommunicator:
     """`cupy.cuda.nccl.NcclCommunicator` for one rank (a thread) of a clique."""
 
     _w: CudaStandin
+    #: a non-blocking communicator (nccl4py's: tests/nccl4py_standin.py): abort() is
+    #: allowed while another thread is inside a call, and ends a hung initialisation
+    nonblocking = False
 
-    def __init__(self, ndev: int, commId: Any, rank: int) -> None:
+    def __init__(self, ndev: int, commId: Any, rank: int, *, nonblocking: bool = False) -> None:
+        """CuPy's signature; `nonblocking`: returns before the rendezvous, which `join()`
+        runs (on the thread of nccl4py's stand-in that initialises it)."""
         w = self._w
         form = w._comm_id_form()
         if form is bytes:
@@ -889,7 +898,13 @@ class _NcclCommunicator:
         )
         if not 0 <= self.rank < self.ndev:
             raise NcclError(INVALID_ARGUMENT, f"rank {rank} is not in 0..{ndev - 1}")
-        self.clique = w._join(self)
+        self.nonblocking = nonblocking
+        if not nonblocking:
+            self.clique = w._join(self)
+
+    def join(self) -> None:
+        """A non-blocking communicator's rendezvous (ncclCommInitRankConfig's work)."""
+        self.clique = self._w._join(self)
 
     # -- queries and lifetime
     @property
@@ -928,7 +943,7 @@ class _NcclCommunicator:
         me = threading.get_ident()
         with w.nccl_cond:
             others = sorted(name for thread, name in self.inside.items() if thread != me)
-        if others:
+        if others and not self.nonblocking:
             # CuPy makes blocking communicators only; NCCL allows ncclCommAbort from
             # another thread only for non-blocking ones (use after free, or a hang)
             w._violation(
@@ -2092,6 +2107,8 @@ class CudaStandin:
                 self.nccl_cond.notify_all()
             while clique.failures is None:
                 self._check_interrupt()
+                if comm.aborted:  # a non-blocking communicator's abort ends its init
+                    raise NcclError(INVALID_ARGUMENT, "the communicator was aborted")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(clique.ndev)) - set(clique.members))
@@ -2105,7 +2122,7 @@ class CudaStandin:
             if failure is None and clique.failures:
                 self.hung_inits += 1
                 try:
-                    while not self._inits_ended:
+                    while not self._inits_ended and not comm.aborted:
                         left = deadline - time.monotonic()
                         if left <= 0:
                             self.init_hangs_timed_out += 1

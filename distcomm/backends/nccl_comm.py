@@ -18,7 +18,10 @@ ranks and leave the others hanging), and ncclCommInitRank, which has no time lim
 hangs the healthy ranks when one fails, runs on a thread of its own: the caller waits
 up to the group timeout and learns through the store of a rank whose initialisation
 failed. A thread left inside a hung ncclCommInitRank stays blocked until the process
-exits (CuPy's blocking communicators cannot be aborted before they exist).
+exits (CuPy's blocking communicators cannot be aborted before they exist). With
+DISTCOMM_NCCL_BINDINGS=nccl4py the communicator is non-blocking: its initialisation is
+polled in the caller's thread and aborted on a failure or the timeout, leaving no thread
+behind.
 
 Teardown: destroying a group fails its pending operations with `GroupDestroyedError`
 and releases the communicator with ncclCommAbort, never ncclCommDestroy: destroy is a
@@ -37,6 +40,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 from ..deadline import Deadline
@@ -166,7 +170,8 @@ class NcclCommunicator:
         return bus
 
     def _init_communicator(self, device_id: int, uid: bytes, deadline: Deadline) -> Any:
-        """ncclCommInitRank on a thread of its own, waited for up to `deadline`.
+        """ncclCommInitRank on a thread of its own, waited for up to `deadline` (a
+        non-blocking communicator's, nccl4py's, is polled instead: `_init_nonblocking`).
 
         NCCL's initialisation has no time limit, and when one rank fails it the others
         hang in it. A rank whose initialisation failed says so in the store (one counter
@@ -176,6 +181,8 @@ class NcclCommunicator:
             DistBackendError: this rank's initialisation failed, or another rank's did.
             DistTimeoutError: it did not finish within the group timeout.
         """
+        if getattr(self._nccl, "nonblocking", False):
+            return self._init_nonblocking(device_id, uid, deadline)
         outcome: dict[str, Any] = {}
         abandoned = threading.Event()
         nccl, size, rank = self._nccl, self.size, self.rank
@@ -203,19 +210,7 @@ class NcclCommunicator:
             failed = self._failed_inits()
             if failed or deadline.expired():
                 abandoned.set()
-                error: DistError
-                if failed:
-                    error = DistBackendError(
-                        f"{self.describe('init')}: ncclCommInitRank failed on "
-                        + "; ".join(failed)
-                        + "; this rank's initialisation waits for them"
-                    )
-                else:
-                    error = DistTimeoutError(
-                        f"{self.describe('init')}: ncclCommInitRank did not finish within "
-                        f"{self.timeout:g} s and no rank reported a failure (a rank stuck "
-                        "before it, or a network NCCL cannot cross: NCCL_DEBUG=INFO says more)"
-                    )
+                error = self._init_abandoned(failed)
                 log.error(
                     "%s; a thread stays blocked inside ncclCommInitRank until the process "
                     "exits (CuPy's communicators cannot be aborted before they exist)",
@@ -225,14 +220,77 @@ class NcclCommunicator:
             delay = min(delay * 2, 0.2)
         if "comm" in outcome:
             return outcome["comm"]
-        exc = outcome["error"]
+        raise self._init_failed(outcome["error"]) from outcome["error"]
+
+    def _init_nonblocking(self, device_id: int, uid: bytes, deadline: Deadline) -> Any:
+        """A non-blocking communicator (nccl4py's): ncclCommInitRankConfig returns at once,
+        and its state is polled in this thread until it is not ncclInProgress, looking at
+        the store for other ranks' failures as `_init_communicator` does; on a failure or
+        the timeout the communicator is aborted, leaving nothing behind. Its later calls'
+        polls are bounded by the group timeout and end when the group failed."""
+        device = self._cupy.cuda.Device(device_id)
+        try:
+            with runtime.with_device(device):
+                comm = nccl_types.create_communicator(self._nccl, self.size, uid, self.rank)
+        except Exception as exc:  # NcclError
+            raise self._init_failed(exc) from exc
+        delay, look, looked = 0.0005, 0.025, time.monotonic()
+        while True:
+            try:
+                if comm.ready():
+                    break
+            except Exception as exc:  # NcclError: the initialisation failed
+                comm.abort()
+                raise self._init_failed(exc) from exc
+            failed: list[str] = []
+            if time.monotonic() - looked >= look or deadline.expired():
+                failed = self._failed_inits()  # a look at the store each 25, 50... 200 ms
+                looked, look = time.monotonic(), min(look * 2, 0.2)
+            if failed or deadline.expired():
+                comm.abort()
+                error = self._init_abandoned(failed)
+                log.error("%s; the communicator was aborted", error)
+                raise error
+            delay = deadline.nap(delay, 0.01)
+
+        def expired(seconds: float) -> None:
+            self._watch.fail(
+                DistTimeoutError(
+                    f"{self.describe('nccl')}: an NCCL call was still in progress "
+                    f"(ncclInProgress) after {seconds:g} s (it waits for a peer that never "
+                    "connected?); the communicator was aborted: destroy the group and "
+                    "create a new one"
+                )
+            )
+
+        comm.supervise(self.timeout, lambda: self._watch.failure is not None, expired)
+        return comm
+
+    def _init_abandoned(self, failed: list[str]) -> DistError:
+        """The error of an initialisation given up on: other ranks' failed (`failed`,
+        what they said), or none did and the timeout expired."""
+        if failed:
+            return DistBackendError(
+                f"{self.describe('init')}: ncclCommInitRank failed on "
+                + "; ".join(failed)
+                + "; this rank's initialisation waits for them"
+            )
+        return DistTimeoutError(
+            f"{self.describe('init')}: ncclCommInitRank did not finish within "
+            f"{self.timeout:g} s and no rank reported a failure (a rank stuck "
+            "before it, or a network NCCL cannot cross: NCCL_DEBUG=INFO says more)"
+        )
+
+    def _init_failed(self, exc: BaseException) -> DistBackendError:
+        """Tell the other ranks, through the store, that this rank's initialisation failed
+        with `exc`; the error to raise."""
         text = f"rank {self.rank}: {exc}"
         try:
             self.store.set(f"initfail/{self.rank}", text)
             self.store.add("initfail", 1)
         except Exception:  # the store is gone: the others time out instead
             pass
-        raise DistBackendError(f"{self.describe('init')}: ncclCommInitRank failed: {exc}") from exc
+        return DistBackendError(f"{self.describe('init')}: ncclCommInitRank failed: {exc}")
 
     def _failed_inits(self) -> list[str]:
         """What the ranks whose ncclCommInitRank failed said (one store request while none

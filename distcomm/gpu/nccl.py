@@ -1,5 +1,9 @@
 """NCCL through CuPy: the guarded import, versions, unique ids, and dtype/op mapping.
 
+Bindings: CuPy's `cupy.cuda.nccl` by default; DISTCOMM_NCCL_BINDINGS=nccl4py picks NVIDIA's
+nccl4py instead, behind the same interface (`distcomm.gpu.nccl4py`: non-blocking
+communicators).
+
 Unique ids: `cupy.cuda.nccl.get_unique_id()` returns 128 `bytes` from CuPy 14.0.0rc1 on
 (its alphas and betas still used the old form) and a tuple of 128 signed ints before;
 `NcclCommunicator` takes the same form back. Ids travel
@@ -22,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import config
 from ..errors import BackendUnavailableError
 from ..ops import NCCL_OP_NAMES, ReduceOp
 from .runtime import INSTALL_HINT, import_cupy
@@ -30,6 +35,7 @@ __all__ = [
     "UNIQUE_ID_BYTES",
     "Movement",
     "Reduction",
+    "bindings_choice",
     "build_version",
     "comm_id",
     "create_communicator",
@@ -90,17 +96,29 @@ def import_nccl(*, need_device: bool = True) -> tuple[Any, tuple[int, int, int]]
             NCCL library are checked (NCCL's version query does not touch CUDA), as the
             availability probes do.
 
+    With DISTCOMM_NCCL_BINDINGS=nccl4py the module is `distcomm.gpu.nccl4py`, NVIDIA's
+    nccl4py behind CuPy's interface (non-blocking communicators); CuPy is still needed
+    for the arrays, streams and events.
+
     Raises:
-        BackendUnavailableError: CuPy, a device (`need_device`) or the NCCL library is
-            missing, or NCCL is older than 2.7; the message says what to install.
+        BackendUnavailableError: CuPy, a device (`need_device`), nccl4py (when chosen) or
+            the NCCL library is missing, NCCL is older than 2.7, or DISTCOMM_NCCL_BINDINGS
+            names no bindings; the message says what to install or set.
     """
+    bindings = bindings_choice()
     import_cupy("the nccl backend", need_device=need_device)
-    try:
-        from cupy.cuda import nccl
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"the nccl backend: CuPy's NCCL bindings failed to import ({exc}); {INSTALL_HINT}"
-        ) from exc
+    nccl: Any
+    if bindings == "nccl4py":
+        from . import nccl4py as nccl
+
+        nccl.load()
+    else:
+        try:
+            from cupy.cuda import nccl
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"the nccl backend: CuPy's NCCL bindings failed to import ({exc}); {INSTALL_HINT}"
+            ) from exc
     if not getattr(nccl, "available", False):
         raise BackendUnavailableError(
             "the nccl backend: CuPy is installed but found no NCCL library; install the "
@@ -127,6 +145,18 @@ def import_nccl(*, need_device: bool = True) -> tuple[Any, tuple[int, int, int]]
             f"{_text(version)}); install a newer CuPy: {INSTALL_HINT}"
         )
     return nccl, version
+
+
+def bindings_choice() -> str:
+    """DISTCOMM_NCCL_BINDINGS: "cupy" (the default) or "nccl4py".
+
+    Raises:
+        BackendUnavailableError: it names neither; the message names the choices.
+    """
+    try:
+        return str(config.get("DISTCOMM_NCCL_BINDINGS"))
+    except ValueError as exc:
+        raise BackendUnavailableError(f"the nccl backend: {exc}") from exc
 
 
 def build_version(nccl: Any) -> tuple[int, int, int] | None:
@@ -219,8 +249,12 @@ def create_communicator(nccl: Any, size: int, data: bytes, rank: int) -> Any:
 
     The form follows CuPy's version; if CuPy refuses it (a TypeError naming commId, or an
     OverflowError where C `char` is unsigned, as on aarch64) the others are tried: bytes,
-    a tuple of signed chars, a tuple of unsigned chars.
+    a tuple of signed chars, a tuple of unsigned chars. nccl4py's communicators
+    (`distcomm.gpu.nccl4py`, non-blocking: their initialisation is under way when this
+    returns) take the bytes.
     """
+    if getattr(nccl, "nonblocking", False):
+        return nccl.NcclCommunicator(size, bytes(data), rank)
     signed, unsigned = comm_id(data, tuple), tuple(data)
     forms = (
         [bytes(data), signed, unsigned]

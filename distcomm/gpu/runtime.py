@@ -121,6 +121,7 @@ def cuda_initialized() -> bool:
     return True
 
 
+#: cuCtxGetCurrent's status before the driver was initialised
 _CUDA_ERROR_NOT_INITIALIZED = 3
 
 
@@ -302,10 +303,6 @@ def synchronize_arrays(arrays: Iterable[Any]) -> None:
                 cupy.cuda.get_current_stream().synchronize()
 
 
-#: cuCtxGetCurrent's status before the driver was initialised
-_CUDA_NOT_INITIALIZED = 3
-
-
 @contextmanager
 def with_device(device: Any) -> Iterator[None]:
     """Run the block with `device` (a `cupy.cuda.Device`) current in this thread, without
@@ -325,7 +322,7 @@ def with_device(device: Any) -> Iterator[None]:
     try:
         bound = driver is None or int(driver.ctxGetCurrent()) != 0
     except Exception as exc:  # CUDA_ERROR_NOT_INITIALIZED: no context anywhere yet
-        bound = getattr(exc, "status", None) != _CUDA_NOT_INITIALIZED
+        bound = getattr(exc, "status", None) != _CUDA_ERROR_NOT_INITIALIZED
     if not bound:
         device.use()
         yield
