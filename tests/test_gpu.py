@@ -376,6 +376,26 @@ def test_real_bindings_have_every_name_distcomm_uses():
 
 
 @needs_cupy
+def test_real_runtime_and_driver_have_every_name_distcomm_uses():
+    """What the watchdog, the device guard, IPC and the fork probe call beyond NCCL."""
+    import cupy
+
+    for name in (
+        "eventQuery",  # the event's status (Event.done hides a sticky error)
+        "getDevice",
+        "deviceGetPCIBusId",
+        "ipcGetMemHandle",
+        "ipcOpenMemHandle",
+        "ipcCloseMemHandle",
+    ):
+        assert callable(getattr(cupy.cuda.runtime, name)), name
+    assert issubclass(cupy.cuda.runtime.CUDARuntimeError, Exception)
+    assert callable(cupy.cuda.driver.ctxGetCurrent)
+    assert callable(cupy.cuda.get_current_stream)
+    assert callable(cupy.cuda.Device.use)
+
+
+@needs_cupy
 def test_real_unique_id_converts(monkeypatch):
     from cupy.cuda import nccl
 
@@ -394,8 +414,13 @@ def test_real_unique_id_converts(monkeypatch):
 def test_real_cupy_without_a_device_names_the_driver():
     if runtime.device_count() > 0:
         pytest.skip("this machine has a GPU")
-    reason = get_backend_record("nccl").availability()
+    # availability does not look for a GPU (asking initialises CUDA, which a process
+    # forked afterwards cannot use): making the backend does, and says what to check
+    with pytest.raises(BackendUnavailableError) as info:
+        nt.import_nccl()
+    reason = str(info.value)
     assert "CuPy is installed but CUDA reports no" in reason, reason
     assert "nvidia-smi" in reason and "CUDA_VISIBLE_DEVICES" in reason
+    assert "no device" not in get_backend_record("nccl").availability()
     with pytest.raises(BackendUnavailableError, match=r"no usable device|no device"):
         runtime.set_device(0)
