@@ -226,6 +226,8 @@ def concatenate(arrays: list[Any], like: Any) -> Any:
 
 def address(array: Any) -> int:
     """The address of an array's first element (a CuPy array's is a device address)."""
+    if isinstance(array, np.ndarray):  # the common case first: no look for CuPy
+        return int(array.ctypes.data)
     return int(array.data.ptr) if is_cupy_array(array) else int(array.ctypes.data)
 
 
@@ -242,6 +244,8 @@ def extent(array: Any) -> tuple[int, int]:
 def may_share_memory(a: Any, b: Any) -> bool:
     """Whether two arrays may share memory. CuPy arrays cannot go to numpy's check (they
     refuse conversion): their byte extents are compared; host and device never overlap."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):  # no look for CuPy
+        return bool(np.shares_memory(a, b))
     if not (is_cupy_array(a) or is_cupy_array(b)):
         return bool(np.shares_memory(a, b))
     if not (is_cupy_array(a) and is_cupy_array(b)):

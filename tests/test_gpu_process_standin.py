@@ -306,12 +306,14 @@ cuda = CudaStandin(device_count=2)
 sys.modules.update(cuda.modules())
 
 import distcomm as dist
+from distcomm.backends import mpi as mpi_backend
 from distcomm.backends.mpi import MpiBackend
 from distcomm.backends.staged import StagedBackend
 from mpi4py import MPI
 
+# as a CUDA-aware MPI says it is: the stand-in's device memory is host memory MPI can reach
+mpi_backend._cuda_aware = lambda MPI: True
 backend = MpiBackend(dist.HashStore(), MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size, 60.0, "g")
-backend._cuda_aware = True  # the stand-in's device memory is host memory MPI can reach
 group = StagedBackend(backend)  # what a group serves CuPy arrays with
 rank = backend.rank
 cuda.cuda.Device(1).use()  # this thread uses GPUs 1 and 0; 0 is current

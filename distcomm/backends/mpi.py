@@ -13,11 +13,9 @@ MPI requests (Isend/Irecv) whose Work drives MPI's progress while it waits.
 The default group runs on a duplicate of MPI.COMM_WORLD, subgroups on communicators
 made by `Create_group` (only the members take part). Dtypes map to MPI datatypes;
 float16 moves as 16-bit words and is reduced by a user-defined op; bool reductions use
-MPI's logical ops. CuPy arrays go to MPI directly when the library is CUDA-aware and
-through pinned host memory otherwise. MPI reads and writes device memory outside CUDA's
-streams, so before any op (collective or point-to-point) hands it a CuPy array, the
-calling thread's current stream on that array's device is synchronised: the kernels
-queued before the op have run.
+MPI's logical ops. CuPy arrays go to MPI directly when the library is CUDA-aware (every
+op first synchronises the current stream of each array's device: MPI is not ordered by
+streams) and through pinned host memory otherwise.
 """
 
 from __future__ import annotations
@@ -244,6 +242,8 @@ class MpiBackend(MpiUneven, Backend):
         self._ops: dict[tuple[ReduceOp, Any], Any] = {}  # (op, dtype) -> MPI.Op
         self._datatypes: dict[Any, Any] = {}  # numpy dtype -> MPI.Datatype
         self._cuda_aware = _cuda_aware(MPI)
+        if self._cuda_aware:  # MPI is not ordered by CUDA streams: each buffer synchronises
+            self._buf = self._synced_buf  # type: ignore[method-assign]
         self._queue = OpQueue(f"distcomm-mpi-ops-{self.group_name}")
         # async collectives need MPI calls from the worker thread: MPI_THREAD_MULTIPLE
         self._threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
@@ -263,13 +263,16 @@ class MpiBackend(MpiUneven, Backend):
     def _buf(self, array: Any) -> list[Any]:
         if array is None:
             return None  # type: ignore[return-value]
-        if self._cuda_aware and is_cupy_array(array):
-            synchronize_arrays([array])  # MPI is not ordered by the array's stream
         datatype = self._datatypes.get(array.dtype)
         if datatype is None:
             name = _DTYPES[np.dtype(array.dtype).name]
             datatype = self._datatypes[array.dtype] = getattr(self._MPI, name)
         return [array, datatype]
+
+    def _synced_buf(self, array: Any) -> list[Any]:
+        if is_cupy_array(array):
+            synchronize_arrays([array])  # the kernels queued on its device's stream first
+        return MpiBackend._buf(self, array)
 
     def _op(self, op: ReduceOp, dtype: np.dtype) -> Any:
         key = (op, dtype)
@@ -446,7 +449,10 @@ class MpiBackend(MpiUneven, Backend):
     def _in_place(self, output: Any, input: Any, index: int) -> Any:
         """MPI.IN_PLACE when `input` already is slot `index` of `output`; else `input`'s
         buffer (copied first if it overlaps `output` elsewhere, which MPI forbids)."""
-        if output is None or not may_share_memory(output, input):
+        if output is None:
+            return self._buf(input)
+        numpy = type(input) is np.ndarray  # so is output (one device): numpy's check, directly
+        if not (np.shares_memory(output, input) if numpy else may_share_memory(output, input)):
             return self._buf(input)
         m = input.size
         if address(output[index * m : (index + 1) * m]) == address(input):
@@ -506,13 +512,11 @@ class MpiBackend(MpiUneven, Backend):
     ) -> Work:
         comm = self._comm
         source = input if not may_share_memory(input, output) else copy_on_device(input)
-        dtype = self._buf(output)[1]
         if len(set(input_splits)) <= 1 and list(input_splits) == list(output_splits):
             send, recv = self._buf(source), self._buf(output)
             blocking = lambda: comm.Alltoall(send, recv)  # noqa: E731
         else:
-            send = [source, (list(input_splits), _displacements(input_splits)), dtype]
-            recv = [output, (list(output_splits), _displacements(output_splits)), dtype]
+            send, recv = self._counted(source, input_splits), self._counted(output, output_splits)
             blocking = lambda: comm.Alltoallv(send, recv)  # noqa: E731
         return self._run("all_to_all", blocking, [output], async_op)
 
@@ -585,10 +589,6 @@ class MpiBackend(MpiUneven, Backend):
             self._comm.Free()
         except self._MPI.Exception:
             pass
-
-
-def _displacements(counts: Sequence[int]) -> list[int]:
-    return [int(x) for x in np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)]
 
 
 def _cuda_aware(MPI: Any) -> bool:
