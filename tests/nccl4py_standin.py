@@ -42,6 +42,28 @@ __all__ = ["Nccl4pyStandin"]
 _CONFIG_UNDEF_INT = -2147483648  # NCCL_CONFIG_UNDEF_INT: what Config() holds
 
 
+#: the functions of nccl.bindings.nccl the stand-in offers (each with the real parameters)
+BOUND = (
+    "get_version",
+    "get_unique_id",
+    "comm_init_rank_config",
+    "comm_get_async_error",
+    "comm_abort",
+    "comm_destroy",
+    "group_start",
+    "group_end",
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "send",
+    "recv",
+    "comm_shrink",
+    "check_status",
+)
+
+
 class Result(enum.IntEnum):
     """ncclResult_t."""
 
@@ -144,25 +166,7 @@ class Nccl4pyStandin:
         bindings.UniqueId = UniqueId
         bindings.Config = Config
         bindings.Comm = Comm
-        for name in (
-            "get_version",
-            "get_unique_id",
-            "comm_init_rank_config",
-            "comm_get_async_error",
-            "comm_abort",
-            "comm_destroy",
-            "group_start",
-            "group_end",
-            "all_reduce",
-            "reduce",
-            "broadcast",
-            "all_gather",
-            "reduce_scatter",
-            "send",
-            "recv",
-            "comm_shrink",
-            "check_status",
-        ):
+        for name in BOUND:
             setattr(bindings, name, getattr(self, name))
         package = types.ModuleType("nccl.bindings")
         package.__path__ = []

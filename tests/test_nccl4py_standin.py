@@ -23,7 +23,7 @@ from distcomm.gpu import nccl4py
 from distcomm.ops import ReduceOp
 from tests import test_nccl_standin as base
 from tests.cuda_standin import CudaStandin
-from tests.nccl4py_standin import Nccl4pyStandin
+from tests.nccl4py_standin import BOUND, Nccl4pyStandin
 from tests.test_collectives import expected_reduction, values
 
 SUM, AVG, MAX = ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX
@@ -254,33 +254,13 @@ def test_a_missing_nccl4py_says_what_to_install(cuda, monkeypatch):
 
 # -- the stand-in against the real nccl4py ---------------------------------------------------
 
-_BOUND = (
-    "get_version",
-    "get_unique_id",
-    "comm_init_rank_config",
-    "comm_get_async_error",
-    "comm_abort",
-    "comm_destroy",
-    "group_start",
-    "group_end",
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "send",
-    "recv",
-    "comm_shrink",
-    "check_status",
-)
-
 
 def test_the_stand_in_has_the_real_bindings_signatures():
     real = pytest.importorskip("nccl.bindings.nccl", reason="nccl4py is not installed")
     if isinstance(real, type(sys)) and getattr(real, "__file__", None) is None:
         pytest.skip("nccl.bindings.nccl is a stand-in here")
     fake = Nccl4pyStandin(CudaStandin(device_count=1)).bindings
-    for name in _BOUND:
+    for name in BOUND:
         want = list(inspect.signature(getattr(real, name)).parameters)
         got = list(inspect.signature(getattr(fake, name)).parameters)
         assert got == want, f"{name}: the stand-in takes {got}, nccl4py {want}"
