@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import groupby
 from typing import Any
 
 from ..errors import DistError
-from ..work import Future
 from .nccl_watch import NcclWatchdog
 from .nccl_work import NcclWork
 
@@ -67,42 +66,6 @@ def device_lane(device_id: int) -> Lane:
         if lane is None:
             lane = _LANES[device_id] = Lane()
         return lane
-
-
-class _PostingFuture(Future):
-    """The future of a lone send or receive not posted yet: asking it anything (done,
-    value, exception, a wait, `then`) posts it first; a done-callback does not."""
-
-    __slots__ = ("_post",)
-
-    def __init__(self, post: Callable[[], None]) -> None:
-        super().__init__()
-        self._post: Callable[[], None] | None = post
-
-    def _posted(self) -> None:
-        post = self._post
-        if post is not None:
-            post()
-
-    def done(self) -> bool:
-        self._posted()
-        return super().done()
-
-    def exception(self) -> BaseException | None:
-        self._posted()
-        return super().exception()
-
-    def wait_done(self, timeout: float | None = None) -> bool:
-        self._posted()
-        return super().wait_done(timeout)
-
-    def value(self) -> Any:
-        self._posted()
-        return super().value()
-
-    def then(self, callback: Callable[[Future], Any]) -> Future:
-        self._posted()
-        return super().then(callback)
 
 
 class _Deferred:
@@ -222,7 +185,7 @@ class NcclPointToPoint:
             self._watch.raise_if_failed(description)
             self._ensure(device_id, op)
             work = self._work(description, [array], [array], source_rank=source_rank)
-            work._future = _PostingFuture(lambda: self._flush_lane(device_id))
+            work.defer(lambda: self._flush_lane(device_id))
             entry.work = work
             with self._device:
                 # ordered after the caller's work so far, as it would be if posted now
@@ -248,7 +211,7 @@ class NcclPointToPoint:
         with lane.lock:
             entries, lane.deferred = lane.deferred, []
             for entry in entries:  # asking their Works no longer posts anything
-                entry.work._future._post = None
+                entry.work.undefer()
             for backend, run in groupby(entries, key=lambda e: e.backend):
                 backend._post_deferred(list(run))
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..deadline import Deadline, to_seconds
 from ..errors import DistBackendError
-from ..work import Work
+from ..work import Future, Work
 
 if TYPE_CHECKING:
     from .nccl_watch import NcclWatchdog
@@ -45,6 +45,42 @@ def cuda_error_text(cupy: Any, status: int) -> str:
 
 #: queues, after an operation, the GPU work `Work.chain` asks for; returns its Work
 Then = Callable[["NcclWork", Callable[[], None], list[Any]], Work]
+
+
+class _PostingFuture(Future):
+    """The future of a lone send or receive not posted yet: asking it anything (done,
+    value, exception, a wait, `then`) posts it first; a done-callback does not."""
+
+    __slots__ = ("_post",)
+
+    def __init__(self, post: Callable[[], None]) -> None:
+        super().__init__()
+        self._post: Callable[[], None] | None = post
+
+    def _posted(self) -> None:
+        post = self._post
+        if post is not None:
+            post()
+
+    def done(self) -> bool:
+        self._posted()
+        return super().done()
+
+    def exception(self) -> BaseException | None:
+        self._posted()
+        return super().exception()
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        self._posted()
+        return super().wait_done(timeout)
+
+    def value(self) -> Any:
+        self._posted()
+        return super().value()
+
+    def then(self, callback: Callable[[Future], Any]) -> Future:
+        self._posted()
+        return super().then(callback)
 
 
 class NcclWork(Work):
@@ -84,6 +120,18 @@ class NcclWork(Work):
         self._host_wait = host_wait
         self.finished_on_wait = host_wait
         self._issued = time.monotonic()
+
+    def defer(self, post: Callable[[], None]) -> None:
+        """The operation is held back (a lone send or receive not posted yet): asking this
+        Work anything (done, value, exception, a wait, `then`) runs `post` first, which
+        posts it; a done-callback does not."""
+        self._future = _PostingFuture(post)
+
+    def undefer(self) -> None:
+        """The held-back operation is being posted: asking no longer posts anything."""
+        future = self._future
+        if isinstance(future, _PostingFuture):
+            future._post = None
 
     def _record(self, stream: Any) -> None:
         event = self._cupy.cuda.Event(disable_timing=True)
