@@ -23,6 +23,7 @@ __all__ = [
     "dtype_from_code",
     "empty",
     "extent",
+    "extents_overlap",
     "flat",
     "may_share_memory",
     "on_device",
@@ -250,8 +251,13 @@ def may_share_memory(a: Any, b: Any) -> bool:
         return bool(np.shares_memory(a, b))
     if not (is_cupy_array(a) and is_cupy_array(b)):
         return False
-    (a_start, a_end), (b_start, b_end) = extent(a), extent(b)
-    return a_start < b_end and b_start < a_end
+    return extents_overlap(extent(a), extent(b))
+
+
+def extents_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two extents ([first byte, end), as `extent` gives) share a byte; an empty
+    one shares none."""
+    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
 
 
 def on_device(array: Any, fn: Callable[[], Any]) -> Any:

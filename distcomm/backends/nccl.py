@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import config
+from ..arrays import extent, extents_overlap
 from ..errors import (
     BackendUnavailableError,
     DistBackendError,
@@ -71,7 +72,7 @@ from ..work import Work
 from .base import Backend, setup_round
 from .engine.protocol import Signature
 from .nccl_comm import NcclCommunicator
-from .nccl_p2p import Lane, NcclPointToPoint, byte_span, device_lane, spans_overlap
+from .nccl_p2p import Lane, NcclPointToPoint, device_lane
 from .nccl_watch import NcclWatchdog
 from .nccl_work import NcclWork
 
@@ -351,12 +352,13 @@ class NcclBackend(NcclPointToPoint, NcclCommunicator, Backend):
         dt, count = self._moved(input)
         keep = [output, input]
         # NCCL's in-place form: the input is this rank's piece of the output
-        in_place = byte_span(input) == (output.data.ptr + self.rank * input.nbytes, input.nbytes)
+        at = output.data.ptr + self.rank * input.nbytes
+        in_place = extent(input) == (at, at + input.nbytes)
 
         def launch(comm: Any, stream: int) -> None:
             if count:
                 source = input
-                if not in_place and spans_overlap(byte_span(input), byte_span(output)):
+                if not in_place and extents_overlap(extent(input), extent(output)):
                     source = self._staged(input, keep)
                 comm.allGather(source.data.ptr, output.data.ptr, count, dt, stream)
 
@@ -376,12 +378,13 @@ class NcclBackend(NcclPointToPoint, NcclCommunicator, Backend):
         count = output.size * factor
         keep = [output, input]
         # NCCL's in-place form: the output is this rank's piece of the input
-        in_place = byte_span(output) == (input.data.ptr + self.rank * output.nbytes, output.nbytes)
+        at = input.data.ptr + self.rank * output.nbytes
+        in_place = extent(output) == (at, at + output.nbytes)
 
         def launch(comm: Any, stream: int) -> None:
             if count:
                 source = input
-                if not in_place and spans_overlap(byte_span(input), byte_span(output)):
+                if not in_place and extents_overlap(extent(input), extent(output)):
                     source = self._staged(input, keep)
                 comm.reduceScatter(source.data.ptr, output.data.ptr, count, dt, nop, stream)
                 self._post(post, output)
@@ -411,8 +414,8 @@ class NcclBackend(NcclPointToPoint, NcclCommunicator, Backend):
                 return
             mine = output[root * m : (root + 1) * m]
             source = input
-            whole = byte_span(input)
-            if whole != byte_span(mine) and spans_overlap(whole, byte_span(output)):
+            whole = extent(input)
+            if whole != extent(mine) and extents_overlap(whole, extent(output)):
                 source = self._staged(input, keep)
             self._copy(mine, source)
             self._grouped_p2p(
@@ -440,8 +443,8 @@ class NcclBackend(NcclPointToPoint, NcclCommunicator, Backend):
                 self._grouped_p2p(comm, [], [(root, output)], stream)
                 return
             source = input
-            if byte_span(output) != byte_span(input[root * m : (root + 1) * m]) and spans_overlap(
-                byte_span(input), byte_span(output)
+            if extent(output) != extent(input[root * m : (root + 1) * m]) and extents_overlap(
+                extent(input), extent(output)
             ):
                 source = self._staged(input, keep)  # the copy below would overwrite a piece
             self._copy(output, source[root * m : (root + 1) * m])
@@ -488,7 +491,7 @@ class NcclBackend(NcclPointToPoint, NcclCommunicator, Backend):
         def launch(comm: Any, stream: int) -> None:
             source = input
             # sends and receives run concurrently
-            if spans_overlap(byte_span(input), byte_span(output)):
+            if extents_overlap(extent(input), extent(output)):
                 source = self._staged(input, keep)
             self._copy(
                 piece(output, out_at, output_splits, me), piece(source, in_at, input_splits, me)

@@ -57,6 +57,8 @@ __all__ = ["NcclCommunicator"]
 # the backend's logger: the communicator's messages are the backend's
 log = logging.getLogger("distcomm.backends.nccl")
 
+#: where ranks whose ncclCommInitRank failed append what NCCL said, each ended by the mark
+_FAILED_KEY, _FAILED_SEP = "initfail", "\n"
 #: how long destroying a group waits for an abort under way (it waits for the GPU)
 _ABORT_WAIT = 60.0
 
@@ -284,22 +286,20 @@ class NcclCommunicator:
     def _init_failed(self, exc: BaseException) -> DistBackendError:
         """Tell the other ranks, through the store, that this rank's initialisation failed
         with `exc`; the error to raise."""
-        text = f"rank {self.rank}: {exc}"
+        text = f"rank {self.rank}: {exc}".replace(_FAILED_SEP, " ")
         try:
-            self.store.set(f"initfail/{self.rank}", text)
-            self.store.add("initfail", 1)
+            self.store.append(_FAILED_KEY, text + _FAILED_SEP)
         except Exception:  # the store is gone: the others time out instead
             pass
         return DistBackendError(f"{self.describe('init')}: ncclCommInitRank failed: {exc}")
 
     def _failed_inits(self) -> list[str]:
-        """What the ranks whose ncclCommInitRank failed said (one store request while none
-        did)."""
-        if not int(self.store.add("initfail", 0)):
+        """What the ranks whose ncclCommInitRank failed said: one store request while none
+        did, two once some did (each appends its message to one key)."""
+        if not self.store.check([_FAILED_KEY]):
             return []
-        keys = [f"initfail/{r}" for r in range(self.size) if r != self.rank]
-        found = [k for k in keys if self.store.check([k])]
-        return [v.decode(errors="replace") for v in self.store.multi_get(found)]
+        said = self.store.get(_FAILED_KEY).decode(errors="replace")
+        return [text for text in said.split(_FAILED_SEP) if text]
 
     def _wait_for_ranks(self, keys: dict[int, str], deadline: Deadline, arrived: str) -> None:
         """Wait for the ranks of `keys` to set them, warning while some are late and
@@ -360,7 +360,7 @@ class NcclCommunicator:
         # node's ranks, which hangs after a peer's abort (that this rank may not have
         # seen) or when a peer never destroys, and it would wait for stuck operations;
         # with every operation finished, abort releases the same resources, locally
-        self._watch.release(abort=True)
+        self._watch.release()
         self._watch.finish_abort(_ABORT_WAIT)
         self._comm = None
         self._watch.keep_until_settled(pending)

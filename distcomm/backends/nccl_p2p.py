@@ -35,11 +35,12 @@ from contextlib import contextmanager
 from itertools import groupby
 from typing import Any
 
+from ..arrays import extent, extents_overlap
 from ..errors import DistError
 from .nccl_watch import NcclWatchdog
 from .nccl_work import NcclWork
 
-__all__ = ["Lane", "NcclPointToPoint", "byte_span", "device_lane", "spans_overlap"]
+__all__ = ["Lane", "NcclPointToPoint", "device_lane"]
 
 
 class Lane:
@@ -80,18 +81,6 @@ class _Deferred:
         self.backend, self.kind, self.array, self.peer = backend, kind, array, peer
         self.dt, self.count = dt, count
         self.work: NcclWork | None = None
-
-    def span(self) -> tuple[int, int]:
-        return (self.array.data.ptr, self.array.nbytes) if self.count else (0, 0)
-
-
-def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    """Whether the byte spans (address, size) `a` and `b` share a byte."""
-    return a[1] > 0 and b[1] > 0 and a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
-
-
-def byte_span(array: Any) -> tuple[int, int]:
-    return (array.data.ptr, array.nbytes) if array is not None and array.nbytes else (0, 0)
 
 
 class NcclPointToPoint:
@@ -223,8 +212,8 @@ class NcclPointToPoint:
             groups: list[list[_Deferred]] = []
             received: list[tuple[int, int]] = []
             for entry in entries:
-                span = entry.span()
-                relays = entry.kind == "send" and any(spans_overlap(span, r) for r in received)
+                span = extent(entry.array)
+                relays = entry.kind == "send" and any(extents_overlap(span, r) for r in received)
                 if not groups or relays:
                     groups.append([])
                     received = []
@@ -284,18 +273,18 @@ class NcclPointToPoint:
         into it after the group (`_copy_after_batch`). The temporaries live in `keep`."""
         if not entry.count:
             return
-        array, span = entry.array, entry.span()
+        array, span = entry.array, extent(entry.array)
         if entry.kind == "send":
-            if any(kind == "recv" and spans_overlap(span, s) for kind, s in self._batch):
+            if any(kind == "recv" and extents_overlap(span, s) for kind, s in self._batch):
                 array = self._staged(array, keep)
             comm.send(array.data.ptr, entry.count, entry.dt, entry.peer, stream)
         else:
-            if any(spans_overlap(span, s) for _, s in self._batch):
+            if any(extents_overlap(span, s) for _, s in self._batch):
                 target, array = array, self._cupy.empty(array.shape, array.dtype)
                 keep.append(array)
                 self._after.append((target, array))
             comm.recv(array.data.ptr, entry.count, entry.dt, entry.peer, stream)
-        self._batch.append((entry.kind, byte_span(array)))
+        self._batch.append((entry.kind, extent(array)))
 
     def _copy_after_batch(self) -> None:
         """Copy the temporaries of a group's overlapping receives into their arrays, in the

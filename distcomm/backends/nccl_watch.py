@@ -75,7 +75,7 @@ def _release_at_exit() -> None:
     NcclCommunicator would otherwise call ncclCommDestroy when collected, which waits for
     every rank of the node to do the same (a hang when one has exited or aborted)."""
     for watch in list(_live):
-        watch.release(abort=True)
+        watch.release()
 
 
 atexit.register(_release_at_exit)
@@ -145,11 +145,6 @@ class NcclWatchdog:
         self._watchdog.start()
 
     # -- the device, from any thread ------------------------------------------------------------
-
-    def is_current_device(self) -> bool:
-        """Whether the calling thread's current device is the group's (cudaGetDevice, which
-        binds no context)."""
-        return int(self._cuda.runtime.getDevice()) == self.device.id
 
     def query(self, event: Any) -> int:
         """cudaEventQuery's status for `event`: 0, cudaErrorNotReady, or an error."""
@@ -305,7 +300,6 @@ class NcclWatchdog:
                 return
             self._aborter = threading.Thread(
                 target=self.release,
-                args=(True,),
                 daemon=True,
                 name=f"distcomm-nccl-abort-{self._name}",
             )
@@ -406,8 +400,10 @@ class NcclWatchdog:
         )
         return True
 
-    def release(self, abort: bool) -> None:
-        """Abort or destroy the communicator, once, whichever thread asks first."""
+    def release(self) -> None:
+        """Abort the communicator, once, whichever thread asks first. Never
+        ncclCommDestroy: that is a collective of the node's ranks, which hangs after a
+        peer's abort or when a peer never destroys."""
         with self._cond:
             comm = self._comm
             if self._released or comm is None:
@@ -415,16 +411,10 @@ class NcclWatchdog:
             self._released = True
         _live.discard(self)
         try:
-            if abort:
-                comm.abort()
-            else:
-                comm.destroy()
+            comm.abort()
         except Exception as exc:  # an NcclError while releasing changes nothing
             log.warning(
-                "%s: %s of the NCCL communicator failed: %s",
-                self.describe("shutdown"),
-                "abort" if abort else "destroy",
-                exc,
+                "%s: abort of the NCCL communicator failed: %s", self.describe("shutdown"), exc
             )
 
     def finish_abort(self, timeout: float) -> None:

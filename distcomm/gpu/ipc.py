@@ -66,15 +66,10 @@ _opened: weakref.WeakValueDictionary[bytes, _IpcMapping] = weakref.WeakValueDict
 _exported: dict[bytes, tuple[weakref.ref, int]] = {}
 
 
-def _cuda_initialized() -> bool:
-    """Whether this process has initialised the CUDA driver; never initialises it."""
-    return cuda_initialized()
-
-
 def _before_fork() -> None:
     global _cuda_at_fork
     try:
-        _cuda_at_fork = _cuda_initialized()
+        _cuda_at_fork = cuda_initialized()  # never initialises it
     except BaseException:  # a fork hook must not fail
         _cuda_at_fork = False
 
