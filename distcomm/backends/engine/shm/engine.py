@@ -7,10 +7,19 @@ rank checks every peer's signature, so a mismatch is reported by all ranks at on
 
 Small payloads (up to `inline_max` bytes) are read from the peers' slots; every rank
 reduces them itself, in rank order, so all ranks end bit-identical. Larger ones move by
-cross-memory copies between the ranks' own arrays: for the reductions each rank owns a
-contiguous slice, reads that slice of every peer, reduces it chunk by chunk (chunks stay
-in cache) and writes the result straight into the peers' arrays. The ranks whose memory
-others touch then wait at a completion barrier before returning.
+cross-memory reads between the ranks' own arrays: for the reductions each rank owns a
+contiguous slice, reads that slice of every peer's input, reduces it chunk by chunk
+(chunks stay in cache) into its own memory, and once every owner is done each rank reads
+the other owners' reduced slices. The ranks whose memory others read then wait at a
+completion barrier before returning.
+
+A rank only ever reads a peer's memory; it writes only its own. A rank that gives up on
+the group (its wait timed out, the group was aborted here or elsewhere) marks the segment
+before its caller gets its arrays back, and every rank checks that mark after each wait
+and after its last read: a collective whose check passed read every peer's arrays while
+they were still held for it, and one that finds the mark fails. So a rank frozen inside
+a collective (SIGSTOP, swap, a debugger) and woken after the others evicted it can
+neither write into the memory they have reused nor return success.
 
 Slots come in two generations (by sequence parity). A rank reuses a slot two collectives
 later, after every peer has arrived at the collective in between, that is after every
@@ -31,17 +40,25 @@ import os
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
-from ....errors import DistBackendError, DistNetworkError, DistTimeoutError
+from ....errors import (
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistTimeoutError,
+    GroupDestroyedError,
+    caused_by_peers,
+)
 from ....ops import UFUNCS, ReduceOp, average_into, quiet, reduce_into
 from ....parallel import parallel_for
 from ..protocol import Call, Failure, Signature, mismatch_message
 from ..scratch import ScratchPool
-from .primitives import Segment, cma_read, cma_write, futex_wait, futex_wake, store_load_fence
+from .primitives import Segment, cma_read, futex_wait, futex_wake, store_load_fence
 from .rooted import RootedOps
 
 __all__ = ["FailureWatch", "IntraNode"]
@@ -52,6 +69,10 @@ _AVG = ReduceOp.AVG  # a module global: faster to reach than the enum's attribut
 _MOD, _HALF = 1 << 31, 1 << 30  # counters are 31-bit and compared modulo
 _STRIDE = 128  # bytes per rank of counters: arrival and completion on separate lines
 _LEFT = 1  # the word after a rank's arrival counter: 1 once it has left the group
+#: the words of a rank's counters after its arrival counter: its completion counter and,
+#: on the same line, the one it raises once its slice of a reduction is reduced
+_FINISH, _REDUCED = 16, 20
+_GROUP_LINE = 64  # one line after the sleep flags: word 0 is the abandon mark
 _META = 64  # per-slot header: op, dtype, redop, root, count, in, out, flags (int64)
 _META_FORMAT = struct.Struct("=8q")
 _SIGNATURE_BYTES = 5 * 8  # the first five fields: the collective's Signature
@@ -61,7 +82,10 @@ _FLAGS_LOW_BYTE = 8 * _FLAGS + (0 if sys.byteorder == "little" else 7)
 _POLLS = 200  # reads of a counter before yielding, when every local rank has a core
 _SPINS = 40  # sched_yield rounds before sleeping on the futex
 _SLICE = 0.25  # longest single futex sleep (failures wake sooner)
-#: reads and writes of at least this many bytes are split over the intra-op threads
+#: how long a collective that finds the segment marked waits to hear why (the marking rank
+#: sends the group's failure at once; without it the error only says the group was given up)
+_CAUSE_GRACE_S = 1.0
+#: reads of at least this many bytes are split over the intra-op threads
 _THREADED_MIN = 4 * 1024 * 1024
 
 
@@ -129,9 +153,13 @@ class IntraNode(RootedOps):
         self._words = self._mem[: self._slots_at].cast("i")  # the counters
         self._flags = self._mem[: self._ctrl]  # byte r: rank r may sleep on a futex
         self._flag_words = self._flags.cast("q")
+        self._abandon_at = self._ctrl // 4  # the group line's first word
         self._arrive_at = [self._word(r, "arrive") for r in range(size)]
         self._finish_at = [self._word(r, "finish") for r in range(size)]
+        self._reduced_at = [self._word(r, "reduced") for r in range(size)]
         self._left_at = [self._word(r, "arrive") + _LEFT for r in range(size)]
+        self._closed = False
+        self._mark_lock = threading.Lock()  # marking from a listener vs. releasing views
         self._slot_at = [[self._slot_offset(g, r) for r in range(size)] for g in (0, 1)]
         # each slot's area after the metadata: all_to_all's offsets, gather_v's sizes
         self._extra_at = [[at + _META for at in slots] for slots in self._slot_at]
@@ -160,7 +188,7 @@ class IntraNode(RootedOps):
 
     @staticmethod
     def slots_offset(size: int) -> int:
-        return -(-(_ctrl_bytes(size) + size * _STRIDE) // 4096) * 4096
+        return -(-(_ctrl_bytes(size) + _GROUP_LINE + size * _STRIDE) // 4096) * 4096
 
     @classmethod
     def segment_bytes(cls, size: int) -> int:
@@ -187,9 +215,58 @@ class IntraNode(RootedOps):
     # -- synchronisation -------------------------------------------------------------------
 
     def _interrupt(self) -> None:
+        """The watch recorded a failure: mark the segment if the group failed (not when a
+        peer merely left, nor when this rank destroys the group), and wake this rank's
+        waiter."""
+        failure = self._watch.failed(self.names[self.rank])
+        if failure is not None and not issubclass(failure.kind, GroupDestroyedError):
+            self.abandon()
         address = self._waiting
         if address:
             futex_wake(address)
+
+    def abandon(self) -> None:
+        """Mark the segment: this rank gave up on the group, so no rank may complete a
+        collective on it any more. Called before the caller of the collective this rank
+        gave up gets its arrays back (a wait that raises, the group's abort listener);
+        every rank reads the mark after each wait and after its last read of a peer's
+        memory (`_settle`). Idempotent; wakes the peers that sleep."""
+        with self._mark_lock:
+            if self._closed or self._words[self._abandon_at]:
+                return
+            self._words[self._abandon_at] = self.names[self.rank] + 1
+            store_load_fence()
+            if any(self._flag_words):
+                for index in (*self._arrive_at, *self._reduced_at, *self._finish_at):
+                    futex_wake(self._segment.address + 4 * index)
+
+    def _abandoned(self, call: Call) -> DistError:
+        """The error of a collective that finds the segment marked (`abandon`): the
+        group's failure as this rank's watch hears of it (the rank that marked the
+        segment passes it on at once, with its cause), or, if nothing comes within
+        `_CAUSE_GRACE_S`, that the group was given up."""
+        end = time.monotonic() + _CAUSE_GRACE_S
+        while True:
+            failure = self._watch.failed(self.names[self.rank])
+            if failure is not None and not issubclass(failure.kind, GroupDestroyedError):
+                return failure.error(f"{call.describe}: ")
+            if time.monotonic() >= end:
+                break
+            time.sleep(0.01)
+        marked = int(self._words[self._abandon_at]) - 1
+        who = "this rank" if marked == self.names[self.rank] else f"rank {marked}"
+        return DistBackendError(
+            f"{call.describe}: the group was given up while this rank took part in it "
+            f"({who} timed out, aborted the group or lost a peer); this rank's part is "
+            "discarded and its arrays hold no valid result. Re-form the group without the "
+            "lost ranks (reconfigure, distcomm.recovery.Manager) or destroy it"
+        )
+
+    def _settle(self, call: Call) -> None:
+        """The last step of every collective, after this rank's last read of a peer's
+        memory: fail if a rank gave up on the group meanwhile (see `abandon`)."""
+        if self._words[self._abandon_at]:
+            raise self._abandoned(call)
 
     def _set(self, index: int, value: int) -> None:
         """Raise this rank's counter `index` to `value`; wake the peers that may sleep."""
@@ -205,6 +282,8 @@ class IntraNode(RootedOps):
         while True:
             value = words[index]
             if _reached(value, goal):
+                if words[self._abandon_at]:  # the peer got here before a rank gave up
+                    raise self._abandoned(call)
                 return
             if polls:  # no system call while the peer runs on a core of its own
                 polls -= 1
@@ -223,16 +302,21 @@ class IntraNode(RootedOps):
                     (name,),
                 )
             if failure is not None:
+                self.abandon()
                 raise failure.error(f"{call.describe}: ")
+            if words[self._abandon_at]:
+                raise self._abandoned(call)
             left = call.deadline.remaining()
             if left is not None and left <= 0:
-                why = (
-                    call.explain()
-                    if call.explain is not None
-                    else (self._lagging(target, what) or "the peers did not wake this rank")
-                )
-                raise DistTimeoutError(
-                    f"{call.describe} timed out after {call.deadline.seconds:.1f} s: {why}"
+                late, lagging = self._lagging(target, what)
+                why = call.explain() if call.explain is not None else lagging
+                self.abandon()  # before the caller has its arrays back
+                raise caused_by_peers(
+                    DistTimeoutError(
+                        f"{call.describe} timed out after {call.deadline.seconds:.1f} s: "
+                        f"{why or 'the peers did not wake this rank'}"
+                    ),
+                    late,
                 )
             self._waiting = address
             self._flags[self.rank] = 1
@@ -243,34 +327,40 @@ class IntraNode(RootedOps):
                 self._flags[self.rank] = 0
                 self._waiting = 0
 
-    def _lagging(self, target: int, what: str) -> str:
-        """The peers that have not reached counter value `target` (as the TCP diagnosis says)."""
+    def _lagging(self, target: int, what: str) -> tuple[list[int], str]:
+        """The peers that have not reached counter value `target`, as group ranks, and
+        what they have not done (in the TCP diagnosis's words)."""
         late = [
             p
             for p in self._others()
             if not _reached(int(self._words[self._word(p, what)]), target % _MOD)
         ]
         if not late:
-            return ""
-        ranks = ", ".join(str(self.names[p]) for p in late)
-        if what == "finish":
-            return f"rank(s) {ranks} have not finished their part of collective #{target - 1}"
+            return [], ""
+        names = [self.names[p] for p in late]
+        ranks = ", ".join(map(str, names))
+        if what != "arrive":
+            done = "finished" if what == "finish" else "reduced"
+            return names, (
+                f"rank(s) {ranks} have not {done} their part of collective #{target - 1}"
+            )
         where = "; ".join(
             f"rank {self.names[p]} is at collective #{self._words[self._word(p, what)] - 1}"
             if self._words[self._word(p, what)]
             else f"rank {self.names[p]} has run no collective yet"
             for p in late
         )
-        return f"rank(s) {ranks} have not called collective #{target - 1} ({where})"
+        return names, f"rank(s) {ranks} have not called collective #{target - 1} ({where})"
 
     def _word(self, rank: int, what: str) -> int:
-        """Index of `rank`'s arrival or completion counter among the int32 words."""
-        return (self._ctrl + rank * _STRIDE) // 4 + (16 if what == "finish" else 0)
+        """Index of `rank`'s arrival, reduced or completion counter among the int32 words."""
+        extra = _FINISH if what == "finish" else _REDUCED if what == "reduced" else 0
+        return (self._ctrl + _GROUP_LINE + rank * _STRIDE) // 4 + extra
 
     def diagnose(self, seq: int) -> str:
         """Why collective `seq` has not completed: the peers that have not reached it."""
-        for what in ("arrive", "finish"):
-            late = self._lagging(seq + 1, what)
+        for what in ("arrive", "reduced", "finish"):
+            late = self._lagging(seq + 1, what)[1]
             if late:
                 return late
         return "every rank has finished it"
@@ -328,12 +418,23 @@ class IntraNode(RootedOps):
                     )
 
     def _finish(self, call: Call, wait_for: Sequence[int]) -> None:
-        """Mark this rank done with the collective's arrays; wait until `wait_for` are too."""
+        """Mark this rank done with the collective's arrays; wait until `wait_for` are too;
+        then `_settle`."""
         seq = call.seq
         self._set(self._finish_at[self.rank], seq + 1)
         for peer in wait_for:
             if peer != self.rank:
                 self._wait(call, self._finish_at[peer], seq + 1, peer, "finish")
+        self._settle(call)
+
+    def _reduced(self, call: Call, wait_for: Sequence[int]) -> None:
+        """Say this rank's slice of a reduction is reduced; wait until `wait_for`'s are
+        (then their slices may be read, and nobody reads this rank's input any more)."""
+        seq = call.seq
+        self._set(self._reduced_at[self.rank], seq + 1)
+        for peer in wait_for:
+            if peer != self.rank:
+                self._wait(call, self._reduced_at[peer], seq + 1, peer, "reduced")
 
     def _others(self) -> list[int]:
         return [p for p in range(self.size) if p != self.rank]
@@ -343,16 +444,17 @@ class IntraNode(RootedOps):
     def _is_inline(self, seq: int, peer: int) -> bool:
         return bool(self._mem[self._slot_at[seq & 1][peer] + _FLAGS_LOW_BYTE] & _INLINE)
 
-    def _fetch(self, seq: int, peer: int, dst: np.ndarray, offset: int) -> None:
-        """Copy `dst.nbytes` bytes of `peer`'s published input, from byte `offset`, to `dst`."""
+    def _fetch(self, seq: int, peer: int, dst: np.ndarray, offset: int, field: int = _IN) -> None:
+        """Copy `dst.nbytes` bytes of `peer`'s published input (`field` _OUT: the array it
+        published as its output), from byte `offset`, to `dst`."""
         nbytes = dst.nbytes
         if not nbytes:
             return
-        if self._is_inline(seq, peer):
+        if field == _IN and self._is_inline(seq, peer):
             start = offset // dst.itemsize
             dst[...] = self._inline_views(seq, dst.dtype)[peer][start : start + dst.size]
             return
-        pid, src, base = self._pids[peer], int(self._meta(seq, peer)[_IN]) + offset, _u8(dst)
+        pid, src, base = self._pids[peer], int(self._meta(seq, peer)[field]) + offset, _u8(dst)
         if nbytes < _THREADED_MIN:
             cma_read(pid, base.ctypes.data, src, nbytes)
         else:
@@ -370,26 +472,15 @@ class IntraNode(RootedOps):
         return pool.get(0, nbytes, np.uint8)
 
     def _owner_reduce(
-        self,
-        seq: int,
-        acc: np.ndarray,
-        own: np.ndarray,
-        base: int,
-        op: ReduceOp,
-        write_to: Sequence[int],
-        divide: bool,
+        self, seq: int, acc: np.ndarray, own: np.ndarray, base: int, op: ReduceOp, divide: bool
     ) -> None:
-        """acc <- own (op) every peer's input at byte `base` on; then write it to `write_to`.
-
-        `acc` and `own` have the same length; peers' data come from their published
-        input, results go to their published output at the same byte offset.
-        """
+        """acc <- own (op) every peer's input from byte `base` on (`acc` is this rank's own
+        memory, the same length as `own`; nothing is written anywhere else)."""
         isz = acc.itemsize
         step = max(1, self.chunk // isz)
         peers = self._others()
         pids = self._pids
         sources = {p: int(self._meta(seq, p)[_IN]) + base for p in peers}
-        targets = {p: int(self._meta(seq, p)[_OUT]) + base for p in write_to}
 
         def run(start: int, stop: int) -> None:
             scratch = self._scratch(min(step, stop - start) * isz).view(acc.dtype)
@@ -404,8 +495,6 @@ class IntraNode(RootedOps):
                     reduce_into(part, incoming, op)
                 if divide:
                     average_into(part, self.size)
-                for p, address in targets.items():
-                    cma_write(pids[p], part.ctypes.data, address + lo * isz, part.nbytes)
 
         if acc.nbytes < _THREADED_MIN:
             if acc.size:
@@ -438,7 +527,12 @@ class IntraNode(RootedOps):
         self._reduction(call, buf, op, root)
 
     def _reduction(self, call: Call, buf: np.ndarray, op: ReduceOp, root: int | None) -> None:
-        """Reduce every rank's `buf` into `root`'s (None: into every rank's)."""
+        """Reduce every rank's `buf` into `root`'s (None: into every rank's).
+
+        Each rank reduces its own slice of every rank's input into its own memory (its
+        `buf`, or scratch on a non-root, whose input stays as it was) and publishes where;
+        once every owner has, the ranks that get the result read the others' slices.
+        """
         seq = call.seq
         avg = op is _AVG
         gets_result = root is None or self.rank == root
@@ -446,15 +540,23 @@ class IntraNode(RootedOps):
             self._arrive(call, inline=buf)
             if gets_result:
                 self._reduce_inline(seq, buf, 0, op, avg)
+            self._settle(call)
             return
-        address = buf.ctypes.data
-        self._arrive(call, address, address)
         bounds = _bounds(buf.size, self.size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         acc = buf[lo:hi] if gets_result else self._pool.get(0, hi - lo, buf.dtype)
-        targets = self._others() if root is None else [root] if root != self.rank else []
-        self._owner_reduce(seq, acc, buf[lo:hi], lo * buf.itemsize, op, targets, avg)
-        self._finish(call, range(self.size))
+        self._arrive(call, buf.ctypes.data, acc.ctypes.data)  # output: the reduced slice
+        self._owner_reduce(seq, acc, buf[lo:hi], lo * buf.itemsize, op, avg)
+        if not gets_result:  # root reads the slice: keep it (and the input) until it has
+            self._reduced(call, ())
+            self._finish(call, [root])
+            return
+        # every slice is reduced once every owner says so; nobody reads inputs after that
+        self._reduced(call, range(self.size))
+        for peer in self._others():
+            self._fetch(seq, peer, buf[bounds[peer] : bounds[peer + 1]], 0, _OUT)
+        # this rank's slice is read until the peers have finished (a root's by nobody)
+        self._finish(call, range(self.size) if root is None else ())
 
     def broadcast(self, call: Call, buf: np.ndarray, root: int) -> None:
         seq = call.seq
@@ -463,6 +565,7 @@ class IntraNode(RootedOps):
             self._arrive(call, inline=buf if is_root else None)
             if not is_root:
                 self._fetch(seq, root, buf, 0)
+            self._settle(call)
             return
         self._arrive(call, buf.ctypes.data if is_root else 0)
         if not is_root:
@@ -479,7 +582,9 @@ class IntraNode(RootedOps):
             mine[...] = input
         for peer in self._others():
             self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
-        if not inline:
+        if inline:
+            self._settle(call)
+        else:
             self._finish(call, range(self.size))
 
     def reduce_scatter(
@@ -491,10 +596,11 @@ class IntraNode(RootedOps):
         if input.nbytes <= self.inline_max:
             self._arrive(call, inline=input)
             self._reduce_inline(seq, output, r * m, op, avg)
+            self._settle(call)
             return
         self._arrive(call, input.ctypes.data)
         self._owner_reduce(
-            seq, output, input[r * m : (r + 1) * m], r * m * output.itemsize, op, (), avg
+            seq, output, input[r * m : (r + 1) * m], r * m * output.itemsize, op, avg
         )
         self._finish(call, range(self.size))
 
@@ -529,19 +635,24 @@ class IntraNode(RootedOps):
                 target[...] = input[start : start + count]
             else:
                 self._fetch(seq, peer, target, start * isz)
-        if not all(self._is_inline(seq, peer) for peer in range(self.size)):
+        if all(self._is_inline(seq, peer) for peer in range(self.size)):
+            self._settle(call)
+        else:
             self._finish(call, range(self.size))
 
     def barrier(self, call: Call) -> None:
         self._arrive(call)
+        self._settle(call)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def release_views(self) -> None:
         """Let go of every view of the segment (they keep it mapped)."""
-        for view in (self._flag_words, self._flags, self._words, self._mem):
-            view.release()
-        self._payloads, self._typed = [], {}
+        with self._mark_lock:
+            self._closed = True
+            for view in (self._flag_words, self._flags, self._words, self._mem):
+                view.release()
+            self._payloads, self._typed = [], {}
 
     def close(self) -> None:
         """Leave: say so in the segment (peers waiting for this rank fail at once, naming

@@ -7,11 +7,13 @@ counter per rank, and two generations of per-rank slots (a collective's signatur
 addresses of its arrays, and small payloads inline).
 
 Bulk data never passes through the segment: a rank publishes the addresses of its arrays
-and its peers copy straight between the address spaces with `process_vm_readv` /
-`process_vm_writev` (Linux cross-memory attach: one copy, as MPICH and Open MPI do
-within a node). That needs ptrace permission between the ranks; where Yama restricts
-ptrace to descendants, each rank allows its peers with `PR_SET_PTRACER` (as Open MPI
-does), and where that is not enough `probe` reports why and the backend uses TCP.
+and its peers read straight from its address space into theirs with `process_vm_readv`
+(Linux cross-memory attach: one copy, as MPICH and Open MPI do within a node). Only
+reads: no rank ever writes into another's memory, so a rank woken long after the others
+gave it up cannot touch arrays they have reused (see the engine). That needs ptrace
+permission between the ranks; where Yama restricts ptrace to descendants, each rank
+allows its peers with `PR_SET_PTRACER` (as Open MPI does), and where that is not enough
+`probe` reports why and the backend uses TCP.
 
 Waits block in the kernel on futex words (after a short poll): four ranks on two cores
 never spin for long. Counters have a single writer each (their rank), so no atomic
@@ -41,7 +43,6 @@ __all__ = [
     "Segment",
     "allow_peer_access",
     "cma_read",
-    "cma_write",
     "futex_wait",
     "futex_wake",
     "host_identity",
@@ -75,17 +76,15 @@ class _Iovec(ctypes.Structure):
 
 
 _readv = _libc.process_vm_readv
-_writev = _libc.process_vm_writev
-for _fn in (_readv, _writev):
-    _fn.restype = ctypes.c_ssize_t
-    _fn.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_ulong,
-        ctypes.c_void_p,
-        ctypes.c_ulong,
-        ctypes.c_ulong,
-    ]
+_readv.restype = ctypes.c_ssize_t
+_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
 
 
 def futex_wait(address: int, expected: int, timeout: float) -> None:
@@ -130,29 +129,20 @@ def futex_wake(address: int) -> None:
         _syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _INT_MAX, None, None, 0)
 
 
-def _transfer(fn, verb: str, pid: int, local: int, remote: int, nbytes: int) -> None:
+def cma_read(pid: int, local: int, remote: int, nbytes: int) -> None:
+    """Copy `nbytes` from address `remote` of process `pid` to `local` of this process."""
     while nbytes > 0:
         lvec, rvec = _Iovec(local, nbytes), _Iovec(remote, nbytes)
-        done = fn(pid, ctypes.byref(lvec), 1, ctypes.byref(rvec), 1, 0)
+        done = _readv(pid, ctypes.byref(lvec), 1, ctypes.byref(rvec), 1, 0)
         if done <= 0:
             err = ctypes.get_errno()
             if done < 0 and err == 4:  # EINTR
                 continue
             raise DistBackendError(
-                f"shared-memory transport: cannot {verb} {nbytes} bytes of process {pid}: "
+                f"shared-memory transport: cannot read {nbytes} bytes of process {pid}: "
                 f"{os.strerror(err) if done < 0 else 'no progress'} (has it exited?)"
             )
         local, remote, nbytes = local + done, remote + done, nbytes - done
-
-
-def cma_read(pid: int, local: int, remote: int, nbytes: int) -> None:
-    """Copy `nbytes` from address `remote` of process `pid` to `local` of this process."""
-    _transfer(_readv, "read", pid, local, remote, nbytes)
-
-
-def cma_write(pid: int, local: int, remote: int, nbytes: int) -> None:
-    """Copy `nbytes` from `local` of this process to address `remote` of process `pid`."""
-    _transfer(_writev, "write", pid, local, remote, nbytes)
 
 
 def host_identity() -> str:

@@ -1,8 +1,9 @@
 """The rooted copies of the shared-memory engine: gather and scatter, even or with a size
 per rank (gather_v, scatter_v, whose sizes only the root knows).
 
-`RootedOps` is mixed into `IntraNode` and uses its synchronisation (`_arrive`, `_finish`)
-and transfers (`_fetch`, `_is_inline`). One rule orders the waits: a rank whose array a
+`RootedOps` is mixed into `IntraNode` and uses its synchronisation (`_arrive`, `_finish`,
+and `_settle` where no completion barrier ends the call) and transfers (`_fetch`,
+`_is_inline`). One rule orders the waits: a rank whose array a
 peer reads (a non-root's input in gather, the root's in scatter) returns only once the
 reader has raised its completion counter, unless its payload went inline into its slot
 (then nobody waits). In the even calls every rank knows every size and takes the same
@@ -46,7 +47,9 @@ class RootedOps:
             output[root * m : (root + 1) * m] = input
             for peer in self._others():
                 self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
-        if not inline:
+        if inline:
+            self._settle(call)
+        else:
             self._finish(call, [root] if self.rank != root else ())
 
     def scatter(self, call: Call, output: np.ndarray, input: np.ndarray | None, root: int) -> None:
@@ -60,7 +63,9 @@ class RootedOps:
         else:
             self._arrive(call)
             self._fetch(seq, root, output, self.rank * m * output.itemsize)
-        if not inline:
+        if inline:
+            self._settle(call)
+        else:
             self._finish(call, self._others() if self.rank == root else ())
 
     def gather_v(
@@ -77,7 +82,9 @@ class RootedOps:
             inline = input.nbytes <= self.inline_max
             _COUNT.pack_into(self._mem, self._extra_at[seq & 1][rank], input.size)
             self._arrive(call, input.ctypes.data, inline=input if inline else None)
-            if not inline:  # the root reads this rank's array: wait until it has
+            if inline:
+                self._settle(call)
+            else:  # the root reads this rank's array: wait until it has
                 self._finish(call, [root])
             return
         self._arrive(call)
@@ -96,6 +103,8 @@ class RootedOps:
             read = read or not self._is_inline(seq, peer)
         if read:
             self._finish(call, ())
+        else:
+            self._settle(call)
 
     def scatter_v(
         self,
@@ -113,7 +122,9 @@ class RootedOps:
             struct.pack_into(f"={len(at)}q", self._mem, self._extra_at[seq & 1][rank], *at)
             self._arrive(call, input.ctypes.data, inline=input if inline else None)
             output[...] = input[at[root] : at[root + 1]]
-            if not inline:  # the peers read this rank's array: wait until they have
+            if inline:
+                self._settle(call)
+            else:  # the peers read this rank's array: wait until they have
                 self._finish(call, self._others())
             return
         self._arrive(call)
@@ -125,5 +136,7 @@ class RootedOps:
                 "have rank i's tensor's size"
             )
         self._fetch(seq, root, output, start * output.itemsize)
-        if not self._is_inline(seq, root):
+        if self._is_inline(seq, root):
+            self._settle(call)
+        else:
             self._finish(call, ())
