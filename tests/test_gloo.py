@@ -421,13 +421,23 @@ def test_timeout_across_hosts_names_the_stopped_rank():
 
 
 class _NoFailures:
-    """The engine's FailureWatch where nothing fails (the TCP mailbox's place)."""
+    """The engine's FailureWatch (the TCP mailbox's place): nothing fails until a test
+    sets `failure`, which `fail` reports to the listeners as the mailbox does."""
 
-    def failed(self, rank: int) -> None:
-        return None
+    def __init__(self) -> None:
+        self.failure = None
+        self.listeners: list = []
+
+    def failed(self, rank: int):
+        return self.failure
 
     def add_listener(self, callback) -> None:
-        pass
+        self.listeners.append(callback)
+
+    def fail(self, failure) -> None:
+        self.failure = failure
+        for callback in self.listeners:
+            callback()
 
 
 def _two_engines():
@@ -443,6 +453,38 @@ def _two_engines():
     return segment, engines
 
 
+def test_a_rank_that_gives_up_fails_the_peers_collective_however_far_it_got(monkeypatch):
+    """The abandon mark: once rank 0 gives up on the group (its abort listener), rank 1
+    fails a wait whose counter was already reached and the last look of a collective
+    (`settle`), with rank 0's failure once its watch has it. A group destroyed normally
+    (GroupDestroyedError) and a peer that merely left leave no mark."""
+    from distcomm.backends.engine.protocol import Failure
+    from distcomm.backends.engine.shm import counters
+    from distcomm.errors import DistBackendError, DistNetworkError, GroupDestroyedError
+
+    monkeypatch.setattr(counters, "_CAUSE_GRACE_S", 0.0)  # no TCP news to wait for here
+    segment, (zero, one) = _two_engines()
+    sync0, sync1 = zero._sync, one._sync
+    try:
+        zero._watch.fail(Failure(GroupDestroyedError, "the process group was destroyed"))
+        one._sync.settle(_call(0))  # no mark: a normal destroy
+        sync0.set(sync0.arrive_at[0], 1)
+        zero._watch.failure = None
+        zero._watch.fail(Failure(DistNetworkError, "rank 0 lost a peer"))
+        assert sync1.words[sync1.abandon_at] == 1  # rank 0's group rank + 1
+        with pytest.raises(DistBackendError, match="rank 0 timed out, aborted the group"):
+            sync1.wait(_call(0), sync0.arrive_at[0], 1, 0, "arrive")  # reached, yet fails
+        with pytest.raises(DistBackendError, match="its arrays hold no valid result"):
+            sync1.settle(_call(0))
+        one._watch.failure = Failure(DistNetworkError, "rank 0 lost a peer")
+        with pytest.raises(DistNetworkError, match="rank 0 lost a peer"):  # the cause
+            sync1.settle(_call(0))
+    finally:
+        zero.release_views()
+        one.release_views()
+        segment.close()
+
+
 def _call(seq: int):
     from distcomm.backends.engine.protocol import Call, Signature
     from distcomm.deadline import Deadline
@@ -455,38 +497,39 @@ def test_a_counter_raise_wakes_only_when_a_peer_sleeps(monkeypatch):
     first, is woken, and lowers it again."""
     import threading
 
-    from distcomm.backends.engine.shm import engine
+    from distcomm.backends.engine.shm import counters
 
     wakes: list[int] = []
-    real_wake = engine.futex_wake
+    real_wake = counters.futex_wake
     monkeypatch.setattr(
-        engine, "futex_wake", lambda address: (wakes.append(address), real_wake(address))
+        counters, "futex_wake", lambda address: (wakes.append(address), real_wake(address))
     )
-    monkeypatch.setattr(engine, "_SLICE", 120.0)  # a sleep ends by a wake-up, not a timeout
+    monkeypatch.setattr(counters, "_SLICE", 120.0)  # a sleep ends by a wake-up, not a timeout
     segment, (zero, one) = _two_engines()
+    sync0, sync1 = zero._sync, one._sync
     try:
-        arrive = zero._arrive_at[0]
-        zero._set(arrive, 1)  # nobody waits: no system call
+        arrive = sync0.arrive_at[0]
+        sync0.set(arrive, 1)  # nobody waits: no system call
         assert wakes == []
-        one._wait(_call(0), arrive, 1, 0, "arrive")  # reached already: returns at once
+        sync1.wait(_call(0), arrive, 1, 0, "arrive")  # reached already: returns at once
         done = threading.Event()
 
         def wait_for_two() -> None:
-            one._wait(_call(1), arrive, 2, 0, "arrive")
+            sync1.wait(_call(1), arrive, 2, 0, "arrive")
             done.set()
 
         waiter = threading.Thread(target=wait_for_two, daemon=True)
         waiter.start()
         deadline = time.monotonic() + 60
-        while not one._flags[1] and time.monotonic() < deadline:  # polls, yields, sleeps
+        while not sync1.flags[1] and time.monotonic() < deadline:  # polls, yields, sleeps
             time.sleep(0.001)
-        assert one._flags[1] == 1, "the waiting rank never said it sleeps"
-        zero._set(arrive, 2)
+        assert sync1.flags[1] == 1, "the waiting rank never said it sleeps"
+        sync0.set(arrive, 2)
         waiter.join(60)
         assert done.is_set() and not waiter.is_alive()
         assert wakes == [segment.address + 4 * arrive]
-        assert one._flags[1] == 0  # lowered after the wake-up
-        zero._set(arrive, 3)  # nobody sleeps any more: no system call
+        assert sync1.flags[1] == 0  # lowered after the wake-up
+        sync0.set(arrive, 3)  # nobody sleeps any more: no system call
         assert len(wakes) == 1
     finally:
         zero.release_views()

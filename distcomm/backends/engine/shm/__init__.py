@@ -2,11 +2,13 @@
 
 `setup.same_host_setup` finds which ranks share a host and maps each host's segment;
 `engine.IntraNode` runs the collectives over it (its gather and scatter, even and with a
-size per rank, in `rooted`); `primitives` holds the OS calls they use (memfd segments,
+size per rank, in `rooted`) and holds the host's `counters.Counters`, the counters and
+waits that order them; `primitives` holds the OS calls they use (memfd segments,
 futexes, cross-memory attach).
 """
 
-from .engine import FailureWatch, IntraNode
+from .counters import FailureWatch
+from .engine import IntraNode
 from .setup import HostLayout, same_host_setup
 
 __all__ = ["FailureWatch", "HostLayout", "IntraNode", "same_host_setup"]

@@ -28,63 +28,39 @@ peer has finished reading it.
 The small-message path allocates nothing per call: the slots' offsets, the counters and
 the payload views are computed when the group is made, metadata is packed with `struct`
 straight into the segment, and signatures are compared as bytes (decoded only for the
-error message). A waiting rank polls without system calls while the host's ranks have a
-core each, yields the CPU when they do not, and then sleeps on the futex; a rank wakes
-sleepers only when one has said it sleeps (see `primitives`).
+error message). The counters, the waits on them and the abandon mark are `counters`'.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import struct
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
 import numpy as np
 
-from ....errors import (
-    DistBackendError,
-    DistError,
-    DistNetworkError,
-    DistTimeoutError,
-    GroupDestroyedError,
-    caused_by_peers,
-)
+from ....errors import DistBackendError
 from ....ops import UFUNCS, ReduceOp, average_into, quiet, reduce_into
 from ....parallel import parallel_for
-from ..protocol import Call, Failure, Signature, mismatch_message
+from ..protocol import Call, Signature, mismatch_message
 from ..scratch import ScratchPool
-from .primitives import Segment, cma_read, futex_wait, futex_wake, store_load_fence
+from .counters import Counters, FailureWatch
+from .primitives import Segment, cma_read
 from .rooted import RootedOps
 
-__all__ = ["FailureWatch", "IntraNode"]
+__all__ = ["IntraNode"]
 
 log = logging.getLogger(__name__)
 
 _AVG = ReduceOp.AVG  # a module global: faster to reach than the enum's attribute
-_MOD, _HALF = 1 << 31, 1 << 30  # counters are 31-bit and compared modulo
-_STRIDE = 128  # bytes per rank of counters: arrival and completion on separate lines
-_LEFT = 1  # the word after a rank's arrival counter: 1 once it has left the group
-#: the words of a rank's counters after its arrival counter: its completion counter and,
-#: on the same line, the one it raises once its slice of a reduction is reduced
-_FINISH, _REDUCED = 16, 20
-_GROUP_LINE = 64  # one line after the sleep flags: word 0 is the abandon mark
 _META = 64  # per-slot header: op, dtype, redop, root, count, in, out, flags (int64)
 _META_FORMAT = struct.Struct("=8q")
 _SIGNATURE_BYTES = 5 * 8  # the first five fields: the collective's Signature
 _IN, _OUT, _FLAGS = 5, 6, 7
 _INLINE = 1
 _FLAGS_LOW_BYTE = 8 * _FLAGS + (0 if sys.byteorder == "little" else 7)
-_POLLS = 200  # reads of a counter before yielding, when every local rank has a core
-_SPINS = 40  # sched_yield rounds before sleeping on the futex
-_SLICE = 0.25  # longest single futex sleep (failures wake sooner)
-#: how long a collective that finds the segment marked waits to hear why (the marking rank
-#: sends the group's failure at once; without it the error only says the group was given up)
-_CAUSE_GRACE_S = 1.0
 #: reads of at least this many bytes are split over the intra-op threads
 _THREADED_MIN = 4 * 1024 * 1024
 
@@ -95,25 +71,6 @@ def _u8(array: np.ndarray) -> np.ndarray:
 
 def _bounds(count: int, parts: int) -> list[int]:
     return [count * i // parts for i in range(parts + 1)]
-
-
-def _reached(value: int, target: int) -> bool:
-    return (value - target) % _MOD < _HALF
-
-
-def _ctrl_bytes(size: int) -> int:
-    """The control header: one sleep flag byte per rank, in whole 64-byte lines."""
-    return max(1, -(-size // 64)) * 64
-
-
-class FailureWatch(Protocol):
-    """What stops a wait early: the group failed, or a peer left it (the TCP mailbox)."""
-
-    def failed(self, rank: int) -> Failure | None:
-        """Why the group, or group rank `rank`, cannot take part any more; None if it can."""
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` (from any thread) whenever a failure is recorded."""
 
 
 class IntraNode(RootedOps):
@@ -145,21 +102,11 @@ class IntraNode(RootedOps):
         self.inline_max, self.chunk = min(inline_max, self.INLINE_MAX), chunk
         self._segment, self._pids, self._watch = segment, pids, watch
         # the layout, fixed by the group size, and views of it made once
-        self._ctrl = _ctrl_bytes(size)
         self._slots_at = self.slots_offset(size)
         self._header = self._header_bytes(size)
         self._stride = self._header + self.INLINE_MAX
         self._mem = memoryview(segment.bytes)  # the whole segment, bytes
-        self._words = self._mem[: self._slots_at].cast("i")  # the counters
-        self._flags = self._mem[: self._ctrl]  # byte r: rank r may sleep on a futex
-        self._flag_words = self._flags.cast("q")
-        self._abandon_at = self._ctrl // 4  # the group line's first word
-        self._arrive_at = [self._word(r, "arrive") for r in range(size)]
-        self._finish_at = [self._word(r, "finish") for r in range(size)]
-        self._reduced_at = [self._word(r, "reduced") for r in range(size)]
-        self._left_at = [self._word(r, "arrive") + _LEFT for r in range(size)]
-        self._closed = False
-        self._mark_lock = threading.Lock()  # marking from a listener vs. releasing views
+        self._sync = Counters(segment, rank, size, names, watch)
         self._slot_at = [[self._slot_offset(g, r) for r in range(size)] for g in (0, 1)]
         # each slot's area after the metadata: all_to_all's offsets, gather_v's sizes
         self._extra_at = [[at + _META for at in slots] for slots in self._slot_at]
@@ -168,12 +115,8 @@ class IntraNode(RootedOps):
             for slots in self._slot_at
         ]
         self._typed: dict[np.dtype, list[list[np.ndarray]]] = {}  # _payloads as a dtype
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        self._polls = _POLLS if size <= cores else 0  # never poll on a shared core
-        self._waiting = 0
         self._local = threading.local()
         self._pool = ScratchPool()  # a non-root owner's partial result in `reduce`
-        watch.add_listener(self._interrupt)
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -188,7 +131,7 @@ class IntraNode(RootedOps):
 
     @staticmethod
     def slots_offset(size: int) -> int:
-        return -(-(_ctrl_bytes(size) + _GROUP_LINE + size * _STRIDE) // 4096) * 4096
+        return -(-Counters.area_bytes(size) // 4096) * 4096
 
     @classmethod
     def segment_bytes(cls, size: int) -> int:
@@ -213,157 +156,6 @@ class IntraNode(RootedOps):
         return views[seq & 1]
 
     # -- synchronisation -------------------------------------------------------------------
-
-    def _interrupt(self) -> None:
-        """The watch recorded a failure: mark the segment if the group failed (not when a
-        peer merely left, nor when this rank destroys the group), and wake this rank's
-        waiter."""
-        failure = self._watch.failed(self.names[self.rank])
-        if failure is not None and not issubclass(failure.kind, GroupDestroyedError):
-            self.abandon()
-        address = self._waiting
-        if address:
-            futex_wake(address)
-
-    def abandon(self) -> None:
-        """Mark the segment: this rank gave up on the group, so no rank may complete a
-        collective on it any more. Called before the caller of the collective this rank
-        gave up gets its arrays back (a wait that raises, the group's abort listener);
-        every rank reads the mark after each wait and after its last read of a peer's
-        memory (`_settle`). Idempotent; wakes the peers that sleep."""
-        with self._mark_lock:
-            if self._closed or self._words[self._abandon_at]:
-                return
-            self._words[self._abandon_at] = self.names[self.rank] + 1
-            store_load_fence()
-            if any(self._flag_words):
-                for index in (*self._arrive_at, *self._reduced_at, *self._finish_at):
-                    futex_wake(self._segment.address + 4 * index)
-
-    def _abandoned(self, call: Call) -> DistError:
-        """The error of a collective that finds the segment marked (`abandon`): the
-        group's failure as this rank's watch hears of it (the rank that marked the
-        segment passes it on at once, with its cause), or, if nothing comes within
-        `_CAUSE_GRACE_S`, that the group was given up."""
-        end = time.monotonic() + _CAUSE_GRACE_S
-        while True:
-            failure = self._watch.failed(self.names[self.rank])
-            if failure is not None and not issubclass(failure.kind, GroupDestroyedError):
-                return failure.error(f"{call.describe}: ")
-            if time.monotonic() >= end:
-                break
-            time.sleep(0.01)
-        marked = int(self._words[self._abandon_at]) - 1
-        who = "this rank" if marked == self.names[self.rank] else f"rank {marked}"
-        return DistBackendError(
-            f"{call.describe}: the group was given up while this rank took part in it "
-            f"({who} timed out, aborted the group or lost a peer); this rank's part is "
-            "discarded and its arrays hold no valid result. Re-form the group without the "
-            "lost ranks (reconfigure, distcomm.recovery.Manager) or destroy it"
-        )
-
-    def _settle(self, call: Call) -> None:
-        """The last step of every collective, after this rank's last read of a peer's
-        memory: fail if a rank gave up on the group meanwhile (see `abandon`)."""
-        if self._words[self._abandon_at]:
-            raise self._abandoned(call)
-
-    def _set(self, index: int, value: int) -> None:
-        """Raise this rank's counter `index` to `value`; wake the peers that may sleep."""
-        self._words[index] = value % _MOD
-        store_load_fence()  # the counter is visible before the flags are read
-        if any(self._flag_words):
-            futex_wake(self._segment.address + 4 * index)
-
-    def _wait(self, call: Call, index: int, target: int, peer: int, what: str) -> None:
-        words, goal = self._words, target % _MOD
-        address = self._segment.address + 4 * index
-        polls, spins = self._polls, 0
-        while True:
-            value = words[index]
-            if _reached(value, goal):
-                if words[self._abandon_at]:  # the peer got here before a rank gave up
-                    raise self._abandoned(call)
-                return
-            if polls:  # no system call while the peer runs on a core of its own
-                polls -= 1
-                continue
-            if spins < _SPINS:
-                spins += 1
-                os.sched_yield()
-                continue
-            # `peer` counts this host's ranks; the watch knows the group's
-            failure = self._watch.failed(self.names[peer])
-            if failure is None and words[self._left_at[peer]]:
-                name = self.names[peer]
-                failure = Failure(
-                    DistNetworkError,
-                    f"rank {name} has left the group (destroy_process_group or exit)",
-                    (name,),
-                )
-            if failure is not None:
-                self.abandon()
-                raise failure.error(f"{call.describe}: ")
-            if words[self._abandon_at]:
-                raise self._abandoned(call)
-            left = call.deadline.remaining()
-            if left is not None and left <= 0:
-                late, lagging = self._lagging(target, what)
-                why = call.explain() if call.explain is not None else lagging
-                self.abandon()  # before the caller has its arrays back
-                raise caused_by_peers(
-                    DistTimeoutError(
-                        f"{call.describe} timed out after {call.deadline.seconds:.1f} s: "
-                        f"{why or 'the peers did not wake this rank'}"
-                    ),
-                    late,
-                )
-            self._waiting = address
-            self._flags[self.rank] = 1
-            store_load_fence()  # the flag is visible before the kernel reads the counter
-            try:
-                futex_wait(address, value, _SLICE if left is None else min(left, _SLICE))
-            finally:
-                self._flags[self.rank] = 0
-                self._waiting = 0
-
-    def _lagging(self, target: int, what: str) -> tuple[list[int], str]:
-        """The peers that have not reached counter value `target`, as group ranks, and
-        what they have not done (in the TCP diagnosis's words)."""
-        late = [
-            p
-            for p in self._others()
-            if not _reached(int(self._words[self._word(p, what)]), target % _MOD)
-        ]
-        if not late:
-            return [], ""
-        names = [self.names[p] for p in late]
-        ranks = ", ".join(map(str, names))
-        if what != "arrive":
-            done = "finished" if what == "finish" else "reduced"
-            return names, (
-                f"rank(s) {ranks} have not {done} their part of collective #{target - 1}"
-            )
-        where = "; ".join(
-            f"rank {self.names[p]} is at collective #{self._words[self._word(p, what)] - 1}"
-            if self._words[self._word(p, what)]
-            else f"rank {self.names[p]} has run no collective yet"
-            for p in late
-        )
-        return names, f"rank(s) {ranks} have not called collective #{target - 1} ({where})"
-
-    def _word(self, rank: int, what: str) -> int:
-        """Index of `rank`'s arrival, reduced or completion counter among the int32 words."""
-        extra = _FINISH if what == "finish" else _REDUCED if what == "reduced" else 0
-        return (self._ctrl + _GROUP_LINE + rank * _STRIDE) // 4 + extra
-
-    def diagnose(self, seq: int) -> str:
-        """Why collective `seq` has not completed: the peers that have not reached it."""
-        for what in ("arrive", "reduced", "finish"):
-            late = self._lagging(seq + 1, what)[1]
-            if late:
-                return late
-        return "every rank has finished it"
 
     def _arrive(
         self,
@@ -396,11 +188,12 @@ class IntraNode(RootedOps):
             self._inline_views(seq, inline.dtype)[rank][: inline.size] = inline
         if offsets is not None:
             self._offsets(seq, rank)[:] = offsets
-        self._set(self._arrive_at[rank], seq + 1)
+        sync = self._sync
+        sync.set(sync.arrive_at[rank], seq + 1)
         mine = mem[at : at + _SIGNATURE_BYTES]
         for peer in range(self.size):
             if peer != rank:
-                self._wait(call, self._arrive_at[peer], seq + 1, peer, "arrive")
+                sync.wait(call, sync.arrive_at[peer], seq + 1, peer, "arrive")
         for peer in range(self.size):
             theirs_at = slots[peer]
             if peer != rank and mem[theirs_at : theirs_at + _SIGNATURE_BYTES] != mine:
@@ -419,22 +212,30 @@ class IntraNode(RootedOps):
 
     def _finish(self, call: Call, wait_for: Sequence[int]) -> None:
         """Mark this rank done with the collective's arrays; wait until `wait_for` are too;
-        then `_settle`."""
-        seq = call.seq
-        self._set(self._finish_at[self.rank], seq + 1)
+        then `Counters.settle`."""
+        seq, sync = call.seq, self._sync
+        sync.set(sync.finish_at[self.rank], seq + 1)
         for peer in wait_for:
             if peer != self.rank:
-                self._wait(call, self._finish_at[peer], seq + 1, peer, "finish")
-        self._settle(call)
+                sync.wait(call, sync.finish_at[peer], seq + 1, peer, "finish")
+        sync.settle(call)
 
     def _reduced(self, call: Call, wait_for: Sequence[int]) -> None:
         """Say this rank's slice of a reduction is reduced; wait until `wait_for`'s are
         (then their slices may be read, and nobody reads this rank's input any more)."""
-        seq = call.seq
-        self._set(self._reduced_at[self.rank], seq + 1)
+        seq, sync = call.seq, self._sync
+        sync.set(sync.reduced_at[self.rank], seq + 1)
         for peer in wait_for:
             if peer != self.rank:
-                self._wait(call, self._reduced_at[peer], seq + 1, peer, "reduced")
+                sync.wait(call, sync.reduced_at[peer], seq + 1, peer, "reduced")
+
+    def diagnose(self, seq: int) -> str:
+        """Why collective `seq` has not completed: the peers that have not reached it."""
+        return self._sync.diagnose(seq)
+
+    def abandon(self) -> None:
+        """Give up on the group here (see `Counters.abandon`)."""
+        self._sync.abandon()
 
     def _others(self) -> list[int]:
         return [p for p in range(self.size) if p != self.rank]
@@ -540,7 +341,7 @@ class IntraNode(RootedOps):
             self._arrive(call, inline=buf)
             if gets_result:
                 self._reduce_inline(seq, buf, 0, op, avg)
-            self._settle(call)
+            self._sync.settle(call)
             return
         bounds = _bounds(buf.size, self.size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
@@ -565,7 +366,7 @@ class IntraNode(RootedOps):
             self._arrive(call, inline=buf if is_root else None)
             if not is_root:
                 self._fetch(seq, root, buf, 0)
-            self._settle(call)
+            self._sync.settle(call)
             return
         self._arrive(call, buf.ctypes.data if is_root else 0)
         if not is_root:
@@ -583,7 +384,7 @@ class IntraNode(RootedOps):
         for peer in self._others():
             self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
         if inline:
-            self._settle(call)
+            self._sync.settle(call)
         else:
             self._finish(call, range(self.size))
 
@@ -596,7 +397,7 @@ class IntraNode(RootedOps):
         if input.nbytes <= self.inline_max:
             self._arrive(call, inline=input)
             self._reduce_inline(seq, output, r * m, op, avg)
-            self._settle(call)
+            self._sync.settle(call)
             return
         self._arrive(call, input.ctypes.data)
         self._owner_reduce(
@@ -636,31 +437,25 @@ class IntraNode(RootedOps):
             else:
                 self._fetch(seq, peer, target, start * isz)
         if all(self._is_inline(seq, peer) for peer in range(self.size)):
-            self._settle(call)
+            self._sync.settle(call)
         else:
             self._finish(call, range(self.size))
 
     def barrier(self, call: Call) -> None:
         self._arrive(call)
-        self._settle(call)
+        self._sync.settle(call)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def release_views(self) -> None:
         """Let go of every view of the segment (they keep it mapped)."""
-        with self._mark_lock:
-            self._closed = True
-            for view in (self._flag_words, self._flags, self._words, self._mem):
-                view.release()
-            self._payloads, self._typed = [], {}
+        self._sync.release()
+        self._mem.release()
+        self._payloads, self._typed = [], {}
 
     def close(self) -> None:
         """Leave: say so in the segment (peers waiting for this rank fail at once, naming
         it), then unmap it."""
-        left = self._left_at[self.rank]
-        self._words[left] = 1
-        store_load_fence()
-        for index in (left, self._arrive_at[self.rank], self._finish_at[self.rank]):
-            futex_wake(self._segment.address + 4 * index)
+        self._sync.leave()
         self.release_views()
         self._segment.close()
