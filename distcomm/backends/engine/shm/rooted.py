@@ -2,8 +2,8 @@
 per rank (gather_v, scatter_v, whose sizes only the root knows).
 
 `RootedOps` is mixed into `IntraNode` and uses its synchronisation (`_arrive`, `_finish`,
-and `_settle` where no completion barrier ends the call) and transfers (`_fetch`,
-`_is_inline`). One rule orders the waits: a rank whose array a
+and its counters' `settle` where no completion barrier ends the call) and transfers
+(`_fetch`, `_is_inline`). One rule orders the waits: a rank whose array a
 peer reads (a non-root's input in gather, the root's in scatter) returns only once the
 reader has raised its completion counter, unless its payload went inline into its slot
 (then nobody waits). In the even calls every rank knows every size and takes the same
@@ -48,7 +48,7 @@ class RootedOps:
             for peer in self._others():
                 self._fetch(seq, peer, output[peer * m : (peer + 1) * m], 0)
         if inline:
-            self._settle(call)
+            self._sync.settle(call)
         else:
             self._finish(call, [root] if self.rank != root else ())
 
@@ -64,7 +64,7 @@ class RootedOps:
             self._arrive(call)
             self._fetch(seq, root, output, self.rank * m * output.itemsize)
         if inline:
-            self._settle(call)
+            self._sync.settle(call)
         else:
             self._finish(call, self._others() if self.rank == root else ())
 
@@ -83,7 +83,7 @@ class RootedOps:
             _COUNT.pack_into(self._mem, self._extra_at[seq & 1][rank], input.size)
             self._arrive(call, input.ctypes.data, inline=input if inline else None)
             if inline:
-                self._settle(call)
+                self._sync.settle(call)
             else:  # the root reads this rank's array: wait until it has
                 self._finish(call, [root])
             return
@@ -104,7 +104,7 @@ class RootedOps:
         if read:
             self._finish(call, ())
         else:
-            self._settle(call)
+            self._sync.settle(call)
 
     def scatter_v(
         self,
@@ -123,7 +123,7 @@ class RootedOps:
             self._arrive(call, input.ctypes.data, inline=input if inline else None)
             output[...] = input[at[root] : at[root + 1]]
             if inline:
-                self._settle(call)
+                self._sync.settle(call)
             else:  # the peers read this rank's array: wait until they have
                 self._finish(call, self._others())
             return
@@ -137,6 +137,6 @@ class RootedOps:
             )
         self._fetch(seq, root, output, start * output.itemsize)
         if self._is_inline(seq, root):
-            self._settle(call)
+            self._sync.settle(call)
         else:
             self._finish(call, ())
