@@ -14,6 +14,7 @@ import numpy as np
 from .arrays import adapt, check_same, flat
 from .deadline import Deadline
 from .ops import PremulSum, ReduceOp, scaled
+from .world import state
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
@@ -156,7 +157,9 @@ def op_timeout(timeout: Any, pg: ProcessGroup, where: str) -> float:
     `datetime.timedelta`, at most the timeout of the group `pg` (which bounds the
     backend's own waits, so a longer one could not be honoured). A `Deadline` is what a
     call made of several operations (the object collectives) hands each of them: the time
-    it has left, already checked.
+    it has left, already checked. A checked number or timedelta is recorded as the
+    process's last per-operation timeout (`world.state.last_op_timeout`), which the
+    recovery Manager's own collectives take by default.
 
     Raises:
         TypeError: `timeout` is neither a number (a bool is not one) nor a timedelta.
@@ -189,6 +192,7 @@ def op_timeout(timeout: Any, pg: ProcessGroup, where: str) -> float:
             f"so it cannot be honoured; pass at most {limit:g} s, or create the group with "
             "a longer timeout= in init_process_group or new_group"
         )
+    state.last_op_timeout = seconds
     return seconds
 
 

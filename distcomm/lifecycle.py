@@ -434,6 +434,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
                 state.process_ranks = []
                 state.process_rank = None
                 state.epoch = 0
+                state.joined = False
                 state.id_prefix, state.next_id = "", 1
                 state.local_ids = {}
         if errors:

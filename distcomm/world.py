@@ -57,6 +57,13 @@ class World:
     process_rank: int | None = None
     #: the world's epoch: 0 at the job's start, one more at each re-forming (membership)
     epoch: int = 0
+    #: whether this process came into the world by joining it (`membership.join`: a
+    #: newcomer, or a member that came too late to a re-forming) rather than at the job's
+    #: start; its process rank cannot tell, since re-forming an mpi world renumbers them
+    joined: bool = False
+    #: the `timeout=` (seconds) of the last operation this process called with one, which
+    #: the recovery Manager's own collectives take by default; None until one is called
+    last_op_timeout: float | None = None
 
     def every_group(self) -> tuple[GroupHandle | None, list[GroupHandle]]:
         """(the default group or None, every group): what the flight recorder dumps."""

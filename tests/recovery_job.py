@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import sys
 import threading
 import time
@@ -20,17 +22,54 @@ SCENARIO = sys.argv[1]
 OUT: dict = {"pid": os.getpid()}
 
 
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
+
+
+def _touch(path: str) -> None:
+    part = f"{path}.{os.getpid()}.part"  # several ranks may create it at once
+    with open(part, "w"):
+        pass
+    os.replace(part, path)
+
+
 def loop(steps: int, stop_file: str = "") -> None:
-    """A Manager loop whose weights sum every step's (step + 1): identical everywhere."""
+    """A Manager loop whose weights sum every step's (step + 1): identical everywhere.
+
+    Environment (all optional): VICTIM with STOP_FILE: SIGKILL itself at step 5 (once);
+    HOLD: at half-way wait until that file exists; HOLD_UNTIL: from half-way on, vote
+    every step down (discard it) until that file exists, so the members keep voting
+    (and so taking newcomers in) without going on; MARK_BACK: create that file once this
+    process is in the world after joining or re-forming; OP_TIMEOUT: the step's
+    all_reduce takes timeout=; MGR_OP_TIMEOUT, REFORM_TIMEOUT: the Manager's op_timeout
+    and reform_timeout; FREEZE_AT with FROZEN: after the all_reduce of that step (once),
+    create FROZEN and SIGSTOP itself; SHRUNK: create that file on committing a step at a
+    world size below WORLD_SIZE."""
     model = {"w": np.zeros(4)}
 
     def load(state: dict) -> None:
         model["w"] = state["w"]
 
-    mgr = Manager(lambda: {"w": model["w"]}, load, settle=0.5)
+    kwargs = {}
+    if _env_float("MGR_OP_TIMEOUT"):
+        kwargs["op_timeout"] = _env_float("MGR_OP_TIMEOUT")
+    if _env_float("REFORM_TIMEOUT"):
+        kwargs["reform_timeout"] = _env_float("REFORM_TIMEOUT")
+    op_timeout = _env_float("OP_TIMEOUT")
+    hold_until = os.environ.get("HOLD_UNTIL", "")
+    mark_back = os.environ.get("MARK_BACK", "")
+    freeze_at = int(os.environ.get("FREEZE_AT", "-1"))
+    shrunk = os.environ.get("SHRUNK", "")
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    joined = SCENARIO == "newcomer"
+    mgr = Manager(lambda: {"w": model["w"]}, load, settle=0.5, **kwargs)
     sizes = []
+    held_since = None
     while mgr.step < steps:
         mgr.start_step()
+        if mark_back and (joined or mgr.reforms > 0) and not os.path.exists(mark_back):
+            _touch(mark_back)
         if (
             stop_file
             and mgr.step == 5
@@ -41,13 +80,23 @@ def loop(steps: int, stop_file: str = "") -> None:
             os.kill(os.getpid(), 9)
         g = np.full(4, float(mgr.step + 1))
         try:
-            dist.all_reduce(g)
+            dist.all_reduce(g, timeout=op_timeout)
             ok = True
         except dist.DistError:
             ok = False
-        if mgr.should_commit(ok):
+        if mgr.step == freeze_at and not os.path.exists(os.environ["FROZEN"]):
+            _touch(os.environ["FROZEN"])
+            os.kill(os.getpid(), signal.SIGSTOP)  # until the test sends SIGCONT
+        holding = bool(hold_until) and mgr.step >= steps // 2 and not os.path.exists(hold_until)
+        if holding:
+            held_since = held_since or time.monotonic()
+            if time.monotonic() - held_since > 300:
+                raise SystemExit(f"{hold_until} did not appear within 300 s of holding")
+        if mgr.should_commit(ok and not holding):
             model["w"] = model["w"] + g / dist.get_world_size()
             sizes.append(dist.get_world_size())
+            if shrunk and dist.get_world_size() < world and not os.path.exists(shrunk):
+                _touch(shrunk)
         time.sleep(0.02)
         if (
             mgr.step >= steps // 2
@@ -64,11 +113,52 @@ def loop(steps: int, stop_file: str = "") -> None:
         sizes=sorted(set(sizes)),
         rank=dist.get_rank(),
         size=dist.get_world_size(),
+        reforms=mgr.reforms,
     )
+
+
+#: DIE_AT: where a newcomer SIGKILLs itself while joining, found by the store requests it
+#: makes (keys of distcomm.membership and reconfigure): before registering, right after,
+#: once a member list named it, after acknowledging that list, while connecting
+_STAGES = {
+    "before-registering": ("add", re.compile(r"/m/\d+/newcomers$"), True),
+    "registered": ("set", re.compile(r"/m/\d+/nc/\d+$"), False),
+    "named": ("get", re.compile(r"/m/\d+/nc/\d+/epoch$"), False),
+    "acknowledged": ("set", re.compile(r"/m/\d+/e/\d+/ack/\d+$"), False),
+    # its record in the roll call of the new group's backends: the others wait for it
+    "connecting": ("compare_set", re.compile(r"distcomm/reconf/m\d+/backends/\d+/\d+$"), False),
+}
+
+
+def die_while_joining(stage: str) -> None:
+    """SIGKILL this process at `stage` of its joining (see _STAGES). With ELSEWHERE set, its
+    init handle names another host, so the members cannot look at its process."""
+    from distcomm.store import TCPStore
+
+    if os.environ.get("ELSEWHERE"):
+        import types
+
+        import distcomm.reconfigure as reconfigure
+
+        reconfigure.socket = types.SimpleNamespace(gethostname=lambda: "elsewhere.invalid")
+    method, pattern, before = _STAGES[stage]
+    real = getattr(TCPStore, method)
+
+    def hooked(self, key, *args, **kwargs):
+        if before and pattern.search(key):
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = real(self, key, *args, **kwargs)
+        if pattern.search(key):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    setattr(TCPStore, method, hooked)
 
 
 def main() -> None:
     join = SCENARIO == "newcomer"
+    if os.environ.get("DIE_AT"):
+        die_while_joining(os.environ["DIE_AT"])
     dist.init_process_group(BACKEND, join=join)
     if SCENARIO in ("member", "newcomer", "victim"):
         loop(int(os.environ.get("STEPS", "40")), os.environ.get("STOP_FILE", ""))
@@ -134,7 +224,7 @@ def main() -> None:
         from distcomm.reconfigure import NEWCOMER_RANKS
 
         pg = dist.group.WORLD
-        mgr = Manager(lambda: {}, lambda state: None, settle=0.5, timeout=3)
+        mgr = Manager(lambda: {}, lambda state: None, settle=0.5, reform_timeout=3)
         handles = [None] * dist.get_world_size()
         dist.all_gather_object(handles, pg.get_init_handle())
         if dist.get_rank() == 0:

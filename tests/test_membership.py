@@ -2,14 +2,17 @@
 connection of its own) arrive at one epoch's roll in a real TCPStore, as the processes of
 a job would after a loss. Every one of them must read the same member list, decided once:
 the old members that arrived in their old order, then the registered newcomers. Members
-on another host that never arrive are left out after `settle`. Results only, no
-durations."""
+on another host that never arrive are left out after `settle`; a newcomer whose process
+ended on this host is never proposed, and the final list of an epoch that names newcomers
+keeps those that acknowledged it. Results only, no durations."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -32,9 +35,8 @@ def _arrive_all(
     def arrive(handle: str) -> None:
         client = store.clone()
         try:
-            decisions[handle] = membership._roll(
-                client, epoch, handle, members, 0, settle, time.monotonic() + 120
-            )
+            roll = membership._Roll(client, epoch, settle, time.monotonic() + 120, 120.0)
+            decisions[handle] = roll.decide(handle, members, 0, True)
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -85,3 +87,73 @@ def test_newcomers_registered_before_the_decision_come_last(store):
     assert list(only) == [*members, _handle(1000), _handle(1001)]
     assert {d.admitted for d in decisions.values()} == {2}
     assert store.get(prefix + "nc/0/epoch") == b"1" and store.get(prefix + "nc/1/epoch") == b"1"
+
+
+def _dead_pid() -> int:
+    """The pid of a process of this host that has ended (and been reaped)."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    return ended.pid
+
+
+def _register(store: TCPStore, handle: str) -> int:
+    """Register `handle` as a newcomer, as membership.join does; its number."""
+    k = store.add(membership._p() + "newcomers", 1) - 1
+    store.set(membership._p() + f"nc/{k}", handle)
+    return k
+
+
+def test_a_newcomer_whose_process_ended_here_is_never_proposed(store):
+    members = [_handle(p) for p in range(4)]
+    gone = f"dc1:{1000}:0:{socket.gethostname()}:{_dead_pid()}:gone"
+    _register(store, gone)
+    _register(store, _handle(1001))
+    decisions = _arrive_all(store, 1, members, members, settle=30.0)
+    (only,) = {tuple(d.handles) for d in decisions.values()}
+    assert list(only) == [*members, _handle(1001)]
+    # both were looked at: a later epoch does not look at the one that ended again
+    assert {(d.admitted, tuple(d.newcomers)) for d in decisions.values()} == {(2, (1,))}
+
+
+def test_the_final_list_keeps_the_newcomers_that_acknowledged_it(store):
+    """Two newcomers named (on another host, where their processes cannot be looked at):
+    the one that acknowledges the list is in the final list every member reads, the one
+    that never does is left out, and both are told the epoch (to look whether they are
+    in, or register again)."""
+    members = [_handle(p) for p in range(6)]
+    answering, silent = _register(store, _handle(1000)), _register(store, _handle(1001))
+    prefix = membership._p()
+
+    def acknowledge() -> None:
+        client = store.clone()
+        try:
+            client.wait([prefix + f"nc/{answering}/epoch"], timedelta(seconds=120))
+            epoch = int(client.get(prefix + f"nc/{answering}/epoch"))
+            client.set(prefix + f"e/{epoch}/ack/{answering}", "1")
+        finally:
+            client.close()
+
+    newcomer = threading.Thread(target=acknowledge)
+    newcomer.start()
+    finals: dict[str, membership.Decision] = {}
+    errors: list[BaseException] = []
+
+    def arrive(handle: str) -> None:
+        client = store.clone()
+        try:
+            roll = membership._Roll(client, 1, 0.2, time.monotonic() + 120, 120.0)
+            finals[handle] = roll.final(roll.decide(handle, members, 0, True))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=arrive, args=(h,)) for h in members]
+    for thread in threads:
+        thread.start()
+    for thread in [*threads, newcomer]:
+        thread.join(180)
+    assert not errors, errors[:3]
+    (only,) = {(tuple(d.handles), tuple(d.newcomers), d.admitted) for d in finals.values()}
+    assert only == ((*members, _handle(1000)), (answering,), 2)
+    assert store.get(prefix + f"nc/{silent}/epoch") == b"1"  # told: it registers again

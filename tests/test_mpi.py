@@ -271,6 +271,7 @@ def test_reconfigure_without_a_shared_store_is_refused_saying_what_to_do(tmp_pat
 
 
 _GROWN = """
+    import sys
     import numpy as np
     import distcomm as dist
     x = np.array([1.0])
@@ -279,7 +280,9 @@ _GROWN = """
     y = np.array([float(dist.get_rank())])
     if dist.get_rank() in (0, 2):
         dist.all_reduce(y, group=pair)
-    print("RESULT", dist.get_rank(), dist.get_world_size(), x[0], y[0], flush=True)
+    # one write per line: the ranks' output interleaves otherwise
+    sys.stdout.write(f"RESULT {dist.get_rank()} {dist.get_world_size()} {x[0]} {y[0]}\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 """
 
@@ -352,3 +355,126 @@ def test_an_mpi_world_grows_by_a_process_mpiexec_did_not_start(tmp_path):
     assert rows == [["0", "3", "3.0", "2.0"], ["1", "3", "3.0", "1.0"], ["2", "3", "3.0", "2.0"]], (
         rows
     )
+
+
+#: a recovery Manager loop whose weights sum every step's (step + 1): identical everywhere.
+#: From half-way on it votes every step down (discards it) until the newcomer is in (it
+#: creates BACK once there), so the members keep voting, and so taking it in.
+_MANAGER_LOOP = """
+    import json
+    import os
+    import time
+
+    import numpy as np
+
+    import distcomm as dist
+    from distcomm.recovery import Manager
+
+    BACK = os.environ["BACK"]
+
+    def loop(steps, joined):
+        model = {"w": np.zeros(4)}
+
+        def load(state):
+            model["w"] = state["w"]
+
+        mgr = Manager(lambda: {"w": model["w"]}, load, settle=1.0)
+        sizes, held = [], None
+        while mgr.step < steps:
+            mgr.start_step()
+            if joined and not os.path.exists(BACK):
+                open(BACK, "w").close()
+            g = np.full(4, float(mgr.step + 1))
+            dist.all_reduce(g)
+            holding = mgr.step >= steps // 2 and not os.path.exists(BACK)
+            held = (held or time.monotonic()) if holding else None
+            if held is not None and time.monotonic() - held > 300:
+                raise SystemExit("the newcomer was not taken in within 300 s")
+            if mgr.should_commit(not holding):
+                model["w"] = model["w"] + g / dist.get_world_size()
+                sizes.append(dist.get_world_size())
+        row = {"rank": dist.get_rank(), "size": dist.get_world_size(), "steps": mgr.step,
+               "w": model["w"].tolist(), "sizes": sorted(set(sizes)), "joined": joined}
+        result = os.path.join(os.environ["RESULTS"], f"{os.getpid()}.json")
+        with open(result + ".part", "w") as part:  # a file each: ranks' output interleaves
+            json.dump(row, part)
+        os.replace(result + ".part", result)
+        mgr.close()
+        dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(
+    LAUNCHER is not None and LAUNCHER.kind != "mpich",
+    reason="Open MPI connects separate jobs only through its PRRTE runtime (ompi-server)",
+)
+def test_a_process_that_joined_an_mpi_world_runs_the_recovery_manager_loop(tmp_path):
+    """Two ranks under mpiexec run a Manager loop; an MPI singleton joins with
+    init_process_group("mpi", join=True) and runs the same loop: it is taken in, caught
+    up, and all three end at the same step with the same weights, the newcomer last. The
+    re-forming renumbers the mpi process ranks, so the joiner is known as one by a state
+    of its own, not by its process rank."""
+    port = str(free_port())
+    back = tmp_path / "newcomer-in"
+    members = tmp_path / "members.py"
+    members.write_text(
+        textwrap.dedent(_MANAGER_LOOP)
+        + textwrap.dedent(
+            """
+            dist.init_process_group("mpi", init_method="env://")
+            loop(40, joined=False)
+            """
+        )
+    )
+    newcomer_script = tmp_path / "newcomer.py"
+    newcomer_script.write_text(
+        textwrap.dedent(_MANAGER_LOOP)
+        + textwrap.dedent(
+            """
+            dist.init_process_group("mpi", join=True)
+            loop(40, joined=True)
+            """
+        )
+    )
+    results = tmp_path / "results"
+    results.mkdir()
+    where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "BACK": str(back)}
+    where["RESULTS"] = str(results)
+    env = job_env(**where)
+    newcomer = subprocess.Popen(
+        [sys.executable, str(newcomer_script)],
+        env={**env, "RANK": "1", "WORLD_SIZE": "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        done = mpiexec(
+            2,
+            sys.executable,
+            str(members),
+            timeout=300,
+            env=where,
+        )
+        try:
+            out, err = newcomer.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            newcomer.kill()
+            out, err = newcomer.communicate(timeout=30)
+            pytest.fail(
+                f"the newcomer still ran 120 s after the members ended (exit "
+                f"{done.returncode}); members:\n{done.stdout[-3000:]}{done.stderr[-6000:]}\n"
+                f"newcomer:\n{err[-3000:]}"
+            )
+    finally:
+        if newcomer.poll() is None:
+            newcomer.kill()
+            newcomer.wait(10)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert newcomer.returncode == 0, out[-3000:] + err[-6000:]
+    rows = [json.loads(path.read_text()) for path in sorted(results.glob("*.json"))]
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2], rows
+    assert all(r["size"] == 3 and r["steps"] == 40 for r in rows), rows
+    assert all(r["w"] == [820.0] * 4 for r in rows), rows  # the sum of step + 1, bit for bit
+    assert [r["rank"] for r in rows if r["joined"]] == [2], rows  # the newcomer comes last
+    assert all({2, 3} <= set(r["sizes"]) for r in rows if not r["joined"]), rows

@@ -10,89 +10,23 @@ errors), never durations.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from distcomm.store import TCPStore
-
 from .processes import no_process_left
+from .recovery_jobs import jobs, same_weights
 
-JOB = str(Path(__file__).with_name("recovery_job.py"))
 BACKENDS = ["tcp", "gloo"]
-
-
-class Job:
-    """Workers of tests/recovery_job.py around a store this test hosts."""
-
-    def __init__(self, world_size: int, backend: str, **env: str) -> None:
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(self.store.port),
-            "WORLD_SIZE": str(world_size),
-            "DISTCOMM_USE_AGENT_STORE": "1",
-            "BACKEND": backend,
-            "PYTHONUNBUFFERED": "1",
-            **env,
-        }
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, scenario: str, rank: int, **env: str) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, JOB, scenario],
-            env={**self.env, "RANK": str(rank), **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.procs.append(proc)
-        return proc
-
-    def results(self, procs: list[subprocess.Popen], timeout: float = 180.0) -> list[dict]:
-        found = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            assert proc.returncode == 0 and lines, (
-                f"worker failed ({proc.returncode}):\n{err[-3000:]}"
-            )
-            found.append(json.loads(lines[-1][7:]))
-        return found
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        self.store.close()
 
 
 @pytest.fixture
 def job_factory():
-    jobs: list[Job] = []
-
-    def make(world_size: int, backend: str, **env: str) -> Job:
-        jobs.append(Job(world_size, backend, **env))
-        return jobs[-1]
-
-    with no_process_left():
+    with jobs() as make:
         yield make
-        for job in jobs:
-            job.close()
-
-
-def _same_weights(results: list[dict], steps: int) -> None:
-    expected = [steps * (steps + 1) / 2] * 4  # the sum of every step's (step + 1)
-    for result in results:
-        assert result["steps"] == steps
-        assert result["w"] == expected, result
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -136,7 +70,7 @@ def test_grow_from_3_to_4(job_factory, backend, tmp_path):
     newcomer = job.start("newcomer", 2)
     hold.touch()
     results = job.results([*members, newcomer])
-    _same_weights(results, 40)
+    same_weights(results, 40)
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     assert all(r["size"] == 4 for r in results)
     assert results[-1]["rank"] == 3  # newcomers come after the members
@@ -155,7 +89,7 @@ def test_shrink_after_kill_9_then_grow_back(job_factory, backend, tmp_path):
     newcomer = job.start("newcomer", 1)
     hold.touch()
     results = job.results([*survivors, newcomer])
-    _same_weights(results, 40)
+    same_weights(results, 40)
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     assert {3, 4} <= set(results[0]["sizes"])  # went on at 3, came back to 4
     assert results[-1]["rank"] == 3

@@ -16,8 +16,10 @@ Run it with the replace mode of distcomm-run, making worker 1 kill itself at ste
 
 Every rank prints one JSON line at the end (its final weights' checksum, the steps it
 committed, the world sizes it saw); with --events FILE each rank also appends a line per
-committed step (time, step, world size) for benchmarks/recovery.py. The exit status is 0
-when the weights are finite and the loop finished every step.
+committed step (time, step, world size) for benchmarks/recovery.py. With --op-timeout S the
+step's all_reduce and the Manager's own collectives wait at most S seconds: a worker that
+stops instead of dying is evicted that soon, and comes back as a newcomer when it runs
+again. The exit status is 0 when the weights are finite and the loop finished every step.
 """
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of work per step")
     parser.add_argument("--events", default="", help="append a line per committed step")
     parser.add_argument("--settle", type=float, default=1.0)
+    parser.add_argument(
+        "--op-timeout",
+        type=float,
+        default=None,
+        help="seconds that bound each step's all_reduce and the Manager's vote and catch-up: "
+        "a worker that stops (a pause, swap, a debugger) is evicted that soon",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     def load(state: dict) -> None:
         model["w"] = state["w"]
 
-    mgr = Manager(lambda: {"w": model["w"]}, load, settle=args.settle)
+    mgr = Manager(lambda: {"w": model["w"]}, load, settle=args.settle, op_timeout=args.op_timeout)
     with mgr:  # leaving it tells a replacement still on its way that the job is done
         code = _train(args, mgr, model)
     dist.destroy_process_group()
@@ -100,7 +109,7 @@ def _train(args: argparse.Namespace, mgr: Manager, model: dict) -> int:
         if args.sleep:
             time.sleep(args.sleep)
         try:
-            dist.all_reduce(grad)
+            dist.all_reduce(grad, timeout=args.op_timeout)
             ok = True
         except dist.DistError:
             ok = False
