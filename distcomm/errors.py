@@ -25,10 +25,11 @@ Bad arguments raise plain `ValueError`/`TypeError`; using the API before
 `init_process_group` raises `RuntimeError`.
 
 An error that follows from another rank's failure (it exited, crashed, left the group or
-aborted it) says so in ``peer_ranks``: the ranks of the group it names as the cause, or
-``()`` when it cannot tell which. `peer_failure` finds that mark on an exception or on the
-exceptions it was raised from, so a launcher can tell such a rank from the one that failed
-first (distcomm-run's failure report does).
+aborted it, or was too late for a collective's timeout) says so in ``peer_ranks``: the
+ranks of the group it names as the cause, or ``()`` when it cannot tell which.
+`peer_failure` finds that mark on an exception or on the exceptions it was raised from, so
+a launcher can tell such a rank from the one that failed first (distcomm-run's failure
+report does).
 """
 
 from __future__ import annotations
@@ -59,9 +60,15 @@ class DistError(RuntimeError):
     """Base class of every distcomm error.
 
     Attributes:
-        peer_ranks: None, or, when this error follows from other ranks' failure (a peer
-            closed its connection, left the group or aborted it), those ranks of the
-            group, () when unknown. Set with `caused_by_peers`.
+        peer_ranks: None, or, when this error follows from other ranks' failure, those
+            ranks of the group (() when it cannot tell which): a peer that closed its
+            connection, ended, left the group or aborted it. After a collective's
+            timeout, the late ranks (those that had not called it, or did not answer:
+            hung, stopped or dead), on the ranks whose own wait expired and on those told
+            of the abort alike; None when the timeout named none (every rank had called
+            it; on mpi, which cannot tell). A late rank's own error has None: it is the
+            cause, not a consequence (its message says the others blamed it). Set with
+            `caused_by_peers`.
     """
 
     peer_ranks: tuple[int, ...] | None = None

@@ -434,6 +434,9 @@ class _NoFailures:
     def add_listener(self, callback) -> None:
         self.listeners.append(callback)
 
+    def note_late(self, seq: int, ranks: tuple) -> None:
+        pass
+
     def fail(self, failure) -> None:
         self.failure = failure
         for callback in self.listeners:

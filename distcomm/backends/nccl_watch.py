@@ -81,6 +81,27 @@ def _release_at_exit() -> None:
 atexit.register(_release_at_exit)
 
 
+def _notice(rank: int, error: DistError) -> str:
+    """The abort notice rank `rank` leaves in the group's store for `error`: the rank, the
+    ranks it blames (`peer_ranks`: a timeout's silent ranks; "-" for none) and the error,
+    separated by "|" (`_read_notice`)."""
+    peers = error.peer_ranks
+    blamed = "-" if peers is None else ",".join(map(str, peers))
+    return f"{rank}|{blamed}|{error}"
+
+
+def _read_notice(value: str) -> tuple[int | None, tuple[int, ...] | None, str]:
+    """(origin, blamed ranks or None, reason) of an abort notice (`_notice`); a notice of
+    another form names no origin and blames ranks unknown."""
+    parts = value.split("|", 2)
+    try:
+        origin, blamed, reason = int(parts[0]), parts[1], parts[2]
+        ranks = None if blamed == "-" else tuple(int(r) for r in blamed.split(",") if r)
+    except (IndexError, ValueError):
+        return None, (), value
+    return origin, ranks, reason
+
+
 class NcclWatchdog:
     """Pending operations, the watchdog thread and failure handling of one nccl group.
 
@@ -164,7 +185,9 @@ class NcclWatchdog:
         """
         failure = self._failure
         if failure is not None:
-            raise type(failure)(f"{description}: the group was aborted: {failure}") from failure
+            error = type(failure)(f"{description}: the group was aborted: {failure}")
+            error.peer_ranks = failure.peer_ranks
+            raise error from failure
         if self._closed:
             raise GroupDestroyedError(f"{description}: the process group was destroyed")
 
@@ -284,7 +307,7 @@ class NcclWatchdog:
                 pass
         try:
             if notify and not self._closed:
-                self.store.compare_set(_ABORT_KEY, "", f"rank {self.rank}: {error}")
+                self.store.compare_set(_ABORT_KEY, "", _notice(self.rank, error))
         except Exception:  # the store may be gone with the failed rank
             pass
 
@@ -387,17 +410,30 @@ class NcclWatchdog:
         try:
             if not self.store.check([_ABORT_KEY]):
                 return False
-            reason = self.store.get(_ABORT_KEY).decode(errors="replace")
+            notice = self.store.get(_ABORT_KEY).decode(errors="replace")
+            origin, blamed, reason = _read_notice(notice)
         except Exception:  # an unreachable store is no notice
             return False
-        self.fail(
-            caused_by_peers(
+        where = self.describe("watchdog")
+        if blamed and self.rank in blamed:  # this rank is the cause, not a consequence
+            error = DistBackendError(
+                f"{where}: another rank aborted the group and blames this rank (rank "
+                f"{origin}: {reason}). This rank is the cause: find out why it was late or "
+                "stopped; the others give it up (re-form the group without it, or destroy "
+                "the group)"
+            )
+        elif origin is None:
+            error = caused_by_peers(
+                DistBackendError(f"{where}: another rank aborted the group ({reason})")
+            )
+        else:
+            error = caused_by_peers(
                 DistBackendError(
-                    f"{self.describe('watchdog')}: another rank aborted the group ({reason})"
-                )
-            ),
-            notify=False,
-        )
+                    f"{where}: another rank aborted the group (rank {origin}: {reason})"
+                ),
+                blamed or (origin,),
+            )
+        self.fail(error, notify=False)
         return True
 
     def release(self) -> None:

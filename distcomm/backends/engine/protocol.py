@@ -7,7 +7,8 @@ group that stops records why as a `Failure`, which every later operation raises.
 
 Messages between ranks (the TCP transport's) start with a `Header`: what kind of message
 it is, the collective's signature, its sequence number (a tag for point-to-point
-messages), the step within the collective and the payload's length. The shared-memory
+messages), the step within the collective and the payload's length. An ABORT message is
+an `AbortNotice`: who aborted the group, the ranks it blames, and why. The shared-memory
 engine keeps signatures in its slots and the nccl backend exchanges them through the
 store (`Signature.to_text`), so the three paths check collectives the same way.
 """
@@ -30,6 +31,8 @@ __all__ = [
     "ABORT",
     "BYE",
     "COLL",
+    "NOTICE_PEERS_MAX",
+    "NOTICE_REASON_MAX",
     "NO_REDOP",
     "OP_CODES",
     "OP_NAMES",
@@ -38,6 +41,7 @@ __all__ = [
     "QUERY",
     "SIG",
     "STATUS",
+    "AbortNotice",
     "Call",
     "Failure",
     "Header",
@@ -185,7 +189,7 @@ class Header(NamedTuple):
     Attributes:
         kind: COLL, P2P, ABORT, BYE, SIG, QUERY or STATUS.
         op, dtype, redop, root, count: the collective's `Signature` (for P2P: the send's
-            op and dtype, and the element count; for ABORT: `op` is the failure's code).
+            op and dtype, and the element count; an ABORT's are `AbortNotice`'s).
         seq: the collective's sequence number in its group; for P2P, the tag.
         step: which message of the collective this is (algorithms number their steps).
         nbytes: the length of the payload that follows.
@@ -223,6 +227,58 @@ class Header(NamedTuple):
     def signature(self) -> Signature:
         """The collective this message belongs to, as its sender called it."""
         return Signature(self.op, self.dtype, self.redop, self.root, self.count)
+
+
+#: the most ranks an ABORT message names: a failure that blames more goes out blaming
+#: ranks it does not name (())
+NOTICE_PEERS_MAX = 1024
+#: the most bytes of an ABORT message's reason
+NOTICE_REASON_MAX = 4096
+
+
+class AbortNotice(NamedTuple):
+    """The news of an abort as one rank passes it to another: an ABORT message.
+
+    Attributes:
+        origin: the group rank that aborted the group.
+        code: the failure's kind, as the transport numbers its failure kinds.
+        peers: the group ranks the failure blames (`Failure.peers`: the late ranks of a
+            timeout, a lost peer; () when it cannot tell which), None when it blames none.
+        reason: why, in the origin's words.
+
+    On the wire: a `Header` of kind ABORT whose `op` is `code`, `root` is `origin` and
+    `count` is the number of blamed ranks (-1 for None), then the blamed ranks (int32
+    each), then the reason in UTF-8, cut to `NOTICE_REASON_MAX` bytes.
+    """
+
+    origin: int
+    code: int
+    peers: tuple[int, ...] | None
+    reason: str
+
+    def pack(self) -> tuple[Header, bytes]:
+        """The message: its header and its payload."""
+        peers = self.peers
+        if peers is not None and len(peers) > NOTICE_PEERS_MAX:
+            peers = ()
+        ranks = b"" if peers is None else struct.pack(f"<{len(peers)}i", *peers)
+        payload = ranks + self.reason.encode(errors="replace")[:NOTICE_REASON_MAX]
+        count = -1 if peers is None else len(peers)
+        header = Header(ABORT, self.code, root=self.origin, count=count, nbytes=len(payload))
+        return header, payload
+
+    @classmethod
+    def unpack(cls, header: Header, payload: bytes | bytearray) -> AbortNotice:
+        """The notice an ABORT message (`header`, then `payload`) carries."""
+        count, start = header.count, 0
+        peers: tuple[int, ...] | None = None
+        if 0 <= count <= min(NOTICE_PEERS_MAX, len(payload) // 4):
+            start = 4 * count
+            peers = struct.unpack_from(f"<{count}i", payload)
+        elif count >= 0:  # not a list this version wrote: blamed, names unknown
+            peers = ()
+        reason = bytes(payload[start:]).decode(errors="replace")
+        return cls(header.root, header.op, peers, reason)
 
 
 def mismatch_message(

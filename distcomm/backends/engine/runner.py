@@ -5,9 +5,11 @@ sequence numbers, the op queues (collectives in issue order; sends on a queue of
 own so that a blocking `recv` never stops an earlier `isend`), the `Work` handed to the
 caller with its timeout, and the failure fan-out: any error of a collective aborts the
 group through the transport, which tells every peer, and every later operation raises
-the first failure. The front end (`collectives.py`) adds the flight recorder and the
-stall inspector around each call, for every backend alike; a backend's path only moves
-bytes (see `paths.py`).
+the first failure. A timeout names
+the late ranks in its error's `peer_ranks` (the path's, or those its diagnosis recorded
+in the mailbox), and the abort passes them on.
+The front end (`collectives.py`) adds the flight recorder and the stall inspector around
+each call, for every backend alike; a backend's path only moves bytes (see `paths.py`).
 """
 
 from __future__ import annotations
@@ -89,10 +91,13 @@ class Runner:
                 return why(running[0])
             return "it had not started: operations issued before it are still running"
 
+        def late() -> tuple[int, ...] | None:
+            return self._mailbox.late(running[0]) if running else None
+
         work = Work(
             description,
             outputs,
-            on_timeout=self.abort_on_timeout(description, explain),
+            on_timeout=self.abort_on_timeout(description, explain, late),
             timeout=self.timeout,
         )
 
@@ -120,6 +125,8 @@ class Runner:
             step(Call(seq, signature, describe, Deadline(self.timeout)), *args)
         except DistError as exc:
             self._mailbox.blame(exc)  # a path may re-raise a peer's failure by its message
+            if exc.peer_ranks is None and isinstance(exc, DistTimeoutError):
+                exc.peer_ranks = self._mailbox.late(seq)  # a path that explained in words
             self._transport.abort(Failure(type(exc), str(exc), exc.peer_ranks))
             raise
         except BaseException as exc:
@@ -131,16 +138,23 @@ class Runner:
         return self._sends.submit(run, work, async_op=True)
 
     def abort_on_timeout(
-        self, description: str, why: Callable[[], str]
+        self,
+        description: str,
+        why: Callable[[], str],
+        late: Callable[[], tuple[int, ...] | None] | None = None,
     ) -> Callable[[float], BaseException]:
-        """The Work.wait timeout handler of an operation that cannot be withdrawn."""
+        """The Work.wait timeout handler of an operation that cannot be withdrawn: `why()`
+        explains the delay, then `late()` names the late ranks (None: none named), which
+        the error and the abort carry (`peer_ranks`)."""
 
         def on_timeout(seconds: float) -> BaseException:
+            text = why()
             failure = Failure(
                 DistTimeoutError,
                 f"{description} did not complete within {seconds:.1f} s (Work.wait timeout): "
-                f"{why()}; the group is aborted because the operation cannot be abandoned "
+                f"{text}; the group is aborted because the operation cannot be abandoned "
                 "half-way",
+                late() if late is not None else None,
             )
             self._transport.abort(failure)
             return failure.error()

@@ -49,7 +49,7 @@ _SPINS = 40  # sched_yield rounds before sleeping on the futex
 _SLICE = 0.25  # longest single futex sleep (failures wake sooner)
 #: how long a collective that finds the segment marked waits to hear why (the marking rank
 #: sends the group's failure at once; without it the error only says the group was given up)
-_CAUSE_GRACE_S = 1.0
+_CAUSE_GRACE_S = 5.0
 
 
 def _reached(value: int, target: int) -> bool:
@@ -69,6 +69,10 @@ class FailureWatch(Protocol):
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """Call `callback()` (from any thread) whenever a failure is recorded."""
+
+    def note_late(self, seq: int, ranks: tuple[int, ...]) -> None:
+        """Record the group ranks a diagnosis of collective `seq` found late (a
+        `Work.wait` timeout names them in `peer_ranks`)."""
 
 
 class Counters:
@@ -203,16 +207,15 @@ class Counters:
                 raise self.abandoned(call)
             left = call.deadline.remaining()
             if left is not None and left <= 0:
-                late, lagging = self.lagging(target, what)
-                why = call.explain() if call.explain is not None else lagging
+                late, why = self.lagging(target, what)
+                if call.explain is not None:  # a step of a collective across hosts:
+                    why, late = call.explain(), []  # the runner names the late ranks
                 self.abandon()  # before the caller has its arrays back
-                raise caused_by_peers(
-                    DistTimeoutError(
-                        f"{call.describe} timed out after {call.deadline.seconds:.1f} s: "
-                        f"{why or 'the peers did not wake this rank'}"
-                    ),
-                    late,
+                error = DistTimeoutError(
+                    f"{call.describe} timed out after {call.deadline.seconds:.1f} s: "
+                    f"{why or 'the peers did not wake this rank'}"
                 )
+                raise caused_by_peers(error, late) if late else error
             self._waiting = address
             self.flags[self.rank] = 1
             store_load_fence()  # the flag is visible before the kernel reads the counter
@@ -253,11 +256,13 @@ class Counters:
         return (_ctrl_bytes(self.size) + _GROUP_LINE + rank * _STRIDE) // 4 + extra
 
     def diagnose(self, seq: int) -> str:
-        """Why collective `seq` has not completed: the peers that have not reached it."""
+        """Why collective `seq` has not completed: the peers that have not reached it
+        (noted with the watch, which names them in a `Work.wait` timeout's error)."""
         for what in ("arrive", "reduced", "finish"):
-            late = self.lagging(seq + 1, what)[1]
+            late, why = self.lagging(seq + 1, what)
             if late:
-                return late
+                self._watch.note_late(seq, tuple(late))
+                return why
         return "every rank has finished it"
 
     def leave(self) -> None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ....deadline import Deadline
-from ....errors import DistError, DistNetworkError, DistTimeoutError
+from ....errors import DistError, DistNetworkError, DistTimeoutError, caused_by_peers
 from ..protocol import COLL, SIG, Header, Signature, as_bytes
 from ..scratch import ScratchPool
 from .base import Transport
 from .mailbox import Mailbox, Recv
 
-__all__ = ["Exchange", "SubExchange", "diagnose"]
+__all__ = ["Diagnosis", "Exchange", "SubExchange", "diagnose", "diagnosis"]
 
 
 class Exchange:
@@ -122,10 +124,11 @@ class Exchange:
         if self.signal is not None and not recv.done():
             self.flush()  # the neighbour must see it even if this rank waits forever
         if not recv.wait(self.deadline.remaining()):
-            raise DistTimeoutError(
-                f"{self.describe} timed out after {self.deadline.seconds:.1f} s: "
-                + diagnose(self.transport, self.seq)
+            found = diagnosis(self.transport, self.seq)
+            error = DistTimeoutError(
+                f"{self.describe} timed out after {self.deadline.seconds:.1f} s: {found.text}"
             )
+            raise caused_by_peers(error, found.late) if found.late else error
         if recv.error is not None:
             error = recv.error
             raise type(error)(_prefixed(self.describe, str(error))) from error
@@ -162,11 +165,27 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
+class Diagnosis(NamedTuple):
+    """Why a collective is late: in words, and the ranks to blame."""
+
+    #: the ranks that have not begun it, those that did not answer, those this rank waits for
+    text: str
+    #: the late ranks: those that have not begun it or did not answer; () when none is
+    late: tuple[int, ...]
+
+
 def diagnose(transport: Transport, seq: int, probe_timeout: float = 1.0) -> str:
+    """Why collective `seq` is stuck, in words (`diagnosis`)."""
+    return diagnosis(transport, seq, probe_timeout).text
+
+
+def diagnosis(transport: Transport, seq: int, probe_timeout: float = 1.0) -> Diagnosis:
     """Why collective `seq` is stuck, from the peers' answers to a progress query.
 
     Names the ranks that have not begun it (and where they are), those that did not
-    answer, and the ranks this rank is waiting for.
+    answer, and the ranks this rank is waiting for. The late ones are also recorded in the
+    mailbox (`Mailbox.late`), where the runner finds them for a timeout that a path
+    explained with this diagnosis's words only.
     """
     waiting = [p for p in transport.mailbox.pending_peers() if p >= 0]
     statuses = transport.probe(probe_timeout)
@@ -189,7 +208,9 @@ def diagnose(transport: Transport, seq: int, probe_timeout: float = 1.0) -> str:
         parts.append(
             "every rank has reached this collective: did they all call it with the same arguments?"
         )
-    return "; ".join(parts)
+    late = tuple(sorted(behind + silent))
+    transport.mailbox.note_late(seq, late)
+    return Diagnosis("; ".join(parts), late)
 
 
 def _prefixed(describe: str, message: str) -> str:

@@ -270,6 +270,12 @@ class Fabric(Dialling, Sending, Reading):
         none): their waits for it fail at once (`Channel.peer_ended`)."""
         self._post("pid", (prank, pid))
 
+    def shared(self) -> bool:
+        """Whether another `attach` holds the fabric: it stays open when the caller's
+        `release` comes (another group of the process, the one replacing the caller's)."""
+        with _registry_lock:
+            return self.refs > 1
+
     def release(self) -> None:
         """Drop one `attach`; the last closes the fabric (goodbyes, then the sockets)."""
         with _registry_lock:

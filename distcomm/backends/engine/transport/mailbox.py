@@ -119,6 +119,8 @@ class Mailbox:
         self._gone: dict[int, Failure] = {}
         self._listeners: list[Callable[[], None]] = []
         self._statuses: dict[int, tuple[int, int]] = {}
+        #: the late ranks the last diagnosis of a late collective named: (seq, ranks)
+        self._late: tuple[int, tuple[int, ...]] | None = None
         #: peer -> when this rank last took a point-to-point message from it (`claim`)
         self.p2p_taken: dict[int, float] = {}
         #: called after every posted receive (the transport's reader may wait for one)
@@ -400,6 +402,22 @@ class Mailbox:
         """(the collective this rank last began, the last one it finished); -1 for none."""
         with self.lock:
             return (self._current[0] if self._current is not None else -1), self._done_seq
+
+    def note_late(self, seq: int, ranks: tuple[int, ...]) -> None:
+        """Record the ranks a diagnosis of collective `seq` found late (behind it or
+        silent): the TCP diagnosis does, and a path that diagnoses its own way should, so
+        that a timeout of `seq` names them (`late`)."""
+        self._late = (seq, tuple(ranks))
+
+    def late(self, seq: int) -> tuple[int, ...] | None:
+        """The ranks the last diagnosis of collective `seq` found late, or None when it
+        named none or `seq` was not diagnosed: how the runner names them for a
+        `Work.wait` timeout, and for a timeout its path explained in words only (the
+        shared-memory engine's `Call.explain`)."""
+        late = self._late
+        if late is None or late[0] != seq or not late[1]:
+            return None
+        return late[1]
 
     def clear_statuses(self) -> None:
         with self.lock:

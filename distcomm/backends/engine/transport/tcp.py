@@ -14,8 +14,17 @@ briefly so the payload can land in place).
 A connection that breaks aborts the group: every pending and later operation raises
 `DistNetworkError` naming the peer, and the group's other connected peers are told why
 (ABORT), and tell theirs, so every rank fails within moments instead of waiting out its
-timeout. Leaving the group says goodbye (BYE) to the members this rank talked to: their
-receives from it fail at once, naming it.
+timeout. The news names the ranks the failure blames (a timeout's late ranks, a lost
+peer), and every rank that hears it raises with them in `peer_ranks`; a rank blamed itself
+raises with none (it is the cause). Leaving the group says goodbye (BYE) to the members
+this rank talked to: their receives from it fail at once, naming it.
+
+News of an abort for a member this rank has no connection to (ranks of one host talk
+through shared memory) is passed on by a short-lived thread that dials it (a teller).
+Closing the group waits a little for its tellers only when the process's fabric closes
+with it: a group replaced (a re-forming, a shrink) or destroyed beside others leaves them
+running on the fabric the other groups keep open, so evicting a stopped rank never waits
+on a dial that rank cannot answer; at exit they get `_TELL_DIAL_S` in all.
 """
 
 from __future__ import annotations
@@ -39,7 +48,19 @@ from ....errors import (
     caused_by_peers,
 )
 from ....store.base import Store
-from ..protocol import ABORT, BYE, COLL, P2P, PROGRESS, QUERY, SIG, STATUS, Failure, Header
+from ..protocol import (
+    ABORT,
+    BYE,
+    COLL,
+    P2P,
+    PROGRESS,
+    QUERY,
+    SIG,
+    STATUS,
+    AbortNotice,
+    Failure,
+    Header,
+)
 from .base import Transport
 from .conn import _CID, DISCARD, Conn
 from .fabric import Fabric, attach, channel_id
@@ -121,7 +142,8 @@ class TcpTransport(Transport):
         self._names = [f"rank {r}" for r in range(size)]
         self._conns: list[Conn | None] = [None] * size
         self._relayed: set[int] = set()  # the origins of aborts this rank passed on
-        self._tellers: list[threading.Thread] = []  # threads passing an abort on
+        #: the reason of the first news of an abort this rank heard
+        self._news: str | None = None
         self.fabric: Fabric | None = None
         self.cid = 0
         #: the number of this set-up of the group on its store (0 for one rank)
@@ -198,25 +220,39 @@ class TcpTransport(Transport):
             payload = bytearray(nbytes)
 
             def aborted() -> None:
-                reason = payload.decode(errors="replace")
-                code = header.op if header.op < len(_FAILURE_KINDS) else 1
-                origin = header.root if 0 <= header.root < self.size else rank
-                self.abort(
-                    Failure(
-                        _FAILURE_KINDS[code],
-                        f"rank {origin} aborted the group: {reason}",
-                        (origin,),
-                    ),
-                    tell=rank,
-                    origin=origin,
-                    reason=reason,
-                )
+                notice = AbortNotice.unpack(header, payload)
+                if not 0 <= notice.origin < self.size:
+                    notice = notice._replace(origin=rank)
+                if not 0 <= notice.code < len(_FAILURE_KINDS):
+                    notice = notice._replace(code=1)
+                if self._news is None:  # before the failure wakes anything (`abort`)
+                    self._news = notice.reason
+                self.abort(self._heard(notice), tell=rank, notice=notice)
 
             return memoryview(payload), aborted
         if kind == BYE:  # the peer left this group (destroy, or a shrink without it)
             self.peer_left(rank)
             return DISCARD
         return DISCARD
+
+    def _heard(self, notice: AbortNotice) -> Failure:
+        """The failure the news of another rank's abort means here: it blames the ranks
+        the notice names (the origin when it names none); a rank named itself is the cause,
+        and its error says so rather than blaming a peer."""
+        kind, origin, blamed = _FAILURE_KINDS[notice.code], notice.origin, notice.peers
+        if blamed and self.rank in blamed:
+            others = [r for r in blamed if r != self.rank]
+            also = f" (with rank(s) {', '.join(map(str, others))})" if others else ""
+            return Failure(
+                kind,
+                f"the group was aborted by rank {origin}, which blames this rank{also}: "
+                f"{notice.reason}. This rank is the cause: find out why it was late or "
+                "stopped; the others give it up (re-form the group without it, or destroy "
+                "the group)",
+            )
+        return Failure(
+            kind, f"rank {origin} aborted the group: {notice.reason}", blamed or (origin,)
+        )
 
     def peer_left(self, rank: int) -> None:
         self.mailbox.peer_gone(
@@ -369,32 +405,37 @@ class TcpTransport(Transport):
     # -- failure and shutdown --------------------------------------------------------------
 
     def abort(
-        self,
-        failure: Failure,
-        tell: int | None = None,
-        origin: int | None = None,
-        reason: str | None = None,
+        self, failure: Failure, tell: int | None = None, notice: AbortNotice | None = None
     ) -> None:
         """Fail the group here and pass the news on; idempotent.
 
-        The news of one rank's abort (its `origin`, and its `reason`) spreads over a
-        binomial tree rooted at that rank, so it reaches every member in log2(size) hops
-        however few connections exist (a group that talks through shared memory has
-        none); each rank also tells the members it is connected to (they may be waiting
-        for it). A rank passes on the news of a few distinct origins at most.
+        The news of one rank's abort (`notice`: its origin, the ranks it blames and its
+        reason; this rank's own abort when None) spreads over a binomial tree rooted at
+        the origin, so it reaches every member in log2(size) hops however few connections
+        exist (a group that talks through shared memory has none); each rank also tells
+        the members it is connected to (they may be waiting for it). A rank passes on the
+        news of a few distinct origins at most. `tell`: the member it came from.
+
+        A rank whose operation failed because of news it heard spreads that news again as
+        its own (over its own tree: a member late or stopped in the first one holds up
+        nobody), with the reason it heard rather than its error quoting it, so that the
+        late rank is told in the words of the rank that blamed it.
         """
         first = self.mailbox.fail(failure)
         if first:
             log.warning("%s: group aborted: %s", self._label, failure.message)
-        origin = self.rank if origin is None else origin
+        if notice is None:
+            reason = failure.message if self._news is None else self._news
+            notice = AbortNotice(self.rank, _code(failure.kind), failure.peers, reason)
+        origin = notice.origin
         if self.fabric is None or origin in self._relayed or len(self._relayed) >= _ORIGINS:
             return
         self._relayed.add(origin)
-        code = _FAILURE_KINDS.index(failure.kind) if failure.kind in _FAILURE_KINDS else 1
-        text = (failure.message if reason is None else reason).encode()[:4096]
-        header = Header(ABORT, code, root=origin, nbytes=len(text))
+        header, text = notice.pack()
         connected = dict(self._members())
-        skip = {tell, origin, *(failure.peers or ())}  # the teller, the origin, the dead
+        skip = {tell, origin}  # the teller, the origin, and the ranks lost (not the late)
+        if _FAILURE_KINDS[notice.code] is not DistTimeoutError:
+            skip.update(notice.peers or ())
         for rank in sorted(set(connected) | set(_tree_children(self.rank, origin, self.size))):
             if rank in skip:
                 continue
@@ -403,15 +444,15 @@ class TcpTransport(Transport):
                 if not conn.gone:
                     self.fabric.control(conn, self.cid, header, text)
             elif not self.mailbox.has_left(rank):
-                # a process exiting on the error waits a little for these (`_join_tellers`)
+                # the last group to close on the fabric, or the process's exit, waits a
+                # little for these (`close`, `_join_tellers`)
                 teller = self._dial_aside(
                     rank,
                     Deadline(_TELL_DIAL_S),
                     lambda _rank, conn: self.fabric.control(conn, self.cid, header, text),
                     "abort",
                 )
-                self._tellers.append(teller)
-                _TELLERS.add(teller)
+                _TELLERS[teller] = self.fabric
 
     def _dial_aside(
         self, rank: int, deadline: Deadline, then: Callable[[int, Conn], object], what: str
@@ -438,15 +479,21 @@ class TcpTransport(Transport):
         self.abort(Failure(DistNetworkError, reason))
 
     def close(self) -> None:
+        """Leave the group: say goodbye, release the fabric; idempotent.
+
+        Tellers still passing an abort on are waited for (up to `_TELL_DIAL_S` in all)
+        only when the fabric closes with this group, since they need it. A group replaced
+        (re-formed, shrunk) or destroyed while other groups keep the fabric open leaves
+        them running: they end by themselves, within their dial's deadline, and a member
+        they cannot reach (a stopped process) holds up nothing.
+        """
         if self._closing:
             return
         self._closing = True
-        end = time.monotonic() + _TELL_DIAL_S
-        for teller in self._tellers:  # an abort's news is on its way first
-            if teller is not threading.current_thread():
-                teller.join(max(0.0, end - time.monotonic()))
         fabric = self.fabric
         if fabric is not None:
+            if not fabric.shared():
+                _join_tellers(fabric)  # the abort's news goes out before the fabric closes
             for _rank, conn in self._members():
                 self._control(conn, BYE)
             fabric.remove_channel(self.cid)
@@ -454,15 +501,24 @@ class TcpTransport(Transport):
         self.mailbox.fail(Failure(GroupDestroyedError, "the process group was destroyed"))
 
 
-_TELLERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+#: the threads passing an abort on (tellers), with the fabric they dial through
+_TELLERS: weakref.WeakKeyDictionary[threading.Thread, Fabric] = weakref.WeakKeyDictionary()
 
 
 @atexit.register
-def _join_tellers() -> None:
-    """At exit, give the threads passing an abort on up to `_TELL_DIAL_S` to finish."""
+def _join_tellers(fabric: Fabric | None = None) -> None:
+    """Give the tellers still running (those dialling through `fabric`; at exit, all) up
+    to `_TELL_DIAL_S` in all to finish."""
     end = time.monotonic() + _TELL_DIAL_S
-    for teller in list(_TELLERS):
-        teller.join(max(0.0, end - time.monotonic()))
+    for teller, used in list(_TELLERS.items()):
+        if (fabric is None or used is fabric) and teller is not threading.current_thread():
+            teller.join(max(0.0, end - time.monotonic()))
+
+
+def _code(kind: type[DistError]) -> int:
+    """The number an ABORT message gives a failure of `kind` (its nearest known base;
+    DistBackendError for any other)."""
+    return next((i for i, known in enumerate(_FAILURE_KINDS) if issubclass(kind, known)), 1)
 
 
 def _tree_children(rank: int, root: int, size: int) -> list[int]:
