@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -11,6 +12,8 @@ from .deadline import to_seconds
 from .errors import DistTimeoutError
 
 __all__ = ["Future", "Work"]
+
+log = logging.getLogger(__name__)
 
 # what a future completed at creation shares instead of making its own lock (set once,
 # never cleared; such a future is never completed again)
@@ -144,6 +147,11 @@ class Work:
             cancels or aborts the operation and returns the exception to raise.
         timeout: what `wait()` without a timeout waits at most (the group's timeout;
             `set_default_timeout` sets a call's own).
+        settle: after `on_timeout` aborted the operation, how long `wait` waits at most
+            for it to stop (it may still be moving bytes into its arrays on another
+            thread, and stops at its next look at the abort) before raising, so that
+            the caller never gets back arrays the operation still writes. 0: do not
+            wait (an operation that cannot be stopped, such as an MPI collective).
     """
 
     #: `wait()` returns once the operation finished; False where it only orders a device
@@ -156,9 +164,11 @@ class Work:
         outputs: list[Any] | None = None,
         on_timeout: Callable[[float], BaseException] | None = None,
         timeout: float | None = None,
+        settle: float = 0.0,
     ) -> None:
         self.description = description
         self._default_timeout = timeout
+        self._settle = settle
         self._outputs = outputs if outputs is not None else []
         self._on_timeout = on_timeout
         self._future = Future()
@@ -236,6 +246,13 @@ class Work:
             if self._on_timeout is None:
                 raise DistTimeoutError(f"{self.description} did not complete within {seconds} s")
             error = self._on_timeout(seconds)
+            if self._settle and not self._future.wait_done(self._settle):
+                log.warning(
+                    "%s: still running %.0f s after its abort; its arrays may still change "
+                    "until is_completed() is True",
+                    self.description,
+                    self._settle,
+                )
             if not self._future.done() or self._future.exception() is not None:
                 raise error
         self._future.value()
@@ -296,7 +313,11 @@ class Work:
         copy of results out of a joined buffer); it fails with this one's error, or
         `finalize`'s. A device Work queues `finalize` on its stream instead."""
         outer = Work(
-            self.description, outputs, on_timeout=self._on_timeout, timeout=self._default_timeout
+            self.description,
+            outputs,
+            on_timeout=self._on_timeout,
+            timeout=self._default_timeout,
+            settle=self._settle,
         )
 
         def done(future: Future) -> None:
@@ -333,6 +354,7 @@ class _Completed(Work):
 
     _default_timeout = None
     _on_timeout = None
+    _settle = 0.0
     _source_rank = -1
     global_ranks = None
     _made: Future | None = None

@@ -180,29 +180,16 @@ def _init(backend: str, path: str, round_: int) -> None:
     )
 
 
-def _told_of_abort(seconds: float = 30.0) -> None:
-    """Wait until this rank has read a caller's abort notice (its transport's mailbox holds
-    the group's failure); a rank that is never told fails the test.
-
-    Without this wait the late rank could, on gloo, complete the collective the callers
-    abandoned: they had arrived at it in shared memory, and an arrival is not withdrawn
-    when the notice is still on its way.
-    """
-    mailbox = dist.group.WORLD._backends["cpu"]._transport.mailbox
-    deadline = time.monotonic() + seconds
-    while mailbox.failure is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"this rank was not told of the abort within {seconds} s")
-        time.sleep(0.01)
-
-
 def _last_state(op: str) -> str:
     pg = dist.group.WORLD
     entries = [e for e in pg.recorder.as_dicts(pg.ranks) if e["op"] == op]
     return entries[-1]["state"]
 
 
-def _engine_body(backend: str, path: str) -> dict[str, Any]:
+def _engine_body(backend: str, path: str, count: int) -> dict[str, Any]:
+    """The late rank calls each abandoned collective only once the callers gave up on it
+    (they arrived at it in shared memory on gloo): it must fail, whatever path its arrays
+    take (`count` elements: inline in the segment, or read from the peers' memory)."""
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     late = size - 1
     callers = [r for r in range(size) if r != late]
@@ -210,13 +197,12 @@ def _engine_body(backend: str, path: str) -> dict[str, Any]:
     # round 0: a synchronous all_reduce with a timeout, which the late rank does not call
     _init(backend, path, 0)
     if rank != late:
-        seen["sync"] = _outcome(dist.all_reduce, np.ones(4), timeout=OP_TIMEOUT)
+        seen["sync"] = _outcome(dist.all_reduce, np.ones(count), timeout=OP_TIMEOUT)
         seen["recorded"] = _last_state("all_reduce")
         _flag(path, f"{rank}-sync")
     else:
         _wait_flags(path, [f"{r}-sync" for r in callers])
-        _told_of_abort()
-    seen["next"] = _outcome(dist.all_reduce, np.ones(4))  # the group is aborted everywhere
+    seen["next"] = _outcome(dist.all_reduce, np.ones(count))  # the group is aborted everywhere
     dist.destroy_process_group()
     # round 1: after a new init the ranks work again; then an asynchronous all_reduce
     _init(backend, path, 1)
@@ -224,12 +210,12 @@ def _engine_body(backend: str, path: str) -> dict[str, Any]:
     dist.all_reduce(x, timeout=timedelta(seconds=30))
     seen["sum"] = float(x[0])
     if rank != late:
-        work = dist.all_reduce(np.ones(4), async_op=True, timeout=OP_TIMEOUT)
+        work = dist.all_reduce(np.ones(count), async_op=True, timeout=OP_TIMEOUT)
         seen["async"] = _outcome(work.wait)
         _flag(path, f"{rank}-async")
     else:
         _wait_flags(path, [f"{r}-async" for r in callers])
-        _told_of_abort()
+        seen["async_late"] = _outcome(dist.all_reduce, np.ones(count))
     seen["async_next"] = _outcome(dist.barrier)
     dist.destroy_process_group()
     # round 2: point-to-point; rank 0 waits for a message the late rank never sends
@@ -260,11 +246,15 @@ def _engine_body(backend: str, path: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+@pytest.mark.parametrize(
+    "backend,count",
+    [("tcp", 4), ("gloo", 4), ("gloo", 64 * 1024)],
+    ids=["tcp", "gloo-inline", "gloo-read"],
+)
 def test_a_timeout_aborts_the_group_names_the_missing_rank_and_a_new_group_works(
-    tmp_path, backend, size
+    tmp_path, backend, count, size
 ):
-    results = run_ranks(_engine_body, size, backend, str(tmp_path / "rdzv"), timeout=HARNESS)
+    results = run_ranks(_engine_body, size, backend, str(tmp_path / "rdzv"), count, timeout=HARNESS)
     late = size - 1
     for rank, seen in enumerate(results):
         if rank != late:
@@ -274,7 +264,7 @@ def test_a_timeout_aborts_the_group_names_the_missing_rank_and_a_new_group_works
                 assert "all_reduce" in message and _names_missing(message, late), (rank, results)
             assert seen["recorded"] == "failed", results
         # the late rank's next operation (and every other rank's) finds the group aborted
-        for key in ("next", "async_next"):
+        for key in ("next", "async_next", *(("async_late",) if rank == late else ())):
             kind, message = seen[key]
             assert kind == "DistTimeoutError" and "aborted" in message, (rank, key, results)
             assert _names_missing(message, late), (rank, key, results)
@@ -284,6 +274,38 @@ def test_a_timeout_aborts_the_group_names_the_missing_rank_and_a_new_group_works
     kind, message = results[0]["batch"]  # batch_isend_irecv's Works wait at most its timeout
     assert kind == "DistTimeoutError" and f"recv from rank {late} (tag 4)" in message, results
     assert results[1]["sender"] == 0 and results[1]["got"] == [0.0, 1.0, 2.0, 0.0, 1.0], results
+
+
+def _slow_read_body(path: str) -> dict[str, Any]:
+    """Rank 0's collective is still copying from its peer's memory (a read slowed down
+    here) when its `Work.wait(timeout)` expires: the wait returns only once the aborted
+    collective has left the arrays, so the Work is completed when the error arrives."""
+    from distcomm.backends.engine.shm import engine
+
+    rank = int(os.environ["RANK"])
+    _init("gloo", path, 0)
+    x = np.ones(64 * 1024)
+    if rank == 0:
+        real_read = engine.cma_read
+
+        def slow_read(*args: Any) -> None:
+            time.sleep(3 * OP_TIMEOUT)  # past the wait's timeout, inside the collective
+            real_read(*args)
+
+        engine.cma_read = slow_read
+    work = dist.all_reduce(x, async_op=True)
+    kind, _ = _outcome(work.wait, OP_TIMEOUT)
+    seen = {"kind": kind, "completed": work.is_completed()}
+    _flag(path, f"{rank}-slow")
+    _wait_flags(path, ["0-slow", "1-slow"])
+    dist.destroy_process_group()
+    return seen
+
+
+def test_a_timed_out_wait_returns_once_the_collective_left_the_arrays(tmp_path):
+    results = run_ranks(_slow_read_body, 2, str(tmp_path / "rdzv"), timeout=HARNESS)
+    assert results[0] == {"kind": "DistTimeoutError", "completed": True}, results
+    assert results[1]["kind"] != "ok", results
 
 
 # -- mpi: an mpiexec job -------------------------------------------------------------------

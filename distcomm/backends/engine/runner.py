@@ -5,7 +5,9 @@ sequence numbers, the op queues (collectives in issue order; sends on a queue of
 own so that a blocking `recv` never stops an earlier `isend`), the `Work` handed to the
 caller with its timeout, and the failure fan-out: any error of a collective aborts the
 group through the transport, which tells every peer, and every later operation raises
-the first failure. A timeout names
+the first failure; a collective that completes after its group failed fails too (its
+peers gave it up: their part may be missing), and a `Work.wait` that timed out hands the
+caller its arrays back only once the aborted collective has left them. A timeout names
 the late ranks in its error's `peer_ranks` (the path's, or those its diagnosis recorded
 in the mailbox), and the abort passes them on.
 The front end (`collectives.py`) adds the flight recorder and the stall inspector around
@@ -26,6 +28,11 @@ from .protocol import Call, Failure, Signature
 from .transport.base import Transport
 
 __all__ = ["Runner"]
+
+#: how long a Work.wait that timed out waits for its aborted collective to leave the
+#: caller's arrays (it does at its next look at the abort: a wait wakes at once, a copy
+#: in flight ends) before raising anyway, with a warning
+_SETTLE_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +106,7 @@ class Runner:
             outputs,
             on_timeout=self.abort_on_timeout(description, explain, late),
             timeout=self.timeout,
+            settle=_SETTLE_S,
         )
 
         def run() -> None:
@@ -123,6 +131,9 @@ class Runner:
             log.debug("%s: %s", describe, signature.describe())
         try:
             step(Call(seq, signature, describe, Deadline(self.timeout)), *args)
+            failure = self._mailbox.failure
+            if failure is not None:  # it completed after the group was given up
+                raise failure.error(f"{describe}: completed after its group was aborted: ")
         except DistError as exc:
             self._mailbox.blame(exc)  # a path may re-raise a peer's failure by its message
             if exc.peer_ranks is None and isinstance(exc, DistTimeoutError):
