@@ -220,14 +220,20 @@ class IntraNode(RootedOps):
                 sync.wait(call, sync.finish_at[peer], seq + 1, peer, "finish")
         sync.settle(call)
 
-    def _reduced(self, call: Call, wait_for: Sequence[int]) -> None:
-        """Say this rank's slice of a reduction is reduced; wait until `wait_for`'s are
-        (then their slices may be read, and nobody reads this rank's input any more)."""
+    def _reduced(self, call: Call) -> None:
+        """Say this rank's slice of a reduction is reduced (and that it reads no peer's
+        input any more)."""
+        sync = self._sync
+        sync.set(sync.reduced_at[self.rank], call.seq + 1)
+
+    def _gather_reduced(self, call: Call, buf: np.ndarray, bounds: list[int]) -> None:
+        """Read every other owner's reduced slice into `buf`, each once its owner said it
+        is reduced: that owner has read this rank's input too, so its part of `buf` may
+        be overwritten (a slow owner holds up only its own slice)."""
         seq, sync = call.seq, self._sync
-        sync.set(sync.reduced_at[self.rank], seq + 1)
-        for peer in wait_for:
-            if peer != self.rank:
-                sync.wait(call, sync.reduced_at[peer], seq + 1, peer, "reduced")
+        for peer in self._others():
+            sync.wait(call, sync.reduced_at[peer], seq + 1, peer, "reduced")
+            self._fetch(seq, peer, buf[bounds[peer] : bounds[peer + 1]], 0, _OUT)
 
     def diagnose(self, seq: int) -> str:
         """Why collective `seq` has not completed: the peers that have not reached it."""
@@ -349,13 +355,11 @@ class IntraNode(RootedOps):
         self._arrive(call, buf.ctypes.data, acc.ctypes.data)  # output: the reduced slice
         self._owner_reduce(seq, acc, buf[lo:hi], lo * buf.itemsize, op, avg)
         if not gets_result:  # root reads the slice: keep it (and the input) until it has
-            self._reduced(call, ())
+            self._reduced(call)
             self._finish(call, [root])
             return
-        # every slice is reduced once every owner says so; nobody reads inputs after that
-        self._reduced(call, range(self.size))
-        for peer in self._others():
-            self._fetch(seq, peer, buf[bounds[peer] : bounds[peer + 1]], 0, _OUT)
+        self._reduced(call)
+        self._gather_reduced(call, buf, bounds)
         # this rank's slice is read until the peers have finished (a root's by nobody)
         self._finish(call, range(self.size) if root is None else ())
 
