@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 
@@ -68,6 +69,15 @@ def test_a_one_node_job_has_its_own_key_and_leaves_this_environment_alone():
 def test_function_results_by_global_rank():
     assert elastic_launch(_config(), times_ten)(0) == {0: 0, 1: 10}
     assert launch_agent(_config(nproc_per_node=3), times_ten, [1]) == {0: 1, 1: 11, 2: 21}
+
+
+def test_elastic_launch_leaves_a_configured_logging_alone(caplog):
+    """A program whose logging is configured (here pytest's handler on the root logger)
+    still gets the launcher's records after an in-process launch: the agent adds its own
+    stderr handler, which stops propagation, only where nothing else would show them."""
+    assert elastic_launch(_config(), times_ten)(1) == {0: 1, 1: 11}
+    logging.getLogger("distcomm.launch.workers").warning("still heard after the launch")
+    assert "still heard after the launch" in caplog.text
 
 
 def test_raising_function_gives_child_failed_error_naming_the_rank():

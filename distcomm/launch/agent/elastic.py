@@ -588,8 +588,11 @@ def launch(config: AgentConfig) -> int:
 
 
 def setup_logging() -> None:
-    """Send the agent's log lines to stderr (INFO with DISTCOMM_LAUNCH_VERBOSE=1), once."""
-    if not log.handlers:
+    """Send the agent's log lines to stderr (INFO with DISTCOMM_LAUNCH_VERBOSE=1), once,
+    where nothing else would show them: a program that configured logging (a handler on
+    the root logger, as `logging.basicConfig` or pytest adds), and then calls
+    `elastic_launch`, keeps its configuration for them."""
+    if not log.hasHandlers():
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
