@@ -287,6 +287,17 @@ _GROWN = """
 """
 
 
+def _singleton(script, env: dict[str, str]) -> subprocess.Popen:
+    """Start `script` as an MPI singleton (no mpiexec): the newcomer of a growing world."""
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**env, "RANK": "1", "WORLD_SIZE": "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 @pytest.mark.skipif(
     LAUNCHER is not None and LAUNCHER.kind != "mpich",
     reason="Open MPI connects separate jobs only through its PRRTE runtime (ompi-server)",
@@ -325,14 +336,7 @@ def test_an_mpi_world_grows_by_a_process_mpiexec_did_not_start(tmp_path):
         )
         + textwrap.dedent(_GROWN)
     )
-    env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    newcomer = subprocess.Popen(
-        [sys.executable, str(newcomer_script)],
-        env={**env, "RANK": "1", "WORLD_SIZE": "2"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    newcomer = _singleton(newcomer_script, job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
     try:
         done = mpiexec(
             2,
@@ -440,14 +444,7 @@ def test_a_process_that_joined_an_mpi_world_runs_the_recovery_manager_loop(tmp_p
     results.mkdir()
     where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "BACK": str(back)}
     where["RESULTS"] = str(results)
-    env = job_env(**where)
-    newcomer = subprocess.Popen(
-        [sys.executable, str(newcomer_script)],
-        env={**env, "RANK": "1", "WORLD_SIZE": "2"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    newcomer = _singleton(newcomer_script, job_env(**where))
     try:
         done = mpiexec(
             2,

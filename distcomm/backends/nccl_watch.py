@@ -41,6 +41,7 @@ from ..errors import (
 )
 from ..gpu import runtime
 from ..store.base import Store
+from .engine.protocol import blamed_message
 from .nccl_work import _CUDA_NOT_READY, _POLL_MOST, _WATCH_FIRST, _WATCH_MOST, NcclWork
 
 __all__ = ["NcclWatchdog"]
@@ -416,12 +417,8 @@ class NcclWatchdog:
             return False
         where = self.describe("watchdog")
         if blamed and self.rank in blamed:  # this rank is the cause, not a consequence
-            error = DistBackendError(
-                f"{where}: another rank aborted the group and blames this rank (rank "
-                f"{origin}: {reason}). This rank is the cause: find out why it was late or "
-                "stopped; the others give it up (re-form the group without it, or destroy "
-                "the group)"
-            )
+            others = tuple(r for r in blamed if r != self.rank)
+            error = DistBackendError(f"{where}: {blamed_message(origin, reason, others)}")
         elif origin is None:
             error = caused_by_peers(
                 DistBackendError(f"{where}: another rank aborted the group ({reason})")

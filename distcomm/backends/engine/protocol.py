@@ -47,6 +47,7 @@ __all__ = [
     "Header",
     "Signature",
     "as_bytes",
+    "blamed_message",
     "mismatch_message",
 ]
 
@@ -279,6 +280,18 @@ class AbortNotice(NamedTuple):
             peers = ()
         reason = bytes(payload[start:]).decode(errors="replace")
         return cls(header.root, header.op, peers, reason)
+
+
+def blamed_message(origin: int, reason: str, others: tuple[int, ...] = ()) -> str:
+    """What a rank that another rank's abort blames (a late rank) is told, on every
+    backend: it is the cause, in words a launcher's failure report does not take for a
+    peer's failure (so its `peer_ranks` stays None)."""
+    also = f" (with rank(s) {', '.join(map(str, others))})" if others else ""
+    return (
+        f"the group was aborted by rank {origin}, which blames this rank{also}: {reason}. "
+        "This rank is the cause: find out why it was late or stopped; the others give it "
+        "up (re-form the group without it, or destroy the group)"
+    )
 
 
 def mismatch_message(

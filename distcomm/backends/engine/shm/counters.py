@@ -228,11 +228,9 @@ class Counters:
     def lagging(self, target: int, what: str) -> tuple[list[int], str]:
         """The peers that have not reached counter value `target`, as group ranks, and
         what they have not done (in the TCP diagnosis's words)."""
-        late = [
-            p
-            for p in (p for p in range(self.size) if p != self.rank)
-            if not _reached(int(self.words[self.word(p, what)]), target % _MOD)
-        ]
+        at = {"arrive": self.arrive_at, "reduced": self.reduced_at, "finish": self.finish_at}
+        value = {p: int(self.words[at[what][p]]) for p in range(self.size) if p != self.rank}
+        late = [p for p, v in value.items() if not _reached(v, target % _MOD)]
         if not late:
             return [], ""
         names = [self.names[p] for p in late]
@@ -243,8 +241,8 @@ class Counters:
                 f"rank(s) {ranks} have not {done} their part of collective #{target - 1}"
             )
         where = "; ".join(
-            f"rank {self.names[p]} is at collective #{self.words[self.word(p, what)] - 1}"
-            if self.words[self.word(p, what)]
+            f"rank {self.names[p]} is at collective #{value[p] - 1}"
+            if value[p]
             else f"rank {self.names[p]} has run no collective yet"
             for p in late
         )
@@ -271,7 +269,8 @@ class Counters:
         left = self.left_at[self.rank]
         self.words[left] = 1
         store_load_fence()
-        for index in (left, self.arrive_at[self.rank], self.finish_at[self.rank]):
+        mine = (self.arrive_at, self.reduced_at, self.finish_at)
+        for index in (left, *(counter[self.rank] for counter in mine)):
             futex_wake(self._segment.address + 4 * index)
 
     def release(self) -> None:

@@ -239,10 +239,6 @@ class IntraNode(RootedOps):
         """Why collective `seq` has not completed: the peers that have not reached it."""
         return self._sync.diagnose(seq)
 
-    def abandon(self) -> None:
-        """Give up on the group here (see `Counters.abandon`)."""
-        self._sync.abandon()
-
     def _others(self) -> list[int]:
         return [p for p in range(self.size) if p != self.rank]
 

@@ -60,6 +60,7 @@ from ..protocol import (
     AbortNotice,
     Failure,
     Header,
+    blamed_message,
 )
 from .base import Transport
 from .conn import _CID, DISCARD, Conn
@@ -241,15 +242,8 @@ class TcpTransport(Transport):
         and its error says so rather than blaming a peer."""
         kind, origin, blamed = _FAILURE_KINDS[notice.code], notice.origin, notice.peers
         if blamed and self.rank in blamed:
-            others = [r for r in blamed if r != self.rank]
-            also = f" (with rank(s) {', '.join(map(str, others))})" if others else ""
-            return Failure(
-                kind,
-                f"the group was aborted by rank {origin}, which blames this rank{also}: "
-                f"{notice.reason}. This rank is the cause: find out why it was late or "
-                "stopped; the others give it up (re-form the group without it, or destroy "
-                "the group)",
-            )
+            others = tuple(r for r in blamed if r != self.rank)
+            return Failure(kind, blamed_message(origin, notice.reason, others))
         return Failure(
             kind, f"rank {origin} aborted the group: {notice.reason}", blamed or (origin,)
         )
