@@ -377,6 +377,43 @@ def test_launcher_report_names_the_trace_directory(tmp_path, log_dir):
     )
 
 
+def test_the_launcher_keeps_a_bounded_number_of_trace_folders(tmp_path, monkeypatch):
+    """Runs without --log_dir keep their traces in the temporary directory; an agent's
+    start removes this user's folders of ended agents beyond the newest TRACE_DIRS_KEPT,
+    never one of a running agent or anything else there."""
+    import tempfile
+
+    from distcomm.launch.agent.tempdir import TRACE_DIRS_KEPT, TRACE_PREFIX, prune_trace_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(ended.stdout)
+    folders = []
+    for i in range(TRACE_DIRS_KEPT + 5):
+        folder = tmp_path / f"{TRACE_PREFIX}run-{i}-{dead_pid}"
+        (folder / "attempt_0").mkdir(parents=True)
+        (folder / "attempt_0" / "rank-0.json").write_text("{}")
+        os.utime(folder, (1_000_000 + i, 1_000_000 + i))  # folder i is the i-th newest last
+        folders.append(folder)
+    running = tmp_path / f"{TRACE_PREFIX}oldest-{os.getpid()}"  # this process: running
+    running.mkdir()
+    os.utime(running, (1, 1))
+    other = tmp_path / "distcomm-traces-not-ours"  # no pid: not an agent's folder
+    other.mkdir()
+
+    removed = prune_trace_dirs()
+
+    assert sorted(removed) == sorted(str(f) for f in folders[:5])
+    assert [f.exists() for f in folders] == [False] * 5 + [True] * TRACE_DIRS_KEPT
+    assert running.exists() and other.exists()
+    assert prune_trace_dirs() == []
+
+
 MPI_WORKER = """
     import sys
     import numpy as np

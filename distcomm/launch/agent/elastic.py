@@ -83,7 +83,7 @@ from .round_sync import (
     depart,
     exit_barrier,
 )
-from .tempdir import inside, make_temp_dir, remove_stale_temp_dirs
+from .tempdir import inside, make_temp_dir, prune_trace_dirs, remove_stale_temp_dirs
 from .watch import RoundWatch, RunResult, next_step, slow_store
 from .worker_env import worker_specs
 
@@ -157,6 +157,7 @@ class ElasticAgent:
             if sig not in stopping:
                 previous[sig] = signal.signal(sig, self._forward_signal)
         remove_stale_temp_dirs()
+        prune_trace_dirs()
         self._tmp = make_temp_dir()
         try:
             if config.numa_binding is not None:

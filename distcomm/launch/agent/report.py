@@ -20,6 +20,7 @@ from ..errors import ChildFailedError, ProcessFailure
 from ..events import Event, EventSource, record
 from ..rendezvous import RendezvousInfo
 from .config import AgentConfig
+from .tempdir import TRACE_PREFIX
 from .watch import slow_store
 
 __all__ = [
@@ -204,14 +205,15 @@ def trace_dir(log_root: str, run_id: str, attempt: int) -> str:
 
     Under the agent's --log_dir directory (`<log_root>/traces/attempt_<k>`) when there is
     one; else `distcomm-traces-<run id>-<agent pid>/attempt_<k>` in the temporary
-    directory, which outlives the run (the agent's own temporary directory does not).
+    directory, which outlives the run (the agent's own temporary directory does not; the
+    newest TRACE_DIRS_KEPT of those of ended agents are kept: `prune_trace_dirs`).
     Nothing is created until a worker writes a trace.
     """
     if log_root:
         root = os.path.join(log_root, "traces")
     else:
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run_id)
-        root = os.path.join(tempfile.gettempdir(), f"distcomm-traces-{safe}-{os.getpid()}")
+        root = os.path.join(tempfile.gettempdir(), f"{TRACE_PREFIX}{safe}-{os.getpid()}")
     return os.path.join(root, f"attempt_{attempt}")
 
 
