@@ -47,11 +47,11 @@ def _mpi() -> dict[str, Any]:
 
 
 def _gpu() -> dict[str, Any]:
-    from .gpu.runtime import INSTALL_HINT, import_cupy
+    from .gpu.runtime import INSTALL_HINT, load_cupy
 
     try:
-        cupy = import_cupy("distcomm's GPU support", need_device=False)
-    except BackendUnavailableError as exc:  # not installed: the message says what to install
+        cupy = load_cupy()
+    except BackendUnavailableError as exc:  # the message says which case, and what to do
         return {"cupy": None, "why_not": str(exc)}
     except Exception as exc:  # a CUDA library that fails to load
         return {
@@ -204,6 +204,18 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def _backend_state(backend: Mapping[str, Any], gpu: Mapping[str, Any]) -> str:
+    """ "available", or "unavailable: why"; a why that repeats the GPU line's (the nccl
+    backend without CuPy) points there instead of saying it twice."""
+    if backend["available"]:
+        return "available"
+    why = str(backend["why_not"])
+    said = gpu.get("why_not") if not gpu.get("cupy") else None
+    if said and said in why:
+        why = why.replace(said, "").rstrip(" :;,.") + " (see GPU above)"
+    return f"unavailable: {why}"
+
+
 def render(info: Mapping[str, Any]) -> str:
     """The report as text, one `name: value` line each, grouped like torch's collect_env."""
     mpi, gpu, shm, th = info["mpi"], info["gpu"], info["shm"], info["threads"]
@@ -230,8 +242,7 @@ def render(info: Mapping[str, Any]) -> str:
         lines.append(f"GPU: {gpu['why_not']}")
     lines += ["", "Backends:"]
     for name, b in info["backends"].items():
-        state = "available" if b["available"] else f"unavailable: {b['why_not']}"
-        lines.append(f"  {name} ({', '.join(b['devices'])}): {state}")
+        lines.append(f"  {name} ({', '.join(b['devices'])}): {_backend_state(b, gpu)}")
     affinity = th["affinity"]
     lines += [
         "",

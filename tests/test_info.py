@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -50,9 +51,10 @@ def test_json_holds_the_same_facts():
     assert info["backends"]["tcp"] == {"devices": ["cpu"], "available": True, "why_not": None}
     assert info["backends"]["gloo"]["available"] is True
     nccl = info["backends"]["nccl"]
-    assert nccl["available"] is (info["gpu"]["cupy"] is not None and bool(info["gpu"]["devices"]))
+    # available where CuPy and its NCCL load, GPU or not (torch's is_nccl_available)
+    assert nccl["available"] is (info["gpu"].get("nccl") is not None)
     if not nccl["available"]:
-        assert "pip install" in nccl["why_not"]
+        assert nccl["why_not"].startswith("the nccl backend"), nccl
     assert info["distcomm_variables"] == {"DISTCOMM_GLOO_TRANSPORT": "tcp"}
     assert info["shm"]["total_bytes"] >= info["shm"]["free_bytes"] > 0
     assert info["threads"]["num_threads"] >= 1
@@ -95,3 +97,32 @@ def test_small_shm_is_shown_in_mib():
     assert "/dev/shm: 64 MiB total, 3 MiB free" in info.render(report)
     report["shm"] = {"path": "/dev/shm", "total_bytes": 12 << 30, "free_bytes": 11 << 30}
     assert "/dev/shm: 12.0 GiB total, 11.0 GiB free" in info.render(report)
+
+
+@pytest.mark.parametrize(
+    ("cupy_init", "sentence"),
+    [
+        (  # CuPy not installed
+            "raise ModuleNotFoundError(\"No module named 'cupy'\", name='cupy')\n",
+            "install the packages matching your CUDA version: pip install cupy-cuda12x",
+        ),
+        (  # installed, but its import fails: CuPy's without the NVIDIA driver
+            "raise ImportError('libcuda.so.1: cannot open shared object file')\n",
+            "fails to import (ImportError: libcuda.so.1: cannot open shared object file)",
+        ),
+    ],
+)
+def test_the_cupy_sentence_is_printed_once(tmp_path, cupy_init, sentence):
+    """The GPU line says why CuPy cannot be used; the nccl line points there."""
+    site = tmp_path / "site"
+    (site / "cupy").mkdir(parents=True)
+    (site / "cupy" / "__init__.py").write_text(cupy_init)
+    done = _info(PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), CUDA_VISIBLE_DEVICES="")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert text.count(sentence) == 1, text
+    (gpu,) = [line for line in text.splitlines() if line.startswith("GPU: ")]
+    assert sentence in gpu, text
+    assert "  nccl (cuda): unavailable: the nccl backend needs CuPy (see GPU above)\n" in text
+    report = json.loads(_info("--json", PYTHONPATH=os.pathsep.join([str(site), str(REPO)])).stdout)
+    assert sentence in report["backends"]["nccl"]["why_not"]  # the JSON keeps it whole

@@ -91,23 +91,33 @@ def test_init_takes_rank_and_size_from_mpi(tmp_path):
     assert rows == [(r, 3, r, 3, "mpi", 3.0) for r in range(3)], done.stdout
 
 
-def test_world_size_disagreeing_with_mpi_is_an_error(tmp_path):
+def test_world_size_disagreeing_with_mpi_is_ignored_with_torchs_warning(tmp_path):
+    """As torch's mpi backend: a rank or world size given under mpiexec is ignored, with a
+    warning, and MPI's are used."""
     script = _script(
         tmp_path,
         """
+        import warnings
         from mpi4py import MPI
         import distcomm as dist
-        try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             dist.init_process_group("mpi", world_size=5)
-        except ValueError as exc:
-            with open(f"{__file__}.{MPI.COMM_WORLD.rank}", "w") as out:
-                out.write(str(exc))
+        row = (dist.get_rank(), dist.get_world_size(), [str(w.message) for w in seen])
+        dist.destroy_process_group()
+        with open(f"{__file__}.{MPI.COMM_WORLD.rank}", "w") as out:
+            out.write(repr(row))
     """,
     )
     done = mpiexec(2, sys.executable, script, timeout=120)
     assert done.returncode == 0, done.stderr
-    errors = [Path(f"{script}.{r}").read_text() for r in range(2)]
-    assert all("world_size=5" in e and "says 2" in e for e in errors), errors
+    rows = [eval(Path(f"{script}.{r}").read_text()) for r in range(2)]
+    assert [row[:2] for row in rows] == [(0, 2), (1, 2)], rows
+    for _, _, messages in rows:
+        assert any(
+            "For MPI backend, world_size (5)" in m and "world size 2 from MPI.COMM_WORLD" in m
+            for m in messages
+        ), messages
 
 
 def test_a_rank_that_never_arrives_aborts_the_job(tmp_path):

@@ -94,7 +94,10 @@ class NcclBackend(NcclPointToPoint, NcclCommunicator, Backend):
         """Why CuPy's NCCL cannot run here ('' if it can). Like torch's
         `is_nccl_available()`, it asks only whether CuPy and the NCCL library are there,
         never CUDA, so asking does not initialise CUDA (a process forked after that cannot
-        use it); a missing GPU is reported when the backend is made."""
+        use it); a missing GPU is reported when the backend is made. Where CuPy fails to
+        import or its NCCL is missing, the reason also says whether the driver (NVML, which
+        does not initialise CUDA) shows a GPU: on a host without one it says that, not
+        what to install (`distcomm.gpu.runtime.load_cupy`, `distcomm.gpu.nccl`)."""
         try:
             nccl_types.import_nccl(need_device=False)
         except BackendUnavailableError as exc:

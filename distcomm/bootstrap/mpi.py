@@ -24,7 +24,8 @@ one, when the launcher's PMI never reached mpi4py's MPI (plain srun with MpiDefa
 or the launcher belongs to another MPI library. The error names both sizes and the remedy.
 `world_mpi` loads mpi4py for the backend and runs that check; `world_rendezvous` is what
 `init_process_group("mpi")` without a store or init_method uses: rank and world size from
-MPI.COMM_WORLD, and a process-local store (the mpi backend needs none).
+MPI.COMM_WORLD (a rank or world_size given is ignored with torch's warning), and a
+process-local store (the mpi backend needs none).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import ipaddress
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -341,19 +343,25 @@ def world_rendezvous(rank: int, world_size: int) -> Rendezvous:
     """Rank and world size from MPI.COMM_WORLD, with a process-local store: the world of
     `init_process_group("mpi")` given neither a store nor an init_method.
 
+    A `rank` or `world_size` given (anything but -1 or None) is ignored with torch's
+    warning for the mpi backend, which this one extends with what MPI assigned: the
+    tutorial recipe ``init_process_group("mpi", rank=0, world_size=0)`` runs under mpiexec
+    as it does with torch.
+
+    Warns:
+        UserWarning: `rank` or `world_size` was given; it names what MPI.COMM_WORLD says.
+
     Raises:
-        ValueError: `rank` or `world_size` was given and disagrees with MPI's.
         BackendUnavailableError, DistBackendError: as `world_mpi`.
     """
     world = world_mpi().COMM_WORLD
-    for name, given, actual in (
-        ("world_size", world_size, world.size),
-        ("rank", rank, world.rank),
-    ):
-        if given not in (-1, None) and given != actual:
-            raise ValueError(
-                f"init_process_group('mpi'): {name}={given} but MPI.COMM_WORLD says "
-                f"{actual}; leave {name} out under mpiexec/srun (MPI gives it), or start the "
-                "job with the matching number of processes"
-            )
+    if rank not in (-1, None) or world_size not in (-1, None):
+        warnings.warn(
+            f"For MPI backend, world_size ({world_size}) and rank ({rank}) are ignored "
+            f"since they are assigned by the MPI runtime. distcomm uses rank {world.rank} "
+            f"and world size {world.size} from MPI.COMM_WORLD; leave rank and world_size "
+            f"out to silence this warning",
+            UserWarning,
+            stacklevel=3,  # the caller of init_process_group
+        )
     return Rendezvous(HashStore(), world.rank, world.size, source="MPI.COMM_WORLD")

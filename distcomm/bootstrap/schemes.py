@@ -19,7 +19,15 @@ from collections.abc import Mapping
 
 from .. import config
 from ..errors import DistStoreError
-from ..launcher_env import RANK_VARIABLES, SIZE_VARIABLES, EnvInfo, describe, detect
+from ..launcher_env import (
+    RANK_VARIABLES,
+    SIZE_VARIABLES,
+    EnvInfo,
+    describe,
+    detect,
+    elastic_launched,
+    mpi_launched,
+)
 from ..net import format_address, is_loopback
 from ..store import FileStore
 from .base import InitMethod, Rendezvous
@@ -27,7 +35,17 @@ from .mpi import bootstrap_if_launched
 from .stores import open_store, open_tcp_store
 from .urls import parse_init_method, register_rendezvous_handler
 
-__all__ = ["loopback_warning", "require"]
+__all__ = ["loopback_warning", "require", "unlaunched_hint"]
+
+#: env://'s variable for each value, in the order torch's env:// handler reads them
+_ENV_VARIABLES = (
+    ("rank", "RANK"),
+    ("world_size", "WORLD_SIZE"),
+    ("master_addr", "MASTER_ADDR"),
+    ("master_port", "MASTER_PORT"),
+)
+#: what Slurm gives every process of a job (srun's tasks and the batch script alike)
+_SLURM_MARKS = ("SLURM_JOB_ID", "SLURM_PROCID")
 
 
 def _given(
@@ -86,6 +104,37 @@ def require(info: EnvInfo, name: str, hint: str = "") -> object:
     raise ValueError(message + hint)
 
 
+def unlaunched_hint(info: EnvInfo, environ: Mapping[str, str], name: str) -> str:
+    """What an env:// error adds when the value `name` is found nowhere and no launcher
+    started this process: torch's sentence for the variable, and how to start the job.
+
+    A launcher is distcomm-run or torchrun (TORCHELASTIC_RUN_ID), an MPI launcher
+    (`launcher_env.mpi_launched`) or Slurm (SLURM_JOB_ID or SLURM_PROCID); RANK and the
+    other torch-style variables alone are not one, since a user may set some by hand.
+
+    Returns:
+        The text to append to `require`'s message, or "" under a launcher (whose own
+        variables the message names already).
+    """
+    if (
+        elastic_launched(environ)
+        or mpi_launched(environ)
+        or any(environ.get(var, "").strip() for var in _SLURM_MARKS)
+    ):
+        return ""
+    variable = dict(_ENV_VARIABLES)[name]
+    missing = [var for key, var in _ENV_VARIABLES if getattr(info, key, None) is None]
+    listed = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else variable
+    return (
+        f". env:// rendezvous: environment variable {variable} expected, but not set, and "
+        f"no launcher started this process: start it with "
+        f"`distcomm-run --nproc_per_node=N script.py`, `mpiexec -n N python script.py` or "
+        f"`srun -n N python script.py`, or set {listed}; a single process also runs "
+        f"with init_process_group(rank=0, world_size=1, "
+        f"init_method='tcp://127.0.0.1:29500') or init_method='file:///tmp/NAME'"
+    )
+
+
 def _locate(
     url: str,
     rank: int | None,
@@ -102,8 +151,11 @@ def _locate(
     """
     method = parse_init_method(url)
     info = detect(environ, _given(method, rank, world_size), with_master)
-    the_rank = int(require(info, "rank"))  # type: ignore[call-overload]
-    size = int(require(info, "world_size"))  # type: ignore[call-overload]
+    values = []
+    for name in ("rank", "world_size"):
+        hint = unlaunched_hint(info, environ, name) if method.scheme == "env" else ""
+        values.append(int(require(info, name, hint)))  # type: ignore[call-overload]
+    the_rank, size = values
     return method, info, the_rank, size, f"[rank {the_rank}/{size}] {method.scheme}:// rendezvous"
 
 
@@ -175,8 +227,12 @@ def address_rendezvous(
         if isinstance(shared, Rendezvous):
             return shared
         hint = shared
-    host = str(require(info, "master_addr", hint))
-    port = int(require(info, "master_port", hint))  # type: ignore[call-overload]
+    hints = {
+        name: hint + (unlaunched_hint(info, environ, name) if method.scheme == "env" else "")
+        for name in ("master_addr", "master_port")
+    }
+    host = str(require(info, "master_addr", hints["master_addr"]))
+    port = int(require(info, "master_port", hints["master_port"]))  # type: ignore[call-overload]
     origin = (
         f"address from {describe(str(info.source_of('master_addr')))}, port from "
         f"{describe(str(info.source_of('master_port')))}"

@@ -29,6 +29,7 @@ import numpy as np
 from .. import config
 from ..errors import BackendUnavailableError
 from ..ops import NCCL_OP_NAMES, ReduceOp
+from . import runtime
 from .runtime import INSTALL_HINT, import_cupy
 
 __all__ = [
@@ -103,10 +104,10 @@ def import_nccl(*, need_device: bool = True) -> tuple[Any, tuple[int, int, int]]
     Raises:
         BackendUnavailableError: CuPy, a device (`need_device`), nccl4py (when chosen) or
             the NCCL library is missing, NCCL is older than 2.7, or DISTCOMM_NCCL_BINDINGS
-            names no bindings; the message says what to install or set.
+            names no bindings; the message says what to install or set (`_nccl_missing`).
     """
     bindings = bindings_choice()
-    import_cupy("the nccl backend", need_device=need_device)
+    cupy = import_cupy("the nccl backend", need_device=need_device)
     nccl: Any
     if bindings == "nccl4py":
         from . import nccl4py as nccl
@@ -117,13 +118,12 @@ def import_nccl(*, need_device: bool = True) -> tuple[Any, tuple[int, int, int]]
             from cupy.cuda import nccl
         except ImportError as exc:
             raise BackendUnavailableError(
-                f"the nccl backend: CuPy's NCCL bindings failed to import ({exc}); {INSTALL_HINT}"
+                _nccl_missing(cupy, f"cupy.cuda.nccl fails to import ({exc})", need_device)
             ) from exc
     if not getattr(nccl, "available", False):
+        bindings_module = "nccl4py" if bindings == "nccl4py" else "cupy.cuda.nccl"
         raise BackendUnavailableError(
-            "the nccl backend: CuPy is installed but found no NCCL library; install the "
-            "NCCL wheel for your CUDA version: pip install nvidia-nccl-cu12 (CUDA 12) or "
-            "pip install nvidia-nccl-cu13 (CUDA 13)"
+            _nccl_missing(cupy, f"{bindings_module} found no NCCL library", need_device)
         )
     try:
         version = parse_version(int(nccl.get_version()))
@@ -145,6 +145,24 @@ def import_nccl(*, need_device: bool = True) -> tuple[Any, tuple[int, int, int]]
             f"{_text(version)}); install a newer CuPy: {INSTALL_HINT}"
         )
     return nccl, version
+
+
+def _nccl_missing(cupy: Any, what: str, device_checked: bool) -> str:
+    """Why the nccl backend cannot run where CuPy imports but its NCCL does not load
+    (`what`): no GPU first, where none is visible (installing NCCL would not help then),
+    else the NCCL wheel to install. `device_checked`: CUDA saw a device already."""
+    installed = f"CuPy {getattr(cupy, '__version__', '?')} is installed"
+    absent = "" if device_checked else runtime.no_gpu_reason()
+    if absent:
+        return (
+            f"the nccl backend: {installed} but no GPU is visible to this process ({absent}), "
+            f"and {what}. {runtime.no_gpu_remedy()}; on a host with a GPU, install NCCL: "
+            f"{runtime.nccl_install_hint()}"
+        )
+    return (
+        f"the nccl backend: {installed} but its NCCL bindings are not available: {what}; "
+        f"install the NCCL wheel for your CUDA version: {runtime.nccl_install_hint()}"
+    )
 
 
 def bindings_choice() -> str:

@@ -3,6 +3,11 @@
 Nothing here imports CuPy at module import. `device_count()` and `is_available()` never
 raise (0 and False without CuPy, a driver or a device), as torch.cuda's do; everything
 that needs a device raises `BackendUnavailableError` naming what to install or check.
+Those messages tell three cases apart: CuPy not installed (what to install); CuPy
+installed but failing to import, or importing but finding no GPU (the error, the
+CUDA_VISIBLE_DEVICES set, `python -m distcomm.info`, the gloo backend for CPU arrays:
+installing CuPy again would not help); and, in `distcomm.gpu.nccl`, CuPy without its
+NCCL library (the NCCL wheel to install).
 
 CUDA and fork: the first CUDA call of a process initialises the driver (cuInit), and a
 process forked after that cannot use CUDA. `device_count()` and `is_available()` ask
@@ -19,7 +24,9 @@ launcher sets it, one worker per GPU) and CUDA's current device otherwise.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterable, Iterator
@@ -41,6 +48,10 @@ __all__ = [
     "import_cupy",
     "is_available",
     "is_cupy_array",
+    "load_cupy",
+    "nccl_install_hint",
+    "no_gpu_reason",
+    "no_gpu_remedy",
     "set_device",
     "synchronize",
     "synchronize_arrays",
@@ -68,6 +79,120 @@ def is_cupy_array(obj: Any) -> bool:
     return isinstance(ndarray, type) and isinstance(obj, ndarray)
 
 
+def _installed_cupy() -> str | None:
+    """The CuPy distribution installed beside the `cupy` package, as "13.3.0
+    (cupy-cuda12x)", from the name of its .dist-info folder: found without importing CuPy
+    and without reading every distribution's metadata. None where there is none."""
+    try:
+        spec = importlib.util.find_spec("cupy")
+    except (ImportError, ValueError):  # a cupy entry of None in sys.modules
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    site = os.path.dirname(os.path.abspath(next(iter(spec.submodule_search_locations))))
+    try:
+        entries = sorted(os.listdir(site))
+    except OSError:
+        return None
+    for entry in entries:
+        found = re.fullmatch(r"(cupy(?:_[a-z0-9_]+)?)-([^-]+)\.dist-info", entry, re.IGNORECASE)
+        if found:
+            return f"{found.group(2)} ({found.group(1).replace('_', '-').lower()})"
+    return None
+
+
+def _first_cause(exc: BaseException) -> str:
+    """An import error in one line: the "Original error:" line of CuPy's banner ("Failed
+    to import CuPy. ..."), else the first line of the message, after the type."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip(" =")]
+    if "Original error:" in lines[:-1]:
+        return lines[lines.index("Original error:") + 1]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _visible_devices_note() -> str:
+    """ "; CUDA_VISIBLE_DEVICES=''" where the variable is set, for no-GPU messages."""
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "" if text is None else f"; CUDA_VISIBLE_DEVICES={text!r}"
+
+
+def no_gpu_remedy() -> str:
+    """What to do where CuPy finds no GPU: the checks, distcomm.info, and gloo for CPU
+    arrays (the sentence that ends the no-GPU messages)."""
+    return (
+        "Check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES, run `python -m "
+        "distcomm.info` to see what distcomm found, and use the gloo backend for numpy "
+        "(CPU) arrays"
+    )
+
+
+def no_gpu_reason() -> str:
+    """Why no GPU is visible to this process ("" when one is), with CUDA_VISIBLE_DEVICES
+    where it is set, found without initialising CUDA (safe before a fork, as
+    `device_visible` is): CUDA's device count where this process initialised CUDA
+    already, else NVML's GPUs under CUDA_VISIBLE_DEVICES."""
+    if cuda_initialized():
+        return "" if device_count() > 0 else f"CUDA reports no device{_visible_devices_note()}"
+    listed = _nvml_device_count()
+    if listed is None:
+        why = "no NVIDIA driver answers: libnvidia-ml.so.1 does not load or start"
+    elif listed == 0:
+        why = "the NVIDIA driver lists no GPU"
+    elif _visible(listed) == 0:
+        text = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return f"CUDA_VISIBLE_DEVICES={text!r} hides the {listed} GPU(s) the driver lists"
+    else:
+        return ""
+    return why + _visible_devices_note()
+
+
+def nccl_install_hint() -> str:
+    """The pip command that installs NCCL for the installed CuPy's CUDA version (both
+    CUDA 12's and 13's where the CuPy distribution does not name one)."""
+    match = re.search(r"\(cupy-cuda(\d+)x\)", _installed_cupy() or "")
+    if match:
+        return f"pip install nvidia-nccl-cu{match.group(1)}"
+    return "pip install nvidia-nccl-cu12 (CUDA 12) or pip install nvidia-nccl-cu13 (CUDA 13)"
+
+
+def load_cupy() -> Any:
+    """Import CuPy; no device is looked for.
+
+    Returns:
+        The `cupy` module.
+
+    Raises:
+        BackendUnavailableError: CuPy cannot be imported; the message says which case:
+            not installed (what to install), or installed but failing to import (its
+            error and, where no GPU is visible, that: CuPy's import needs the NVIDIA
+            driver's libcuda, which a host without a GPU lacks).
+    """
+    try:
+        import cupy
+    except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "cupy":
+            raise BackendUnavailableError(
+                f"CuPy is not installed ({exc}): install the packages matching your CUDA "
+                f"version: {INSTALL_HINT}"
+            ) from exc
+        installed = _installed_cupy()
+        head = (
+            f"CuPy {installed + ' ' if installed else ''}is installed but fails to import "
+            f"({_first_cause(exc)})"
+        )
+        absent = no_gpu_reason()
+        if absent:
+            raise BackendUnavailableError(
+                f"{head}: no GPU is visible to this process ({absent}). {no_gpu_remedy()}"
+            ) from exc
+        raise BackendUnavailableError(
+            f"{head}: reinstall the CuPy wheel that matches this host's CUDA version "
+            f"({INSTALL_HINT}), or put its CUDA libraries on LD_LIBRARY_PATH; run "
+            "`python -m distcomm.info` to see what distcomm found"
+        ) from exc
+    return cupy
+
+
 def import_cupy(purpose: str = "the GPU path", *, need_device: bool = True) -> Any:
     """Import CuPy and, unless `need_device` is False, check that CUDA sees a device.
 
@@ -78,29 +203,30 @@ def import_cupy(purpose: str = "the GPU path", *, need_device: bool = True) -> A
         The `cupy` module.
 
     Raises:
-        BackendUnavailableError: CuPy is not installed, or CUDA reports no usable device
-            (no driver, a driver too old for the CUDA runtime, CUDA_VISIBLE_DEVICES empty).
+        BackendUnavailableError: CuPy is not installed or fails to import (`load_cupy`),
+            or CUDA reports no usable device (no driver, a driver too old for the CUDA
+            runtime, CUDA_VISIBLE_DEVICES empty); the message says which, and what to do.
     """
     try:
-        import cupy
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"{purpose} needs CuPy, which failed to import ({exc}); install the packages "
-            f"matching your CUDA version: {INSTALL_HINT}"
-        ) from exc
+        cupy = load_cupy()
+    except BackendUnavailableError as exc:
+        raise BackendUnavailableError(f"{purpose} needs CuPy: {exc}") from exc.__cause__
     if not need_device:
         return cupy
+    version = getattr(cupy, "__version__", "?")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError: no device, no driver, driver too old
         raise BackendUnavailableError(
-            f"{purpose}: CuPy is installed but CUDA reports no usable device ({exc}); check "
-            "the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+            f"{purpose}: CuPy is installed but CUDA reports no usable device ({exc}): no "
+            f"GPU is visible to this process (CuPy {version}{_visible_devices_note()}). "
+            f"{no_gpu_remedy()}"
         ) from exc
     if count < 1:
         raise BackendUnavailableError(
             f"{purpose}: CuPy is installed but CUDA reports no device (cudaGetDeviceCount() "
-            "= 0); check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+            f"= 0): no GPU is visible to this process (CuPy {version}"
+            f"{_visible_devices_note()}). {no_gpu_remedy()}"
         )
     return cupy
 
