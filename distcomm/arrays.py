@@ -1,4 +1,4 @@
-"""Array adaptation: which arrays collectives accept, their device, dtype codes and flat views."""
+"""Array adaptation: which arrays (and buffers) ops accept, devices, dtype codes, flat views."""
 
 from __future__ import annotations
 
@@ -111,16 +111,84 @@ def _scalar_message(obj: Any, where: str, name: str, writable: bool) -> str:
     )
 
 
-def adapt(obj: Any, where: str, name: str, *, writable: bool) -> Any:
+def _buffer_view(obj: Any) -> memoryview | None:
+    """`obj`'s memory as a memoryview if it exports the buffer protocol, else None."""
+    try:
+        return memoryview(obj)
+    except TypeError:
+        return None
+
+
+def _from_buffer(obj: Any, view: memoryview, where: str, name: str, writable: bool) -> Any:
+    """A buffer-protocol object (bytes, bytearray, memoryview, mmap, array.array) as a
+    zero-copy numpy view: untyped bytes (format "B" or "c") as uint8, a typed buffer
+    (array.array("d"), memoryview.cast("i")) as the dtype of its format."""
+    kind = type(obj).__name__
+    message = None
+    if not view.c_contiguous:
+        message = (
+            f"{where}: {name} is a non-contiguous {kind}, and {where} uses its memory as one "
+            f"block; pass a contiguous copy: bytes({name}), or numpy.ascontiguousarray({name})"
+            " (numpy.frombuffer(buffer, dtype=...) views a contiguous buffer as an array)"
+        )
+    elif writable and view.readonly:
+        message = (
+            f"{where}: {name} is a read-only {kind}, but {where} writes what it receives into "
+            "it; pass a writable buffer of the sender's size and element type: a bytearray, "
+            "an mmap opened for writing, or a writable numpy array (numpy.empty(n, dtype), "
+            "numpy.frombuffer(bytearray(nbytes), dtype=...))"
+        )
+    if message is not None:
+        view.release()  # the caller may resize or close it while the error is kept
+        raise ValueError(message)
+    form = view.format
+    try:
+        array = np.asarray(view)
+    except (TypeError, ValueError) as exc:
+        view.release()
+        raise TypeError(
+            f"{where}: {name} is a {kind} of buffer format {form!r}, which numpy cannot "
+            f"read ({exc}); view its memory as an array with numpy.frombuffer({name}, "
+            "dtype=...)"
+        ) from exc
+    return array.view(np.uint8) if form == "c" else array
+
+
+def _not_an_array(obj: Any, is_buffer: bool, where: str, name: str, buffers: bool) -> str:
+    """Why `obj` is no array argument of `where`, and what to pass instead."""
+    kind = type(obj).__name__
+    if buffers:
+        return (
+            f"{where}: {name} must be a numpy.ndarray or cupy.ndarray, an object with "
+            "__dlpack__, or a contiguous buffer (bytes, bytearray, memoryview, mmap, "
+            f"array.array), got {kind}; make an array of it with numpy.asarray({name}), or "
+            "view a buffer's memory as one with numpy.frombuffer(buffer, dtype=...)"
+        )
+    message = (
+        f"{where}: {name} must be a numpy.ndarray or cupy.ndarray (or expose __dlpack__), "
+        f"got {kind}"
+    )
+    if is_buffer:  # collectives take arrays; point-to-point also takes buffers
+        message += (
+            f"; view its memory as an array with numpy.frombuffer({name}, dtype=...) (no "
+            "copy; a writable array needs a writable buffer, such as a bytearray)"
+        )
+    return message
+
+
+def adapt(obj: Any, where: str, name: str, *, writable: bool, buffers: bool = False) -> Any:
     """Check that `obj` is an array a collective can use in place, and return it as one.
 
     numpy and CuPy arrays are returned as they are; other objects with `__dlpack__`
-    (a CPU torch tensor, say) as a zero-copy numpy (or CuPy) view.
+    (a CPU torch tensor, say) as a zero-copy numpy (or CuPy) view; with `buffers`, a
+    contiguous buffer-protocol object as a zero-copy numpy view (`_from_buffer`).
 
     Args:
         where: the calling function, for messages ("all_reduce").
         name: the argument's name, for messages ("tensor").
         writable: the operation writes into the array.
+        buffers: buffer-protocol objects are accepted (point-to-point, as mpi4py's
+            `Send`/`Recv` take them); else they are refused, naming `numpy.frombuffer`.
 
     Raises:
         TypeError: not an array (a numpy or Python scalar: the message says so), or an
@@ -134,10 +202,12 @@ def adapt(obj: Any, where: str, name: str, *, writable: bool) -> Any:
     elif isinstance(obj, (np.generic, numbers.Number)):
         raise TypeError(_scalar_message(obj, where, name, writable))
     else:
-        raise TypeError(
-            f"{where}: {name} must be a numpy.ndarray or cupy.ndarray (or expose __dlpack__), "
-            f"got {type(obj).__name__}"
-        )
+        view = _buffer_view(obj)
+        if view is None or not buffers:
+            if view is not None:
+                view.release()
+            raise TypeError(_not_an_array(obj, view is not None, where, name, buffers))
+        array = _from_buffer(obj, view, where, name, writable)
     dtype = array.dtype
     if dtype not in _CODES:
         if dtype.kind in "biufc" and not dtype.isnative:

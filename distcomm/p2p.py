@@ -6,6 +6,13 @@ the group's flight recorder and posted on the backend of its array's device. Eac
 batch_isend_irecv takes `timeout=` (seconds or a timedelta): it bounds that call alone, as
 for the collectives (`distcomm.collectives`); a receive that times out is cancelled where
 the backend can (tcp, gloo), else the group is aborted.
+
+Beyond torch (whose functions take tensors), each also takes a C-contiguous buffer-protocol
+object (bytes, bytearray, memoryview, mmap, array.array), as mpi4py's `Send`/`Recv` do,
+through a zero-copy numpy view: untyped bytes as uint8, a typed buffer (array.array("d"))
+as its format's dtype. A send only reads it, so bytes and read-only views do; a receive
+writes it, so it must be writable. As for arrays, the receiver's dtype and element count
+must be the sender's: bytes sent arrive in a bytearray or uint8 array of as many bytes.
 """
 
 from __future__ import annotations
@@ -64,17 +71,26 @@ class _Posting:
 
 
 def _sending(
-    tensor: Any, dst: int | None, group: ProcessGroup | None, tag: int, group_dst: int | None
+    tensor: Any,
+    dst: int | None,
+    group: ProcessGroup | None,
+    tag: int,
+    group_dst: int | None,
+    where: str = "isend",
 ) -> _Posting:
-    """Validate an isend (its messages say "isend")."""
-    pg = resolve(group, "isend")
-    tag = check_tag(tag, "isend")
-    array = adapt(tensor, "isend", "tensor", writable=False)
-    peer = rank_arg(pg, dst, group_dst, "isend", "dst")
-    backend = pg.backend_for(array, "isend")
+    """Validate a send; its messages name `where`, the function the caller called.
+
+    `tensor` may also be a contiguous buffer-protocol object (bytes, memoryview, ...):
+    a send only reads it.
+    """
+    pg = resolve(group, where)
+    tag = check_tag(tag, where)
+    array = adapt(tensor, where, "tensor", writable=False, buffers=True)
+    peer = rank_arg(pg, dst, group_dst, where, "dst")
+    backend = pg.backend_for(array, where)
     if peer == pg.rank():
         raise ValueError(
-            f"isend: dst {pg.ranks[peer]} is this process itself; send to another rank"
+            f"{where}: dst {pg.ranks[peer]} is this process itself; send to another rank"
         )
     return _Posting(
         pg, "send", tensor, array, backend, peer, lambda: backend.send(flat(array), peer, tag)
@@ -82,19 +98,27 @@ def _sending(
 
 
 def _receiving(
-    tensor: Any, src: int | None, group: ProcessGroup | None, tag: int, group_src: int | None
+    tensor: Any,
+    src: int | None,
+    group: ProcessGroup | None,
+    tag: int,
+    group_src: int | None,
+    where: str = "irecv",
 ) -> _Posting:
-    """Validate an irecv (its messages say "irecv")."""
-    pg = resolve(group, "irecv")
-    tag = check_tag(tag, "irecv")
-    array = adapt(tensor, "irecv", "tensor", writable=True)
-    backend = pg.backend_for(array, "irecv")
+    """Validate a receive; its messages name `where`, the function the caller called.
+
+    `tensor` may also be a writable contiguous buffer-protocol object (bytearray, ...).
+    """
+    pg = resolve(group, where)
+    tag = check_tag(tag, where)
+    array = adapt(tensor, where, "tensor", writable=True, buffers=True)
+    backend = pg.backend_for(array, where)
     peer = None
     if src is not None or group_src is not None:
-        peer = rank_arg(pg, src, group_src, "irecv", "src")
+        peer = rank_arg(pg, src, group_src, where, "src")
         if peer == pg.rank():
             raise ValueError(
-                f"irecv: src {pg.ranks[peer]} is this process itself; receive from another rank"
+                f"{where}: src {pg.ranks[peer]} is this process itself; receive from another rank"
             )
     return _Posting(
         pg, "recv", tensor, array, backend, peer, lambda: backend.recv(flat(array), peer, tag)
@@ -114,6 +138,8 @@ def isend(
     rank outside `group`).
 
     Args:
+        tensor: an array, or a contiguous buffer (bytes, bytearray, memoryview, mmap,
+            array.array), which must not change until the Work completes.
         timeout: seconds or timedelta that the Work's `wait()` waits at most (default:
             the group's timeout); on expiry the group is aborted.
     """
@@ -138,6 +164,8 @@ def irecv(
     (None on a rank outside `group`).
 
     Args:
+        tensor: an array, or a writable contiguous buffer (bytearray, a writable
+            memoryview or mmap, array.array) of the sender's dtype and size.
         timeout: seconds or timedelta that the Work's `wait()` waits at most (default:
             the group's timeout); on expiry the receive is cancelled (tcp, gloo) or the
             group aborted.
@@ -162,12 +190,14 @@ def send(
     """Send `tensor` to `dst`, blocking until it is handed to the transport.
 
     Args:
+        tensor: an array, or a contiguous buffer (bytes, bytearray, memoryview, mmap,
+            array.array).
         timeout: seconds or timedelta this call waits at most (default: the group's
             timeout); on expiry the group is aborted and `DistTimeoutError` raised.
     """
     if outside(group, "isend"):  # torch's send is an isend, and warns so
         return
-    posting = _sending(tensor, dst, group, tag, group_dst)
+    posting = _sending(tensor, dst, group, tag, group_dst, "send")
     if timeout is not None:
         timed(posting.group, timeout, "send", False, posting.post)
         return
@@ -187,13 +217,15 @@ def recv(
     (-1 on a rank outside `group`).
 
     Args:
+        tensor: an array, or a writable contiguous buffer (bytearray, a writable
+            memoryview or mmap, array.array) of the sender's dtype and size.
         timeout: seconds or timedelta this call waits at most (default: the group's
             timeout); on expiry the receive is cancelled (tcp, gloo) or the group aborted,
             and `DistTimeoutError` raised.
     """
     if outside(group, "irecv"):  # torch's recv is an irecv, and warns so
         return -1
-    posting = _receiving(tensor, src, group, tag, group_src)
+    posting = _receiving(tensor, src, group, tag, group_src, "recv")
     # validated before the receive is posted; passed explicitly, since a device Work's
     # plain wait() only orders a stream
     seconds = None if timeout is None else op_timeout(timeout, posting.group, "recv")
@@ -207,7 +239,8 @@ class P2POp:
 
     Args:
         op: `distcomm.isend` or `distcomm.irecv`.
-        tensor: the array to send or receive into.
+        tensor: the array (or buffer, as `isend` and `irecv` take) to send or receive
+            into.
         peer: the other side's global rank (or `group_peer`, its rank within `group`).
     """
 
