@@ -160,7 +160,9 @@ def test_the_command_reports_and_exits_with_a_status(tmp_path):
     assert "Traceback" not in res.stderr, res.stderr
     res = run_launcher(["--nproc-per-node=unknown", str(bad)], tmp_path)
     assert res.returncode == 2
-    assert "error: --nproc_per_node='unknown'" in res.stderr
+    assert (
+        "error: Unsupported nproc_per_node value: unknown. --nproc_per_node='unknown'" in res.stderr
+    )
     assert "Traceback" not in res.stderr, res.stderr
 
 
@@ -244,7 +246,7 @@ def test_flag_messages_carry_torchs_key_phrases(monkeypatch):
     text = message(launch.parse_min_max_nnodes, "2:20:30")
     assert 'not in "MIN:MAX" format' in text and "1:4" in text
     text = message(launch.parse_min_max_nnodes, "4:2")
-    assert "min_nodes must be > 0 and <= max_nodes" in text and "--nnodes='4:2'" in text
+    assert "min_nodes must be > 0 and <= max_nodes" in text and "nnodes='4:2'" in text
     text = message(launch.determine_local_world_size, "unknown")
     assert "unsupported nproc_per_node value" in text.lower() and "'auto'" in text
     monkeypatch.setattr(flag_values, "_gpu_count", lambda: 0)

@@ -44,8 +44,10 @@ from .events import get_event_handler
 from .flag_values import START_METHODS, parse_signals
 from .logs_specs import DefaultLogsSpecs, LogsSpecs
 from .numa import NumaOptions
+from .rendezvous.api import check_node_counts
 from .rendezvous.backends import parse_endpoint
 from .rendezvous.settings import effective_backend
+from .wording import torch_message
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent", "run_agent"]
 
@@ -156,15 +158,30 @@ def _entrypoint_name(entrypoint: Callable[..., Any] | str | None, args: list[Any
 
 
 def _static_address(config: LaunchConfig) -> tuple[str, int]:
+    """Node 0's (host, port) from rdzv_endpoint, with torch's launcher's sentences.
+
+    Raises:
+        ValueError: no endpoint, or one without a port.
+    """
     endpoint = config.rdzv_endpoint.strip()
     if not endpoint:
         raise ValueError(
-            "rdzv_backend='static' needs rdzv_endpoint='HOST:PORT' of node 0 (port 0 for "
-            "a free port when max_nodes is 1)"
+            torch_message(
+                "Endpoint is missing in endpoint. Try to add --master-addr and --master-port",
+                f"LaunchConfig(rdzv_endpoint={config.rdzv_endpoint!r})",
+                "rdzv_backend='static' needs rdzv_endpoint='HOST:PORT' of node 0 (port 0 for "
+                "a free port when max_nodes is 1)",
+            )
         )
     host, port = parse_endpoint(endpoint, -1)
     if port == -1:
-        raise ValueError(f"rdzv_endpoint={endpoint!r} has no port: give 'HOST:PORT'")
+        raise ValueError(
+            torch_message(
+                f"port is missing in endpoint: {endpoint}. Try to specify --master-port",
+                f"LaunchConfig(rdzv_endpoint={config.rdzv_endpoint!r})",
+                "give node 0's 'HOST:PORT'",
+            )
+        )
     return host, port
 
 
@@ -191,11 +208,7 @@ def to_agent_config(config: LaunchConfig, command: list[str], name: str) -> Agen
         value = getattr(config, field_name)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"LaunchConfig.{field_name} must be an integer, got {value!r}")
-    if not 0 < config.min_nodes <= config.max_nodes:
-        raise ValueError(
-            f"LaunchConfig needs 0 < min_nodes <= max_nodes, got min_nodes="
-            f"{config.min_nodes}, max_nodes={config.max_nodes}"
-        )
+    check_node_counts(config.min_nodes, config.max_nodes)  # torch's RendezvousParameters's
     if config.nproc_per_node < 1:
         raise ValueError(f"LaunchConfig.nproc_per_node must be >= 1, got {config.nproc_per_node}")
     if config.max_restarts < 0:

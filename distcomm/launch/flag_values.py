@@ -9,11 +9,13 @@ import signal
 from collections.abc import Sequence
 
 from .agent.config import DEFAULT_SIGNALS_TO_HANDLE, FORWARDED_SIGNALS
+from .wording import given, torch_message
 
 __all__ = [
     "RDZV_BACKENDS",
     "START_METHODS",
     "NnodesFormatError",
+    "check_max_restarts",
     "comma_separated_list",
     "determine_local_world_size",
     "parse_filters",
@@ -70,27 +72,57 @@ class NnodesFormatError(ValueError, RuntimeError):
     `RuntimeError`, which torch's ``parse_min_max_nnodes`` raises for a malformed value."""
 
 
-def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
+def parse_min_max_nnodes(nnodes: str, *, from_flags: bool = False) -> tuple[int, int]:
     """--nnodes as (min, max): "2" -> (2, 2), "1:4" -> (1, 4).
+
+    Args:
+        from_flags: the value came from the --nnodes flag: messages name it (else the
+            argument, ``nnodes``).
 
     Raises:
         NnodesFormatError: not N or MIN:MAX (also a RuntimeError, as in torch).
-        ValueError: MIN:MAX without 1 <= MIN <= MAX.
+        ValueError: MIN:MAX without 1 <= MIN <= MAX (torch's launcher refuses it too).
     """
+    where = given("nnodes", nnodes, from_flags, flag="--nnodes")
     match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(nnodes))
     if not match:
         raise NnodesFormatError(
-            f'--nnodes={nnodes!r} is not in "MIN:MAX" format: give a number of nodes (2) '
-            "or an elastic range MIN:MAX (1:4)"
+            torch_message(
+                f'nnodes={nnodes} is not in "MIN:MAX" format',
+                where,
+                "give a number of nodes (2) or an elastic range MIN:MAX (1:4)",
+            )
         )
     low = int(match.group(1))
     high = int(match.group(2)) if match.group(2) is not None else low
     if not 1 <= low <= high:
         raise ValueError(
-            f"--nnodes={nnodes!r}: min_nodes must be > 0 and <= max_nodes, got "
-            f"min_nodes={low}, max_nodes={high}; give 1 <= MIN <= MAX"
+            torch_message(
+                f"min_nodes must be > 0 and <= max_nodes, got min_nodes={low}, max_nodes={high}",
+                where,
+                "give 1 <= MIN <= MAX",
+            )
         )
     return low, high
+
+
+def check_max_restarts(value: int | str) -> int:
+    """--max_restarts as a number of restarts >= 0.
+
+    Raises:
+        ValueError: it is negative (torch's sentence, then the flag; torch raises an
+            AssertionError).
+    """
+    restarts = int(value)
+    if restarts < 0:
+        raise ValueError(
+            torch_message(
+                "max_restarts must be >= 0",
+                f"--max_restarts={restarts!r}",
+                "give how many times a failed group may restart, 0 for none",
+            )
+        )
+    return restarts
 
 
 def _gpu_count() -> int:
@@ -99,12 +131,18 @@ def _gpu_count() -> int:
     return device_count()
 
 
-def determine_local_world_size(nproc_per_node: str) -> int:
+def determine_local_world_size(nproc_per_node: str, *, from_flags: bool = False) -> int:
     """--nproc_per_node as a number of workers.
 
+    Args:
+        from_flags: the value came from the --nproc_per_node flag: messages name it (else
+            the argument, ``nproc_per_node``).
+
     Raises:
-        ValueError: not a positive integer, cpu, gpu or auto; or gpu without a GPU.
+        ValueError: not a positive integer, cpu, gpu or auto; or gpu without a GPU
+            (torch's sentences, then the argument or flag and what to do).
     """
+    where = given("nproc_per_node", nproc_per_node, from_flags, flag="--nproc_per_node")
     value = str(nproc_per_node).strip()
     if value.isdigit() and int(value) > 0:
         return int(value)
@@ -116,13 +154,19 @@ def determine_local_world_size(nproc_per_node: str) -> int:
             return gpus
         if value == "gpu":
             raise ValueError(
-                "--nproc_per_node=gpu: CUDA is not available here (no GPU, or CuPy is not "
-                "installed): pass a number of workers or 'cpu'"
+                torch_message(
+                    "Cuda is not available.",
+                    where,
+                    "no GPU here, or CuPy is not installed: give a number of workers or 'cpu'",
+                )
             )
         return os.cpu_count() or 1
     raise ValueError(
-        f"--nproc_per_node={nproc_per_node!r}: unsupported nproc_per_node value; give a "
-        "positive integer, 'cpu', 'gpu' or 'auto'"
+        torch_message(
+            f"Unsupported nproc_per_node value: {nproc_per_node}",
+            where,
+            "give a positive integer, 'cpu', 'gpu' or 'auto'",
+        )
     )
 
 

@@ -45,6 +45,7 @@ from collections.abc import Iterable
 from typing import IO
 
 from .tracebacks import StderrTail, TracebackGrouper
+from .wording import torch_message
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -155,7 +156,17 @@ def parse_local_ranks_filter(spec: str, local_world_size: int) -> set[int] | Non
     ranks = set()
     for item in text.split(","):
         token = item.strip()
-        if not token.isdigit() or int(token) >= local_world_size:
+        if not token.isdigit():
+            raise ValueError(
+                torch_message(
+                    "--local_ranks_filter must be a comma-separated list of integers e.g. "
+                    "--local_ranks_filter=0,1,2",
+                    f"--local_ranks_filter={spec!r}",
+                    f"{token!r} is not an integer; give local ranks in "
+                    f"0..{local_world_size - 1}, or nothing for all ranks",
+                )
+            )
+        if int(token) >= local_world_size:
             raise ValueError(
                 f"--local_ranks_filter={spec!r}: {token!r} is not a local rank in "
                 f"0..{local_world_size - 1}; it must be a comma-separated list of integers, "

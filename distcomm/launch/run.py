@@ -30,6 +30,7 @@ from .events import get_event_handler
 from .flag_values import (
     RDZV_BACKENDS,
     START_METHODS,
+    check_max_restarts,
     comma_separated_list,
     determine_local_world_size,
     parse_filters,
@@ -358,7 +359,7 @@ def get_rdzv_endpoint(args: argparse.Namespace) -> str:
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
         port = args.master_port
         if port is None:
-            port = _default_master_port(parse_min_max_nnodes(args.nnodes)[1])
+            port = _default_master_port(parse_min_max_nnodes(args.nnodes, from_flags=True)[1])
         return format_address(args.master_addr, int(port))
     return str(args.rdzv_endpoint)
 
@@ -376,8 +377,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     Raises:
         ValueError: a flag's value is invalid or contradicts another; the message names it.
     """
-    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
-    nproc = determine_local_world_size(args.nproc_per_node)
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes, from_flags=True)
+    nproc = determine_local_world_size(args.nproc_per_node, from_flags=True)
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     if args.standalone:
         if max_nodes != 1:
@@ -402,9 +403,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError(
             f"--start_method={args.start_method!r} is not one of {', '.join(START_METHODS)}"
         )
-    max_restarts = int(args.max_restarts)
-    if max_restarts < 0:
-        raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
+    max_restarts = check_max_restarts(args.max_restarts)
     on_failure, max_replacements = check_on_failure(args.on_failure, args.max_replacements)
     monitor = positive_seconds("--monitor_interval", float(args.monitor_interval))
     shutdown = positive_seconds(
@@ -492,6 +491,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         duplicate_stdout_filters=parse_filters(getattr(args, "duplicate_stdout_filters", [])),
         duplicate_stderr_filters=parse_filters(getattr(args, "duplicate_stderr_filters", [])),
         virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
+        from_flags=True,
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..logs_specs import LogsSpecs
 from ..numa import NumaOptions
 from ..output import Std
+from ..rendezvous.api import RendezvousParameters
 
 __all__ = [
     "DEFAULT_SIGNALS_TO_HANDLE",
@@ -76,6 +77,26 @@ class AgentConfig:
     #: only, up to `max_replacements` over the run; see `replace.py`)
     on_failure: str = "restart"
     max_replacements: int = 3
+    #: the values came from distcomm-run's command line (`run.config_from_args`): errors
+    #: raised later (the rendezvous's) name the flags rather than the parameters
+    from_flags: bool = False
+
+    def rdzv_parameters(self, auth_key: bytes | None) -> RendezvousParameters:
+        """The rendezvous's parameters, with `auth_key` for its stores."""
+        return RendezvousParameters(
+            backend=self.rdzv_backend,
+            endpoint=self.rdzv_endpoint,
+            run_id=self.run_id,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            local_addr=self.local_addr,
+            config=dict(self.rdzv_configs),
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            auth_key=auth_key,
+            from_flags=self.from_flags,
+        )
 
 
 class SignalException(Exception):

@@ -61,7 +61,6 @@ from ..rendezvous import (
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
     get_rendezvous_handler,
 )
 from ..timer import FileTimerServer
@@ -83,7 +82,7 @@ from .round_sync import (
     depart,
     exit_barrier,
 )
-from .tempdir import inside, make_temp_dir, prune_trace_dirs, remove_stale_temp_dirs
+from .tempdir import inside, make_temp_dir, remove_stale_temp_dirs
 from .watch import RoundWatch, RunResult, next_step, slow_store
 from .worker_env import worker_specs
 
@@ -157,7 +156,6 @@ class ElasticAgent:
             if sig not in stopping:
                 previous[sig] = signal.signal(sig, self._forward_signal)
         remove_stale_temp_dirs()
-        prune_trace_dirs()
         self._tmp = make_temp_dir()
         try:
             if config.numa_binding is not None:
@@ -182,7 +180,7 @@ class ElasticAgent:
                 on_expired=self._on_timer_expired,
             )
             self._timer.start()
-            self._handler = get_rendezvous_handler(self._rdzv_parameters())
+            self._handler = get_rendezvous_handler(self.config.rdzv_parameters(self._auth_key))
             code = self._invoke_run()
             self._record_agent("SUCCEEDED" if code == 0 else "FAILED")
             return code
@@ -224,22 +222,6 @@ class ElasticAgent:
             )
         else:
             log.warning("distcomm-run: got %s while no worker runs: ignored", name)
-
-    def _rdzv_parameters(self) -> RendezvousParameters:
-        c = self.config
-        return RendezvousParameters(
-            backend=c.rdzv_backend,
-            endpoint=c.rdzv_endpoint,
-            run_id=c.run_id,
-            min_nodes=c.min_nodes,
-            max_nodes=c.max_nodes,
-            local_addr=c.local_addr,
-            config=dict(c.rdzv_configs),
-            node_rank=c.node_rank,
-            master_addr=c.master_addr,
-            master_port=c.master_port,
-            auth_key=self._auth_key,
-        )
 
     def _invoke_run(self) -> int:
         assert self._handler is not None

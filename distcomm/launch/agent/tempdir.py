@@ -36,7 +36,9 @@ def make_temp_dir() -> str:
 
 def remove_stale_temp_dirs() -> None:
     """Remove the temporary directories of agents that died without cleaning up (SIGKILL):
-    those of this user whose pid no longer runs."""
+    those of this user whose pid no longer runs; and bound the flight-recorder folders of
+    ended runs (`prune_trace_dirs`)."""
+    prune_trace_dirs()
     root = tempfile.gettempdir()
     try:
         names = os.listdir(root)

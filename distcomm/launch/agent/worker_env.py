@@ -127,7 +127,7 @@ def script_command(
 
     Raises:
         ValueError: `run_path` with a relative script, or both `no_python` and `module`
-            (the message names the flags).
+            (torch's sentence; the message names the flags).
     """
     rest = list(script_args)
     if run_path:
@@ -140,8 +140,9 @@ def script_command(
         return [sys.executable, "-u", "-c", runner, script, *rest]
     if no_python and module:
         raise ValueError(
-            "--no_python and -m/--module cannot be used at the same time: a module needs "
-            "the Python interpreter; drop one of the two flags"
+            "Don't use both the '--no-python' flag and the '--module' flag at the same time. "
+            "--no_python and -m/--module: a module needs the Python interpreter; drop one "
+            "of the two flags."
         )
     if no_python:
         return [script, *rest]

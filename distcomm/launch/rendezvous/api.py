@@ -25,6 +25,8 @@ from typing import Any
 from ...config import positive_seconds
 from ...errors import DistError, DistTimeoutError
 from ...store import PrefixStore, Store
+from ..wording import given, torch_message
+from .checks import check_node_counts
 
 __all__ = [
     "RendezvousBackend",
@@ -140,31 +142,6 @@ _TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")
 _FALSE_WORDS = ("0", "false", "f", "no", "n", "off")
 
 
-def check_node_counts(min_nodes: object, max_nodes: object) -> None:
-    """Check a round's size range (--nnodes=MIN:MAX), with torch's exception types.
-
-    Raises:
-        TypeError: a count is not an integer (torch fails comparing it).
-        ValueError: MIN < 1 or MAX < MIN; the message names --nnodes and keeps torch's
-            wording ("must be greater than zero", "must be greater than or equal to").
-    """
-    for value in (min_nodes, max_nodes):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"--nnodes: node counts must be integers, got {value!r}")
-    assert isinstance(min_nodes, int) and isinstance(max_nodes, int)
-    if min_nodes < 1:
-        raise ValueError(
-            f"--nnodes: the minimum number of rendezvous nodes ({min_nodes}) must be greater "
-            "than zero; pass --nnodes=MIN[:MAX] with 1 <= MIN <= MAX"
-        )
-    if max_nodes < min_nodes:
-        raise ValueError(
-            f"--nnodes: the maximum number of rendezvous nodes ({max_nodes}) must be greater "
-            f"than or equal to the minimum number of rendezvous nodes ({min_nodes}); pass "
-            "--nnodes=MIN:MAX with MIN <= MAX"
-        )
-
-
 class RendezvousParameters:
     """What a rendezvous handler is built from (torch's RendezvousParameters): the
     launcher's flags, or a caller's own values.
@@ -183,12 +160,15 @@ class RendezvousParameters:
             when not given).
         auth_key: the key of the TCPStores a backend hosts or reaches (static, c10d), or
             None for DISTCOMM_AUTH_KEY (see TCPStore).
+        from_flags: the values came from distcomm-run's command line (the agent sets it):
+            errors name the flags (``--nnodes``, ``--rdzv_conf join_timeout=...``) instead
+            of the parameters and options (``min_nodes``, ``join_timeout``).
         **kwargs: more backend options, as torch takes them (``rank=0``, ``timeout=60``,
             ``is_host="true"``...): they go into `config`, values of any type.
 
     Raises:
         ValueError: the backend name is empty, min_nodes < 1 or max_nodes < min_nodes
-            (torch's checks and wording, with the flag named).
+            (torch's checks and sentences, then the parameter or flag).
         TypeError: a node count is not an integer.
     """
 
@@ -206,14 +186,18 @@ class RendezvousParameters:
         master_addr: str | None = None,
         master_port: int = 0,
         auth_key: bytes | None = None,
+        from_flags: bool = False,
         **kwargs: Any,
     ) -> None:
         if not backend or not isinstance(backend, str):
             raise ValueError(
-                f"--rdzv_backend: the rendezvous backend name must be a non-empty string, "
-                f"got {backend!r}; name static, c10d, etcd, file or a registered backend"
+                torch_message(
+                    "The rendezvous backend name must be a non-empty string.",
+                    given("backend", backend, from_flags),
+                    "name static, c10d, etcd, etcd-v2, file or a registered backend",
+                )
             )
-        check_node_counts(min_nodes, max_nodes)
+        check_node_counts(min_nodes, max_nodes, from_flags=from_flags)
         self.backend = backend
         self.endpoint = endpoint
         self.run_id = run_id
@@ -225,6 +209,7 @@ class RendezvousParameters:
         self.master_addr = master_addr
         self.master_port = master_port
         self.auth_key = auth_key
+        self.from_flags = from_flags
 
     def __repr__(self) -> str:
         return (
@@ -241,13 +226,13 @@ class RendezvousParameters:
         """An option in seconds (> 0): a number or its text.
 
         Raises:
-            ValueError: the value is not a positive number; the message names the key.
+            ValueError: the value is not a positive number; the message names the option.
         """
         raw = self.config.get(key)
         if raw is None:
             return default
         try:
-            return positive_seconds(f"--rdzv_conf {key}", raw)
+            return positive_seconds(f"--rdzv_conf {key}" if self.from_flags else key, raw)
         except TypeError as exc:
             raise ValueError(str(exc)) from None
 
@@ -256,8 +241,8 @@ class RendezvousParameters:
         around it allowed), `default` when not given (None stays None).
 
         Raises:
-            ValueError: the value does not represent an integer; the message names the
-                key and keeps torch's wording.
+            ValueError: the value does not represent an integer: torch's sentence, then
+                the option.
         """
         value = self.config.get(key, default)
         if value is None or (isinstance(value, int) and not isinstance(value, bool)):
@@ -266,8 +251,12 @@ class RendezvousParameters:
             return int(value)
         except (TypeError, ValueError):
             raise ValueError(
-                f"--rdzv_conf {key}={value!r}: the rendezvous configuration option {key!r} does "
-                "not represent a valid integer value; give a whole number"
+                torch_message(
+                    f"The rendezvous configuration option '{key}' does not represent a valid "
+                    "integer value.",
+                    given(key, value, self.from_flags),
+                    "give a whole number",
+                )
             ) from None
 
     def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
@@ -276,8 +265,7 @@ class RendezvousParameters:
         case; and on/off, with blanks around it.
 
         Raises:
-            ValueError: the value is none of those; the message names the key and keeps
-                torch's wording.
+            ValueError: the value is none of those: torch's sentence, then the option.
         """
         value = self.config.get(key, default)
         if value is None or isinstance(value, bool):
@@ -291,9 +279,12 @@ class RendezvousParameters:
             if word in _FALSE_WORDS:
                 return False
         raise ValueError(
-            f"--rdzv_conf {key}={value!r}: the rendezvous configuration option {key!r} does "
-            "not represent a valid boolean value; use true/false, t/f, yes/no, y/n, 1/0 or "
-            "on/off"
+            torch_message(
+                f"The rendezvous configuration option '{key}' does not represent a valid "
+                "boolean value.",
+                given(key, value, self.from_flags),
+                "use true/false, t/f, yes/no, y/n, 1/0 or on/off",
+            )
         )
 
 
@@ -406,7 +397,8 @@ class RendezvousTimeout:
             timeout, so this one is only checked).
 
     Raises:
-        ValueError: a timeout is not positive.
+        ValueError: a timeout is not positive (torch's sentence, then the argument).
+        TypeError: a timeout is neither a timedelta nor None.
     """
 
     _DEFAULTS = {"join": 600.0, "last_call": 30.0, "close": 30.0, "heartbeat": 5.0}
@@ -418,15 +410,21 @@ class RendezvousTimeout:
         close: timedelta | None = None,
         heartbeat: timedelta | None = None,
     ) -> None:
-        given = {"join": join, "last_call": last_call, "close": close, "heartbeat": heartbeat}
-        for name, value in given.items():
+        timeouts = {"join": join, "last_call": last_call, "close": close, "heartbeat": heartbeat}
+        for name, given_value in timeouts.items():
+            value = given_value
             if value is None:
                 value = timedelta(seconds=self._DEFAULTS[name])
             elif not isinstance(value, timedelta):
                 raise TypeError(f"the {name} timeout must be a timedelta, got {value!r}")
             if value <= timedelta(0):
                 raise ValueError(
-                    f"--rdzv_conf {name}_timeout: the {name} timeout ({value}) must be positive"
+                    torch_message(
+                        f"The {name} timeout ({value}) must be positive.",
+                        given(name, given_value),
+                        f"give a positive timedelta, or None for the default "
+                        f"({self._DEFAULTS[name]:g} s)",
+                    )
                 )
             setattr(self, f"_{name}", value)
 
@@ -484,7 +482,11 @@ class RendezvousHandlerRegistry:
         """
         if not backend or not isinstance(backend, str):
             raise ValueError(
-                f"the rendezvous backend name must be a non-empty string, got {backend!r}"
+                torch_message(
+                    "The rendezvous backend name must be a non-empty string.",
+                    given("backend", backend),
+                    "name the backend its handlers' get_backend() returns",
+                )
             )
         if not callable(creator):
             raise TypeError(
@@ -495,9 +497,12 @@ class RendezvousHandlerRegistry:
             current = self._registry.get(backend)
             if current is not None and current != creator:
                 raise ValueError(
-                    f"The rendezvous backend '{backend}' cannot be registered with "
-                    f"'{creator}' as it is already registered with '{current}': pick another "
-                    "name"
+                    torch_message(
+                        f"The rendezvous backend '{backend}' cannot be registered with "
+                        f"'{creator}' as it is already registered with '{current}'.",
+                        given("backend", backend),
+                        "register the new creator under another name",
+                    )
                 )
             self._registry[backend] = creator
 
@@ -510,9 +515,14 @@ class RendezvousHandlerRegistry:
             names.update(entry.name for entry in _entry_points())
         return sorted(names)
 
-    def load_entry_point(self, name: str) -> RendezvousHandlerCreator | None:
+    def load_entry_point(
+        self, name: str, from_flags: bool = False
+    ) -> RendezvousHandlerCreator | None:
         """Register the creator of entry point `name` (the first group that declares it)
         and return it; None when no group declares the name.
+
+        Args:
+            from_flags: `name` came from --rdzv_backend: the message names the flag.
 
         Raises:
             ValueError: the entry point fails to load or to give a creator.
@@ -525,8 +535,8 @@ class RendezvousHandlerRegistry:
                 self.register(name, creator)
             except Exception as exc:  # a broken plug-in: say which
                 raise ValueError(
-                    f"--rdzv_backend={name!r}: the entry point {entry.value!r} of group "
-                    f"{entry.group!r} failed to give a handler creator: {exc}"
+                    f"{given('backend', name, from_flags)}: the entry point {entry.value!r} "
+                    f"of group {entry.group!r} failed to give a handler creator: {exc}"
                 ) from exc
             return creator  # type: ignore[no-any-return]
         return None
@@ -535,23 +545,27 @@ class RendezvousHandlerRegistry:
         """A handler for `params.backend`.
 
         Raises:
-            ValueError: the backend is not registered (the message lists those that are),
-                or a parameter is bad (the message names the flag).
+            ValueError: the backend is not registered (torch's sentence, then the
+                registered ones), or a parameter is bad (the message names it).
             RuntimeError: the handler's `get_backend()` is not the name it was asked by.
             TypeError: the creator returned something that is not a RendezvousHandler.
             RendezvousError: the backend cannot be set up.
         """
         with self._lock:
             creator = self._registry.get(params.backend)
+        from_flags = getattr(params, "from_flags", False)  # torch's own parameters too
         if creator is None:
-            creator = self.load_entry_point(params.backend)
+            creator = self.load_entry_point(params.backend, from_flags)
         if creator is None:
             raise ValueError(
-                f"--rdzv_backend={params.backend!r}: the rendezvous backend "
-                f"'{params.backend}' is not registered; the registered ones are "
-                f"{', '.join(self.names())} (add one with register_rendezvous_backend, "
-                "rendezvous_handler_registry.register or the entry-point group "
-                f"{HANDLER_ENTRY_POINT_GROUPS[0]!r})"
+                torch_message(
+                    f"The rendezvous backend '{params.backend}' is not registered. Did you "
+                    f"forget to call `{self.register.__name__}`?",
+                    given("backend", params.backend, from_flags),
+                    f"the registered ones are {', '.join(self.names()) or 'none'} (add one "
+                    "with register_rendezvous_backend, rendezvous_handler_registry.register "
+                    f"or the entry-point group {HANDLER_ENTRY_POINT_GROUPS[0]!r})",
+                )
             )
         handler = creator(params)
         if not isinstance(handler, RendezvousHandler):
@@ -561,9 +575,13 @@ class RendezvousHandlerRegistry:
             )
         if handler.get_backend() != params.backend:
             raise RuntimeError(
-                f"The rendezvous backend '{handler.get_backend()}' does not match the "
-                f"requested backend '{params.backend}': the creator registered as "
-                f"{params.backend!r} must return a handler whose get_backend() says so"
+                torch_message(
+                    f"The rendezvous backend '{handler.get_backend()}' does not match the "
+                    f"requested backend '{params.backend}'.",
+                    given("backend", params.backend, from_flags),
+                    f"the creator registered as {params.backend!r} must return a handler "
+                    "whose get_backend() says so",
+                )
             )
         return handler
 

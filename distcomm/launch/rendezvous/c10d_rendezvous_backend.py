@@ -14,8 +14,9 @@ import os
 import tempfile
 
 from ...store import FileStore, Store
+from ..wording import given, torch_message
 from .api import RendezvousConnectionError, RendezvousError, RendezvousParameters
-from .backends import DEFAULT_C10D_PORT, create_c10d_store
+from .backends import C10D_FAILED, DEFAULT_C10D_PORT, create_c10d_store
 from .settings import RendezvousSettings
 from .store_backend import StoreStateBackend
 
@@ -30,13 +31,19 @@ class C10dRendezvousBackend(StoreStateBackend):
     C10dRendezvousBackend; name "c10d").
 
     Raises:
-        ValueError: `run_id` is empty.
+        ValueError: `run_id` is empty (torch's sentence, then the argument).
         TypeError: `store` is not a distcomm Store.
     """
 
     def __init__(self, store: Store, run_id: str) -> None:
         if not run_id or not isinstance(run_id, str):
-            raise ValueError(f"The run id must be a non-empty string, got {run_id!r} (--rdzv_id)")
+            raise ValueError(
+                torch_message(
+                    "The run id must be a non-empty string.",
+                    given("run_id", run_id),
+                    "give every node of the run the same non-empty id",
+                )
+            )
         super().__init__(store, f"torch.rendezvous.{run_id}", "c10d", "the C10d store")
 
 
@@ -44,8 +51,11 @@ def _read_timeout(params: RendezvousParameters) -> int:
     value = params.get_as_int("read_timeout", 60)
     if value is None or value <= 0:
         raise ValueError(
-            f"--rdzv_conf read_timeout={params.get('read_timeout')!r}: The read timeout must "
-            "be a positive integer (seconds)"
+            torch_message(
+                "The read timeout must be a positive integer.",
+                given("read_timeout", params.get("read_timeout"), params.from_flags),
+                "give a whole number of seconds > 0 (default 60)",
+            )
         )
     return value
 
@@ -58,15 +68,22 @@ def _file_store(params: RendezvousParameters) -> FileStore:
             os.close(fd)
         except OSError as exc:
             raise RendezvousError(
-                f"The file creation for C10d store has failed: {exc}; pass "
-                "--rdzv_endpoint=PATH of a file every node shares"
+                torch_message(
+                    "The file creation for C10d store has failed. See inner exception for details.",
+                    given("endpoint", params.endpoint, params.from_flags),
+                    f"no temporary file could be made ({exc}): give the path of a file "
+                    "every node shares",
+                )
             ) from exc
     try:
         return FileStore(path, world_size=-1)
     except Exception as exc:
         raise RendezvousConnectionError(
-            f"The connection to the C10d store has failed: cannot use {path!r} as a "
-            f"FileStore: {exc}"
+            torch_message(
+                C10D_FAILED,
+                given("endpoint", params.endpoint, params.from_flags),
+                f"cannot use {path!r} as a FileStore: {exc}",
+            )
         ) from exc
 
 
@@ -80,14 +97,20 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
 
     Raises:
         ValueError: an invalid store type, read timeout or endpoint.
-        RendezvousConnectionError: the store can be neither hosted nor reached.
+        RendezvousConnectionError: the store can be neither hosted nor reached, or this
+            agent should host it for an endpoint whose host does not resolve.
         RendezvousError: the temporary file cannot be created.
+
+    Each with torch's sentence, then the parameter and what to do.
     """
     store_type = str(params.get("store_type", "tcp")).strip().lower()
     if store_type not in ("tcp", "file"):
         raise ValueError(
-            f"--rdzv_conf store_type={store_type!r}: Invalid store type given. "
-            "Currently only supports file and tcp."
+            torch_message(
+                "Invalid store type given. Currently only supports file and tcp.",
+                given("store_type", params.get("store_type"), params.from_flags),
+                "give store_type=tcp (the default) or store_type=file",
+            )
         )
     read_timeout = _read_timeout(params)
     if store_type == "file":
@@ -96,12 +119,7 @@ def create_backend(params: RendezvousParameters) -> tuple[C10dRendezvousBackend,
         settings = RendezvousSettings(
             read_timeout=float(read_timeout), is_host=params.get_as_bool("is_host")
         )
-        try:
-            store, _, _ = create_c10d_store(params, settings)
-        except RendezvousConnectionError as exc:
-            raise RendezvousConnectionError(
-                f"The connection to the C10d store has failed: {exc}"
-            ) from exc
+        store, _, _ = create_c10d_store(params, settings)
     try:
         return C10dRendezvousBackend(store, params.run_id), store
     except BaseException:

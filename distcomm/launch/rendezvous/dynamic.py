@@ -160,7 +160,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         hosts_store: bool = False,
         state_backend: RendezvousBackend | None = None,
     ) -> None:
-        check_run(run_id, min_nodes, max_nodes)
+        check_run(run_id, min_nodes, max_nodes, nodes="nodes")  # torch's handler's sentences
         if not isinstance(store, Store):
             raise TypeError(f"the rendezvous needs a distcomm Store, got {type(store).__name__}")
         if state_backend is not None and not isinstance(state_backend, RendezvousBackend):

@@ -16,7 +16,7 @@ from datetime import timedelta
 from ...store import Store
 from .api import RendezvousBackend, RendezvousParameters, RendezvousTimeout, Token
 from .dynamic import DynamicRendezvousHandler
-from .settings import settings_from_params
+from .settings import conf_seconds, settings_from_params
 
 __all__ = [
     "DynamicRendezvousHandler",
@@ -93,7 +93,7 @@ def create_handler(
             timedelta(seconds=settings.close_timeout),
             None
             if heartbeat is None
-            else timedelta(seconds=params.get_as_float("heartbeat_timeout", 5.0)),
+            else timedelta(seconds=conf_seconds(params, "heartbeat_timeout", 5.0)),
         ),
         keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,

@@ -17,18 +17,26 @@ Every key a torch rendezvous handler reads is accepted. Those with a meaning her
 - ``protocol``: ``http`` for etcd (``https`` is refused: TLS is not supported).
 
 Accepted with no effect (`IGNORED_KEYS`): ``heartbeat_timeout`` (the time torch gives one
-keep-alive write; ours take ``read_timeout``), ``use_libuv`` (a TCPStore server choice of
-torch's; ours has one server), and etcd's TLS files ``ssl_cert``, ``ssl_cert_key``,
-``ca_cert``, ``cert``, ``key``, ``cacert`` (refused when set: no TLS).
+keep-alive write; ours take ``read_timeout``; checked > 0 as torch checks it),
+``use_libuv`` (a TCPStore server choice of torch's; ours has one server), and etcd's TLS
+files ``ssl_cert``, ``ssl_cert_key``, ``ca_cert``, ``cert``, ``key``, ``cacert``
+(refused when set: no TLS).
+
+A bad value raises torch's exception with torch's sentence where torch has one, then the
+option (``join_timeout='-1'``), or the flag (``--rdzv_conf join_timeout='-1'``) when the
+parameters came from distcomm-run's command line, then what to do.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
 from ...config import positive_seconds
-from .api import RendezvousParameters, RendezvousTimeout, check_node_counts
+from ..wording import given, torch_message
+from .api import RendezvousParameters, RendezvousTimeout
+from .checks import check_run
 
 __all__ = [
     "CONF_KEYS",
@@ -39,6 +47,7 @@ __all__ = [
     "check_run",
     "check_seconds",
     "conf_node_rank",
+    "conf_seconds",
     "effective_backend",
     "settings_from_params",
 ]
@@ -108,7 +117,7 @@ def effective_backend(backend: str, config: dict[str, str]) -> str:
 
 
 def conf_node_rank(params: RendezvousParameters) -> int | None:
-    """The --rdzv_conf ``rank`` (torch's static node rank), or None when not given.
+    """The option ``rank`` (torch's static node rank), or None when not given.
 
     Raises:
         ValueError: it is not an integer >= 0.
@@ -121,14 +130,95 @@ def conf_node_rank(params: RendezvousParameters) -> int | None:
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"--rdzv_conf rank={raw!r} must be a node rank >= 0 (as --node-rank)")
+        node_rank = "--node_rank" if params.from_flags else "node_rank"
+        raise ValueError(
+            f"{given('rank', raw, params.from_flags)} must be a node rank >= 0 (as {node_rank})"
+        )
     return value
+
+
+def _number(value: object) -> float | None:
+    """Seconds as torch's options may give them (a number, its text, a timedelta), or None
+    when `value` is none of those."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        try:
+            seconds = float(value.strip())
+        except ValueError:
+            return None
+    else:
+        return None
+    return None if math.isnan(seconds) else seconds
+
+
+#: the options torch's c10d handler reads as integers (`get_as_int`) and checks; distcomm's
+#: messages for these open with torch's
+_TORCH_CHECKS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "read_timeout",
+    "keep_alive_interval",
+)
+
+
+def _not_positive(key: str, seconds: float) -> str:
+    """torch's sentence for timeout option `key` set to `seconds` <= 0 (distcomm's own for
+    the options torch does not check)."""
+    if key == "read_timeout":
+        return "The read timeout must be a positive integer."
+    name = key.removesuffix("_timeout")
+    if key.endswith("_timeout") and name in RendezvousTimeout._DEFAULTS:
+        try:
+            shown: object = timedelta(seconds=seconds)
+        except OverflowError:
+            shown = f"{seconds:g} s"
+        return f"The {name} timeout ({shown}) must be positive."
+    return f"The rendezvous configuration option '{key}' must be a positive number of seconds."
+
+
+def conf_seconds(params: RendezvousParameters, key: str, default: float) -> float:
+    """Option `key`, a number of seconds > 0 (a number, its text or a timedelta; torch reads
+    whole seconds, distcomm also fractions), or `default` when not given.
+
+    Raises:
+        ValueError: the value is not a number, or not positive: torch's sentence (its
+            `get_as_int`'s, its `RendezvousTimeout`'s, its read timeout's), then the
+            option or flag.
+    """
+    raw = params.get(key)
+    if raw is None:
+        return default
+    where = given(key, raw, params.from_flags)
+    seconds = _number(raw)
+    if key not in _TORCH_CHECKS:
+        if seconds is None or not seconds > 0:
+            raise ValueError(f"{where} must be a positive number of seconds")
+        return seconds
+    if seconds is None:
+        raise ValueError(
+            torch_message(
+                f"The rendezvous configuration option '{key}' does not represent a valid "
+                "integer value.",
+                where,
+                "give a number of seconds > 0",
+            )
+        )
+    if not seconds > 0:
+        raise ValueError(torch_message(_not_positive(key, seconds), where, "give a number > 0"))
+    return seconds
 
 
 def settings_from_params(
     params: RendezvousParameters, known_keys_only: bool = True
 ) -> RendezvousSettings:
-    """Check the parameters every backend shares and read the --rdzv_conf values.
+    """Check the parameters every backend shares and read the options (--rdzv_conf).
 
     Args:
         params: the parameters; option values may be text or, as torch takes them, any
@@ -138,59 +228,68 @@ def settings_from_params(
             (timeouts, keep-alive) are read, the backend's own keys ride along unread.
 
     Raises:
-        ValueError: --nnodes is not a valid range, --rdzv_id is empty, a --rdzv_conf key
-            is unknown (the message lists the known ones) or a value is malformed.
+        ValueError: the node range is invalid, the run id is empty, an option is unknown
+            (the message lists the known ones) or its value malformed: torch's sentence
+            where torch has one, then the parameter, or the flag when `params` came from
+            distcomm-run's command line.
         TypeError: a node count is not an integer.
     """
-    check_run(params.run_id, params.min_nodes, params.max_nodes)
+    ff = params.from_flags
+    check_run(params.run_id, params.min_nodes, params.max_nodes, from_flags=ff)
     defaults = RendezvousSettings()
+    conf_seconds(params, "heartbeat_timeout", 5.0)  # checked as torch checks it; unused
     if not known_keys_only:
         return RendezvousSettings(
-            join_timeout=params.get_as_float("join_timeout", defaults.join_timeout),
-            last_call_timeout=params.get_as_float("last_call_timeout", defaults.last_call_timeout),
-            close_timeout=params.get_as_float("close_timeout", defaults.close_timeout),
-            keep_alive_interval=params.get_as_float(
-                "keep_alive_interval", defaults.keep_alive_interval
+            join_timeout=conf_seconds(params, "join_timeout", defaults.join_timeout),
+            last_call_timeout=conf_seconds(params, "last_call_timeout", defaults.last_call_timeout),
+            close_timeout=conf_seconds(params, "close_timeout", defaults.close_timeout),
+            keep_alive_interval=conf_seconds(
+                params, "keep_alive_interval", defaults.keep_alive_interval
             ),
             keep_alive_max_attempt=_max_attempt(params, defaults.keep_alive_max_attempt),
         )
     unknown = sorted(set(params.config) - set(CONF_KEYS) - set(IGNORED_KEYS) - set(TLS_KEYS))
     if unknown:
-        raise ValueError(
-            f"--rdzv_conf: unknown key(s) {', '.join(unknown)} for --rdzv_backend="
-            f"{params.backend}; the known keys are {', '.join(CONF_KEYS + IGNORED_KEYS)}"
-        )
+        keys, known = ", ".join(unknown), ", ".join(CONF_KEYS + IGNORED_KEYS)
+        if ff:
+            where = f"--rdzv_conf: unknown key(s) {keys} for --rdzv_backend={params.backend}"
+        else:
+            where = f"unknown key(s) {keys} among the options of backend {params.backend!r}"
+        raise ValueError(f"{where}; the known keys are {known}")
     tls = sorted(key for key in set(params.config) & set(TLS_KEYS) if params.get(key))
     protocol = _text(params, "protocol", "http")
     if tls or protocol != "http":
+        where = ", ".join(tls) or f"protocol={protocol}"
         raise ValueError(
-            f"--rdzv_conf {', '.join(tls) or f'protocol={protocol}'}: TLS to etcd is not "
-            "supported; use protocol=http and no certificate keys (or a c10d rendezvous)"
+            f"{'--rdzv_conf ' if ff else ''}{where}: TLS to etcd is not supported; use "
+            "protocol=http and no certificate keys (or a c10d rendezvous)"
         )
     store_type = _text(params, "store_type", "tcp")
     if store_type not in STORE_TYPES:
         raise ValueError(
-            f"--rdzv_conf store_type={store_type!r} is not one of {', '.join(STORE_TYPES)}"
+            "Invalid store type given. Currently only supports file and tcp. "
+            f"{given('store_type', params.get('store_type'), ff)} is not one of "
+            f"{', '.join(STORE_TYPES)}."
         )
     conf_node_rank(params)
     join_default = defaults.join_timeout
     if params.backend in ("static", "etcd"):  # torch's static and etcd handlers read it so
-        join_default = params.get_as_float("timeout", join_default)
-    elif params.get("timeout") is not None:
-        params.get_as_float("timeout", join_default)  # checked, though unused
+        join_default = conf_seconds(params, "timeout", join_default)
+    else:
+        conf_seconds(params, "timeout", join_default)  # checked, though unused
     prefix = str(params.get("etcd_prefix") or defaults.etcd_prefix).strip().rstrip("/")
     if not prefix.startswith("/"):
-        raise ValueError(f"--rdzv_conf etcd_prefix={prefix!r} must start with '/'")
+        raise ValueError(f"{given('etcd_prefix', prefix, ff)} must start with '/'")
     return RendezvousSettings(
         store_type=store_type,
         etcd_prefix=prefix,
-        join_timeout=params.get_as_float("join_timeout", join_default),
-        last_call_timeout=params.get_as_float("last_call_timeout", defaults.last_call_timeout),
-        close_timeout=params.get_as_float("close_timeout", defaults.close_timeout),
-        read_timeout=params.get_as_float("read_timeout", defaults.read_timeout),
+        join_timeout=conf_seconds(params, "join_timeout", join_default),
+        last_call_timeout=conf_seconds(params, "last_call_timeout", defaults.last_call_timeout),
+        close_timeout=conf_seconds(params, "close_timeout", defaults.close_timeout),
+        read_timeout=conf_seconds(params, "read_timeout", defaults.read_timeout),
         is_host=params.get_as_bool("is_host"),
-        keep_alive_interval=params.get_as_float(
-            "keep_alive_interval", defaults.keep_alive_interval
+        keep_alive_interval=conf_seconds(
+            params, "keep_alive_interval", defaults.keep_alive_interval
         ),
         keep_alive_max_attempt=_max_attempt(params, defaults.keep_alive_max_attempt),
     )
@@ -199,10 +298,9 @@ def settings_from_params(
 def _max_attempt(params: RendezvousParameters, default: int) -> int:
     value = params.get_as_int("keep_alive_max_attempt", default)
     if value is None or value < 1:
-        raise ValueError(
-            f"--rdzv_conf keep_alive_max_attempt={params.get('keep_alive_max_attempt')!r} "
-            "must be a whole number >= 1"
-        )
+        raw = params.get("keep_alive_max_attempt")
+        where = given("keep_alive_max_attempt", raw, params.from_flags)
+        raise ValueError(f"{where} must be a whole number >= 1")
     return value
 
 
@@ -221,36 +319,22 @@ class HandlerSettings:
     keep_alive_max_attempt: int
 
 
-def check_run(run_id: object, min_nodes: object, max_nodes: object) -> None:
-    """Check the run id and the node range (--rdzv_id, --nnodes=MIN:MAX).
-
-    Raises:
-        ValueError: --rdzv_id is empty or not a string, or --nnodes is not a valid range.
-        TypeError: a node count is not an integer.
-    """
-    check_node_counts(min_nodes, max_nodes)
-    if not isinstance(run_id, str) or not run_id:
-        raise ValueError(f"--rdzv_id must be a non-empty string, got {run_id!r}")
-
-
 def check_seconds(name: str, value: float) -> float:
-    """The --rdzv_conf timeout `name` (a number of seconds, or a timedelta), checked > 0.
+    """The timeout argument `name` (a number of seconds, or a timedelta), checked > 0.
 
     Raises:
-        ValueError: it is not positive; the message names the key.
+        ValueError: it is not positive; the message names the argument.
         TypeError: it is not a number.
     """
-    return positive_seconds(f"--rdzv_conf {name}", value, text=False)
+    return positive_seconds(name, value, text=False)
 
 
 def check_max_attempt(value: object) -> int:
-    """The --rdzv_conf keep_alive_max_attempt given as a number, checked >= 1.
+    """The argument keep_alive_max_attempt given as a number, checked >= 1.
 
     Raises:
         ValueError: it is not a whole number >= 1.
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"--rdzv_conf keep_alive_max_attempt={value!r} must be a whole number >= 1"
-        )
+        raise ValueError(f"keep_alive_max_attempt={value!r} must be a whole number >= 1")
     return value

@@ -14,6 +14,7 @@ from ...errors import DistError, DistStoreTimeoutError
 from ...net import format_address
 from ...store import TCPStore
 from ...store.base import publish
+from ..wording import given, torch_message
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -48,8 +49,11 @@ class StaticRendezvous(RendezvousHandler):
         auth_key: the key of node 0's store, or None for DISTCOMM_AUTH_KEY.
 
     Raises:
-        ValueError: a bad parameter; the message names the flag.
+        ValueError: a bad parameter; the message names it.
     """
+
+    #: how messages name the arguments (`StaticTCPRendezvous` has torch's names)
+    _ARGS = {"nnodes": "nnodes", "node_rank": "node_rank", "master_port": "master_port"}
 
     def __init__(
         self,
@@ -62,29 +66,29 @@ class StaticRendezvous(RendezvousHandler):
         close_timeout: float = 30.0,
         auth_key: bytes | None = None,
     ) -> None:
+        n, r, p = (self._ARGS[arg] for arg in ("nnodes", "node_rank", "master_port"))
         if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-            raise ValueError(f"--nnodes must be an integer >= 1, got {nnodes!r}")
+            raise ValueError(f"{n} must be an integer >= 1, got {nnodes!r}")
         if nnodes > 1 and node_rank < 0:
             raise ValueError(
-                f"--rdzv_backend=static with --nnodes={nnodes} needs --node_rank "
-                f"(0..{nnodes - 1}) on every node"
+                f"a static rendezvous of {n}={nnodes} nodes needs this node's {r} "
+                f"(0..{nnodes - 1}), given on every node"
             )
         node_rank = 0 if node_rank < 0 else node_rank
         if node_rank >= nnodes:
             raise ValueError(
-                f"--node_rank={node_rank} is out of range for --nnodes={nnodes}: "
-                f"use 0..{nnodes - 1}"
+                f"{r}={node_rank} is out of range for {n}={nnodes}: use 0..{nnodes - 1}"
             )
         if (
             isinstance(master_port, bool)
             or not isinstance(master_port, int)
             or not 0 <= master_port <= 65535
         ):
-            raise ValueError(f"--master_port={master_port!r} must be an integer in 0..65535")
+            raise ValueError(f"{p}={master_port!r} must be an integer in 0..65535")
         if master_port == 0 and nnodes > 1:
             raise ValueError(
-                f"--rdzv_backend=static with --nnodes={nnodes} needs --master_port: "
-                "every node must know the port of node 0's store"
+                f"a static rendezvous of {n}={nnodes} nodes needs {p}: every node must know "
+                "the port of node 0's store (0, a free port, is for a single node)"
             )
         self._run_id = run_id
         self._nnodes = nnodes
@@ -235,7 +239,7 @@ class StaticRendezvous(RendezvousHandler):
 
 
 def _node_rank(params: RendezvousParameters) -> int:
-    """--node_rank, else the option ``rank`` (torch's), else -1 (0 for a single node)."""
+    """The node rank, else the option ``rank`` (torch's), else -1 (0 for a single node)."""
     if params.node_rank >= 0:
         return params.node_rank
     rank = conf_node_rank(params)
@@ -243,41 +247,75 @@ def _node_rank(params: RendezvousParameters) -> int:
 
 
 def _master(params: RendezvousParameters) -> tuple[str | None, int]:
-    """Node 0's (host, port): --master_addr/--master_port when given, else the endpoint
-    "HOST:PORT" (torch's static handler reads only the endpoint)."""
+    """Node 0's (host, port): master_addr/master_port when given, else the endpoint
+    "HOST:PORT" (torch's static handler reads only the endpoint).
+
+    Raises:
+        ValueError: the endpoint has no port, or several nodes have no endpoint and no
+            master_port (torch's sentences, then the parameter and what to do).
+    """
+    ff = params.from_flags
     endpoint = (params.endpoint or "").strip()
     if params.master_addr is not None or params.master_port or not endpoint:
+        if not endpoint and not params.master_port and params.max_nodes > 1:
+            raise ValueError(
+                torch_message(
+                    "endpoint is absent in RendezvousParametersTry add --master-port and "
+                    "--master-addr to the cmd request",
+                    given("endpoint", params.endpoint, ff),
+                    f"give node 0's {given('endpoint', 'HOST:PORT', ff)}, or "
+                    f"{given('master_addr', 'HOST', ff)} and {given('master_port', 'PORT', ff)}",
+                )
+            )
         return params.master_addr, params.master_port
-    host, port = parse_endpoint(endpoint, -1)
+    host, port = parse_endpoint(endpoint, -1, from_flags=ff)
     if port == -1:
         raise ValueError(
-            f"--rdzv_endpoint={endpoint!r}: Port is absent in endpoint: the static rendezvous "
-            "needs node 0's HOST:PORT (or --master_addr and --master_port)"
+            torch_message(
+                f"Port is absent in endpoint: {endpoint}. Try launching with --master-port",
+                given("endpoint", params.endpoint, ff),
+                "the static rendezvous needs node 0's HOST:PORT (or master_addr and master_port)",
+            )
         )
     return host, port
 
 
 def create_static_handler(params: RendezvousParameters) -> StaticRendezvous:
-    """The static backend for `params`: node 0's store at --master_addr:--master_port, or at
-    the endpoint "HOST:PORT" when those are not given; this node's rank from --node_rank,
+    """The static backend for `params`: node 0's store at master_addr:master_port, or at
+    the endpoint "HOST:PORT" when those are not given; this node's rank from node_rank,
     or the option ``rank`` (torch's), which a single node may leave out (0).
 
     Raises:
-        ValueError: an elastic --nnodes range, an endpoint without a port, or another bad
-            parameter (named).
+        ValueError: an elastic node range, a missing rank, an endpoint without a port, or
+            another bad parameter (torch's sentence where torch has one, then the
+            parameter, or the flag when `params` came from distcomm-run's command line).
     """
     settings = settings_from_params(params)
+    ff = params.from_flags
     if params.min_nodes != params.max_nodes:
+        where = (
+            given("min_nodes", f"{params.min_nodes}:{params.max_nodes}", ff)
+            if ff
+            else f"min_nodes={params.min_nodes}, max_nodes={params.max_nodes}"
+        )
         raise ValueError(
-            f"--rdzv_backend=static needs a fixed number of nodes, got --nnodes="
-            f"{params.min_nodes}:{params.max_nodes}; use --rdzv_backend=c10d, etcd or file "
-            "for an elastic range"
+            f"{where}: the static rendezvous needs a fixed number of nodes; use the c10d, "
+            "etcd or file backend for an elastic range"
+        )
+    node_rank = _node_rank(params)
+    if node_rank < 0 and params.max_nodes > 1:
+        raise ValueError(
+            torch_message(
+                "rank is absent in RendezvousParameters.Try add --node-rank to the cmd request",
+                "no --node_rank" if ff else "no node_rank, nor option rank",
+                f"give each node its rank, 0..{params.max_nodes - 1}",
+            )
         )
     master_addr, master_port = _master(params)
     return StaticRendezvous(
         run_id=params.run_id,
         nnodes=params.min_nodes,
-        node_rank=_node_rank(params),
+        node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
         join_timeout=settings.join_timeout,

@@ -17,6 +17,8 @@ class StaticTCPRendezvous(StaticRendezvous):
         ValueError: a bad parameter (named).
     """
 
+    _ARGS = {"nnodes": "world_size", "node_rank": "rank", "master_port": "master_port"}
+
     def __init__(
         self,
         master_addr: str,
