@@ -30,9 +30,9 @@ _TIMER_REAP = (
 
 _C10D = "elastic/rendezvous/c10d_rendezvous_backend_test.py::CreateBackendTest"
 _RDZV_WORDING = (
-    "docs/torch-differences.md > Semantics: rendezvous parameter errors raise torch's types with "
-    "torch's sentence inside, after the flag and before what to do, so torch's anchored "
-    "^...$ pattern does not match"
+    "docs/torch-differences.md > Semantics: rendezvous parameter errors open with torch's whole "
+    "message, then name the parameter or flag and what to do, so torch's anchored ^...$ "
+    "pattern does not match"
 )
 
 _NUM_KEYS = (
