@@ -11,13 +11,15 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NoReturn
 
 import psutil
 import pytest
 
-from distcomm import mpiutil, parallel
+from distcomm import mpi_end, mpiutil, parallel
 from distcomm.bootstrap.stores import join
 from distcomm.errors import DistNetworkError
 from distcomm.rendezvous import rendezvous
@@ -60,13 +62,17 @@ def _results(folder: Path) -> dict[int, dict]:
     return found
 
 
-#: the scripts' report(): one file per rank, since ranks' output lines may interleave
+#: the scripts' report(): one file per rank, since ranks' output lines may interleave; written
+#: whole (a temporary name, then a rename), since a test may signal the job once it appears
 REPORT = """
     import json as _json
+    import os as _os
 
     def report(result):
-        with open(f"result-{result['rank']}.json", "w") as out:
+        name = f"result-{result['rank']}.json"
+        with open(name + ".tmp", "w") as out:
             _json.dump(result, out)
+        _os.replace(name + ".tmp", name)
 """
 
 
@@ -319,9 +325,12 @@ INTERRUPT_SCRIPT = """
 """
 
 
-def _interrupt_when_ready(folder: Path, n: int, target: str):
-    """What `run` does while the job runs: once every rank has reported, SIGINT to mpiexec
-    alone (which forwards it) or to its whole process group, as a terminal's Ctrl-C."""
+def _interrupt_when_ready(
+    folder: Path, n: int, target: str, signum: int = signal.SIGINT
+) -> Callable[[int], None]:
+    """What `run` does while the job runs: once every rank has reported (all of them have
+    made a collective and go on into their loop), `signum` to mpiexec alone (which forwards
+    it) or to its whole process group, as a terminal's Ctrl-C, or `timeout`'s SIGTERM."""
 
     def interrupt(pid: int) -> None:
         deadline = time.monotonic() + RUN_TIMEOUT
@@ -329,11 +338,10 @@ def _interrupt_when_ready(folder: Path, n: int, target: str):
             if time.monotonic() > deadline:
                 return  # the run's own timeout reports the job
             time.sleep(0.05)
-        time.sleep(0.5)  # into the loop
         if target == "group":
-            os.killpg(pid, signal.SIGINT)
+            os.killpg(pid, signum)
         else:
-            os.kill(pid, signal.SIGINT)
+            os.kill(pid, signum)
 
     return interrupt
 
@@ -359,15 +367,26 @@ def test_ctrl_c_ends_a_gloo_job_bootstrapped_over_mpi(tmp_path: Path) -> None:
     _interrupt_job(tmp_path, 4, "gloo", "collectives", "mpiexec")
 
 
-def _interrupt_job(tmp_path: Path, n: int, backend: str, waiting: str, target: str) -> None:
+def _interrupt_job(
+    tmp_path: Path,
+    n: int,
+    backend: str,
+    waiting: str,
+    target: str,
+    signum: int = signal.SIGINT,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run INTERRUPT_SCRIPT on `n` ranks, send `signum` once they are ready, check that
+    the job ended as that signal ends it."""
     script = _script(tmp_path, "interrupted.py", INTERRUPT_SCRIPT)
     command = LAUNCHER.command(n, sys.executable, str(script), backend, waiting)
     done = run(
         command,
         cwd=tmp_path,
+        env=env,
         timeout=RUN_TIMEOUT,
         merge_output=True,
-        during=_interrupt_when_ready(tmp_path, n, target),
+        during=_interrupt_when_ready(tmp_path, n, target, signum),
     )
     output = done.stdout
     results = _results(tmp_path)
@@ -375,9 +394,11 @@ def _interrupt_job(tmp_path: Path, n: int, backend: str, waiting: str, target: s
     assert "Segmentation fault" not in output and "signal 11" not in output, output
     assert "Traceback" not in output, output
     if LAUNCHER.kind == "mpich":
+        said = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
         for rank in range(n):
-            assert output.count(f"[rank {rank}] interrupted (Ctrl-C)") == 1, output
-        assert done.returncode == mpiutil.INTERRUPTED_STATUS, output  # MPI_Abort's code
+            assert output.count(f"[rank {rank}] {said}") == 1, output
+        assert "BAD TERMINATION" not in output, output  # Hydra's banner: a rank died of it
+        assert done.returncode == 128 + signum, output  # MPI_Abort's code
     else:
         assert done.returncode != 0, output
     left = [
@@ -387,6 +408,94 @@ def _interrupt_job(tmp_path: Path, n: int, backend: str, waiting: str, target: s
         if os.path.exists(path) and os.stat(path).st_ino == inode
     ]
     assert not left, f"left in /dev/shm: {left}\n{output}"
+
+
+# -- SIGTERM (timeout, schedulers) -----------------------------------------------------------
+
+
+@needs_mpiexec
+@pytest.mark.parametrize(
+    ("n", "waiting", "target"),
+    [
+        (2, "collectives", "mpiexec"),
+        (2, "collectives", "group"),
+        (2, "recv", "mpiexec"),
+        (2, "recv", "group"),
+        (4, "collectives", "mpiexec"),
+    ],
+)
+def test_sigterm_ends_every_rank_cleanly(tmp_path: Path, n: int, waiting: str, target: str) -> None:
+    """SIGTERM to mpiexec (which forwards it to the ranks) or to its process group (as
+    `timeout` sends it) ends the job as Ctrl-C does: under MPICH every rank says so in one
+    line, no rank dies of the signal (Hydra's "BAD TERMINATION" banner and status 15, the
+    node's mpich_shm_* left behind), and the job ends with status 143 (128 + SIGTERM)."""
+    _interrupt_job(tmp_path, n, "mpi", waiting, target, signal.SIGTERM)
+
+
+@needs_mpiexec
+def test_sigterm_ends_a_gloo_job_bootstrapped_over_mpi(tmp_path: Path) -> None:
+    _interrupt_job(tmp_path, 2, "gloo", "collectives", "mpiexec", signal.SIGTERM)
+
+
+@needs_mpiexec
+def test_sigterm_writes_the_flight_recorder_then_ends_cleanly(tmp_path: Path) -> None:
+    """With DISTCOMM_TRACE_DIR the flight recorder's SIGTERM handler sits on top of the
+    abort hook's: every rank writes its dump (reason SIGTERM), then ends as above."""
+    traces = tmp_path / "traces"
+    _interrupt_job(
+        tmp_path,
+        2,
+        "mpi",
+        "collectives",
+        "mpiexec",
+        signal.SIGTERM,
+        env=job_env(DISTCOMM_TRACE_DIR=str(traces)),
+    )
+    for rank in range(2):
+        trace = json.loads((traces / f"rank-{rank}.json").read_text())
+        assert trace["reason"] == "SIGTERM", trace["reason"]
+        assert "all_reduce" in [e["op"] for e in trace["groups"][0]["entries"]]
+
+
+OWN_SIGTERM_SCRIPT = """
+    import signal, sys
+    import numpy as np
+    import distcomm as dist
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))  # before init
+    dist.init_process_group("mpi", timeout=600)
+    rank = dist.get_rank()
+    report({"rank": rank, "segments": {}})
+    while True:  # every rank stops at the same step: the first where one saw SIGTERM
+        flag = np.array([len(stop)], dtype=np.int64)
+        dist.all_reduce(flag)
+        if flag[0]:
+            break
+    print(f"[rank {rank}] my handler saw SIGTERM", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@needs_mpiexec
+def test_sigterm_handler_installed_before_init_is_left_alone(tmp_path: Path) -> None:
+    """A rank that handles SIGTERM itself keeps doing so: it stops when it chooses, with
+    its own status, and MPI_Finalize removes MPI's shared memory (the fixture checks)."""
+    script = _script(tmp_path, "own.py", OWN_SIGTERM_SCRIPT)
+    command = LAUNCHER.command(2, sys.executable, str(script))
+    done = run(
+        command,
+        cwd=tmp_path,
+        timeout=RUN_TIMEOUT,
+        merge_output=True,
+        during=_interrupt_when_ready(tmp_path, 2, "mpiexec", signal.SIGTERM),
+    )
+    output = done.stdout
+    for rank in range(2):
+        assert f"[rank {rank}] my handler saw SIGTERM" in output, output
+    assert "terminated (SIGTERM)" not in output, output
+    if LAUNCHER.kind == "mpich":  # Hydra forwards SIGTERM and waits for the ranks
+        assert done.returncode == 0, output
 
 
 # -- the default intra-op thread count of ranks ---------------------------------------------
@@ -559,9 +668,9 @@ def test_abort_hook_reports_chains_and_aborts(hook_env, monkeypatch, capsys) -> 
 def interrupt_env(hook_env, monkeypatch):
     """hook_env, plus: a fresh record of Ctrl-C, no grace, nothing unlinked, and SIGINT's
     handler and wakeup fd as they were afterwards (the hook ignores a second Ctrl-C)."""
-    monkeypatch.setattr(mpiutil, "_interrupted", mpiutil._Interrupted())
-    monkeypatch.setattr(mpiutil, "_INTERRUPT_GRACE", 0.0)
-    monkeypatch.setattr(mpiutil, "unlink_mpi_segments", lambda: hook_env.append(("unlink",)))
+    monkeypatch.setattr(mpi_end, "_interrupted", mpi_end._Interrupted())
+    monkeypatch.setattr(mpi_end, "_INTERRUPT_GRACE", 0.0)
+    monkeypatch.setattr(mpi_end, "unlink_mpi_segments", lambda: hook_env.append(("unlink",)))
     handler = signal.getsignal(signal.SIGINT)
     yield hook_env
     mpiutil.remove_abort_hook()
@@ -615,7 +724,7 @@ def test_abort_hook_takes_an_error_soon_after_ctrl_c_for_its_consequence(
 ) -> None:
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(2, interrupt_env))
     mpiutil.install_abort_hook()
-    mpiutil._interrupted.since = time.monotonic() - ago
+    mpi_end._interrupted.since = time.monotonic() - ago
     with pytest.raises(_Aborted):
         sys.excepthook(ValueError, ValueError("a peer aborted the group"), None)
     assert interrupt_env[-1] == ("abort", code)
@@ -701,10 +810,10 @@ def test_ctrl_c_watch_ends_a_rank_whose_main_thread_does_not_take_it(
     """Only the wakeup byte arrives, as when the main thread is inside a blocking MPI call
     (Python's handler never runs): the thread reports, unlinks and aborts with 130."""
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(3, interrupt_env))
-    monkeypatch.setattr(mpiutil, "abort", lambda mpi, code: interrupt_env.append(("abort", code)))
+    monkeypatch.setattr(mpi_end, "abort", lambda mpi, code: interrupt_env.append(("abort", code)))
     monkeypatch.setattr(os, "_exit", lambda code: interrupt_env.append(("exit", code)))
     mpiutil.install_abort_hook()
-    os.write(mpiutil._watch.write_fd, bytes([signal.SIGINT]))  # what the C handler writes
+    os.write(mpi_end._watch.write_fd, bytes([signal.SIGINT]))  # what the C handler writes
     assert _wait_for(lambda: ("exit", 130) in interrupt_env), interrupt_env
     assert interrupt_env == [("unlink",), ("unlink",), ("abort", 130), ("exit", 130)]
     err = capsys.readouterr().err
@@ -715,8 +824,8 @@ def test_ctrl_c_watch_leaves_a_taken_keyboard_interrupt_to_the_main_thread(
     interrupt_env, monkeypatch, capsys
 ) -> None:
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(0, interrupt_env))
-    monkeypatch.setattr(mpiutil, "_INTERRUPT_GRACE", 0.2)
-    monkeypatch.setattr(mpiutil, "abort", lambda mpi, code: interrupt_env.append(("abort", code)))
+    monkeypatch.setattr(mpi_end, "_INTERRUPT_GRACE", 0.2)
+    monkeypatch.setattr(mpi_end, "abort", lambda mpi, code: interrupt_env.append(("abort", code)))
     mpiutil.install_abort_hook()
     with pytest.raises(KeyboardInterrupt):  # what an except clause of the user's catches
         signal.raise_signal(signal.SIGINT)
@@ -724,6 +833,180 @@ def test_ctrl_c_watch_leaves_a_taken_keyboard_interrupt_to_the_main_thread(
     time.sleep(0.6)  # three graces: no abort comes
     assert interrupt_env == [("unlink",)]
     assert capsys.readouterr().err.startswith("[rank 0] interrupted (Ctrl-C) at ")
+
+
+@pytest.fixture
+def sigterm_env(interrupt_env, monkeypatch):
+    """interrupt_env in a process an MPI launcher started (Hydra's PMI_RANK), not under
+    distcomm-run; callbacks before an abort recorded as ("before", reason); SIGTERM's
+    handler as it was afterwards (ending sets it to SIG_IGN)."""
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(mpi_end, "_abort_callbacks", [])
+    mpiutil.call_before_abort(lambda reason: interrupt_env.append(("before", reason)))
+    handler = signal.getsignal(signal.SIGTERM)
+    assert handler is signal.SIG_DFL, handler  # what these tests start from
+    yield interrupt_env
+    mpiutil.remove_abort_hook()
+    signal.signal(signal.SIGTERM, handler)
+
+
+def test_sigterm_watch_installed_under_an_mpi_launcher_and_removed(sigterm_env) -> None:
+    assert mpiutil.install_abort_hook() is True
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    assert mpiutil.remove_abort_hook() is True
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert _wakeup_fd() == -1
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"PMI_RANK": None}, {"TORCHELASTIC_RUN_ID": "run"}, {"OMPI_COMM_WORLD_SIZE": "2"}],
+    ids=["no-mpi-launcher", "distcomm-run", "open-mpi"],
+)
+def test_sigterm_keeps_its_default_where_no_mpich_style_launcher_runs(
+    sigterm_env, monkeypatch, env
+) -> None:
+    """A singleton, a worker of distcomm-run (whose agent stops workers with SIGTERM and
+    reports the signal) and a rank of Open MPI's mpirun (which ends its ranks with SIGTERM
+    itself) keep SIGTERM's default; Ctrl-C is still taken over."""
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
+    assert mpiutil.install_abort_hook() is True
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+
+
+@pytest.mark.parametrize("theirs", ["handler", "ignored"])
+def test_sigterm_watch_leaves_a_handler_of_the_users_alone(sigterm_env, theirs: str) -> None:
+    def mine(signum, frame):
+        pass
+
+    handler = mine if theirs == "handler" else signal.SIG_IGN
+    signal.signal(signal.SIGTERM, handler)
+    assert mpiutil.install_abort_hook() is True
+    assert signal.getsignal(signal.SIGTERM) is handler
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # still ours
+    assert mpi_end._watch is not None and not mpi_end._watch.owns(signal.SIGTERM)
+    assert mpiutil.remove_abort_hook() is True
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_sigterm_watch_owns_the_flight_recorders_handler_on_top_not_a_users(
+    sigterm_env,
+) -> None:
+    """A handler put on top later is obeyed, unless distcomm put it there: the flight
+    recorder's dumps, then calls the one it replaced (ours)."""
+    from distcomm.trace import dumps
+
+    mpiutil.install_abort_hook()
+    assert mpi_end._watch.owns(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, dumps._on_sigterm)
+    assert mpi_end._watch.owns(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    assert not mpi_end._watch.owns(signal.SIGTERM)
+
+
+def test_sigterm_watch_ends_a_rank_whose_main_thread_does_not_take_it(
+    sigterm_env, monkeypatch, capsys
+) -> None:
+    """Only the wakeup byte arrives, as when the main thread is inside a blocking MPI call:
+    the thread reports, unlinks, dumps (reason SIGTERM) and aborts with 143."""
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(3, sigterm_env))
+    monkeypatch.setattr(mpi_end, "abort", lambda mpi, code: sigterm_env.append(("abort", code)))
+    monkeypatch.setattr(os, "_exit", lambda code: sigterm_env.append(("exit", code)))
+    mpiutil.install_abort_hook()
+    os.write(mpi_end._watch.write_fd, bytes([signal.SIGTERM]))  # what the C handler writes
+    assert _wait_for(lambda: ("exit", 143) in sigterm_env), sigterm_env
+    assert sigterm_env == [
+        ("unlink",),
+        ("before", "SIGTERM"),  # at once, not a grace later: rank 0 may abort by then
+        ("unlink",),
+        ("abort", mpiutil.TERMINATED_STATUS),
+        ("exit", 143),
+    ]
+    err = capsys.readouterr().err
+    assert err.startswith("[rank 3] terminated (SIGTERM) at ") and err.count("\n") == 1, err
+
+
+def test_sigterm_in_the_main_thread_ends_the_rank(sigterm_env, monkeypatch, capsys) -> None:
+    """The handler itself ends the rank: there is no exception to catch. A handler put on
+    top that calls the one it replaced (as the flight recorder's does) runs first."""
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(1, sigterm_env))
+    monkeypatch.setattr(mpi_end, "abort", lambda mpi, code: sigterm_env.append(("abort", code)))
+    monkeypatch.setattr(os, "_exit", lambda code: sigterm_env.append(("exit", code)))
+    mpiutil.install_abort_hook()
+    ours = signal.getsignal(signal.SIGTERM)
+
+    def on_top(signum, frame):
+        sigterm_env.append(("on top",))
+        ours(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_top)
+    line = sys._getframe().f_lineno + 1
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_env[0] == ("on top",), sigterm_env
+    assert sigterm_env[-3:] == [("before", "SIGTERM"), ("abort", 143), ("exit", 143)]
+    assert capsys.readouterr().err == f"[rank 1] terminated (SIGTERM) at {__file__}:{line}\n"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # nothing comes back in
+
+
+def test_the_first_of_sigterm_and_ctrl_c_decides_the_status(
+    sigterm_env, monkeypatch, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(0, sigterm_env))
+    mpiutil.install_abort_hook()
+    mpi_end._interrupted.start(signal.SIGTERM)
+    mpi_end._interrupted.start(signal.SIGINT)
+    with pytest.raises(_Aborted):
+        sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert sigterm_env == [
+        ("previous", KeyboardInterrupt),
+        ("unlink",),
+        ("before", "SIGTERM"),
+        ("unlink",),
+        ("abort", 143),
+    ]
+    assert capsys.readouterr().err == "[rank 0] terminated (SIGTERM)\n"
+
+
+def test_a_ctrl_c_caught_long_ago_does_not_decide_a_later_sigterm(
+    sigterm_env, monkeypatch, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(2, sigterm_env))
+    monkeypatch.setattr(mpi_end, "abort", lambda mpi, code: sigterm_env.append(("abort", code)))
+    monkeypatch.setattr(os, "_exit", lambda code: sigterm_env.append(("exit", code)))
+    mpiutil.install_abort_hook()
+    mpi_end._interrupted.start(signal.SIGINT)  # reported, then caught by the user's code
+    mpi_end._interrupted.since -= 60
+    mpi_end._interrupted.reported = True
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_env[-2:] == [("abort", 143), ("exit", 143)]
+    assert capsys.readouterr().err.startswith("[rank 2] terminated (SIGTERM) at ")
+
+
+def test_a_second_end_waits_for_the_first(sigterm_env, monkeypatch, capsys) -> None:
+    """Two threads ending the rank at once: the second only waits for the first's abort
+    (bounded), then exits with the same status."""
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _fake_mpi(0, sigterm_env))
+    monkeypatch.setattr(mpi_end, "_SECOND_END_WAIT", 0.0)
+    monkeypatch.setattr(os, "_exit", lambda code: sigterm_env.append(("exit", code)))
+
+    def second_exit(code: int) -> NoReturn:
+        sigterm_env.append(("exit", code))
+        raise SystemExit(code)  # what os._exit does not return from
+
+    monkeypatch.setattr(os, "_exit", second_exit)
+    assert mpi_end._interrupted.claim_end() is True  # the first
+    with pytest.raises(SystemExit):
+        mpi_end.end_interrupted(sys.modules["mpi4py.MPI"], [], signal.SIGTERM)
+    assert sigterm_env == [("exit", 143)]  # no report, no dump, no abort of its own
+    assert capsys.readouterr().err == ""
 
 
 def test_removed_abort_hook_under_another_only_chains(hook_env, monkeypatch) -> None:
