@@ -15,10 +15,14 @@ in the test process (they are raised before any backend sees the call).
 from __future__ import annotations
 
 import array
+import functools
+import gc
 import mmap
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -344,3 +348,242 @@ def test_buffers_on_mpi_under_mpiexec():
     done = run(LAUNCHER.command(2, *argv), env=job_env(), timeout=300)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
+
+
+# -- a completed operation lets go of the buffer (close it, resize it: as with mpi4py) ------
+
+
+def _let_go(what: str, step: Callable[[], None]) -> None:
+    """Run `step`, which closes or resizes a buffer whose operation completed."""
+    try:
+        step()
+    except BufferError as exc:
+        raise AssertionError(f"{what}: distcomm still holds a view of it ({exc})") from None
+
+
+def _without_collector(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run with Python's cyclic garbage collector off, so that a view kept alive by a
+    reference cycle stays alive, every time, instead of until the collector happens to run."""
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return run
+
+
+def _send_then_let_go(peer: int, nbytes: int) -> list[str]:
+    """Send with each call shape, then close the mmap or resize the bytearray at once."""
+    payload = _payload(dist.get_rank(), nbytes)
+    cases = []
+    if nbytes:  # an mmap cannot be empty
+        with mmap.mmap(-1, nbytes) as mm:  # the with-block's close must not raise
+            mm[:] = payload
+            dist.send(mm, peer, tag=1)
+        cases.append("send(mmap) in a with-block")
+        with mmap.mmap(-1, nbytes) as mm:
+            mm[:] = payload
+            dist.isend(mm, peer, tag=2).wait()
+        cases.append("isend(mmap).wait() in a with-block")
+        mm = _mapped(payload)
+        work = dist.isend(mm, peer, tag=3)
+        work.wait()  # the Work stays alive: it must not hold the view either
+        _let_go("mmap.close() after isend's wait, its Work kept", mm.close)
+        assert work.result()[0] is mm
+        cases.append("isend(mmap), Work kept")
+    buf = bytearray(payload)
+    dist.send(buf, peer, tag=4)
+    _let_go("bytearray.extend after send", lambda: buf.extend(b"x"))
+    buf = bytearray(payload)
+    work = dist.isend(buf, peer, tag=5)
+    work.wait()
+    _let_go("bytearray.extend after isend's wait", lambda: buf.extend(b"x"))
+    typed = array.array("B", payload)
+    dist.send(typed, peer, tag=6)
+    _let_go("array.array.append after send", lambda: typed.append(1))
+    # the message is read on the other side before its receive is posted
+    buf = bytearray(payload)
+    work = dist.isend(buf, peer, tag=7)
+    dist.barrier()
+    work.wait()
+    _let_go("bytearray.extend after an isend received late", lambda: buf.extend(b"x"))
+    # the receive is posted before the message is sent
+    dist.barrier()
+    buf = bytearray(payload)
+    dist.send(buf, peer, tag=8)
+    _let_go("bytearray.extend after a send received in place", lambda: buf.extend(b"x"))
+    return [*cases, "bytearray", "array.array"]
+
+
+def _recv_then_let_go(peer: int, nbytes: int) -> list[str]:
+    """Receive with each call shape, then read, and close the mmap or resize the bytearray."""
+    expected = _payload(peer, nbytes)
+    cases = []
+    if nbytes:
+        mm = mmap.mmap(-1, nbytes)
+        dist.recv(mm, peer, tag=1)
+        data = bytes(mm)
+        _let_go("mmap.close() after recv", mm.close)
+        assert data == expected, "recv into an mmap"
+        mm = mmap.mmap(-1, nbytes)
+        dist.irecv(mm, peer, tag=2).wait()
+        data = bytes(mm)
+        _let_go("mmap.close() after irecv's wait", mm.close)
+        assert data == expected, "irecv into an mmap"
+        mm = mmap.mmap(-1, nbytes)
+        work = dist.irecv(mm, tag=3)  # from any rank, the Work kept
+        work.wait()
+        data = bytes(mm)
+        _let_go("mmap.close() after an any-source irecv's wait, its Work kept", mm.close)
+        assert data == expected and work.source_rank() == peer, "any-source irecv"
+        cases += ["recv(mmap)", "irecv(mmap)", "irecv(mmap), any source, Work kept"]
+    buf = bytearray(nbytes)
+    dist.recv(buf, peer, tag=4)
+    _let_go("bytearray.extend after recv", lambda: buf.extend(b"x"))
+    assert bytes(buf[:nbytes]) == expected, "recv into a bytearray"
+    buf = bytearray(nbytes)
+    work = dist.irecv(buf, peer, tag=5)
+    work.wait()
+    _let_go("bytearray.extend after irecv's wait, its Work kept", lambda: buf.extend(b"x"))
+    assert bytes(buf[:nbytes]) == expected, "irecv into a bytearray"
+    typed = array.array("B", bytes(nbytes))
+    dist.recv(typed, peer, tag=6)
+    _let_go("array.array.append after recv", lambda: typed.append(1))
+    assert typed.tobytes()[:nbytes] == expected, "recv into an array.array"
+    dist.barrier()  # the message arrived (or is arriving) before the receive is posted
+    buf = bytearray(nbytes)
+    dist.recv(buf, peer, tag=7)
+    _let_go("bytearray.extend after a late recv", lambda: buf.extend(b"x"))
+    assert bytes(buf[:nbytes]) == expected, "a message received late"
+    buf = bytearray(nbytes)
+    work = dist.irecv(buf, peer, tag=8)  # posted before the message is sent
+    dist.barrier()
+    work.wait()
+    _let_go("bytearray.extend after an irecv posted first", lambda: buf.extend(b"x"))
+    assert bytes(buf[:nbytes]) == expected, "a message received in place"
+    return [*cases, "bytearray", "array.array"]
+
+
+@_without_collector
+def _buffers_free_once_complete(nbytes: int) -> list[str]:
+    """Ranks 0 and 1 take turns: one sends, the other receives, and each closes or resizes
+    its buffer the moment its operation completed. Other ranks wait."""
+    r = dist.get_rank()
+    done = []
+    for sender in (0, 1):
+        if r == sender:
+            done += _send_then_let_go(1 - r, nbytes)
+        elif r == 1 - sender:
+            done += _recv_then_let_go(1 - r, nbytes)
+        else:
+            dist.barrier()
+            dist.barrier()
+    dist.barrier()
+    return done
+
+
+@pytest.mark.parametrize("nbytes", NBYTES)
+def test_a_buffer_can_be_closed_or_resized_once_its_operation_completed(world, nbytes):
+    done = world.run(_buffers_free_once_complete, nbytes)
+    assert done[0] and done[1], done
+
+
+@_without_collector
+def _batch_lets_go(nbytes: int) -> None:
+    """batch_isend_irecv between ranks 0 and 1: once every Work completed, each buffer can
+    be closed or resized, the Works kept."""
+    r = dist.get_rank()
+    if r <= 1:
+        peer = 1 - r
+        out, into = bytearray(_payload(r, nbytes)), bytearray(nbytes)
+        ops = [
+            dist.P2POp(dist.isend, out, peer, tag=9),
+            dist.P2POp(dist.irecv, into, peer, tag=9),
+        ]
+        if nbytes:
+            mapped_out, mapped_into = _mapped(_payload(r + 20, nbytes)), mmap.mmap(-1, nbytes)
+            ops += [
+                dist.P2POp(dist.irecv, mapped_into, peer, tag=10),
+                dist.P2POp(dist.isend, mapped_out, peer, tag=10),
+            ]
+        works = dist.batch_isend_irecv(ops)
+        for work in works:
+            work.wait()
+        _let_go("bytearray.extend of a batch's send", lambda: out.extend(b"x"))
+        _let_go("bytearray.extend of a batch's receive", lambda: into.extend(b"x"))
+        assert bytes(into[:nbytes]) == _payload(peer, nbytes)
+        if nbytes:
+            data = bytes(mapped_into)
+            _let_go("mmap.close() of a batch's send", mapped_out.close)
+            _let_go("mmap.close() of a batch's receive", mapped_into.close)
+            assert data == _payload(peer + 20, nbytes)
+        assert len(works) == len(ops)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("nbytes", NBYTES)
+def test_batch_isend_irecv_lets_go_of_buffers_once_complete(world, nbytes):
+    world.run(_batch_lets_go, nbytes)
+
+
+@_without_collector
+def _failed_operations_let_go() -> list[str]:
+    """Sends and receives that fail (their group aborted here) let go of their buffers
+    too, their Works and errors kept."""
+    r = dist.get_rank()
+    group = dist.new_group([0, 1])
+    errors = []
+    if r <= 1:
+        peer = 1 - r
+        group.abort(f"test: rank {r} aborts the group")
+        mm = _mapped(_payload(r, 100_003))
+        sending = dist.isend(mm, peer, group=group, tag=1)
+        with pytest.raises(dist.DistError) as caught:
+            sending.wait()
+        errors.append(str(caught.value))
+        _let_go("mmap.close() after a failed isend, its Work and error kept", mm.close)
+        buf = bytearray(100_003)
+        receiving = dist.irecv(buf, peer, group=group, tag=1)
+        with pytest.raises(dist.DistError) as caught:
+            receiving.wait()
+        errors.append(str(caught.value))
+        _let_go("bytearray.extend after a failed irecv", lambda: buf.extend(b"x"))
+        assert sending.exception() is not None and receiving.exception() is not None
+    dist.destroy_process_group(group)
+    dist.barrier()
+    return errors
+
+
+@_without_collector
+def _withdrawn_receive_lets_go() -> None:
+    """A receive whose wait timed out is withdrawn (tcp, gloo): its buffer is free, its
+    Work kept; the group goes on."""
+    r = dist.get_rank()
+    if r <= 1:
+        buf = bytearray(64)
+        receiving = dist.irecv(buf, 1 - r, tag=77)  # nobody sends it
+        with pytest.raises(dist.DistTimeoutError):
+            receiving.wait(timeout=0.2)
+        _let_go("bytearray.extend after a withdrawn irecv", lambda: buf.extend(b"x"))
+        assert not receiving.is_completed()
+    dist.barrier()
+
+
+def test_a_withdrawn_receive_lets_go_of_its_buffer(world):
+    if world.backend == "mpi":
+        pytest.skip("a timed-out MPI receive aborts the group")
+    world.run(_withdrawn_receive_lets_go)
+
+
+def test_failed_operations_let_go_of_buffers(world):
+    if world.backend == "mpi":
+        pytest.skip("aborting an MPI group ends the job")
+    errors = world.run(_failed_operations_let_go)
+    for messages in errors[:2]:
+        assert len(messages) == 2 and all("aborts the group" in m for m in messages), messages

@@ -26,13 +26,23 @@ class OpQueue:
     a worker thread started on first use. Whoever runs an operation holds `_running`; the
     worker takes it before it takes an operation off the queue, so a caller that finds
     the queue empty and takes the lock runs after everything queued before it.
+
+    An operation lets go of its arrays before its Work completes, whether it succeeded or
+    failed: the caller may close or resize a buffer (an mmap, a bytearray, whose numpy
+    view the operation was given) the moment `wait()` returns, and an export still held
+    makes that raise `BufferError`. So the queue holds each operation as a job, `[fn,
+    work]`, that `_run` empties before it calls `fn`: no frame of the queue keeps `fn`
+    (whose closure holds the arrays) once it returned; and the error of one that failed
+    has its finished frames cleared (`_forget_locals`) before the Work keeps it. A frame
+    keeps its function, and so its closure, even cleared: an `fn` that may fail takes its
+    arrays out of a holder it empties (`held.pop()`) rather than from its closure.
     """
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._running = threading.Lock()  # held while an operation runs
         self._cond = threading.Condition()  # guards the queue, `_closed` and `_thread`
-        self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
+        self._queue: deque[list[Any]] = deque()  # jobs, [fn, work]
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -44,7 +54,7 @@ class OpQueue:
         with self._cond:
             self._refuse_if_closed(work)
             if async_op:
-                self._queue.append((fn, work))
+                self._queue.append([fn, work])
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                     self._thread.start()
@@ -56,7 +66,8 @@ class OpQueue:
                 self._refuse_if_closed(work)
         while not self._running.acquire(timeout=1.0):  # the operation running now
             self._refuse_if_closed(work)
-        self._run(fn, work)
+        # (this frame's `fn` outlives the run, but the Work is nobody else's until returned)
+        self._run([fn, work])
         return work
 
     def _refuse_if_closed(self, work: Work) -> None:
@@ -99,6 +110,7 @@ class OpQueue:
         try:
             fn(description, first, second)
         except BaseException as exc:
+            _forget_locals(exc)
             work = Work(description, outputs, timeout=timeout)
             work.fail(exc)
             return work
@@ -106,16 +118,22 @@ class OpQueue:
             running.release()
         return Work.completed(description, outputs)
 
-    def _run(self, fn: Callable[[], Any], work: Work) -> None:
-        """Run one operation (`_running` is held) and complete its Work."""
+    def _run(self, job: list[Any]) -> None:
+        """Run one operation, `job` = [fn, work] (`_running` is held), and complete its
+        Work; `job` is emptied first, so that nothing here holds `fn` once it returned."""
+        work = job.pop()
         try:
-            source = fn()
+            source = job.pop()()
         except BaseException as exc:
+            _forget_locals(exc)
             work.fail(exc)
         else:
             work.complete(-1 if source is None else source)
         finally:
             self._running.release()
+            # a failed operation's traceback keeps this frame: not the Work that keeps the
+            # error (a reference cycle, which only the garbage collector would free)
+            work = None
 
     def _loop(self) -> None:
         while True:
@@ -130,22 +148,59 @@ class OpQueue:
                 if not self._queue:  # failed and cleared by close() meanwhile
                     self._running.release()
                     continue
-                fn, work = self._queue.popleft()
+                job = self._queue.popleft()
                 self._cond.notify_all()  # synchronous callers wait for an empty queue
-            self._run(fn, work)
+            self._run(job)  # empties `job`: this frame keeps nothing of the operation
 
     def close(self, error: BaseException | None = None, timeout: float = 10.0) -> None:
         """Stop accepting work; fail what is still queued with `error`; join the worker."""
         with self._cond:
             self._closed = True
-            pending = list(self._queue) if error is not None else []
+            pending = [work for _, work in self._queue] if error is not None else []
             if error is not None:
-                self._queue.clear()
+                self._queue.clear()  # the operations, and their arrays, go with their jobs
             self._cond.notify_all()
-        for _, work in pending:
+        for work in pending:
             work.fail(error)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+def _forget_locals(error: BaseException) -> None:
+    """Clear the variables of the finished frames that `error` was raised through below
+    the frame that caught it (those the failed operation ran), and of the frames of the
+    errors raised or handled there (its `__cause__` and `__context__`, caught in them).
+
+    A failed operation's Work keeps its error and raises it to the caller, and the error's
+    traceback keeps those frames alive, with their variables: the operation's arrays, a
+    view of the caller's buffer. Cleared, the traceback still names every file, line and
+    function. The frame that caught `error` is still running and is left alone (it drops
+    what it holds itself); so are the frames of an error that came from outside the
+    operation (one the caller was handling when it called), which are the caller's.
+    """
+    tb = error.__traceback__
+    if tb is None:
+        return
+    inside: set[int] = set()  # the frames the operation ran
+    seen = {id(error)}
+    todo: list[tuple[BaseException, Any]] = [(error, tb.tb_next)]
+    while todo:
+        exc, tb = todo.pop()
+        while tb is not None:
+            frame = tb.tb_frame
+            inside.add(id(frame))
+            try:
+                frame.clear()
+            except RuntimeError:  # still running: its thread keeps it, and drops it
+                pass
+            tb = tb.tb_next
+        for chained in (exc.__cause__, exc.__context__):
+            if chained is None or id(chained) in seen:
+                continue
+            seen.add(id(chained))
+            first = chained.__traceback__
+            if first is not None and id(first.tb_frame) in inside:
+                todo.append((chained, first))
 
 
 def setup_round(store: Store, name: str, size: int) -> int:

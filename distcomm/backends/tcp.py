@@ -272,9 +272,14 @@ class TcpBackend(Backend):
             nbytes=len(payload),
         )
 
+        # the payload, taken by `run`: its closure (which a failed send's traceback keeps,
+        # by the frame's function) must not keep a view of the caller's buffer
+        held = [payload]
+
         def run() -> None:
+            data = held.pop()
             try:
-                self._transport.send(dst, header, payload, Deadline(self.timeout))
+                self._transport.send(dst, header, data, Deadline(self.timeout))
             except DistError as exc:
                 self._transport.abort(Failure(type(exc), f"{description}: {exc}", exc.peer_ranks))
                 raise type(exc)(f"{description}: {exc}") from exc
@@ -297,15 +302,20 @@ class TcpBackend(Backend):
         peer = "any rank" if src is None else f"rank {src}"
         description = self.describe(f"recv from {peer} (tag {tag})")
         mailbox = self._transport.mailbox
-        holder: list[Any] = []
+        holder: list[Any] = []  # the posted receive, until withdrawn
 
         def on_timeout(seconds: float) -> BaseException:
             error = DistTimeoutError(
                 f"{description}: no message arrived within {seconds:.1f} s "
                 "(did the sender call send with the same tag and this rank as dst?)"
             )
-            if holder and not mailbox.cancel(holder[0]):
-                holder[0].wait(self.timeout)  # matched already: its payload is arriving
+            if holder:
+                if mailbox.cancel(holder[0]):
+                    # withdrawn, never to complete: the Work (which keeps this handler)
+                    # must not keep it, nor the caller's buffer it holds
+                    holder.clear()
+                else:
+                    holder[0].wait(self.timeout)  # matched already: its payload is arriving
             return error
 
         work = Work(description, [array], on_timeout=on_timeout, timeout=self.timeout)

@@ -109,9 +109,13 @@ class Runner:
             settle=_SETTLE_S,
         )
 
+        # (step, args), taken by `run`: its closure (which a failed collective's traceback
+        # keeps, by the frame's function) must not keep the arrays (see `OpQueue`)
+        held = [(step, args)]
+
         def run() -> None:
             running.append(self.seq)
-            self._run(description, signature, (step, args))
+            self._run(description, signature, held.pop())
 
         return self._collectives.submit(run, work, async_op)
 

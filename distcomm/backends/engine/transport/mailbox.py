@@ -24,7 +24,13 @@ _FINISHING = threading.Lock()
 
 
 class Recv:
-    """A posted receive: where the payload goes and what the sender must match."""
+    """A posted receive: where the payload goes and what the sender must match.
+
+    Once complete it holds neither its buffer nor its callback: the caller may close or
+    resize the memory it received into (an mmap, a bytearray) as soon as it is told, and
+    a receive kept (in a Work's timeout handler, in the I/O thread's variables) must not
+    keep an export of it.
+    """
 
     __slots__ = (
         "_done",
@@ -53,7 +59,7 @@ class Recv:
     ) -> None:
         self.peer = peer  # None: any source (point-to-point only)
         self.key = key
-        self.buffer = buffer
+        self.buffer: memoryview | None = buffer  # None once complete
         self.dtype = dtype
         self.signature = signature
         self.order = order
@@ -64,7 +70,7 @@ class Recv:
         self._done = False
         self.error: DistError | None = None
         self.source = -1
-        self.callback = callback
+        self.callback = callback  # None once complete
 
     def done(self) -> bool:
         return self._done
@@ -82,15 +88,16 @@ class Recv:
 
     def _finish(self, source: int, error: DistError | None) -> None:
         """Complete the receive (the first outcome counts: a payload that lands as the
-        group fails, say)."""
+        group fails, say), having let go of its buffer and callback (see the class)."""
         with _FINISHING:
             if self._done:
                 return
             self.source, self.error = source, error
             self._done = True
+            callback, self.callback, self.buffer = self.callback, None, None
         self._latch.release()
-        if self.callback is not None:
-            self.callback(self)
+        if callback is not None:
+            callback(self)
 
 
 class Mailbox:
