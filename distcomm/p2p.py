@@ -201,7 +201,15 @@ def send(
     if timeout is not None:
         timed(posting.group, timeout, "send", False, posting.post)
         return
-    posting.post().wait()
+    work = posting.post()
+    # a failed send's error keeps this frame (its traceback): not the view of the caller's
+    # buffer, nor the Work that keeps the error (a cycle only the collector would free)
+    posting = None
+    try:
+        work.wait()
+    except BaseException:
+        work = None
+        raise
 
 
 def recv(
@@ -230,7 +238,12 @@ def recv(
     # plain wait() only orders a stream
     seconds = None if timeout is None else op_timeout(timeout, posting.group, "recv")
     work = posting.post()
-    work.wait(seconds)
+    posting = None  # as in `send`: the error's traceback keeps this frame
+    try:
+        work.wait(seconds)
+    except BaseException:
+        work = None
+        raise
     return work.source_rank()
 
 

@@ -88,7 +88,12 @@ class Future:
         if not self._done:
             raise RuntimeError("Future.value() called before the future completed; call wait()")
         if self._error is not None:
-            raise self._error
+            try:
+                raise self._error
+            finally:
+                # the error's traceback keeps this frame: not this future, which keeps the
+                # error (a cycle only the garbage collector would free)
+                self = None
         return self._value
 
     def then(self, callback: Callable[[Future], Any]) -> Future:
@@ -255,7 +260,14 @@ class Work:
                 )
             if not self._future.done() or self._future.exception() is not None:
                 raise error
-        self._future.value()
+        future = self._future
+        # the error raised keeps this frame (its traceback): not this Work nor its future,
+        # which keep the error (a cycle only the garbage collector would free)
+        self = None
+        try:
+            future.value()
+        finally:
+            future = None
         return True
 
     def is_completed(self) -> bool:

@@ -555,6 +555,16 @@ def _failed_operations_let_go() -> list[str]:
         errors.append(str(caught.value))
         _let_go("bytearray.extend after a failed irecv", lambda: buf.extend(b"x"))
         assert sending.exception() is not None and receiving.exception() is not None
+        # the blocking calls: their errors (kept here) hold no view either
+        blocking = _mapped(_payload(r, 100_003))
+        with pytest.raises(dist.DistError) as failed_send:
+            dist.send(blocking, peer, group=group, tag=2)
+        _let_go("mmap.close() after a failed send, its error kept", blocking.close)
+        into = bytearray(100_003)
+        with pytest.raises(dist.DistError) as failed_recv:
+            dist.recv(into, peer, group=group, tag=2)
+        _let_go("bytearray.extend after a failed recv, its error kept", lambda: into.extend(b"x"))
+        assert "aborts the group" in str(failed_send.value) + str(failed_recv.value)
     dist.destroy_process_group(group)
     dist.barrier()
     return errors
