@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from distcomm.launch.errors import exit_description
 
-__all__ = ["LOOPBACK_ENV", "Outcome", "RankFailure", "RankPool", "run_ranks"]
+__all__ = ["LOOPBACK_ENV", "Outcome", "RankFailure", "RankPool", "run_ranks", "wait_until"]
 
 #: Environment every rank gets: all traffic stays on loopback.
 LOOPBACK_ENV = {
@@ -42,6 +42,49 @@ LOOPBACK_ENV = {
 }
 
 GRACE_AFTER_FAILURE = 5.0
+
+#: seconds `wait_until` waits by default: far beyond what a condition takes on a loaded
+#: machine, so that only a condition that never comes fails
+EVENTUALLY_S = 30.0
+
+
+def wait_until(
+    condition: Callable[[], Any],
+    what: str,
+    timeout: float = EVENTUALLY_S,
+    interval: float = 0.01,
+    detail: Callable[[], Any] | None = None,
+) -> Any:
+    """Poll `condition()` until it is truthy, for at most `timeout` seconds.
+
+    For something that happens asynchronously (a thread ending, a file removed, a message
+    another process sent being processed): wait for it, then assert on it, instead of
+    asserting at once or after a fixed `time.sleep`.
+
+    Args:
+        condition: called until it returns a truthy value.
+        what: what is waited for, for the failure message ("the watchdog to fail the op").
+        timeout: the most seconds to wait.
+        interval: seconds between two calls.
+        detail: what to show in the failure message instead of the last value (the state
+            that `condition` judged, say).
+
+    Returns:
+        The truthy value `condition()` returned.
+
+    Raises:
+        AssertionError: `condition()` was still falsy after `timeout` seconds; the message
+            names `what` and the last value.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            seen = f"now: {detail()!r}" if detail is not None else f"last value: {value!r}"
+            raise AssertionError(f"timed out after {timeout} s waiting for {what} ({seen})")
+        time.sleep(interval)
 
 
 class RankFailure(AssertionError):

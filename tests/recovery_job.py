@@ -45,7 +45,7 @@ def loop(steps: int, stop_file: str = "") -> None:
     all_reduce takes timeout=; MGR_OP_TIMEOUT, REFORM_TIMEOUT: the Manager's op_timeout
     and reform_timeout; FREEZE_AT with FROZEN: after the all_reduce of that step (once),
     create FROZEN and SIGSTOP itself; SHRUNK: create that file on committing a step at a
-    world size below WORLD_SIZE."""
+    world size below WORLD_SIZE; COMMITTED: create that file on committing a step."""
     model = {"w": np.zeros(4)}
 
     def load(state: dict) -> None:
@@ -61,6 +61,7 @@ def loop(steps: int, stop_file: str = "") -> None:
     mark_back = os.environ.get("MARK_BACK", "")
     freeze_at = int(os.environ.get("FREEZE_AT", "-1"))
     shrunk = os.environ.get("SHRUNK", "")
+    committed = os.environ.get("COMMITTED", "")
     world = int(os.environ.get("WORLD_SIZE", "0"))
     joined = SCENARIO == "newcomer"
     mgr = Manager(lambda: {"w": model["w"]}, load, settle=0.5, **kwargs)
@@ -97,13 +98,15 @@ def loop(steps: int, stop_file: str = "") -> None:
             sizes.append(dist.get_world_size())
             if shrunk and dist.get_world_size() < world and not os.path.exists(shrunk):
                 _touch(shrunk)
+            if committed and not os.path.exists(committed):
+                _touch(committed)
         time.sleep(0.02)
         if (
             mgr.step >= steps // 2
             and os.environ.get("HOLD")
             and not os.path.exists(os.environ["HOLD"])
         ):
-            # the members wait at the half-way point until the newcomer was started
+            # the members wait at the half-way point until the test saw the newcomer register
             deadline = time.monotonic() + 60
             while not os.path.exists(os.environ["HOLD"]) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -234,7 +237,15 @@ def main() -> None:
             decided = membership.Decision(1, [*handles, ghost], 0, [])
             state.store.compare_set(membership._p() + "e/1/list", "", decided.dump())
         dist.barrier()
+        # a barrier returns on one rank while another may still be finishing it: rank 0
+        # aborts only once every rank is past it (the abort would fail that barrier)
+        store = state.store
+        store.add("lost-test/past-barrier", 1)
         if dist.get_rank() == 0:
+            deadline = time.monotonic() + 60
+            while int(store.add("lost-test/past-barrier", 0)) < dist.get_world_size():
+                assert time.monotonic() < deadline, "the other ranks did not pass the barrier"
+                time.sleep(0.02)
             pg.abort("the test re-forms the world")
         deadline = time.monotonic() + 30
         while not pg.is_aborted():  # the others hear of it before their next step

@@ -19,7 +19,7 @@ from distcomm.store import TCPStore
 
 from .processes import no_process_left
 
-__all__ = ["JOB", "Job", "jobs", "same_weights", "wait_for_file"]
+__all__ = ["JOB", "Job", "jobs", "same_weights", "wait_for_file", "wait_for_newcomers"]
 
 JOB = str(Path(__file__).with_name("recovery_job.py"))
 
@@ -63,6 +63,10 @@ class Job:
             found.append(json.loads(lines[-1][7:]))
         return found
 
+    def registered(self) -> int:
+        """How many newcomers registered in the job's store so far (membership's count)."""
+        return int(self.store.add("distcomm/m/0/newcomers", 0))
+
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -97,11 +101,11 @@ def same_weights(results: list[dict], steps: int) -> None:
         assert result["w"] == expected, result
 
 
-def wait_for_file(path: Path, timeout: float, what: str, watched: list[subprocess.Popen]) -> None:
-    """Wait until a worker creates `path`; fail saying `what` did not happen when it does
-    not within `timeout` s, or when one of `watched` ended first (with its output)."""
+def _wait(done: Callable[[], bool], timeout: float, what: str, watched: list) -> None:
+    """Wait until `done()`; fail saying `what` did not happen when it is not within
+    `timeout` s, or when one of `watched` (processes) ended first (with its output)."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not done():
         for proc in watched:
             if proc.poll() is not None:
                 _, err = proc.communicate()
@@ -109,3 +113,17 @@ def wait_for_file(path: Path, timeout: float, what: str, watched: list[subproces
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not within {timeout:.0f} s")
         time.sleep(0.05)
+
+
+def wait_for_file(path: Path, timeout: float, what: str, watched: list[subprocess.Popen]) -> None:
+    """Wait until a worker creates `path`; fail saying `what` did not happen when it does
+    not within `timeout` s, or when one of `watched` ended first (with its output)."""
+    _wait(path.exists, timeout, what, watched)
+
+
+def wait_for_newcomers(
+    job: Job, count: int, timeout: float, what: str, watched: list[subprocess.Popen]
+) -> None:
+    """Wait until `count` newcomers registered in `job`'s store; fail saying `what` did not
+    happen when they did not within `timeout` s, or when one of `watched` ended first."""
+    _wait(lambda: job.registered() >= count, timeout, what, watched)

@@ -25,6 +25,7 @@ import distcomm as dist
 from distcomm.group import ProcessGroup
 from distcomm.ops import ReduceOp
 from tests.cuda_standin import CudaStandin, NcclError
+from tests.harness import wait_until
 from tests.test_collectives import values
 from tests.test_nccl_standin import Cluster, Rank, clusters, installed_standin, same
 
@@ -300,7 +301,13 @@ def test_standin_reports_launches_issued_in_another_order_on_another_rank(cuda):
     ]
     for thread in first:
         thread.start()
-    time.sleep(0.2)  # the first launches are on their GPUs
+
+    def posted(comm: Any) -> bool:
+        """Whether `comm`'s allReduce holds its GPU's turn (posted, waiting for its peer)."""
+        with cuda.nccl_cond:
+            return any(comm.rank in slot["posts"] for slot in comm.clique.colls.values())
+
+    wait_until(lambda: posted(a0) and posted(b1), "the first launches to be on their GPUs")
     second = [
         threading.Thread(target=reduce_on, args=(b0, 0)),
         threading.Thread(target=reduce_on, args=(a1, 1)),

@@ -1319,8 +1319,9 @@ def _source_rank(me: Rank) -> None:
         b.send(x, 1, 0).wait()
         return
     work = b.recv(x, 0, 0)
-    assert work.wait() is True
+    assert work.wait() is True  # orders the current stream only: the host does not wait
     assert work.source_rank() == 0  # before the watchdog polled it (usually)
+    work.synchronize()  # blocks the host until the recv finished on the GPU
     assert work.is_completed()
     assert work.source_rank() == 0, "source_rank() changed to -1 when the recv completed"
 

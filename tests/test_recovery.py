@@ -13,12 +13,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from .processes import no_process_left
-from .recovery_jobs import jobs, same_weights
+from .recovery_jobs import jobs, same_weights, wait_for_file, wait_for_newcomers
 
 BACKENDS = ["tcp", "gloo"]
 
@@ -63,11 +62,14 @@ def test_a_member_lost_while_connecting_is_left_out_by_the_next_attempt(job_fact
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grow_from_3_to_4(job_factory, backend, tmp_path):
-    hold = tmp_path / "newcomer-started"
+    hold, committed = tmp_path / "newcomer-registered", tmp_path / "committed"
     job = job_factory(3, backend, STEPS="40", HOLD=str(hold))
-    members = [job.start("member", r) for r in range(3)]
-    time.sleep(1.0)
+    members = [job.start("member", r, COMMITTED=str(committed)) for r in range(3)]
+    # the newcomer comes once the members went on at 3; they pass half-way only once it
+    # registered (a newcomer still starting when they finish would never be taken in)
+    wait_for_file(committed, 120, "the members committing a step at 3", members)
     newcomer = job.start("newcomer", 2)
+    wait_for_newcomers(job, 1, 120, "the newcomer registering", [*members, newcomer])
     hold.touch()
     results = job.results([*members, newcomer])
     same_weights(results, 40)
@@ -79,14 +81,20 @@ def test_grow_from_3_to_4(job_factory, backend, tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shrink_after_kill_9_then_grow_back(job_factory, backend, tmp_path):
-    stop_file = tmp_path / "victim-died"
-    hold = tmp_path / "newcomer-started"
-    job = job_factory(4, backend, STEPS="40", STOP_FILE=str(stop_file), HOLD=str(hold))
+    stop_file, shrunk = tmp_path / "victim-died", tmp_path / "shrunk"
+    hold = tmp_path / "newcomer-registered"
+    job = job_factory(
+        4, backend, STEPS="40", STOP_FILE=str(stop_file), HOLD=str(hold), SHRUNK=str(shrunk)
+    )
     survivors = [job.start("member", r) for r in (0, 2, 3)]
     victim = job.start("victim", 1, VICTIM="1")
     victim.wait(120)
     assert victim.returncode == -signal.SIGKILL
+    # as in test_grow_from_3_to_4: the newcomer once the survivors went on at 3, and
+    # half-way passed only once it registered
+    wait_for_file(shrunk, 120, "the survivors committing a step at 3", survivors)
     newcomer = job.start("newcomer", 1)
+    wait_for_newcomers(job, 1, 120, "the newcomer registering", [*survivors, newcomer])
     hold.touch()
     results = job.results([*survivors, newcomer])
     same_weights(results, 40)

@@ -34,7 +34,7 @@ from distcomm.store.file import store as file_module
 from distcomm.store.tcp.protocol import HEADER, Cmd, Status, encode_frame
 from distcomm.store.tcp.server import StoreServer
 from tests.etcd_server import etcd_endpoint  # noqa: F401 - fixture of the etcd kind
-from tests.harness import run_ranks
+from tests.harness import run_ranks, wait_until
 from tests.processes import free_port
 from tests.store_wire import read_response, recv_exact
 
@@ -524,7 +524,12 @@ def test_tcp_garbage_collection_stops_the_server():
     port = store.port
     del store
     gc.collect()
-    assert _tcp_state(port) == ([], [])
+    # collected on the server's own thread, the loop ends on its next turn, unjoined
+    wait_until(
+        lambda: _tcp_state(port) == ([], []),
+        f"the server on port {port} to stop",
+        detail=lambda: _tcp_state(port),
+    )
 
 
 def test_tcp_harness_construction_still_works():

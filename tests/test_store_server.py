@@ -24,6 +24,7 @@ from distcomm.store import TCPStore
 from distcomm.store.tcp.bookkeeping import Throttle as _Throttle
 from distcomm.store.tcp.protocol import HEADER, LENGTH, SECONDS, Cmd, Limits, Status
 from distcomm.store.tcp.server import StoreServer
+from tests.harness import wait_until
 from tests.store_wire import frame, raw_connection, read_response, recv_exact
 
 HOST = "127.0.0.1"
@@ -236,8 +237,12 @@ def test_a_client_that_never_reads_is_not_served_beyond_the_watermark(master):
     except (TimeoutError, BlockingIOError):
         pass
     try:
-        time.sleep(0.3)
-        flooding = [conn for conn in server._conns.values() if conn.out_bytes > 0]
+        # the server reads the flood on its own thread: wait until it holds answers the
+        # client does not read
+        flooding = wait_until(
+            lambda: [conn for conn in list(server._conns.values()) if conn.out_bytes > 0],
+            "the server to hold answers the flooding client does not read",
+        )
         assert len(flooding) == 1
         conn = flooding[0]
         assert conn.out_bytes <= server.out_high_water + (1 << 20)  # one answer over at most
