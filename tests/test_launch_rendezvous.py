@@ -364,7 +364,9 @@ def test_chair_a_member_lost_from_a_complete_round_ends_it_and_never_shrinks_it(
     stopped); a member that reads its answer afterwards still reads the round it joined
     (size 3, its own rank), the round is over for everyone, and the next one forms without
     the lost node."""
-    d = desk(Limits(min_nodes=2, max_nodes=3, last_call_timeout=30.0, dead_after=0.3))
+    # dead_after: far above a stall of the test between a's and b's beat and the chair's
+    # read on a loaded machine, which would drop them too
+    d = desk(Limits(min_nodes=2, max_nodes=3, last_call_timeout=30.0, dead_after=2.0))
     chair = d.chair()
     for node in ("a", "b", "c"):
         d.join(node)
@@ -377,8 +379,8 @@ def test_chair_a_member_lost_from_a_complete_round_ends_it_and_never_shrinks_it(
     }
     assert not d.summary()["lost"]
     chair.serve(heartbeats=True)  # the chair's first read of their heartbeats
-    time.sleep(0.4)
-    d.beat("a", "b")  # c's heartbeat stops
+    time.sleep(2.1)  # c's heartbeat stops: older than dead_after at the next read
+    d.beat("a", "b")
     chair.serve(heartbeats=True)
     assert d.dropped == ["c"]
     state = RendezvousState.decode(d.store.get(d.keys.state))

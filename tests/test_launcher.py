@@ -678,10 +678,12 @@ def _sizes(out: Path) -> dict[int, set[int]]:
     return sizes
 
 
-FAST_RDZV = "--rdzv_conf=last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=3"
+#: a short last call; a node is dropped after 6 missed heartbeats (3 s), beyond what a
+#: loaded machine stalls a live agent's keep-alive thread
+FAST_RDZV = "--rdzv_conf=last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=6"
 #: a last call far longer than any wait of the tests: a round that waited for it would fail
 LONG_LAST_CALL = (
-    "--rdzv_conf=last_call_timeout=600,keep_alive_interval=0.5,keep_alive_max_attempt=3"
+    "--rdzv_conf=last_call_timeout=600,keep_alive_interval=0.5,keep_alive_max_attempt=6"
 )
 
 

@@ -235,18 +235,22 @@ def test_a_long_store_wait_says_so_then_times_out(monkeypatch, caplog):
                 r"get\('late'\) on .* has waited ([\d.]+) s for 'late', not set yet", caplog.text
             )
         ]
-        assert len(ages) == len(caplog.records) and len(ages) in (3, 4), caplog.text
-        assert ages == sorted(ages) and ages[0] >= 0.3 and ages[2] >= 1.2, ages  # backoff
+        # at 0.3, 0.9 and 2.1 s on a quiet machine; a loaded one may report later, so
+        # fewer, never more, and never earlier
+        assert len(ages) == len(caplog.records) and 1 <= len(ages) <= 4, caplog.text
+        assert ages == sorted(ages) and ages[0] >= 0.3, ages
+        assert len(ages) < 3 or ages[2] >= 1.2, ages  # backoff: not every 0.3 s
         other = store.clone()  # a connection of its own: this one is busy waiting
         try:
             timer = threading.Timer(0.5, other.set, ("soon", "1"))
             timer.start()
             caplog.clear()
-            store.wait(["soon"], 5.0)  # set after 0.5 s: one warning, then success
-            timer.join()
+            store.wait(["soon"], 5.0)  # set after 0.5 s: a warning (one, unless the
+            timer.join()  # loaded machine runs the timer late), then success
         finally:
             other.close()
-        assert len(caplog.records) == 1 and "'soon', not set yet" in caplog.text, caplog.text
+        said = [record.getMessage() for record in caplog.records]
+        assert said and all("'soon', not set yet" in m for m in said), caplog.text
 
 
 def test_the_inspector_thread_ends_with_the_group(solo, monkeypatch):
@@ -276,7 +280,8 @@ def test_a_long_file_store_wait_says_so(tmp_path, monkeypatch, caplog):
     finally:
         store.close()
     ages = [float(a) for a in re.findall(r"has waited ([\d.]+) s for 'late'", caplog.text)]
-    assert len(ages) in (2, 3) and ages == sorted(ages) and ages[0] >= 0.3, caplog.text
+    # at 0.3 and 0.9 s on a quiet machine; later, so fewer, on a loaded one
+    assert 1 <= len(ages) <= 3 and ages == sorted(ages) and ages[0] >= 0.3, caplog.text
 
 
 # -- the progress keys leave the store with their group ----------------------------------
