@@ -421,3 +421,32 @@ def test_every_public_module_has_a_reference_entry():
     if "<!-- reference: distcomm -->" in text:
         covered.add("distcomm")
     assert not set(listed) - covered, sorted(set(listed) - covered)
+
+
+#: how many lines a newcomer reads before deciding: one screen
+FIRST_SCREEN = 60
+
+
+def test_the_readme_first_screen_says_what_it_is_how_to_run_it_and_shows_code():
+    """The README's first screen: what distcomm is for, the install-and-run command, the
+    test command and a short example that runs (as every Python block of the pages does,
+    in `test_python_block_runs`); not a list of terms or the GPU stand-in's details."""
+    first = [b for b in BLOCKS if b.page == "README.md" and b.line <= FIRST_SCREEN]
+    assert README_SHELL[0] in first and README_SHELL[1] in first, (
+        f"the install and test commands are not in the README's first {FIRST_SCREEN} lines"
+    )
+    examples = [b for b in first if b.info == "python"]
+    assert examples and len(examples[0].text.strip().splitlines()) <= 15, (
+        f"no short example in the README's first {FIRST_SCREEN} lines"
+    )
+    opening = README.read_text().split("\n## ", 1)[0]
+    assert "torch.distributed" in opening and "numpy" in opening, opening
+    assert "stand-in" not in "\n".join(README.read_text().splitlines()[:FIRST_SCREEN])
+
+
+def test_no_page_guesses_the_size_of_the_suite():
+    """ "About 6,000 tests" goes stale with the next test; `pytest --collect-only` counts
+    them. (A record of what ran, "164 tests" on a GPU, is a fact, not a guess.)"""
+    for page in PAGES:
+        found = re.search(r"\b(?:about|over|some|nearly|almost) \d[\d,]* tests\b", page.read_text())
+        assert found is None, f"{page.name}: {found.group(0)!r}"
