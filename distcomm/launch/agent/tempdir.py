@@ -38,12 +38,12 @@ def remove_stale_temp_dirs() -> None:
     """Remove the temporary directories of agents that died without cleaning up (SIGKILL):
     those of this user whose pid no longer runs; and bound the flight-recorder folders of
     ended runs (`prune_trace_dirs`)."""
-    prune_trace_dirs()
     root = tempfile.gettempdir()
     try:
         names = os.listdir(root)
     except OSError:
         return
+    prune_trace_dirs(names=names)
     for name in names:
         pid_text, sep, _ = name[len(TEMP_PREFIX) :].partition("-")
         if not (name.startswith(TEMP_PREFIX) and sep and pid_text.isdigit()):
@@ -65,18 +65,20 @@ def inside(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
-def prune_trace_dirs(keep: int = TRACE_DIRS_KEPT) -> list[str]:
+def prune_trace_dirs(keep: int = TRACE_DIRS_KEPT, names: list[str] | None = None) -> list[str]:
     """Remove this user's flight-recorder folders in the temporary directory beyond the
     newest `keep` (by modification time) of agents that no longer run; the paths removed.
 
     A failed run's folder stays for the user to read (its failure report names it); this
     bounds how many pile up. A folder of an agent that still runs is never removed.
+    `names`: the temporary directory's listing, where the caller has it already.
     """
     root = tempfile.gettempdir()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
+    if names is None:
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return []
     ended: list[tuple[float, str]] = []
     for name in names:
         pid_text = name.rpartition("-")[2]
