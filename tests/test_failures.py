@@ -163,6 +163,47 @@ def test_first_op_after_a_member_died_fails_fast(when, backend):
             assert "new_group" in message, outcomes
 
 
+def _dies_while_the_group_is_made() -> tuple[str, str]:
+    """Rank 2 ends just after new_group; on ranks 0 and 1 the new group reaches the
+    fabric only once its connection to rank 2 is known to be lost (as on a loaded machine
+    it may), and it only receives from rank 2: nothing but the group's own knowledge of the
+    loss can fail that receive before the timeout."""
+    from distcomm.backends.engine.transport import fabric
+
+    r = dist.get_rank()
+    if r != 2:
+        original = fabric.Fabric.add_channel
+
+        def late(self: fabric.Fabric, channel: object) -> None:
+            end = time.monotonic() + 20
+            while self.existing(2) is not None and time.monotonic() < end:
+                time.sleep(0.01)
+            original(self, channel)
+
+        fabric.Fabric.add_channel = late  # type: ignore[method-assign]
+    group = dist.new_group([0, 1, 2])
+    if r == 2:
+        os._exit(3)
+    return _outcome(lambda: dist.recv(np.zeros(4), src=2, group=group))
+
+
+@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+def test_member_lost_before_its_group_opened_fails_its_receives(backend):
+    # group timeout 120 s, harness deadline 30 s: only a prompt failure passes
+    outcomes = run_ranks(
+        _dies_while_the_group_is_made,
+        3,
+        backend=backend,
+        timeout=30,
+        init_timeout=120,
+        may_die={2},
+    )
+    for rank in (0, 1):
+        kind, message = outcomes[rank]
+        assert kind == "DistNetworkError", outcomes
+        assert _peer_ended(2, message), outcomes
+
+
 # -- timeouts --------------------------------------------------------------------------------
 
 

@@ -102,6 +102,10 @@ class Channel(Protocol):
     def peer_ended(self, rank: int) -> None:
         """`rank`'s process (on this host, watched by `Fabric.watch_process`) ended."""
 
+    def check_peer(self, rank: int) -> None:
+        """`rank`'s process lost its connection to this one before the channel opened
+        (it ended, or a link failed): find out whether it is still there."""
+
     def fail(self, reason: str) -> None:
         """Abort the group: the fabric cannot serve it any more."""
 
@@ -216,6 +220,9 @@ class Fabric(Dialling, Sending, Reading):
         self._landed: list[tuple[Any, int]] = []
         self._watched: dict[int, tuple[int, int | None]] = {}  # prank -> (pid, pidfd)
         self._ended: set[int] = set()
+        #: the process ranks whose last connection failed without a goodbye (exit, crash,
+        #: a dead link): a channel opened later asks whether they are still there
+        self._broken: set[int] = set()
         self._staging = memoryview(bytearray(_STAGING))  # every read's first landing
         self._stop = False
         self._listener_paused_until = 0.0
@@ -457,8 +464,10 @@ class Fabric(Dialling, Sending, Reading):
         conn.error = exc
         self._drop(conn)
         if expected:
+            self._broken.discard(conn.prank)
             conn.answered.set()
             return
+        self._broken.add(conn.prank)
         for channel, rank in self._channels_with(conn.prank):
             channel.peer_lost(rank, conn, exc)
 

@@ -47,6 +47,8 @@ class Reading:
     _closed_channels: set[int]
     _paused: set[Conn]
     _ended: set[int]
+    _broken: set[int]
+    _conns: dict[int, Conn]
     _staging: memoryview
 
     def _read(self, conn: Conn) -> None:
@@ -226,6 +228,14 @@ class Reading:
             rank = channel.rank_of(prank)
             if rank is not None:
                 channel.peer_ended(rank)
+        # a member whose connection failed before the channel opened (the group was made
+        # here just after that process ended) fails the channel's waits for it only if it
+        # is really gone: a member dropped and back (the same process) takes the dial
+        for prank in self._broken - self._ended:
+            rank = channel.rank_of(prank)
+            conn = self._conns.get(prank)
+            if rank is not None and (conn is None or conn.closed):
+                channel.check_peer(rank)
 
     def _close_channel(self, cid: int) -> None:
         self._channels.pop(cid, None)
