@@ -197,9 +197,23 @@ def wait_for_file(path: Path, predicate, timeout: float, job: Job) -> str:
     pytest.fail(f"{path.name} did not reach the expected state\n{job.outputs()}", pytrace=False)
 
 
+def wait_for_any(directory: Path, names: list[str], timeout: float, job: Job) -> str:
+    """Poll `directory` until one of the files `names` exists; its name (fail with the
+    job's output if none comes)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for name in names:
+            if (directory / name).exists():
+                return name
+        if all(p.poll() is not None for p in job.agents.values()):
+            break
+        time.sleep(0.1)
+    pytest.fail(f"none of {names} was written\n{job.outputs()}", pytrace=False)
+
+
 #: a training loop that records its progress: TRAIN STEPS PAUSE OUTDIR TIMEOUT
 TRAIN = """
-import json, os, socket, sys, time
+import json, os, signal, socket, sys, time
 import numpy as np
 import distcomm as dist
 
@@ -217,6 +231,17 @@ def record(name, **fields):
                        host=socket.gethostname(), time=time.time()), f)
     os.replace(path + ".tmp", path)
 
+def stopped(signum, frame, previous=signal.getsignal(signal.SIGTERM)):
+    # the agent stops a node's workers once one of them has failed, as torchrun's does:
+    # say so, then end as SIGTERM would have (the flight recorder's handler, if any)
+    record("stopped")
+    if callable(previous):
+        previous(signum, frame)
+    else:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+signal.signal(signal.SIGTERM, stopped)
 record("start", begun=begun)
 try:
     x = np.zeros(1000)
@@ -529,13 +554,19 @@ def test_dead_link_is_found_within_the_link_timeout(tmp_path):
         # agent drops host 1 from the rendezvous once its heartbeats stop, and stops its
         # own workers; host 1's agent, cut off from the store, is not judged here)
         for rank in cut_off:
-            wait_for_file(out / f"error-0-{rank}.json", bool, 90, job)
+            wait_for_any(out, [f"error-0-{rank}.json", f"stopped-0-{rank}.json"], 90, job)
         errors = [r for r in records(out, "error") if r["rank"] in cut_off]
+        stops = [r for r in records(out, "stopped") if r["rank"] in cut_off]
         text = job.outputs()
     # each of host 1's ranks finds the dead link, unless a host-mate found it first and
-    # exited: then it may see that rank's process end first, and says so
+    # exited: then it may see that rank's process end first, and says so, or its agent,
+    # seeing the host-mate fail, may stop it before it reports (SIGTERM, as torchrun's)
     found_link = [e["rank"] for e in errors if DEAD_LINK.search(e["message"])]
     assert found_link, (errors, text)
+    first_found = min(e["time"] for e in errors if e["rank"] in found_link)
+    for stop in stops:
+        if stop["rank"] not in {e["rank"] for e in errors}:
+            assert stop["time"] >= first_found, (errors, stops, text)
     for error in errors:
         assert error["kind"] == "DistNetworkError", (errors, text)
         found = DEAD_LINK.search(error["message"])
