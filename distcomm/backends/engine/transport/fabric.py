@@ -29,7 +29,8 @@ once end with one connection: the dial of the lower rank wins, the other is told
 uses the winner's.
 
 A connection that breaks aborts every group that has the peer in it (the groups tell
-their other peers); a process that leaves says goodbye on every connection and waits for
+their other peers), and a group made after the break dials the peer at once (a dead one
+fails it then, a live one takes the dial); a process that leaves says goodbye on every connection and waits for
 the answers, so nothing sent before is lost to a reset. The links are watched as
 `links.py` describes.
 
