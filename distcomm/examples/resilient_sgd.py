@@ -92,7 +92,11 @@ def _train(args: argparse.Namespace, mgr: Manager, model: dict) -> int:
     worlds: list[int] = []
     events = open(args.events, "a") if args.events else None  # noqa: SIM115
     while mgr.step < args.steps:
-        mgr.start_step()
+        try:
+            mgr.start_step()
+        except JobFinishedError:  # left out of a re-forming while slow, back too late: done
+            print(json.dumps({"late": True, "evicted": True}), flush=True)
+            return 0
         step, rank, size = mgr.step, mgr.rank, mgr.world_size
         if (
             step == args.crash_step
