@@ -30,9 +30,9 @@ uses the winner's.
 
 A connection that breaks aborts every group that has the peer in it (the groups tell
 their other peers), and a group made after the break dials the peer at once (a dead one
-fails it then, a live one takes the dial); a process that leaves says goodbye on every connection and waits for
-the answers, so nothing sent before is lost to a reset. The links are watched as
-`links.py` describes.
+fails it then, a live one takes the dial); a process that leaves says goodbye on every
+connection and waits for the answers, so nothing sent before is lost to a reset. The
+links are watched as `links.py` describes.
 
 This module holds the fabric itself: the `Channel` contract a group implements, the
 registry (`attach`), the I/O thread's loop and chores, lost connections and ended
