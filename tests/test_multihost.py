@@ -181,34 +181,24 @@ def write_script(path: Path, body: str) -> Path:
     return path
 
 
-def wait_for_file(path: Path, predicate, timeout: float, job: Job) -> str:
-    """Poll `path` until its text satisfies `predicate`; fail with the job's output."""
+def wait_for_file(paths: Path | list[Path], predicate, timeout: float, job: Job) -> str:
+    """Poll `paths` (one file, or several: the first to do wins) until a file's text
+    satisfies `predicate`; that text (fail with the job's output if none comes)."""
+    paths = [paths] if isinstance(paths, Path) else paths
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        try:
-            text = path.read_text()
-            if predicate(text):
-                return text
-        except (FileNotFoundError, ValueError):
-            pass
+        for path in paths:
+            try:
+                text = path.read_text()
+                if predicate(text):
+                    return text
+            except (FileNotFoundError, ValueError):
+                pass
         if all(p.poll() is not None for p in job.agents.values()):
             break
         time.sleep(0.1)
-    pytest.fail(f"{path.name} did not reach the expected state\n{job.outputs()}", pytrace=False)
-
-
-def wait_for_any(directory: Path, names: list[str], timeout: float, job: Job) -> str:
-    """Poll `directory` until one of the files `names` exists; its name (fail with the
-    job's output if none comes)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for name in names:
-            if (directory / name).exists():
-                return name
-        if all(p.poll() is not None for p in job.agents.values()):
-            break
-        time.sleep(0.1)
-    pytest.fail(f"none of {names} was written\n{job.outputs()}", pytrace=False)
+    names = " or ".join(path.name for path in paths)
+    pytest.fail(f"{names} did not reach the expected state\n{job.outputs()}", pytrace=False)
 
 
 #: a training loop that records its progress: TRAIN STEPS PAUSE OUTDIR TIMEOUT
@@ -554,7 +544,9 @@ def test_dead_link_is_found_within_the_link_timeout(tmp_path):
         # agent drops host 1 from the rendezvous once its heartbeats stop, and stops its
         # own workers; host 1's agent, cut off from the store, is not judged here)
         for rank in cut_off:
-            wait_for_any(out, [f"error-0-{rank}.json", f"stopped-0-{rank}.json"], 90, job)
+            wait_for_file(
+                [out / f"error-0-{rank}.json", out / f"stopped-0-{rank}.json"], bool, 90, job
+            )
         errors = [r for r in records(out, "error") if r["rank"] in cut_off]
         stops = [r for r in records(out, "stopped") if r["rank"] in cut_off]
         text = job.outputs()
@@ -564,8 +556,9 @@ def test_dead_link_is_found_within_the_link_timeout(tmp_path):
     found_link = [e["rank"] for e in errors if DEAD_LINK.search(e["message"])]
     assert found_link, (errors, text)
     first_found = min(e["time"] for e in errors if e["rank"] in found_link)
+    reported = {e["rank"] for e in errors}
     for stop in stops:
-        if stop["rank"] not in {e["rank"] for e in errors}:
+        if stop["rank"] not in reported:
             assert stop["time"] >= first_found, (errors, stops, text)
     for error in errors:
         assert error["kind"] == "DistNetworkError", (errors, text)

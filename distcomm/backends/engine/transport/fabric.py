@@ -103,9 +103,9 @@ class Channel(Protocol):
     def peer_ended(self, rank: int) -> None:
         """`rank`'s process (on this host, watched by `Fabric.watch_process`) ended."""
 
-    def check_peer(self, rank: int) -> None:
-        """`rank`'s process lost its connection to this one before the channel opened
-        (it ended, or a link failed): find out whether it is still there."""
+    def check_peers(self, ranks: list[int]) -> None:
+        """The processes of `ranks` lost their connection to this one before the channel
+        opened (they ended, or a link failed): find out whether they are still there."""
 
     def fail(self, reason: str) -> None:
         """Abort the group: the fabric cannot serve it any more."""

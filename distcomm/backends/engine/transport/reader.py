@@ -231,11 +231,14 @@ class Reading:
         # a member whose connection failed before the channel opened (the group was made
         # here just after that process ended) fails the channel's waits for it only if it
         # is really gone: a member dropped and back (the same process) takes the dial
+        suspects = []
         for prank in self._broken - self._ended:
             rank = channel.rank_of(prank)
             conn = self._conns.get(prank)
             if rank is not None and (conn is None or conn.closed):
-                channel.check_peer(rank)
+                suspects.append(rank)
+        if suspects:
+            channel.check_peers(sorted(suspects))
 
     def _close_channel(self, cid: int) -> None:
         self._channels.pop(cid, None)

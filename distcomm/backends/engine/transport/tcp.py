@@ -264,29 +264,31 @@ class TcpTransport(Transport):
             Failure(DistNetworkError, f"rank {rank}'s process ended (exit or crash?)", (rank,)),
         )
 
-    def check_peer(self, rank: int) -> None:
-        """(engine) `rank`'s process lost its connection to this one before this group was
-        made here: dial it aside. If nothing listens at its address any more, or it closes
-        the dial, the group fails as a lost connection would have failed it, rather than
-        leave a receive from it waiting for the timeout; a process still there (a member
-        dropped and back) takes the dial, and one that does not answer in time is left to
-        the group's own waits."""
+    def check_peers(self, ranks: list[int]) -> None:
+        """(engine) The processes of `ranks` lost their connection to this one before this
+        group was made here: dial them aside, one after the other, in one thread (however
+        many were lost) and within `_TELL_DIAL_S` in all. The first where nothing listens
+        any more, or that closes the dial, fails the group as a lost connection would have,
+        rather than leave a receive from it waiting for the timeout; a process still there
+        (a member dropped and back) takes the dial, and those not reached in time are left
+        to the group's own waits."""
         if self._closing or self.fabric is None:
             return
 
         def probe() -> None:
-            try:
-                self._conn(rank, Deadline(_TELL_DIAL_S))
-            except DistTimeoutError:
-                return
-            except DistError as exc:
-                fabric = self.fabric
-                if not self._closing and fabric is not None and not fabric.closing:
-                    self.abort(Failure(DistNetworkError, str(exc), (rank,)))
+            deadline = Deadline(_TELL_DIAL_S)
+            for rank in ranks:
+                try:
+                    self._conn(rank, deadline)
+                except DistTimeoutError:
+                    return  # the time is spent
+                except DistError as exc:
+                    fabric = self.fabric
+                    if not self._closing and fabric is not None and not fabric.closing:
+                        self.abort(Failure(DistNetworkError, str(exc), (rank,)))
+                    return
 
-        threading.Thread(
-            target=probe, daemon=True, name=f"distcomm-probe-{self.rank}-{rank}"
-        ).start()
+        threading.Thread(target=probe, daemon=True, name=f"distcomm-probe-{self.rank}").start()
 
     def know_local_peers(self, pids: dict[int, int], addresses: dict[int, str]) -> None:
         """The members on this host (the shared-memory set-up's): waits for one fail as
